@@ -1,0 +1,35 @@
+# The two commands of the README: `make demo` (set up, build the tiny model, run async GRPO
+# on the CPU default) and `make test` (set up, lint, type-check, run every test tier).
+VENV ?= .venv
+BIN := $(VENV)/bin
+MODEL ?= runs/tiny-model
+CONFIG ?= examples/cpu_default.toml
+
+.PHONY: setup demo test lint unit integration bench clean
+
+setup:
+	@scripts/setup-venv.sh
+
+$(MODEL)/config.json: | setup
+	$(BIN)/async-rl make-model --out $(MODEL)
+
+demo: setup $(MODEL)/config.json
+	$(BIN)/async-rl train $(CONFIG)
+
+lint: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+
+unit: setup
+	$(BIN)/python -m pytest tests/unit -q
+
+integration: setup
+	$(BIN)/python -m pytest tests/integration -q
+
+test: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
+	$(BIN)/python -m pytest -q --durations=10
+
+clean:
+	rm -rf runs .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,82 @@
+"""The `async-rl` command line: config show, make-model, train.
+
+Owns: argument parsing and turning user errors into exit status 2 with one line. Knows
+nothing about how a run works; each command calls one function of the library, imported
+late so that `async-rl config show` does not pay for importing torch, Ray or vLLM.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from async_rl.config import ConfigError, load_config, to_toml
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="async-rl", description="Asynchronous, pipelined, off-policy GRPO for LLMs."
+    )
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    config = commands.add_parser("config", help="inspect a config")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    show = config_commands.add_parser("show", help="print the resolved config as TOML")
+    show.add_argument("config", help="TOML config file")
+    _add_overrides(show)
+
+    make = commands.add_parser("make-model", help="build the tiny local model (no hub)")
+    make.add_argument("--out", required=True, help="output directory")
+    make.add_argument("--seed", type=int, default=0, help="seed of weights and warm start")
+    make.add_argument(
+        "--sft-steps", type=int, default=None, help="supervised warm-start steps (default: tuned)"
+    )
+
+    train = commands.add_parser("train", help="run async GRPO")
+    train.add_argument("config", help="TOML config file")
+    _add_overrides(train)
+    return parser
+
+
+def _add_overrides(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="SECTION.KEY=VALUE",
+        help="override one config value (repeatable)",
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "config":
+            print(to_toml(load_config(args.config, args.overrides)), end="")
+            return 0
+        if args.command == "make-model":
+            from async_rl.tiny_model import make_model
+
+            kwargs = {} if args.sft_steps is None else {"sft_steps": args.sft_steps}
+            made = make_model(args.out, seed=args.seed, **kwargs)
+            print(
+                f"model written to {made.path}: {made.num_parameters:,} parameters, "
+                f"base accuracy {made.accuracy:.3f}, {made.seconds:.1f}s"
+            )
+            return 0
+        if args.command == "train":
+            config = load_config(args.config, args.overrides)
+            from async_rl.controller import run_training
+
+            run_training(config)
+            return 0
+    except ConfigError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    raise AssertionError(f"unhandled command {args.command}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

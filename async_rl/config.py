@@ -1,0 +1,317 @@
+"""The run configuration: one tree of frozen Structs decoded from TOML.
+
+Owns: every knob a user can set, its bounds (``msgspec.Meta``), the rules that tie fields
+together (``__post_init__``), ``--set section.key=value`` overrides, and turning any bad
+input into one line that names the key, the value and what is allowed (``ConfigError``).
+Knows nothing about what the knobs drive.
+"""
+
+from __future__ import annotations
+
+import itertools
+import re
+import tomllib
+from pathlib import Path
+from typing import Annotated, Any, Literal, get_args
+
+import msgspec
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
+class ConfigError(Exception):
+    """A bad config or override; ``str(err)`` is the one line shown to the user."""
+
+
+def _invalid(key: str, value: object, allowed: str) -> ValueError:
+    # msgspec re-raises ValueErrors from __post_init__ as ValidationError with this text.
+    return ValueError(f"{key} = {value!r}: {allowed}")
+
+
+class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Which policy to train."""
+
+    path: str
+    """Directory of a Hugging Face-format causal LM and its tokenizer (`async-rl make-model`)."""
+    dtype: Literal["float32", "bfloat16"] = "float32"
+    """Parameter dtype in the rollout engine and the trainer."""
+
+
+class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Where prompts come from and how completions are scored."""
+
+    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
+    """Built-in seeded arithmetic task, or a JSONL file of {"prompt", "answer"} lines."""
+    jsonl_path: str = ""
+    """The JSONL prompt file; required when kind = "jsonl"."""
+    seed: NonNegative = 0
+    """Seed of the prompt stream (the arithmetic task is a pure function of seed and index)."""
+    eval_size: NonNegative = 200
+    """Held-out prompts scored greedily at the start and end of a run (0 = no evaluation)."""
+
+    def __post_init__(self) -> None:
+        if self.kind == "jsonl" and not self.jsonl_path:
+            raise _invalid("task.jsonl_path", self.jsonl_path, 'required when task.kind = "jsonl"')
+
+
+class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The vLLM rollout workers."""
+
+    num_workers: Positive = 1
+    """Rollout workers (one vLLM engine each)."""
+    group_size: Annotated[int, msgspec.Meta(ge=2)] = 8
+    """Samples per prompt; GRPO normalises rewards within this group (needs >= 2)."""
+    max_new_tokens: Positive = 8
+    """Completion length cap per sample."""
+    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    """Sampling temperature of the behaviour policy."""
+    top_p: Fraction = 1.0
+    """Nucleus sampling mass."""
+    max_inflight_prompts: Positive = 16
+    """Prompts a worker generates at once (each expands to group_size requests)."""
+    memory_fraction: Fraction = 0.2
+    """vLLM gpu_memory_utilization (on CPU: the share of RAM for the KV cache)."""
+    cpus_per_worker: Positive = 1
+    """Cores each rollout worker owns (vLLM OMP threads)."""
+
+
+class QueueConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The token-length-bucketed replay queue between rollout and training."""
+
+    max_groups: Positive = 64
+    """Capacity in groups; a full queue makes rollout wait (backpressure)."""
+    max_tokens: Positive = 1_000_000
+    """Capacity in tokens (prompt + completion over all samples)."""
+    bucket_edges: tuple[Positive, ...] = (64, 128, 256)
+    """Increasing upper edges of the token-count buckets; larger groups go in a last bucket."""
+
+    def __post_init__(self) -> None:
+        edges = self.bucket_edges
+        for lower, upper in itertools.pairwise(edges):
+            if upper <= lower:
+                raise _invalid("queue.bucket_edges", edges, "must be strictly increasing")
+
+
+class StalenessConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How far behind the trained policy a sample may be."""
+
+    max_staleness: NonNegative = 2
+    """Hard bound η on (trained version - oldest token version); 0 = synchronous on-policy."""
+
+
+class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The torch trainer shards and the GRPO loss."""
+
+    num_shards: Positive = 1
+    """Data-parallel trainer shards (DDP; gloo on CPU)."""
+    groups_per_step: Positive = 8
+    """Groups consumed by one optimizer step."""
+    micro_batch_tokens: Positive = 4096
+    """Hard cap on the tokens in one micro-batch (first-fit-decreasing packing)."""
+    lr: PositiveFloat = 1e-4
+    """AdamW learning rate."""
+    weight_decay: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: PositiveFloat = 1.0
+    """Gradient clipping norm."""
+    clip_low: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.2
+    """PPO clip: ratio lower bound is 1 - clip_low."""
+    clip_high: PositiveFloat = 0.28
+    """PPO clip: ratio upper bound is 1 + clip_high (DAPO's clip-higher)."""
+    tis_cap: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    """Truncated importance-weight cap C; 0 disables truncated IS."""
+    cost_a: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    """Balancing cost per token (cost = a*L + b*L^2)."""
+    cost_b: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Balancing cost per squared token (attention's quadratic term)."""
+    cpus_per_shard: Positive = 1
+    """Cores each trainer shard owns (torch threads)."""
+
+    def __post_init__(self) -> None:
+        if self.groups_per_step % self.num_shards:
+            raise _invalid(
+                "trainer.groups_per_step",
+                self.groups_per_step,
+                f"must be a multiple of trainer.num_shards ({self.num_shards})",
+            )
+
+
+class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Versioned weight broadcast from the trainer to the rollout workers."""
+
+    sync_every: Positive = 1
+    """Publish new weights every this many optimizer steps."""
+    update_mode: Literal["in_flight", "drain"] = "in_flight"
+    """in_flight: pause (keep requests), load, resume; drain: finish running requests first."""
+    transfer_dir: str = "/dev/shm"
+    """Where published safetensors files are written for the engine processes to load."""
+
+
+class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The run as a whole: length, seed, cluster and outputs."""
+
+    num_steps: Positive = 20
+    """Optimizer steps to run."""
+    seed: NonNegative = 0
+    """Seed of sampling and of the trainer."""
+    output_dir: str = "runs/default"
+    """Run directory: resolved config, metrics JSONL, ledger, spans, final model."""
+    ray_address: str = ""
+    """Address of an existing Ray cluster; empty starts a local one bound to 127.0.0.1."""
+    num_cpus: NonNegative = 0
+    """CPUs given to a local Ray (0 = what the roles need)."""
+    progress: bool = True
+    """Show a progress bar."""
+
+
+class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The whole run configuration."""
+
+    model: ModelConfig
+    task: TaskConfig = msgspec.field(default_factory=TaskConfig)
+    rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
+    queue: QueueConfig = msgspec.field(default_factory=QueueConfig)
+    staleness: StalenessConfig = msgspec.field(default_factory=StalenessConfig)
+    trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
+    weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
+    run: RunConfig = msgspec.field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        if self.queue.max_groups < self.trainer.groups_per_step:
+            raise _invalid(
+                "queue.max_groups",
+                self.queue.max_groups,
+                f"must be >= trainer.groups_per_step ({self.trainer.groups_per_step}),"
+                " or a training step could never fill",
+            )
+        if self.trainer.micro_batch_tokens < self.rollout.max_new_tokens:
+            raise _invalid(
+                "trainer.micro_batch_tokens",
+                self.trainer.micro_batch_tokens,
+                f"must be >= rollout.max_new_tokens ({self.rollout.max_new_tokens})",
+            )
+
+
+_PATH_RE = re.compile(r" - at `\$((?:\.[A-Za-z_]\w*|\[\d+\])*)`$")
+
+
+def _lookup(raw: dict[str, Any], path: str) -> object:
+    value: Any = raw
+    for part in re.findall(r"\.(\w+)|\[(\d+)\]", path):
+        key, index = part
+        try:
+            value = value[key] if key else value[int(index)]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return value
+
+
+def _one_line(err: msgspec.ValidationError, raw: dict[str, Any]) -> str:
+    message = str(err)
+    match = _PATH_RE.search(message)
+    path = match.group(1) if match else ""
+    detail = message[: match.start()] if match else message
+    key = path.lstrip(".")
+    unknown = re.match(r"Object contains unknown field `(\w+)`", detail)
+    if unknown:
+        full = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
+        section = _lookup(raw, path)
+        value = section.get(unknown.group(1)) if isinstance(section, dict) else None
+        return f"config error: {full} = {value!r}: unknown key"
+    missing = re.match(r"Object missing required field `(\w+)`", detail)
+    if missing:
+        full = f"{key}.{missing.group(1)}" if key else missing.group(1)
+        return f"config error: {full}: required key is missing"
+    if re.match(r"[\w.\[\]]+ = ", detail):  # raised by a __post_init__ rule: already keyed
+        return f"config error: {detail}"
+    if detail.startswith("Invalid enum value"):
+        detail = f"expected one of {_literal_choices(key)}"
+    return f"config error: {key} = {_lookup(raw, path)!r}: {detail[:1].lower()}{detail[1:]}"
+
+
+def _literal_choices(key: str) -> str:
+    """The allowed values of a Literal-typed field such as ``weights.update_mode``."""
+    section, _, name = key.partition(".")
+    fields = {f.name: f.type for f in msgspec.structs.fields(Config)}
+    inner = {f.name: f.type for f in msgspec.structs.fields(fields[section])}
+    return ", ".join(repr(choice) for choice in get_args(inner[name]))
+
+
+def _parse_value(text: str) -> Any:
+    """An override's value is a TOML value; bare words that are not TOML are strings."""
+    try:
+        return tomllib.loads(f"v = {text}")["v"]
+    except tomllib.TOMLDecodeError:
+        return text
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Returns a copy of ``raw`` with each ``section.key=value`` override applied."""
+    merged: dict[str, Any] = {name: dict(section) if isinstance(section, dict) else section
+                              for name, section in raw.items()}
+    known = {field.encode_name: field.type for field in msgspec.structs.fields(Config)}
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        key = key.strip()
+        parts = key.split(".")
+        if not sep or len(parts) != 2 or not all(parts):
+            raise ConfigError(f"config error: override {item!r}: expected section.key=value")
+        section, name = parts
+        if section not in known:
+            raise ConfigError(
+                f"config error: {key} = {text!r}: unknown section {section!r}"
+                f" (one of {', '.join(known)})"
+            )
+        section_type = known[section]
+        names = {f.encode_name for f in msgspec.structs.fields(section_type)}
+        if name not in names:
+            raise ConfigError(f"config error: {key} = {text!r}: unknown key")
+        target = merged.setdefault(section, {})
+        if not isinstance(target, dict):
+            raise ConfigError(f"config error: {section} = {target!r}: expected a table")
+        target[name] = _parse_value(text.strip())
+    return merged
+
+
+def decode_config(raw: dict[str, Any]) -> Config:
+    """Validates a parsed TOML document into a Config, or raises a one-line ConfigError."""
+    try:
+        return msgspec.convert(raw, Config)
+    except msgspec.ValidationError as err:
+        raise ConfigError(_one_line(err, raw)) from None
+
+
+def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
+    """Reads a TOML file, applies ``--set`` overrides and validates the result."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"config error: {path}: file not found") from None
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"config error: {path}: not valid TOML ({err})") from None
+    return decode_config(apply_overrides(raw, overrides or []))
+
+
+def to_toml(config: Config) -> str:
+    """Renders the resolved config as TOML (every field, defaults included)."""
+    lines: list[str] = []
+    for section, values in msgspec.to_builtins(config).items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            lines.append(f"{key} = {_toml_value(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return msgspec.json.encode(value).decode()
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)

@@ -1,0 +1,152 @@
+"""Immutable records that cross a process or stage boundary.
+
+Owns: the shapes of prompts, generated samples, scored groups, weight versions and
+per-step metrics. Knows nothing about how they are produced or moved: every record is a
+frozen msgspec Struct, so it round-trips through msgpack (Ray, files) unchanged, and a
+stage that changes one makes a new record with ``msgspec.structs.replace``.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+
+class Prompt(msgspec.Struct, frozen=True, kw_only=True):
+    """One task prompt with the reference answer its reward function checks against."""
+
+    prompt_id: str
+    """Unique, stable id (source name + cursor index); the ledger keys on it."""
+    text: str
+    """The prompt text handed to the tokenizer."""
+    answer: str
+    """Reference answer, as text; the reward function parses it."""
+    attempt: int = 0
+    """How many times this prompt was re-queued after a staleness drop or a failure."""
+
+
+class Sample(msgspec.Struct, frozen=True, kw_only=True):
+    """One generated completion of a prompt, as the behaviour policy produced it."""
+
+    token_ids: tuple[int, ...]
+    """Completion token ids (the prompt's are on the Group)."""
+    logprobs: tuple[float, ...]
+    """Behaviour log-probability of each completion token, from the rollout engine."""
+    versions: tuple[int, ...]
+    """Policy version that produced each completion token (in-flight updates mix them)."""
+    finish_reason: str
+    """Why generation stopped: "stop", "length" or "abort"."""
+    text: str
+    """Decoded completion text, for the reward function and for logs."""
+    reward: float = 0.0
+    """Scalar reward of this completion."""
+    reward_failed: bool = False
+    """True when the reward function raised; the reward is then 0."""
+
+    @property
+    def min_version(self) -> int:
+        return min(self.versions) if self.versions else 0
+
+    @property
+    def max_version(self) -> int:
+        return max(self.versions) if self.versions else 0
+
+
+class Group(msgspec.Struct, frozen=True, kw_only=True):
+    """All samples of one prompt, scored: the unit the replay queue stores and trains."""
+
+    prompt: Prompt
+    """The prompt the samples answer."""
+    prompt_token_ids: tuple[int, ...]
+    """Tokenised prompt, shared by every sample."""
+    samples: tuple[Sample, ...]
+    """The group's completions, each with its reward."""
+    min_version: int
+    """Oldest policy version of any token in the group (staleness is measured from it)."""
+    max_version: int
+    """Newest policy version of any token in the group."""
+    num_tokens: int
+    """Prompt plus completion tokens over all samples: the group's bucket key and cost."""
+    rollout_rank: int = 0
+    """Which rollout worker produced the group."""
+    finished_at: float = 0.0
+    """Wall-clock time (time.time()) when the last sample finished."""
+
+    @property
+    def prompt_id(self) -> str:
+        return self.prompt.prompt_id
+
+    @property
+    def rewards(self) -> tuple[float, ...]:
+        return tuple(s.reward for s in self.samples)
+
+    @property
+    def sequence_lengths(self) -> tuple[int, ...]:
+        """Length (prompt + completion) of each sample's training sequence."""
+        n_prompt = len(self.prompt_token_ids)
+        return tuple(n_prompt + len(s.token_ids) for s in self.samples)
+
+
+def make_group(
+    prompt: Prompt,
+    prompt_token_ids: tuple[int, ...],
+    samples: tuple[Sample, ...],
+    *,
+    rollout_rank: int = 0,
+    finished_at: float = 0.0,
+) -> Group:
+    """Builds a Group, deriving its version range and token count from the samples."""
+    if not samples:
+        raise ValueError(f"group for prompt {prompt.prompt_id!r} has no samples")
+    n_prompt = len(prompt_token_ids)
+    return Group(
+        prompt=prompt,
+        prompt_token_ids=prompt_token_ids,
+        samples=samples,
+        min_version=min(s.min_version for s in samples),
+        max_version=max(s.max_version for s in samples),
+        num_tokens=sum(n_prompt + len(s.token_ids) for s in samples),
+        rollout_rank=rollout_rank,
+        finished_at=finished_at,
+    )
+
+
+class WeightVersion(msgspec.Struct, frozen=True, kw_only=True):
+    """A published policy: version v = optimizer steps applied; initial weights are 0."""
+
+    version: int
+    """Optimizer steps applied to produce these weights."""
+    path: str
+    """Where the weights lie (a safetensors file, e.g. under /dev/shm)."""
+    num_bytes: int
+    """Size of the published state."""
+    published_at: float
+    """time.time() when the file was complete."""
+
+
+class BroadcastTiming(msgspec.Struct, frozen=True, kw_only=True):
+    """How long one rollout worker took to take up one weight version, split by phase."""
+
+    version: int
+    rollout_rank: int
+    publish_s: float
+    """Trainer side: gathering and writing the state."""
+    transfer_s: float
+    """From publication until the worker started loading (object store / file hand-off)."""
+    pause_s: float
+    """Engine paused (in-flight: keep; drain: waiting for running requests)."""
+    load_s: float
+    """Loading the tensors into the engine's model."""
+
+
+class LedgerEntry(msgspec.Struct, frozen=True, kw_only=True):
+    """One event in a prompt's life; the run's ledger is a JSONL of these."""
+
+    prompt_id: str
+    event: str
+    """admitted | generated | trained | dropped | requeued | failed"""
+    version: int
+    """Policy version current when the event happened."""
+    attempt: int = 0
+    reason: str = ""
+    """Why a prompt was dropped or failed (e.g. "stale", "rollout_error")."""
+    time: float = 0.0

@@ -1,0 +1,1 @@
+"""Data plane: replay queue, admission gate, balancing. Pure Python + anyio + msgspec."""

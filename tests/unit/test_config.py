@@ -1,0 +1,150 @@
+"""Config decoding: good configs resolve, every bad input is one line naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from async_rl.cli import main
+from async_rl.config import Config, ConfigError, load_config, to_toml
+
+GOOD = """
+[model]
+path = "runs/tiny-model"
+
+[trainer]
+num_shards = 2
+groups_per_step = 4
+
+[queue]
+bucket_edges = [32, 64]
+"""
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "config.toml"
+    path.write_text(text)
+    return path
+
+
+def test_good_config_resolves_with_defaults(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD))
+    assert config.trainer.num_shards == 2
+    assert config.queue.bucket_edges == (32, 64)
+    assert config.staleness.max_staleness == 2
+
+
+def test_overrides_are_typed_as_toml_values(tmp_path: Path) -> None:
+    config = load_config(
+        write(tmp_path, GOOD),
+        ["trainer.lr=3e-4", "weights.update_mode=drain", "run.progress=false",
+         "queue.bucket_edges=[8, 16, 32]", "run.output_dir=runs/x"],
+    )
+    assert config.trainer.lr == pytest.approx(3e-4)
+    assert config.weights.update_mode == "drain"
+    assert config.run.progress is False
+    assert config.queue.bucket_edges == (8, 16, 32)
+    assert config.run.output_dir == "runs/x"
+
+
+def test_resolved_toml_round_trips(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD), ["staleness.max_staleness=0"])
+    again = load_config(write(tmp_path, to_toml(config)))
+    assert again == config
+
+
+def test_config_is_frozen(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD))
+    with pytest.raises(AttributeError):
+        config.trainer.lr = 1.0  # type: ignore[misc]
+
+
+# (TOML text, overrides, the key the error must name, a fragment of what is allowed)
+BAD: list[tuple[str, list[str], str, str]] = [
+    (GOOD + "\n[bogus]\nx = 1\n", [], "bogus", "unknown key"),
+    (GOOD.replace("[queue]", "[queue]\ncolour = 'red'"), [], "queue.colour", "unknown key"),
+    (GOOD, ["trainer.lr=fast"], "trainer.lr", "expected `float`"),
+    (GOOD, ["trainer.lr=-1.0"], "trainer.lr", "> 0"),
+    (GOOD, ["trainer.lr=0"], "trainer.lr", "> 0"),
+    (GOOD, ["trainer.num_shards=0"], "trainer.num_shards", ">= 1"),
+    (GOOD, ["rollout.num_workers=-2"], "rollout.num_workers", ">= 1"),
+    (GOOD, ["rollout.group_size=1"], "rollout.group_size", ">= 2"),
+    (GOOD, ["queue.max_groups=0"], "queue.max_groups", ">= 1"),
+    (GOOD, ["queue.max_tokens=-5"], "queue.max_tokens", ">= 1"),
+    (GOOD, ["staleness.max_staleness=-1"], "staleness.max_staleness", ">= 0"),
+    (GOOD, ["trainer.groups_per_step=3"], "trainer.groups_per_step", "multiple of"),
+    (GOOD, ["queue.max_groups=2"], "queue.max_groups", "groups_per_step"),
+    ("[trainer]\nlr = 1e-3\n", [], "model", "required"),
+    ("[model]\ndtype = 'float32'\n", [], "model.path", "required"),
+    (GOOD, ["queue.bucket_edges=[64, 32]"], "queue.bucket_edges", "increasing"),
+    (GOOD, ["queue.bucket_edges=[16, 16]"], "queue.bucket_edges", "increasing"),
+    (GOOD, ["queue.bucket_edges=[0, 16]"], "queue.bucket_edges[0]", ">= 1"),
+    (GOOD, ["queue.bucket_edges=12"], "queue.bucket_edges", "expected `array`"),
+    (GOOD, ["weights.update_mode=sometimes"], "weights.update_mode", "'in_flight'"),
+    (GOOD, ["model.dtype=float8"], "model.dtype", "'float32'"),
+    (GOOD, ["task.kind=jsonl"], "task.jsonl_path", 'task.kind = "jsonl"'),
+    (GOOD, ["rollout.top_p=1.5"], "rollout.top_p", "<= 1"),
+    (GOOD, ["rollout.temperature=-0.1"], "rollout.temperature", ">= 0"),
+    (GOOD, ["trainer.clip_low=1.0"], "trainer.clip_low", "< 1"),
+    (GOOD, ["trainer.micro_batch_tokens=4"], "trainer.micro_batch_tokens", "max_new_tokens"),
+    (GOOD, ["trainer.nonexistent=1"], "trainer.nonexistent", "unknown key"),
+    (GOOD, ["nosection.key=1"], "nosection.key", "unknown section"),
+    (GOOD, ["justakey=1"], "justakey=1", "section.key=value"),
+    (GOOD, ["run.progress=maybe"], "run.progress", "expected `bool`"),
+    (GOOD, ["weights.sync_every=0"], "weights.sync_every", ">= 1"),
+    (GOOD.replace("[model]", "model = 3\n[modelx]"), [], "model", ""),
+]
+
+
+@pytest.mark.parametrize(("text", "overrides", "key", "allowed"), BAD)
+def test_bad_input_is_one_line_naming_the_key(
+    tmp_path: Path, text: str, overrides: list[str], key: str, allowed: str
+) -> None:
+    with pytest.raises(ConfigError) as info:
+        load_config(write(tmp_path, text), overrides)
+    message = str(info.value)
+    assert "\n" not in message
+    assert message.startswith("config error: ")
+    assert key in message
+    assert allowed in message
+
+
+def test_unparsable_toml_names_the_file(tmp_path: Path) -> None:
+    path = write(tmp_path, "[model\npath = 1")
+    with pytest.raises(ConfigError, match="not valid TOML"):
+        load_config(path)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="file not found"):
+        load_config(tmp_path / "nope.toml")
+
+
+def test_cli_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write(tmp_path, GOOD)
+    assert main(["config", "show", str(path), "--set", "staleness.max_staleness=-3"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert "staleness.max_staleness = -3" in err
+    assert "Traceback" not in err
+
+
+def test_cli_show_prints_resolved_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["config", "show", str(write(tmp_path, GOOD)), "--set", "trainer.lr=0.5"]) == 0
+    out = capsys.readouterr().out
+    assert "lr = 0.5" in out
+    assert msgspec.convert(
+        __import__("tomllib").loads(out), Config
+    ).trainer.lr == pytest.approx(0.5)
+
+
+def test_every_field_is_documented() -> None:
+    source = Path(__import__("async_rl.config").config.__file__).read_text()
+    for section in msgspec.structs.fields(Config):
+        for field in msgspec.structs.fields(section.type):
+            after = source.split(f"    {field.name}: ", 1)[1].splitlines()[1].strip()
+            assert after.startswith('"""'), f"{section.name}.{field.name} has no docstring"

@@ -1,0 +1,1 @@
+"""Compute plane: thin Ray actors around plain rollout, trainer and weight-transport classes."""
