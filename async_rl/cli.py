@@ -10,8 +10,10 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from async_rl.config import ConfigError, load_config, to_toml
+from async_rl.run_dir import SPANS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,6 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="run async GRPO")
     train.add_argument("config", help="TOML config file")
     _add_overrides(train)
+
+    report = commands.add_parser(
+        "report", help="rebuild a run's idle table, trace and timeline; two runs side by side"
+    )
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="one or more run directories")
     return parser
 
 
@@ -63,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             made = make_model(args.out, seed=args.seed, **kwargs)
             print(
                 f"model written to {made.path}: {made.num_parameters:,} parameters, "
-                f"base accuracy {made.accuracy:.3f}, {made.seconds:.1f}s"
+                f"base accuracy {made.base_accuracy:.3f}, {made.seconds:.1f}s"
             )
             return 0
         if args.command == "train":
@@ -71,6 +78,19 @@ def main(argv: Sequence[str] | None = None) -> int:
             from async_rl.controller import run_training
 
             run_training(config)
+            return 0
+        if args.command == "report":
+            from async_rl.report import compare, print_report
+
+            missing = [r for r in args.runs if not (Path(r) / SPANS).exists()]
+            if missing:
+                print(f"report error: {missing[0]}: no {SPANS} (not a run directory)",
+                      file=sys.stderr)
+                return 2
+            if len(args.runs) == 1:
+                print_report(args.runs[0])
+            else:
+                compare(args.runs)
             return 0
     except ConfigError as err:
         print(str(err), file=sys.stderr)

@@ -187,6 +187,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 f"must be >= trainer.groups_per_step ({self.trainer.groups_per_step}),"
                 " or a training step could never fill",
             )
+        if self.weights.sync_every - 1 > self.staleness.max_staleness:
+            raise _invalid(
+                "weights.sync_every",
+                self.weights.sync_every,
+                f"must be <= staleness.max_staleness + 1 ({self.staleness.max_staleness + 1}):"
+                " rollout would run weights older than the staleness bound allows",
+            )
         if self.trainer.micro_batch_tokens < self.rollout.max_new_tokens:
             raise _invalid(
                 "trainer.micro_batch_tokens",

@@ -18,8 +18,9 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
-import msgspec
 import torch
+
+from async_rl.records import LossStats
 
 
 def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
@@ -33,20 +34,6 @@ def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]
     if std < eps:
         return [0.0] * n
     return [(r - mean) / (std + eps) for r in rewards]
-
-
-class LossStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Sums over the tokens of one micro-batch; the trainer adds them up across a step."""
-
-    tokens: int
-    loss_sum: float
-    clipped: int
-    """Tokens whose pi_theta / pi_behaviour lies outside the clip range."""
-    is_weight_sum: float
-    is_weight_sq_sum: float
-    is_weight_max: float
-    kl_sum: float
-    """Sum of the k3 estimator of KL(behaviour || current) per token."""
 
 
 def token_loss(

@@ -150,3 +150,54 @@ class LedgerEntry(msgspec.Struct, frozen=True, kw_only=True):
     reason: str = ""
     """Why a prompt was dropped or failed (e.g. "stale", "rollout_error")."""
     time: float = 0.0
+
+
+class TrainSequence(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One sample as the trainer sees it: tokens, behaviour logprobs and its advantage."""
+
+    prompt_token_ids: tuple[int, ...]
+    completion_token_ids: tuple[int, ...]
+    behaviour_logprobs: tuple[float, ...]
+    advantage: float
+
+
+class ShardBatch(msgspec.Struct, frozen=True, kw_only=True):
+    """One shard's share of an optimizer step: its micro-batches, in execution order.
+
+    Every shard of a step gets the same number of micro-batches (an empty one is a
+    zero-loss pad), so DDP's collective calls line up.
+    """
+
+    step: int
+    micro_batches: tuple[tuple[TrainSequence, ...], ...]
+
+
+class LossStats(msgspec.Struct, frozen=True, kw_only=True):
+    """Sums over the completion tokens of a micro-batch, a shard or a step."""
+
+    tokens: int
+    loss_sum: float
+    clipped: int
+    """Tokens whose pi_theta / pi_behaviour lies outside the clip range."""
+    is_weight_sum: float
+    is_weight_sq_sum: float
+    is_weight_max: float
+    kl_sum: float
+    """Sum of the k3 estimator of KL(behaviour || current) per token."""
+
+
+class ShardStepResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What one trainer shard reports after an optimizer step."""
+
+    rank: int
+    step: int
+    loss: LossStats
+    """Loss statistics summed over this shard's completion tokens."""
+    grad_norm: float
+    forward_s: float
+    backward_s: float
+    optimizer_s: float
+    barrier_s: float
+    """Time this shard waited for slower shards before the gradient all-reduce."""
+    nonfinite: bool = False
+    """True when the loss or gradient was NaN/inf and the update was skipped."""

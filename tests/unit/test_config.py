@@ -94,6 +94,7 @@ BAD: list[tuple[str, list[str], str, str]] = [
     (GOOD, ["justakey=1"], "justakey=1", "section.key=value"),
     (GOOD, ["run.progress=maybe"], "run.progress", "expected `bool`"),
     (GOOD, ["weights.sync_every=0"], "weights.sync_every", ">= 1"),
+    (GOOD, ["weights.sync_every=4"], "weights.sync_every", "staleness.max_staleness + 1"),
     (GOOD.replace("[model]", "model = 3\n[modelx]"), [], "model", ""),
 ]
 

@@ -1,0 +1,287 @@
+"""The controller: the one place that starts Ray, creates the workers and runs the loops.
+
+Owns: the order of a run, read top to bottom in ``Controller.run``: start workers,
+evaluate the base policy, then two loops side by side —
+
+- ``rollout_loop``: prompt source -> AdmissionGate -> a rollout worker -> ReplayQueue;
+- ``training_loop``: ReplayQueue -> plan -> trainer shards -> new version -> broadcast;
+
+then evaluate again and save. It also keeps the prompt ledger: every admitted prompt ends
+trained exactly once, or dropped/failed and re-queued with a reason. Knows nothing about
+how engines generate or how shards compute (workers/), nor the rules of the gate, queue
+and plan (buffers/).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections import deque
+from typing import Any
+
+import anyio
+import msgspec
+import ray
+
+from async_rl.batching import shard_batches
+from async_rl.config import Config
+from async_rl.progress import RunProgress
+from async_rl.records import Group, LedgerEntry, Prompt, ShardStepResult
+from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward
+from async_rl.run_dir import FINAL_MODEL, RunSummary, RunWriter
+from async_rl.step_metrics import StepTotals, step_row
+from async_rl.tasks import ArithmeticTask, JsonlPromptSource, PromptSource
+from buffers.replay_queue import ReplayQueue
+from buffers.staleness import AdmissionGate
+from workers.placement import WorkerIdentity, assign_cpus, in_bundle, registry_table
+from workers.placement import role_placement_groups as make_placement_groups
+from workers.rollout import RolloutWorker
+from workers.trainer import TrainerShard
+from workers.weights import WeightBroadcast
+
+
+def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ...]]:
+    """The prompt source, its reward function and the held-out evaluation prompts."""
+    task = config.task
+    if task.kind == "jsonl":
+        source = JsonlPromptSource(task.jsonl_path, seed=task.seed)
+        held_out = tuple(source.prompt_at(i) for i in range(min(task.eval_size, len(source))))
+        return source, gsm8k_reward, held_out
+    arithmetic = ArithmeticTask(seed=task.seed)
+    return arithmetic, arithmetic_reward, arithmetic.eval_prompts(task.eval_size)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class Controller:
+    """Runs one async GRPO job on a started Ray cluster."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        self.out = RunWriter(config.run.output_dir, config)
+        self.source, self.reward_fn, self.eval_prompts = build_task(config)
+        self.gate = AdmissionGate(
+            groups_per_step=config.trainer.groups_per_step,
+            max_staleness=config.staleness.max_staleness,
+        )
+        self.queue: ReplayQueue[Group] = ReplayQueue(
+            max_groups=config.queue.max_groups,
+            max_tokens=config.queue.max_tokens,
+            bucket_edges=config.queue.bucket_edges,
+            max_staleness=config.staleness.max_staleness,
+        )
+        self.version = 0
+        self.requeued: deque[Prompt] = deque()
+        self.totals = StepTotals()
+        self.rollout: dict[int, Any] = {}
+        self.trainers: list[Any] = []
+        self.identities: list[WorkerIdentity] = []
+
+    # ---- setup -------------------------------------------------------------------------
+
+    async def start_workers(self) -> None:
+        cfg = self.config
+        layout = assign_cpus(
+            cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
+            cfg.trainer.num_shards, cfg.trainer.cpus_per_shard,
+        )
+        groups = make_placement_groups(
+            layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard
+        )
+        rollout_cls = ray.remote(RolloutWorker)
+        for ident in layout.rollout:
+            self.rollout[ident.rank] = rollout_cls.options(
+                num_cpus=cfg.rollout.cpus_per_worker,
+                max_concurrency=4 * cfg.rollout.max_inflight_prompts + 16,
+                scheduling_strategy=in_bundle(groups["rollout"], ident.rank),
+            ).remote(
+                rank=ident.rank, model=cfg.model, rollout=cfg.rollout, weights=cfg.weights,
+                reward_fn=self.reward_fn, seed=cfg.run.seed + ident.rank,
+                cpu_ids=ident.devices,
+            )
+        trainer_cls = ray.remote(TrainerShard)
+        port = _free_port()
+        self.trainers = [
+            trainer_cls.options(
+                num_cpus=cfg.trainer.cpus_per_shard,
+                scheduling_strategy=in_bundle(groups["trainer"], ident.rank),
+            ).remote(
+                rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
+                trainer=cfg.trainer, seed=cfg.run.seed, cpu_ids=ident.devices,
+                master_port=port,
+            )
+            for ident in layout.trainer
+        ]
+        trainer_pids = await asyncio.gather(*(t.setup.remote() for t in self.trainers))
+        rollout_pids = await asyncio.gather(*(w.start.remote() for w in self.rollout.values()))
+        node = ray.util.get_node_ip_address()
+        self.identities = [
+            msgspec.structs.replace(ident, node=node, pid=pid)
+            for ident, pid in zip(
+                [*layout.rollout, *layout.trainer], [*rollout_pids, *trainer_pids], strict=True
+            )
+        ]
+        print(registry_table(self.identities))
+        self.broadcast = WeightBroadcast(self.trainers[0], self.rollout)
+
+    # ---- the run, top to bottom --------------------------------------------------------
+
+    async def run(self) -> RunSummary:
+        await self.start_workers()
+        accuracy_start = await self.evaluate()
+        started = time.perf_counter()
+        with RunProgress(self.config.run.num_steps, enabled=self.config.run.progress) as bar:
+            async with anyio.create_task_group() as loops:
+                loops.start_soon(self.rollout_loop)
+                await self.training_loop(bar)
+                loops.cancel_scope.cancel()
+        wall_s = time.perf_counter() - started
+        accuracy_end = await self.evaluate()
+        await asyncio.to_thread(
+            ray.get, self.trainers[0].save.remote(str(self.out.path / FINAL_MODEL))
+        )
+        summary = self.totals.summary(
+            wall_s=wall_s, final_version=self.version, accuracy_start=accuracy_start,
+            accuracy_end=accuracy_end, max_staleness=self.config.staleness.max_staleness,
+            queue=self.queue.statistics(),
+        )
+        self.out.summary(summary)
+        self.out.close()
+        return summary
+
+    async def rollout_loop(self) -> None:
+        """Admits prompts through the gate and hands each to the least-busy live worker."""
+        busy = {rank: 0 for rank in self.rollout}
+        free = anyio.Condition()
+        limit = self.config.rollout.max_inflight_prompts
+        async with anyio.create_task_group() as generations:
+            while True:
+                await self.gate.acquire()
+                async with free:
+                    while not self.rollout or min(busy[r] for r in self.rollout) >= limit:
+                        await free.wait()
+                    rank = min(self.rollout, key=lambda r: busy[r])
+                    busy[rank] += 1
+                prompt = self.requeued.popleft() if self.requeued else self.source.next_prompt()
+                self._ledger(prompt, "admitted")
+                generations.start_soon(self.generate, rank, prompt, busy, free)
+
+    async def generate(
+        self, rank: int, prompt: Prompt, busy: dict[int, int], free: anyio.Condition
+    ) -> None:
+        """One prompt on one worker, then into the queue (waiting there is backpressure)."""
+        try:
+            group: Group = await self.rollout[rank].generate_group.remote(prompt)
+        except ray.exceptions.RayError as err:
+            self.totals.rollout_failures += 1
+            if isinstance(err, ray.exceptions.RayActorError):
+                self.rollout.pop(rank, None)  # a dead worker gets no more prompts
+                if not self.rollout:
+                    raise RuntimeError("every rollout worker has died") from err
+            self._requeue(prompt, "failed", f"rollout_error:{type(err).__name__}")
+            return
+        finally:
+            async with free:
+                busy[rank] -= 1
+                free.notify_all()
+        self.totals.reward_failures += sum(s.reward_failed for s in group.samples)
+        self._ledger(prompt, "generated")
+        await self.queue.put(group)
+
+    async def training_loop(self, bar: RunProgress) -> None:
+        """Take a step's groups, plan, train on every shard, publish the new version."""
+        cfg = self.config
+        for step in range(1, cfg.run.num_steps + 1):
+            t0 = time.perf_counter()
+            groups = await self.queue.take(cfg.trainer.groups_per_step, at_version=self.version)
+            for dropped in self.queue.drain_dropped():
+                self.totals.dropped_stale += 1
+                self._requeue(dropped.item.prompt, "dropped", dropped.reason)
+            wait_s = time.perf_counter() - t0
+            batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step)
+            results: list[ShardStepResult] = await asyncio.gather(
+                *(shard.train_step.remote(b) for shard, b in zip(self.trainers, batches,
+                                                                 strict=True))
+            )
+            train_s = time.perf_counter() - t0 - wait_s
+            staleness = [self.version - g.min_version for g in groups]
+            self.version += 1
+            for group in groups:
+                self._ledger(group.prompt, "trained", version=self.version - 1)
+            timings = []
+            if self.version % cfg.weights.sync_every == 0:
+                timings = await self.broadcast.publish(self.version)
+                self.gate.on_version(self.version)
+            row = step_row(
+                step=step, version=self.version, groups=groups, results=results, plan=plan,
+                staleness=staleness, wait_s=wait_s, train_s=train_s,
+                sync_s=time.perf_counter() - t0 - wait_s - train_s, timings=timings,
+                queue=self.queue.statistics(), totals=self.totals,
+            )
+            self.out.metrics(row)
+            bar.update(row)
+
+    async def evaluate(self) -> float | None:
+        """Greedy accuracy of the current policy on the held-out prompts (rollout worker)."""
+        if not self.eval_prompts or not self.rollout:
+            return None
+        worker = self.rollout[min(self.rollout)]
+        accuracy: float = await worker.evaluate.remote(list(self.eval_prompts))
+        print(f"eval accuracy at version {self.version}: {accuracy:.3f}")
+        return accuracy
+
+    # ---- the ledger ----------------------------------------------------------------------
+
+    def _ledger(self, prompt: Prompt, event: str, *, reason: str = "",
+                version: int | None = None) -> None:
+        self.out.ledger(
+            LedgerEntry(
+                prompt_id=prompt.prompt_id, event=event,
+                version=self.version if version is None else version,
+                attempt=prompt.attempt, reason=reason, time=time.time(),
+            )
+        )
+
+    def _requeue(self, prompt: Prompt, event: str, reason: str) -> None:
+        """Gives the prompt's admission slot back and runs it again: nothing is lost."""
+        self._ledger(prompt, event, reason=reason)
+        self.gate.release()
+        self.requeued.append(msgspec.structs.replace(prompt, attempt=prompt.attempt + 1))
+        self._ledger(prompt, "requeued", reason=reason)
+
+    async def shutdown(self) -> None:
+        for worker in self.rollout.values():
+            with contextlib.suppress(ray.exceptions.RayError):
+                await worker.shutdown.remote()
+
+
+def run_training(config: Config) -> RunSummary:
+    """Starts (or joins) Ray, runs the job, and always shuts Ray down if it started it."""
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
+                  + config.trainer.num_shards * config.trainer.cpus_per_shard)
+        if config.run.ray_address:
+            ray.init(address=config.run.ray_address)
+        else:
+            ray.init(num_cpus=max(config.run.num_cpus, needed), include_dashboard=False,
+                     _node_ip_address="127.0.0.1", log_to_driver=True)
+    controller = Controller(config)
+
+    async def main() -> RunSummary:
+        try:
+            return await controller.run()
+        finally:
+            await controller.shutdown()
+
+    try:
+        return anyio.run(main)
+    finally:
+        if started_ray:
+            ray.shutdown()

@@ -1,0 +1,136 @@
+"""Run reports: the idle table, the Perfetto trace and the timeline, rebuilt from spans.
+
+Owns: reading a run directory's stored spans and summary, resolving idle causes, writing
+``trace.json`` and ``timeline.png``, and the tables printed at the end of a run and by
+``async-rl report RUN_DIR [RUN_B]``. Knows nothing about how the run was executed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+from rich.console import Console
+from rich.table import Table
+
+from async_rl.idle import Breakdown, breakdown, by_role, hint, resolve
+from async_rl.run_dir import SPANS, read_summary
+from async_rl.spans import IDLE, Span
+from async_rl.trace import write_chrome_trace, write_timeline_png
+
+TRACE = "trace.json"
+TIMELINE = "timeline.png"
+IDLE_JSON = "idle.json"
+
+
+def read_spans(run_dir: str | Path) -> list[Span]:
+    decoder = msgspec.json.Decoder(Span)
+    lines = (Path(run_dir) / SPANS).read_bytes().splitlines()
+    return [decoder.decode(line) for line in lines if line]
+
+
+class RunIdle(msgspec.Struct, frozen=True, kw_only=True):
+    """A run's idle accounting: per worker and per role, over the training window."""
+
+    start: float
+    end: float
+    workers: tuple[Breakdown, ...]
+    roles: tuple[Breakdown, ...]
+
+
+def idle_of(spans: Sequence[Span]) -> tuple[RunIdle, list[Span]]:
+    """Resolves causes and accounts the window from the first to the last controller span."""
+    workers = [s for s in spans if s.role != "controller"]
+    controller = [s for s in spans if s.role == "controller"]
+    resolved = resolve(workers, controller)
+    window = controller or workers
+    start = min((s.start for s in window), default=0.0)
+    end = max((s.end for s in window), default=0.0)
+    per_worker = breakdown(resolved, start, end)
+    return (RunIdle(start=start, end=end, workers=tuple(per_worker),
+                    roles=tuple(by_role(per_worker))), resolved + controller)
+
+
+def build_report(run_dir: str | Path) -> RunIdle:
+    """Writes trace.json, timeline.png and idle.json into the run directory."""
+    path = Path(run_dir)
+    idle, resolved = idle_of(read_spans(path))
+    write_chrome_trace(resolved, path / TRACE)
+    write_timeline_png(resolved, path / TIMELINE, title=f"{path.name}: what each device did")
+    (path / IDLE_JSON).write_bytes(msgspec.json.format(msgspec.json.encode(idle)))
+    return idle
+
+
+def _pct(part: float, whole: float) -> str:
+    return f"{100 * part / whole:.1f}%" if whole else "-"
+
+
+def idle_table(idle: RunIdle, title: str) -> Table:
+    causes = [c for role in ("rollout", "trainer") for c in IDLE[role]]
+    causes = list(dict.fromkeys(causes))
+    table = Table(title=title)
+    for column in ("worker", "device", "busy", "idle", *causes):
+        table.add_column(column, justify="right" if column not in ("worker", "device") else "left")
+    for item in (*idle.workers, *idle.roles):
+        table.add_row(
+            item.name, item.device, _pct(item.busy_s, item.wall_s),
+            _pct(item.idle_s, item.wall_s),
+            *(_pct(item.idle_by_cause[c], item.wall_s) if c in item.idle_by_cause else ""
+              for c in causes),
+            style="bold" if item.name == item.role else None,
+        )
+    return table
+
+
+def print_report(run_dir: str | Path, console: Console | None = None) -> RunIdle:
+    """Rebuilds the outputs and prints the idle table, hints and headline figures."""
+    console = console or Console()
+    path = Path(run_dir)
+    idle = build_report(path)
+    console.print(idle_table(idle, f"idle time by cause: {path}"))
+    for role in idle.roles:
+        if role.idle_s > 0 and hint(role):
+            console.print(f"top idle cause of {role.role}: {role.top_cause} "
+                          f"({_pct(role.idle_by_cause[role.top_cause], role.wall_s)}) - "
+                          f"{hint(role)}")
+    if (path / "summary.json").exists():
+        s = read_summary(path)
+        console.print(
+            f"{s.steps} steps in {s.wall_s:.1f}s: {s.groups_per_s:.2f} groups/s, "
+            f"{s.tokens_per_s:.0f} tokens/s; accuracy {s.accuracy_start} -> {s.accuracy_end}; "
+            f"staleness histogram {list(s.staleness_histogram)}"
+        )
+    console.print(f"trace: {path / TRACE} (open in ui.perfetto.dev)  timeline: {path / TIMELINE}")
+    return idle
+
+
+def compare(run_dirs: Sequence[str | Path], console: Console | None = None) -> None:
+    """Two (or more) runs side by side: throughput, accuracy and idle by role and cause."""
+    console = console or Console()
+    columns = [Path(r) for r in run_dirs]
+    rows: dict[str, list[str]] = {}
+
+    def put(label: str, i: int, value: str) -> None:
+        rows.setdefault(label, [""] * len(columns))[i] = value
+
+    for i, path in enumerate(columns):
+        idle = build_report(path)
+        if (path / "summary.json").exists():
+            s = read_summary(path)
+            put("max_staleness", i, str(s.max_staleness))
+            put("wall s", i, f"{s.wall_s:.1f}")
+            put("groups/s", i, f"{s.groups_per_s:.2f}")
+            put("tokens/s", i, f"{s.tokens_per_s:.0f}")
+            put("accuracy start -> end", i, f"{s.accuracy_start} -> {s.accuracy_end}")
+        for role in idle.roles:
+            put(f"{role.role} idle", i, _pct(role.idle_s, role.wall_s))
+            for cause, seconds in role.idle_by_cause.items():
+                put(f"  {role.role} {cause}", i, _pct(seconds, role.wall_s))
+    table = Table(title="runs side by side")
+    table.add_column("")
+    for path in columns:
+        table.add_column(path.name, justify="right")
+    for label, values in rows.items():
+        table.add_row(label, *values)
+    console.print(table)

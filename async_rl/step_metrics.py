@@ -1,0 +1,111 @@
+"""Per-step metrics rows and whole-run totals.
+
+Owns: what one metrics.jsonl row holds (reward, accuracy, loss statistics, staleness
+histogram, queue state, throughput, broadcast timings, balance) and the running totals
+that become the run summary. Knows nothing about where the figures come from.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from async_rl.grpo import merge_stats, summarise
+from async_rl.records import BroadcastTiming, Group, ShardStepResult
+from async_rl.run_dir import RunSummary
+from buffers.balance import StepPlan
+from buffers.queue_records import ReplayQueueStatistics
+
+
+class StepTotals:
+    """Counters the controller bumps during a run."""
+
+    def __init__(self) -> None:
+        self.groups_trained = 0
+        self.tokens_trained = 0
+        self.dropped_stale = 0
+        self.rollout_failures = 0
+        self.reward_failures = 0
+        self.nonfinite_steps = 0
+        self.staleness: Counter[int] = Counter()
+
+    def summary(self, *, wall_s: float, final_version: int, accuracy_start: float | None,
+                accuracy_end: float | None, max_staleness: int,
+                queue: ReplayQueueStatistics) -> RunSummary:
+        top = max(self.staleness, default=0)
+        return RunSummary(
+            steps=final_version,
+            final_version=final_version,
+            wall_s=wall_s,
+            groups_trained=self.groups_trained,
+            tokens_trained=self.tokens_trained,
+            groups_per_s=self.groups_trained / wall_s if wall_s else 0.0,
+            tokens_per_s=self.tokens_trained / wall_s if wall_s else 0.0,
+            accuracy_start=accuracy_start,
+            accuracy_end=accuracy_end,
+            staleness_histogram=tuple(self.staleness[s] for s in range(top + 1)),
+            dropped_stale=self.dropped_stale,
+            rollout_failures=self.rollout_failures,
+            reward_failures=self.reward_failures,
+            nonfinite_steps=self.nonfinite_steps,
+            max_staleness=max_staleness,
+        )
+
+
+def step_row(
+    *,
+    step: int,
+    version: int,
+    groups: Sequence[Group],
+    results: Sequence[ShardStepResult],
+    plan: StepPlan,
+    staleness: Sequence[int],
+    wait_s: float,
+    train_s: float,
+    sync_s: float,
+    timings: Sequence[BroadcastTiming],
+    queue: ReplayQueueStatistics,
+    totals: StepTotals,
+) -> dict[str, Any]:
+    """One metrics row; also folds the step into ``totals``."""
+    rewards = [r for g in groups for r in g.rewards]
+    tokens = sum(g.num_tokens for g in groups)
+    nonfinite = any(r.nonfinite for r in results)
+    totals.groups_trained += len(groups)
+    totals.tokens_trained += tokens
+    totals.nonfinite_steps += nonfinite
+    totals.staleness.update(staleness)
+    histogram = Counter(staleness)
+    step_s = wait_s + train_s + sync_s
+    return {
+        "step": step,
+        "version": version,
+        "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+        "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else 0.0,
+        **summarise(merge_stats([r.loss for r in results])),
+        "grad_norm": results[0].grad_norm if results else 0.0,
+        "nonfinite": nonfinite,
+        "staleness_histogram": [histogram[s] for s in range(max(histogram, default=0) + 1)],
+        "staleness_max": max(staleness, default=0),
+        "groups": len(groups),
+        "tokens": tokens,
+        "tokens_per_s": tokens / step_s if step_s else 0.0,
+        "wait_s": wait_s,
+        "train_s": train_s,
+        "sync_s": sync_s,
+        "imbalance": plan.imbalance,
+        "micro_batches_per_shard": len(plan.shards[0].micro_batches) if plan.shards else 0,
+        "shards": [
+            {"rank": r.rank, "tokens": r.loss.tokens, "forward_s": r.forward_s,
+             "backward_s": r.backward_s, "optimizer_s": r.optimizer_s,
+             "barrier_s": r.barrier_s}
+            for r in results
+        ],
+        "broadcast": [msgspec.to_builtins(t) for t in timings],
+        "queue": {"groups": queue.groups, "tokens": queue.tokens, "drops": queue.drops,
+                  "put_wait_s": queue.put_waits.seconds,
+                  "take_wait_s": queue.take_waits.seconds},
+    }

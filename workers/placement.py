@@ -1,0 +1,126 @@
+"""Placement: who runs where. Worker identities, per-role placement groups and CPU cores.
+
+Owns: the explicit identity of every worker (role, rank, node, devices), the registry the
+controller prints, and the Ray placement groups of the two roles, either disaggregated
+(the default: rollout and trainer on their own devices) or co-located (both roles share
+one STRICT_PACK group). On CPU it also hands each worker its own cores, so that rollout
+and training behave like separate accelerators. Knows nothing about what workers do.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import msgspec
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+Role = Literal["rollout", "trainer"]
+
+
+class WorkerIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one worker runs and which devices it owns."""
+
+    role: Role
+    rank: int
+    node: str = ""
+    """Node IP address (filled once the actor reports it)."""
+    device_kind: Literal["cpu", "cuda"] = "cpu"
+    devices: tuple[int, ...] = ()
+    """CPU core ids (device_kind cpu) or GPU ordinals (cuda) this worker owns."""
+    pid: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.rank}"
+
+    @property
+    def device_label(self) -> str:
+        ids = ",".join(str(d) for d in self.devices) or "-"
+        return f"{self.device_kind}:{ids}"
+
+
+class Layout(msgspec.Struct, frozen=True, kw_only=True):
+    """The planned identities of every worker, before any actor exists."""
+
+    rollout: tuple[WorkerIdentity, ...]
+    trainer: tuple[WorkerIdentity, ...]
+    colocated: bool
+
+
+def assign_cpus(
+    num_rollout: int, cpus_per_rollout: int, num_trainer: int, cpus_per_trainer: int,
+    *, available: tuple[int, ...] | None = None, colocated: bool = False,
+) -> Layout:
+    """Splits this node's cores between the roles, rollout first.
+
+    Disaggregated: each worker gets its own cores while there are enough; beyond that,
+    cores are reused round-robin within the role (contention then shows up as slower
+    compute, never as a failure). Co-located: both roles get the same cores.
+    """
+    cores = tuple(sorted(available if available is not None else os.sched_getaffinity(0)))
+
+    def take(start: int, count: int, width: int) -> list[tuple[int, ...]]:
+        return [
+            tuple(cores[(start + i * width + j) % len(cores)] for j in range(width))
+            for i in range(count)
+        ]
+
+    rollout_cores = take(0, num_rollout, cpus_per_rollout)
+    trainer_start = 0 if colocated else num_rollout * cpus_per_rollout
+    if not colocated and trainer_start >= len(cores):
+        trainer_start = len(cores) - 1  # too few cores: trainers share the last one(s)
+    trainer_cores = take(trainer_start, num_trainer, cpus_per_trainer)
+    return Layout(
+        rollout=tuple(
+            WorkerIdentity(role="rollout", rank=r, devices=c) for r, c in enumerate(rollout_cores)
+        ),
+        trainer=tuple(
+            WorkerIdentity(role="trainer", rank=r, devices=c) for r, c in enumerate(trainer_cores)
+        ),
+        colocated=colocated,
+    )
+
+
+def role_placement_groups(layout: Layout, cpus_per_rollout: int, cpus_per_trainer: int,
+                          gpus_per_worker: float = 0.0) -> dict[Role, PlacementGroup]:
+    """One placement group per role (or one shared STRICT_PACK group when co-located)."""
+
+    def bundles(count: int, cpus: int) -> list[dict[str, float]]:
+        bundle: dict[str, float] = {"CPU": float(cpus)}
+        if gpus_per_worker:
+            bundle["GPU"] = gpus_per_worker
+        return [dict(bundle) for _ in range(count)]
+
+    if layout.colocated:
+        shared = placement_group(
+            # Bundle i holds rollout worker i and trainer shard i side by side.
+            bundles(max(len(layout.rollout), len(layout.trainer)),
+                    cpus_per_rollout + cpus_per_trainer),
+            strategy="STRICT_PACK",
+        )
+        ray.get(shared.ready())
+        return {"rollout": shared, "trainer": shared}
+    groups: dict[Role, PlacementGroup] = {
+        "rollout": placement_group(bundles(len(layout.rollout), cpus_per_rollout), "PACK"),
+        "trainer": placement_group(bundles(len(layout.trainer), cpus_per_trainer), "PACK"),
+    }
+    ray.get([g.ready() for g in groups.values()])
+    return groups
+
+
+def in_bundle(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
+    """Scheduling strategy that puts an actor in one bundle of a placement group."""
+    return PlacementGroupSchedulingStrategy(
+        placement_group=group, placement_group_bundle_index=index
+    )
+
+
+def registry_table(identities: list[WorkerIdentity]) -> str:
+    """The registry as a small fixed-width table, for the controller to print."""
+    rows = [("worker", "node", "devices", "pid")]
+    rows += [(w.name, w.node or "-", w.device_label, str(w.pid or "-")) for w in identities]
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)

@@ -1,0 +1,212 @@
+"""TrainerShard: one data-parallel shard of the policy, trained with the GRPO loss.
+
+Owns: the torch model replica, its optimizer, the process group (gloo on CPU, nccl on
+CUDA), executing a ShardBatch micro-batch by micro-batch, and serialising the weights for
+a broadcast. Knows nothing about Ray (the controller wraps this class with
+``ray.remote``), queues, versions or how the plan was made.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from datetime import timedelta
+
+import safetensors.torch
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from async_rl.config import ModelConfig, TrainerConfig
+from async_rl.grpo import merge_stats, token_loss
+from async_rl.records import LossStats, ShardBatch, ShardStepResult, TrainSequence
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def pin_to_cpus(cpu_ids: tuple[int, ...]) -> None:
+    """Gives this process its own cores so roles behave like separate devices."""
+    if cpu_ids and hasattr(os, "sched_setaffinity"):
+        available = os.sched_getaffinity(0)
+        wanted = {c for c in cpu_ids if c in available} or available
+        os.sched_setaffinity(0, wanted)
+        torch.set_num_threads(len(wanted))
+
+
+class TrainerShard:
+    """A replica of the policy on one device; ``world_size`` of them form a DDP group."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        model: ModelConfig,
+        trainer: TrainerConfig,
+        seed: int,
+        cpu_ids: tuple[int, ...] = (),
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.model_config = model
+        self.config = trainer
+        self.seed = seed
+        self.cpu_ids = cpu_ids
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+    def setup(self) -> int:
+        """Joins the process group, loads the model and builds the optimizer; returns pid."""
+        from transformers import AutoModelForCausalLM
+
+        pin_to_cpus(self.cpu_ids)
+        torch.manual_seed(self.seed)
+        if self.world_size > 1:
+            backend = "nccl" if self.device.type == "cuda" else "gloo"
+            dist.init_process_group(
+                backend,
+                init_method=f"tcp://{self.master_addr}:{self.master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(minutes=5),
+            )
+        module: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+            self.model_config.path, dtype=_DTYPES[self.model_config.dtype]
+        )
+        module.to(self.device)
+        module.train()
+        self.module = module
+        self.model: torch.nn.Module = (
+            DistributedDataParallel(module) if self.world_size > 1 else module
+        )
+        self.optimizer = torch.optim.AdamW(
+            module.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay
+        )
+        return os.getpid()
+
+    def _micro_batch_loss(
+        self, sequences: tuple[TrainSequence, ...], global_tokens: int
+    ) -> tuple[torch.Tensor, LossStats]:
+        """Forward pass over one micro-batch; an empty one is a zero-loss pad."""
+        if not sequences:
+            # A pad still runs the model so DDP's gradient hooks fire on every shard.
+            dummy = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=dummy).logits
+            empty = LossStats(tokens=0, loss_sum=0.0, clipped=0, is_weight_sum=0.0,
+                              is_weight_sq_sum=0.0, is_weight_max=0.0, kl_sum=0.0)
+            return logits.sum() * 0.0, empty
+        lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in sequences]
+        width = max(lengths)
+        ids = torch.zeros((len(sequences), width), dtype=torch.long)
+        mask = torch.zeros((len(sequences), width), dtype=torch.long)
+        targets_at: list[tuple[int, int, int]] = []  # (row, first completion pos, count)
+        for row, seq in enumerate(sequences):
+            tokens = seq.prompt_token_ids + seq.completion_token_ids
+            ids[row, : len(tokens)] = torch.tensor(tokens)
+            mask[row, : len(tokens)] = 1
+            targets_at.append((row, len(seq.prompt_token_ids), len(seq.completion_token_ids)))
+        ids, mask = ids.to(self.device), mask.to(self.device)
+        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        logprobs_all = torch.log_softmax(logits[:, :-1], dim=-1)
+        token_logprobs = logprobs_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
+        # Completion token j of a row sits at position p + j and is predicted at p + j - 1.
+        picked = [token_logprobs[row, start - 1 : start - 1 + n] for row, start, n in targets_at]
+        logprobs = torch.cat(picked)
+        behaviour = torch.tensor(
+            [lp for s in sequences for lp in s.behaviour_logprobs], device=self.device
+        )
+        advantages = torch.tensor(
+            [s.advantage for s in sequences for _ in s.completion_token_ids], device=self.device
+        )
+        return token_loss(
+            logprobs,
+            behaviour,
+            advantages,
+            global_tokens=global_tokens,
+            clip_low=self.config.clip_low,
+            clip_high=self.config.clip_high,
+            tis_cap=self.config.tis_cap,
+        )
+
+    def _global_tokens(self, local: int) -> int:
+        if self.world_size == 1:
+            return local
+        count = torch.tensor([local], dtype=torch.long)
+        dist.all_reduce(count)
+        return int(count.item())
+
+    def train_step(self, batch: ShardBatch) -> ShardStepResult:
+        """One optimizer step over this shard's micro-batches."""
+        local_tokens = sum(
+            len(s.completion_token_ids) for mb in batch.micro_batches for s in mb
+        )
+        global_tokens = self._global_tokens(local_tokens)
+        self.optimizer.zero_grad(set_to_none=True)
+        forward_s = backward_s = barrier_s = 0.0
+        parts: list[LossStats] = []
+        last = len(batch.micro_batches) - 1
+        for index, sequences in enumerate(batch.micro_batches):
+            t0 = time.perf_counter()
+            loss, stats = self._micro_batch_loss(sequences, global_tokens)
+            # DDP averages gradients over shards; the loss is already a share of the
+            # global token mean, so scale back up to make the all-reduce a plain sum.
+            loss = loss * self.world_size
+            t1 = time.perf_counter()
+            forward_s += t1 - t0
+            if index == last and self.world_size > 1:
+                # Time spent here is waiting on slower shards, not communication.
+                dist.barrier()
+                barrier_s = time.perf_counter() - t1
+                t1 = time.perf_counter()
+            if index != last and isinstance(self.model, DistributedDataParallel):
+                with self.model.no_sync():
+                    torch.autograd.backward(loss)
+            else:
+                torch.autograd.backward(loss)
+            backward_s += time.perf_counter() - t1
+            parts.append(stats)
+        t2 = time.perf_counter()
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
+        )
+        # Every shard sees the same all-reduced gradient, so they all agree to skip.
+        nonfinite = not math.isfinite(grad_norm)
+        if nonfinite:
+            self.optimizer.zero_grad(set_to_none=True)
+        else:
+            self.optimizer.step()
+        optimizer_s = time.perf_counter() - t2
+        return ShardStepResult(
+            rank=self.rank,
+            step=batch.step,
+            loss=merge_stats(parts),
+            grad_norm=grad_norm,
+            forward_s=forward_s,
+            backward_s=backward_s,
+            optimizer_s=optimizer_s,
+            barrier_s=barrier_s,
+            nonfinite=nonfinite,
+        )
+
+    def state_bytes(self) -> bytes:
+        """The weights as safetensors bytes, in the names vLLM's load_weights expects."""
+        state = {
+            name: tensor.detach().to("cpu").contiguous()
+            for name, tensor in self.module.state_dict().items()
+        }
+        if getattr(getattr(self.module, "config", None), "tie_word_embeddings", False):
+            # Tied: lm_head shares the embedding storage; safetensors refuses aliases.
+            state.pop("lm_head.weight", None)
+        return safetensors.torch.save(state)
+
+    def save(self, out_dir: str) -> None:
+        """Writes the current policy in Hugging Face format (model only)."""
+        self.module.save_pretrained(out_dir)  # type: ignore[operator]
+
+    def shutdown(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
