@@ -165,6 +165,8 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """CPUs given to a local Ray (0 = what the roles need)."""
     progress: bool = True
     """Show a progress bar."""
+    record_spans: bool = True
+    """Record per-worker spans for idle accounting, the Perfetto trace and the timeline."""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -27,12 +27,15 @@ import ray
 
 from async_rl.batching import shard_batches
 from async_rl.config import Config
+from async_rl.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.progress import RunProgress
 from async_rl.records import Group, LedgerEntry, Prompt, ShardStepResult
 from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward
 from async_rl.run_dir import FINAL_MODEL, RunSummary, RunWriter
+from async_rl.spans import Span, SpanRecorder
 from async_rl.step_metrics import StepTotals, step_row
 from async_rl.tasks import ArithmeticTask, JsonlPromptSource, PromptSource
+from buffers.queue_records import Dropped
 from buffers.replay_queue import ReplayQueue
 from buffers.staleness import AdmissionGate
 from workers.placement import WorkerIdentity, assign_cpus, in_bundle, registry_table
@@ -75,13 +78,24 @@ class Controller:
             max_tokens=config.queue.max_tokens,
             bucket_edges=config.queue.bucket_edges,
             max_staleness=config.staleness.max_staleness,
+            # Called the moment a group goes stale, even while a take waits: the slot must
+            # come back at once or the gate could stay shut while training waits.
+            on_drop=self._on_drop,
         )
         self.version = 0
         self.requeued: deque[Prompt] = deque()
+        self.open_prompts: dict[str, Prompt] = {}
+        """Admitted and not yet trained or re-queued: in flight or in the queue."""
         self.totals = StepTotals()
         self.rollout: dict[int, Any] = {}
         self.trainers: list[Any] = []
         self.identities: list[WorkerIdentity] = []
+        record = config.run.record_spans
+        # The controller's own tracks: what it waits on explains the workers' idle time.
+        self.admission = SpanRecorder(worker=ROLLOUT_TRACK, role="controller", rank=0,
+                                      device="driver", cause="no_work", enabled=record)
+        self.training = SpanRecorder(worker=TRAINER_TRACK, role="controller", rank=0,
+                                     device="driver", cause="no_work", enabled=record)
 
     # ---- setup -------------------------------------------------------------------------
 
@@ -103,7 +117,7 @@ class Controller:
             ).remote(
                 rank=ident.rank, model=cfg.model, rollout=cfg.rollout, weights=cfg.weights,
                 reward_fn=self.reward_fn, seed=cfg.run.seed + ident.rank,
-                cpu_ids=ident.devices,
+                cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
             )
         trainer_cls = ray.remote(TrainerShard)
         port = _free_port()
@@ -114,7 +128,7 @@ class Controller:
             ).remote(
                 rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
                 trainer=cfg.trainer, seed=cfg.run.seed, cpu_ids=ident.devices,
-                master_port=port,
+                master_port=port, record_spans=cfg.run.record_spans,
             )
             for ident in layout.trainer
         ]
@@ -142,6 +156,11 @@ class Controller:
                 await self.training_loop(bar)
                 loops.cancel_scope.cancel()
         wall_s = time.perf_counter() - started
+        for prompt in self.open_prompts.values():  # generated or queued, never trained
+            self._ledger(prompt, "unfinished", reason="run_ended")
+        self.admission.switch("no_work")
+        self.training.switch("no_work")
+        await self.write_spans()
         accuracy_end = await self.evaluate()
         await asyncio.to_thread(
             ray.get, self.trainers[0].save.remote(str(self.out.path / FINAL_MODEL))
@@ -162,14 +181,21 @@ class Controller:
         limit = self.config.rollout.max_inflight_prompts
         async with anyio.create_task_group() as generations:
             while True:
+                if not self.gate.open_slots:
+                    self.admission.switch("gate_closed", self.gate.version)
                 await self.gate.acquire()
                 async with free:
                     while not self.rollout or min(busy[r] for r in self.rollout) >= limit:
+                        # Slots held by groups blocked on a full queue are backpressure.
+                        full = self.queue.statistics().put_waits.waiting_now > 0
+                        self.admission.switch("queue_full" if full else "admitting")
                         await free.wait()
                     rank = min(self.rollout, key=lambda r: busy[r])
                     busy[rank] += 1
+                self.admission.switch("admitting", self.gate.version)
                 prompt = self.requeued.popleft() if self.requeued else self.source.next_prompt()
                 self._ledger(prompt, "admitted")
+                self.open_prompts[prompt.prompt_id] = prompt
                 generations.start_soon(self.generate, rank, prompt, busy, free)
 
     async def generate(
@@ -178,6 +204,10 @@ class Controller:
         """One prompt on one worker, then into the queue (waiting there is backpressure)."""
         try:
             group: Group = await self.rollout[rank].generate_group.remote(prompt)
+            self.totals.reward_failures += sum(s.reward_failed for s in group.samples)
+            self._ledger(prompt, "generated")
+            # The worker's slot stays taken until the queue has room: backpressure.
+            await self.queue.put(group)
         except ray.exceptions.RayError as err:
             self.totals.rollout_failures += 1
             if isinstance(err, ray.exceptions.RayActorError):
@@ -185,24 +215,19 @@ class Controller:
                 if not self.rollout:
                     raise RuntimeError("every rollout worker has died") from err
             self._requeue(prompt, "failed", f"rollout_error:{type(err).__name__}")
-            return
         finally:
             async with free:
                 busy[rank] -= 1
                 free.notify_all()
-        self.totals.reward_failures += sum(s.reward_failed for s in group.samples)
-        self._ledger(prompt, "generated")
-        await self.queue.put(group)
 
     async def training_loop(self, bar: RunProgress) -> None:
         """Take a step's groups, plan, train on every shard, publish the new version."""
         cfg = self.config
         for step in range(1, cfg.run.num_steps + 1):
+            self.training.switch("wait_data", self.version)
             t0 = time.perf_counter()
             groups = await self.queue.take(cfg.trainer.groups_per_step, at_version=self.version)
-            for dropped in self.queue.drain_dropped():
-                self.totals.dropped_stale += 1
-                self._requeue(dropped.item.prompt, "dropped", dropped.reason)
+            self.training.switch("training")
             wait_s = time.perf_counter() - t0
             batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step)
             results: list[ShardStepResult] = await asyncio.gather(
@@ -213,9 +238,11 @@ class Controller:
             staleness = [self.version - g.min_version for g in groups]
             self.version += 1
             for group in groups:
+                self.open_prompts.pop(group.prompt_id, None)
                 self._ledger(group.prompt, "trained", version=self.version - 1)
             timings = []
             if self.version % cfg.weights.sync_every == 0:
+                self.training.switch("weight_publish", self.version)
                 timings = await self.broadcast.publish(self.version)
                 self.gate.on_version(self.version)
             row = step_row(
@@ -236,6 +263,22 @@ class Controller:
         print(f"eval accuracy at version {self.version}: {accuracy:.3f}")
         return accuracy
 
+    async def write_spans(self) -> None:
+        """Gathers every worker's spans, shifts them onto the driver's clock, stores them."""
+        if not self.config.run.record_spans:
+            return
+        spans = self.admission.flush() + self.training.flush()
+        for actor in [*self.rollout.values(), *self.trainers]:
+            sent = time.time()
+            remote_now: float = await actor.clock.remote()
+            offset = remote_now - (sent + time.time()) / 2  # remote clock minus ours
+            worker_spans: list[Span] = await actor.drain_spans.remote()
+            spans += [
+                msgspec.structs.replace(sp, start=sp.start - offset, end=sp.end - offset)
+                for sp in worker_spans
+            ]
+        self.out.spans(spans)
+
     # ---- the ledger ----------------------------------------------------------------------
 
     def _ledger(self, prompt: Prompt, event: str, *, reason: str = "",
@@ -248,9 +291,14 @@ class Controller:
             )
         )
 
+    def _on_drop(self, dropped: Dropped[Group]) -> None:
+        self.totals.dropped_stale += 1
+        self._requeue(dropped.item.prompt, "dropped", dropped.reason)
+
     def _requeue(self, prompt: Prompt, event: str, reason: str) -> None:
         """Gives the prompt's admission slot back and runs it again: nothing is lost."""
         self._ledger(prompt, event, reason=reason)
+        self.open_prompts.pop(prompt.prompt_id, None)
         self.gate.release()
         self.requeued.append(msgspec.structs.replace(prompt, attempt=prompt.attempt + 1))
         self._ledger(prompt, "requeued", reason=reason)

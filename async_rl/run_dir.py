@@ -13,6 +13,7 @@ import msgspec
 
 from async_rl.config import Config, to_toml
 from async_rl.records import LedgerEntry
+from async_rl.spans import Span
 
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
@@ -60,6 +61,9 @@ class RunWriter:
     def ledger(self, entry: LedgerEntry) -> None:
         self._ledger.write(self._encoder.encode(entry) + b"\n")
         self._ledger.flush()
+
+    def spans(self, spans: list[Span]) -> None:
+        (self.path / SPANS).write_bytes(b"".join(self._encoder.encode(s) + b"\n" for s in spans))
 
     def summary(self, summary: RunSummary) -> None:
         (self.path / SUMMARY).write_bytes(msgspec.json.format(self._encoder.encode(summary)))

@@ -21,6 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from async_rl.config import ModelConfig, TrainerConfig
 from async_rl.grpo import merge_stats, token_loss
 from async_rl.records import LossStats, ShardBatch, ShardStepResult, TrainSequence
+from async_rl.spans import UNRESOLVED, Span, SpanRecorder
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -48,6 +49,7 @@ class TrainerShard:
         cpu_ids: tuple[int, ...] = (),
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
+        record_spans: bool = True,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -58,6 +60,10 @@ class TrainerShard:
         self.master_addr = master_addr
         self.master_port = master_port
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        label = (f"cuda:{torch.cuda.current_device()}" if self.device.type == "cuda"
+                 else "cpu:" + ",".join(map(str, cpu_ids)))
+        self.spans = SpanRecorder(worker=f"trainer-{rank}", role="trainer", rank=rank,
+                                  device=label, enabled=record_spans)
 
     def setup(self) -> int:
         """Joins the process group, loads the model and builds the optimizer; returns pid."""
@@ -144,12 +150,14 @@ class TrainerShard:
         local_tokens = sum(
             len(s.completion_token_ids) for mb in batch.micro_batches for s in mb
         )
+        self.spans.switch("barrier", batch.step - 1)  # the token all-reduce waits for all shards
         global_tokens = self._global_tokens(local_tokens)
         self.optimizer.zero_grad(set_to_none=True)
         forward_s = backward_s = barrier_s = 0.0
         parts: list[LossStats] = []
         last = len(batch.micro_batches) - 1
         for index, sequences in enumerate(batch.micro_batches):
+            self.spans.switch("forward", batch.step - 1)
             t0 = time.perf_counter()
             loss, stats = self._micro_batch_loss(sequences, global_tokens)
             # DDP averages gradients over shards; the loss is already a share of the
@@ -159,9 +167,11 @@ class TrainerShard:
             forward_s += t1 - t0
             if index == last and self.world_size > 1:
                 # Time spent here is waiting on slower shards, not communication.
+                self.spans.switch("barrier")
                 dist.barrier()
                 barrier_s = time.perf_counter() - t1
                 t1 = time.perf_counter()
+            self.spans.switch("backward")
             if index != last and isinstance(self.model, DistributedDataParallel):
                 with self.model.no_sync():
                     torch.autograd.backward(loss)
@@ -169,6 +179,7 @@ class TrainerShard:
                 torch.autograd.backward(loss)
             backward_s += time.perf_counter() - t1
             parts.append(stats)
+        self.spans.switch("optimizer")
         t2 = time.perf_counter()
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
@@ -180,6 +191,7 @@ class TrainerShard:
         else:
             self.optimizer.step()
         optimizer_s = time.perf_counter() - t2
+        self.spans.switch(UNRESOLVED, batch.step)
         return ShardStepResult(
             rank=self.rank,
             step=batch.step,
@@ -191,6 +203,14 @@ class TrainerShard:
             barrier_s=barrier_s,
             nonfinite=nonfinite,
         )
+
+    def drain_spans(self) -> list[Span]:
+        """Closed spans since the last call (the current one is closed at now first)."""
+        return self.spans.flush()
+
+    def clock(self) -> float:
+        """This process's wall clock, for the controller to align span times across nodes."""
+        return time.time()
 
     def state_bytes(self) -> bytes:
         """The weights as safetensors bytes, in the names vLLM's load_weights expects."""

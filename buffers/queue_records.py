@@ -1,0 +1,120 @@
+"""The shapes the replay queue takes in and hands out: its item protocol and its records.
+
+Owns: ``QueueItem`` (what the queue needs to know about a group) and the frozen records
+the queue returns (``Dropped``, ``ReplayQueueStatistics``, ``ReplayQueueSnapshot``).
+Knows nothing about how a group is generated, scored or trained; the project's real
+item, ``async_rl.records.Group``, satisfies ``QueueItem`` structurally, without an import.
+"""
+
+from __future__ import annotations
+
+from typing import Generic, Protocol, TypeVar
+
+import msgspec
+
+__all__ = [
+    "DROP_STALE",
+    "BucketStatistics",
+    "Dropped",
+    "QueueItem",
+    "ReplayQueueSnapshot",
+    "ReplayQueueStatistics",
+    "WaitStatistics",
+]
+
+DROP_STALE = "stale"
+"""Drop reason: at take time the group's staleness exceeded ``max_staleness``."""
+
+
+class QueueItem(Protocol):
+    """What the replay queue reads from a group; read-only, so frozen Structs satisfy it."""
+
+    @property
+    def prompt_id(self) -> str:
+        """Handed back on a drop, so the controller can re-queue the prompt."""
+        ...
+
+    @property
+    def min_version(self) -> int:
+        """Oldest policy version of any token: the age order and the staleness base."""
+        ...
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens over all samples: the bucket key and the unit of the token bound."""
+        ...
+
+
+T = TypeVar("T", bound=QueueItem)
+
+
+class Dropped(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
+    """A group the queue removed without handing it to a taker; its prompt must be re-run."""
+
+    prompt_id: str
+    """The prompt to re-queue (and whose admission slot to give back)."""
+    reason: str
+    """Why: ``DROP_STALE``."""
+    min_version: int
+    at_version: int
+    """The taker's policy version that made the group too stale."""
+    item: T
+    """The dropped group itself, for the ledger."""
+
+
+class BucketStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """Occupancy of one token-count bucket: groups with ``low <= num_tokens < high``."""
+
+    low: int
+    high: int | None
+    """Exclusive upper edge; None for the last, open-ended bucket."""
+    groups: int
+    tokens: int
+
+
+class WaitStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """How often and how long one side of the queue had to wait."""
+
+    count: int
+    """Calls that had to wait at least once (fast-path calls are not counted)."""
+    seconds: float
+    """Total seconds of finished waits (a wait still in progress is not included)."""
+    waiting_now: int
+    """Tasks waiting at the moment the statistics were taken."""
+
+
+class ReplayQueueStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """A point-in-time view of the replay queue, cheap enough to log every step."""
+
+    groups: int
+    tokens: int
+    max_groups: int
+    max_tokens: int
+    max_staleness: int
+    buckets: tuple[BucketStatistics, ...]
+    put_waits: WaitStatistics
+    take_waits: WaitStatistics
+    put_total: int
+    """Groups accepted by put (including those dropped on arrival as already stale)."""
+    taken_total: int
+    drained_total: int
+    drops: dict[str, int]
+    """Dropped groups by reason; ``put_total == taken + dropped + drained + groups``."""
+    staleness_taken: tuple[int, ...]
+    """Histogram of the groups taken: entry s counts groups trained at staleness s."""
+    sink_version: int | None
+    """The highest ``at_version`` a taker has presented (None before the first take)."""
+    closed: bool
+
+
+class ReplayQueueSnapshot(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
+    """The queue's contents and counters, for a checkpoint (decode as ``Snapshot[Group]``)."""
+
+    items: tuple[T, ...]
+    """Queued groups, oldest first (by min_version, then arrival)."""
+    sink_version: int | None
+    put_total: int
+    taken_total: int
+    drained_total: int
+    drops: dict[str, int]
+    staleness_taken: tuple[int, ...]

@@ -1,0 +1,382 @@
+"""A bounded, token-length-bucketed replay queue with a sink-side staleness check.
+
+Owns: where groups wait between rollout and training, in which order they leave
+(oldest ``min_version`` first, then arrival), the bounds (groups and tokens) that push
+back on producers, and the rule that no group older than ``max_staleness`` versions is
+ever handed to a taker. Knows nothing about prompts, rewards, trainers or Ray: a group is
+anything with ``prompt_id``, ``min_version`` and ``num_tokens`` (``QueueItem``), and a
+dropped group is handed to the ``on_drop`` callback so its prompt can be re-run.
+
+Speed: ``put`` and ``take`` do not yield to the event loop when they need not wait (like
+``asyncio.Queue``), because a checkpoint per call would cost more than the queue itself.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections import deque
+from collections.abc import Callable, Sequence
+from typing import Generic
+
+import anyio
+
+from buffers.errors import NotEnoughGroups, QueueClosed, QueueFull, QueueTooSmall
+from buffers.queue_records import (
+    DROP_STALE,
+    BucketStatistics,
+    Dropped,
+    QueueItem,
+    ReplayQueueSnapshot,
+    ReplayQueueStatistics,
+    T,
+    WaitStatistics,
+)
+from buffers.replay_store import BucketedStore
+
+__all__ = ["DropHandler", "QueueItem", "ReplayQueue"]
+
+DropHandler = Callable[[Dropped[T]], None]
+"""Called synchronously for every dropped group; typically re-queues the prompt and gives
+its admission slot back. Without one, drops are kept for ``drain_dropped()``."""
+
+
+class _Waiter:
+    """One parked put or take; FIFO among its kind, woken by replacing nothing but the event."""
+
+    __slots__ = ("event", "need")
+
+    def __init__(self, need: int) -> None:
+        self.event = anyio.Event()
+        self.need = need
+        """Tokens of the item to put, or groups wanted by the take."""
+
+
+class ReplayQueue(Generic[T]):
+    """Groups wait here, bucketed by token count, until a trainer takes them.
+
+    ``bucket_edges`` are increasing token counts: edges ``(1024, 4096)`` make buckets
+    ``[0, 1024)``, ``[1024, 4096)`` and ``[4096, inf)``. A group that could never fit
+    (more than ``max_tokens``) is refused with ``ValueError`` rather than waiting forever.
+    """
+
+    def __init__(
+        self,
+        *,
+        max_groups: int,
+        max_tokens: int,
+        max_staleness: int,
+        bucket_edges: Sequence[int] = (),
+        on_drop: DropHandler[T] | None = None,
+    ) -> None:
+        if max_groups < 1 or max_tokens < 1:
+            raise ValueError(f"max_groups={max_groups}, max_tokens={max_tokens}: both must be >= 1")
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        edges = tuple(int(e) for e in bucket_edges)
+        if any(e <= 0 for e in edges) or any(b <= a for a, b in itertools.pairwise(edges)):
+            raise ValueError(f"bucket_edges must be positive and strictly increasing, got {edges}")
+        self.max_groups = max_groups
+        self.max_tokens = max_tokens
+        self.max_staleness = max_staleness
+        self.bucket_edges = edges
+        self._on_drop = on_drop
+        self._dropped: list[Dropped[T]] = []
+        self._store: BucketedStore[T] = BucketedStore(edges)
+        self._sink_version: int | None = None
+        self._closed = False
+        self._putters: deque[_Waiter] = deque()
+        self._takers: deque[_Waiter] = deque()
+        self._put_waits = 0
+        self._put_wait_s = 0.0
+        self._take_waits = 0
+        self._take_wait_s = 0.0
+        self._put_total = 0
+        self._taken_total = 0
+        self._drained_total = 0
+        self._drops: dict[str, int] = {}
+        self._staleness_taken = [0] * (max_staleness + 1)
+
+    def __len__(self) -> int:
+        return self._store.groups
+
+    # -- put -------------------------------------------------------------------------
+
+    def put_nowait(self, item: T) -> None:
+        """Adds a group now, or raises ``QueueFull`` (no room, or earlier puts waiting)."""
+        if self._closed:
+            raise QueueClosed
+        self._check_fits(item)
+        if self._drop_if_stale(item):
+            return
+        if self._putters or not self._has_room(item.num_tokens):
+            raise QueueFull
+        self._insert(item)
+
+    async def put(self, item: T) -> None:
+        """Adds a group, waiting while the queue is full (backpressure; FIFO among putters)."""
+        if self._closed:
+            raise QueueClosed
+        self._check_fits(item)
+        if self._drop_if_stale(item):
+            return
+        if not self._putters and self._has_room(item.num_tokens):
+            self._insert(item)
+            return
+        waiter = _Waiter(item.num_tokens)
+        self._putters.append(waiter)
+        self._put_waits += 1
+        started = time.perf_counter()
+        try:
+            while True:
+                self._wake_starved_taker()
+                await waiter.event.wait()
+                if self._closed:
+                    raise QueueClosed
+                if self._drop_if_stale(item):
+                    return
+                if self._putters[0] is waiter and self._has_room(item.num_tokens):
+                    self._insert(item)
+                    return
+                waiter.event = anyio.Event()
+        finally:
+            self._putters.remove(waiter)
+            self._put_wait_s += time.perf_counter() - started
+            self._wake_putter()
+
+    # -- take ------------------------------------------------------------------------
+
+    def take_nowait(self, n_groups: int, at_version: int, *, homogeneous: bool = False) -> list[T]:
+        """Takes ``n_groups`` now (oldest first), or raises ``NotEnoughGroups``.
+
+        Stale groups are dropped first either way. See ``take`` for ``homogeneous``.
+        """
+        self._advance_sink(n_groups, at_version)
+        if self._takers or self._store.groups < n_groups:
+            raise QueueClosed if self._closed else NotEnoughGroups
+        return self._pop(n_groups, at_version, homogeneous)
+
+    async def take(self, n_groups: int, at_version: int, *, homogeneous: bool = False) -> list[T]:
+        """Takes ``n_groups`` groups for training at policy version ``at_version``.
+
+        Waits until that many are queued. Groups with ``at_version - min_version >
+        max_staleness`` are dropped (see ``on_drop``), never returned. Without
+        ``homogeneous`` the result is the oldest groups (by min_version, then arrival).
+        With it, groups are drawn from one token bucket (then its nearest neighbours) so
+        micro-batches pad little; the bound it keeps: the oldest group is always taken,
+        and so is every group that would be too stale at ``at_version + 1``, so a group
+        is only passed over while it can still be trained. With ``max_staleness == 0``
+        this is exactly oldest-first. Raises ``QueueClosed`` when closed while waiting,
+        ``QueueTooSmall`` when the token bound makes the take impossible.
+        """
+        self._advance_sink(n_groups, at_version)
+        if not self._takers and self._store.groups >= n_groups:
+            return self._pop(n_groups, at_version, homogeneous)
+        if self._closed:
+            raise QueueClosed
+        waiter = _Waiter(n_groups)
+        self._takers.append(waiter)
+        self._take_waits += 1
+        started = time.perf_counter()
+        try:
+            while True:
+                self._check_starved(waiter)
+                await waiter.event.wait()
+                if self._closed:
+                    raise QueueClosed
+                if self._takers[0] is waiter and self._store.groups >= n_groups:
+                    return self._pop(n_groups, at_version, homogeneous)
+                waiter.event = anyio.Event()
+        finally:
+            self._takers.remove(waiter)
+            self._take_wait_s += time.perf_counter() - started
+            self._wake_taker()
+
+    # -- lifecycle -------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Refuses further puts and releases every waiter with ``QueueClosed``.
+
+        Queued groups stay (for ``drain`` or ``snapshot``); a take that can be served at
+        once still is.
+        """
+        self._closed = True
+        for waiter in (*self._putters, *self._takers):
+            waiter.event.set()
+
+    def drain(self) -> list[T]:
+        """Removes and returns every queued group, oldest first (shutdown, tests)."""
+        items = self._store.pop_oldest(self._store.groups)
+        self._drained_total += len(items)
+        self._wake_putter()
+        return items
+
+    def drain_dropped(self) -> list[Dropped[T]]:
+        """Returns and forgets the drops kept because no ``on_drop`` handler was given."""
+        dropped, self._dropped = self._dropped, []
+        return dropped
+
+    def statistics(self) -> ReplayQueueStatistics:
+        lows = (0, *self.bucket_edges)
+        highs: tuple[int | None, ...] = (*self.bucket_edges, None)
+        store = self._store
+        counts = zip(lows, highs, store.bucket_groups, store.bucket_tokens, strict=True)
+        buckets = tuple(
+            BucketStatistics(low=lo, high=hi, groups=g, tokens=t) for lo, hi, g, t in counts
+        )
+        return ReplayQueueStatistics(
+            groups=self._store.groups,
+            tokens=self._store.tokens,
+            max_groups=self.max_groups,
+            max_tokens=self.max_tokens,
+            max_staleness=self.max_staleness,
+            buckets=buckets,
+            put_waits=WaitStatistics(
+                count=self._put_waits, seconds=self._put_wait_s, waiting_now=len(self._putters)
+            ),
+            take_waits=WaitStatistics(
+                count=self._take_waits, seconds=self._take_wait_s, waiting_now=len(self._takers)
+            ),
+            put_total=self._put_total,
+            taken_total=self._taken_total,
+            drained_total=self._drained_total,
+            drops=dict(self._drops),
+            staleness_taken=tuple(self._staleness_taken),
+            sink_version=self._sink_version,
+            closed=self._closed,
+        )
+
+    def snapshot(self) -> ReplayQueueSnapshot[T]:
+        """The contents (oldest first) and counters, without changing the queue."""
+        return ReplayQueueSnapshot(
+            items=tuple(self._store),
+            sink_version=self._sink_version,
+            put_total=self._put_total,
+            taken_total=self._taken_total,
+            drained_total=self._drained_total,
+            drops=dict(self._drops),
+            staleness_taken=tuple(self._staleness_taken),
+        )
+
+    def restore(self, snapshot: ReplayQueueSnapshot[T]) -> None:
+        """Loads a snapshot into this new, empty queue.
+
+        The bounds are this queue's (the run may have changed them); restored groups are
+        admitted even beyond them, and later puts wait until takes make room.
+        """
+        if self._store.groups or self._put_total or self._putters or self._takers:
+            raise RuntimeError("restore() needs a new, empty queue")
+        for item in snapshot.items:
+            self._check_fits(item)
+            self._insert(item)
+        self._sink_version = snapshot.sink_version
+        self._put_total = snapshot.put_total
+        self._taken_total = snapshot.taken_total
+        self._drained_total = snapshot.drained_total
+        self._drops = dict(snapshot.drops)
+        hist = list(snapshot.staleness_taken[: self.max_staleness + 1])
+        self._staleness_taken = hist + [0] * (self.max_staleness + 1 - len(hist))
+
+    # -- internals -------------------------------------------------------------------
+
+    def _check_fits(self, item: T) -> None:
+        if item.num_tokens > self.max_tokens:
+            raise ValueError(
+                f"group {item.prompt_id!r} has {item.num_tokens} tokens, more than "
+                f"max_tokens={self.max_tokens}: it could never be queued; raise max_tokens"
+            )
+
+    def _has_room(self, tokens: int) -> bool:
+        store = self._store
+        return store.groups < self.max_groups and store.tokens + tokens <= self.max_tokens
+
+    def _insert(self, item: T) -> None:
+        self._store.insert(item)
+        self._put_total += 1
+        if self._takers:
+            self._wake_taker()
+
+    def _drop_if_stale(self, item: T) -> bool:
+        sink = self._sink_version
+        if sink is None or sink - item.min_version <= self.max_staleness:
+            return False
+        # Dropped on arrival: a taker already works at a version this group is too old
+        # for, so keeping it would only hold room (and an admission slot) hostage.
+        self._put_total += 1
+        self._record_drops([item], sink)
+        return True
+
+    def _record_drops(self, items: list[T], at_version: int) -> None:
+        self._drops[DROP_STALE] = self._drops.get(DROP_STALE, 0) + len(items)
+        for item in items:
+            dropped = Dropped(
+                prompt_id=item.prompt_id,
+                reason=DROP_STALE,
+                min_version=item.min_version,
+                at_version=at_version,
+                item=item,
+            )
+            if self._on_drop is None:
+                self._dropped.append(dropped)
+            else:
+                self._on_drop(dropped)
+
+    def _advance_sink(self, n_groups: int, at_version: int) -> None:
+        if n_groups < 1 or n_groups > self.max_groups:
+            raise ValueError(f"n_groups={n_groups}: must be in [1, max_groups={self.max_groups}]")
+        sink = self._sink_version
+        if sink is not None and at_version < sink:
+            raise ValueError(f"at_version went back from {sink} to {at_version}")
+        if sink == at_version:
+            return
+        self._sink_version = at_version
+        stale = self._store.pop_older_than(at_version - self.max_staleness)
+        if stale:
+            self._record_drops(stale, at_version)
+        # Parked putters re-check: their groups may now be stale, and room may have opened.
+        for waiter in self._putters:
+            waiter.event.set()
+
+    def _pop(self, n: int, at_version: int, homogeneous: bool) -> list[T]:
+        if homogeneous and self.bucket_edges and self.max_staleness > 0:
+            # Urgent: groups that would be too stale at the next version must go now.
+            items = self._store.pop_homogeneous(n, at_version + 1 - self.max_staleness)
+        else:
+            items = self._store.pop_oldest(n)
+        hist = self._staleness_taken
+        for item in items:
+            # A group newer than the taker (only a caller's bug can make one) counts as 0.
+            hist[max(0, at_version - item.min_version)] += 1
+        self._taken_total += len(items)
+        self._wake_putter()
+        return items
+
+    def _wake_putter(self) -> None:
+        if self._putters:
+            head = self._putters[0]
+            if self._closed or self._has_room(head.need):
+                head.event.set()
+
+    def _wake_taker(self) -> None:
+        if self._takers:
+            head = self._takers[0]
+            if self._closed or self._store.groups >= head.need:
+                head.event.set()
+
+    def _wake_starved_taker(self) -> None:
+        # A putter just parked: if the head taker wants more groups than are queued, only
+        # that taker could free room, so it must wake and find out it never will.
+        if self._takers and self._takers[0].need > self._store.groups:
+            self._takers[0].event.set()
+
+    def _check_starved(self, waiter: _Waiter) -> None:
+        if self._takers[0] is not waiter or self._store.groups >= waiter.need or not self._putters:
+            return
+        head = self._putters[0]
+        if head.event.is_set() or self._has_room(head.need):
+            return  # that putter is about to run and may still fit or be dropped
+        raise QueueTooSmall(
+            f"take of {waiter.need} groups can never be served: the queue holds "
+            f"{self._store.groups} groups ({self._store.tokens} tokens) and the next group "
+            f"({head.need} tokens) does not fit in max_tokens={self.max_tokens}"
+        )

@@ -1,0 +1,240 @@
+"""AdmissionGate: AReaL's rule, waiting and hand-off, give-backs, snapshot; gate + queue."""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from collections.abc import Callable
+
+import anyio
+import anyio.abc
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from buffers import AdmissionGate, Dropped, GateShutDown, GateSnapshot, ReplayQueue
+
+
+class Item(msgspec.Struct, frozen=True, kw_only=True):
+    prompt_id: str
+    min_version: int
+    num_tokens: int = 10
+
+
+async def wait_until(predicate: Callable[[], bool]) -> None:
+    for _ in range(1000):
+        if predicate():
+            return
+        await anyio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+def admitted_now(gate: AdmissionGate) -> int:
+    n = 0
+    while gate.try_acquire():
+        n += 1
+    return n
+
+
+def test_zero_staleness_admits_exactly_one_step_per_version() -> None:
+    gate = AdmissionGate(groups_per_step=4, max_staleness=0)
+    assert admitted_now(gate) == 4
+    for version in range(1, 5):
+        gate.on_version(version)
+        assert admitted_now(gate) == 4
+    assert gate.started == 20 == gate.limit
+
+
+def test_limit_follows_areal_rule() -> None:
+    gate = AdmissionGate(groups_per_step=3, max_staleness=2)
+    assert gate.limit == (0 + 2 + 1) * 3 == gate.open_slots
+    assert admitted_now(gate) == 9 and gate.open_slots == 0
+    gate.on_version(2)
+    assert gate.limit == 15 and gate.open_slots == 6
+
+
+def test_release_gives_a_slot_back() -> None:
+    gate = AdmissionGate(groups_per_step=2, max_staleness=0)
+    assert admitted_now(gate) == 2
+    gate.release()
+    assert gate.open_slots == 1 and gate.try_acquire() and not gate.try_acquire()
+    stats = gate.statistics()
+    assert (stats.admitted_total, stats.released_total, stats.started) == (3, 1, 2)
+
+
+def test_bad_calls_are_refused() -> None:
+    with pytest.raises(ValueError):
+        AdmissionGate(groups_per_step=0, max_staleness=0)
+    with pytest.raises(ValueError):
+        AdmissionGate(groups_per_step=1, max_staleness=-1)
+    gate = AdmissionGate(groups_per_step=1, max_staleness=0, version=3)
+    with pytest.raises(ValueError, match="went back"):
+        gate.on_version(2)
+    with pytest.raises(ValueError, match="release"):
+        gate.release()
+
+
+@pytest.mark.asyncio
+async def test_acquire_waits_while_shut_and_on_version_opens_it_in_order() -> None:
+    gate = AdmissionGate(groups_per_step=2, max_staleness=0)
+    assert admitted_now(gate) == 2
+    order: list[int] = []
+
+    async def rollout(i: int) -> None:
+        await gate.acquire()
+        order.append(i)
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            for i in range(3):
+                tg.start_soon(rollout, i)
+                await wait_until(lambda i=i: gate.statistics().waiting_now == i + 1)
+            assert not gate.try_acquire()  # waiters come first
+            gate.on_version(1)  # two slots: handed to the first two waiters
+            await wait_until(lambda: len(order) == 2)
+            assert gate.statistics().waiting_now == 1
+            gate.release()  # a failed start: its slot goes to the last waiter
+    assert order == [0, 1, 2]
+    stats = gate.statistics()
+    assert stats.waits == 3 and stats.wait_seconds > 0 and stats.started == 4
+
+
+@pytest.mark.asyncio
+async def test_cancelled_wait_leaks_no_slot() -> None:
+    gate = AdmissionGate(groups_per_step=1, max_staleness=0)
+    assert admitted_now(gate) == 1
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(gate.acquire)
+            await wait_until(lambda: gate.statistics().waiting_now == 1)
+            tg.cancel_scope.cancel()
+    assert gate.statistics().waiting_now == 0
+    gate.on_version(1)
+    assert gate.try_acquire() and gate.started == 2
+
+
+@pytest.mark.asyncio
+async def test_shut_down_wakes_waiters() -> None:
+    gate = AdmissionGate(groups_per_step=1, max_staleness=0)
+    assert admitted_now(gate) == 1
+    failures: list[str] = []
+
+    async def rollout() -> None:
+        try:
+            await gate.acquire()
+        except GateShutDown:
+            failures.append("shut")
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(rollout)
+            await wait_until(lambda: gate.statistics().waiting_now == 1)
+            gate.shut_down()
+    assert failures == ["shut"]
+    with pytest.raises(GateShutDown):
+        gate.try_acquire()
+    with pytest.raises(GateShutDown):
+        await gate.acquire()
+    assert gate.statistics().shut_down
+
+
+def test_snapshot_restores_the_counters() -> None:
+    gate = AdmissionGate(groups_per_step=4, max_staleness=1)
+    gate.on_version(3)
+    admitted = admitted_now(gate)
+    gate.release(2)
+    raw = msgspec.msgpack.encode(gate.snapshot(in_flight=3))
+    snap = msgspec.msgpack.decode(raw, type=GateSnapshot)
+    resumed = AdmissionGate(groups_per_step=4, max_staleness=1)
+    resumed.restore(snap)
+    # The 3 in-flight prompts (lost with the process) plus the 2 released can start again.
+    assert (resumed.version, resumed.started) == (3, admitted - 5)
+    assert admitted_now(resumed) == 5
+    with pytest.raises(RuntimeError):
+        resumed.restore(snap)
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    groups_per_step=st.integers(1, 5),
+    max_staleness=st.integers(0, 3),
+    ops=st.lists(st.sampled_from(["acquire", "release", "step"]), max_size=60),
+)
+def test_started_never_exceeds_the_bound(
+    groups_per_step: int, max_staleness: int, ops: list[str]
+) -> None:
+    gate = AdmissionGate(groups_per_step=groups_per_step, max_staleness=max_staleness)
+    for op in ops:
+        if op == "acquire":
+            opened = gate.open_slots
+            assert gate.try_acquire() == (opened > 0)
+        elif op == "release" and gate.started:
+            gate.release()
+        elif op == "step":
+            gate.on_version(gate.version + 1)
+        stats = gate.statistics()
+        assert stats.started <= (gate.version + max_staleness + 1) * groups_per_step
+        assert stats.started == stats.admitted_total - stats.released_total
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("max_staleness", [1, 2])
+async def test_stale_drop_gives_the_slot_back_so_training_goes_on(max_staleness: int) -> None:
+    """The controller's loop in miniature: some groups are slow and go stale. Re-queueing
+    the prompt and releasing its slot keeps training going; without the release every
+    drop leaks a slot, and once more than max_staleness * groups_per_step have leaked
+    the gate stays shut while the trainer waits for groups: a deadlock."""
+    groups_per_step, steps = 2, 6
+    gate = AdmissionGate(groups_per_step=groups_per_step, max_staleness=max_staleness)
+    prompts: deque[str] = deque(f"p{i}" for i in range(groups_per_step * steps))
+    version = 0
+    trained: list[str] = []
+    # First attempts of these finish only after the trainer moved past their bound.
+    slow = {f"p{i}" for i in range(0, groups_per_step * steps, 3)}
+    more = anyio.Event()
+
+    def on_drop(d: Dropped[Item]) -> None:
+        prompts.appendleft(d.prompt_id)
+        gate.release()
+        more.set()
+
+    queue = ReplayQueue[Item](
+        max_groups=8, max_tokens=1000, max_staleness=max_staleness, on_drop=on_drop
+    )
+
+    async def rollout(prompt: str, started_at: int) -> None:
+        if prompt in slow:
+            slow.discard(prompt)
+            while version <= started_at + max_staleness:
+                await anyio.sleep(0.001)
+        await queue.put(Item(prompt_id=prompt, min_version=started_at))
+
+    async def rollouts(tg: anyio.abc.TaskGroup) -> None:
+        nonlocal more
+        while len(trained) < groups_per_step * steps:
+            if not prompts:
+                more = anyio.Event()
+                await more.wait()
+                continue
+            await gate.acquire()
+            tg.start_soon(rollout, prompts.popleft(), version)
+
+    async def trainer() -> None:
+        nonlocal version
+        for _ in range(steps):
+            got = await queue.take(groups_per_step, version)
+            trained.extend(g.prompt_id for g in got)
+            version += 1
+            gate.on_version(version)
+        queue.close()
+        gate.shut_down()
+        more.set()
+
+    with anyio.fail_after(3):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(trainer)
+            with contextlib.suppress(GateShutDown):
+                await rollouts(tg)
+    assert sorted(trained) == sorted(f"p{i}" for i in range(groups_per_step * steps))
+    assert queue.statistics().drops["stale"] >= 2
