@@ -76,8 +76,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             config = load_config(args.config, args.overrides)
             from async_rl.controller import run_training
+            from async_rl.report import print_report
 
-            run_training(config)
+            summary = run_training(config)
+            if config.run.record_spans:
+                print_report(config.run.output_dir)
+            print(f"accuracy {summary.accuracy_start} -> {summary.accuracy_end}; "
+                  f"run directory {config.run.output_dir}")
             return 0
         if args.command == "report":
             from async_rl.report import compare, print_report

@@ -29,7 +29,7 @@ from async_rl.batching import shard_batches
 from async_rl.config import Config
 from async_rl.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.progress import RunProgress
-from async_rl.records import Group, LedgerEntry, Prompt, ShardStepResult
+from async_rl.records import BroadcastTiming, Group, LedgerEntry, Prompt, ShardStepResult
 from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward
 from async_rl.run_dir import FINAL_MODEL, RunSummary, RunWriter
 from async_rl.spans import Span, SpanRecorder
@@ -42,7 +42,7 @@ from workers.placement import WorkerIdentity, assign_cpus, in_bundle, registry_t
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.rollout import RolloutWorker
 from workers.trainer import TrainerShard
-from workers.weights import WeightBroadcast
+from workers.weights import Published, WeightBroadcast
 
 
 def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ...]]:
@@ -87,6 +87,8 @@ class Controller:
         self.open_prompts: dict[str, Prompt] = {}
         """Admitted and not yet trained or re-queued: in flight or in the queue."""
         self.totals = StepTotals()
+        self.timings: list[BroadcastTiming] = []
+        """Broadcast timings completed since the last metrics row."""
         self.rollout: dict[int, Any] = {}
         self.trainers: list[Any] = []
         self.identities: list[WorkerIdentity] = []
@@ -150,6 +152,9 @@ class Controller:
         await self.start_workers()
         accuracy_start = await self.evaluate()
         started = time.perf_counter()
+        # Idle accounting covers the training window only: drop setup and evaluation.
+        self.admission.flush()
+        self.training.flush()
         with RunProgress(self.config.run.num_steps, enabled=self.config.run.progress) as bar:
             async with anyio.create_task_group() as loops:
                 loops.start_soon(self.rollout_loop)
@@ -221,38 +226,56 @@ class Controller:
                 free.notify_all()
 
     async def training_loop(self, bar: RunProgress) -> None:
-        """Take a step's groups, plan, train on every shard, publish the new version."""
+        """Take a step's groups, plan, train on every shard, publish the new version.
+
+        Delivery of a published version to the rollout workers runs beside the next
+        step; the gate opens for a version only once every worker runs it.
+        """
         cfg = self.config
-        for step in range(1, cfg.run.num_steps + 1):
-            self.training.switch("wait_data", self.version)
-            t0 = time.perf_counter()
-            groups = await self.queue.take(cfg.trainer.groups_per_step, at_version=self.version)
-            self.training.switch("training")
-            wait_s = time.perf_counter() - t0
-            batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step)
-            results: list[ShardStepResult] = await asyncio.gather(
-                *(shard.train_step.remote(b) for shard, b in zip(self.trainers, batches,
-                                                                 strict=True))
-            )
-            train_s = time.perf_counter() - t0 - wait_s
-            staleness = [self.version - g.min_version for g in groups]
-            self.version += 1
-            for group in groups:
-                self.open_prompts.pop(group.prompt_id, None)
-                self._ledger(group.prompt, "trained", version=self.version - 1)
-            timings = []
-            if self.version % cfg.weights.sync_every == 0:
-                self.training.switch("weight_publish", self.version)
-                timings = await self.broadcast.publish(self.version)
-                self.gate.on_version(self.version)
-            row = step_row(
-                step=step, version=self.version, groups=groups, results=results, plan=plan,
-                staleness=staleness, wait_s=wait_s, train_s=train_s,
-                sync_s=time.perf_counter() - t0 - wait_s - train_s, timings=timings,
-                queue=self.queue.statistics(), totals=self.totals,
-            )
-            self.out.metrics(row)
-            bar.update(row)
+        delivered = anyio.Event()
+        delivered.set()
+        async with anyio.create_task_group() as deliveries:
+            for step in range(1, cfg.run.num_steps + 1):
+                self.training.switch("wait_data", self.version)
+                t0 = time.perf_counter()
+                groups = await self.queue.take(cfg.trainer.groups_per_step,
+                                               at_version=self.version)
+                self.training.switch("training")
+                t1 = time.perf_counter()
+                batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step)
+                results: list[ShardStepResult] = await asyncio.gather(
+                    *(shard.train_step.remote(b)
+                      for shard, b in zip(self.trainers, batches, strict=True))
+                )
+                t2 = time.perf_counter()
+                staleness = [self.version - g.min_version for g in groups]
+                self.version += 1
+                for group in groups:
+                    self.open_prompts.pop(group.prompt_id, None)
+                    self._ledger(group.prompt, "trained", version=self.version - 1)
+                if self.version % cfg.weights.sync_every == 0:
+                    self.training.switch("weight_publish", self.version)
+                    published = await self.broadcast.publish(self.version)
+                    previous, delivered = delivered, anyio.Event()
+                    deliveries.start_soon(self.deliver, published, previous, delivered)
+                timings, self.timings = self.timings, []
+                row = step_row(
+                    step=step, version=self.version, groups=groups, results=results,
+                    plan=plan, staleness=staleness, wait_s=t1 - t0, train_s=t2 - t1,
+                    sync_s=time.perf_counter() - t2, timings=timings,
+                    queue=self.queue.statistics(), totals=self.totals,
+                )
+                self.out.metrics(row)
+                bar.update(row)
+            self.training.switch("weight_publish")  # the last delivery, awaited on exit
+
+    async def deliver(self, published: Published, previous: anyio.Event,
+                      done: anyio.Event) -> None:
+        """Loads a published version into every rollout worker, in version order."""
+        await previous.wait()
+        self.timings.extend(await self.broadcast.deliver(published))
+        self.gate.on_version(published.version)
+        done.set()
 
     async def evaluate(self) -> float | None:
         """Greedy accuracy of the current policy on the held-out prompts (rollout worker)."""

@@ -40,7 +40,10 @@ class RunIdle(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def idle_of(spans: Sequence[Span]) -> tuple[RunIdle, list[Span]]:
-    """Resolves causes and accounts the window from the first to the last controller span."""
+    """Resolves causes and accounts the window from the first to the last controller span.
+
+    Returns the accounting and the resolved spans clipped to that window, for drawing.
+    """
     workers = [s for s in spans if s.role != "controller"]
     controller = [s for s in spans if s.role == "controller"]
     resolved = resolve(workers, controller)
@@ -48,8 +51,13 @@ def idle_of(spans: Sequence[Span]) -> tuple[RunIdle, list[Span]]:
     start = min((s.start for s in window), default=0.0)
     end = max((s.end for s in window), default=0.0)
     per_worker = breakdown(resolved, start, end)
+    shown = [
+        msgspec.structs.replace(s, start=max(s.start, start), end=min(s.end, end))
+        for s in resolved + controller
+        if s.end > start and s.start < end
+    ]
     return (RunIdle(start=start, end=end, workers=tuple(per_worker),
-                    roles=tuple(by_role(per_worker))), resolved + controller)
+                    roles=tuple(by_role(per_worker))), shown)
 
 
 def build_report(run_dir: str | Path) -> RunIdle:
@@ -60,6 +68,12 @@ def build_report(run_dir: str | Path) -> RunIdle:
     write_timeline_png(resolved, path / TIMELINE, title=f"{path.name}: what each device did")
     (path / IDLE_JSON).write_bytes(msgspec.json.format(msgspec.json.encode(idle)))
     return idle
+
+
+def _console() -> Console:
+    """Wide enough for every cause column even when output goes to a file or a pipe."""
+    console = Console()
+    return console if console.is_terminal else Console(width=160)
 
 
 def _pct(part: float, whole: float) -> str:
@@ -85,7 +99,7 @@ def idle_table(idle: RunIdle, title: str) -> Table:
 
 def print_report(run_dir: str | Path, console: Console | None = None) -> RunIdle:
     """Rebuilds the outputs and prints the idle table, hints and headline figures."""
-    console = console or Console()
+    console = console or _console()
     path = Path(run_dir)
     idle = build_report(path)
     console.print(idle_table(idle, f"idle time by cause: {path}"))
@@ -107,7 +121,7 @@ def print_report(run_dir: str | Path, console: Console | None = None) -> RunIdle
 
 def compare(run_dirs: Sequence[str | Path], console: Console | None = None) -> None:
     """Two (or more) runs side by side: throughput, accuracy and idle by role and cause."""
-    console = console or Console()
+    console = console or _console()
     columns = [Path(r) for r in run_dirs]
     rows: dict[str, list[str]] = {}
 

@@ -1,9 +1,11 @@
 """Versioned weight broadcast: trainer shard 0 publishes, every rollout worker loads.
 
-Owns: the order of a broadcast (serialise on the source shard, hand the bytes to Ray's
-object store once, let every rollout worker pull them and load them into its engine) and
-its timing, split into publish, transfer, pause and load. Knows nothing about when to
-broadcast (the controller decides) or how an engine loads (the rollout worker does).
+Owns: the two halves of a broadcast and their timing — ``publish`` (serialise on the
+source shard into Ray's object store, once) and ``deliver`` (every rollout worker pulls
+the bytes and loads them into its engine), split into publish, transfer, pause and load.
+The halves are separate so the trainer can go on with the next step while rollout
+workers load. Knows nothing about when to broadcast (the controller decides) or how an
+engine loads (the rollout worker does).
 """
 
 from __future__ import annotations
@@ -18,6 +20,16 @@ import ray
 from async_rl.records import BroadcastTiming
 
 
+class Published(msgspec.Struct, frozen=True, kw_only=True):
+    """A version's weights sitting in the object store, ready to deliver."""
+
+    version: int
+    state: Any
+    """ObjectRef of the safetensors bytes (kept in the store; never fetched here)."""
+    publish_s: float
+    published_at: float
+
+
 class WeightBroadcast:
     """Publishes the source shard's weights to a set of rollout worker actors."""
 
@@ -26,18 +38,27 @@ class WeightBroadcast:
         self.rollout_workers = rollout_workers
         """rank -> actor handle; the controller removes dead workers from it."""
 
-    async def publish(self, version: int) -> list[BroadcastTiming]:
-        """Makes ``version`` the policy of every live rollout worker; returns their timings."""
+    async def publish(self, version: int) -> Published:
+        """Snapshots the source shard's weights as ``version``.
+
+        The snapshot call is queued on the shard before any later training call, so it
+        captures exactly the weights of ``version`` even if training goes on meanwhile.
+        """
         started = time.perf_counter()
-        # Stays in the object store: each worker's node pulls it once, passed as a ref.
         state_ref = self.source_shard.state_bytes.remote()
         await asyncio.to_thread(ray.wait, [state_ref], fetch_local=False)
-        publish_s = time.perf_counter() - started
-        published_at = time.time()
+        return Published(version=version, state=state_ref,
+                         publish_s=time.perf_counter() - started, published_at=time.time())
+
+    async def deliver(self, published: Published) -> list[BroadcastTiming]:
+        """Makes the published version the policy of every live rollout worker."""
+        # Passed as a top-level argument, the ref is resolved by Ray on each worker's node.
         timings: list[BroadcastTiming] = await asyncio.gather(
             *(
-                worker.update_weights.remote(version, state_ref, published_at)
-                for worker in self.rollout_workers.values()
+                worker.update_weights.remote(
+                    published.version, published.state, published.published_at
+                )
+                for worker in list(self.rollout_workers.values())
             )
         )
-        return [msgspec.structs.replace(t, publish_s=publish_s) for t in timings]
+        return [msgspec.structs.replace(t, publish_s=published.publish_s) for t in timings]

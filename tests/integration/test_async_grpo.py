@@ -77,9 +77,11 @@ def test_staleness_bound_two_is_kept_and_used(
     assert sum(hist) == summary.groups_trained == 6 * 4
     assert len(hist) <= 3, f"a group was trained with staleness > 2: {hist}"
     assert sum(hist[1:]) > 0, f"async run never trained off-policy: {hist}"
-    for row in read_metrics(tmp_path / "run"):
-        assert row["staleness_max"] <= 2
-        assert row["broadcast"] and row["broadcast"][0]["version"] == row["version"]
+    rows = read_metrics(tmp_path / "run")
+    assert all(row["staleness_max"] <= 2 for row in rows)
+    # Every version reached the rollout worker (deliveries overlap the next step).
+    delivered = sorted(t["version"] for row in rows for t in row["broadcast"])
+    assert delivered[: len(rows) - 1] == list(range(1, len(rows)))
     check_ledger(tmp_path / "run", summary.groups_trained)
     assert (tmp_path / "run" / FINAL_MODEL / "config.json").exists()
     idle = build_report(tmp_path / "run")
