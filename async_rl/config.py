@@ -66,10 +66,10 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Samples per prompt; GRPO normalises rewards within this group (needs >= 2)."""
     max_new_tokens: Positive = 8
     """Completion length cap per sample."""
-    temperature: Annotated[float, msgspec.Meta(ge=0)] = 1.0
-    """Sampling temperature of the behaviour policy."""
-    top_p: Fraction = 1.0
-    """Nucleus sampling mass."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature of the behaviour policy (the trainer scores at the same one).
+
+    No top-p/top-k: the trainer must be able to recompute the sampled distribution."""
     max_inflight_prompts: Positive = 16
     """Prompts a worker generates at once (each expands to group_size requests)."""
     memory_fraction: Fraction = 0.2

@@ -129,7 +129,8 @@ class Controller:
                 scheduling_strategy=in_bundle(groups["trainer"], ident.rank),
             ).remote(
                 rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
-                trainer=cfg.trainer, seed=cfg.run.seed, cpu_ids=ident.devices,
+                trainer=cfg.trainer, seed=cfg.run.seed, temperature=cfg.rollout.temperature,
+                cpu_ids=ident.devices,
                 master_port=port, record_spans=cfg.run.record_spans,
             )
             for ident in layout.trainer
@@ -215,10 +216,8 @@ class Controller:
             await self.queue.put(group)
         except ray.exceptions.RayError as err:
             self.totals.rollout_failures += 1
-            if isinstance(err, ray.exceptions.RayActorError):
-                self.rollout.pop(rank, None)  # a dead worker gets no more prompts
-                if not self.rollout:
-                    raise RuntimeError("every rollout worker has died") from err
+            if isinstance(err, ray.exceptions.RayActorError) or "RolloutWorkerError" in str(err):
+                self._retire(rank, f"{type(err).__name__}")  # dead or broken: no more prompts
             self._requeue(prompt, "failed", f"rollout_error:{type(err).__name__}")
         finally:
             async with free:
@@ -273,7 +272,10 @@ class Controller:
                       done: anyio.Event) -> None:
         """Loads a published version into every rollout worker, in version order."""
         await previous.wait()
-        self.timings.extend(await self.broadcast.deliver(published))
+        timings, failed = await self.broadcast.deliver(published)
+        self.timings.extend(timings)
+        for rank in failed:
+            self._retire(rank, f"weight load of version {published.version} failed")
         self.gate.on_version(published.version)
         done.set()
 
@@ -313,6 +315,14 @@ class Controller:
                 attempt=prompt.attempt, reason=reason, time=time.time(),
             )
         )
+
+    def _retire(self, rank: int, why: str) -> None:
+        """Stops using a dead or broken rollout worker; the run goes on with the others."""
+        if self.rollout.pop(rank, None) is not None:
+            print(f"rollout-{rank} retired: {why}")
+            self.totals.retired_workers += 1
+        if not self.rollout:
+            raise RuntimeError(f"every rollout worker is gone (last: rollout-{rank}: {why})")
 
     def _on_drop(self, dropped: Dropped[Group]) -> None:
         self.totals.dropped_stale += 1

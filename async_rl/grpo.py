@@ -65,8 +65,10 @@ def token_loss(
     loss = per_token.sum() / max(global_tokens, 1)
     with torch.no_grad():
         outside = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
-        neg = -log_ratio.detach()
-        k3 = torch.exp(neg) - 1.0 - neg
+        # k3 estimator of KL(behaviour || current) on behaviour samples: r - 1 - log r
+        # with r = pi_theta / pi_behaviour (unbiased, never negative).
+        log_r = log_ratio.detach()
+        k3 = torch.exp(log_r) - 1.0 - log_r
         stats = LossStats(
             tokens=int(logprobs.numel()),
             loss_sum=float(per_token.sum()),

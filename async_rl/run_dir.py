@@ -40,6 +40,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     rollout_failures: int
     reward_failures: int
     nonfinite_steps: int
+    retired_workers: int
     max_staleness: int
 
 

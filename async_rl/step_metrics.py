@@ -30,6 +30,7 @@ class StepTotals:
         self.rollout_failures = 0
         self.reward_failures = 0
         self.nonfinite_steps = 0
+        self.retired_workers = 0
         self.staleness: Counter[int] = Counter()
 
     def summary(self, *, wall_s: float, final_version: int, accuracy_start: float | None,
@@ -51,6 +52,7 @@ class StepTotals:
             rollout_failures=self.rollout_failures,
             reward_failures=self.reward_failures,
             nonfinite_steps=self.nonfinite_steps,
+            retired_workers=self.retired_workers,
             max_staleness=max_staleness,
         )
 

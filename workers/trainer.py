@@ -46,6 +46,7 @@ class TrainerShard:
         model: ModelConfig,
         trainer: TrainerConfig,
         seed: int,
+        temperature: float = 1.0,
         cpu_ids: tuple[int, ...] = (),
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
@@ -56,6 +57,8 @@ class TrainerShard:
         self.model_config = model
         self.config = trainer
         self.seed = seed
+        self.temperature = temperature
+        """Rollout's sampling temperature: behaviour logprobs are of logits / temperature."""
         self.cpu_ids = cpu_ids
         self.master_addr = master_addr
         self.master_port = master_port
@@ -117,6 +120,7 @@ class TrainerShard:
             targets_at.append((row, len(seq.prompt_token_ids), len(seq.completion_token_ids)))
         ids, mask = ids.to(self.device), mask.to(self.device)
         logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        logits = logits / self.temperature
         logprobs_all = torch.log_softmax(logits[:, :-1], dim=-1)
         token_logprobs = logprobs_all.gather(-1, ids[:, 1:].unsqueeze(-1)).squeeze(-1)
         # Completion token j of a row sits at position p + j and is predicted at p + j - 1.

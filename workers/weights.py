@@ -50,15 +50,25 @@ class WeightBroadcast:
         return Published(version=version, state=state_ref,
                          publish_s=time.perf_counter() - started, published_at=time.time())
 
-    async def deliver(self, published: Published) -> list[BroadcastTiming]:
-        """Makes the published version the policy of every live rollout worker."""
+    async def deliver(self, published: Published) -> tuple[list[BroadcastTiming], list[int]]:
+        """Makes the published version the policy of every live rollout worker.
+
+        Returns the timings of the workers that loaded it and the ranks of those that
+        failed (a failed load leaves a worker unusable; the caller retires it).
+        """
+        ranks = list(self.rollout_workers)
         # Passed as a top-level argument, the ref is resolved by Ray on each worker's node.
-        timings: list[BroadcastTiming] = await asyncio.gather(
+        outcomes = await asyncio.gather(
             *(
-                worker.update_weights.remote(
+                self.rollout_workers[rank].update_weights.remote(
                     published.version, published.state, published.published_at
                 )
-                for worker in list(self.rollout_workers.values())
-            )
+                for rank in ranks
+            ),
+            return_exceptions=True,
         )
-        return [msgspec.structs.replace(t, publish_s=published.publish_s) for t in timings]
+        timings = [msgspec.structs.replace(t, publish_s=published.publish_s)
+                   for t in outcomes if isinstance(t, BroadcastTiming)]
+        failed = [rank for rank, t in zip(ranks, outcomes, strict=True)
+                  if isinstance(t, BaseException)]
+        return timings, failed

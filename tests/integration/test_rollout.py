@@ -1,0 +1,246 @@
+"""RolloutWorker as a real Ray actor around the real vLLM CPU engine and the tiny model.
+
+One engine serves the whole module (starting one takes ~25 s on this machine). Tests read
+the current version instead of assuming one, so they do not depend on their order.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+import safetensors.torch
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from async_rl.config import ModelConfig, RolloutConfig, WeightsConfig
+from async_rl.records import Group, Prompt
+from workers.rollout import RolloutWorker
+
+pytestmark = pytest.mark.ray
+
+# The reward function travels to the actor by value: this module is not importable there.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
+
+GROUP_SIZE = 4
+LONG = 64  # tokens per sample: long enough for a weight update to land mid-generation
+PROMPT = Prompt(prompt_id="t-0", text="12+7=", answer="19")
+EVAL = [Prompt(prompt_id=f"e-{a}", text=f"{a}+{a + 3}=", answer=str(2 * a + 3))
+        for a in range(6)]
+TIMEOUT = 120
+
+
+def starts_with_digit(prompt: Prompt, completion_text: str) -> float:
+    """Test reward: 1 when the completion starts like a number; raises on request."""
+    if prompt.answer == "raise":
+        raise RuntimeError("reward function bug")
+    return 1.0 if completion_text[:1].isdigit() else 0.0
+
+
+def perturbed_state(model_dir: Path, seed: int) -> bytes:
+    """The model's weights with noise of their own size added, as the trainer sends them."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    gen = torch.Generator().manual_seed(seed)
+    state = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight":  # tied to the embedding, as the trainer drops it
+            continue
+        scale = tensor.float().std() if tensor.numel() > 1 else torch.tensor(1.0)
+        noise = torch.randn(tensor.shape, generator=gen) * scale
+        state[name] = (tensor + noise.to(tensor.dtype)).contiguous()
+    return safetensors.torch.save(state)
+
+
+def reference_logprobs(
+    model_dir: Path, state: bytes | None, group: Group
+) -> list[list[float]]:
+    """Each sample's token logprobs under transformers with ``state`` (base if None)."""
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    if state is not None:
+        # lm_head is tied to the embedding, so it is absent from the state.
+        model.load_state_dict(safetensors.torch.load(state), strict=False)
+    prompt = list(group.prompt_token_ids)
+    out = []
+    with torch.no_grad():
+        for sample in group.samples:
+            ids = torch.tensor([prompt + list(sample.token_ids)])
+            logits = model(ids).logits[0, len(prompt) - 1 : -1]
+            picked = logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])
+            out.append(picked[:, 0].tolist())
+    return out
+
+
+def assert_behaviour_logprobs(model_dir: Path, state: bytes | None, group: Group) -> None:
+    """vLLM's behaviour logprobs are the policy's own (what the trainer recomputes)."""
+    for sample, ref in zip(group.samples, reference_logprobs(model_dir, state, group),
+                           strict=True):
+        assert sample.logprobs == pytest.approx(ref, abs=1e-4)
+
+
+def make_worker(model_dir: Path, transfer_dir: str) -> Any:
+    actor = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=64).remote(
+        rank=0,
+        model=ModelConfig(path=str(model_dir)),
+        rollout=RolloutConfig(group_size=GROUP_SIZE, max_new_tokens=LONG, temperature=1.0),
+        weights=WeightsConfig(update_mode="in_flight", transfer_dir=transfer_dir),
+        reward_fn=starts_with_digit,
+        seed=0,
+        cpu_ids=(0,),
+        kv_cache_gib=1,
+        ignore_eos=True,
+    )
+    pid = ray.get(actor.start.remote(), timeout=300)
+    assert isinstance(pid, int) and pid > 0
+    return actor
+
+
+@pytest.fixture(scope="module")
+def transfer_dir() -> Iterator[str]:
+    root = "/dev/shm" if Path("/dev/shm").is_dir() else None
+    with tempfile.TemporaryDirectory(prefix="async-rl-test-", dir=root) as path:
+        yield path
+
+
+@pytest.fixture(scope="module")
+def worker(ray_cluster: None, tiny_model_dir: Path, transfer_dir: str) -> Iterator[Any]:
+    actor = make_worker(tiny_model_dir, transfer_dir)
+    try:
+        yield actor
+    finally:
+        ray.get(actor.shutdown.remote(), timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def noisy_states(ray_cluster: None, tiny_model_dir: Path) -> list[Any]:
+    """A few perturbed weight sets, already in the object store (the controller's way)."""
+    return [ray.put(perturbed_state(tiny_model_dir, seed)) for seed in range(3)]
+
+
+def wait_until_generating(actor: Any, min_tokens: int) -> None:
+    deadline = time.monotonic() + 60
+    while ray.get(actor.statistics.remote(), timeout=TIMEOUT).tokens_in_flight < min_tokens:
+        assert time.monotonic() < deadline, "generation never started"
+        time.sleep(0.005)
+
+
+def check_group(group: Group, prompt_ids: list[int]) -> None:
+    assert len(group.samples) == GROUP_SIZE
+    assert list(group.prompt_token_ids) == prompt_ids
+    for sample in group.samples:
+        assert len(sample.token_ids) == len(sample.logprobs) == len(sample.versions) == LONG
+        assert sample.finish_reason == "length"
+        assert all(math.isfinite(lp) and lp <= 0.0 for lp in sample.logprobs)
+        assert list(sample.versions) == sorted(sample.versions)
+    assert group.num_tokens == GROUP_SIZE * (len(prompt_ids) + LONG)
+
+
+def test_generate_group(worker: Any, tiny_model_dir: Path) -> None:
+    stats = ray.get(worker.statistics.remote(), timeout=TIMEOUT)
+    group: Group = ray.get(worker.generate_group.remote(PROMPT), timeout=TIMEOUT)
+    # The ids vLLM used are the tokenizer's own (character-level, nothing added).
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    check_group(group, tokenizer.encode(PROMPT.text))
+    if stats.version == 0:
+        assert_behaviour_logprobs(tiny_model_dir, None, group)
+    assert group.min_version == group.max_version == stats.version == stats.weight_updates
+    for sample in group.samples:
+        assert set(sample.versions) == {stats.version}
+        assert sample.text == tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        assert sample.reward == starts_with_digit(PROMPT, sample.text)
+        assert not sample.reward_failed
+    after = ray.get(worker.statistics.remote(), timeout=TIMEOUT)
+    assert after.groups_generated == stats.groups_generated + 1
+    assert after.tokens_generated == stats.tokens_generated + GROUP_SIZE * LONG
+    assert after.requests_running == 0 and after.engine_start_s > 0
+
+
+def test_raising_reward_scores_zero_and_counts(worker: Any) -> None:
+    before = ray.get(worker.statistics.remote(), timeout=TIMEOUT).reward_failures
+    bad = Prompt(prompt_id="t-raise", text="3+4=", answer="raise")
+    group: Group = ray.get(worker.generate_group.remote(bad), timeout=TIMEOUT)
+    assert all(s.reward == 0.0 and s.reward_failed for s in group.samples)
+    after = ray.get(worker.statistics.remote(), timeout=TIMEOUT).reward_failures
+    assert after == before + GROUP_SIZE
+
+
+def test_evaluate_is_greedy_accuracy(worker: Any) -> None:
+    greedy = ray.get(worker.generate_greedy.remote(EVAL), timeout=TIMEOUT)
+    again = ray.get(worker.generate_greedy.remote(EVAL), timeout=TIMEOUT)
+    assert [s.token_ids for s in greedy] == [s.token_ids for s in again]
+    accuracy = ray.get(worker.evaluate.remote(EVAL), timeout=TIMEOUT)
+    assert accuracy == pytest.approx(sum(s.reward for s in greedy) / len(EVAL))
+
+
+def test_update_weights_changes_policy(
+    worker: Any, noisy_states: list[Any], transfer_dir: str, tiny_model_dir: Path
+) -> None:
+    version = ray.get(worker.version.remote(), timeout=TIMEOUT)
+    before = ray.get(worker.generate_greedy.remote(EVAL), timeout=TIMEOUT)
+    published = time.time()
+    timing = ray.get(
+        worker.update_weights.remote(version + 1, noisy_states[0], published), timeout=TIMEOUT
+    )
+    assert timing.version == version + 1 and timing.rollout_rank == 0
+    assert timing.publish_s == 0.0
+    assert min(timing.transfer_s, timing.pause_s, timing.load_s) >= 0.0
+    assert timing.transfer_s + timing.pause_s + timing.load_s <= time.time() - published
+    assert ray.get(worker.version.remote(), timeout=TIMEOUT) == version + 1
+    assert list(Path(transfer_dir).iterdir()) == []  # the weights file was removed
+
+    group: Group = ray.get(worker.generate_group.remote(PROMPT), timeout=TIMEOUT)
+    assert group.min_version == group.max_version == version + 1
+    # Every layer took the new weights, the tied output head included.
+    assert_behaviour_logprobs(tiny_model_dir, ray.get(noisy_states[0]), group)
+    after = ray.get(worker.generate_greedy.remote(EVAL), timeout=TIMEOUT)
+    assert [s.token_ids for s in after] != [s.token_ids for s in before]
+    # A stale version is refused, and the loaded one stays.
+    with pytest.raises(ValueError, match="not newer"):
+        ray.get(worker.update_weights.remote(version, noisy_states[0], published),
+                timeout=TIMEOUT)
+    assert ray.get(worker.version.remote(), timeout=TIMEOUT) == version + 1
+
+
+def test_in_flight_update_mixes_versions_within_a_sample(
+    worker: Any, noisy_states: list[Any]
+) -> None:
+    version = ray.get(worker.version.remote(), timeout=TIMEOUT)
+    ray.get(worker.drain_spans.remote(), timeout=TIMEOUT)
+    pending = worker.generate_group.remote(PROMPT)
+    wait_until_generating(worker, min_tokens=GROUP_SIZE)
+    ray.get(worker.update_weights.remote(version + 1, noisy_states[1], time.time()),
+            timeout=TIMEOUT)
+    group: Group = ray.get(pending, timeout=TIMEOUT)
+    assert group.min_version == version and group.max_version == version + 1
+    for sample in group.samples:
+        assert set(sample.versions) <= {version, version + 1}
+        assert list(sample.versions) == sorted(sample.versions)
+        assert len(sample.versions) == LONG and sample.finish_reason == "length"
+    assert any(len(set(s.versions)) == 2 for s in group.samples)
+
+    causes = {span.cause for span in ray.get(worker.drain_spans.remote(), timeout=TIMEOUT)}
+    assert {"generate", "weight_sync"} <= causes <= {"generate", "weight_sync", "idle"}
+
+
+def test_drain_update_finishes_running_samples_first(
+    worker: Any, noisy_states: list[Any]
+) -> None:
+    version = ray.get(worker.version.remote(), timeout=TIMEOUT)
+    pending = worker.generate_group.remote(PROMPT)
+    wait_until_generating(worker, min_tokens=GROUP_SIZE)
+    timing = ray.get(
+        worker.update_weights.remote(version + 1, noisy_states[2], time.time(), mode="drain"),
+        timeout=TIMEOUT,
+    )
+    group: Group = ray.get(pending, timeout=TIMEOUT)
+    # Every token of the running group came from the old weights: the load waited.
+    assert group.min_version == group.max_version == version
+    assert timing.pause_s > 0.0
+    fresh: Group = ray.get(worker.generate_group.remote(PROMPT), timeout=TIMEOUT)
+    assert fresh.min_version == fresh.max_version == version + 1

@@ -1,0 +1,413 @@
+"""The rollout worker: one vLLM ``AsyncLLM`` engine that turns prompts into scored groups.
+
+Owns: building the engine (CPU core binding, KV-cache size, the weight-loading worker
+extension), generating a prompt's ``group_size`` samples with behaviour logprobs and a
+policy version per token, scoring them, taking up published weights (in-flight or
+drain) with a per-phase timing, greedy evaluation, its counters and its spans. A plain
+class: the controller makes the actor with ``ray.remote(RolloutWorker).options(...)``;
+every method is async, so one actor serves many concurrent ``generate_group`` calls and
+an ``update_weights`` between them. vLLM is imported in ``start()`` only, so importing
+this module (the controller does) stays cheap.
+
+Knows nothing about admission, staleness bounds, queues, advantages or training: it
+generates what it is asked to and labels every token with the weights that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import math
+import os
+import time
+import uuid
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
+
+import msgspec
+
+from async_rl.config import ModelConfig, RolloutConfig, WeightsConfig
+from async_rl.records import BroadcastTiming, Group, Prompt, Sample, make_group
+from async_rl.rewards import RewardFn
+from async_rl.spans import UNRESOLVED, Span, SpanRecorder
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+EXTENSION_CLS = "workers.vllm_extension.WeightLoaderExtension"
+
+
+class RolloutWorkerError(RuntimeError):
+    """The worker cannot generate: not started, shut down, or a weight load failed."""
+
+
+class RolloutStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """Counters of one rollout worker since it was created."""
+
+    rank: int
+    version: int
+    """Policy version of the weights now in the engine."""
+    groups_generated: int
+    samples_generated: int
+    tokens_generated: int
+    """Completion tokens of finished group samples (not evaluation)."""
+    reward_failures: int
+    """Completions whose reward function raised or returned a non-finite value."""
+    weight_updates: int
+    requests_running: int
+    """Sample requests submitted to the engine and not finished."""
+    tokens_in_flight: int
+    """Tokens generated so far by the requests still running."""
+    engine_start_s: float
+    """Seconds ``start()`` took to build the engine (0 before it ran)."""
+
+
+def _versions_from_spans(spans: Sequence[Any] | None, num_tokens: int) -> list[int] | None:
+    """Per-token versions from vLLM's ``WeightVersionSpan`` list; None if unusable."""
+    versions: list[int] = []
+    for span in spans or ():
+        try:
+            label = int(span.version)
+        except ValueError:  # a label this worker did not set (vLLM's "default")
+            return None
+        versions.extend([label] * (span.end - span.start))
+    return versions if spans and len(versions) == num_tokens else None
+
+
+class RolloutWorker:
+    """A vLLM engine with a policy version; see the module docstring."""
+
+    def __init__(
+        self,
+        rank: int,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        weights: WeightsConfig,
+        reward_fn: RewardFn,
+        *,
+        seed: int = 0,
+        cpu_ids: tuple[int, ...] = (),
+        kv_cache_gib: int | None = None,
+        prefix_caching: bool = True,
+        ignore_eos: bool = False,
+        record_spans: bool = True,
+    ) -> None:
+        """Cheap: records the arguments; ``start()`` builds the engine.
+
+        cpu_ids: cores this worker owns (CPU build only; ignored when CUDA is present).
+            The engine's OpenMP threads are bound to them and the actor process, with
+            the engine processes it spawns, is pinned to them. Empty: vLLM's automatic
+            binding, no pinning.
+        kv_cache_gib: KV-cache size on the CPU build (``VLLM_CPU_KVCACHE_SPACE``); None
+            sizes it from ``rollout.memory_fraction``.
+        prefix_caching: a group's samples share the prompt's KV; see ``update_weights``
+            for what it costs at a weight update.
+        ignore_eos: every sample runs to ``max_new_tokens`` (fixed-length rollouts for
+            benchmarks and tests); greedy evaluation always stops at EOS.
+        """
+        self._rank, self._model, self._rollout = rank, model, rollout
+        self._weights, self._reward_fn, self._seed = weights, reward_fn, seed
+        self._cpu_ids = tuple(cpu_ids)
+        self._kv_cache_gib = kv_cache_gib
+        self._prefix_caching = prefix_caching
+        self._ignore_eos = ignore_eos
+        device = "cpu:" + ",".join(map(str, self._cpu_ids)) if self._cpu_ids else "cpu"
+        self._spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
+                                   device=device, enabled=record_spans)
+
+        self._engine: AsyncLLM | None = None
+        self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
+        self._failed: str | None = None
+        # Serialises updates: interleaved pause/load/resume cycles would resume the
+        # engine in the middle of the other one's load.
+        self._update_lock = asyncio.Lock()
+        self._updating = False
+        self._request_ids = itertools.count()
+        self._in_flight: dict[str, int] = {}  # request id -> tokens generated so far
+
+        self._version = 0
+        self._groups = self._samples = self._tokens = 0
+        self._reward_failures = self._weight_updates = 0
+        self._engine_start_s = 0.0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> int:
+        """Builds the engine (tens of seconds on a CPU); returns this actor's pid."""
+        if self._engine is not None:
+            return os.getpid()
+        began = time.perf_counter()
+        import torch
+
+        if self._cpu_ids and not torch.cuda.is_available():
+            self._bind_cpus()
+        if self._kv_cache_gib is not None:
+            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self._kv_cache_gib)
+
+        from vllm import SamplingParams
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.sampling_params import RequestOutputKind
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        self._engine = AsyncLLM.from_engine_args(
+            AsyncEngineArgs(
+                model=self._model.path,
+                dtype=self._model.dtype,
+                seed=self._seed,
+                enforce_eager=True,
+                gpu_memory_utilization=self._rollout.memory_fraction,
+                enable_prefix_caching=self._prefix_caching,
+                worker_extension_cls=EXTENSION_CLS,
+                # Logprobs of the distribution actually sampled (after temperature and
+                # top-p), not of the raw logits: the behaviour policy's.
+                logprobs_mode="processed_logprobs",
+                disable_log_stats=True,
+            )
+        )
+        # The engine labels every step's tokens with this; label the initial weights 0.
+        await self._engine.update_weight_version(str(self._version))
+        cfg = self._rollout
+        common: dict[str, Any] = dict(
+            max_tokens=cfg.max_new_tokens, logprobs=0, output_kind=RequestOutputKind.DELTA
+        )
+        self._params = {
+            "sample": SamplingParams(temperature=cfg.temperature,
+                                     ignore_eos=self._ignore_eos, **common),
+            "greedy": SamplingParams(temperature=0.0, **common),
+        }
+        self._engine_start_s = time.perf_counter() - began
+        return os.getpid()
+
+    def _bind_cpus(self) -> None:
+        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+        if allowed is not None and not set(self._cpu_ids) <= allowed:
+            raise RolloutWorkerError(f"rollout worker {self._rank}: cores {self._cpu_ids} "
+                                     f"are not all available to it ({sorted(allowed)})")
+        # Read by vLLM when it builds the engine, inherited by the processes it spawns.
+        # One engine worker process (no tensor parallelism): one OpenMP core list.
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self._cpu_ids))
+        if allowed is not None:
+            # The scheduler and detokenizer loops run outside the OpenMP threads;
+            # pinning keeps them off other roles' cores (the engine processes inherit it).
+            os.sched_setaffinity(0, self._cpu_ids)
+
+    async def shutdown(self) -> None:
+        """Stops the engine and its processes; the worker cannot generate afterwards."""
+        engine, self._engine = self._engine, None
+        self._failed = self._failed or "shut down"
+        if engine is not None:
+            engine.shutdown()
+
+    def _ready(self) -> AsyncLLM:
+        if self._failed is not None:
+            raise RolloutWorkerError(f"rollout worker {self._rank}: {self._failed}")
+        if self._engine is None:
+            raise RolloutWorkerError(f"rollout worker {self._rank}: start() was not called")
+        return self._engine
+
+    # ---------------------------------------------------------------- spans
+
+    def _switch_span(self) -> None:
+        # Busy whenever the engine holds requests; idle causes are resolved later by
+        # the controller, which knows why nothing was submitted.
+        if self._updating:
+            self._spans.switch("weight_sync", self._version)
+        else:
+            self._spans.switch("generate" if self._in_flight else UNRESOLVED, self._version)
+
+    async def drain_spans(self) -> list[Span]:
+        """Closed spans since the last call (the current one is closed at now first)."""
+        return self._spans.flush()
+
+    async def clock(self) -> float:
+        """This process's wall clock, for aligning span times across nodes."""
+        return time.time()
+
+    # ---------------------------------------------------------------- generation
+
+    async def _stream(self, text: str, params: SamplingParams) -> tuple[tuple[int, ...], Sample]:
+        """One engine request: the prompt ids vLLM used and the unscored sample."""
+        engine = self._ready()
+        request_id = f"rollout{self._rank}-{next(self._request_ids)}"
+        prompt_ids: tuple[int, ...] = ()
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        arrival_versions: list[int] = []
+        texts: list[str] = []
+        finish_reason, spans = "abort", None
+        self._in_flight[request_id] = 0
+        self._switch_span()
+        try:
+            # A text prompt: vLLM tokenises it itself, and the ids it really used come
+            # back on the outputs (the trainer must see exactly those).
+            async for out in engine.generate({"prompt": text}, params, request_id):
+                prompt_ids = prompt_ids or tuple(out.prompt_token_ids or ())
+                completion = out.outputs[0]
+                new = list(completion.token_ids)
+                entries = completion.logprobs or []
+                if len(entries) != len(new):
+                    raise RolloutWorkerError(f"{request_id}: {len(entries)} logprobs for "
+                                             f"{len(new)} tokens")
+                for entry, tok in zip(entries, new, strict=True):
+                    if entry is None or tok not in entry:
+                        raise RolloutWorkerError(f"{request_id}: no logprob for token {tok}")
+                    logprobs.append(float(entry[tok].logprob))
+                tokens.extend(new)
+                # Fallback tag: the version current when the token reached this process.
+                arrival_versions.extend([self._version] * len(new))
+                texts.append(completion.text)
+                self._in_flight[request_id] = len(tokens)
+                if completion.finish_reason is not None:
+                    finish_reason = str(completion.finish_reason)
+                    spans = completion.weight_versions
+        finally:
+            del self._in_flight[request_id]
+            self._switch_span()
+        # The engine labels each step's tokens with the label set while it was paused
+        # for the load, so its spans are exact; a token sampled just before a pause may
+        # reach this process only after the version changed.
+        versions = _versions_from_spans(spans, len(tokens)) or arrival_versions
+        return prompt_ids, Sample(token_ids=tuple(tokens), logprobs=tuple(logprobs),
+                                  versions=tuple(versions), finish_reason=finish_reason,
+                                  text="".join(texts))
+
+    async def _stream_all(
+        self, texts: Sequence[str], kind: str
+    ) -> list[tuple[tuple[int, ...], Sample]]:
+        self._ready()
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                running = [tasks.create_task(self._stream(t, self._params[kind]))
+                           for t in texts]
+        except ExceptionGroup as group:
+            # One error (the engine died, say) fails the call; the others were cancelled,
+            # which aborts their requests in the engine.
+            raise group.exceptions[0] from group
+        self._ready()  # a failed weight load aborted the requests: their output is void
+        return [task.result() for task in running]
+
+    def _score(self, prompt: Prompt, sample: Sample) -> Sample:
+        try:
+            reward, failed = float(self._reward_fn(prompt, sample.text)), False
+            if not math.isfinite(reward):
+                raise ValueError(f"reward {reward} is not finite")
+        except Exception:
+            # A buggy reward or a pathological completion must not take the run down:
+            # score 0, flag it, count it.
+            reward, failed = 0.0, True
+            self._reward_failures += 1
+        return msgspec.structs.replace(sample, reward=reward, reward_failed=failed)
+
+    async def generate_group(self, prompt: Prompt) -> Group:
+        """Generates and scores ``group_size`` samples of ``prompt``.
+
+        Each sample is its own engine request (with prefix caching they share the
+        prompt's KV). Raises ``RolloutWorkerError`` when the worker cannot generate.
+        """
+        streams = await self._stream_all([prompt.text] * self._rollout.group_size, "sample")
+        samples = tuple(self._score(prompt, sample) for _, sample in streams)
+        self._groups += 1
+        self._samples += len(samples)
+        self._tokens += sum(len(s.token_ids) for s in samples)
+        return make_group(prompt, streams[0][0], samples,
+                          rollout_rank=self._rank, finished_at=time.time())
+
+    async def generate_greedy(self, prompts: Sequence[Prompt]) -> list[Sample]:
+        """One scored greedy (temperature 0) completion per prompt, stopping at EOS."""
+        streams = await self._stream_all([p.text for p in prompts], "greedy")
+        return [self._score(p, s) for p, (_, s) in zip(prompts, streams, strict=True)]
+
+    async def evaluate(self, prompts: Sequence[Prompt]) -> float:
+        """Greedy accuracy: the mean reward of one greedy completion per prompt."""
+        if not prompts:
+            raise ValueError("evaluate needs at least one prompt")
+        samples = await self.generate_greedy(prompts)
+        return sum(s.reward for s in samples) / len(samples)
+
+    # ---------------------------------------------------------------- weights
+
+    async def update_weights(
+        self, version: int, state: bytes, published_at: float,
+        *, mode: Literal["in_flight", "drain"] | None = None,
+    ) -> BroadcastTiming:
+        """Takes up the safetensors ``state`` (Hugging Face tensor names) as ``version``.
+
+        ``in_flight``: pause keeping running requests, load, relabel, resume; a running
+        sample's later tokens carry the new version. ``drain``: stop starting requests
+        and let the running ones finish (vLLM's ``pause_generation(mode="wait")``), then
+        load, relabel, resume. ``mode`` overrides ``weights.update_mode`` for one update.
+        With prefix caching the pause also drops every cached block, so no request
+        reuses prompt KV computed by the old weights; vLLM can do that only by
+        preempting running requests, so in-flight ones recompute their KV under the new
+        weights when they resume.
+
+        Phases, in order and not overlapping: ``transfer_s`` from ``published_at`` until
+        the file is written under ``transfer_dir``; ``pause_s`` until the engine is
+        paused (the drain wait); ``load_s`` loading, relabelling and resuming.
+        """
+        async with self._update_lock:
+            engine = self._ready()
+            if version <= self._version:
+                raise ValueError(f"rollout worker {self._rank}: version {version} is not "
+                                 f"newer than the loaded version {self._version}")
+            name = f"async_rl-rollout{self._rank}-v{version}-{uuid.uuid4().hex[:8]}"
+            path = Path(self._weights.transfer_dir) / f"{name}.safetensors"
+            try:
+                # Off the event loop, so running samples keep streaming meanwhile.
+                await asyncio.to_thread(path.write_bytes, state)
+                transfer_s = max(0.0, time.time() - published_at)
+                began = time.perf_counter()
+                clear = self._prefix_caching
+                if (mode or self._weights.update_mode) == "drain":
+                    # Still generating (the running requests) until the drain is done.
+                    await engine.pause_generation(mode="wait", clear_cache=clear)
+                    self._updating = True
+                    self._switch_span()
+                else:
+                    self._updating = True
+                    self._switch_span()
+                    await engine.pause_generation(mode="keep", clear_cache=clear)
+                paused = time.perf_counter()
+                await self._load_paused(engine, str(path), version)
+                loaded = time.perf_counter()
+            finally:
+                self._updating = False
+                self._switch_span()
+                path.unlink(missing_ok=True)
+            self._weight_updates += 1
+            return BroadcastTiming(version=version, rollout_rank=self._rank, publish_s=0.0,
+                                   transfer_s=transfer_s, pause_s=paused - began,
+                                   load_s=loaded - paused)
+
+    async def _load_paused(self, engine: AsyncLLM, path: str, version: int) -> None:
+        try:
+            await engine.collective_rpc("load_weights_from_file", args=(path,))
+        except Exception as err:
+            # The weights may be half old, half new: nothing generated from them can be
+            # trusted or labelled. Abort what is running (those calls raise) and refuse
+            # further work; the controller treats the worker as lost.
+            self._failed = f"loading weights v{version} failed: {err!r}"
+            await engine.pause_generation(mode="abort", clear_cache=False)
+            raise RolloutWorkerError(f"rollout worker {self._rank}: {self._failed}") from err
+        # Relabel while still paused: no token is sampled between the load and the label.
+        await engine.update_weight_version(str(version))
+        self._version = version
+        await engine.resume_generation()
+
+    # ---------------------------------------------------------------- state
+
+    async def version(self) -> int:
+        """Policy version of the weights now in the engine."""
+        return self._version
+
+    async def statistics(self) -> RolloutStatistics:
+        return RolloutStatistics(
+            rank=self._rank, version=self._version, groups_generated=self._groups,
+            samples_generated=self._samples, tokens_generated=self._tokens,
+            reward_failures=self._reward_failures, weight_updates=self._weight_updates,
+            requests_running=len(self._in_flight),
+            tokens_in_flight=sum(self._in_flight.values()),
+            engine_start_s=self._engine_start_s,
+        )
