@@ -1,0 +1,106 @@
+"""Trainer shards as real Ray actors: DDP over gloo, global-token normalisation, NaN skip."""
+
+from __future__ import annotations
+
+import math
+import socket
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+import ray
+
+from async_rl.batching import shard_batches
+from async_rl.config import ModelConfig, TrainerConfig
+from async_rl.records import Group, Prompt, Sample, ShardStepResult, make_group
+from workers.trainer import TrainerShard
+
+pytestmark = pytest.mark.ray
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def groups(n: int, seed: int = 0) -> list[Group]:
+    """Groups with varied lengths and rewards; token ids inside the tiny vocabulary."""
+    out = []
+    for g in range(n):
+        samples = []
+        for k in range(4):
+            length = 2 + (g * 3 + k) % 5
+            tokens = tuple(5 + (g + k + j) % 20 for j in range(length))
+            samples.append(Sample(token_ids=tokens, logprobs=tuple(-2.5 for _ in tokens),
+                                  versions=(0,) * length, finish_reason="stop", text="",
+                                  reward=float((g + k + seed) % 2)))
+        out.append(make_group(Prompt(prompt_id=f"p{g}", text="", answer=""),
+                              tuple(8 + (g + j) % 10 for j in range(6)), tuple(samples)))
+    return out
+
+
+def start_shards(model_dir: Path, world: int, trainer: TrainerConfig) -> list[Any]:
+    cls = ray.remote(TrainerShard).options(num_cpus=0.5)
+    port = free_port()
+    shards = [cls.remote(rank=r, world_size=world, model=ModelConfig(path=str(model_dir)),
+                         trainer=trainer, seed=0, master_port=port) for r in range(world)]
+    ray.get([s.setup.remote() for s in shards])
+    return shards
+
+
+def step(shards: list[Any], data: list[Group], trainer: TrainerConfig
+         ) -> list[ShardStepResult]:
+    batches, _ = shard_batches(data, len(shards), trainer, step=1)
+    assert len({len(b.micro_batches) for b in batches}) == 1  # equal micro-batch counts
+    return ray.get([s.train_step.remote(b) for s, b in zip(shards, batches, strict=True)])
+
+
+def test_two_shards_match_one_shard_on_the_same_step(
+    tiny_model_dir: Path, ray_cluster: None
+) -> None:
+    # Small cap: several micro-batches per shard, so no_sync accumulation is exercised.
+    trainer = TrainerConfig(num_shards=2, groups_per_step=8, micro_batch_tokens=64,
+                            max_grad_norm=1e9)
+    data = groups(8)
+    two = start_shards(tiny_model_dir, 2, trainer)
+    results = step(two, data, trainer)
+    # After the all-reduce both shards hold the same gradient and the same new weights.
+    assert results[0].grad_norm == pytest.approx(results[1].grad_norm, rel=1e-6)
+    weights = ray.get([s.state_bytes.remote() for s in two])
+    assert weights[0] == weights[1]
+    assert sum(r.loss.tokens for r in results) == sum(
+        len(s.token_ids) for g in data for s in g.samples)
+    for shard in two:
+        ray.get(shard.shutdown.remote())
+        ray.kill(shard)
+
+    single = TrainerConfig(num_shards=1, groups_per_step=8, micro_batch_tokens=10_000,
+                           max_grad_norm=1e9)
+    one = start_shards(tiny_model_dir, 1, single)
+    (alone,) = step(one, data, single)
+    # Loss normalised by the global token count: sharding does not change the gradient.
+    assert results[0].grad_norm == pytest.approx(alone.grad_norm, rel=1e-4)
+    total = sum(r.loss.loss_sum for r in results)
+    assert total == pytest.approx(alone.loss.loss_sum, rel=1e-4, abs=1e-6)
+    ray.kill(one[0])
+
+
+def test_nonfinite_loss_skips_the_update_and_is_reported(
+    tiny_model_dir: Path, ray_cluster: None
+) -> None:
+    trainer = TrainerConfig(num_shards=1, groups_per_step=2, micro_batch_tokens=512)
+    (shard,) = start_shards(tiny_model_dir, 1, trainer)
+    before = ray.get(shard.state_bytes.remote())
+    data = groups(2)
+    poisoned = msgspec.structs.replace(
+        data[0], samples=tuple(msgspec.structs.replace(s, logprobs=(math.nan,) * len(s.logprobs))
+                               for s in data[0].samples))
+    (result,) = step([shard], [poisoned, data[1]], trainer)
+    assert result.nonfinite
+    assert ray.get(shard.state_bytes.remote()) == before
+    (healthy,) = step([shard], data, trainer)  # and training goes on afterwards
+    assert not healthy.nonfinite
+    assert ray.get(shard.state_bytes.remote()) != before
+    ray.kill(shard)
