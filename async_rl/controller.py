@@ -42,6 +42,7 @@ from workers.placement import WorkerIdentity, assign_cpus, in_bundle, registry_t
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.rollout import RolloutWorker
 from workers.trainer import TrainerShard
+from workers.usage import UsageReading
 from workers.weights import Published, WeightBroadcast
 
 
@@ -156,6 +157,7 @@ class Controller:
         # Idle accounting covers the training window only: drop setup and evaluation.
         self.admission.flush()
         self.training.flush()
+        usage_first = await self.read_usage()
         with RunProgress(self.config.run.num_steps, enabled=self.config.run.progress) as bar:
             async with anyio.create_task_group() as loops:
                 loops.start_soon(self.rollout_loop)
@@ -166,7 +168,11 @@ class Controller:
             self._ledger(prompt, "unfinished", reason="run_ended")
         self.admission.switch("no_work")
         self.training.switch("no_work")
+        usage_last = await self.read_usage()
         await self.write_spans()
+        self.out.usage({name: {"first": usage_first[name], "last": reading,
+                               "cores": len(self._identity(name).devices)}
+                        for name, reading in usage_last.items() if name in usage_first})
         accuracy_end = await self.evaluate()
         await asyncio.to_thread(
             ray.get, self.trainers[0].save.remote(str(self.out.path / FINAL_MODEL))
@@ -287,6 +293,16 @@ class Controller:
         accuracy: float = await worker.evaluate.remote(list(self.eval_prompts))
         print(f"eval accuracy at version {self.version}: {accuracy:.3f}")
         return accuracy
+
+    def _identity(self, name: str) -> WorkerIdentity:
+        return next(i for i in self.identities if i.name == name)
+
+    async def read_usage(self) -> dict[str, UsageReading]:
+        """Each live worker's CPU-time (and NVML) counters, keyed by worker name."""
+        actors = [(f"rollout-{r}", a) for r, a in self.rollout.items()]
+        actors += [(f"trainer-{r}", a) for r, a in enumerate(self.trainers)]
+        readings = await asyncio.gather(*(a.usage.remote() for _, a in actors))
+        return {name: reading for (name, _), reading in zip(actors, readings, strict=True)}
 
     async def write_spans(self) -> None:
         """Gathers every worker's spans, shifts them onto the driver's clock, stores them."""

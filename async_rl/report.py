@@ -15,9 +15,10 @@ from rich.console import Console
 from rich.table import Table
 
 from async_rl.idle import Breakdown, breakdown, by_role, hint, resolve
-from async_rl.run_dir import SPANS, read_summary
+from async_rl.run_dir import SPANS, USAGE, read_summary
 from async_rl.spans import IDLE, Span
 from async_rl.trace import write_chrome_trace, write_timeline_png
+from workers.usage import UsageReading, busy_fraction
 
 TRACE = "trace.json"
 TIMELINE = "timeline.png"
@@ -37,6 +38,9 @@ class RunIdle(msgspec.Struct, frozen=True, kw_only=True):
     end: float
     workers: tuple[Breakdown, ...]
     roles: tuple[Breakdown, ...]
+    cross_check: dict[str, dict[str, float]] = {}
+    """Per worker: span-derived busy fraction next to the OS's CPU busy fraction (and
+    NVML utilisation on CUDA), from usage.json."""
 
 
 def idle_of(spans: Sequence[Span]) -> tuple[RunIdle, list[Span]]:
@@ -64,10 +68,29 @@ def build_report(run_dir: str | Path) -> RunIdle:
     """Writes trace.json, timeline.png and idle.json into the run directory."""
     path = Path(run_dir)
     idle, resolved = idle_of(read_spans(path))
+    if (path / USAGE).exists():
+        idle = msgspec.structs.replace(idle, cross_check=cross_check(idle, path / USAGE))
     write_chrome_trace(resolved, path / TRACE)
     write_timeline_png(resolved, path / TIMELINE, title=f"{path.name}: what each device did")
     (path / IDLE_JSON).write_bytes(msgspec.json.format(msgspec.json.encode(idle)))
     return idle
+
+
+def cross_check(idle: RunIdle, usage_path: Path) -> dict[str, dict[str, float]]:
+    """Span busy fraction beside what the OS (CPU time) and NVML measured per worker."""
+    usage = msgspec.json.decode(usage_path.read_bytes(),
+                                type=dict[str, dict[str, UsageReading | int]])
+    result = {}
+    for item in idle.workers:
+        counters = usage.get(item.name)
+        if not counters:
+            continue
+        first, last, cores = counters["first"], counters["last"], counters["cores"]
+        assert isinstance(first, UsageReading) and isinstance(last, UsageReading)
+        measured = busy_fraction(first, last, int(cores) if isinstance(cores, int) else 1)
+        result[item.name] = {"span_busy": item.busy_s / item.wall_s if item.wall_s else 0.0,
+                             **measured}
+    return result
 
 
 def _console() -> Console:
@@ -103,6 +126,10 @@ def print_report(run_dir: str | Path, console: Console | None = None) -> RunIdle
     path = Path(run_dir)
     idle = build_report(path)
     console.print(idle_table(idle, f"idle time by cause: {path}"))
+    for name, check in idle.cross_check.items():
+        extra = f", NVML {check['gpu_util']:.0%}" if "gpu_util" in check else ""
+        console.print(f"cross-check {name}: spans say busy {check['span_busy']:.0%}, "
+                      f"OS CPU time says {check['cpu_busy']:.0%}{extra}")
     for role in idle.roles:
         if role.idle_s > 0 and hint(role):
             console.print(f"top idle cause of {role.role}: {role.top_cause} "

@@ -20,6 +20,7 @@ METRICS = "metrics.jsonl"
 LEDGER = "ledger.jsonl"
 SUMMARY = "summary.json"
 SPANS = "spans.jsonl"
+USAGE = "usage.json"
 FINAL_MODEL = "final_model"
 
 
@@ -65,6 +66,10 @@ class RunWriter:
 
     def spans(self, spans: list[Span]) -> None:
         (self.path / SPANS).write_bytes(b"".join(self._encoder.encode(s) + b"\n" for s in spans))
+
+    def usage(self, usage: dict[str, Any]) -> None:
+        """Per-worker OS/driver counters at the start and end of training."""
+        (self.path / USAGE).write_bytes(msgspec.json.format(self._encoder.encode(usage)))
 
     def summary(self, summary: RunSummary) -> None:
         (self.path / SUMMARY).write_bytes(msgspec.json.format(self._encoder.encode(summary)))

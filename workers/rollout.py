@@ -31,6 +31,7 @@ from async_rl.config import ModelConfig, RolloutConfig, WeightsConfig
 from async_rl.records import BroadcastTiming, Group, Prompt, Sample, make_group
 from async_rl.rewards import RewardFn
 from async_rl.spans import UNRESOLVED, Span, SpanRecorder
+from workers.usage import UsageMeter, UsageReading
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -118,6 +119,7 @@ class RolloutWorker:
                                    device=device, enabled=record_spans)
 
         self._engine: AsyncLLM | None = None
+        self._usage = UsageMeter()
         self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
         self._failed: str | None = None
         # Serialises updates: interleaved pause/load/resume cycles would resume the
@@ -224,6 +226,10 @@ class RolloutWorker:
     async def clock(self) -> float:
         """This process's wall clock, for aligning span times across nodes."""
         return time.time()
+
+    async def usage(self) -> UsageReading:
+        """CPU time of this actor and its engine processes, for the span cross-check."""
+        return self._usage.read()
 
     # ---------------------------------------------------------------- generation
 

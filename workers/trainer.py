@@ -22,6 +22,7 @@ from async_rl.config import ModelConfig, TrainerConfig
 from async_rl.grpo import merge_stats, token_loss
 from async_rl.records import LossStats, ShardBatch, ShardStepResult, TrainSequence
 from async_rl.spans import UNRESOLVED, Span, SpanRecorder
+from workers.usage import UsageMeter, UsageReading
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -73,6 +74,7 @@ class TrainerShard:
         from transformers import AutoModelForCausalLM
 
         pin_to_cpus(self.cpu_ids)
+        self.usage_meter = UsageMeter(gpu_index=0 if self.device.type == "cuda" else None)
         torch.manual_seed(self.seed)
         if self.world_size > 1:
             backend = "nccl" if self.device.type == "cuda" else "gloo"
@@ -211,6 +213,10 @@ class TrainerShard:
     def drain_spans(self) -> list[Span]:
         """Closed spans since the last call (the current one is closed at now first)."""
         return self.spans.flush()
+
+    def usage(self) -> UsageReading:
+        """CPU time (and on CUDA, NVML utilisation) for the span cross-check."""
+        return self.usage_meter.read()
 
     def clock(self) -> float:
         """This process's wall clock, for the controller to align span times across nodes."""
