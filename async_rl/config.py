@@ -163,6 +163,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Address of an existing Ray cluster; empty starts a local one bound to 127.0.0.1."""
     num_cpus: NonNegative = 0
     """CPUs given to a local Ray (0 = what the roles need)."""
+    colocate: bool = False
+    """Rollout worker i and trainer shard i share devices (one STRICT_PACK placement
+    group); default is disaggregated, each role on its own devices."""
     progress: bool = True
     """Show a progress bar."""
     record_spans: bool = True

@@ -45,6 +45,9 @@ from workers.trainer import TrainerShard
 from workers.usage import UsageReading
 from workers.weights import Published, WeightBroadcast
 
+NAMESPACE = "async-rl"
+"""Ray namespace of a run's named actors ("rollout-0", "trainer-1", ...)."""
+
 
 def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ...]]:
     """The prompt source, its reward function and the held-out evaluation prompts."""
@@ -106,7 +109,7 @@ class Controller:
         cfg = self.config
         layout = assign_cpus(
             cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
-            cfg.trainer.num_shards, cfg.trainer.cpus_per_shard,
+            cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate,
         )
         groups = make_placement_groups(
             layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard
@@ -114,6 +117,7 @@ class Controller:
         rollout_cls = ray.remote(RolloutWorker)
         for ident in layout.rollout:
             self.rollout[ident.rank] = rollout_cls.options(
+                name=ident.name,
                 num_cpus=cfg.rollout.cpus_per_worker,
                 max_concurrency=4 * cfg.rollout.max_inflight_prompts + 16,
                 scheduling_strategy=in_bundle(groups["rollout"], ident.rank),
@@ -126,6 +130,7 @@ class Controller:
         port = _free_port()
         self.trainers = [
             trainer_cls.options(
+                name=ident.name,
                 num_cpus=cfg.trainer.cpus_per_shard,
                 scheduling_strategy=in_bundle(groups["trainer"], ident.rank),
             ).remote(
@@ -365,10 +370,10 @@ def run_training(config: Config) -> RunSummary:
         needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
                   + config.trainer.num_shards * config.trainer.cpus_per_shard)
         if config.run.ray_address:
-            ray.init(address=config.run.ray_address)
+            ray.init(address=config.run.ray_address, namespace=NAMESPACE)
         else:
             ray.init(num_cpus=max(config.run.num_cpus, needed), include_dashboard=False,
-                     _node_ip_address="127.0.0.1", log_to_driver=True)
+                     _node_ip_address="127.0.0.1", namespace=NAMESPACE)
     controller = Controller(config)
 
     async def main() -> RunSummary:
