@@ -1,0 +1,392 @@
+"""A tiny local Qwen2 model with a byte-level tokenizer, warm-started on arithmetic.
+
+Owns: the tokenizer (one token per byte, saved in Hugging Face format), the model config,
+the short supervised warm start that makes the base policy weak but not hopeless, and a
+fast transformers-side greedy evaluation. Knows nothing about vLLM, Ray, RL or checkpoints:
+what it writes is an ordinary ``save_pretrained`` directory that
+``AutoTokenizer``/``AutoModelForCausalLM`` and vLLM load by path. Nothing is downloaded.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Final
+
+import msgspec
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
+from transformers import (
+    GenerationConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from async_rl.records import Prompt
+from async_rl.rewards import EOS_TEXT, RewardFn, arithmetic_reward
+from async_rl.tasks import ArithmeticTask
+
+PAD_TEXT: Final = "<pad>"
+UNK_TEXT: Final = "<unk>"
+PAD_ID: Final = 0
+EOS_ID: Final = 1
+UNK_ID: Final = 2
+# transformers' Qwen2Tokenizer pre-tokenizer split (see build_tokenizer for why it matters).
+_QWEN2_SPLIT: Final = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+BYTE_OFFSET: Final = 3
+"""Token id of byte ``b`` is ``BYTE_OFFSET + b``; ids 0-2 are the specials."""
+VOCAB_SIZE: Final = 264
+"""3 specials + 256 bytes + 5 reserved tokens: a multiple of 8 (tidy matmul shapes)."""
+
+
+def _byte_symbols() -> list[str]:
+    # GPT-2's byte-to-unicode table, the alphabet of a ByteLevel pre-tokenizer: printable
+    # bytes stand for themselves, the rest are shifted above U+0100 (space is "Ġ").
+    printable = [*range(33, 127), *range(161, 173), *range(174, 256)]
+    extra = iter(range(256, 512))
+    table = {b: chr(b) if b in printable else chr(next(extra)) for b in range(256)}
+    return [table[b] for b in range(256)]
+
+
+class MadeModel(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``make_model`` wrote and how good the base policy is."""
+
+    path: str
+    """Directory holding config, weights, generation config and tokenizer."""
+    num_parameters: int
+    base_accuracy: float
+    """Greedy exact-answer accuracy on the task's held-out eval set after the warm start."""
+    eval_size: int
+    seed: int
+    sft_steps: int
+    teacher_accuracy: float
+    max_operand: int
+    """The ``ArithmeticTask(max_operand=...)`` the model was warm-started and measured on;
+    an RL run should use the same task."""
+    dtype: str
+    """Weight dtype in config.json. vLLM's CPU build turns ``dtype="auto"`` for float32
+    weights into bfloat16, so pass ``dtype="float32"`` to it explicitly."""
+    seconds: float
+    """Wall time of the whole build (warm start, evaluation, save)."""
+
+
+MADE_MODEL_FILE: Final = "made_model.json"
+"""The ``MadeModel`` record, written beside the weights."""
+
+
+def build_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer without merges: one token per byte (per character for ASCII).
+
+    ``<pad>``=0, ``</s>``=1 (EOS), ``<unk>``=2 (never produced: every byte has a token).
+    No BOS and nothing else is added around the text. It is built exactly the way
+    transformers' ``Qwen2Tokenizer`` rebuilds a tokenizer from its vocabulary (NFC, the
+    Qwen2 split regex, ByteLevel pre-tokenizer and decoder, BPE with no merges), because
+    ``AutoTokenizer`` (and so vLLM) loads a qwen2 model directory's tokenizer through that
+    class whatever ``tokenizer_config.json`` says: a plain character WordLevel tokenizer
+    would silently lose every space and newline there. ``decode(encode(s)) == s`` for any
+    NFC-normalised string.
+    """
+    symbols = _byte_symbols()
+    reserved = [f"<reserved_{i}>" for i in range(VOCAB_SIZE - BYTE_OFFSET - len(symbols))]
+    vocab = {tok: i for i, tok in enumerate([PAD_TEXT, EOS_TEXT, UNK_TEXT, *symbols, *reserved])}
+    core = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    core.normalizer = normalizers.NFC()
+    core.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    core.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=core,
+        pad_token=PAD_TEXT,
+        eos_token=EOS_TEXT,
+        unk_token=UNK_TEXT,
+        additional_special_tokens=reserved,
+        clean_up_tokenization_spaces=False,
+        model_max_length=128,
+    )
+
+
+def build_config(
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    max_positions: int = 128,
+) -> Qwen2Config:
+    """A Qwen2 config sized for CPU; head_dim = hidden/heads must be >= 32 for vLLM CPU."""
+    if hidden_size % num_heads or hidden_size // num_heads < 32:
+        raise ValueError(
+            f"hidden_size/num_heads must be an integer >= 32 (vLLM CPU attention), "
+            f"got {hidden_size}/{num_heads}"
+        )
+    return Qwen2Config(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=EOS_ID,
+        pad_token_id=PAD_ID,
+        use_sliding_window=False,
+    )
+
+
+def _sft_batch(
+    prompts: Sequence[Prompt], tokenizer: PreTrainedTokenizerBase
+) -> tuple[torch.Tensor, torch.Tensor]:
+    # Right padding needs no attention mask: a causal model never looks ahead at the pads,
+    # and the labels ignore them.
+    seqs, labels = [], []
+    for p in prompts:
+        prompt_ids = tokenizer.encode(p.text)
+        answer_ids = [*tokenizer.encode(p.answer), EOS_ID]
+        seqs.append(prompt_ids + answer_ids)
+        labels.append([-100] * len(prompt_ids) + answer_ids)
+    width = max(len(s) for s in seqs)
+    ids = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
+    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
+    for i, (s, lb) in enumerate(zip(seqs, labels, strict=True)):
+        ids[i, : len(s)] = torch.tensor(s)
+        lab[i, : len(lb)] = torch.tensor(lb)
+    return ids, lab
+
+
+def supervised_warm_start(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    task: ArithmeticTask,
+    *,
+    steps: int,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    teacher_accuracy: float = 1.0,
+    seed: int = 0,
+    log: Callable[[str], None] | None = None,
+) -> None:
+    """Teacher-forced training on ``prompt + answer + EOS``, loss on answer and EOS only.
+
+    The teacher is right with probability ``teacher_accuracy`` and otherwise answers one
+    too high (drawn per example from ``random.Random("teacher/<seed>")``). With an
+    accuracy below one half the model learns the arithmetic but prefers the wrong answer
+    at the last digit: greedy decoding is often wrong while sampling finds the right
+    answer about ``teacher_accuracy`` of the time. That is the regime RL post-training
+    fixes quickly (turning pass@k into pass@1), so a short RL run shows a clear gain.
+    Linear warm-up over the first tenth of the steps, then cosine decay to lr/10.
+    """
+    if steps <= 0:
+        return
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
+    warmup = max(1, steps // 10)
+
+    def schedule(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / warmup
+        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
+
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
+    teacher = random.Random(f"teacher/{seed}")
+    for step in range(steps):
+        batch = [_teach(task.next_prompt(), teacher, teacher_accuracy) for _ in range(batch_size)]
+        ids, labels = _sft_batch(batch, tokenizer)
+        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        if log is not None and (step + 1) % max(1, steps // 5) == 0:
+            log(f"  sft step {step + 1}/{steps}  loss {loss.item():.3f}")
+    model.eval()
+
+
+def _teach(prompt: Prompt, rng: random.Random, accuracy: float) -> Prompt:
+    if rng.random() < accuracy:
+        return prompt
+    return msgspec.structs.replace(prompt, answer=str(int(prompt.answer) + 1))
+
+
+@torch.no_grad()
+def greedy_completions(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    texts: Sequence[str],
+    *,
+    max_new_tokens: int = 8,
+) -> list[str]:
+    """Greedy completions (EOS and everything after it removed), batched by prompt length.
+
+    Prompts of equal token length share a batch, so there is no padding, no attention
+    mask and no position shift: exactly what an engine computes for each prompt alone.
+    No KV cache either: with prompts of a dozen tokens recomputing is cheap. A completion
+    that never emitted EOS within ``max_new_tokens`` ends in ``<unk>``, so a reward with a
+    format check rejects it even if the limit fell right after a valid answer.
+    """
+    was_training = model.training
+    model.eval()
+    encoded = [tokenizer.encode(t) for t in texts]
+    by_len: dict[int, list[int]] = defaultdict(list)
+    for i, ids in enumerate(encoded):
+        by_len[len(ids)].append(i)
+    out: list[list[int]] = [[] for _ in texts]
+    for members in by_len.values():
+        ids = torch.tensor([encoded[i] for i in members], dtype=torch.long)
+        done = torch.zeros(len(members), dtype=torch.bool)
+        for _ in range(max_new_tokens):
+            nxt = model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1)
+            for row, i in enumerate(members):
+                if not done[row] and int(nxt[row]) != EOS_ID:
+                    out[i].append(int(nxt[row]))
+            done |= nxt == EOS_ID
+            if bool(done.all()):
+                break
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+        for row, i in enumerate(members):
+            if not done[row]:
+                out[i].append(UNK_ID)
+    model.train(was_training)
+    return [str(tokenizer.decode(token_ids)) for token_ids in out]
+
+
+def evaluate_accuracy(
+    model: PreTrainedModel,
+    tokenizer: PreTrainedTokenizerBase,
+    prompts: Sequence[Prompt],
+    reward_fn: RewardFn = arithmetic_reward,
+    *,
+    max_new_tokens: int = 8,
+) -> float:
+    """Mean reward of greedy completions: the accuracy for a 0/1 reward."""
+    if not prompts:
+        raise ValueError("evaluate_accuracy needs at least one prompt")
+    texts = greedy_completions(
+        model, tokenizer, [p.text for p in prompts], max_new_tokens=max_new_tokens
+    )
+    return sum(reward_fn(p, t) for p, t in zip(prompts, texts, strict=True)) / len(prompts)
+
+
+def make_model(
+    out_dir: str | Path,
+    *,
+    seed: int = 0,
+    sft_steps: int = 1200,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    teacher_accuracy: float = 0.3,
+    max_operand: int = 29,
+    eval_size: int = 200,
+    num_layers: int = 2,
+    hidden_size: int = 128,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 512,
+    num_threads: int | None = 1,
+    log: Callable[[str], None] | None = print,
+) -> MadeModel:
+    """Builds, warm-starts, evaluates and saves the tiny model and tokenizer to ``out_dir``.
+
+    The warm start imitates a teacher that is right ``teacher_accuracy`` of the time and
+    otherwise answers one too high (see ``supervised_warm_start``), on prompts from
+    ``ArithmeticTask(seed=seed, max_operand=max_operand)``. Accuracy is measured by greedy
+    decoding on that task's held-out ``eval_prompts(eval_size)``, which training never
+    sees. Same seed and thread count give the same weights and accuracy. Existing files
+    in ``out_dir`` are overwritten.
+
+    ``num_threads`` (torch intra-op threads, restored afterwards; ``None`` leaves them):
+    one is the default because the model is too small to gain from more, and on a busy
+    machine extra threads made the build several times slower.
+    """
+    start = time.perf_counter()
+    out = Path(out_dir)
+    config = build_config(
+        hidden_size=hidden_size,
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+    )
+    with _torch_threads(num_threads):
+        torch.manual_seed(seed)
+        tokenizer = build_tokenizer()
+        model = Qwen2ForCausalLM(config)
+        n_params = sum(p.numel() for p in model.parameters())
+        if log is not None:
+            log(
+                f"tiny qwen2: {n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}; warm "
+                f"start {sft_steps} steps x {batch_size} (teacher accuracy {teacher_accuracy})"
+            )
+        task = ArithmeticTask(seed=seed, max_operand=max_operand)
+        supervised_warm_start(
+            model,
+            tokenizer,
+            task,
+            steps=sft_steps,
+            batch_size=batch_size,
+            lr=lr,
+            teacher_accuracy=teacher_accuracy,
+            seed=seed,
+            log=log,
+        )
+        accuracy = evaluate_accuracy(
+            model,
+            tokenizer,
+            task.eval_prompts(eval_size),
+            arithmetic_reward,
+            max_new_tokens=task.max_answer_chars + 2,
+        )
+    model.generation_config = GenerationConfig(
+        eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
+    )
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    made = MadeModel(
+        path=str(out),
+        num_parameters=n_params,
+        base_accuracy=accuracy,
+        eval_size=eval_size,
+        seed=seed,
+        sft_steps=sft_steps,
+        teacher_accuracy=teacher_accuracy,
+        max_operand=max_operand,
+        dtype=str(model.dtype).removeprefix("torch."),
+        seconds=time.perf_counter() - start,
+    )
+    (out / MADE_MODEL_FILE).write_bytes(msgspec.json.format(msgspec.json.encode(made)))
+    if log is not None:
+        log(
+            f"base greedy accuracy {accuracy:.3f} on {eval_size} held-out prompts; "
+            f"saved to {out} in {made.seconds:.1f}s"
+        )
+    return made
+
+
+@contextmanager
+def _torch_threads(n: int | None) -> Iterator[None]:
+    previous = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)

@@ -1,0 +1,133 @@
+"""The tiny model and its tokenizer: round trips, loading the way vLLM does
+(``AutoTokenizer`` on a qwen2 directory), a shape vLLM's CPU attention accepts, and the
+made-model record. Builds with a handful of warm-start steps so it stays fast; no engine.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
+
+from async_rl.rewards import arithmetic_reward
+from async_rl.tasks import ArithmeticTask
+from async_rl.tiny_model import (
+    BYTE_OFFSET,
+    EOS_ID,
+    MADE_MODEL_FILE,
+    PAD_ID,
+    VOCAB_SIZE,
+    MadeModel,
+    build_config,
+    build_tokenizer,
+    evaluate_accuracy,
+    greedy_completions,
+    make_model,
+)
+
+TEXTS = [
+    "12+7=",
+    "Hi there,  12+7=19\n\tx!",
+    "  leading and trailing  ",
+    "a\n\nb\r\n",
+    "#### 1,234 (é, ☃, 🙂)",
+    "~`!@#$%^&*()_-+={}[]|\\:;\"'<>,.?/",
+]
+
+
+@pytest.fixture(scope="module")
+def made(tmp_path_factory: pytest.TempPathFactory) -> MadeModel:
+    out = tmp_path_factory.mktemp("tiny")
+    return make_model(out, seed=0, sft_steps=3, eval_size=16, log=None)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_tokenizer_round_trips_text(text: str) -> None:
+    tok = build_tokenizer()
+    ids = tok.encode(text)
+    assert ids == [BYTE_OFFSET + b for b in text.encode()]  # one token per byte, no BOS
+    assert tok.decode(ids) == text
+    assert tok.decode([*ids, EOS_ID], skip_special_tokens=True) == text
+
+
+def test_tokenizer_special_tokens() -> None:
+    tok = build_tokenizer()
+    assert len(tok) == VOCAB_SIZE and VOCAB_SIZE % 8 == 0
+    assert (tok.pad_token_id, tok.eos_token_id) == (PAD_ID, EOS_ID)
+    assert tok.bos_token_id is None
+    assert tok.unk_token_id is not None
+    assert tok("3+4=").input_ids == tok.encode("3+4=") == [BYTE_OFFSET + b for b in b"3+4="]
+
+
+def test_saved_tokenizer_loads_identically_through_auto_tokenizer(made: MadeModel) -> None:
+    # AutoTokenizer (and vLLM with it) rebuilds a qwen2 directory's tokenizer through
+    # Qwen2Tokenizer; it must still encode exactly like the tokenizer.json we wrote.
+    auto = AutoTokenizer.from_pretrained(made.path)
+    plain = PreTrainedTokenizerFast(tokenizer_file=str(Path(made.path) / "tokenizer.json"))
+    assert (auto.eos_token_id, auto.pad_token_id, auto.bos_token_id) == (EOS_ID, PAD_ID, None)
+    for text in TEXTS:
+        ids = build_tokenizer().encode(text)
+        assert auto.encode(text) == plain.encode(text) == ids
+        assert auto.decode(ids) == text
+
+
+def test_made_model_loads_with_a_vllm_cpu_friendly_shape(made: MadeModel) -> None:
+    model = AutoModelForCausalLM.from_pretrained(made.path)
+    config = model.config
+    head_dim = getattr(config, "head_dim", None) or (
+        config.hidden_size // config.num_attention_heads
+    )
+    assert head_dim >= 32
+    assert config.model_type == "qwen2"
+    assert config.tie_word_embeddings
+    assert (config.eos_token_id, config.pad_token_id, config.vocab_size) == (
+        EOS_ID,
+        PAD_ID,
+        VOCAB_SIZE,
+    )
+    assert model.generation_config.eos_token_id == EOS_ID
+    assert model.dtype == torch.float32
+    assert sum(p.numel() for p in model.parameters()) == made.num_parameters
+    assert 0.0 <= made.base_accuracy <= 1.0
+    assert made.sft_steps == 3 and made.eval_size == 16 and made.dtype == "float32"
+    record = msgspec.json.decode((Path(made.path) / MADE_MODEL_FILE).read_bytes(), type=MadeModel)
+    assert record == made
+
+
+def test_make_model_is_deterministic_per_seed(made: MadeModel, tmp_path: Path) -> None:
+    again = make_model(tmp_path, seed=0, sft_steps=3, eval_size=16, log=None)
+    first = AutoModelForCausalLM.from_pretrained(made.path).state_dict()
+    second = AutoModelForCausalLM.from_pretrained(again.path).state_dict()
+    assert all(torch.equal(first[k], second[k]) for k in first)
+    assert again.base_accuracy == made.base_accuracy
+
+
+def test_greedy_evaluation(made: MadeModel) -> None:
+    model = AutoModelForCausalLM.from_pretrained(made.path)
+    tok = AutoTokenizer.from_pretrained(made.path)
+    prompts = ArithmeticTask().eval_prompts(16)
+    texts = greedy_completions(model, tok, [p.text for p in prompts], max_new_tokens=3)
+    assert len(texts) == 16 and all(isinstance(t, str) for t in texts)
+    assert evaluate_accuracy(model, tok, prompts, lambda p, t: 1.0) == 1.0
+    expected = sum(arithmetic_reward(p, t) for p, t in zip(prompts, texts, strict=True)) / 16
+    assert evaluate_accuracy(model, tok, prompts, arithmetic_reward, max_new_tokens=3) == expected
+    with pytest.raises(ValueError, match="at least one"):
+        evaluate_accuracy(model, tok, [], arithmetic_reward)
+
+
+def test_greedy_batches_by_length_match_one_at_a_time(made: MadeModel) -> None:
+    model = AutoModelForCausalLM.from_pretrained(made.path)
+    tok = AutoTokenizer.from_pretrained(made.path)
+    texts = ["3+4=", "12+17=", "9-2=", "29-11=", "0+0="]
+    batched = greedy_completions(model, tok, texts, max_new_tokens=4)
+    alone = [greedy_completions(model, tok, [t], max_new_tokens=4)[0] for t in texts]
+    assert batched == alone
+
+
+def test_build_config_rejects_small_heads() -> None:
+    with pytest.raises(ValueError, match=">= 32"):
+        build_config(hidden_size=64, num_heads=4)
+    assert build_config().hidden_size // build_config().num_attention_heads >= 32
