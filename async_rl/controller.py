@@ -169,6 +169,8 @@ class Controller:
                 await self.training_loop(bar)
                 loops.cancel_scope.cancel()
         wall_s = time.perf_counter() - started
+        rollout_versions = await asyncio.gather(*(w.version.remote()
+                                                  for w in self.rollout.values()))
         for prompt in self.open_prompts.values():  # generated or queued, never trained
             self._ledger(prompt, "unfinished", reason="run_ended")
         self.admission.switch("no_work")
@@ -185,7 +187,7 @@ class Controller:
         summary = self.totals.summary(
             wall_s=wall_s, final_version=self.version, accuracy_start=accuracy_start,
             accuracy_end=accuracy_end, max_staleness=self.config.staleness.max_staleness,
-            queue=self.queue.statistics(),
+            rollout_version=min(rollout_versions, default=-1),
         )
         self.out.summary(summary)
         self.out.close()

@@ -29,6 +29,9 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
 
     steps: int
     final_version: int
+    rollout_version: int
+    """Oldest policy version a live rollout worker runs at the end (= final_version once
+    the last broadcast has landed)."""
     wall_s: float
     groups_trained: int
     tokens_trained: int

@@ -34,12 +34,13 @@ class StepTotals:
         self.staleness: Counter[int] = Counter()
 
     def summary(self, *, wall_s: float, final_version: int, accuracy_start: float | None,
-                accuracy_end: float | None, max_staleness: int,
-                queue: ReplayQueueStatistics) -> RunSummary:
+                accuracy_end: float | None, max_staleness: int, rollout_version: int
+                ) -> RunSummary:
         top = max(self.staleness, default=0)
         return RunSummary(
             steps=final_version,
             final_version=final_version,
+            rollout_version=rollout_version,
             wall_s=wall_s,
             groups_trained=self.groups_trained,
             tokens_trained=self.tokens_trained,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import random
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Annotated, Protocol
 
@@ -53,12 +53,38 @@ class PromptSource(Protocol):
         ...
 
 
-def _check_restore(fingerprint: str, state: SourceState) -> None:
-    if state.fingerprint != fingerprint:
-        raise SourceMismatchError(
-            f"cannot restore prompt cursor: saved for {state.fingerprint!r}, "
-            f"this source is {fingerprint!r}"
-        )
+class _IndexedSource:
+    """The cursor shared by sources that can make prompt ``i`` directly: hands out
+    ``prompt_at(i)``, ``prompt_at(i + 1)``, ... and checkpoints ``i``. A subclass sets
+    ``_fingerprint`` and defines ``prompt_at``."""
+
+    _fingerprint: str
+    _next_index: int = 0
+    prompt_at: Callable[[int], Prompt]
+
+    @property
+    def fingerprint(self) -> str:
+        return self._fingerprint
+
+    def next_prompt(self) -> Prompt:
+        prompt = self.prompt_at(self._next_index)
+        self._next_index += 1
+        return prompt
+
+    def __iter__(self) -> Iterator[Prompt]:
+        while True:
+            yield self.next_prompt()
+
+    def state(self) -> SourceState:
+        return SourceState(fingerprint=self._fingerprint, next_index=self._next_index)
+
+    def restore(self, state: SourceState) -> None:
+        if state.fingerprint != self._fingerprint:
+            raise SourceMismatchError(
+                f"cannot restore prompt cursor: saved for {state.fingerprint!r}, "
+                f"this source is {self._fingerprint!r}"
+            )
+        self._next_index = state.next_index
 
 
 # ---------------------------------------------------------------------------------------
@@ -70,7 +96,7 @@ def _stable_unit(key: str) -> float:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2.0**64
 
 
-class ArithmeticTask:
+class ArithmeticTask(_IndexedSource):
     """Endless ``a+b=`` / ``a-b=`` prompts over operands ``0..max_operand``.
 
     Prompt text is e.g. ``"12+7="``; the answer is the integer result as text (``"19"``).
@@ -105,17 +131,14 @@ class ArithmeticTask:
         self._held_out_fraction = held_out_fraction
         self._name = name
         self._next_index = 0
+        self._fingerprint = (
+            f"arith:name={self._name}:seed={self._seed}:max_operand={self._max_operand}"
+            f":ops={self._ops}:held_out={self._held_out_fraction}"
+        )
 
     @property
     def name(self) -> str:
         return self._name
-
-    @property
-    def fingerprint(self) -> str:
-        return (
-            f"arith:name={self._name}:seed={self._seed}:max_operand={self._max_operand}"
-            f":ops={self._ops}:held_out={self._held_out_fraction}"
-        )
 
     @property
     def max_answer_chars(self) -> int:
@@ -157,21 +180,6 @@ class ArithmeticTask:
         op, a, b = self._draw(random.Random(f"{self._name}/{self._seed}/{index}"))
         return self._make_prompt(f"{self._name}-{index}", op, a, b)
 
-    def next_prompt(self) -> Prompt:
-        prompt = self.prompt_at(self._next_index)
-        self._next_index += 1
-        return prompt
-
-    def __iter__(self) -> Iterator[Prompt]:
-        while True:
-            yield self.next_prompt()
-
-    def state(self) -> SourceState:
-        return SourceState(fingerprint=self.fingerprint, next_index=self._next_index)
-
-    def restore(self, state: SourceState) -> None:
-        _check_restore(self.fingerprint, state)
-        self._next_index = state.next_index
 
     def eval_prompts(self, n: int = 200) -> tuple[Prompt, ...]:
         """``n`` distinct held-out problems in a fixed order (ids ``<name>-eval-<i>``).
@@ -245,7 +253,7 @@ def read_prompt_file(path: str | Path) -> tuple[tuple[str, str], ...]:
     return tuple(rows)
 
 
-class JsonlPromptSource:
+class JsonlPromptSource(_IndexedSource):
     """Cycles endlessly through a JSONL file of ``{"prompt": ..., "answer": ...}`` lines.
 
     Prompt ``i`` is record ``order(i // n)[i % n]`` and has id ``<name>-<i>``, so ids stay
@@ -280,10 +288,6 @@ class JsonlPromptSource:
     def name(self) -> str:
         return self._name
 
-    @property
-    def fingerprint(self) -> str:
-        return self._fingerprint
-
     def __len__(self) -> int:
         """Records in the file (one pass)."""
         return len(self._rows)
@@ -305,18 +309,3 @@ class JsonlPromptSource:
         text, answer = self._rows[self._row_index(index)]
         return Prompt(prompt_id=f"{self._name}-{index}", text=text, answer=answer)
 
-    def next_prompt(self) -> Prompt:
-        prompt = self.prompt_at(self._next_index)
-        self._next_index += 1
-        return prompt
-
-    def __iter__(self) -> Iterator[Prompt]:
-        while True:
-            yield self.next_prompt()
-
-    def state(self) -> SourceState:
-        return SourceState(fingerprint=self._fingerprint, next_index=self._next_index)
-
-    def restore(self, state: SourceState) -> None:
-        _check_restore(self._fingerprint, state)
-        self._next_index = state.next_index

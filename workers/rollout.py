@@ -119,6 +119,7 @@ class RolloutWorker:
                                    device=device, enabled=record_spans)
 
         self._engine: AsyncLLM | None = None
+        self._tokenizer: Any = None  # the model's tokenizer, from start()
         self._usage = UsageMeter()
         self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
         self._failed: str | None = None
@@ -171,8 +172,14 @@ class RolloutWorker:
         # The engine labels every step's tokens with this; label the initial weights 0.
         await self._engine.update_weight_version(str(self._version))
         cfg = self._rollout
+        # No incremental detokenising in the engine: the text is decoded once, at the end,
+        # from exactly the token ids the trainer sees (and it saves engine-side work).
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(self._model.path)
         common: dict[str, Any] = dict(
-            max_tokens=cfg.max_new_tokens, logprobs=0, output_kind=RequestOutputKind.DELTA
+            max_tokens=cfg.max_new_tokens, logprobs=0, output_kind=RequestOutputKind.DELTA,
+            detokenize=False,
         )
         self._params = {
             "sample": SamplingParams(temperature=cfg.temperature,
@@ -241,7 +248,6 @@ class RolloutWorker:
         tokens: list[int] = []
         logprobs: list[float] = []
         arrival_versions: list[int] = []
-        texts: list[str] = []
         finish_reason, spans = "abort", None
         self._in_flight[request_id] = 0
         self._switch_span()
@@ -263,7 +269,6 @@ class RolloutWorker:
                 tokens.extend(new)
                 # Fallback tag: the version current when the token reached this process.
                 arrival_versions.extend([self._version] * len(new))
-                texts.append(completion.text)
                 self._in_flight[request_id] = len(tokens)
                 if completion.finish_reason is not None:
                     finish_reason = str(completion.finish_reason)
@@ -275,9 +280,10 @@ class RolloutWorker:
         # for the load, so its spans are exact; a token sampled just before a pause may
         # reach this process only after the version changed.
         versions = _versions_from_spans(spans, len(tokens)) or arrival_versions
+        text = str(self._tokenizer.decode(tokens, skip_special_tokens=True))
         return prompt_ids, Sample(token_ids=tuple(tokens), logprobs=tuple(logprobs),
                                   versions=tuple(versions), finish_reason=finish_reason,
-                                  text="".join(texts))
+                                  text=text)
 
     async def _stream_all(
         self, texts: Sequence[str], kind: str

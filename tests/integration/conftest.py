@@ -38,3 +38,15 @@ def ray_cluster() -> Iterator[None]:
         yield
     finally:
         ray.shutdown()
+
+
+@pytest.fixture
+def ray_shutdown() -> Iterator[None]:
+    """For tests whose code under test starts its own Ray (run_training): none is left
+    running before or after, whatever the outcome."""
+    if ray.is_initialized():
+        ray.shutdown()
+    try:
+        yield
+    finally:
+        ray.shutdown()

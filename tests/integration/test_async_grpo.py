@@ -8,11 +8,9 @@ directory holds what users read: metrics, spans, the report and the final model.
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import ray
 
 from async_rl.config import Config, decode_config
 from async_rl.controller import run_training
@@ -20,17 +18,6 @@ from async_rl.report import build_report
 from async_rl.run_dir import FINAL_MODEL, read_ledger, read_metrics
 
 pytestmark = pytest.mark.ray
-
-
-@pytest.fixture
-def ray_shutdown() -> Iterator[None]:
-    """run_training starts its own Ray; make sure none is left whatever the outcome."""
-    if ray.is_initialized():
-        ray.shutdown()
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def small_config(model_dir: Path, out: Path, max_staleness: int, **extra: dict[str, object]
@@ -79,9 +66,11 @@ def test_staleness_bound_two_is_kept_and_used(
     assert sum(hist[1:]) > 0, f"async run never trained off-policy: {hist}"
     rows = read_metrics(tmp_path / "run")
     assert all(row["staleness_max"] <= 2 for row in rows)
-    # Every version reached the rollout worker (deliveries overlap the next step).
-    delivered = sorted(t["version"] for row in rows for t in row["broadcast"])
-    assert delivered[: len(rows) - 1] == list(range(1, len(rows)))
+    # Deliveries overlap later steps, so a row logs those finished by then: in order,
+    # none skipped, and the last one has landed by the end of the run.
+    delivered = [t["version"] for row in rows for t in row["broadcast"]]
+    assert delivered == list(range(1, len(delivered) + 1))
+    assert summary.rollout_version == summary.final_version == 6
     check_ledger(tmp_path / "run", summary.groups_trained)
     assert (tmp_path / "run" / FINAL_MODEL / "config.json").exists()
     idle = build_report(tmp_path / "run")

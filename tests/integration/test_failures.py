@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,15 +15,6 @@ from async_rl.run_dir import METRICS, RunSummary, read_ledger
 
 pytestmark = pytest.mark.ray
 
-
-@pytest.fixture
-def ray_shutdown() -> Iterator[None]:
-    if ray.is_initialized():
-        ray.shutdown()
-    try:
-        yield
-    finally:
-        ray.shutdown()
 
 
 def test_dead_rollout_worker_is_retired_and_its_prompts_requeued(
