@@ -76,6 +76,10 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """vLLM gpu_memory_utilization (on CPU: the share of RAM for the KV cache)."""
     cpus_per_worker: Positive = 1
     """Cores each rollout worker owns (vLLM OMP threads)."""
+    prefix_caching: bool = False
+    """vLLM prefix caching. With it, an in-flight update clears the cache, so running
+    requests recompute their KV under the new weights; without it they keep the old KV
+    (PipelineRL's choice) and an update pauses the engine for less time."""
 
 
 class QueueConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -111,27 +111,33 @@ class Controller:
             cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
             cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate,
         )
+        # One GPU per worker when the cluster has GPUs (the CUDA path); none on CPU.
+        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
+        if gpus and cfg.run.colocate:
+            gpus = 0.5  # rollout worker i and trainer shard i share GPU i
         groups = make_placement_groups(
-            layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard
+            layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard,
+            gpus_per_worker=gpus * (2 if cfg.run.colocate else 1),
         )
         rollout_cls = ray.remote(RolloutWorker)
         for ident in layout.rollout:
             self.rollout[ident.rank] = rollout_cls.options(
                 name=ident.name,
-                num_cpus=cfg.rollout.cpus_per_worker,
+                num_cpus=cfg.rollout.cpus_per_worker, num_gpus=gpus,
                 max_concurrency=4 * cfg.rollout.max_inflight_prompts + 16,
                 scheduling_strategy=in_bundle(groups["rollout"], ident.rank),
             ).remote(
                 rank=ident.rank, model=cfg.model, rollout=cfg.rollout, weights=cfg.weights,
                 reward_fn=self.reward_fn, seed=cfg.run.seed + ident.rank,
                 cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
+                prefix_caching=cfg.rollout.prefix_caching,
             )
         trainer_cls = ray.remote(TrainerShard)
         port = _free_port()
         self.trainers = [
             trainer_cls.options(
                 name=ident.name,
-                num_cpus=cfg.trainer.cpus_per_shard,
+                num_cpus=cfg.trainer.cpus_per_shard, num_gpus=gpus,
                 scheduling_strategy=in_bundle(groups["trainer"], ident.rank),
             ).remote(
                 rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
