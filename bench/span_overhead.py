@@ -5,10 +5,10 @@
    ``spans x cost per switch / (wall time x workers)``, the fraction of device time spent
    recording.
 2. A/B (noisy on a shared 2-core machine): the same config run with
-   ``run.record_spans`` on and off, groups/s of each and their ratio.
+   ``run.record_spans`` on and off in ABBA order, median groups/s of each and the ratio.
 
 Usage: python bench/span_overhead.py [--config examples/cpu_default.toml] [--steps 30]
-       [--skip-ab] [--json]
+       [--repeat 1] [--skip-ab] [--json]
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -61,6 +62,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out-dir", default="runs/bench-span-overhead")
     parser.add_argument("--skip-ab", action="store_true", help="cost model only, no A/B runs")
+    parser.add_argument("--repeat", type=int, default=1, help="ABBA rounds (4 runs each)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     os.environ.setdefault("RAY_DEDUP_LOGS", "1")
@@ -69,17 +71,23 @@ def main() -> None:
     result: dict[str, Any] = {"switch_cost_us": cost * 1e6}
     if not args.skip_ab:
         base = Path(args.out_dir)
-        on = run(args.config, args.steps, True, base / "on")
-        off = run(args.config, args.steps, False, base / "off")
-        spans = read_spans(on["run_dir"])
+        # ABBA order, so warm-up and drift hit both arms alike; medians per arm.
+        order = [True, False, False, True] * args.repeat
+        runs = [run(args.config, args.steps, record, base / f"run{i}-{'on' if record else 'off'}")
+                for i, record in enumerate(order)]
+        on = [r for r in runs if r["record_spans"]]
+        off = [r for r in runs if not r["record_spans"]]
+        spans = read_spans(on[0]["run_dir"])
         workers = len({s.worker for s in spans})
         result.update(
             spans_recorded=len(spans),
             workers=workers,
-            modelled_overhead=len(spans) * cost / (on["wall_s"] * max(workers, 1)),
-            on=on, off=off,
-            ab_ratio_on_over_off=on["groups_per_s"] / off["groups_per_s"],
+            modelled_overhead=len(spans) * cost / (on[0]["wall_s"] * max(workers, 1)),
+            runs=runs,
+            on_groups_per_s=statistics.median(r["groups_per_s"] for r in on),
+            off_groups_per_s=statistics.median(r["groups_per_s"] for r in off),
         )
+        result["ab_ratio_on_over_off"] = result["on_groups_per_s"] / result["off_groups_per_s"]
     if args.json:
         print(msgspec.json.encode(result).decode())
         return
@@ -87,11 +95,11 @@ def main() -> None:
     table.add_column("figure")
     table.add_column("value", justify="right")
     table.add_row("cost per recorded span", f"{result['switch_cost_us']:.2f} us")
-    if "on" in result:
+    if "runs" in result:
         table.add_row("spans recorded (all workers)", str(result["spans_recorded"]))
         table.add_row("modelled overhead (of device time)", f"{result['modelled_overhead']:.4%}")
-        table.add_row("groups/s recording on", f"{result['on']['groups_per_s']:.2f}")
-        table.add_row("groups/s recording off", f"{result['off']['groups_per_s']:.2f}")
+        table.add_row("groups/s recording on (median)", f"{result['on_groups_per_s']:.2f}")
+        table.add_row("groups/s recording off (median)", f"{result['off_groups_per_s']:.2f}")
         table.add_row("A/B ratio on/off (noisy)", f"{result['ab_ratio_on_over_off']:.3f}")
     Console().print(table)
 
