@@ -10,6 +10,7 @@ from typing import Any
 import anyio
 import msgspec
 import pytest
+from async_helpers import wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -44,15 +45,6 @@ def make_queue(**kw: Any) -> ReplayQueue[Item]:
     params: dict[str, Any] = {"max_groups": 8, "max_tokens": 1000, "max_staleness": 1}
     params.update(kw)
     return ReplayQueue(**params)
-
-
-async def wait_until(predicate: Callable[[], bool]) -> None:
-    """Yields to the loop until ``predicate()`` holds (a parked task has parked)."""
-    for _ in range(1000):
-        if predicate():
-            return
-        await anyio.sleep(0)
-    raise AssertionError("condition never held")
 
 
 # -- order, buckets, statistics ---------------------------------------------------------

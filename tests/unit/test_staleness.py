@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import contextlib
 from collections import deque
-from collections.abc import Callable
 
 import anyio
 import anyio.abc
 import msgspec
 import pytest
+from async_helpers import wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -20,14 +20,6 @@ class Item(msgspec.Struct, frozen=True, kw_only=True):
     prompt_id: str
     min_version: int
     num_tokens: int = 10
-
-
-async def wait_until(predicate: Callable[[], bool]) -> None:
-    for _ in range(1000):
-        if predicate():
-            return
-        await anyio.sleep(0)
-    raise AssertionError("condition never held")
 
 
 def admitted_now(gate: AdmissionGate) -> int:
