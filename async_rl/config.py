@@ -91,6 +91,9 @@ class QueueConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Capacity in tokens (prompt + completion over all samples)."""
     bucket_edges: tuple[Positive, ...] = (64, 128, 256)
     """Increasing upper edges of the token-count buckets; larger groups go in a last bucket."""
+    homogeneous_take: bool = False
+    """Take a step's groups from one token-length bucket (then its neighbours) to cut
+    padding; the oldest group, and any that would go stale next step, are always taken."""
 
     def __post_init__(self) -> None:
         edges = self.bucket_edges

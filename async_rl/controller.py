@@ -257,7 +257,8 @@ class Controller:
                 self.training.switch("wait_data", self.version)
                 t0 = time.perf_counter()
                 groups = await self.queue.take(cfg.trainer.groups_per_step,
-                                               at_version=self.version)
+                                               at_version=self.version,
+                                               homogeneous=cfg.queue.homogeneous_take)
                 self.training.switch("training")
                 t1 = time.perf_counter()
                 batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step)

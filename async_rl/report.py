@@ -14,7 +14,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from async_rl.idle import Breakdown, breakdown, by_role, hint, resolve
+from async_rl.idle import Breakdown, breakdown, by_role, hint, resolve, step_windows
 from async_rl.run_dir import SPANS, USAGE, read_summary
 from async_rl.spans import IDLE, Span
 from async_rl.trace import write_chrome_trace, write_timeline_png
@@ -31,6 +31,15 @@ def read_spans(run_dir: str | Path) -> list[Span]:
     return [decoder.decode(line) for line in lines if line]
 
 
+class StepIdle(msgspec.Struct, frozen=True, kw_only=True):
+    """Idle accounting of one optimizer step's window, per role."""
+
+    step: int
+    start: float
+    end: float
+    roles: tuple[Breakdown, ...]
+
+
 class RunIdle(msgspec.Struct, frozen=True, kw_only=True):
     """A run's idle accounting: per worker and per role, over the training window."""
 
@@ -38,6 +47,9 @@ class RunIdle(msgspec.Struct, frozen=True, kw_only=True):
     end: float
     workers: tuple[Breakdown, ...]
     roles: tuple[Breakdown, ...]
+    steps: tuple[StepIdle, ...] = ()
+    """The same split per optimizer step (window: from one step's wait for data to the
+    next's)."""
     cross_check: dict[str, dict[str, float]] = {}
     """Per worker: span-derived busy fraction next to the OS's CPU busy fraction (and
     NVML utilisation on CUDA), from usage.json."""
@@ -55,13 +67,18 @@ def idle_of(spans: Sequence[Span]) -> tuple[RunIdle, list[Span]]:
     start = min((s.start for s in window), default=0.0)
     end = max((s.end for s in window), default=0.0)
     per_worker = breakdown(resolved, start, end)
+    per_step = tuple(
+        StepIdle(step=step, start=lo, end=hi,
+                 roles=tuple(by_role(breakdown(resolved, lo, hi))))
+        for step, lo, hi in step_windows(controller)
+    )
     shown = [
         msgspec.structs.replace(s, start=max(s.start, start), end=min(s.end, end))
         for s in resolved + controller
         if s.end > start and s.start < end
     ]
     return (RunIdle(start=start, end=end, workers=tuple(per_worker),
-                    roles=tuple(by_role(per_worker))), shown)
+                    roles=tuple(by_role(per_worker)), steps=per_step), shown)
 
 
 def build_report(run_dir: str | Path) -> RunIdle:
@@ -71,7 +88,13 @@ def build_report(run_dir: str | Path) -> RunIdle:
     if (path / USAGE).exists():
         idle = msgspec.structs.replace(idle, cross_check=cross_check(idle, path / USAGE))
     write_chrome_trace(resolved, path / TRACE)
-    write_timeline_png(resolved, path / TIMELINE, title=f"{path.name}: what each device did")
+    notes = {w.name: f"busy {w.busy_s / w.wall_s:.0%}, most waiting: {w.top_cause}"
+             for w in idle.workers if w.wall_s}
+    hints = [f"{r.role}: {hint(r)}" for r in idle.roles if r.idle_s > 0 and hint(r)]
+    write_timeline_png(resolved, path / TIMELINE,
+                       title=f"{path.name}: what each device did "
+                             "(green/blue = busy, warm colours = waiting, by cause)",
+                       row_notes=notes, footer="   ".join(hints))
     (path / IDLE_JSON).write_bytes(msgspec.json.format(msgspec.json.encode(idle)))
     return idle
 

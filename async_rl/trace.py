@@ -83,8 +83,13 @@ def write_chrome_trace(spans: Sequence[Span], path: str | Path) -> None:
     Path(path).write_bytes(msgspec.json.encode(chrome_trace(spans)))
 
 
-def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "") -> None:
-    """One row per worker, coloured by cause, with a legend of the causes present."""
+def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "",
+                       row_notes: dict[str, str] | None = None, footer: str = "") -> None:
+    """One row per worker, coloured by cause, with a legend of the causes present.
+
+    ``row_notes`` adds a line under a row's label (e.g. "busy 48%, waits: wait_data");
+    ``footer`` is printed under the legend (e.g. the top idle cause and its hint).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -102,7 +107,9 @@ def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "")
             facecolors=[COLOURS.get(s.cause, "#000000") for s in mine], linewidth=0,
         )
     ax.set_yticks(range(len(names)))
-    ax.set_yticklabels([f"{n}\n{devices[n]}" for n in reversed(names)], fontsize=8)
+    notes = row_notes or {}
+    ax.set_yticklabels([f"{n} ({devices[n]})" + (f"\n{notes[n]}" if n in notes else "")
+                        for n in reversed(names)], fontsize=8)
     ax.set_xlabel("seconds since start")
     known = list(COLOURS)
     present = sorted({s.cause for s in spans},
@@ -111,6 +118,8 @@ def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "")
               loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=min(len(present), 7),
               fontsize=8, frameon=False)
     ax.set_title(title or "what each device did (green/blue busy, warm colours waiting)")
-    fig.tight_layout()
+    if footer:
+        fig.text(0.01, 0.01, footer, fontsize=9, ha="left", va="bottom")
+    fig.tight_layout(rect=(0, 0.05 if footer else 0, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
