@@ -40,7 +40,7 @@ from buffers.replay_queue import ReplayQueue
 from buffers.staleness import AdmissionGate
 from workers.placement import WorkerIdentity, assign_cpus, in_bundle, registry_table
 from workers.placement import role_placement_groups as make_placement_groups
-from workers.rollout import RolloutWorker
+from workers.rollout import RolloutWorker, RolloutWorkerError
 from workers.trainer import TrainerShard
 from workers.usage import UsageReading
 from workers.weights import Published, WeightBroadcast
@@ -235,7 +235,8 @@ class Controller:
             await self.queue.put(group)
         except ray.exceptions.RayError as err:
             self.totals.rollout_failures += 1
-            if isinstance(err, ray.exceptions.RayActorError) or "RolloutWorkerError" in str(err):
+            broken = isinstance(getattr(err, "cause", None), RolloutWorkerError)
+            if broken or isinstance(err, ray.exceptions.RayActorError):
                 self._retire(rank, f"{type(err).__name__}")  # dead or broken: no more prompts
             self._requeue(prompt, "failed", f"rollout_error:{type(err).__name__}")
         finally:
