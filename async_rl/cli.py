@@ -12,7 +12,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from async_rl.config import ConfigError, load_config, to_toml
+from async_rl.config import Config, ConfigError, load_config, to_toml
 from async_rl.run_dir import SPANS
 
 
@@ -57,6 +57,27 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def check_inputs(config: Config) -> None:
+    """Fails fast, in one line, on inputs that would otherwise fail inside a worker."""
+    model = Path(config.model.path)
+    if not (model / "config.json").is_file():
+        raise ConfigError(
+            f"config error: model.path = {config.model.path!r}: no model there "
+            f"(build one with: async-rl make-model --out {config.model.path})"
+        )
+    if config.task.kind == "jsonl":
+        from async_rl.tasks import PromptFileError, read_prompt_file
+
+        if not Path(config.task.jsonl_path).is_file():
+            raise ConfigError(
+                f"config error: task.jsonl_path = {config.task.jsonl_path!r}: file not found"
+            )
+        try:
+            read_prompt_file(config.task.jsonl_path)
+        except PromptFileError as err:
+            raise ConfigError(f"prompt file error: {err}") from None
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -75,6 +96,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "train":
             config = load_config(args.config, args.overrides)
+            check_inputs(config)
             from async_rl.controller import run_training
             from async_rl.report import print_report
 

@@ -149,3 +149,27 @@ def test_every_field_is_documented() -> None:
         for field in msgspec.structs.fields(section.type):
             after = source.split(f"    {field.name}: ", 1)[1].splitlines()[1].strip()
             assert after.startswith('"""'), f"{section.name}.{field.name} has no docstring"
+
+
+def test_train_without_a_model_exits_2_naming_the_fix(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = write(tmp_path, GOOD.replace("runs/tiny-model", str(tmp_path / "nope")))
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.path" in err and "make-model" in err
+
+
+def test_train_with_a_malformed_prompt_file_exits_2_naming_the_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": oops}\n')
+    path = write(tmp_path, f'[model]\npath = "{model}"\n[task]\nkind = "jsonl"\n'
+                           f'jsonl_path = "{prompts}"\n')
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "p.jsonl:2" in err
