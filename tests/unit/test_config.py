@@ -173,3 +173,11 @@ def test_train_with_a_malformed_prompt_file_exits_2_naming_the_line(
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "p.jsonl:2" in err
+
+
+EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
+
+
+@pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
+def test_example_configs_are_valid(example: Path) -> None:
+    assert load_config(example).run.num_steps >= 1
