@@ -60,7 +60,8 @@ def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ..
     return arithmetic, arithmetic_reward, arithmetic.eval_prompts(task.eval_size)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback, for the trainer shards' process group."""
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
@@ -133,7 +134,7 @@ class Controller:
                 prefix_caching=cfg.rollout.prefix_caching,
             )
         trainer_cls = ray.remote(TrainerShard)
-        port = _free_port()
+        port = free_port()
         self.trainers = [
             trainer_cls.options(
                 name=ident.name,

@@ -8,6 +8,7 @@ about where spans come from or how they are drawn.
 
 from __future__ import annotations
 
+import bisect
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
 
@@ -32,15 +33,20 @@ def resolve(worker_spans: Sequence[Span], controller_spans: Sequence[Span]) -> l
         tracks[span.worker].append(span)
     for spans in tracks.values():
         spans.sort(key=lambda s: s.start)
+    # Controller spans tile their track, so their ends are sorted too: bisect to the
+    # first one that can overlap instead of scanning each track from its start.
+    ends = {name: [s.end for s in spans] for name, spans in tracks.items()}
     resolved: list[Span] = []
     for span in worker_spans:
         if span.cause != UNRESOLVED:
             resolved.append(span)
             continue
-        track = tracks[ROLLOUT_TRACK if span.role == "rollout" else TRAINER_TRACK]
+        name = ROLLOUT_TRACK if span.role == "rollout" else TRAINER_TRACK
+        track = tracks[name]
         allowed = IDLE.get(span.role, ())
         cursor = span.start
-        for explain in track:
+        first = bisect.bisect_right(ends.get(name, []), cursor)
+        for explain in track[first:]:
             if explain.end <= cursor or explain.cause not in allowed:
                 continue
             if explain.start >= span.end:

@@ -7,6 +7,7 @@ coloured by cause). Knows nothing about how spans were recorded or resolved.
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -66,10 +67,14 @@ def chrome_trace(spans: Sequence[Span]) -> dict[str, Any]:
                        "tid": tids[s.worker], "ts": us(s.start), "dur": us(s.end) - us(s.start),
                        "args": {"version": s.version}})
     publishes = {s.version: s for s in spans if s.cause == "weight_publish"}
+    syncs: dict[int, list[Span]] = defaultdict(list)
+    for s in spans:
+        if s.cause == "weight_sync":
+            syncs[s.version].append(s)
     for version, publish in sorted(publishes.items()):
         events.append({"ph": "i", "s": "g", "name": f"v{version}", "pid": 1,
                        "tid": tids[publish.worker], "ts": us(publish.end)})
-        for sync in (s for s in spans if s.cause == "weight_sync" and s.version == version):
+        for sync in syncs[version]:
             flow = {"name": f"weights v{version}", "cat": "broadcast", "pid": 1,
                     "id": version * 1000 + sync.rank}
             events.append({**flow, "ph": "s", "tid": tids[publish.worker],

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import socket
 from pathlib import Path
 from typing import Any
 
@@ -13,16 +12,11 @@ import ray
 
 from async_rl.batching import shard_batches
 from async_rl.config import ModelConfig, TrainerConfig
+from async_rl.controller import free_port
 from async_rl.records import Group, Prompt, Sample, ShardStepResult, make_group
 from workers.trainer import TrainerShard
 
 pytestmark = pytest.mark.ray
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def groups(n: int, seed: int = 0) -> list[Group]:
