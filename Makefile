@@ -1,8 +1,8 @@
-# The two commands of the README: `make demo` (set up, build the tiny model, run async GRPO
+# The two commands of the README: `make demo` (set up, build the small local model, run async GRPO
 # on the CPU default) and `make test` (set up, lint, type-check, run every test tier).
 VENV ?= .venv
 BIN := $(VENV)/bin
-MODEL ?= runs/tiny-model
+MODEL ?= runs/small-model
 CONFIG ?= examples/cpu_default.toml
 
 .PHONY: setup demo test lint unit integration bench clean
@@ -11,7 +11,7 @@ setup:
 	@scripts/setup-venv.sh
 
 $(MODEL)/config.json: | setup
-	$(BIN)/async-rl make-model --out $(MODEL)
+	$(BIN)/async-rl make-model --size small --out $(MODEL)
 
 demo: setup $(MODEL)/config.json
 	$(BIN)/async-rl train $(CONFIG)

@@ -8,6 +8,7 @@ late so that `async-rl config show` does not pay for importing torch, Ray or vLL
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -28,8 +29,16 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("config", help="TOML config file")
     _add_overrides(show)
 
-    make = commands.add_parser("make-model", help="build the tiny local model (no hub)")
+    make = commands.add_parser("make-model", help="build a small local model (no hub)")
     make.add_argument("--out", required=True, help="output directory")
+    make.add_argument(
+        "--size", choices=["tiny", "small"], default="small",
+        help="small: the CPU default's 4M-parameter model (default); tiny: 0.5M, for tests",
+    )
+    make.add_argument(
+        "--threads", type=_positive_int, default=min(2, os.cpu_count() or 1),
+        help="torch threads for the warm start (same seed and threads: same weights)",
+    )
     make.add_argument("--seed", type=int, default=0, help="seed of weights and warm start")
     make.add_argument(
         "--sft-steps", type=int, default=None, help="supervised warm-start steps (default: tuned)"
@@ -44,6 +53,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="one or more run directories")
     return parser
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _add_overrides(parser: argparse.ArgumentParser) -> None:
@@ -85,10 +101,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(to_toml(load_config(args.config, args.overrides)), end="")
             return 0
         if args.command == "make-model":
-            from async_rl.tiny_model import make_model
+            from async_rl.tiny_model import MODEL_SIZES, make_model
 
-            kwargs = {} if args.sft_steps is None else {"sft_steps": args.sft_steps}
-            made = make_model(args.out, seed=args.seed, **kwargs)
+            made = make_model(args.out, size=MODEL_SIZES[args.size], seed=args.seed,
+                              sft_steps=args.sft_steps, num_threads=args.threads)
             print(
                 f"model written to {made.path}: {made.num_parameters:,} parameters, "
                 f"base accuracy {made.base_accuracy:.3f}, {made.seconds:.1f}s"

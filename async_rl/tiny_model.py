@@ -64,6 +64,8 @@ class MadeModel(msgspec.Struct, frozen=True, kw_only=True):
 
     path: str
     """Directory holding config, weights, generation config and tokenizer."""
+    size: str
+    """Name of the ``ModelSize`` it was built at."""
     num_parameters: int
     base_accuracy: float
     """Greedy exact-answer accuracy on the task's held-out eval set after the warm start."""
@@ -79,6 +81,36 @@ class MadeModel(msgspec.Struct, frozen=True, kw_only=True):
     weights into bfloat16, so pass ``dtype="float32"`` to it explicitly."""
     seconds: float
     """Wall time of the whole build (warm start, evaluation, save)."""
+
+
+class ModelSize(msgspec.Struct, frozen=True, kw_only=True):
+    """A model shape and the warm start tuned for it."""
+
+    name: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    sft_steps: int
+    """Warm-start steps that leave the model knowing the arithmetic but preferring the
+    teacher's wrong last digit (see ``supervised_warm_start``)."""
+    sft_lr: float
+
+
+TINY: Final = ModelSize(name="tiny", hidden_size=128, num_layers=2, num_heads=4,
+                        num_kv_heads=2, intermediate_size=512, sft_steps=1200, sft_lr=2e-3)
+"""0.53M parameters: what tests build. On one core a training step of 16 groups takes
+about as long as generating them, so rollout, not training, bounds an async run."""
+SMALL: Final = ModelSize(name="small", hidden_size=256, num_layers=4, num_heads=8,
+                         num_kv_heads=4, intermediate_size=1024, sft_steps=800, sft_lr=1e-3)
+"""4.0M parameters: the CPU default's model. vLLM's cost here is mostly per request and
+per token bookkeeping, which barely grows with width, while training grows with the
+parameter count: one core generates 16 groups in about 0.2 s and another trains on them
+in about 0.4 s. Like a deployment with enough rollout workers, the trainer is then the
+bottleneck, and asynchrony is what keeps it busy. Warm start: base greedy accuracy about
+0.25, and 99% of greedy answers right or one too high; about 100 s on two threads."""
+MODEL_SIZES: Final = {size.name: size for size in (TINY, SMALL)}
 
 
 MADE_MODEL_FILE: Final = "made_model.json"
@@ -288,22 +320,17 @@ def evaluate_accuracy(
 def make_model(
     out_dir: str | Path,
     *,
+    size: ModelSize = TINY,
     seed: int = 0,
-    sft_steps: int = 1200,
+    sft_steps: int | None = None,
     batch_size: int = 64,
-    lr: float = 2e-3,
     teacher_accuracy: float = 0.3,
     max_operand: int = 29,
     eval_size: int = 200,
-    num_layers: int = 2,
-    hidden_size: int = 128,
-    num_heads: int = 4,
-    num_kv_heads: int = 2,
-    intermediate_size: int = 512,
     num_threads: int | None = 1,
     log: Callable[[str], None] | None = print,
 ) -> MadeModel:
-    """Builds, warm-starts, evaluates and saves the tiny model and tokenizer to ``out_dir``.
+    """Builds, warm-starts, evaluates and saves a ``size`` model and tokenizer to ``out_dir``.
 
     The warm start imitates a teacher that is right ``teacher_accuracy`` of the time and
     otherwise answers one too high (see ``supervised_warm_start``), on prompts from
@@ -312,18 +339,20 @@ def make_model(
     sees. Same seed and thread count give the same weights and accuracy. Existing files
     in ``out_dir`` are overwritten.
 
+    ``sft_steps`` overrides the size's tuned warm-start length (tests use a few steps).
     ``num_threads`` (torch intra-op threads, restored afterwards; ``None`` leaves them):
-    one is the default because the model is too small to gain from more, and on a busy
-    machine extra threads made the build several times slower.
+    one suits ``TINY``, too small to gain from more (on a busy machine extra threads made
+    its build several times slower); ``SMALL`` builds about 1.7x faster on two.
     """
     start = time.perf_counter()
     out = Path(out_dir)
+    steps = size.sft_steps if sft_steps is None else sft_steps
     config = build_config(
-        hidden_size=hidden_size,
-        num_layers=num_layers,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        intermediate_size=intermediate_size,
+        hidden_size=size.hidden_size,
+        num_layers=size.num_layers,
+        num_heads=size.num_heads,
+        num_kv_heads=size.num_kv_heads,
+        intermediate_size=size.intermediate_size,
     )
     with _torch_threads(num_threads):
         torch.manual_seed(seed)
@@ -332,17 +361,18 @@ def make_model(
         n_params = sum(p.numel() for p in model.parameters())
         if log is not None:
             log(
-                f"tiny qwen2: {n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}; warm "
-                f"start {sft_steps} steps x {batch_size} (teacher accuracy {teacher_accuracy})"
+                f"{size.name} qwen2: {n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}; "
+                f"warm start {steps} steps x {batch_size} (teacher accuracy "
+                f"{teacher_accuracy})"
             )
         task = ArithmeticTask(seed=seed, max_operand=max_operand)
         supervised_warm_start(
             model,
             tokenizer,
             task,
-            steps=sft_steps,
+            steps=steps,
             batch_size=batch_size,
-            lr=lr,
+            lr=size.sft_lr,
             teacher_accuracy=teacher_accuracy,
             seed=seed,
             log=log,
@@ -362,11 +392,12 @@ def make_model(
     tokenizer.save_pretrained(out)
     made = MadeModel(
         path=str(out),
+        size=size.name,
         num_parameters=n_params,
         base_accuracy=accuracy,
         eval_size=eval_size,
         seed=seed,
-        sft_steps=sft_steps,
+        sft_steps=steps,
         teacher_accuracy=teacher_accuracy,
         max_operand=max_operand,
         dtype=str(model.dtype).removeprefix("torch."),

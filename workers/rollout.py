@@ -38,6 +38,8 @@ if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
 EXTENSION_CLS = "workers.vllm_extension.WeightLoaderExtension"
+WARMUP_TEXT = "warm up"
+"""Prompt of the start-up warm-up requests (their output is thrown away)."""
 
 
 class RolloutWorkerError(RuntimeError):
@@ -62,7 +64,9 @@ class RolloutStatistics(msgspec.Struct, frozen=True, kw_only=True):
     tokens_in_flight: int
     """Tokens generated so far by the requests still running."""
     engine_start_s: float
-    """Seconds ``start()`` took to build the engine (0 before it ran)."""
+    """Seconds ``start()`` took to build and warm up the engine (0 before it ran)."""
+    warmup_s: float
+    """Of which the warm-up requests took this many."""
 
 
 def _versions_from_spans(spans: Sequence[Any] | None, num_tokens: int) -> list[int] | None:
@@ -133,7 +137,7 @@ class RolloutWorker:
         self._version = 0
         self._groups = self._samples = self._tokens = 0
         self._reward_failures = self._weight_updates = 0
-        self._engine_start_s = 0.0
+        self._engine_start_s = self._warmup_s = 0.0
 
     # ---------------------------------------------------------------- lifecycle
 
@@ -186,6 +190,16 @@ class RolloutWorker:
                                      ignore_eos=self._ignore_eos, **common),
             "greedy": SamplingParams(temperature=0.0, **common),
         }
+        # Warm-up: the CPU build's first steps at each new batch shape are many times
+        # slower than later ones (a cold first step of a 128-request batch took 2 s
+        # against 0.2 s warm), which would otherwise land in the first training step as
+        # trainer wait. One full in-flight load of throwaway requests, before any span
+        # window or counter, takes that cost here, as engine start-up.
+        warm_began = time.perf_counter()
+        warm_requests = cfg.max_inflight_prompts * cfg.group_size
+        await self._stream_all([WARMUP_TEXT] * warm_requests, "sample")
+        self._spans.flush()
+        self._warmup_s = time.perf_counter() - warm_began
         self._engine_start_s = time.perf_counter() - began
         return os.getpid()
 
@@ -427,5 +441,5 @@ class RolloutWorker:
             reward_failures=self._reward_failures, weight_updates=self._weight_updates,
             requests_running=len(self._in_flight),
             tokens_in_flight=sum(self._in_flight.values()),
-            engine_start_s=self._engine_start_s,
+            engine_start_s=self._engine_start_s, warmup_s=self._warmup_s,
         )

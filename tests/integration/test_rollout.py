@@ -141,6 +141,14 @@ def check_group(group: Group, prompt_ids: list[int]) -> None:
     assert group.num_tokens == GROUP_SIZE * (len(prompt_ids) + LONG)
 
 
+def test_start_warms_up_outside_counters_and_spans(worker: Any) -> None:
+    stats = ray.get(worker.statistics.remote(), timeout=TIMEOUT)
+    assert 0 < stats.warmup_s < stats.engine_start_s
+    assert stats.groups_generated == stats.samples_generated == stats.tokens_generated == 0
+    spans = ray.get(worker.drain_spans.remote(), timeout=TIMEOUT)
+    assert spans and all(s.cause != "generate" for s in spans)
+
+
 def test_generate_group(worker: Any, tiny_model_dir: Path) -> None:
     stats = ray.get(worker.statistics.remote(), timeout=TIMEOUT)
     group: Group = ray.get(worker.generate_group.remote(PROMPT), timeout=TIMEOUT)

@@ -18,7 +18,10 @@ from async_rl.tiny_model import (
     BYTE_OFFSET,
     EOS_ID,
     MADE_MODEL_FILE,
+    MODEL_SIZES,
     PAD_ID,
+    SMALL,
+    TINY,
     VOCAB_SIZE,
     MadeModel,
     build_config,
@@ -103,6 +106,17 @@ def test_make_model_is_deterministic_per_seed(made: MadeModel, tmp_path: Path) -
     second = AutoModelForCausalLM.from_pretrained(again.path).state_dict()
     assert all(torch.equal(first[k], second[k]) for k in first)
     assert again.base_accuracy == made.base_accuracy
+
+
+def test_sizes_build_the_shape_they_name(made: MadeModel, tmp_path: Path) -> None:
+    assert MODEL_SIZES == {"tiny": TINY, "small": SMALL}
+    small = make_model(tmp_path, size=SMALL, sft_steps=1, eval_size=4, log=None)
+    assert (made.size, small.size, small.sft_steps) == ("tiny", "small", 1)
+    config = AutoModelForCausalLM.from_pretrained(small.path).config
+    assert (config.hidden_size, config.num_hidden_layers) == (SMALL.hidden_size,
+                                                              SMALL.num_layers)
+    # The CPU default relies on SMALL being several times the work of TINY per token.
+    assert small.num_parameters > 6 * made.num_parameters
 
 
 def test_greedy_evaluation(made: MadeModel) -> None:
