@@ -104,7 +104,15 @@ def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "",
     names = _order(spans)
     origin = min((s.start for s in spans), default=0.0)
     devices = {s.worker: s.device for s in spans}
-    fig, ax = plt.subplots(figsize=(12, 1.0 + 0.55 * len(names)))
+    known = list(COLOURS)
+    present = sorted({s.cause for s in spans},
+                     key=lambda c: known.index(c) if c in known else len(known))
+    columns = min(len(present), 7) or 1
+    # Legend and footer sit in a strip of their own under the axes, sized in inches so
+    # the x-axis label never runs into them whatever the number of rows.
+    strip = 0.25 * -(-len(present) // columns) + (0.3 if footer else 0.0)
+    height = 1.4 + 0.55 * len(names) + strip
+    fig, ax = plt.subplots(figsize=(12, height))
     for row, name in enumerate(reversed(names)):
         mine = [s for s in spans if s.worker == name]
         ax.broken_barh(
@@ -116,15 +124,12 @@ def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "",
     ax.set_yticklabels([f"{n} ({devices[n]})" + (f"\n{notes[n]}" if n in notes else "")
                         for n in reversed(names)], fontsize=8)
     ax.set_xlabel("seconds since start")
-    known = list(COLOURS)
-    present = sorted({s.cause for s in spans},
-                     key=lambda c: known.index(c) if c in known else len(known))
-    ax.legend(handles=[Patch(color=COLOURS.get(c, "#000000"), label=c) for c in present],
-              loc="upper center", bbox_to_anchor=(0.5, -0.18), ncol=min(len(present), 7),
-              fontsize=8, frameon=False)
+    fig.legend(handles=[Patch(color=COLOURS.get(c, "#000000"), label=c) for c in present],
+               loc="lower center", bbox_to_anchor=(0.5, (0.3 if footer else 0.05) / height),
+               ncol=columns, fontsize=8, frameon=False)
     ax.set_title(title or "what each device did (green/blue busy, warm colours waiting)")
     if footer:
         fig.text(0.01, 0.01, footer, fontsize=9, ha="left", va="bottom")
-    fig.tight_layout(rect=(0, 0.05 if footer else 0, 1, 1))
+    fig.tight_layout(rect=(0, (strip + 0.1) / height, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)
