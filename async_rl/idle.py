@@ -160,8 +160,9 @@ def step_windows(spans: Sequence[Span]) -> list[tuple[int, float, float]]:
 HINTS = {
     ("trainer", "wait_data"): "trainer waits for data: add rollout workers or raise "
                               "max_staleness",
-    ("trainer", "weight_publish"): "trainer waits on weight broadcasts: raise "
-                                   "weights.sync_every or use in_flight updates",
+    ("trainer", "weight_publish"): "trainer waits while its weights are published: "
+                                   "raise weights.sync_every (loading them into rollout "
+                                   "already overlaps the next step)",
     ("trainer", "barrier"): "trainer shards wait on each other: lower micro_batch_tokens "
                             "or add cost_b so the plan balances better",
     ("trainer", "no_work"): "trainer has nothing scheduled: the controller is the "
