@@ -1,5 +1,5 @@
-# The two commands of the README: `make demo` (set up, build the small local model, run async GRPO
-# on the CPU default) and `make test` (set up, lint, type-check, run every test tier).
+# The two commands of the README: `make demo` (set up, build the small local model, run
+# async GRPO on the CPU default) and `make test` (set up, lint, type-check, run every tier).
 VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL ?= runs/small-model

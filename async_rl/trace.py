@@ -7,6 +7,7 @@ coloured by cause). Knows nothing about how spans were recorded or resolved.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -110,7 +111,7 @@ def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "",
     columns = min(len(present), 7) or 1
     # Legend and footer sit in a strip of their own under the axes, sized in inches so
     # the x-axis label never runs into them whatever the number of rows.
-    strip = 0.25 * -(-len(present) // columns) + (0.3 if footer else 0.0)
+    strip = 0.25 * math.ceil(len(present) / columns) + (0.3 if footer else 0.0)
     height = 1.4 + 0.55 * len(names) + strip
     fig, ax = plt.subplots(figsize=(12, height))
     for row, name in enumerate(reversed(names)):

@@ -191,10 +191,10 @@ class RolloutWorker:
             "greedy": SamplingParams(temperature=0.0, **common),
         }
         # Warm-up: the CPU build's first steps at each new batch shape are many times
-        # slower than later ones (a cold first step of a 128-request batch took 2 s
-        # against 0.2 s warm), which would otherwise land in the first training step as
-        # trainer wait. One full in-flight load of throwaway requests, before any span
-        # window or counter, takes that cost here, as engine start-up.
+        # slower than later ones (a run's first 16 groups took 2.1 s to generate cold
+        # against 0.18 s warm), which would otherwise land in the first training step as
+        # trainer wait. One full in-flight load of throwaway requests takes that cost
+        # here, as engine start-up; its spans are discarded and nothing is counted.
         warm_began = time.perf_counter()
         warm_requests = cfg.max_inflight_prompts * cfg.group_size
         await self._stream_all([WARMUP_TEXT] * warm_requests, "sample")
