@@ -183,6 +183,17 @@ def build_config(
     )
 
 
+def size_config(size: ModelSize) -> Qwen2Config:
+    """The ``build_config`` of a named size."""
+    return build_config(
+        hidden_size=size.hidden_size,
+        num_layers=size.num_layers,
+        num_heads=size.num_heads,
+        num_kv_heads=size.num_kv_heads,
+        intermediate_size=size.intermediate_size,
+    )
+
+
 def _sft_batch(
     prompts: Sequence[Prompt], tokenizer: PreTrainedTokenizerBase
 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -347,13 +358,7 @@ def make_model(
     start = time.perf_counter()
     out = Path(out_dir)
     steps = size.sft_steps if sft_steps is None else sft_steps
-    config = build_config(
-        hidden_size=size.hidden_size,
-        num_layers=size.num_layers,
-        num_heads=size.num_heads,
-        num_kv_heads=size.num_kv_heads,
-        intermediate_size=size.intermediate_size,
-    )
+    config = size_config(size)
     with _torch_threads(num_threads):
         torch.manual_seed(seed)
         tokenizer = build_tokenizer()

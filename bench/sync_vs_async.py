@@ -36,12 +36,12 @@ Timings on a shared 2-core machine are noisy: compare runs made back to back.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
+from quiet_stdout import stdout_to_stderr
 from rich.console import Console
 from rich.table import Table
 
@@ -256,14 +256,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
 
-    saved_stdout = -1
-    if args.json:
-        # Workers' logs and the controller's tables go to stdout: point fd 1 at stderr
-        # during the runs so that stdout carries the one JSON object only.
-        sys.stdout.flush()
-        saved_stdout = os.dup(1)
-        os.dup2(2, 1)
-    try:
+    # Workers' logs and the controller's tables go to stdout: with --json they go to
+    # stderr during the runs, so that stdout carries the one JSON object only.
+    with stdout_to_stderr(args.json):
         try:
             base = load_config(args.config, args.overrides)
             configs = [run_config(base, eta, args.steps, Path(args.out_dir))
@@ -273,11 +268,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         measured = [(config, *measure(config)) for config in configs]
         result = analyse(measured, args.config, args.steps, args.overrides)
-    finally:
-        if saved_stdout >= 0:
-            sys.stdout.flush()
-            os.dup2(saved_stdout, 1)
-            os.close(saved_stdout)
     if args.json:
         print(msgspec.json.encode(result).decode())
     else:
