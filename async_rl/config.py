@@ -43,8 +43,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
 class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where prompts come from and how completions are scored."""
 
-    kind: Literal["arithmetic", "jsonl"] = "arithmetic"
-    """Built-in seeded arithmetic task, or a JSONL file of {"prompt", "answer"} lines."""
+    kind: Literal["arithmetic", "longtail", "jsonl"] = "arithmetic"
+    """Built-in seeded arithmetic task (answers of a few tokens), the built-in long-tail
+    reasoning task (remainders by repeated subtraction: traces of 20 to 300 tokens), or a
+    JSONL file of {"prompt", "answer"} lines."""
     jsonl_path: str = ""
     """The JSONL prompt file; required when kind = "jsonl"."""
     seed: NonNegative = 0

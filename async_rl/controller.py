@@ -30,7 +30,8 @@ from async_rl.config import Config
 from async_rl.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.progress import RunProgress
 from async_rl.records import BroadcastTiming, Group, LedgerEntry, Prompt, ShardStepResult
-from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward
+from async_rl.longtail import RemainderTask
+from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward, remainder_reward
 from async_rl.run_dir import FINAL_MODEL, RunSummary, RunWriter
 from async_rl.spans import Span, SpanRecorder
 from async_rl.step_metrics import StepTotals, step_row
@@ -56,6 +57,9 @@ def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ..
         source = JsonlPromptSource(task.jsonl_path, seed=task.seed)
         held_out = tuple(source.prompt_at(i) for i in range(min(task.eval_size, len(source))))
         return source, gsm8k_reward, held_out
+    if task.kind == "longtail":
+        longtail = RemainderTask(seed=task.seed)
+        return longtail, remainder_reward, longtail.eval_prompts(task.eval_size)
     arithmetic = ArithmeticTask(seed=task.seed)
     return arithmetic, arithmetic_reward, arithmetic.eval_prompts(task.eval_size)
 

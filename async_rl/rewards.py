@@ -24,6 +24,8 @@ _INTEGER: Final = re.compile(r"0|-?[1-9][0-9]*")
 # A number as people write it in GSM8K: optional sign, thousands commas, a decimal part.
 _NUMBER: Final = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?")
 _HASH_ANSWER: Final = re.compile(r"####\s*(" + _NUMBER.pattern + r")")
+# The remainder task's trace: numbers separated by single spaces, then the final answer.
+_REMAINDER_TRACE: Final = re.compile(r"(?:[0-9]+ )*#### (" + _INTEGER.pattern + r")")
 
 
 class RewardFn(Protocol):
@@ -81,3 +83,18 @@ def gsm8k_reward(prompt: Prompt, completion_text: str) -> float:
     if got is None or want is None:
         return 0.0
     return 1.0 if _parse_number(got) == _parse_number(want) else 0.0
+
+
+def remainder_reward(prompt: Prompt, completion_text: str) -> float:
+    """1.0 when a long-tail (remainder) completion is well formed and its final answer
+    is the reference integer, else 0.0.
+
+    Format rule: space-separated step numbers, then ``#### <answer>`` in canonical form,
+    then end-of-sequence; nothing else. The steps themselves are not checked (a wrong
+    step almost always leads to a wrong answer). A completion cut off at the token limit
+    has no ``####`` at its end and scores 0.
+    """
+    match = _REMAINDER_TRACE.fullmatch(_strip_eos(completion_text))
+    if match is None:
+        return 0.0
+    return 1.0 if int(match.group(1)) == int(prompt.answer) else 0.0

@@ -53,7 +53,7 @@ class PromptSource(Protocol):
         ...
 
 
-class _IndexedSource:
+class IndexedSource:
     """The cursor shared by sources that can make prompt ``i`` directly: hands out
     ``prompt_at(i)``, ``prompt_at(i + 1)``, ... and checkpoints ``i``. A subclass sets
     ``_fingerprint`` and defines ``prompt_at``."""
@@ -91,12 +91,12 @@ class _IndexedSource:
 # Arithmetic
 
 
-def _stable_unit(key: str) -> float:
+def stable_unit(key: str) -> float:
     # sha256 rather than hash(): Python's str hash changes per process (PYTHONHASHSEED).
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") / 2.0**64
 
 
-class ArithmeticTask(_IndexedSource):
+class ArithmeticTask(IndexedSource):
     """Endless ``a+b=`` / ``a-b=`` prompts over operands ``0..max_operand``.
 
     Prompt text is e.g. ``"12+7="``; the answer is the integer result as text (``"19"``).
@@ -148,7 +148,7 @@ class ArithmeticTask(_IndexedSource):
 
     def is_held_out(self, op: str, a: int, b: int) -> bool:
         """True for problems reserved for evaluation (never in the training stream)."""
-        return _stable_unit(f"held-out:{a}{op}{b}") < self._held_out_fraction
+        return stable_unit(f"held-out:{a}{op}{b}") < self._held_out_fraction
 
     def _all_problems(self) -> Iterator[tuple[str, int, int]]:
         for op in self._ops:
@@ -180,6 +180,9 @@ class ArithmeticTask(_IndexedSource):
         op, a, b = self._draw(random.Random(f"{self._name}/{self._seed}/{index}"))
         return self._make_prompt(f"{self._name}-{index}", op, a, b)
 
+    def teacher_completion(self, prompt: Prompt, rng: random.Random, accuracy: float) -> str:
+        """The warm start's target: the answer, one too high ``1 - accuracy`` of the time."""
+        return prompt.answer if rng.random() < accuracy else str(int(prompt.answer) + 1)
 
     def eval_prompts(self, n: int = 200) -> tuple[Prompt, ...]:
         """``n`` distinct held-out problems in a fixed order (ids ``<name>-eval-<i>``).
@@ -253,7 +256,7 @@ def read_prompt_file(path: str | Path) -> tuple[tuple[str, str], ...]:
     return tuple(rows)
 
 
-class JsonlPromptSource(_IndexedSource):
+class JsonlPromptSource(IndexedSource):
     """Cycles endlessly through a JSONL file of ``{"prompt": ..., "answer": ...}`` lines.
 
     Prompt ``i`` is record ``order(i // n)[i % n]`` and has id ``<name>-<i>``, so ids stay

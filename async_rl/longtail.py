@@ -1,0 +1,150 @@
+"""The long-tail reasoning task: a remainder worked out by repeated subtraction.
+
+Owns: the seeded prompt stream (``RemainderTask``), its reference reasoning traces, the
+length distribution that makes them heavy-tailed, its disjoint held-out eval set and the
+teacher completions of the supervised warm start. Knows nothing about tokenizers,
+engines or training; its reward is ``async_rl.rewards.remainder_reward``.
+
+A prompt is ``"N%k="``; the completion writes every step of subtracting ``k`` until the
+number is below ``k``, then the final answer after ``####``::
+
+    47%9=38 29 20 11 2 #### 2
+
+The number of steps ``m = N // k`` is drawn from a log-normal law, so completion lengths
+look like reasoning traces: most are a few dozen tokens, a few run to hundreds. Each
+step depends only on the previous number and ``k``, which a small model can learn; the
+whole trace must be right for the final answer to be, so long traces are harder.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterator
+
+from async_rl.records import Prompt
+from async_rl.tasks import IndexedSource, stable_unit
+
+MAX_NUMBER = 999
+"""Largest ``N``: three digits keep every step at most four characters."""
+MAX_DIVISOR = 19
+
+
+def reference_steps(number: int, divisor: int) -> list[int]:
+    """The numbers the trace writes: ``N - k, N - 2k, ..., N % k`` (at least one)."""
+    return list(range(number - divisor, -1, -divisor))
+
+
+def reference_completion(number: int, divisor: int, final_answer: int | None = None) -> str:
+    """The reference trace of ``N%k``, ending in ``#### <final_answer>`` (default: the
+    true remainder; the warm-start teacher sometimes writes a wrong one)."""
+    steps = reference_steps(number, divisor)
+    answer = steps[-1] if final_answer is None else final_answer
+    return " ".join(map(str, steps)) + f" #### {answer}"
+
+
+def parse_prompt(text: str) -> tuple[int, int]:
+    """``(N, k)`` of a prompt text ``"N%k="``."""
+    number, divisor = text.removesuffix("=").split("%")
+    return int(number), int(divisor)
+
+
+class RemainderTask(IndexedSource):
+    """Endless ``N%k=`` prompts whose trace length ``N // k`` has a heavy tail.
+
+    Prompt ``i`` depends only on seed and index: draw the step count ``m`` from
+    ``round(exp(Normal(log(median_steps), sigma)))`` clipped to ``[1, max_steps]``, then
+    a divisor ``k`` in ``[2, 19]`` with ``k * (m + 1) - 1 <= 999`` and ``N = k * m + r``
+    for a remainder ``r`` in ``[0, k)``. With the defaults the reference completions
+    (one token per character plus EOS) have a median of about 25 tokens, a 99th
+    percentile about ten times that, and a few longer than 256 tokens.
+
+    A fixed slice of all ``(N, k)`` problems (``held_out_fraction``, chosen by a
+    seed-independent digest) never appears in training; ``eval_prompts`` draws from the
+    same length law restricted to that slice.
+    """
+
+    def __init__(
+        self,
+        *,
+        seed: int = 0,
+        median_steps: float = 5.0,
+        sigma: float = 1.05,
+        max_steps: int = 90,
+        held_out_fraction: float = 0.2,
+        name: str = "longtail",
+    ) -> None:
+        if not 1.0 <= median_steps <= max_steps:
+            raise ValueError(f"median_steps must be in [1, max_steps], got {median_steps}")
+        if not 0 < max_steps <= MAX_NUMBER // 2:
+            raise ValueError(f"max_steps must be in [1, {MAX_NUMBER // 2}], got {max_steps}")
+        if sigma < 0:
+            raise ValueError(f"sigma must be >= 0, got {sigma}")
+        if not 0.0 < held_out_fraction < 0.5:
+            raise ValueError(f"held_out_fraction must be in (0, 0.5), got {held_out_fraction}")
+        self._seed = seed
+        self._median_steps = median_steps
+        self._sigma = sigma
+        self._max_steps = max_steps
+        self._held_out_fraction = held_out_fraction
+        self._name = name
+        self._next_index = 0
+        self._fingerprint = (
+            f"longtail:name={name}:seed={seed}:median_steps={median_steps}:sigma={sigma}"
+            f":max_steps={max_steps}:held_out={held_out_fraction}"
+        )
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def is_held_out(self, number: int, divisor: int) -> bool:
+        """True for problems reserved for evaluation (never in the training stream)."""
+        return stable_unit(f"held-out:{number}%{divisor}") < self._held_out_fraction
+
+    def _draw(self, rng: random.Random) -> tuple[int, int]:
+        steps = round(math.exp(rng.gauss(math.log(self._median_steps), self._sigma)))
+        steps = min(max(steps, 1), self._max_steps)
+        divisor = rng.randint(2, min(MAX_DIVISOR, (MAX_NUMBER + 1) // (steps + 1)))
+        return divisor * steps + rng.randrange(divisor), divisor
+
+    def _draws(self, rng: random.Random, held_out: bool) -> Iterator[tuple[int, int]]:
+        # Rejection sampling keeps the length law of each split the same.
+        while True:
+            number, divisor = self._draw(rng)
+            if self.is_held_out(number, divisor) == held_out:
+                yield number, divisor
+
+    @staticmethod
+    def _make_prompt(prompt_id: str, number: int, divisor: int) -> Prompt:
+        return Prompt(prompt_id=prompt_id, text=f"{number}%{divisor}=",
+                      answer=str(number % divisor))
+
+    def prompt_at(self, index: int) -> Prompt:
+        """The training prompt at ``index``, without moving the cursor."""
+        if index < 0:
+            raise ValueError(f"prompt index must be >= 0, got {index}")
+        rng = random.Random(f"{self._name}/{self._seed}/{index}")
+        number, divisor = next(self._draws(rng, held_out=False))
+        return self._make_prompt(f"{self._name}-{index}", number, divisor)
+
+    def eval_prompts(self, n: int = 200) -> tuple[Prompt, ...]:
+        """``n`` distinct held-out problems in a fixed order (ids ``<name>-eval-<i>``),
+        independent of the cursor and of ``seed``."""
+        if n <= 0:
+            return ()
+        rng = random.Random(f"{self._name}/eval")
+        seen: dict[tuple[int, int], None] = {}
+        for problem in self._draws(rng, held_out=True):
+            seen.setdefault(problem)
+            if len(seen) == n:
+                break
+        return tuple(self._make_prompt(f"{self._name}-eval-{i}", number, divisor)
+                     for i, (number, divisor) in enumerate(seen))
+
+    def teacher_completion(self, prompt: Prompt, rng: random.Random, accuracy: float) -> str:
+        """The warm start's target: the full trace, with the final answer one too high
+        ``1 - accuracy`` of the time (the trace itself is always right)."""
+        number, divisor = parse_prompt(prompt.text)
+        wrong = rng.random() >= accuracy
+        return reference_completion(number, divisor, number % divisor + 1 if wrong else None)
