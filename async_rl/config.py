@@ -52,7 +52,8 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     seed: NonNegative = 0
     """Seed of the prompt stream (the arithmetic task is a pure function of seed and index)."""
     eval_size: NonNegative = 200
-    """Held-out prompts scored greedily at the start and end of a run (0 = no evaluation)."""
+    """Held-out prompts scored greedily at the start and end of a run, and every
+    run.eval_every steps (0 = no evaluation)."""
 
     def __post_init__(self) -> None:
         if self.kind == "jsonl" and not self.jsonl_path:
@@ -179,6 +180,12 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Show a progress bar."""
     record_spans: bool = True
     """Record per-worker spans for idle accounting, the Perfetto trace and the timeline."""
+    eval_every: NonNegative = 0
+    """Evaluate greedy held-out accuracy every this many optimizer steps, on a rollout
+    worker beside training (eval.jsonl); 0 = only at the start and end."""
+    target_accuracy: Fraction = 0.8
+    """Held-out accuracy a run's time-to-target (and samples-to-target) is measured
+    against, in summary.json."""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -6,10 +6,12 @@ evaluate the base policy, then two loops side by side —
 - ``rollout_loop``: prompt source -> AdmissionGate -> a rollout worker -> ReplayQueue;
 - ``training_loop``: ReplayQueue -> plan -> trainer shards -> new version -> broadcast;
 
-then evaluate again and save. It also keeps the prompt ledger: every admitted prompt ends
-trained exactly once, or dropped/failed and re-queued with a reason. Knows nothing about
-how engines generate or how shards compute (workers/), nor the rules of the gate, queue
-and plan (buffers/).
+with the evaluations due every ``run.eval_every`` steps running beside them
+(``evaluation_loop``), then evaluate again and save. It also keeps the prompt ledger:
+every admitted prompt ends trained exactly once, or dropped/failed and re-queued with a
+reason. Knows nothing about how engines generate or how shards compute (workers/), nor
+the rules of the gate, queue and plan (buffers/), nor when evaluations fall due and what
+they are charged against (async_rl/evaluation.py).
 """
 
 from __future__ import annotations
@@ -27,12 +29,13 @@ import ray
 
 from async_rl.batching import shard_batches
 from async_rl.config import Config
+from async_rl.evaluation import EvalLog, describe
 from async_rl.idle import ROLLOUT_TRACK, TRAINER_TRACK
+from async_rl.longtail import RemainderTask
 from async_rl.progress import RunProgress
 from async_rl.records import BroadcastTiming, Group, LedgerEntry, Prompt, ShardStepResult
-from async_rl.longtail import RemainderTask
 from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward, remainder_reward
-from async_rl.run_dir import FINAL_MODEL, RunSummary, RunWriter
+from async_rl.run_dir import FINAL_MODEL, EvalPoint, RunSummary, RunWriter
 from async_rl.spans import Span, SpanRecorder
 from async_rl.step_metrics import StepTotals, step_row
 from async_rl.tasks import ArithmeticTask, JsonlPromptSource, PromptSource
@@ -96,6 +99,7 @@ class Controller:
         self.open_prompts: dict[str, Prompt] = {}
         """Admitted and not yet trained or re-queued: in flight or in the queue."""
         self.totals = StepTotals()
+        self.evals = EvalLog(every=config.run.eval_every, num_steps=config.run.num_steps)
         self.timings: list[BroadcastTiming] = []
         """Broadcast timings completed since the last metrics row."""
         self.rollout: dict[int, Any] = {}
@@ -168,37 +172,46 @@ class Controller:
 
     async def run(self) -> RunSummary:
         await self.start_workers()
-        accuracy_start = await self.evaluate()
+        start = await self.evaluate(step=0)
         started = time.perf_counter()
+        self.evals.start(started)
         # Idle accounting covers the training window only: drop setup and evaluation.
         self.admission.flush()
         self.training.flush()
         usage_first = await self.read_usage()
-        with RunProgress(self.config.run.num_steps, enabled=self.config.run.progress) as bar:
-            async with anyio.create_task_group() as loops:
-                loops.start_soon(self.rollout_loop)
-                await self.training_loop(bar)
-                loops.cancel_scope.cancel()
-        wall_s = time.perf_counter() - started
-        rollout_versions = await asyncio.gather(*(w.version.remote()
-                                                  for w in self.rollout.values()))
-        for prompt in self.open_prompts.values():  # generated or queued, never trained
-            self._ledger(prompt, "unfinished", reason="run_ended")
-        self.admission.switch("no_work")
-        self.training.switch("no_work")
-        usage_last = await self.read_usage()
-        await self.write_spans()
-        self.out.usage({name: {"first": usage_first[name], "last": reading,
-                               "cores": len(self._identity(name).devices)}
-                        for name, reading in usage_last.items() if name in usage_first})
-        accuracy_end = await self.evaluate()
+        async with anyio.create_task_group() as evaluations:
+            # Evaluations due during training run beside it; it never waits for them.
+            evaluations.start_soon(self.evaluation_loop)
+            with RunProgress(self.config.run.num_steps, enabled=self.config.run.progress) as bar:
+                async with anyio.create_task_group() as loops:
+                    loops.start_soon(self.rollout_loop)
+                    await self.training_loop(bar)
+                    loops.cancel_scope.cancel()
+            wall_s = time.perf_counter() - started
+            self.evals.training_ended()
+            rollout_versions = await asyncio.gather(*(w.version.remote()
+                                                      for w in self.rollout.values()))
+            for prompt in self.open_prompts.values():  # generated or queued, never trained
+                self._ledger(prompt, "unfinished", reason="run_ended")
+            self.admission.switch("no_work")
+            self.training.switch("no_work")
+            usage_last = await self.read_usage()
+            await self.write_spans()
+            self.out.usage({name: {"first": usage_first[name], "last": reading,
+                                   "cores": len(self._identity(name).devices)}
+                            for name, reading in usage_last.items() if name in usage_first})
+        # Any evaluation still due has finished (after the training window was recorded).
+        end = await self.evaluate(step=self.config.run.num_steps)
         await asyncio.to_thread(
             ray.get, self.trainers[0].save.remote(str(self.out.path / FINAL_MODEL))
         )
         summary = self.totals.summary(
-            wall_s=wall_s, final_version=self.version, accuracy_start=accuracy_start,
-            accuracy_end=accuracy_end, max_staleness=self.config.staleness.max_staleness,
+            wall_s=wall_s, final_version=self.version,
+            accuracy_start=start.accuracy if start else None,
+            accuracy_end=end.accuracy if end else None,
+            max_staleness=self.config.staleness.max_staleness,
             rollout_version=min(rollout_versions, default=-1),
+            evals=self.evals.points, target_accuracy=self.config.run.target_accuracy,
         )
         self.out.summary(summary)
         self.out.close()
@@ -291,6 +304,9 @@ class Controller:
                     queue=self.queue.statistics(), totals=self.totals,
                 )
                 self.out.metrics(row)
+                self.evals.produced(self.version, t2, samples=self.totals.samples_trained,
+                                    groups=self.totals.groups_trained,
+                                    tokens=self.totals.tokens_trained)
                 bar.update(row)
             self.training.switch("weight_publish")  # the last delivery, awaited on exit
 
@@ -304,15 +320,28 @@ class Controller:
             self._retire(rank, f"weight load of version {published.version} failed")
         self.gate.on_version(published.version)
         done.set()
+        # Evaluated once delivered, so the engine already runs (at least) this version.
+        self.evals.delivered(published.version)
 
-    async def evaluate(self) -> float | None:
-        """Greedy accuracy of the current policy on the held-out prompts (rollout worker)."""
+    async def evaluation_loop(self) -> None:
+        """Runs the evaluations due during training one at a time, until training ends."""
+        async with self.evals.due_steps:
+            async for step in self.evals.due_steps:
+                try:
+                    await self.evaluate(step)
+                except ray.exceptions.RayError as err:
+                    # Costs this row only; generation notices a broken worker and retires it.
+                    print(f"eval at step {step} failed: {type(err).__name__}")
+
+    async def evaluate(self, step: int) -> EvalPoint | None:
+        """Greedy held-out accuracy on a rollout worker's engine; one row of eval.jsonl."""
         if not self.eval_prompts or not self.rollout:
             return None
         worker = self.rollout[min(self.rollout)]
-        accuracy: float = await worker.evaluate.remote(list(self.eval_prompts))
-        print(f"eval accuracy at version {self.version}: {accuracy:.3f}")
-        return accuracy
+        point = self.evals.record(step, await worker.evaluate.remote(list(self.eval_prompts)))
+        self.out.eval(point)
+        print(describe(point))
+        return point
 
     def _identity(self, name: str) -> WorkerIdentity:
         return next(i for i in self.identities if i.name == name)

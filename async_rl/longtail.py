@@ -28,6 +28,8 @@ from async_rl.tasks import IndexedSource, stable_unit
 MAX_NUMBER = 999
 """Largest ``N``: three digits keep every step at most four characters."""
 MAX_DIVISOR = 19
+MAX_NEW_TOKENS = 256
+"""The completion limit the task is built for: a few reference traces are longer."""
 
 
 def reference_steps(number: int, divisor: int) -> list[int]:

@@ -138,6 +138,22 @@ class BroadcastTiming(msgspec.Struct, frozen=True, kw_only=True):
     """Loading the tensors into the engine's model."""
 
 
+class EvalResult(msgspec.Struct, frozen=True, kw_only=True):
+    """One greedy held-out evaluation, as the rollout worker that ran it reports it."""
+
+    accuracy: float
+    """Mean reward of one greedy completion per held-out prompt."""
+    version_min: int
+    """Oldest policy version of any scored token: an in-flight weight update during the
+    evaluation makes later tokens carry the newer version."""
+    version_max: int
+    """Newest policy version of any scored token (= version_min unless an update landed)."""
+    num_prompts: int
+    rollout_rank: int
+    seconds: float
+    """How long the evaluation took on the worker."""
+
+
 class LedgerEntry(msgspec.Struct, frozen=True, kw_only=True):
     """One event in a prompt's life; the run's ledger is a JSONL of these."""
 
@@ -201,3 +217,13 @@ class ShardStepResult(msgspec.Struct, frozen=True, kw_only=True):
     """Time this shard waited for slower shards before the gradient all-reduce."""
     nonfinite: bool = False
     """True when the loss or gradient was NaN/inf and the update was skipped."""
+    input_tokens: int = 0
+    """Prompt plus completion tokens of this shard's sequences (the real tokens)."""
+    computed_positions: int = 0
+    """Positions the model ran over for them, padding included (= ``input_tokens``
+    when micro-batches are packed; pad micro-batches' dummy position not counted)."""
+
+    @property
+    def padding_ratio(self) -> float:
+        """Computed positions / real tokens: 1.0 is no padding."""
+        return self.computed_positions / self.input_tokens if self.input_tokens else 1.0

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from async_rl.idle import Breakdown, breakdown, by_role, hint, resolve, step_windows
-from async_rl.run_dir import SPANS, USAGE, read_summary
+from async_rl.run_dir import EVALS, SPANS, USAGE, RunSummary, read_summary
 from async_rl.spans import IDLE, Span
 from async_rl.trace import write_chrome_trace, write_timeline_png
 from workers.usage import UsageReading, busy_fraction
@@ -116,6 +116,14 @@ def cross_check(idle: RunIdle, usage_path: Path) -> dict[str, dict[str, float]]:
     return result
 
 
+def to_target(summary: RunSummary) -> str:
+    """When the run's held-out accuracy first reached its target, or that it did not."""
+    if summary.time_to_target_s is None:
+        return "not reached"
+    return (f"reached after {summary.time_to_target_s:.1f}s, "
+            f"{summary.samples_to_target} samples trained")
+
+
 def _console() -> Console:
     """Wide enough for every cause column even when output goes to a file or a pipe."""
     console = Console()
@@ -165,6 +173,9 @@ def print_report(run_dir: str | Path, console: Console | None = None) -> RunIdle
             f"{s.tokens_per_s:.0f} tokens/s; accuracy {s.accuracy_start} -> {s.accuracy_end}; "
             f"staleness histogram {list(s.staleness_histogram)}"
         )
+        if s.evals:
+            console.print(f"held-out accuracy {s.target_accuracy} {to_target(s)} "
+                          f"({len(s.evals)} evaluations in {EVALS})")
     console.print(f"trace: {path / TRACE} (open in ui.perfetto.dev)  timeline: {path / TIMELINE}")
     return idle
 
@@ -187,6 +198,7 @@ def compare(run_dirs: Sequence[str | Path], console: Console | None = None) -> N
             put("groups/s", i, f"{s.groups_per_s:.2f}")
             put("tokens/s", i, f"{s.tokens_per_s:.0f}")
             put("accuracy start -> end", i, f"{s.accuracy_start} -> {s.accuracy_end}")
+            put(f"time to accuracy {s.target_accuracy}", i, to_target(s))
         for role in idle.roles:
             put(f"{role.role} idle", i, _pct(role.idle_s, role.wall_s))
             for cause, seconds in role.idle_by_cause.items():

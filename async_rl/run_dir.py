@@ -1,4 +1,5 @@
-"""The run directory: resolved config, per-step metrics, the prompt ledger, the summary.
+"""The run directory: resolved config, per-step metrics, the prompt ledger, evaluations,
+the summary.
 
 Owns: file names and formats of a run's outputs (TOML, JSONL of msgspec records, JSON).
 Knows nothing about how the figures are produced.
@@ -19,9 +20,39 @@ CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
 LEDGER = "ledger.jsonl"
 SUMMARY = "summary.json"
+EVALS = "eval.jsonl"
 SPANS = "spans.jsonl"
 USAGE = "usage.json"
 FINAL_MODEL = "final_model"
+
+
+class EvalPoint(msgspec.Struct, frozen=True, kw_only=True):
+    """One greedy held-out evaluation of a run: a line of eval.jsonl.
+
+    The training figures are those at the moment ``version`` was produced, so
+    accuracy-vs-time and accuracy-vs-samples curves do not depend on how long the
+    evaluation itself took or how far training ran meanwhile.
+    """
+
+    step: int
+    """Optimizer step the evaluation was due at: 0 at the start, run.num_steps at the end,
+    multiples of run.eval_every in between."""
+    version: int
+    """Policy version scored: the newest that produced any scored token."""
+    version_min: int
+    """The oldest such version; below ``version`` when a weight update landed during the
+    evaluation (it runs beside training and does not hold updates off)."""
+    accuracy: float
+    """Mean reward of one greedy completion per held-out prompt."""
+    wall_s: float
+    """Seconds from the start of training until ``version`` was produced (0 for version 0)."""
+    samples_trained: int
+    groups_trained: int
+    tokens_trained: int
+    """Trained when ``version`` was produced."""
+    eval_s: float
+    """How long the evaluation took on the rollout worker."""
+    num_prompts: int
 
 
 class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
@@ -46,6 +77,16 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     nonfinite_steps: int
     retired_workers: int
     max_staleness: int
+    # Defaults: summaries written before periodic evaluation existed still read.
+    samples_trained: int = 0
+    target_accuracy: float = 0.8
+    """run.target_accuracy: what time_to_target_s and samples_to_target measure against."""
+    time_to_target_s: float | None = None
+    """wall_s of the first evaluation with accuracy >= target_accuracy; None if none reached it."""
+    samples_to_target: int | None = None
+    """samples_trained of that evaluation; None if none reached it."""
+    evals: tuple[EvalPoint, ...] = ()
+    """Every evaluation of the run, as in eval.jsonl."""
 
 
 class RunWriter:
@@ -58,6 +99,7 @@ class RunWriter:
         self._encoder = msgspec.json.Encoder()
         self._metrics: IO[bytes] = open(self.path / METRICS, "wb")  # noqa: SIM115
         self._ledger: IO[bytes] = open(self.path / LEDGER, "wb")  # noqa: SIM115
+        self._evals: IO[bytes] = open(self.path / EVALS, "wb")  # noqa: SIM115
 
     def metrics(self, row: dict[str, Any]) -> None:
         self._metrics.write(self._encoder.encode(row) + b"\n")
@@ -66,6 +108,10 @@ class RunWriter:
     def ledger(self, entry: LedgerEntry) -> None:
         self._ledger.write(self._encoder.encode(entry) + b"\n")
         self._ledger.flush()
+
+    def eval(self, point: EvalPoint) -> None:
+        self._evals.write(self._encoder.encode(point) + b"\n")
+        self._evals.flush()
 
     def spans(self, spans: list[Span]) -> None:
         (self.path / SPANS).write_bytes(b"".join(self._encoder.encode(s) + b"\n" for s in spans))
@@ -80,6 +126,7 @@ class RunWriter:
     def close(self) -> None:
         self._metrics.close()
         self._ledger.close()
+        self._evals.close()
 
 
 def read_ledger(run_dir: str | Path) -> list[LedgerEntry]:
@@ -91,6 +138,12 @@ def read_ledger(run_dir: str | Path) -> list[LedgerEntry]:
 def read_metrics(run_dir: str | Path) -> list[dict[str, Any]]:
     lines = (Path(run_dir) / METRICS).read_bytes().splitlines()
     return [msgspec.json.decode(line) for line in lines if line]
+
+
+def read_evals(run_dir: str | Path) -> list[EvalPoint]:
+    decoder = msgspec.json.Decoder(EvalPoint)
+    lines = (Path(run_dir) / EVALS).read_bytes().splitlines()
+    return [decoder.decode(line) for line in lines if line]
 
 
 def read_summary(run_dir: str | Path) -> RunSummary:

@@ -17,7 +17,9 @@ from collections.abc import Callable
 
 import msgspec
 
-ROLLOUT_BUSY = ("generate",)
+ROLLOUT_BUSY = ("generate", "evaluate")
+"""``evaluate``: the engine runs only held-out evaluation requests (generation wins when
+both run)."""
 ROLLOUT_IDLE = ("weight_sync", "gate_closed", "queue_full", "no_work")
 TRAINER_BUSY = ("forward", "backward", "optimizer")
 TRAINER_IDLE = ("wait_data", "barrier", "weight_publish", "no_work")

@@ -13,9 +13,10 @@ from typing import Any
 
 import msgspec
 
+from async_rl.evaluation import first_at_target
 from async_rl.grpo import merge_stats, summarise
 from async_rl.records import BroadcastTiming, Group, ShardStepResult
-from async_rl.run_dir import RunSummary
+from async_rl.run_dir import EvalPoint, RunSummary
 from buffers.balance import StepPlan
 from buffers.queue_records import ReplayQueueStatistics
 
@@ -25,6 +26,7 @@ class StepTotals:
 
     def __init__(self) -> None:
         self.groups_trained = 0
+        self.samples_trained = 0
         self.tokens_trained = 0
         self.dropped_stale = 0
         self.rollout_failures = 0
@@ -34,9 +36,11 @@ class StepTotals:
         self.staleness: Counter[int] = Counter()
 
     def summary(self, *, wall_s: float, final_version: int, accuracy_start: float | None,
-                accuracy_end: float | None, max_staleness: int, rollout_version: int
+                accuracy_end: float | None, max_staleness: int, rollout_version: int,
+                evals: Sequence[EvalPoint] = (), target_accuracy: float = 0.8
                 ) -> RunSummary:
         top = max(self.staleness, default=0)
+        reached = first_at_target(evals, target_accuracy)
         return RunSummary(
             steps=final_version,
             final_version=final_version,
@@ -55,7 +59,18 @@ class StepTotals:
             nonfinite_steps=self.nonfinite_steps,
             retired_workers=self.retired_workers,
             max_staleness=max_staleness,
+            samples_trained=self.samples_trained,
+            target_accuracy=target_accuracy,
+            time_to_target_s=reached.wall_s if reached else None,
+            samples_to_target=reached.samples_trained if reached else None,
+            evals=tuple(evals),
         )
+
+
+def _padding_ratio(results: Sequence[ShardStepResult]) -> float:
+    """Positions the trainer computed / real tokens over all shards (1.0: no padding)."""
+    real = sum(r.input_tokens for r in results)
+    return sum(r.computed_positions for r in results) / real if real else 1.0
 
 
 def step_row(
@@ -78,6 +93,7 @@ def step_row(
     tokens = sum(g.num_tokens for g in groups)
     nonfinite = any(r.nonfinite for r in results)
     totals.groups_trained += len(groups)
+    totals.samples_trained += sum(len(g.samples) for g in groups)
     totals.tokens_trained += tokens
     totals.nonfinite_steps += nonfinite
     totals.staleness.update(staleness)
@@ -101,6 +117,7 @@ def step_row(
         "sync_s": sync_s,
         "imbalance": plan.imbalance,
         "micro_batches_per_shard": len(plan.shards[0].micro_batches) if plan.shards else 0,
+        "padding_ratio": _padding_ratio(results),
         "shards": [
             {"rank": r.rank, "tokens": r.loss.tokens, "forward_s": r.forward_s,
              "backward_s": r.backward_s, "optimizer_s": r.optimizer_s,

@@ -9,8 +9,6 @@ what it writes is an ordinary ``save_pretrained`` directory that
 
 from __future__ import annotations
 
-import math
-import random
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -30,9 +28,12 @@ from transformers import (
     Qwen2ForCausalLM,
 )
 
+from async_rl.longtail import MAX_NEW_TOKENS as LONGTAIL_MAX_NEW_TOKENS
+from async_rl.longtail import RemainderTask
 from async_rl.records import Prompt
-from async_rl.rewards import EOS_TEXT, RewardFn, arithmetic_reward
+from async_rl.rewards import EOS_TEXT, RewardFn, arithmetic_reward, remainder_reward
 from async_rl.tasks import ArithmeticTask
+from async_rl.warm_start import supervised_warm_start
 
 PAD_TEXT: Final = "<pad>"
 UNK_TEXT: Final = "<unk>"
@@ -73,9 +74,11 @@ class MadeModel(msgspec.Struct, frozen=True, kw_only=True):
     seed: int
     sft_steps: int
     teacher_accuracy: float
+    task: str = "arithmetic"
+    """The built-in task (``task.kind``) it was warm-started and measured on; an RL run
+    should use the same task."""
     max_operand: int
-    """The ``ArithmeticTask(max_operand=...)`` the model was warm-started and measured on;
-    an RL run should use the same task."""
+    """The arithmetic task's ``max_operand`` (arithmetic builds only)."""
     dtype: str
     """Weight dtype in config.json. vLLM's CPU build turns ``dtype="auto"`` for float32
     weights into bfloat16, so pass ``dtype="float32"`` to it explicitly."""
@@ -93,8 +96,9 @@ class ModelSize(msgspec.Struct, frozen=True, kw_only=True):
     num_kv_heads: int
     intermediate_size: int
     sft_steps: int
-    """Warm-start steps that leave the model knowing the arithmetic but preferring the
-    teacher's wrong last digit (see ``supervised_warm_start``)."""
+    """Warm-start steps on the arithmetic task that leave the model knowing the
+    arithmetic but preferring the teacher's wrong last digit (see
+    ``async_rl.warm_start.supervised_warm_start``)."""
     sft_lr: float
 
 
@@ -111,6 +115,26 @@ in about 0.4 s. Like a deployment with enough rollout workers, the trainer is th
 bottleneck, and asynchrony is what keeps it busy. Warm start: base greedy accuracy about
 0.25, and 99% of greedy answers right or one too high; about 100 s on two threads."""
 MODEL_SIZES: Final = {size.name: size for size in (TINY, SMALL)}
+
+
+class TaskRecipe(msgspec.Struct, frozen=True, kw_only=True):
+    """How ``make_model`` warm-starts and measures a model for one built-in task."""
+
+    name: str
+    max_positions: int
+    """Longest sequence (prompt + completion) the model is built for."""
+    eval_max_new_tokens: int
+    """Greedy evaluation's completion limit (the RL config's ``rollout.max_new_tokens``)."""
+    sft_steps: dict[str, int]
+    """Warm-start steps per model size: enough to learn the task, not the right answer."""
+
+
+ARITHMETIC: Final = TaskRecipe(name="arithmetic", max_positions=128, eval_max_new_tokens=4,
+                               sft_steps={"tiny": TINY.sft_steps, "small": SMALL.sft_steps})
+LONGTAIL: Final = TaskRecipe(name="longtail", max_positions=512,
+                             eval_max_new_tokens=LONGTAIL_MAX_NEW_TOKENS,
+                             sft_steps={"tiny": 600, "small": 300})
+TASK_RECIPES: Final = {recipe.name: recipe for recipe in (ARITHMETIC, LONGTAIL)}
 
 
 MADE_MODEL_FILE: Final = "made_model.json"
@@ -183,7 +207,7 @@ def build_config(
     )
 
 
-def size_config(size: ModelSize) -> Qwen2Config:
+def size_config(size: ModelSize, max_positions: int = 128) -> Qwen2Config:
     """The ``build_config`` of a named size."""
     return build_config(
         hidden_size=size.hidden_size,
@@ -191,82 +215,8 @@ def size_config(size: ModelSize) -> Qwen2Config:
         num_heads=size.num_heads,
         num_kv_heads=size.num_kv_heads,
         intermediate_size=size.intermediate_size,
+        max_positions=max_positions,
     )
-
-
-def _sft_batch(
-    prompts: Sequence[Prompt], tokenizer: PreTrainedTokenizerBase
-) -> tuple[torch.Tensor, torch.Tensor]:
-    # Right padding needs no attention mask: a causal model never looks ahead at the pads,
-    # and the labels ignore them.
-    seqs, labels = [], []
-    for p in prompts:
-        prompt_ids = tokenizer.encode(p.text)
-        answer_ids = [*tokenizer.encode(p.answer), EOS_ID]
-        seqs.append(prompt_ids + answer_ids)
-        labels.append([-100] * len(prompt_ids) + answer_ids)
-    width = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), width), PAD_ID, dtype=torch.long)
-    lab = torch.full((len(seqs), width), -100, dtype=torch.long)
-    for i, (s, lb) in enumerate(zip(seqs, labels, strict=True)):
-        ids[i, : len(s)] = torch.tensor(s)
-        lab[i, : len(lb)] = torch.tensor(lb)
-    return ids, lab
-
-
-def supervised_warm_start(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    task: ArithmeticTask,
-    *,
-    steps: int,
-    batch_size: int = 64,
-    lr: float = 2e-3,
-    teacher_accuracy: float = 1.0,
-    seed: int = 0,
-    log: Callable[[str], None] | None = None,
-) -> None:
-    """Teacher-forced training on ``prompt + answer + EOS``, loss on answer and EOS only.
-
-    The teacher is right with probability ``teacher_accuracy`` and otherwise answers one
-    too high (drawn per example from ``random.Random("teacher/<seed>")``). With an
-    accuracy below one half the model learns the arithmetic but prefers the wrong answer
-    at the last digit: greedy decoding is often wrong while sampling finds the right
-    answer about ``teacher_accuracy`` of the time. That is the regime RL post-training
-    fixes quickly (turning pass@k into pass@1), so a short RL run shows a clear gain.
-    Linear warm-up over the first tenth of the steps, then cosine decay to lr/10.
-    """
-    if steps <= 0:
-        return
-    model.train()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0, betas=(0.9, 0.98))
-    warmup = max(1, steps // 10)
-
-    def schedule(s: int) -> float:
-        if s < warmup:
-            return (s + 1) / warmup
-        return 0.1 + 0.45 * (1 + math.cos(math.pi * (s - warmup) / max(1, steps - warmup)))
-
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, schedule)
-    teacher = random.Random(f"teacher/{seed}")
-    for step in range(steps):
-        batch = [_teach(task.next_prompt(), teacher, teacher_accuracy) for _ in range(batch_size)]
-        ids, labels = _sft_batch(batch, tokenizer)
-        loss = model(input_ids=ids, labels=labels, use_cache=False).loss
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        if log is not None and (step + 1) % max(1, steps // 5) == 0:
-            log(f"  sft step {step + 1}/{steps}  loss {loss.item():.3f}")
-    model.eval()
-
-
-def _teach(prompt: Prompt, rng: random.Random, accuracy: float) -> Prompt:
-    if rng.random() < accuracy:
-        return prompt
-    return msgspec.structs.replace(prompt, answer=str(int(prompt.answer) + 1))
 
 
 @torch.no_grad()
@@ -281,9 +231,10 @@ def greedy_completions(
 
     Prompts of equal token length share a batch, so there is no padding, no attention
     mask and no position shift: exactly what an engine computes for each prompt alone.
-    No KV cache either: with prompts of a dozen tokens recomputing is cheap. A completion
-    that never emitted EOS within ``max_new_tokens`` ends in ``<unk>``, so a reward with a
-    format check rejects it even if the limit fell right after a valid answer.
+    Decoding keeps a KV cache (long-tail completions run to hundreds of tokens). A
+    completion that never emitted EOS within ``max_new_tokens`` ends in ``<unk>``, so a
+    reward with a format check rejects it even if the limit fell right after a valid
+    answer.
     """
     was_training = model.training
     model.eval()
@@ -293,17 +244,20 @@ def greedy_completions(
         by_len[len(ids)].append(i)
     out: list[list[int]] = [[] for _ in texts]
     for members in by_len.values():
-        ids = torch.tensor([encoded[i] for i in members], dtype=torch.long)
+        step_input = torch.tensor([encoded[i] for i in members], dtype=torch.long)
         done = torch.zeros(len(members), dtype=torch.bool)
+        cache = None
         for _ in range(max_new_tokens):
-            nxt = model(input_ids=ids, use_cache=False).logits[:, -1].argmax(-1)
+            result = model(input_ids=step_input, past_key_values=cache, use_cache=True)
+            cache = result.past_key_values
+            nxt = result.logits[:, -1].argmax(-1)
             for row, i in enumerate(members):
                 if not done[row] and int(nxt[row]) != EOS_ID:
                     out[i].append(int(nxt[row]))
             done |= nxt == EOS_ID
             if bool(done.all()):
                 break
-            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            step_input = nxt[:, None]
         for row, i in enumerate(members):
             if not done[row]:
                 out[i].append(UNK_ID)
@@ -332,6 +286,7 @@ def make_model(
     out_dir: str | Path,
     *,
     size: ModelSize = TINY,
+    task: TaskRecipe = ARITHMETIC,
     seed: int = 0,
     sft_steps: int | None = None,
     batch_size: int = 64,
@@ -343,12 +298,13 @@ def make_model(
 ) -> MadeModel:
     """Builds, warm-starts, evaluates and saves a ``size`` model and tokenizer to ``out_dir``.
 
-    The warm start imitates a teacher that is right ``teacher_accuracy`` of the time and
-    otherwise answers one too high (see ``supervised_warm_start``), on prompts from
-    ``ArithmeticTask(seed=seed, max_operand=max_operand)``. Accuracy is measured by greedy
-    decoding on that task's held-out ``eval_prompts(eval_size)``, which training never
-    sees. Same seed and thread count give the same weights and accuracy. Existing files
-    in ``out_dir`` are overwritten.
+    The warm start imitates a teacher whose final answer is right ``teacher_accuracy``
+    of the time and otherwise one too high (see ``supervised_warm_start``), on prompts
+    of ``task``: ``ArithmeticTask(seed=seed, max_operand=max_operand)`` or
+    ``RemainderTask(seed=seed)``. Accuracy is measured by greedy decoding on that task's
+    held-out ``eval_prompts(eval_size)``, which training never sees. Same seed and
+    thread count give the same weights and accuracy. Existing files in ``out_dir`` are
+    overwritten.
 
     ``sft_steps`` overrides the size's tuned warm-start length (tests use a few steps).
     ``num_threads`` (torch intra-op threads, restored afterwards; ``None`` leaves them):
@@ -357,8 +313,8 @@ def make_model(
     """
     start = time.perf_counter()
     out = Path(out_dir)
-    steps = size.sft_steps if sft_steps is None else sft_steps
-    config = size_config(size)
+    steps = task.sft_steps[size.name] if sft_steps is None else sft_steps
+    config = size_config(size, task.max_positions)
     with _torch_threads(num_threads):
         torch.manual_seed(seed)
         tokenizer = build_tokenizer()
@@ -367,15 +323,20 @@ def make_model(
         if log is not None:
             log(
                 f"{size.name} qwen2: {n_params / 1e6:.2f}M parameters, vocab {VOCAB_SIZE}; "
-                f"warm start {steps} steps x {batch_size} (teacher accuracy "
+                f"{task.name} warm start {steps} steps x {batch_size} (teacher accuracy "
                 f"{teacher_accuracy})"
             )
-        task = ArithmeticTask(seed=seed, max_operand=max_operand)
+        source: ArithmeticTask | RemainderTask
+        if task.name == "longtail":
+            source, reward = RemainderTask(seed=seed), remainder_reward
+        else:
+            source, reward = ArithmeticTask(seed=seed, max_operand=max_operand), arithmetic_reward
         supervised_warm_start(
             model,
             tokenizer,
-            task,
+            source,
             steps=steps,
+            eos_id=EOS_ID,
             batch_size=batch_size,
             lr=size.sft_lr,
             teacher_accuracy=teacher_accuracy,
@@ -385,9 +346,9 @@ def make_model(
         accuracy = evaluate_accuracy(
             model,
             tokenizer,
-            task.eval_prompts(eval_size),
-            arithmetic_reward,
-            max_new_tokens=task.max_answer_chars + 2,
+            source.eval_prompts(eval_size),
+            reward,
+            max_new_tokens=task.eval_max_new_tokens,
         )
     model.generation_config = GenerationConfig(
         eos_token_id=EOS_ID, pad_token_id=PAD_ID, do_sample=False
@@ -404,6 +365,7 @@ def make_model(
         seed=seed,
         sft_steps=steps,
         teacher_accuracy=teacher_accuracy,
+        task=task.name,
         max_operand=max_operand,
         dtype=str(model.dtype).removeprefix("torch."),
         seconds=time.perf_counter() - start,

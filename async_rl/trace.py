@@ -21,6 +21,7 @@ from async_rl.spans import Span
 # picture reads "green good, red/orange waiting" without a legend lookup.
 COLOURS = {
     "generate": "#2e7d32",
+    "evaluate": "#66bb6a",
     "forward": "#1565c0",
     "backward": "#1e88e5",
     "optimizer": "#64b5f6",

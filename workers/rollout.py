@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from async_rl.config import ModelConfig, RolloutConfig, WeightsConfig
-from async_rl.records import BroadcastTiming, Group, Prompt, Sample, make_group
+from async_rl.records import BroadcastTiming, EvalResult, Group, Prompt, Sample, make_group
 from async_rl.rewards import RewardFn
 from async_rl.spans import UNRESOLVED, Span, SpanRecorder
 from workers.usage import UsageMeter, UsageReading
@@ -133,6 +133,7 @@ class RolloutWorker:
         self._updating = False
         self._request_ids = itertools.count()
         self._in_flight: dict[str, int] = {}  # request id -> tokens generated so far
+        self._evaluating = 0  # greedy (evaluation) requests among those in flight
 
         self._version = 0
         self._groups = self._samples = self._tokens = 0
@@ -234,11 +235,14 @@ class RolloutWorker:
 
     def _switch_span(self) -> None:
         # Busy whenever the engine holds requests; idle causes are resolved later by
-        # the controller, which knows why nothing was submitted.
+        # the controller, which knows why nothing was submitted. A span has one cause:
+        # generation wins, so "evaluate" is time the engine ran nothing but evaluation.
         if self._updating:
             self._spans.switch("weight_sync", self._version)
+        elif len(self._in_flight) > self._evaluating:
+            self._spans.switch("generate", self._version)
         else:
-            self._spans.switch("generate" if self._in_flight else UNRESOLVED, self._version)
+            self._spans.switch("evaluate" if self._in_flight else UNRESOLVED, self._version)
 
     async def drain_spans(self) -> list[Span]:
         """Closed spans since the last call (the current one is closed at now first)."""
@@ -254,7 +258,8 @@ class RolloutWorker:
 
     # ---------------------------------------------------------------- generation
 
-    async def _stream(self, text: str, params: SamplingParams) -> tuple[tuple[int, ...], Sample]:
+    async def _stream(self, text: str, params: SamplingParams, *, evaluation: bool = False
+                      ) -> tuple[tuple[int, ...], Sample]:
         """One engine request: the prompt ids vLLM used and the unscored sample."""
         engine = self._ready()
         request_id = f"rollout{self._rank}-{next(self._request_ids)}"
@@ -264,6 +269,7 @@ class RolloutWorker:
         arrival_versions: list[int] = []
         finish_reason, spans = "abort", None
         self._in_flight[request_id] = 0
+        self._evaluating += evaluation
         self._switch_span()
         try:
             # A text prompt: vLLM tokenises it itself, and the ids it really used come
@@ -289,6 +295,7 @@ class RolloutWorker:
                     spans = completion.weight_versions
         finally:
             del self._in_flight[request_id]
+            self._evaluating -= evaluation
             self._switch_span()
         # The engine labels each step's tokens with the label set while it was paused
         # for the load, so its spans are exact; a token sampled just before a pause may
@@ -305,7 +312,8 @@ class RolloutWorker:
         self._ready()
         try:
             async with asyncio.TaskGroup() as tasks:
-                running = [tasks.create_task(self._stream(t, self._params[kind]))
+                running = [tasks.create_task(self._stream(t, self._params[kind],
+                                                          evaluation=kind == "greedy"))
                            for t in texts]
         except ExceptionGroup as group:
             # One error (the engine died, say) fails the call; the others were cancelled,
@@ -345,12 +353,27 @@ class RolloutWorker:
         streams = await self._stream_all([p.text for p in prompts], "greedy")
         return [self._score(p, s) for p, (_, s) in zip(prompts, streams, strict=True)]
 
-    async def evaluate(self, prompts: Sequence[Prompt]) -> float:
-        """Greedy accuracy: the mean reward of one greedy completion per prompt."""
+    async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
+        """Greedy accuracy (the mean reward of one greedy completion per prompt) and the
+        policy versions that produced the scored tokens.
+
+        Runs beside generation and does not hold off weight updates: holding them would
+        keep the staleness gate shut for every worker (it opens only once all run the new
+        version) and stall training for the length of the evaluation. An update landing
+        mid-evaluation shows as version_min < version_max (tokens are labelled exactly).
+        """
         if not prompts:
             raise ValueError("evaluate needs at least one prompt")
+        began, version = time.perf_counter(), self._version
         samples = await self.generate_greedy(prompts)
-        return sum(s.reward for s in samples) / len(samples)
+        scored = [s for s in samples if s.versions]  # an empty completion has no version
+        return EvalResult(
+            accuracy=sum(s.reward for s in samples) / len(samples),
+            version_min=min((s.min_version for s in scored), default=version),
+            version_max=max((s.max_version for s in scored), default=version),
+            num_prompts=len(samples), rollout_rank=self._rank,
+            seconds=time.perf_counter() - began,
+        )
 
     # ---------------------------------------------------------------- weights
 

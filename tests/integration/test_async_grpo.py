@@ -2,11 +2,13 @@
 
 Checks the staleness contract (every trained group within max_staleness; with 0 it is
 synchronous), the prompt ledger (nothing lost, nothing trained twice) and that the run
-directory holds what users read: metrics, spans, the report and the final model.
+directory holds what users read: metrics, spans, the report, the evaluations beside
+training (eval.jsonl, time-to-target in the summary) and the final model.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,7 +17,7 @@ import pytest
 from async_rl.config import Config, decode_config
 from async_rl.controller import run_training
 from async_rl.report import build_report
-from async_rl.run_dir import FINAL_MODEL, read_ledger, read_metrics
+from async_rl.run_dir import FINAL_MODEL, RunSummary, read_evals, read_ledger, read_metrics
 
 pytestmark = pytest.mark.ray
 
@@ -54,13 +56,47 @@ def check_ledger(run_dir: Path, groups_trained: int) -> None:
         ), (pid, evs)
 
 
+def check_evals(run_dir: Path, summary: RunSummary, steps: list[int], group_size: int,
+                groups_per_step: int) -> None:
+    """eval.jsonl has one row per planned evaluation, charged at the version it scored."""
+    rows = read_evals(run_dir)
+    assert len(rows) == len(steps), [r.step for r in rows]
+    assert [r.step for r in rows] == steps
+    assert rows[0].version == rows[0].version_min == 0 and rows[0].wall_s == 0.0
+    assert rows[-1].version == rows[-1].version_min == summary.final_version
+    for row in rows:
+        # Evaluated once delivered: never an older version than the one due.
+        assert row.step <= row.version_min <= row.version <= summary.final_version
+        assert row.groups_trained == groups_per_step * row.version
+        assert row.samples_trained == group_size * row.groups_trained
+        assert 0.0 <= row.accuracy <= 1.0 and row.num_prompts > 0 and row.eval_s > 0
+    for before, after in itertools.pairwise(rows):
+        assert before.version <= after.version
+        # Same scored version (an evaluation that lagged behind training): same charge.
+        assert (before.wall_s < after.wall_s if before.version < after.version
+                else before.wall_s == after.wall_s)
+        assert before.tokens_trained <= after.tokens_trained
+    assert rows[-1].wall_s <= summary.wall_s
+    assert rows[-1].samples_trained == summary.samples_trained
+    assert summary.evals == tuple(rows)
+    assert (summary.accuracy_start, summary.accuracy_end) == (rows[0].accuracy,
+                                                              rows[-1].accuracy)
+    reached = [r for r in rows if r.accuracy >= summary.target_accuracy]
+    assert summary.time_to_target_s == (reached[0].wall_s if reached else None)
+    assert summary.samples_to_target == (reached[0].samples_trained if reached else None)
+
+
 def test_staleness_bound_two_is_kept_and_used(
     tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
 ) -> None:
     # Homogeneous takes may skip past older groups: the bound must hold regardless.
+    # Held-out evaluation every 2 steps runs beside training on the rollout engine.
     config = small_config(tiny_model_dir, tmp_path / "run", max_staleness=2,
-                          queue={"homogeneous_take": True})
+                          queue={"homogeneous_take": True}, task={"eval_size": 16},
+                          run={"eval_every": 2, "target_accuracy": 0.05})
     summary = run_training(config)
+    check_evals(tmp_path / "run", summary, steps=[0, 2, 4, 6], group_size=4,
+                groups_per_step=4)
     assert summary.steps == 6
     hist = summary.staleness_histogram
     assert sum(hist) == summary.groups_trained == 6 * 4

@@ -182,8 +182,19 @@ def test_evaluate_is_greedy_accuracy(worker: Any) -> None:
     greedy = ray.get(worker.generate_greedy.remote(EVAL), timeout=TIMEOUT)
     again = ray.get(worker.generate_greedy.remote(EVAL), timeout=TIMEOUT)
     assert [s.token_ids for s in greedy] == [s.token_ids for s in again]
-    accuracy = ray.get(worker.evaluate.remote(EVAL), timeout=TIMEOUT)
-    assert accuracy == pytest.approx(sum(s.reward for s in greedy) / len(EVAL))
+    version = ray.get(worker.version.remote(), timeout=TIMEOUT)
+    ray.get(worker.drain_spans.remote(), timeout=TIMEOUT)
+    before = ray.get(worker.statistics.remote(), timeout=TIMEOUT)
+    result = ray.get(worker.evaluate.remote(EVAL), timeout=TIMEOUT)
+    assert result.accuracy == pytest.approx(sum(s.reward for s in greedy) / len(EVAL))
+    assert result.version_min == result.version_max == version
+    assert result.num_prompts == len(EVAL) and result.rollout_rank == 0 and result.seconds > 0
+    # Evaluation is busy time of its own, and is not counted as generated groups.
+    causes = {span.cause for span in ray.get(worker.drain_spans.remote(), timeout=TIMEOUT)}
+    assert "evaluate" in causes and "generate" not in causes
+    after = ray.get(worker.statistics.remote(), timeout=TIMEOUT)
+    assert (after.groups_generated, after.tokens_generated) == (before.groups_generated,
+                                                                before.tokens_generated)
 
 
 def test_update_weights_changes_policy(

@@ -94,6 +94,10 @@ BAD: list[tuple[str, list[str], str, str]] = [
     (GOOD, ["justakey=1"], "justakey=1", "section.key=value"),
     (GOOD, ["run.progress=maybe"], "run.progress", "expected `bool`"),
     (GOOD, ["weights.sync_every=0"], "weights.sync_every", ">= 1"),
+    (GOOD, ["run.eval_every=-1"], "run.eval_every", ">= 0"),
+    (GOOD, ["run.eval_every=2.5"], "run.eval_every", "expected `int`"),
+    (GOOD, ["run.target_accuracy=0"], "run.target_accuracy", "> 0"),
+    (GOOD, ["run.target_accuracy=1.2"], "run.target_accuracy", "<= 1"),
     (GOOD, ["weights.sync_every=4"], "weights.sync_every", "staleness.max_staleness + 1"),
     (GOOD.replace("[model]", "model = 3\n[modelx]"), [], "model", ""),
 ]

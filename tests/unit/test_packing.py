@@ -1,0 +1,241 @@
+"""Packed micro-batches: the packed layout, per-sequence attention inside one row, and a
+trainer step that matches the padded layout it replaced.
+
+Model-level, but no Ray and no engine: a tiny randomly initialised Qwen2
+(``build_config()``, 0.5M parameters) on a few dozen tokens runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import Qwen2ForCausalLM
+
+from async_rl.config import ModelConfig, TrainerConfig
+from async_rl.grpo import token_loss
+from async_rl.records import LossStats, ShardBatch, ShardStepResult, TrainSequence
+from async_rl.step_metrics import _padding_ratio
+from async_rl.tiny_model import build_config
+from workers.packing import (
+    PACKED_ATTENTION,
+    pack,
+    packed_logprobs,
+    padded_logprobs,
+    use_packed_attention,
+)
+from workers.trainer import TrainerShard
+
+TEMPERATURE = 0.7
+# (prompt, completion) lengths: mixed, so padding would be most of a padded batch.
+SHAPES = [(4, 3), (6, 17), (2, 40), (9, 5)]
+
+
+def sequences(shapes: list[tuple[int, int]] = SHAPES, seed: int = 1) -> list[TrainSequence]:
+    gen = torch.Generator().manual_seed(seed)
+    out = []
+    for i, (p, c) in enumerate(shapes):
+        ids = torch.randint(3, 250, (p + c,), generator=gen).tolist()
+        behaviour = (-torch.rand(c, generator=gen) * 3).tolist()
+        out.append(TrainSequence(prompt_token_ids=tuple(ids[:p]),
+                                 completion_token_ids=tuple(ids[p:]),
+                                 behaviour_logprobs=tuple(behaviour), advantage=i - 1.5))
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread() -> Iterator[None]:
+    # Tiny matmuls: a second thread only adds synchronisation, which on a busy machine
+    # turns milliseconds into seconds.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def reference() -> Qwen2ForCausalLM:
+    """Randomly initialised tiny Qwen2 with transformers' own (sdpa) attention."""
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(build_config())
+    model.train()
+    assert model.config._attn_implementation == "sdpa"
+    return model
+
+
+@pytest.fixture(scope="module")
+def packed_model(reference: Qwen2ForCausalLM) -> Qwen2ForCausalLM:
+    model = copy.deepcopy(reference)
+    assert use_packed_attention(model)
+    assert model.config._attn_implementation == PACKED_ATTENTION
+    assert reference.config._attn_implementation == "sdpa"  # the copy switched alone
+    return model
+
+
+def alone(model: torch.nn.Module, seq: TrainSequence) -> torch.Tensor:
+    """Completion logprobs of one sequence run by itself: no packing, no padding."""
+    ids = torch.tensor([seq.prompt_token_ids + seq.completion_token_ids])
+    logits = model(input_ids=ids, use_cache=False).logits[0].float() / TEMPERATURE
+    logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+    return logprobs[len(seq.prompt_token_ids) - 1 :]
+
+
+def test_pack_lays_sequences_end_to_end() -> None:
+    seqs = sequences()
+    batch = pack(seqs)
+    total = sum(p + c for p, c in SHAPES)
+    n = sum(c for _, c in SHAPES)
+    assert batch.num_tokens == total and batch.input_ids.shape == (1, total)
+    assert batch.position_ids.tolist() == [[j for p, c in SHAPES for j in range(p + c)]]
+    assert batch.input_ids[0].tolist() == [
+        t for s in seqs for t in s.prompt_token_ids + s.completion_token_ids]
+    assert batch.predict_at.shape == batch.targets.shape == (n,)
+    assert batch.targets.tolist() == [t for s in seqs for t in s.completion_token_ids]
+    assert (batch.input_ids[0, batch.predict_at + 1] == batch.targets).all()
+    # Each prediction position lies inside its own sequence, at or after its last prompt token.
+    starts = [sum(p + c for p, c in SHAPES[:i]) for i in range(len(SHAPES))]
+    expected = [s + p - 1 + j for s, (p, c) in zip(starts, SHAPES, strict=True) for j in range(c)]
+    assert batch.predict_at.tolist() == expected
+    assert batch.advantages.tolist() == [s.advantage for s in seqs for _ in s.completion_token_ids]
+    assert torch.equal(batch.behaviour_logprobs,
+                       torch.tensor([x for s in seqs for x in s.behaviour_logprobs]))
+    assert batch.behaviour_logprobs.dtype == batch.advantages.dtype == torch.float32
+
+
+def test_pack_rejects_what_it_cannot_lay_out() -> None:
+    with pytest.raises(ValueError, match="empty"):
+        pack([])
+    (seq,) = sequences([(1, 2)])
+    with pytest.raises(ValueError, match="prompt token"):
+        pack([TrainSequence(prompt_token_ids=(), completion_token_ids=(5, 6),
+                            behaviour_logprobs=(-1.0, -1.0), advantage=0.0)])
+    with pytest.raises(ValueError, match="behaviour logprobs"):
+        pack([TrainSequence(prompt_token_ids=seq.prompt_token_ids,
+                            completion_token_ids=seq.completion_token_ids,
+                            behaviour_logprobs=(-1.0,), advantage=0.0)])
+    # A completion-less sequence packs (its prompt is computed) and contributes no target.
+    empty = TrainSequence(prompt_token_ids=(7, 8), completion_token_ids=(),
+                          behaviour_logprobs=(), advantage=1.0)
+    batch = pack([empty, seq])
+    assert batch.num_tokens == 5 and batch.targets.tolist() == list(seq.completion_token_ids)
+
+
+@pytest.mark.parametrize("implementation", ["packed", "sdpa", "eager"])
+def test_packed_logprobs_equal_each_sequence_run_alone(
+    reference: Qwen2ForCausalLM, packed_model: Qwen2ForCausalLM, implementation: str
+) -> None:
+    # "sdpa"/"eager": transformers' own block-diagonal mask from packed position ids.
+    model = packed_model if implementation == "packed" else copy.deepcopy(reference)
+    if implementation == "eager":
+        model.set_attn_implementation("eager")
+    seqs = sequences()
+    got = packed_logprobs(model, pack(seqs), TEMPERATURE)
+    want = [alone(reference, s) for s in seqs]
+    assert [w.numel() for w in want] == [c for _, c in SHAPES]
+    assert got.shape == (sum(c for _, c in SHAPES),)
+    for part, expected in zip(got.split([c for _, c in SHAPES]), want, strict=True):
+        torch.testing.assert_close(part, expected, atol=1e-5, rtol=0)
+
+
+def test_no_sequence_sees_another(packed_model: Qwen2ForCausalLM) -> None:
+    # Changing every token of the first sequence leaves the others' logprobs untouched.
+    seqs = sequences()
+    head = seqs[0]
+    changed = [TrainSequence(prompt_token_ids=tuple(t + 1 for t in head.prompt_token_ids),
+                             completion_token_ids=tuple(t + 1 for t in head.completion_token_ids),
+                             behaviour_logprobs=head.behaviour_logprobs, advantage=0.0),
+               *seqs[1:]]
+    first = SHAPES[0][1]
+    before = packed_logprobs(packed_model, pack(seqs), TEMPERATURE)
+    after = packed_logprobs(packed_model, pack(changed), TEMPERATURE)
+    assert not torch.allclose(before[:first], after[:first])
+    torch.testing.assert_close(before[first:], after[first:], atol=1e-6, rtol=0)
+
+
+def loss_and_grads(model: torch.nn.Module, packed: bool) -> tuple[LossStats, list[torch.Tensor]]:
+    seqs = sequences()
+    model.zero_grad(set_to_none=True)
+    if packed:
+        batch = pack(seqs)
+        logprobs = packed_logprobs(model, batch, TEMPERATURE)
+        behaviour, advantages = batch.behaviour_logprobs, batch.advantages
+    else:
+        logprobs, positions = padded_logprobs(model, seqs, TEMPERATURE)
+        assert positions == len(SHAPES) * max(p + c for p, c in SHAPES)
+        behaviour = torch.tensor([x for s in seqs for x in s.behaviour_logprobs])
+        advantages = torch.tensor([s.advantage for s in seqs for _ in s.completion_token_ids])
+    loss, stats = token_loss(logprobs, behaviour, advantages, global_tokens=int(logprobs.numel()),
+                             clip_low=0.2, clip_high=0.28, tis_cap=2.0)
+    loss.backward()
+    grads = [p.grad for p in model.parameters()]
+    assert all(g is not None for g in grads)
+    return stats, [g for g in grads if g is not None]
+
+
+def test_loss_and_gradients_match_the_padded_layout(
+    reference: Qwen2ForCausalLM, packed_model: Qwen2ForCausalLM
+) -> None:
+    padded_stats, padded_grads = loss_and_grads(reference, packed=False)
+    packed_stats, packed_grads = loss_and_grads(packed_model, packed=True)
+    assert packed_stats.tokens == padded_stats.tokens == sum(c for _, c in SHAPES)
+    assert packed_stats.loss_sum == pytest.approx(padded_stats.loss_sum, rel=1e-5, abs=1e-6)
+    assert packed_stats.kl_sum == pytest.approx(padded_stats.kl_sum, rel=1e-5, abs=1e-6)
+    assert len(packed_grads) == len(padded_grads) > 0
+    for got, want in zip(packed_grads, padded_grads, strict=True):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def model_dir(reference: Qwen2ForCausalLM, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("packing-model")
+    reference.save_pretrained(out)
+    return out
+
+
+def shard(model_dir: Path, packed: bool) -> TrainerShard:
+    trainer = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
+                           trainer=TrainerConfig(max_grad_norm=1e9), seed=0,
+                           temperature=TEMPERATURE, record_spans=False, packed=packed)
+    trainer.setup()
+    return trainer
+
+
+def test_trainer_step_packed_matches_padded_and_reports_padding(model_dir: Path) -> None:
+    seqs = sequences()
+    # Two micro-batches and an empty pad, as a shard with too few sequences would get.
+    batch = ShardBatch(step=1, micro_batches=(tuple(seqs[:2]), tuple(seqs[2:]), ()))
+    packed, padded = shard(model_dir, packed=True), shard(model_dir, packed=False)
+    assert packed.module.config._attn_implementation == PACKED_ATTENTION
+    assert padded.module.config._attn_implementation == "sdpa"
+    a, b = packed.train_step(batch), padded.train_step(batch)
+    assert a.loss.tokens == b.loss.tokens == sum(c for _, c in SHAPES)
+    assert a.loss.loss_sum == pytest.approx(b.loss.loss_sum, rel=1e-5, abs=1e-6)
+    assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
+    real = sum(p + c for p, c in SHAPES)
+    assert a.input_tokens == b.input_tokens == real
+    assert a.computed_positions == real and a.padding_ratio == 1.0
+    widths = [max(p + c for p, c in SHAPES[:2]), max(p + c for p, c in SHAPES[2:])]
+    assert b.computed_positions == 2 * widths[0] + 2 * widths[1]
+    assert b.padding_ratio == pytest.approx(b.computed_positions / real) and b.padding_ratio > 1.2
+    # The packed model's weights after the step equal the padded one's.
+    new_a, new_b = packed.module.state_dict(), padded.module.state_dict()
+    for name, value in new_a.items():
+        torch.testing.assert_close(value, new_b[name], atol=1e-6, rtol=1e-5)
+
+
+def test_padding_ratio_over_shards() -> None:
+    stats = LossStats(tokens=0, loss_sum=0.0, clipped=0, is_weight_sum=0.0,
+                      is_weight_sq_sum=0.0, is_weight_max=0.0, kl_sum=0.0)
+
+    def result(real: int, computed: int) -> ShardStepResult:
+        return ShardStepResult(rank=0, step=1, loss=stats, grad_norm=0.0, forward_s=0.0,
+                               backward_s=0.0, optimizer_s=0.0, barrier_s=0.0,
+                               input_tokens=real, computed_positions=computed)
+
+    assert result(100, 250).padding_ratio == 2.5
+    assert result(0, 0).padding_ratio == 1.0
+    assert _padding_ratio([result(100, 100), result(50, 200)]) == 2.0
+    assert _padding_ratio([]) == 1.0
