@@ -36,6 +36,10 @@ def _parser() -> argparse.ArgumentParser:
         help="small: the CPU default's 4M-parameter model (default); tiny: 0.5M, for tests",
     )
     make.add_argument(
+        "--task", choices=["arithmetic", "longtail"], default="arithmetic",
+        help="built-in task of the warm start and base accuracy (the RL config's task.kind)",
+    )
+    make.add_argument(
         "--threads", type=_positive_int, default=min(2, os.cpu_count() or 1),
         help="torch threads for the warm start (same seed and threads: same weights)",
     )
@@ -101,9 +105,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(to_toml(load_config(args.config, args.overrides)), end="")
             return 0
         if args.command == "make-model":
-            from async_rl.tiny_model import MODEL_SIZES, make_model
+            from async_rl.tiny_model import MODEL_SIZES, TASK_RECIPES, make_model
 
-            made = make_model(args.out, size=MODEL_SIZES[args.size], seed=args.seed,
+            made = make_model(args.out, size=MODEL_SIZES[args.size],
+                              task=TASK_RECIPES[args.task], seed=args.seed,
                               sft_steps=args.sft_steps, num_threads=args.threads)
             print(
                 f"model written to {made.path}: {made.num_parameters:,} parameters, "

@@ -5,15 +5,16 @@ length distribution that makes them heavy-tailed, its disjoint held-out eval set
 teacher completions of the supervised warm start. Knows nothing about tokenizers,
 engines or training; its reward is ``async_rl.rewards.remainder_reward``.
 
-A prompt is ``"N%k="``; the completion writes every step of subtracting ``k`` until the
+A prompt is ``"N%k="``; the completion writes every subtraction of ``k`` until the
 number is below ``k``, then the final answer after ``####``::
 
-    47%9=38 29 20 11 2 #### 2
+    47%9=47-9=38 38-9=29 29-9=20 20-9=11 11-9=2 #### 2
 
 The number of steps ``m = N // k`` is drawn from a log-normal law, so completion lengths
 look like reasoning traces: most are a few dozen tokens, a few run to hundreds. Each
-step depends only on the previous number and ``k``, which a small model can learn; the
-whole trace must be right for the final answer to be, so long traces are harder.
+step restates its operands, so it depends only on the text just before it: a two-digit
+subtraction a small model can learn. The whole trace must be right for the final answer
+to be, so long traces are harder.
 """
 
 from __future__ import annotations
@@ -25,24 +26,23 @@ from collections.abc import Iterator
 from async_rl.records import Prompt
 from async_rl.tasks import IndexedSource, stable_unit
 
-MAX_NUMBER = 999
-"""Largest ``N``: three digits keep every step at most four characters."""
+MAX_NUMBER = 99
+"""Largest ``N``: every step is a subtraction of two-digit numbers."""
 MAX_DIVISOR = 19
 MAX_NEW_TOKENS = 256
 """The completion limit the task is built for: a few reference traces are longer."""
 
 
-def reference_steps(number: int, divisor: int) -> list[int]:
-    """The numbers the trace writes: ``N - k, N - 2k, ..., N % k`` (at least one)."""
-    return list(range(number - divisor, -1, -divisor))
+def reference_steps(number: int, divisor: int) -> list[str]:
+    """The trace's steps ``"N-k=N-k"``, ..., ending at ``N % k`` (at least one)."""
+    return [f"{a}-{divisor}={a - divisor}" for a in range(number, divisor - 1, -divisor)]
 
 
 def reference_completion(number: int, divisor: int, final_answer: int | None = None) -> str:
     """The reference trace of ``N%k``, ending in ``#### <final_answer>`` (default: the
     true remainder; the warm-start teacher sometimes writes a wrong one)."""
-    steps = reference_steps(number, divisor)
-    answer = steps[-1] if final_answer is None else final_answer
-    return " ".join(map(str, steps)) + f" #### {answer}"
+    answer = number % divisor if final_answer is None else final_answer
+    return " ".join(reference_steps(number, divisor)) + f" #### {answer}"
 
 
 def parse_prompt(text: str) -> tuple[int, int]:
@@ -56,7 +56,7 @@ class RemainderTask(IndexedSource):
 
     Prompt ``i`` depends only on seed and index: draw the step count ``m`` from
     ``round(exp(Normal(log(median_steps), sigma)))`` clipped to ``[1, max_steps]``, then
-    a divisor ``k`` in ``[2, 19]`` with ``k * (m + 1) - 1 <= 999`` and ``N = k * m + r``
+    a divisor ``k`` in ``[2, 19]`` with ``k * (m + 1) - 1 <= 99`` and ``N = k * m + r``
     for a remainder ``r`` in ``[0, k)``. With the defaults the reference completions
     (one token per character plus EOS) have a median of about 25 tokens, a 99th
     percentile about ten times that, and a few longer than 256 tokens.
@@ -70,9 +70,9 @@ class RemainderTask(IndexedSource):
         self,
         *,
         seed: int = 0,
-        median_steps: float = 5.0,
-        sigma: float = 1.05,
-        max_steps: int = 90,
+        median_steps: float = 2.0,
+        sigma: float = 1.1,
+        max_steps: int = 49,
         held_out_fraction: float = 0.2,
         name: str = "longtail",
     ) -> None:
@@ -131,18 +131,17 @@ class RemainderTask(IndexedSource):
         return self._make_prompt(f"{self._name}-{index}", number, divisor)
 
     def eval_prompts(self, n: int = 200) -> tuple[Prompt, ...]:
-        """``n`` distinct held-out problems in a fixed order (ids ``<name>-eval-<i>``),
-        independent of the cursor and of ``seed``."""
-        if n <= 0:
-            return ()
+        """``n`` held-out problems drawn from the training length law, in a fixed order
+        (ids ``<name>-eval-<i>``), independent of the cursor and of ``seed``.
+
+        Draws may repeat a problem: with two-digit numbers the held-out slice has only
+        a few hundred problems, and insisting on distinct ones would over-weight the
+        rare long traces, measuring a harder set than the one trained on.
+        """
         rng = random.Random(f"{self._name}/eval")
-        seen: dict[tuple[int, int], None] = {}
-        for problem in self._draws(rng, held_out=True):
-            seen.setdefault(problem)
-            if len(seen) == n:
-                break
-        return tuple(self._make_prompt(f"{self._name}-eval-{i}", number, divisor)
-                     for i, (number, divisor) in enumerate(seen))
+        draws = self._draws(rng, held_out=True)
+        return tuple(self._make_prompt(f"{self._name}-eval-{i}", *next(draws))
+                     for i in range(max(n, 0)))
 
     def teacher_completion(self, prompt: Prompt, rng: random.Random, accuracy: float) -> str:
         """The warm start's target: the full trace, with the final answer one too high

@@ -24,8 +24,10 @@ _INTEGER: Final = re.compile(r"0|-?[1-9][0-9]*")
 # A number as people write it in GSM8K: optional sign, thousands commas, a decimal part.
 _NUMBER: Final = re.compile(r"-?(?:[0-9]{1,3}(?:,[0-9]{3})+|[0-9]+)(?:\.[0-9]+)?")
 _HASH_ANSWER: Final = re.compile(r"####\s*(" + _NUMBER.pattern + r")")
-# The remainder task's trace: numbers separated by single spaces, then the final answer.
-_REMAINDER_TRACE: Final = re.compile(r"(?:[0-9]+ )*#### (" + _INTEGER.pattern + r")")
+# The remainder task's trace: "a-k=b" steps separated by single spaces, then the answer.
+_REMAINDER_TRACE: Final = re.compile(
+    r"(?:[0-9]+-[0-9]+=-?[0-9]+ )*#### (" + _INTEGER.pattern + r")"
+)
 
 
 class RewardFn(Protocol):
@@ -89,7 +91,7 @@ def remainder_reward(prompt: Prompt, completion_text: str) -> float:
     """1.0 when a long-tail (remainder) completion is well formed and its final answer
     is the reference integer, else 0.0.
 
-    Format rule: space-separated step numbers, then ``#### <answer>`` in canonical form,
+    Format rule: space-separated ``a-k=b`` steps, then ``#### <answer>`` in canonical form,
     then end-of-sequence; nothing else. The steps themselves are not checked (a wrong
     step almost always leads to a wrong answer). A completion cut off at the token limit
     has no ``####`` at its end and scores 0.

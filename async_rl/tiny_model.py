@@ -127,13 +127,16 @@ class TaskRecipe(msgspec.Struct, frozen=True, kw_only=True):
     """Greedy evaluation's completion limit (the RL config's ``rollout.max_new_tokens``)."""
     sft_steps: dict[str, int]
     """Warm-start steps per model size: enough to learn the task, not the right answer."""
+    teacher_accuracy: float
+    """How often the warm start's teacher writes the right final answer."""
 
 
 ARITHMETIC: Final = TaskRecipe(name="arithmetic", max_positions=128, eval_max_new_tokens=4,
-                               sft_steps={"tiny": TINY.sft_steps, "small": SMALL.sft_steps})
+                               sft_steps={"tiny": TINY.sft_steps, "small": SMALL.sft_steps},
+                               teacher_accuracy=0.3)
 LONGTAIL: Final = TaskRecipe(name="longtail", max_positions=512,
                              eval_max_new_tokens=LONGTAIL_MAX_NEW_TOKENS,
-                             sft_steps={"tiny": 600, "small": 300})
+                             sft_steps={"tiny": 400, "small": 300}, teacher_accuracy=0.45)
 TASK_RECIPES: Final = {recipe.name: recipe for recipe in (ARITHMETIC, LONGTAIL)}
 
 
@@ -172,7 +175,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         unk_token=UNK_TEXT,
         additional_special_tokens=reserved,
         clean_up_tokenization_spaces=False,
-        model_max_length=128,
+        model_max_length=1024,
     )
 
 
@@ -290,7 +293,7 @@ def make_model(
     seed: int = 0,
     sft_steps: int | None = None,
     batch_size: int = 64,
-    teacher_accuracy: float = 0.3,
+    teacher_accuracy: float | None = None,
     max_operand: int = 29,
     eval_size: int = 200,
     num_threads: int | None = 1,
@@ -314,6 +317,8 @@ def make_model(
     start = time.perf_counter()
     out = Path(out_dir)
     steps = task.sft_steps[size.name] if sft_steps is None else sft_steps
+    if teacher_accuracy is None:
+        teacher_accuracy = task.teacher_accuracy
     config = size_config(size, task.max_positions)
     with _torch_threads(num_threads):
         torch.manual_seed(seed)

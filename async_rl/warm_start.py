@@ -115,7 +115,7 @@ def supervised_warm_start(
                 ignore_index=IGNORE, reduction="sum",
             ) / targets
             loss.backward()
-            total += float(loss)
+            total += loss.item()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         sched.step()

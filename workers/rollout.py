@@ -40,6 +40,12 @@ if TYPE_CHECKING:
 EXTENSION_CLS = "workers.vllm_extension.WeightLoaderExtension"
 WARMUP_TEXT = "warm up"
 """Prompt of the start-up warm-up requests (their output is thrown away)."""
+IDLE_RECHECK_MS = 10
+"""Longest an idle engine worker process blocks before re-checking its queue: what a
+dropped vLLM notification can cost the first step after idle (vLLM's own is 5 s); about
+100 wake-ups a second while idle, a fraction of a percent of a core."""
+KEEP_IDLE_SPIN_ENV = "ASYNC_RL_KEEP_VLLM_IDLE_SPIN"
+"""Set to 1 to leave vLLM spinning while the worker is idle (for before/after figures)."""
 
 
 class RolloutWorkerError(RuntimeError):
@@ -134,6 +140,8 @@ class RolloutWorker:
         self._request_ids = itertools.count()
         self._in_flight: dict[str, int] = {}  # request id -> tokens generated so far
         self._evaluating = 0  # greedy (evaluation) requests among those in flight
+        self._quiet_idle = False  # stop the engine's idle spin (see _stop_spinning_soon)
+        self._quiet_tasks: set[asyncio.Task[None]] = set()
 
         self._version = 0
         self._groups = self._samples = self._tokens = 0
@@ -176,6 +184,10 @@ class RolloutWorker:
         )
         # The engine labels every step's tokens with this; label the initial weights 0.
         await self._engine.update_weight_version(str(self._version))
+        if os.environ.get(KEEP_IDLE_SPIN_ENV, "0") != "1":
+            # Raises (engine start fails) if vLLM's internals it relies on changed.
+            await self._engine.collective_rpc("watch_idle_reads", args=(IDLE_RECHECK_MS,))
+            self._quiet_idle = True
         cfg = self._rollout
         # No incremental detokenising in the engine: the text is decoded once, at the end,
         # from exactly the token ids the trainer sees (and it saves engine-side work).
@@ -221,6 +233,8 @@ class RolloutWorker:
         """Stops the engine and its processes; the worker cannot generate afterwards."""
         engine, self._engine = self._engine, None
         self._failed = self._failed or "shut down"
+        for task in self._quiet_tasks:
+            task.cancel()
         if engine is not None:
             engine.shutdown()
 
@@ -255,6 +269,32 @@ class RolloutWorker:
     async def usage(self) -> UsageReading:
         """CPU time of this actor and its engine processes, for the span cross-check."""
         return self._usage.read()
+
+    # ---------------------------------------------------------------- idle engine
+
+    def _stop_spinning_soon(self) -> None:
+        """Once nothing is in flight, tells the engine's worker process to block rather
+        than spin until work arrives (``WeightLoaderExtension.stop_spinning`` says why).
+
+        Without it an idle worker used a full core: vLLM's queue reader spins for a
+        second after every read, and steps or weight loads come more often than that.
+        A task, so the request that finished last returns without waiting for the rpc.
+        """
+        if self._quiet_idle and not self._in_flight and not self._updating:
+            task = asyncio.get_running_loop().create_task(self._stop_spinning())
+            self._quiet_tasks.add(task)
+            task.add_done_callback(self._quiet_tasks.discard)
+
+    async def _stop_spinning(self) -> None:
+        await asyncio.sleep(0)  # work submitted in the same loop turn cancels it
+        engine = self._engine
+        if engine is None or self._failed or self._in_flight or self._updating:
+            return
+        try:
+            await engine.collective_rpc("stop_spinning")
+        except Exception as err:
+            if self._engine is not None and self._failed is None:  # not a shutdown race
+                self._failed = f"stopping the engine's idle spin failed: {err!r}"
 
     # ---------------------------------------------------------------- generation
 
@@ -297,6 +337,7 @@ class RolloutWorker:
             del self._in_flight[request_id]
             self._evaluating -= evaluation
             self._switch_span()
+            self._stop_spinning_soon()
         # The engine labels each step's tokens with the label set while it was paused
         # for the load, so its spans are exact; a token sampled just before a pause may
         # reach this process only after the version changed.
@@ -430,6 +471,7 @@ class RolloutWorker:
             finally:
                 self._updating = False
                 self._switch_span()
+                self._stop_spinning_soon()
                 path.unlink(missing_ok=True)
             self._weight_updates += 1
             return BroadcastTiming(version=version, rollout_rank=self._rank, publish_s=0.0,

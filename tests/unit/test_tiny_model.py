@@ -5,6 +5,7 @@ made-model record. Builds with a handful of warm-start steps so it stays fast; n
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -12,16 +13,20 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from async_rl.longtail import MAX_DIVISOR, MAX_NEW_TOKENS, MAX_NUMBER, RemainderTask
 from async_rl.rewards import arithmetic_reward
 from async_rl.tasks import ArithmeticTask
 from async_rl.tiny_model import (
     BYTE_OFFSET,
     EOS_ID,
+    LONGTAIL,
     MADE_MODEL_FILE,
     MODEL_SIZES,
     PAD_ID,
     SMALL,
+    TASK_RECIPES,
     TINY,
+    UNK_ID,
     VOCAB_SIZE,
     MadeModel,
     build_config,
@@ -145,3 +150,59 @@ def test_build_config_rejects_small_heads() -> None:
     with pytest.raises(ValueError, match=">= 32"):
         build_config(hidden_size=64, num_heads=4)
     assert build_config().hidden_size // build_config().num_attention_heads >= 32
+
+
+@torch.no_grad()
+def greedy_without_cache(model: torch.nn.Module, tok: PreTrainedTokenizerFast, text: str,
+                         max_new_tokens: int) -> str:
+    """The reference ``greedy_completions`` must match: the whole sequence re-run per token."""
+    ids = tok.encode(text)
+    out: list[int] = []
+    for _ in range(max_new_tokens):
+        logits = model(input_ids=torch.tensor([ids + out]), use_cache=False).logits
+        nxt = int(logits[0, -1].argmax())
+        if nxt == EOS_ID:
+            return str(tok.decode(out))
+        out.append(nxt)
+    return str(tok.decode([*out, UNK_ID]))
+
+
+@pytest.fixture
+def one_thread() -> Iterator[None]:
+    # A tiny model gains nothing from intra-op threads; on a busy 2-core machine two
+    # threads made a few greedy tokens take seconds instead of milliseconds.
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(previous)
+
+
+def test_longtail_model_fits_its_traces_and_cached_greedy_matches(
+    tmp_path: Path, one_thread: None
+) -> None:
+    assert TASK_RECIPES["longtail"] is LONGTAIL
+    made = make_model(tmp_path, task=LONGTAIL, size=TINY, sft_steps=2, eval_size=4, log=None)
+    assert (made.task, made.size, made.sft_steps, made.eval_size) == ("longtail", "tiny", 2, 4)
+    assert 0.0 <= made.base_accuracy <= 1.0
+    record = msgspec.json.decode((Path(made.path) / MADE_MODEL_FILE).read_bytes(), type=MadeModel)
+    assert record == made
+    model = AutoModelForCausalLM.from_pretrained(made.path)
+    longest_prompt = len(f"{MAX_NUMBER}%{MAX_DIVISOR}=")
+    assert max(len(p.text) for p in RemainderTask().eval_prompts(200)) <= longest_prompt
+    assert model.config.max_position_embeddings >= MAX_NEW_TOKENS + longest_prompt
+    assert LONGTAIL.eval_max_new_tokens == MAX_NEW_TOKENS
+    # Two warm-start steps leave a model that writes spaces whatever the context, which
+    # would hide a cache bug: jitter the weights so each token depends on all before it.
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(0.1 * torch.randn(param.shape, generator=generator))
+    # Prompts of two lengths (two decoding batches); a few tokens each.
+    tok = AutoTokenizer.from_pretrained(made.path)
+    assert tok.model_max_length >= model.config.max_position_embeddings
+    texts = ["47%9=", "99%19=", "12%5="]
+    cached = greedy_completions(model, tok, texts, max_new_tokens=8)
+    assert cached == [greedy_without_cache(model, tok, t, 8) for t in texts]
+    assert len(set(cached)) == len(texts) and all(len(set(c)) > 2 for c in cached), cached
