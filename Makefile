@@ -4,8 +4,9 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 MODEL ?= runs/small-model
 CONFIG ?= examples/cpu_default.toml
+LONGTAIL_MODEL ?= runs/longtail-model
 
-.PHONY: setup demo test lint unit integration bench clean
+.PHONY: setup demo demo-longtail test lint unit integration bench clean
 
 setup:
 	@scripts/setup-venv.sh
@@ -15,6 +16,13 @@ $(MODEL)/config.json: | setup
 
 demo: setup $(MODEL)/config.json
 	$(BIN)/async-rl train $(CONFIG)
+
+$(LONGTAIL_MODEL)/config.json: | setup
+	$(BIN)/async-rl make-model --task longtail --out $(LONGTAIL_MODEL)
+
+# The long-tail reasoning workload (completions of 20 to 300 tokens).
+demo-longtail: setup $(LONGTAIL_MODEL)/config.json
+	$(BIN)/async-rl train examples/cpu_longtail.toml
 
 lint: setup
 	$(BIN)/ruff check .

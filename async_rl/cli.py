@@ -32,16 +32,17 @@ def _parser() -> argparse.ArgumentParser:
     make = commands.add_parser("make-model", help="build a small local model (no hub)")
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument(
-        "--size", choices=["tiny", "small"], default="small",
-        help="small: the CPU default's 4M-parameter model (default); tiny: 0.5M, for tests",
+        "--size", choices=["tiny", "small"], default=None,
+        help="small: 4M parameters (arithmetic's default); tiny: 0.5M (longtail's default)",
     )
     make.add_argument(
         "--task", choices=["arithmetic", "longtail"], default="arithmetic",
         help="built-in task of the warm start and base accuracy (the RL config's task.kind)",
     )
     make.add_argument(
-        "--threads", type=_positive_int, default=min(2, os.cpu_count() or 1),
-        help="torch threads for the warm start (same seed and threads: same weights)",
+        "--threads", type=_positive_int, default=None,
+        help="torch threads for the warm start (same seed and threads: same weights); "
+             "default 1 for tiny, min(2, cores) for small",
     )
     make.add_argument("--seed", type=int, default=0, help="seed of weights and warm start")
     make.add_argument(
@@ -107,9 +108,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "make-model":
             from async_rl.tiny_model import MODEL_SIZES, TASK_RECIPES, make_model
 
-            made = make_model(args.out, size=MODEL_SIZES[args.size],
-                              task=TASK_RECIPES[args.task], seed=args.seed,
-                              sft_steps=args.sft_steps, num_threads=args.threads)
+            recipe = TASK_RECIPES[args.task]
+            size = MODEL_SIZES[args.size or recipe.default_size]
+            threads = args.threads or (1 if size.name == "tiny" else min(2, os.cpu_count() or 1))
+            made = make_model(args.out, size=size, task=recipe, seed=args.seed,
+                              sft_steps=args.sft_steps, num_threads=threads)
             print(
                 f"model written to {made.path}: {made.num_parameters:,} parameters, "
                 f"base accuracy {made.base_accuracy:.3f}, {made.seconds:.1f}s"
