@@ -99,6 +99,7 @@ def step_row(
     totals.staleness.update(staleness)
     histogram = Counter(staleness)
     step_s = wait_s + train_s + sync_s
+    lengths = sorted(len(s.token_ids) for g in groups for s in g.samples)
     return {
         "step": step,
         "version": version,
@@ -112,6 +113,10 @@ def step_row(
         "groups": len(groups),
         "tokens": tokens,
         "tokens_per_s": tokens / step_s if step_s else 0.0,
+        # The long tail the buckets and the balancer exist for.
+        "completion_tokens": {"mean": sum(lengths) / len(lengths),
+                              "p50": lengths[len(lengths) // 2],
+                              "max": lengths[-1]} if lengths else {},
         "wait_s": wait_s,
         "train_s": train_s,
         "sync_s": sync_s,
@@ -127,5 +132,7 @@ def step_row(
         "broadcast": [msgspec.to_builtins(t) for t in timings],
         "queue": {"groups": queue.groups, "tokens": queue.tokens, "drops": queue.drops,
                   "put_wait_s": queue.put_waits.seconds,
-                  "take_wait_s": queue.take_waits.seconds},
+                  "take_wait_s": queue.take_waits.seconds,
+                  # Groups per token-length bucket after the take, smallest bucket first.
+                  "bucket_groups": [b.groups for b in queue.buckets]},
     }

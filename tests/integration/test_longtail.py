@@ -77,6 +77,10 @@ def test_longtail_run_trains_varied_lengths_packed(
         assert row["padding_ratio"] == 1.0, row
         assert row["imbalance"] == 1.0, row  # one shard: its cost is the mean
         assert row["micro_batches_per_shard"] >= 1, row
+        lengths = row["completion_tokens"]
+        assert 1 <= lengths["p50"] <= lengths["max"] <= config.rollout.max_new_tokens, row
+        assert len(row["queue"]["bucket_groups"]) == len(config.queue.bucket_edges) + 1, row
+        assert sum(row["queue"]["bucket_groups"]) == row["queue"]["groups"], row
         assert 0.0 <= row["reward_mean"] <= 1.0 and 0.0 <= row["accuracy"] <= 1.0
     assert sum(row["tokens"] for row in rows) == summary.tokens_trained
     assert sum(row["staleness_histogram"][0] for row in rows) == summary.staleness_histogram[0]
