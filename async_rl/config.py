@@ -139,6 +139,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Balancing cost per squared token (attention's quadratic term)."""
     cpus_per_shard: Positive = 1
     """Cores each trainer shard owns (torch threads)."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Precision of the trainer's matmuls (torch autocast over forward and backward).
+    Weights, gradients, optimizer state and the loss stay in model.dtype. bfloat16 makes
+    a CPU step with AVX-512 bf16 about 1.5-2x faster, at the price of logprobs that
+    differ from the engine's by bf16 rounding (the truncated IS weight absorbs it)."""
 
     def __post_init__(self) -> None:
         if self.groups_per_step % self.num_shards:

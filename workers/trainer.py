@@ -124,14 +124,18 @@ class TrainerShard:
             empty = LossStats(tokens=0, loss_sum=0.0, clipped=0, is_weight_sum=0.0,
                               is_weight_sq_sum=0.0, is_weight_max=0.0, kl_sum=0.0)
             return logits.sum() * 0.0, empty, 0
+        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
+                                  enabled=self.config.compute_dtype == "bfloat16")
         if self.packed:
             batch = pack(sequences, self.device)
-            logprobs = packed_logprobs(self.model, batch, self.temperature)
+            with autocast:
+                logprobs = packed_logprobs(self.model, batch, self.temperature)
             behaviour, advantages = batch.behaviour_logprobs, batch.advantages
             positions = batch.num_tokens
         else:
-            logprobs, positions = padded_logprobs(self.model, sequences, self.temperature,
-                                                  self.device)
+            with autocast:
+                logprobs, positions = padded_logprobs(self.model, sequences,
+                                                      self.temperature, self.device)
             behaviour = torch.tensor([lp for s in sequences for lp in s.behaviour_logprobs],
                                      device=self.device)
             advantages = torch.tensor(

@@ -11,6 +11,7 @@ import copy
 from collections.abc import Iterator
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from transformers import Qwen2ForCausalLM
@@ -195,9 +196,11 @@ def model_dir(reference: Qwen2ForCausalLM, tmp_path_factory: pytest.TempPathFact
     return out
 
 
-def shard(model_dir: Path, packed: bool) -> TrainerShard:
+def shard(model_dir: Path, packed: bool, compute_dtype: str = "float32") -> TrainerShard:
+    config = msgspec.convert({"max_grad_norm": 1e9, "compute_dtype": compute_dtype},
+                             TrainerConfig)
     trainer = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
-                           trainer=TrainerConfig(max_grad_norm=1e9), seed=0,
+                           trainer=config, seed=0,
                            temperature=TEMPERATURE, record_spans=False, packed=packed)
     trainer.setup()
     return trainer
@@ -224,6 +227,23 @@ def test_trainer_step_packed_matches_padded_and_reports_padding(model_dir: Path)
     new_a, new_b = packed.module.state_dict(), padded.module.state_dict()
     for name, value in new_a.items():
         torch.testing.assert_close(value, new_b[name], atol=1e-6, rtol=1e-5)
+
+
+def test_bfloat16_compute_keeps_float32_state_and_close_loss(model_dir: Path) -> None:
+    seqs = sequences()
+    batch = ShardBatch(step=1, micro_batches=(tuple(seqs),))
+    full, half = shard(model_dir, packed=True), shard(model_dir, packed=True,
+                                                      compute_dtype="bfloat16")
+    before = {k: v.clone() for k, v in half.module.state_dict().items()}
+    a, b = full.train_step(batch), half.train_step(batch)
+    assert a.loss.tokens == b.loss.tokens > 0
+    # bf16 matmuls round logprobs to about 3 significant digits: close, not equal.
+    assert b.loss.loss_sum == pytest.approx(a.loss.loss_sum, rel=0.05, abs=0.05)
+    assert b.loss.loss_sum != a.loss.loss_sum
+    after = half.module.state_dict()
+    assert len(after) == len(before) > 0
+    assert all(value.dtype == torch.float32 for value in after.values())
+    assert any(not torch.equal(after[k], before[k]) for k in before)  # it did train
 
 
 def test_padding_ratio_over_shards() -> None:
