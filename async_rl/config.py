@@ -180,7 +180,18 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """CPUs given to a local Ray (0 = what the roles need)."""
     colocate: bool = False
     """Rollout worker i and trainer shard i share devices (one STRICT_PACK placement
-    group); default is disaggregated, each role on its own devices."""
+    group, both roles on the same cores at full width); default is disaggregated, each
+    role on its own devices. Only with layout = "split"."""
+    layout: Literal["split", "shared", "auto"] = "split"
+    """How disaggregated roles use the CPU cores (workers/core_share.py).
+    split: each role only its own cores (rollout first, then trainer).
+    shared: the rollout engine keeps its cores; a trainer shard uses its own cores plus
+    the rollout workers' while no rollout worker has requests in flight (torch threads
+    and affinity change before each forward, backward and optimizer phase), and only its
+    own while one does. Helps when training is the bottleneck.
+    auto: starts split and measures training vs generation busy time over steps 2-4;
+    if training is the bottleneck it tries shared for steps 5-7 and keeps it only if
+    those steps were faster. Prints one line saying what it picked and why."""
     progress: bool = True
     """Show a progress bar."""
     record_spans: bool = True
@@ -220,6 +231,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 f"must be <= staleness.max_staleness + 1 ({self.staleness.max_staleness + 1}):"
                 " rollout would run weights older than the staleness bound allows",
             )
+        if self.run.colocate and self.run.layout != "split":
+            raise _invalid("run.layout", self.run.layout,
+                           'must be "split" when run.colocate = true (co-located roles '
+                           "already share every core)")
         if self.trainer.micro_batch_tokens < self.rollout.max_new_tokens:
             raise _invalid(
                 "trainer.micro_batch_tokens",

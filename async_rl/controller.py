@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import socket
 import time
+import uuid
 from collections import deque
 from typing import Any
 
@@ -42,6 +44,13 @@ from async_rl.tasks import ArithmeticTask, JsonlPromptSource, PromptSource
 from buffers.queue_records import Dropped
 from buffers.replay_queue import ReplayQueue
 from buffers.staleness import AdmissionGate
+from workers.core_share import (
+    AUTO_PROBE_STEPS,
+    AUTO_WARMUP_STEPS,
+    choose_layout,
+    create_board,
+    keep_shared,
+)
 from workers.placement import WorkerIdentity, assign_cpus, in_bundle, registry_table
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.rollout import RolloutWorker, RolloutWorkerError
@@ -105,6 +114,11 @@ class Controller:
         self.rollout: dict[int, Any] = {}
         self.trainers: list[Any] = []
         self.identities: list[WorkerIdentity] = []
+        self.board_path = ""
+        self.layout_choice: str = "" if config.run.layout == "auto" else config.run.layout
+        """The layout in force ("" while auto is still measuring)."""
+        self._probe: dict[str, float] = {}
+        """auto's measurements so far (see _auto_layout)."""
         record = config.run.record_spans
         # The controller's own tracks: what it waits on explains the workers' idle time.
         self.admission = SpanRecorder(worker=ROLLOUT_TRACK, role="controller", rank=0,
@@ -128,6 +142,14 @@ class Controller:
             layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard,
             gpus_per_worker=gpus * (2 if cfg.run.colocate else 1),
         )
+        # run.layout: who is busy goes on a shared-memory board; trainers may borrow the
+        # rollout cores ("shared" from the start, "auto" once it has measured).
+        board = ""
+        if cfg.run.layout != "split" and not gpus:
+            board = create_board(cfg.weights.transfer_dir, cfg.rollout.num_workers,
+                                 uuid.uuid4().hex[:8])
+            self.board_path = board
+        rollout_cores = tuple(sorted({c for i in layout.rollout for c in i.devices}))
         rollout_cls = ray.remote(RolloutWorker)
         for ident in layout.rollout:
             self.rollout[ident.rank] = rollout_cls.options(
@@ -139,7 +161,7 @@ class Controller:
                 rank=ident.rank, model=cfg.model, rollout=cfg.rollout, weights=cfg.weights,
                 reward_fn=self.reward_fn, seed=cfg.run.seed + ident.rank,
                 cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
-                prefix_caching=cfg.rollout.prefix_caching,
+                prefix_caching=cfg.rollout.prefix_caching, core_board=board,
             )
         trainer_cls = ray.remote(TrainerShard)
         port = free_port()
@@ -147,12 +169,16 @@ class Controller:
             trainer_cls.options(
                 name=ident.name,
                 num_cpus=cfg.trainer.cpus_per_shard, num_gpus=gpus,
+                # A sharing trainer's OpenMP threads must sleep, not spin, when it
+                # narrows or waits: a spinning pool thread on a rollout core steals it.
+                runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}} if board else None,
                 scheduling_strategy=in_bundle(groups["trainer"], ident.rank),
             ).remote(
                 rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
                 trainer=cfg.trainer, seed=cfg.run.seed, temperature=cfg.rollout.temperature,
                 cpu_ids=ident.devices,
                 master_port=port, record_spans=cfg.run.record_spans,
+                share_cores=rollout_cores if board else (), core_board=board,
             )
             for ident in layout.trainer
         ]
@@ -166,6 +192,8 @@ class Controller:
             )
         ]
         print(registry_table(self.identities))
+        if board and cfg.run.layout == "shared":
+            await asyncio.gather(*(t.set_sharing.remote(True) for t in self.trainers))
         self.broadcast = WeightBroadcast(self.trainers[0], self.rollout)
 
     # ---- the run, top to bottom --------------------------------------------------------
@@ -197,8 +225,14 @@ class Controller:
             self.training.switch("no_work")
             usage_last = await self.read_usage()
             await self.write_spans()
+            # A sharing trainer used a varying number of cores: the CPU-time check
+            # divides by its thread count averaged over compute.
+            trainer_cores = await asyncio.gather(*(t.mean_cores.remote()
+                                                   for t in self.trainers))
+            cores: dict[str, float] = {i.name: float(len(i.devices)) for i in self.identities}
+            cores.update({f"trainer-{r}": c for r, c in enumerate(trainer_cores)})
             self.out.usage({name: {"first": usage_first[name], "last": reading,
-                                   "cores": len(self._identity(name).devices)}
+                                   "cores": cores[name]}
                             for name, reading in usage_last.items() if name in usage_first})
         # Any evaluation still due has finished (after the training window was recorded).
         end = await self.evaluate(step=self.config.run.num_steps)
@@ -308,7 +342,53 @@ class Controller:
                                     groups=self.totals.groups_trained,
                                     tokens=self.totals.tokens_trained)
                 bar.update(row)
+                if not self.layout_choice:
+                    await self._auto_layout(step, results)
             self.training.switch("weight_publish")  # the last delivery, awaited on exit
+
+    async def _auto_layout(self, step: int, results: list[ShardStepResult]) -> None:
+        """run.layout auto, in two probes of AUTO_PROBE_STEPS steps after the warm-up:
+
+        1. split: training vs generation busy time (``choose_layout``); if training is
+           not the bottleneck, stay split;
+        2. else shared for as many steps: keep it only if its steps were faster
+           (``keep_shared``). One line says what was picked and why.
+        """
+        now = time.perf_counter()
+        probe = self._probe
+        if step == AUTO_WARMUP_STEPS:
+            probe.update(started=now, generate=await self._rollout_busy_s(), train=0.0)
+            return
+        if step < AUTO_WARMUP_STEPS:
+            return
+        probe["train"] += max(r.forward_s + r.backward_s + r.optimizer_s for r in results)
+        if step == AUTO_WARMUP_STEPS + AUTO_PROBE_STEPS:
+            generate_s = await self._rollout_busy_s() - probe["generate"]
+            choice, why = choose_layout(probe["train"], generate_s)
+            if choice == "shared" and not self.board_path:
+                choice, why = "split", "no core sharing on GPUs"
+            if choice == "split":
+                self._pick("split", step, why)
+                return
+            probe.update(split_step_s=(now - probe["started"]) / AUTO_PROBE_STEPS,
+                         shared_from=now)
+            print(f"run.layout auto: {why}; trying shared for {AUTO_PROBE_STEPS} steps")
+            await asyncio.gather(*(t.set_sharing.remote(True) for t in self.trainers))
+        elif step == AUTO_WARMUP_STEPS + 2 * AUTO_PROBE_STEPS:
+            shared_step_s = (now - probe["shared_from"]) / AUTO_PROBE_STEPS
+            choice, why = keep_shared(probe["split_step_s"], shared_step_s)
+            if choice == "split":
+                await asyncio.gather(*(t.set_sharing.remote(False) for t in self.trainers))
+            self._pick(choice, step, why)
+
+    def _pick(self, choice: str, step: int, why: str) -> None:
+        self.layout_choice = choice
+        print(f"run.layout auto -> {choice} after step {step}: {why}")
+
+    async def _rollout_busy_s(self) -> float:
+        """Mean busy seconds of the live rollout workers since they started."""
+        values = await asyncio.gather(*(w.busy_seconds.remote() for w in self.rollout.values()))
+        return sum(values) / max(len(values), 1)
 
     async def deliver(self, published: Published, previous: anyio.Event,
                       done: anyio.Event) -> None:
@@ -342,9 +422,6 @@ class Controller:
         self.out.eval(point)
         print(describe(point))
         return point
-
-    def _identity(self, name: str) -> WorkerIdentity:
-        return next(i for i in self.identities if i.name == name)
 
     async def read_usage(self) -> dict[str, UsageReading]:
         """Each live worker's CPU-time (and NVML) counters, keyed by worker name."""
@@ -405,6 +482,9 @@ class Controller:
         for worker in self.rollout.values():
             with contextlib.suppress(ray.exceptions.RayError):
                 await worker.shutdown.remote()
+        if self.board_path:
+            with contextlib.suppress(OSError):
+                os.unlink(self.board_path)
 
 
 def run_training(config: Config) -> RunSummary:

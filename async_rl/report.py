@@ -102,7 +102,7 @@ def build_report(run_dir: str | Path) -> RunIdle:
 def cross_check(idle: RunIdle, usage_path: Path) -> dict[str, dict[str, float]]:
     """Span busy fraction beside what the OS (CPU time) and NVML measured per worker."""
     usage = msgspec.json.decode(usage_path.read_bytes(),
-                                type=dict[str, dict[str, UsageReading | int]])
+                                type=dict[str, dict[str, UsageReading | float]])
     result = {}
     for item in idle.workers:
         counters = usage.get(item.name)
@@ -110,7 +110,7 @@ def cross_check(idle: RunIdle, usage_path: Path) -> dict[str, dict[str, float]]:
             continue
         first, last, cores = counters["first"], counters["last"], counters["cores"]
         assert isinstance(first, UsageReading) and isinstance(last, UsageReading)
-        measured = busy_fraction(first, last, int(cores) if isinstance(cores, int) else 1)
+        measured = busy_fraction(first, last, float(cores) if isinstance(cores, float) else 1.0)
         result[item.name] = {"span_busy": item.busy_s / item.wall_s if item.wall_s else 0.0,
                              **measured}
     return result

@@ -31,6 +31,7 @@ from async_rl.config import ModelConfig, RolloutConfig, WeightsConfig
 from async_rl.records import BroadcastTiming, EvalResult, Group, Prompt, Sample, make_group
 from async_rl.rewards import RewardFn
 from async_rl.spans import UNRESOLVED, Span, SpanRecorder
+from workers.core_share import BusyFlag
 from workers.usage import UsageMeter, UsageReading
 
 if TYPE_CHECKING:
@@ -40,10 +41,11 @@ if TYPE_CHECKING:
 EXTENSION_CLS = "workers.vllm_extension.WeightLoaderExtension"
 WARMUP_TEXT = "warm up"
 """Prompt of the start-up warm-up requests (their output is thrown away)."""
-IDLE_RECHECK_MS = 10
+IDLE_RECHECK_MS = 20
 """Longest an idle engine worker process blocks before re-checking its queue: what a
-dropped vLLM notification can cost the first step after idle (vLLM's own is 5 s); about
-100 wake-ups a second while idle, a fraction of a percent of a core."""
+dropped vLLM notification (rare: none in 100 idle-to-busy switches measured) can cost the
+first step after idle, against vLLM's own 5 s; 50 wake-ups a second while idle, about 1%
+of a core here."""
 KEEP_IDLE_SPIN_ENV = "ASYNC_RL_KEEP_VLLM_IDLE_SPIN"
 """Set to 1 to leave vLLM spinning while the worker is idle (for before/after figures)."""
 
@@ -104,6 +106,7 @@ class RolloutWorker:
         prefix_caching: bool = True,
         ignore_eos: bool = False,
         record_spans: bool = True,
+        core_board: str = "",
     ) -> None:
         """Cheap: records the arguments; ``start()`` builds the engine.
 
@@ -117,6 +120,8 @@ class RolloutWorker:
             for what it costs at a weight update.
         ignore_eos: every sample runs to ``max_new_tokens`` (fixed-length rollouts for
             benchmarks and tests); greedy evaluation always stops at EOS.
+        core_board: the run.layout busy board (``workers.core_share``): this worker's
+            byte says when its engine is busy, so a sharing trainer keeps off its cores.
         """
         self._rank, self._model, self._rollout = rank, model, rollout
         self._weights, self._reward_fn, self._seed = weights, reward_fn, seed
@@ -127,6 +132,7 @@ class RolloutWorker:
         device = "cpu:" + ",".join(map(str, self._cpu_ids)) if self._cpu_ids else "cpu"
         self._spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
                                    device=device, enabled=record_spans)
+        self._busy = BusyFlag(core_board, rank)
 
         self._engine: AsyncLLM | None = None
         self._tokenizer: Any = None  # the model's tokenizer, from start()
@@ -184,7 +190,10 @@ class RolloutWorker:
         )
         # The engine labels every step's tokens with this; label the initial weights 0.
         await self._engine.update_weight_version(str(self._version))
-        if os.environ.get(KEEP_IDLE_SPIN_ENV, "0") != "1":
+        # Only the multiprocess executor (the CPU build's; on a GPU one worker runs inside
+        # the engine core process, "uni") has a queue whose reader spins.
+        executor = self._engine.vllm_config.parallel_config.distributed_executor_backend
+        if executor == "mp" and os.environ.get(KEEP_IDLE_SPIN_ENV, "0") != "1":
             # Raises (engine start fails) if vLLM's internals it relies on changed.
             await self._engine.collective_rpc("watch_idle_reads", args=(IDLE_RECHECK_MS,))
             self._quiet_idle = True
@@ -251,6 +260,7 @@ class RolloutWorker:
         # Busy whenever the engine holds requests; idle causes are resolved later by
         # the controller, which knows why nothing was submitted. A span has one cause:
         # generation wins, so "evaluate" is time the engine ran nothing but evaluation.
+        self._busy.set(self._updating or bool(self._in_flight))
         if self._updating:
             self._spans.switch("weight_sync", self._version)
         elif len(self._in_flight) > self._evaluating:
@@ -261,6 +271,10 @@ class RolloutWorker:
     async def drain_spans(self) -> list[Span]:
         """Closed spans since the last call (the current one is closed at now first)."""
         return self._spans.flush()
+
+    async def busy_seconds(self) -> float:
+        """Seconds the engine had requests in flight or loaded weights (run.layout auto)."""
+        return self._busy.busy_seconds()
 
     async def clock(self) -> float:
         """This process's wall clock, for aligning span times across nodes."""

@@ -23,6 +23,7 @@ from async_rl.config import ModelConfig, TrainerConfig
 from async_rl.grpo import merge_stats, token_loss
 from async_rl.records import LossStats, ShardBatch, ShardStepResult, TrainSequence
 from async_rl.spans import UNRESOLVED, Span, SpanRecorder
+from workers.core_share import CoreShare
 from workers.packing import pack, packed_logprobs, padded_logprobs, use_packed_attention
 from workers.usage import UsageMeter, UsageReading
 
@@ -55,6 +56,8 @@ class TrainerShard:
         master_port: int = 29500,
         record_spans: bool = True,
         packed: bool = True,
+        share_cores: tuple[int, ...] = (),
+        core_board: str = "",
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -67,11 +70,17 @@ class TrainerShard:
         self.master_addr = master_addr
         self.master_port = master_port
         self.packed = packed
+        self.share_cores = share_cores
+        """Rollout cores this shard may borrow while no rollout worker is busy (run.layout
+        "shared"; ``core_board`` says who is busy); used once ``set_sharing(True)``."""
+        self.core_board = core_board
         """One padding-free row per micro-batch (``workers.packing``); False runs the
         padded reference layout (for comparisons)."""
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         label = (f"cuda:{torch.cuda.current_device()}" if self.device.type == "cuda"
                  else "cpu:" + ",".join(map(str, cpu_ids)))
+        if share_cores and self.device.type == "cpu":
+            label += "(+" + ",".join(map(str, share_cores)) + ")"  # borrowed while idle
         self.spans = SpanRecorder(worker=f"trainer-{rank}", role="trainer", rank=rank,
                                   device=label, enabled=record_spans)
 
@@ -79,7 +88,10 @@ class TrainerShard:
         """Joins the process group, loads the model and builds the optimizer; returns pid."""
         from transformers import AutoModelForCausalLM
 
+        # Before pinning: the cores it may borrow are outside its own.
+        self.cores = CoreShare(self.cpu_ids, self.share_cores, self.core_board)
         pin_to_cpus(self.cpu_ids)
+        self.cores.apply()
         self.usage_meter = UsageMeter(gpu_index=0 if self.device.type == "cuda" else None)
         torch.manual_seed(self.seed)
         if self.world_size > 1:
@@ -173,6 +185,7 @@ class TrainerShard:
         last = len(batch.micro_batches) - 1
         for index, sequences in enumerate(batch.micro_batches):
             self.spans.switch("forward", batch.step - 1)
+            self.cores.apply()
             t0 = time.perf_counter()
             loss, stats, computed = self._micro_batch_loss(sequences, global_tokens)
             positions += computed
@@ -188,6 +201,7 @@ class TrainerShard:
                 barrier_s = time.perf_counter() - t1
                 t1 = time.perf_counter()
             self.spans.switch("backward")
+            self.cores.apply()
             if index != last and isinstance(self.model, DistributedDataParallel):
                 with self.model.no_sync():
                     torch.autograd.backward(loss)
@@ -196,6 +210,7 @@ class TrainerShard:
             backward_s += time.perf_counter() - t1
             parts.append(stats)
         self.spans.switch("optimizer")
+        self.cores.apply()
         t2 = time.perf_counter()
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
@@ -207,6 +222,7 @@ class TrainerShard:
         else:
             self.optimizer.step()
         optimizer_s = time.perf_counter() - t2
+        self.cores.idle()
         self.spans.switch(UNRESOLVED, batch.step)
         return ShardStepResult(
             rank=self.rank,
@@ -222,6 +238,14 @@ class TrainerShard:
                              for mb in batch.micro_batches for s in mb),
             computed_positions=positions,
         )
+
+    def set_sharing(self, enabled: bool) -> None:
+        """run.layout "shared" (True) or "split" (False) from the next phase on."""
+        self.cores.enabled = enabled
+
+    def mean_cores(self) -> float:
+        """Threads used, averaged over compute time: the cores the CPU-time check uses."""
+        return self.cores.mean_cores()
 
     def drain_spans(self) -> list[Span]:
         """Closed spans since the last call (the current one is closed at now first)."""

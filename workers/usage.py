@@ -26,10 +26,13 @@ class UsageReading(msgspec.Struct, frozen=True, kw_only=True):
     gpu_samples: int = 0
 
 
-def busy_fraction(first: UsageReading, last: UsageReading, cores: int) -> dict[str, float]:
-    """CPU busy fraction of the worker's cores (and mean GPU utilisation) between readings."""
+def busy_fraction(first: UsageReading, last: UsageReading,
+                  cores: float) -> dict[str, float]:
+    """CPU busy fraction of the worker's cores (and mean GPU utilisation) between readings.
+
+    ``cores`` may be fractional: a sharing trainer's thread count averaged over compute."""
     wall = max(last.wall - first.wall, 1e-9)
-    result = {"cpu_busy": (last.cpu_s - first.cpu_s) / (wall * max(cores, 1))}
+    result = {"cpu_busy": (last.cpu_s - first.cpu_s) / (wall * max(cores, 1.0))}
     samples = last.gpu_samples - first.gpu_samples
     if samples:
         result["gpu_util"] = (last.gpu_util_sum - first.gpu_util_sum) / samples / 100.0
