@@ -19,9 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import socket
 import time
-import uuid
 from collections import deque
 from typing import Any
 
@@ -33,14 +31,12 @@ from async_rl.batching import shard_batches
 from async_rl.config import Config
 from async_rl.evaluation import EvalLog, describe
 from async_rl.idle import ROLLOUT_TRACK, TRAINER_TRACK
-from async_rl.longtail import RemainderTask
+from async_rl.launch import build_task, launch_workers
 from async_rl.progress import RunProgress
 from async_rl.records import BroadcastTiming, Group, LedgerEntry, Prompt, ShardStepResult
-from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward, remainder_reward
 from async_rl.run_dir import FINAL_MODEL, EvalPoint, RunSummary, RunWriter
 from async_rl.spans import Span, SpanRecorder
 from async_rl.step_metrics import StepTotals, step_row
-from async_rl.tasks import ArithmeticTask, JsonlPromptSource, PromptSource
 from buffers.queue_records import Dropped
 from buffers.replay_queue import ReplayQueue
 from buffers.staleness import AdmissionGate
@@ -48,39 +44,15 @@ from workers.core_share import (
     AUTO_PROBE_STEPS,
     AUTO_WARMUP_STEPS,
     choose_layout,
-    create_board,
     keep_shared,
 )
-from workers.placement import WorkerIdentity, assign_cpus, in_bundle, registry_table
-from workers.placement import role_placement_groups as make_placement_groups
-from workers.rollout import RolloutWorker, RolloutWorkerError
-from workers.trainer import TrainerShard
+from workers.placement import WorkerIdentity, registry_table
+from workers.rollout import RolloutWorkerError
 from workers.usage import UsageReading
 from workers.weights import Published, WeightBroadcast
 
 NAMESPACE = "async-rl"
 """Ray namespace of a run's named actors ("rollout-0", "trainer-1", ...)."""
-
-
-def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ...]]:
-    """The prompt source, its reward function and the held-out evaluation prompts."""
-    task = config.task
-    if task.kind == "jsonl":
-        source = JsonlPromptSource(task.jsonl_path, seed=task.seed)
-        held_out = tuple(source.prompt_at(i) for i in range(min(task.eval_size, len(source))))
-        return source, gsm8k_reward, held_out
-    if task.kind == "longtail":
-        longtail = RemainderTask(seed=task.seed)
-        return longtail, remainder_reward, longtail.eval_prompts(task.eval_size)
-    arithmetic = ArithmeticTask(seed=task.seed)
-    return arithmetic, arithmetic_reward, arithmetic.eval_prompts(task.eval_size)
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback, for the trainer shards' process group."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class Controller:
@@ -129,70 +101,11 @@ class Controller:
     # ---- setup -------------------------------------------------------------------------
 
     async def start_workers(self) -> None:
-        cfg = self.config
-        layout = assign_cpus(
-            cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
-            cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate,
-        )
-        # One GPU per worker when the cluster has GPUs (the CUDA path); none on CPU.
-        gpus = 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
-        if gpus and cfg.run.colocate:
-            gpus = 0.5  # rollout worker i and trainer shard i share GPU i
-        groups = make_placement_groups(
-            layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard,
-            gpus_per_worker=gpus * (2 if cfg.run.colocate else 1),
-        )
-        # run.layout: who is busy goes on a shared-memory board; trainers may borrow the
-        # rollout cores ("shared" from the start, "auto" once it has measured).
-        board = ""
-        if cfg.run.layout != "split" and not gpus:
-            board = create_board(cfg.weights.transfer_dir, cfg.rollout.num_workers,
-                                 uuid.uuid4().hex[:8])
-            self.board_path = board
-        rollout_cores = tuple(sorted({c for i in layout.rollout for c in i.devices}))
-        rollout_cls = ray.remote(RolloutWorker)
-        for ident in layout.rollout:
-            self.rollout[ident.rank] = rollout_cls.options(
-                name=ident.name,
-                num_cpus=cfg.rollout.cpus_per_worker, num_gpus=gpus,
-                max_concurrency=4 * cfg.rollout.max_inflight_prompts + 16,
-                scheduling_strategy=in_bundle(groups["rollout"], ident.rank),
-            ).remote(
-                rank=ident.rank, model=cfg.model, rollout=cfg.rollout, weights=cfg.weights,
-                reward_fn=self.reward_fn, seed=cfg.run.seed + ident.rank,
-                cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
-                prefix_caching=cfg.rollout.prefix_caching, core_board=board,
-            )
-        trainer_cls = ray.remote(TrainerShard)
-        port = free_port()
-        self.trainers = [
-            trainer_cls.options(
-                name=ident.name,
-                num_cpus=cfg.trainer.cpus_per_shard, num_gpus=gpus,
-                # A sharing trainer's OpenMP threads must sleep, not spin, when it
-                # narrows or waits: a spinning pool thread on a rollout core steals it.
-                runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}} if board else None,
-                scheduling_strategy=in_bundle(groups["trainer"], ident.rank),
-            ).remote(
-                rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
-                trainer=cfg.trainer, seed=cfg.run.seed, temperature=cfg.rollout.temperature,
-                cpu_ids=ident.devices,
-                master_port=port, record_spans=cfg.run.record_spans,
-                share_cores=rollout_cores if board else (), core_board=board,
-            )
-            for ident in layout.trainer
-        ]
-        trainer_pids = await asyncio.gather(*(t.setup.remote() for t in self.trainers))
-        rollout_pids = await asyncio.gather(*(w.start.remote() for w in self.rollout.values()))
-        node = ray.util.get_node_ip_address()
-        self.identities = [
-            msgspec.structs.replace(ident, node=node, pid=pid)
-            for ident, pid in zip(
-                [*layout.rollout, *layout.trainer], [*rollout_pids, *trainer_pids], strict=True
-            )
-        ]
+        started = await launch_workers(self.config, self.reward_fn)
+        self.rollout, self.trainers = started.rollout, started.trainers
+        self.identities, self.board_path = started.identities, started.board_path
         print(registry_table(self.identities))
-        if board and cfg.run.layout == "shared":
+        if self.board_path and self.config.run.layout == "shared":
             await asyncio.gather(*(t.set_sharing.remote(True) for t in self.trainers))
         self.broadcast = WeightBroadcast(self.trainers[0], self.rollout)
 

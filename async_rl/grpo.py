@@ -1,8 +1,8 @@
 """GRPO math: group-normalised advantages and the off-policy clipped token loss.
 
-Owns: the formulas of DESIGN.md section 5 and the per-step loss statistics. Knows nothing
-about batching, devices or distribution: callers pass flat token tensors and the global
-token count, and sum the returned loss across micro-batches and shards.
+Owns: the GRPO advantage and token-loss formulas and the per-step loss statistics.
+Knows nothing about batching, devices or distribution: callers pass flat token tensors
+and the global token count, and sum the returned loss across micro-batches and shards.
 
 Two forms, chosen by ``tis_cap``:
 - bypass (tis_cap = 0): PPO-clip with the vLLM behaviour logprobs as the old policy,

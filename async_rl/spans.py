@@ -1,6 +1,6 @@
 """Spans: what each worker was doing, when, and (when idle) why.
 
-Owns: the ``Span`` record, the cause vocabulary of DESIGN.md section 7, and
+Owns: the ``Span`` record, the vocabulary of busy and idle causes per role, and
 ``SpanRecorder``, a cheap state machine a worker switches on state changes (never per
 token): a worker is always in exactly one cause, so its spans tile its wall time with no
 gaps or overlaps. Knows nothing about Ray, engines or files.

@@ -49,8 +49,9 @@ async def measure(mode: str, model_dir: Path, transfer_dir: str, idle_s: float,
                   repeat: int, core: int) -> IdleFigures:
     from async_rl.config import ModelConfig, RolloutConfig, WeightsConfig
     from async_rl.records import Prompt
-    from workers.rollout import KEEP_IDLE_SPIN_ENV, RolloutWorker
+    from workers.rollout import RolloutWorker
     from workers.usage import UsageMeter
+    from workers.vllm_engine import KEEP_IDLE_SPIN_ENV
 
     os.environ[KEEP_IDLE_SPIN_ENV] = MODES[mode]  # read by start()
     # The CPU default's rollout shape: groups of 8, 6 new tokens.

@@ -275,7 +275,7 @@ def run_trl(config: Config, *, steps: int, eval_every: int, target: float,
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from async_rl.controller import build_task
+    from async_rl.launch import build_task
     from async_rl.tiny_model import evaluate_accuracy
 
     torch.set_num_threads(threads)
@@ -378,7 +378,8 @@ def run_async_rl(config: Config, name: str, target: float) -> SystemFigures:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from async_rl.controller import build_task, run_training
+    from async_rl.controller import run_training
+    from async_rl.launch import build_task
     from async_rl.run_dir import FINAL_MODEL, read_ledger, read_metrics
     from async_rl.tiny_model import evaluate_accuracy
 

@@ -128,9 +128,9 @@ def packed_attention(
     included), so the work is ``sum(L^2)``, not ``T^2``.
     """
     if sliding_window is not None:
-        raise NotImplementedError("packed attention does not implement sliding windows")
+        raise ValueError("packed attention takes no sliding window (Qwen2 here has none)")
     if key.shape[2] != query.shape[2]:
-        raise NotImplementedError("packed attention is for training: no KV cache")
+        raise ValueError("packed attention is for training: it takes no KV cache")
     gqa = key.shape[1] != query.shape[1]
     dropout_p = dropout if module.training else 0.0
     rows = []

@@ -1,13 +1,13 @@
 """The rollout worker: one vLLM ``AsyncLLM`` engine that turns prompts into scored groups.
 
-Owns: building the engine (CPU core binding, KV-cache size, the weight-loading worker
-extension), generating a prompt's ``group_size`` samples with behaviour logprobs and a
-policy version per token, scoring them, taking up published weights (in-flight or
-drain) with a per-phase timing, greedy evaluation, its counters and its spans. A plain
-class: the controller makes the actor with ``ray.remote(RolloutWorker).options(...)``;
-every method is async, so one actor serves many concurrent ``generate_group`` calls and
-an ``update_weights`` between them. vLLM is imported in ``start()`` only, so importing
-this module (the controller does) stays cheap.
+Owns: starting and warming up the engine (built by ``workers.vllm_engine``), generating
+a prompt's ``group_size`` samples with behaviour logprobs and a policy version per
+token, scoring them, taking up published weights (in-flight or drain) with a per-phase
+timing, greedy evaluation, its counters and its spans. A plain class: the controller
+makes the actor with ``ray.remote(RolloutWorker).options(...)``; every method is async,
+so one actor serves many concurrent ``generate_group`` calls and an ``update_weights``
+between them. vLLM is imported only when the engine is built, so importing this module
+(the controller does) stays cheap.
 
 Knows nothing about admission, staleness bounds, queues, advantages or training: it
 generates what it is asked to and labels every token with the weights that produced it.
@@ -33,25 +33,20 @@ from async_rl.rewards import RewardFn
 from async_rl.spans import UNRESOLVED, Span, SpanRecorder
 from workers.core_share import BusyFlag
 from workers.usage import UsageMeter, UsageReading
+from workers.vllm_engine import (
+    RolloutWorkerError,
+    build_engine,
+    quiet_idle_reads,
+    sampling_params,
+    versions_from_spans,
+)
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-EXTENSION_CLS = "workers.vllm_extension.WeightLoaderExtension"
 WARMUP_TEXT = "warm up"
 """Prompt of the start-up warm-up requests (their output is thrown away)."""
-IDLE_RECHECK_MS = 20
-"""Longest an idle engine worker process blocks before re-checking its queue: what a
-dropped vLLM notification (rare: none in 100 idle-to-busy switches measured) can cost the
-first step after idle, against vLLM's own 5 s; 50 wake-ups a second while idle, about 1%
-of a core here."""
-KEEP_IDLE_SPIN_ENV = "ASYNC_RL_KEEP_VLLM_IDLE_SPIN"
-"""Set to 1 to leave vLLM spinning while the worker is idle (for before/after figures)."""
-
-
-class RolloutWorkerError(RuntimeError):
-    """The worker cannot generate: not started, shut down, or a weight load failed."""
 
 
 class RolloutStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -75,18 +70,6 @@ class RolloutStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds ``start()`` took to build and warm up the engine (0 before it ran)."""
     warmup_s: float
     """Of which the warm-up requests took this many."""
-
-
-def _versions_from_spans(spans: Sequence[Any] | None, num_tokens: int) -> list[int] | None:
-    """Per-token versions from vLLM's ``WeightVersionSpan`` list; None if unusable."""
-    versions: list[int] = []
-    for span in spans or ():
-        try:
-            label = int(span.version)
-        except ValueError:  # a label this worker did not set (vLLM's "default")
-            return None
-        versions.extend([label] * (span.end - span.start))
-    return versions if spans and len(versions) == num_tokens else None
 
 
 class RolloutWorker:
@@ -161,57 +144,18 @@ class RolloutWorker:
         if self._engine is not None:
             return os.getpid()
         began = time.perf_counter()
-        import torch
-
-        if self._cpu_ids and not torch.cuda.is_available():
-            self._bind_cpus()
-        if self._kv_cache_gib is not None:
-            os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(self._kv_cache_gib)
-
-        from vllm import SamplingParams
-        from vllm.engine.arg_utils import AsyncEngineArgs
-        from vllm.sampling_params import RequestOutputKind
-        from vllm.v1.engine.async_llm import AsyncLLM
-
-        self._engine = AsyncLLM.from_engine_args(
-            AsyncEngineArgs(
-                model=self._model.path,
-                dtype=self._model.dtype,
-                seed=self._seed,
-                enforce_eager=True,
-                gpu_memory_utilization=self._rollout.memory_fraction,
-                enable_prefix_caching=self._prefix_caching,
-                worker_extension_cls=EXTENSION_CLS,
-                # Logprobs of the distribution actually sampled (after temperature and
-                # top-p), not of the raw logits: the behaviour policy's.
-                logprobs_mode="processed_logprobs",
-                disable_log_stats=True,
-            )
-        )
+        self._engine = build_engine(self._model, self._rollout, rank=self._rank,
+                                    seed=self._seed, cpu_ids=self._cpu_ids,
+                                    kv_cache_gib=self._kv_cache_gib,
+                                    prefix_caching=self._prefix_caching)
         # The engine labels every step's tokens with this; label the initial weights 0.
         await self._engine.update_weight_version(str(self._version))
-        # Only the multiprocess executor (the CPU build's; on a GPU one worker runs inside
-        # the engine core process, "uni") has a queue whose reader spins.
-        executor = self._engine.vllm_config.parallel_config.distributed_executor_backend
-        if executor == "mp" and os.environ.get(KEEP_IDLE_SPIN_ENV, "0") != "1":
-            # Raises (engine start fails) if vLLM's internals it relies on changed.
-            await self._engine.collective_rpc("watch_idle_reads", args=(IDLE_RECHECK_MS,))
-            self._quiet_idle = True
+        self._quiet_idle = await quiet_idle_reads(self._engine)
         cfg = self._rollout
-        # No incremental detokenising in the engine: the text is decoded once, at the end,
-        # from exactly the token ids the trainer sees (and it saves engine-side work).
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(self._model.path)
-        common: dict[str, Any] = dict(
-            max_tokens=cfg.max_new_tokens, logprobs=0, output_kind=RequestOutputKind.DELTA,
-            detokenize=False,
-        )
-        self._params = {
-            "sample": SamplingParams(temperature=cfg.temperature,
-                                     ignore_eos=self._ignore_eos, **common),
-            "greedy": SamplingParams(temperature=0.0, **common),
-        }
+        self._params = sampling_params(cfg, ignore_eos=self._ignore_eos)
         # Warm-up: the CPU build's first steps at each new batch shape are many times
         # slower than later ones (a run's first 16 groups took 2.1 s to generate cold
         # against 0.18 s warm), which would otherwise land in the first training step as
@@ -224,19 +168,6 @@ class RolloutWorker:
         self._warmup_s = time.perf_counter() - warm_began
         self._engine_start_s = time.perf_counter() - began
         return os.getpid()
-
-    def _bind_cpus(self) -> None:
-        allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
-        if allowed is not None and not set(self._cpu_ids) <= allowed:
-            raise RolloutWorkerError(f"rollout worker {self._rank}: cores {self._cpu_ids} "
-                                     f"are not all available to it ({sorted(allowed)})")
-        # Read by vLLM when it builds the engine, inherited by the processes it spawns.
-        # One engine worker process (no tensor parallelism): one OpenMP core list.
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, self._cpu_ids))
-        if allowed is not None:
-            # The scheduler and detokenizer loops run outside the OpenMP threads;
-            # pinning keeps them off other roles' cores (the engine processes inherit it).
-            os.sched_setaffinity(0, self._cpu_ids)
 
     async def shutdown(self) -> None:
         """Stops the engine and its processes; the worker cannot generate afterwards."""
@@ -355,7 +286,7 @@ class RolloutWorker:
         # The engine labels each step's tokens with the label set while it was paused
         # for the load, so its spans are exact; a token sampled just before a pause may
         # reach this process only after the version changed.
-        versions = _versions_from_spans(spans, len(tokens)) or arrival_versions
+        versions = versions_from_spans(spans, len(tokens)) or arrival_versions
         text = str(self._tokenizer.decode(tokens, skip_special_tokens=True))
         return prompt_ids, Sample(token_ids=tuple(tokens), logprobs=tuple(logprobs),
                                   versions=tuple(versions), finish_reason=finish_reason,

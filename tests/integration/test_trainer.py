@@ -12,7 +12,7 @@ import ray
 
 from async_rl.batching import shard_batches
 from async_rl.config import ModelConfig, TrainerConfig
-from async_rl.controller import free_port
+from async_rl.launch import free_port
 from async_rl.records import Group, Prompt, Sample, ShardStepResult, make_group
 from workers.trainer import TrainerShard
 

@@ -1,0 +1,129 @@
+"""What a run starts: its task, and its workers as Ray actors.
+
+Owns: choosing the prompt source, reward and held-out prompts from ``task`` config
+(``build_task``), and creating and starting the rollout and trainer actors on their
+cores or GPUs (``launch_workers``), with the shared-memory board that ``run.layout``
+uses. Knows nothing about the run's loops: ``async_rl.controller`` drives what this
+starts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import ray
+
+from async_rl.config import Config
+from async_rl.longtail import RemainderTask
+from async_rl.records import Prompt
+from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward, remainder_reward
+from async_rl.tasks import ArithmeticTask, JsonlPromptSource, PromptSource
+from workers.core_share import create_board
+from workers.placement import WorkerIdentity, assign_cpus, in_bundle
+from workers.placement import role_placement_groups as make_placement_groups
+from workers.rollout import RolloutWorker
+from workers.trainer import TrainerShard
+
+
+def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ...]]:
+    """The prompt source, its reward function and the held-out evaluation prompts."""
+    task = config.task
+    if task.kind == "jsonl":
+        source = JsonlPromptSource(task.jsonl_path, seed=task.seed)
+        held_out = tuple(source.prompt_at(i) for i in range(min(task.eval_size, len(source))))
+        return source, gsm8k_reward, held_out
+    if task.kind == "longtail":
+        longtail = RemainderTask(seed=task.seed)
+        return longtail, remainder_reward, longtail.eval_prompts(task.eval_size)
+    arithmetic = ArithmeticTask(seed=task.seed)
+    return arithmetic, arithmetic_reward, arithmetic.eval_prompts(task.eval_size)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback, for the trainer shards' process group."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@dataclass
+class StartedWorkers:
+    """The started actors (Ray handles) and who runs where."""
+
+    rollout: dict[int, Any] = field(default_factory=dict)
+    trainers: list[Any] = field(default_factory=list)
+    identities: list[WorkerIdentity] = field(default_factory=list)
+    board_path: str = ""
+    """The run.layout board in shared memory ("" when trainers never borrow cores)."""
+
+
+async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
+    """Creates every rollout worker and trainer shard, starts them, and says where."""
+    layout = assign_cpus(
+        cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
+        cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate,
+    )
+    # One GPU per worker when the cluster has GPUs (the CUDA path); none on CPU.
+    gpus = 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
+    if gpus and cfg.run.colocate:
+        gpus = 0.5  # rollout worker i and trainer shard i share GPU i
+    groups = make_placement_groups(
+        layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard,
+        gpus_per_worker=gpus * (2 if cfg.run.colocate else 1),
+    )
+    started = StartedWorkers()
+    # run.layout: who is busy goes on a shared-memory board; trainers may borrow the
+    # rollout cores ("shared" from the start, "auto" once it has measured).
+    board = ""
+    if cfg.run.layout != "split" and not gpus:
+        board = create_board(cfg.weights.transfer_dir, cfg.rollout.num_workers,
+                             uuid.uuid4().hex[:8])
+        started.board_path = board
+    rollout_cores = tuple(sorted({c for i in layout.rollout for c in i.devices}))
+    rollout_cls = ray.remote(RolloutWorker)
+    for ident in layout.rollout:
+        started.rollout[ident.rank] = rollout_cls.options(
+            name=ident.name,
+            num_cpus=cfg.rollout.cpus_per_worker, num_gpus=gpus,
+            max_concurrency=4 * cfg.rollout.max_inflight_prompts + 16,
+            scheduling_strategy=in_bundle(groups["rollout"], ident.rank),
+        ).remote(
+            rank=ident.rank, model=cfg.model, rollout=cfg.rollout, weights=cfg.weights,
+            reward_fn=reward_fn, seed=cfg.run.seed + ident.rank,
+            cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
+            prefix_caching=cfg.rollout.prefix_caching, core_board=board,
+        )
+    trainer_cls = ray.remote(TrainerShard)
+    port = free_port()
+    started.trainers = [
+        trainer_cls.options(
+            name=ident.name,
+            num_cpus=cfg.trainer.cpus_per_shard, num_gpus=gpus,
+            # A sharing trainer's OpenMP threads must sleep, not spin, when it
+            # narrows or waits: a spinning pool thread on a rollout core steals it.
+            runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}} if board else None,
+            scheduling_strategy=in_bundle(groups["trainer"], ident.rank),
+        ).remote(
+            rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
+            trainer=cfg.trainer, seed=cfg.run.seed, temperature=cfg.rollout.temperature,
+            cpu_ids=ident.devices,
+            master_port=port, record_spans=cfg.run.record_spans,
+            share_cores=rollout_cores if board else (), core_board=board,
+        )
+        for ident in layout.trainer
+    ]
+    trainer_pids = await asyncio.gather(*(t.setup.remote() for t in started.trainers))
+    rollout_pids = await asyncio.gather(*(w.start.remote() for w in started.rollout.values()))
+    node = ray.util.get_node_ip_address()
+    started.identities = [
+        msgspec.structs.replace(ident, node=node, pid=pid)
+        for ident, pid in zip(
+            [*layout.rollout, *layout.trainer], [*rollout_pids, *trainer_pids], strict=True
+        )
+    ]
+    return started
