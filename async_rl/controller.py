@@ -27,6 +27,7 @@ import anyio
 import msgspec
 import ray
 
+from async_rl.auto_layout import AutoLayout
 from async_rl.batching import shard_batches
 from async_rl.config import Config
 from async_rl.evaluation import EvalLog, describe
@@ -40,12 +41,6 @@ from async_rl.step_metrics import StepTotals, step_row
 from buffers.queue_records import Dropped
 from buffers.replay_queue import ReplayQueue
 from buffers.staleness import AdmissionGate
-from workers.core_share import (
-    AUTO_PROBE_STEPS,
-    AUTO_WARMUP_STEPS,
-    choose_layout,
-    keep_shared,
-)
 from workers.placement import WorkerIdentity, registry_table
 from workers.rollout import RolloutWorkerError
 from workers.usage import UsageReading
@@ -87,10 +82,8 @@ class Controller:
         self.trainers: list[Any] = []
         self.identities: list[WorkerIdentity] = []
         self.board_path = ""
-        self.layout_choice: str = "" if config.run.layout == "auto" else config.run.layout
-        """The layout in force ("" while auto is still measuring)."""
-        self._probe: dict[str, float] = {}
-        """auto's measurements so far (see _auto_layout)."""
+        self.auto_layout: AutoLayout | None = None
+        """run.layout auto's probe, until it has picked (started with the workers)."""
         record = config.run.record_spans
         # The controller's own tracks: what it waits on explains the workers' idle time.
         self.admission = SpanRecorder(worker=ROLLOUT_TRACK, role="controller", rank=0,
@@ -107,6 +100,9 @@ class Controller:
         print(registry_table(self.identities))
         if self.board_path and self.config.run.layout == "shared":
             await asyncio.gather(*(t.set_sharing.remote(True) for t in self.trainers))
+        if self.config.run.layout == "auto":
+            self.auto_layout = AutoLayout(self.rollout, self.trainers,
+                                          can_share=bool(self.board_path))
         self.broadcast = WeightBroadcast(self.trainers[0], self.rollout)
 
     # ---- the run, top to bottom --------------------------------------------------------
@@ -255,53 +251,9 @@ class Controller:
                                     groups=self.totals.groups_trained,
                                     tokens=self.totals.tokens_trained)
                 bar.update(row)
-                if not self.layout_choice:
-                    await self._auto_layout(step, results)
+                if self.auto_layout is not None and not self.auto_layout.choice:
+                    await self.auto_layout.after_step(step, results)
             self.training.switch("weight_publish")  # the last delivery, awaited on exit
-
-    async def _auto_layout(self, step: int, results: list[ShardStepResult]) -> None:
-        """run.layout auto, in two probes of AUTO_PROBE_STEPS steps after the warm-up:
-
-        1. split: training vs generation busy time (``choose_layout``); if training is
-           not the bottleneck, stay split;
-        2. else shared for as many steps: keep it only if its steps were faster
-           (``keep_shared``). One line says what was picked and why.
-        """
-        now = time.perf_counter()
-        probe = self._probe
-        if step == AUTO_WARMUP_STEPS:
-            probe.update(started=now, generate=await self._rollout_busy_s(), train=0.0)
-            return
-        if step < AUTO_WARMUP_STEPS:
-            return
-        probe["train"] += max(r.forward_s + r.backward_s + r.optimizer_s for r in results)
-        if step == AUTO_WARMUP_STEPS + AUTO_PROBE_STEPS:
-            generate_s = await self._rollout_busy_s() - probe["generate"]
-            choice, why = choose_layout(probe["train"], generate_s)
-            if choice == "shared" and not self.board_path:
-                choice, why = "split", "no core sharing on GPUs"
-            if choice == "split":
-                self._pick("split", step, why)
-                return
-            probe.update(split_step_s=(now - probe["started"]) / AUTO_PROBE_STEPS,
-                         shared_from=now)
-            print(f"run.layout auto: {why}; trying shared for {AUTO_PROBE_STEPS} steps")
-            await asyncio.gather(*(t.set_sharing.remote(True) for t in self.trainers))
-        elif step == AUTO_WARMUP_STEPS + 2 * AUTO_PROBE_STEPS:
-            shared_step_s = (now - probe["shared_from"]) / AUTO_PROBE_STEPS
-            choice, why = keep_shared(probe["split_step_s"], shared_step_s)
-            if choice == "split":
-                await asyncio.gather(*(t.set_sharing.remote(False) for t in self.trainers))
-            self._pick(choice, step, why)
-
-    def _pick(self, choice: str, step: int, why: str) -> None:
-        self.layout_choice = choice
-        print(f"run.layout auto -> {choice} after step {step}: {why}")
-
-    async def _rollout_busy_s(self) -> float:
-        """Mean busy seconds of the live rollout workers since they started."""
-        values = await asyncio.gather(*(w.busy_seconds.remote() for w in self.rollout.values()))
-        return sum(values) / max(len(values), 1)
 
     async def deliver(self, published: Published, previous: anyio.Event,
                       done: anyio.Event) -> None:

@@ -227,3 +227,26 @@ class ShardStepResult(msgspec.Struct, frozen=True, kw_only=True):
     def padding_ratio(self) -> float:
         """Computed positions / real tokens: 1.0 is no padding."""
         return self.computed_positions / self.input_tokens if self.input_tokens else 1.0
+
+
+class RolloutStatistics(msgspec.Struct, frozen=True, kw_only=True):
+    """Counters of one rollout worker since it was created."""
+
+    rank: int
+    version: int
+    """Policy version of the weights now in the engine."""
+    groups_generated: int
+    samples_generated: int
+    tokens_generated: int
+    """Completion tokens of finished group samples (not evaluation)."""
+    reward_failures: int
+    """Completions whose reward function raised or returned a non-finite value."""
+    weight_updates: int
+    requests_running: int
+    """Sample requests submitted to the engine and not finished."""
+    tokens_in_flight: int
+    """Tokens generated so far by the requests still running."""
+    engine_start_s: float
+    """Seconds ``start()`` took to build and warm up the engine (0 before it ran)."""
+    warmup_s: float
+    """Of which the warm-up requests took this many."""

@@ -28,7 +28,15 @@ from typing import TYPE_CHECKING, Any, Literal
 import msgspec
 
 from async_rl.config import ModelConfig, RolloutConfig, WeightsConfig
-from async_rl.records import BroadcastTiming, EvalResult, Group, Prompt, Sample, make_group
+from async_rl.records import (
+    BroadcastTiming,
+    EvalResult,
+    Group,
+    Prompt,
+    RolloutStatistics,
+    Sample,
+    make_group,
+)
 from async_rl.rewards import RewardFn
 from async_rl.spans import UNRESOLVED, Span, SpanRecorder
 from workers.core_share import BusyFlag
@@ -47,29 +55,6 @@ if TYPE_CHECKING:
 
 WARMUP_TEXT = "warm up"
 """Prompt of the start-up warm-up requests (their output is thrown away)."""
-
-
-class RolloutStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    """Counters of one rollout worker since it was created."""
-
-    rank: int
-    version: int
-    """Policy version of the weights now in the engine."""
-    groups_generated: int
-    samples_generated: int
-    tokens_generated: int
-    """Completion tokens of finished group samples (not evaluation)."""
-    reward_failures: int
-    """Completions whose reward function raised or returned a non-finite value."""
-    weight_updates: int
-    requests_running: int
-    """Sample requests submitted to the engine and not finished."""
-    tokens_in_flight: int
-    """Tokens generated so far by the requests still running."""
-    engine_start_s: float
-    """Seconds ``start()`` took to build and warm up the engine (0 before it ran)."""
-    warmup_s: float
-    """Of which the warm-up requests took this many."""
 
 
 class RolloutWorker:
