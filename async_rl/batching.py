@@ -1,8 +1,10 @@
-"""From a step's groups to per-shard micro-batches: advantages, plan, data moved once.
+"""From a step's groups to per-shard work: advantages and the plan, made from metadata.
 
-Owns: flattening groups into training sequences with group-normalised advantages and
-laying them out as the balancing plan says. Knows nothing about Ray or torch; the plan
-itself comes from ``buffers.balance`` and is made from lengths only.
+Owns: giving every sample its group-normalised advantage and laying the samples out as
+the balancing plan says, as slots (group, sample, advantage) into each shard's list of
+group references. Knows nothing about Ray or torch and never sees a token: lengths and
+rewards are on the ``Group`` metadata; the shards resolve the references themselves.
+The plan comes from ``buffers.balance``.
 """
 
 from __future__ import annotations
@@ -11,47 +13,42 @@ from collections.abc import Sequence
 
 from async_rl.config import TrainerConfig
 from async_rl.grpo import group_advantages
-from async_rl.records import Group, ShardBatch, TrainSequence
+from async_rl.records import Group, SequenceSlot, ShardBatch
 from buffers.balance import StepPlan, plan_step
-
-
-def training_sequences(groups: Sequence[Group]) -> list[TrainSequence]:
-    """Every sample of every group, with its advantage, in group order."""
-    sequences: list[TrainSequence] = []
-    for group in groups:
-        advantages = group_advantages(group.rewards)
-        for sample, advantage in zip(group.samples, advantages, strict=True):
-            sequences.append(
-                TrainSequence(
-                    prompt_token_ids=group.prompt_token_ids,
-                    completion_token_ids=sample.token_ids,
-                    behaviour_logprobs=sample.logprobs,
-                    advantage=advantage,
-                )
-            )
-    return sequences
 
 
 def shard_batches(
     groups: Sequence[Group], num_shards: int, trainer: TrainerConfig, step: int
 ) -> tuple[list[ShardBatch], StepPlan]:
-    """The per-shard batches of one optimizer step and the plan that laid them out."""
-    sequences = training_sequences(groups)
-    lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in sequences]
+    """The per-shard batches of one optimizer step and the plan that laid them out.
+
+    A shard's batch lists only the groups it trains on, in first-use order.
+    """
+    # Every sample in group order: (group index, sample index, advantage, length).
+    samples = [
+        (g, k, advantage, length)
+        for g, group in enumerate(groups)
+        for k, (advantage, length) in enumerate(
+            zip(group_advantages(group.rewards), group.sequence_lengths, strict=True))
+    ]
     plan = plan_step(
-        lengths,
+        [length for *_, length in samples],
         num_shards=num_shards,
         cap=trainer.micro_batch_tokens,
         cost_a=trainer.cost_a,
         cost_b=trainer.cost_b,
     )
-    batches = [
-        ShardBatch(
-            step=step,
-            micro_batches=tuple(
-                tuple(sequences[i] for i in micro_batch) for micro_batch in shard.micro_batches
-            ),
-        )
-        for shard in plan.shards
-    ]
+    batches = []
+    for shard in plan.shards:
+        local: dict[int, int] = {}  # step group index -> index in this shard's groups
+        micro_batches = []
+        for micro_batch in shard.micro_batches:
+            slots = []
+            for i in micro_batch:
+                g, k, advantage, _ = samples[i]
+                slots.append(SequenceSlot(group=local.setdefault(g, len(local)), sample=k,
+                                          advantage=advantage))
+            micro_batches.append(tuple(slots))
+        batches.append(ShardBatch(step=step, groups=tuple(groups[g].tokens for g in local),
+                                  micro_batches=tuple(micro_batches)))
     return batches, plan

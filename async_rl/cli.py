@@ -121,7 +121,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             config = load_config(args.config, args.overrides)
             check_inputs(config)
-            from async_rl.controller import run_training
+            from async_rl.ray_shell import run_training
             from async_rl.report import print_report
 
             summary = run_training(config)

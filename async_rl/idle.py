@@ -2,7 +2,8 @@
 
 Owns: turning raw worker spans into resolved spans (a worker's ``idle`` stretches take
 the cause the controller was waiting on at that moment) and the per-worker, per-role and
-per-step breakdowns whose busy time plus idle causes add up to wall time. Knows nothing
+per-step breakdowns whose busy time plus idle causes add up to wall time, and the OS
+cross-check of a worker's busy share (``busy_fraction``). Knows nothing
 about where spans come from or how they are drawn.
 """
 
@@ -14,6 +15,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
+from async_rl.records import UsageReading
 from async_rl.spans import BUSY, IDLE, UNRESOLVED, Span
 
 ROLLOUT_TRACK = "controller-admission"
@@ -180,3 +182,17 @@ HINTS = {
 def hint(item: Breakdown) -> str:
     """A one-line suggestion for the biggest idle cause of a role."""
     return HINTS.get((item.role, item.top_cause), "")
+
+
+def busy_fraction(first: UsageReading, last: UsageReading,
+                  cores: float) -> dict[str, float]:
+    """CPU busy fraction of the worker's cores (and mean GPU utilisation) between readings.
+
+    ``cores`` may be fractional: a sharing trainer's thread count averaged over compute."""
+    wall = max(last.wall - first.wall, 1e-9)
+    result = {"cpu_busy": (last.cpu_s - first.cpu_s) / (wall * max(cores, 1.0))}
+    samples = last.gpu_samples - first.gpu_samples
+    if samples:
+        result["gpu_util"] = (last.gpu_util_sum - first.gpu_util_sum) / samples / 100.0
+    return result
+

@@ -3,8 +3,8 @@
 Owns: choosing the prompt source, reward and held-out prompts from ``task`` config
 (``build_task``), and creating and starting the rollout and trainer actors on their
 cores or GPUs (``launch_workers``), with the shared-memory board that ``run.layout``
-uses. Knows nothing about the run's loops: ``async_rl.controller`` drives what this
-starts.
+uses. Part of the Ray shell: knows nothing about the run's loops, which
+``async_rl.orchestrator`` drives through the adapters of ``async_rl.ray_shell``.
 """
 
 from __future__ import annotations
@@ -23,11 +23,10 @@ from async_rl.longtail import RemainderTask
 from async_rl.records import Prompt
 from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward, remainder_reward
 from async_rl.tasks import ArithmeticTask, JsonlPromptSource, PromptSource
+from workers.actors import RolloutActor, TrainerActor
 from workers.core_share import create_board
 from workers.placement import WorkerIdentity, assign_cpus, in_bundle
 from workers.placement import role_placement_groups as make_placement_groups
-from workers.rollout import RolloutWorker
-from workers.trainer import TrainerShard
 
 
 def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ...]]:
@@ -85,7 +84,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
                              uuid.uuid4().hex[:8])
         started.board_path = board
     rollout_cores = tuple(sorted({c for i in layout.rollout for c in i.devices}))
-    rollout_cls = ray.remote(RolloutWorker)
+    rollout_cls = ray.remote(RolloutActor)
     for ident in layout.rollout:
         started.rollout[ident.rank] = rollout_cls.options(
             name=ident.name,
@@ -98,7 +97,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
             cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
             prefix_caching=cfg.rollout.prefix_caching, core_board=board,
         )
-    trainer_cls = ray.remote(TrainerShard)
+    trainer_cls = ray.remote(TrainerActor)
     port = free_port()
     started.trainers = [
         trainer_cls.options(
@@ -118,6 +117,8 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
         for ident in layout.trainer
     ]
     trainer_pids = await asyncio.gather(*(t.setup.remote() for t in started.trainers))
+    if board and cfg.run.layout == "shared":
+        await asyncio.gather(*(t.set_sharing.remote(True) for t in started.trainers))
     rollout_pids = await asyncio.gather(*(w.start.remote() for w in started.rollout.values()))
     node = ray.util.get_node_ip_address()
     started.identities = [

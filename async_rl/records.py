@@ -8,7 +8,13 @@ stage that changes one makes a new record with ``msgspec.structs.replace``.
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
 import msgspec
+import numpy as np
+from numpy.typing import NDArray
 
 
 class Prompt(msgspec.Struct, frozen=True, kw_only=True):
@@ -28,7 +34,7 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     """One generated completion of a prompt, as the behaviour policy produced it."""
 
     token_ids: tuple[int, ...]
-    """Completion token ids (the prompt's are on the Group)."""
+    """Completion token ids (the prompt's are on the group's GroupTokens)."""
     logprobs: tuple[float, ...]
     """Behaviour log-probability of each completion token, from the rollout engine."""
     versions: tuple[int, ...]
@@ -51,15 +57,53 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
         return max(self.versions) if self.versions else 0
 
 
+class GroupTokens(msgspec.Struct, frozen=True, kw_only=True):
+    """A group's token arrays: the only record that carries tokens past a rollout worker.
+
+    Under Ray it sits in the object store (put there by the rollout actor) and only the
+    trainer shards that train its samples fetch it; the orchestrator holds a reference.
+    Arrays, not per-token lists: Ray moves numpy buffers without pickling each element.
+    """
+
+    prompt_token_ids: NDArray[np.int32]
+    """Tokenised prompt, shared by every sample."""
+    completion_token_ids: NDArray[np.int32]
+    """Every sample's completion ids, end to end (sample i is ``offsets[i]:offsets[i+1]``)."""
+    logprobs: NDArray[np.float32]
+    """Behaviour log-probability of each completion token, aligned with the ids."""
+    versions: NDArray[np.int32]
+    """Policy version that produced each completion token."""
+    offsets: NDArray[np.int64]
+    """``num_samples + 1`` cumulative completion lengths, starting at 0."""
+
+    def sequence(self, sample: int, advantage: float) -> TrainSequence:
+        """Sample ``sample`` as the trainer sees it (views, not copies)."""
+        span = slice(int(self.offsets[sample]), int(self.offsets[sample + 1]))
+        return TrainSequence(prompt_token_ids=self.prompt_token_ids,
+                             completion_token_ids=self.completion_token_ids[span],
+                             behaviour_logprobs=self.logprobs[span], advantage=advantage)
+
+
 class Group(msgspec.Struct, frozen=True, kw_only=True):
-    """All samples of one prompt, scored: the unit the replay queue stores and trains."""
+    """One prompt's scored samples, as metadata: the unit the queue, gate and plan see.
+
+    No tokens: ``tokens`` refers to the group's ``GroupTokens`` (an object-store
+    reference under Ray, the record itself in-process), and the queue, the staleness
+    rules and the balancing plan need only lengths, versions and rewards.
+    """
 
     prompt: Prompt
     """The prompt the samples answer."""
-    prompt_token_ids: tuple[int, ...]
-    """Tokenised prompt, shared by every sample."""
-    samples: tuple[Sample, ...]
-    """The group's completions, each with its reward."""
+    prompt_length: int
+    """Prompt tokens, shared by every sample."""
+    completion_lengths: tuple[int, ...]
+    """Completion tokens of each sample."""
+    rewards: tuple[float, ...]
+    """Scalar reward of each sample."""
+    finish_reasons: tuple[str, ...]
+    """Why each sample stopped: "stop", "length" (hit max_new_tokens) or "abort"."""
+    reward_failures: int = 0
+    """Samples whose reward function raised or returned a non-finite value (reward 0)."""
     min_version: int
     """Oldest policy version of any token in the group (staleness is measured from it)."""
     max_version: int
@@ -70,57 +114,60 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     """Which rollout worker produced the group."""
     finished_at: float = 0.0
     """Wall-clock time (time.time()) when the last sample finished."""
+    tokens: Any = None
+    """Where the group's ``GroupTokens`` are: a reference only a trainer shard resolves."""
 
     @property
     def prompt_id(self) -> str:
         return self.prompt.prompt_id
 
     @property
-    def rewards(self) -> tuple[float, ...]:
-        return tuple(s.reward for s in self.samples)
+    def num_samples(self) -> int:
+        return len(self.completion_lengths)
 
     @property
     def sequence_lengths(self) -> tuple[int, ...]:
         """Length (prompt + completion) of each sample's training sequence."""
-        n_prompt = len(self.prompt_token_ids)
-        return tuple(n_prompt + len(s.token_ids) for s in self.samples)
+        return tuple(self.prompt_length + n for n in self.completion_lengths)
 
 
 def make_group(
     prompt: Prompt,
-    prompt_token_ids: tuple[int, ...],
-    samples: tuple[Sample, ...],
+    prompt_token_ids: Sequence[int],
+    samples: Sequence[Sample],
     *,
     rollout_rank: int = 0,
     finished_at: float = 0.0,
 ) -> Group:
-    """Builds a Group, deriving its version range and token count from the samples."""
+    """A Group holding its own ``GroupTokens`` (the rollout actor swaps in a reference),
+    with its version range, lengths and token count derived from the samples."""
     if not samples:
         raise ValueError(f"group for prompt {prompt.prompt_id!r} has no samples")
-    n_prompt = len(prompt_token_ids)
+    lengths = tuple(len(s.token_ids) for s in samples)
+    tokens = GroupTokens(
+        prompt_token_ids=np.asarray(prompt_token_ids, dtype=np.int32),
+        completion_token_ids=np.fromiter(
+            itertools.chain.from_iterable(s.token_ids for s in samples), np.int32),
+        logprobs=np.fromiter(itertools.chain.from_iterable(s.logprobs for s in samples),
+                             np.float32),
+        versions=np.fromiter(itertools.chain.from_iterable(s.versions for s in samples),
+                             np.int32),
+        offsets=np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]),
+    )
     return Group(
         prompt=prompt,
-        prompt_token_ids=prompt_token_ids,
-        samples=samples,
+        prompt_length=len(prompt_token_ids),
+        completion_lengths=lengths,
+        rewards=tuple(s.reward for s in samples),
+        finish_reasons=tuple(s.finish_reason for s in samples),
+        reward_failures=sum(s.reward_failed for s in samples),
         min_version=min(s.min_version for s in samples),
         max_version=max(s.max_version for s in samples),
-        num_tokens=sum(n_prompt + len(s.token_ids) for s in samples),
+        num_tokens=sum(lengths) + len(prompt_token_ids) * len(samples),
         rollout_rank=rollout_rank,
         finished_at=finished_at,
+        tokens=tokens,
     )
-
-
-class WeightVersion(msgspec.Struct, frozen=True, kw_only=True):
-    """A published policy: version v = optimizer steps applied; initial weights are 0."""
-
-    version: int
-    """Optimizer steps applied to produce these weights."""
-    path: str
-    """Where the weights lie (a safetensors file, e.g. under /dev/shm)."""
-    num_bytes: int
-    """Size of the published state."""
-    published_at: float
-    """time.time() when the file was complete."""
 
 
 class BroadcastTiming(msgspec.Struct, frozen=True, kw_only=True):
@@ -168,12 +215,25 @@ class LedgerEntry(msgspec.Struct, frozen=True, kw_only=True):
     time: float = 0.0
 
 
-class TrainSequence(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
-    """One sample as the trainer sees it: tokens, behaviour logprobs and its advantage."""
+class TrainSequence(msgspec.Struct, frozen=True, kw_only=True):
+    """One sample as the trainer sees it: token arrays, behaviour logprobs, its advantage.
 
-    prompt_token_ids: tuple[int, ...]
-    completion_token_ids: tuple[int, ...]
-    behaviour_logprobs: tuple[float, ...]
+    Built inside a trainer shard from fetched ``GroupTokens``; never sent anywhere.
+    """
+
+    prompt_token_ids: NDArray[np.int32]
+    completion_token_ids: NDArray[np.int32]
+    behaviour_logprobs: NDArray[np.float32]
+    advantage: float
+
+
+class SequenceSlot(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One training sequence of a shard's step, by position: no tokens."""
+
+    group: int
+    """Index into the shard batch's ``groups``."""
+    sample: int
+    """Which sample of that group."""
     advantage: float
 
 
@@ -181,11 +241,22 @@ class ShardBatch(msgspec.Struct, frozen=True, kw_only=True):
     """One shard's share of an optimizer step: its micro-batches, in execution order.
 
     Every shard of a step gets the same number of micro-batches (an empty one is a
-    zero-loss pad), so DDP's collective calls line up.
+    zero-loss pad), so DDP's collective calls line up. Sequences are slots into
+    ``groups``, the references of the groups this shard trains on, which the shard
+    resolves itself (``sequences``), so tokens go from the rollout worker's store
+    straight to the shard that trains them.
     """
 
     step: int
-    micro_batches: tuple[tuple[TrainSequence, ...], ...]
+    groups: tuple[Any, ...]
+    """Each group's ``GroupTokens``, or a reference the shard resolves to one."""
+    micro_batches: tuple[tuple[SequenceSlot, ...], ...]
+
+    def sequences(self, tokens: Sequence[GroupTokens]
+                  ) -> tuple[tuple[TrainSequence, ...], ...]:
+        """The micro-batches' sequences, given ``groups`` resolved to ``GroupTokens``."""
+        return tuple(tuple(tokens[s.group].sequence(s.sample, s.advantage) for s in mb)
+                     for mb in self.micro_batches)
 
 
 class LossStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -222,6 +293,9 @@ class ShardStepResult(msgspec.Struct, frozen=True, kw_only=True):
     computed_positions: int = 0
     """Positions the model ran over for them, padding included (= ``input_tokens``
     when micro-batches are packed; pad micro-batches' dummy position not counted)."""
+    samples_lost: bool = False
+    """Some shard could not fetch its groups (their rollout worker died): no shard
+    trained and the weights are unchanged; the step's prompts must run again."""
 
     @property
     def padding_ratio(self) -> float:
@@ -250,3 +324,15 @@ class RolloutStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Seconds ``start()`` took to build and warm up the engine (0 before it ran)."""
     warmup_s: float
     """Of which the warm-up requests took this many."""
+
+
+class UsageReading(msgspec.Struct, frozen=True, kw_only=True):
+    """A worker's cumulative OS counters at one moment; two readings give a busy fraction."""
+
+    wall: float
+    """time.time() of the reading."""
+    cpu_s: float
+    """User + system CPU seconds of this process and all its descendants."""
+    gpu_util_sum: float = 0.0
+    """Sum of NVML utilisation samples (percent) so far; 0 without CUDA."""
+    gpu_samples: int = 0

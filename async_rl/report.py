@@ -14,11 +14,19 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from async_rl.idle import Breakdown, breakdown, by_role, hint, resolve, step_windows
+from async_rl.idle import (
+    Breakdown,
+    breakdown,
+    busy_fraction,
+    by_role,
+    hint,
+    resolve,
+    step_windows,
+)
+from async_rl.records import UsageReading
 from async_rl.run_dir import EVALS, SPANS, USAGE, RunSummary, read_summary
 from async_rl.spans import IDLE, Span
 from async_rl.trace import write_chrome_trace, write_timeline_png
-from workers.usage import UsageReading, busy_fraction
 
 TRACE = "trace.json"
 TIMELINE = "timeline.png"

@@ -76,6 +76,9 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     reward_failures: int
     nonfinite_steps: int
     retired_workers: int
+    lost_steps: int = 0
+    """Steps taken again because a shard could not fetch its groups (their rollout
+    worker died); their prompts ran again."""
     max_staleness: int
     # Defaults: summaries written before periodic evaluation existed still read.
     samples_trained: int = 0

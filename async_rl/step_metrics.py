@@ -22,7 +22,7 @@ from buffers.queue_records import ReplayQueueStatistics
 
 
 class StepTotals:
-    """Counters the controller bumps during a run."""
+    """Counters the orchestrator bumps during a run."""
 
     def __init__(self) -> None:
         self.groups_trained = 0
@@ -33,6 +33,7 @@ class StepTotals:
         self.reward_failures = 0
         self.nonfinite_steps = 0
         self.retired_workers = 0
+        self.lost_steps = 0
         self.staleness: Counter[int] = Counter()
 
     def summary(self, *, wall_s: float, final_version: int, accuracy_start: float | None,
@@ -58,6 +59,7 @@ class StepTotals:
             reward_failures=self.reward_failures,
             nonfinite_steps=self.nonfinite_steps,
             retired_workers=self.retired_workers,
+            lost_steps=self.lost_steps,
             max_staleness=max_staleness,
             samples_trained=self.samples_trained,
             target_accuracy=target_accuracy,
@@ -93,13 +95,13 @@ def step_row(
     tokens = sum(g.num_tokens for g in groups)
     nonfinite = any(r.nonfinite for r in results)
     totals.groups_trained += len(groups)
-    totals.samples_trained += sum(len(g.samples) for g in groups)
+    totals.samples_trained += sum(g.num_samples for g in groups)
     totals.tokens_trained += tokens
     totals.nonfinite_steps += nonfinite
     totals.staleness.update(staleness)
     histogram = Counter(staleness)
     step_s = wait_s + train_s + sync_s
-    lengths = sorted(len(s.token_ids) for g in groups for s in g.samples)
+    lengths = sorted(n for g in groups for n in g.completion_lengths)
     return {
         "step": step,
         "version": version,

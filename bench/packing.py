@@ -31,7 +31,7 @@ import msgspec
 from quiet_stdout import stdout_to_stderr
 
 from async_rl.longtail import RemainderTask, parse_prompt, reference_completion
-from async_rl.records import TrainSequence
+from async_rl.records import Group, Sample, make_group
 
 if TYPE_CHECKING:
     import torch
@@ -65,19 +65,24 @@ class PackingFigures(msgspec.Struct, frozen=True, kw_only=True):
     adamw_fused_ms: float
 
 
-def long_tail_sequences(n: int, seed: int) -> list[TrainSequence]:
-    """``n`` training sequences shaped like the long-tail task's (random token ids)."""
+def long_tail_groups(n: int, seed: int, group_size: int = 8) -> list[Group]:
+    """Groups of ``n`` sequences in all, shaped like the long-tail task's (random token
+    ids; each sample as long as the reference completion of a fresh prompt)."""
     task, rng = RemainderTask(seed=seed), random.Random(seed)
     out = []
-    for i in range(n):
-        prompt = task.prompt_at(i)
-        number, divisor = parse_prompt(prompt.text)
-        completion = len(reference_completion(number, divisor)) + 1  # + EOS
-        out.append(TrainSequence(
-            prompt_token_ids=tuple(rng.randrange(3, 259) for _ in prompt.text),
-            completion_token_ids=tuple(rng.randrange(3, 259) for _ in range(completion)),
-            behaviour_logprobs=tuple(-rng.uniform(0.1, 3.0) for _ in range(completion)),
-            advantage=rng.gauss(0.0, 1.0)))
+    for g in range(n // group_size):
+        prompt = task.prompt_at(g)
+        samples = []
+        for k in range(group_size):
+            number, divisor = parse_prompt(task.prompt_at(g * group_size + k).text)
+            completion = len(reference_completion(number, divisor)) + 1  # + EOS
+            samples.append(Sample(
+                token_ids=tuple(rng.randrange(3, 259) for _ in range(completion)),
+                logprobs=tuple(-rng.uniform(0.1, 3.0) for _ in range(completion)),
+                versions=(0,) * completion, finish_reason="stop", text="",
+                reward=float(rng.random() < 0.5)))
+        out.append(make_group(prompt, tuple(rng.randrange(3, 259) for _ in prompt.text),
+                              tuple(samples)))
     return out
 
 
@@ -107,18 +112,18 @@ def main() -> None:
     import torch
     from transformers import Qwen2ForCausalLM
 
+    from async_rl.batching import shard_batches
     from async_rl.config import ModelConfig, TrainerConfig
-    from async_rl.records import ShardBatch, ShardStepResult
+    from async_rl.records import ShardStepResult
     from async_rl.tiny_model import MODEL_SIZES, size_config
-    from buffers.balance import plan_step
     from workers.trainer import TrainerShard
 
     torch.set_num_threads(1)
-    seqs = long_tail_sequences(args.sequences, seed=0)
-    lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in seqs]
-    plan = plan_step(lengths, num_shards=1, cap=args.cap)
-    batch = ShardBatch(step=1, micro_batches=tuple(
-        tuple(seqs[i] for i in mb) for mb in plan.shards[0].micro_batches))
+    groups = long_tail_groups(args.sequences, seed=0)
+    lengths = [n for g in groups for n in g.sequence_lengths]
+    (batch,), plan = shard_batches(groups, 1, TrainerConfig(micro_batch_tokens=args.cap),
+                                   step=1)
+    tokens = list(batch.groups)  # in-process: the groups hold their own tokens
     with stdout_to_stderr(args.json), \
             tempfile.TemporaryDirectory(prefix="async-rl-bench-") as root:
         torch.manual_seed(0)
@@ -131,13 +136,13 @@ def main() -> None:
                                  trainer=trainer, seed=0, record_spans=False,
                                  packed=layout == "packed")
             shard.setup()
-            shard.train_step(batch)  # warm-up: first-call allocations
+            shard.train_step(batch, tokens)  # warm-up: first-call allocations
             shards[layout] = shard
         runs: dict[str, list[tuple[float, ShardStepResult]]] = {"padded": [], "packed": []}
         for _ in range(args.repeats):
             for layout, shard in shards.items():
                 began = time.perf_counter()
-                result = shard.train_step(batch)
+                result = shard.train_step(batch, tokens)
                 runs[layout].append((time.perf_counter() - began, result))
         default_ms = statistics.median(time_adamw(model, fused=False) for _ in range(3))
         fused_ms = statistics.median(time_adamw(model, fused=True) for _ in range(3))
@@ -156,8 +161,8 @@ def main() -> None:
 
     padded, packed = figures("padded"), figures("packed")
     out = PackingFigures(
-        size=args.size, sequences=len(seqs), real_tokens=sum(lengths),
-        completion_tokens=sum(len(s.completion_token_ids) for s in seqs),
+        size=args.size, sequences=len(lengths), real_tokens=sum(lengths),
+        completion_tokens=sum(sum(g.completion_lengths) for g in groups),
         micro_batches=plan.num_micro_batches, cap=args.cap, repeats=args.repeats,
         padded=padded, packed=packed, speedup=padded.step_s / packed.step_s,
         adamw_default_ms=default_ms, adamw_fused_ms=fused_ms)

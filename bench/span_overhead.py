@@ -27,7 +27,7 @@ from rich.console import Console
 from rich.table import Table
 
 from async_rl.config import load_config
-from async_rl.controller import run_training
+from async_rl.ray_shell import run_training
 from async_rl.report import read_spans
 from async_rl.spans import SpanRecorder
 

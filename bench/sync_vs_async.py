@@ -1,6 +1,6 @@
 """Benchmark: what asynchrony buys. The same job at max_staleness 0 (synchronous), 1 and 2.
 
-Runs ``async_rl.controller.run_training`` once per staleness bound η, same config, same
+Runs ``async_rl.ray_shell.run_training`` once per staleness bound η, same config, same
 steps, evaluation off, and reads each run's summary and spans. Per run it prints:
 
 - groups/s and tokens/s over the training window (``RunSummary``);
@@ -132,7 +132,7 @@ def role_figures(idle: RunIdle, role: str) -> RoleFigures | None:
 
 def measure(config: Config) -> tuple[RunSummary, RunIdle]:
     """One full run (starts and stops its own Ray), then its idle accounting from spans."""
-    from async_rl.controller import run_training  # imports Ray and vLLM: late
+    from async_rl.ray_shell import run_training  # imports Ray and vLLM: late
 
     summary = run_training(config)
     idle, _ = idle_of(read_spans(config.run.output_dir))

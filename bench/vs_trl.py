@@ -378,8 +378,8 @@ def run_async_rl(config: Config, name: str, target: float) -> SystemFigures:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from async_rl.controller import run_training
     from async_rl.launch import build_task
+    from async_rl.ray_shell import run_training
     from async_rl.run_dir import FINAL_MODEL, read_ledger, read_metrics
     from async_rl.tiny_model import evaluate_accuracy
 

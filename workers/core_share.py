@@ -3,10 +3,8 @@
 Owns: the busy board (one byte per rollout worker in a small shared-memory file: 1 while
 the worker's engine has requests in flight or is loading weights), the trainer's side of
 sharing (``CoreShare``: before each forward, backward and optimizer phase it uses every
-core while no rollout worker is busy, and only its own cores while one is), and the pure
-rule ``choose_layout`` that "auto" applies to the measured stage costs, and ``keep_shared``,
-its check that shared really measured faster. No torch, no Ray
-at import time, so the rule is unit-testable.
+core while no rollout worker is busy, and only its own cores while one is). No torch, no
+Ray at import time. When "auto" shares is decided by ``async_rl.auto_layout``.
 
 Why the trainer adapts and not the engine: vLLM's CPU build binds its OpenMP threads
 once, when the engine is built; torch's intra-op thread count can change between phases.
@@ -21,44 +19,6 @@ import mmap
 import os
 import time
 from pathlib import Path
-from typing import Literal
-
-AUTO_WARMUP_STEPS = 1
-"""Steps "auto" skips before measuring (the first one waits for the first data)."""
-AUTO_PROBE_STEPS = 3
-"""Steps "auto" measures (after the warm-up) before it picks a layout."""
-AUTO_MARGIN = 1.2
-"""Shared is tried only when training costs this many times what generating costs."""
-
-
-def choose_layout(train_s: float, generate_s: float,
-                  margin: float = AUTO_MARGIN) -> tuple[Literal["split", "shared"], str]:
-    """Split or shared from the stage costs over the same steps; (choice, why).
-
-    ``train_s``: the trainer's busy seconds (forward + backward + optimizer) over the
-    probe steps; ``generate_s``: a rollout worker's busy seconds (requests in flight or a
-    weight load) over the same wall window, mean over workers. Shared pays off only when
-    the trainer is the slower stage: then the rollout worker idles at the staleness gate
-    and its core is free part of the time.
-    """
-    ratio = train_s / generate_s if generate_s > 0 else float("inf")
-    if ratio >= margin:
-        return "shared", (f"training is the bottleneck (train {train_s:.2f}s vs generate "
-                          f"{generate_s:.2f}s, {ratio:.2f}x >= {margin}): the trainer "
-                          "borrows the rollout cores while they idle")
-    return "split", (f"training is not the bottleneck (train {train_s:.2f}s vs generate "
-                     f"{generate_s:.2f}s, {ratio:.2f}x < {margin}): each role keeps its "
-                     "own cores")
-
-
-def keep_shared(split_step_s: float, shared_step_s: float
-                ) -> tuple[Literal["split", "shared"], str]:
-    """After trying shared for as many steps as split was measured: keep the faster."""
-    if shared_step_s < split_step_s:
-        return "shared", (f"shared measured faster ({shared_step_s:.3f} s/step vs split "
-                          f"{split_step_s:.3f})")
-    return "split", (f"shared measured slower ({shared_step_s:.3f} s/step vs split "
-                     f"{split_step_s:.3f}): back to split")
 
 
 def create_board(directory: str, num_workers: int, run_tag: str) -> str:

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -61,18 +62,16 @@ def pack(sequences: Sequence[TrainSequence], device: torch.device | str = "cpu")
     """Lays ``sequences`` end to end; every tensor is built whole, no per-token loop."""
     if not sequences:
         raise ValueError("cannot pack an empty micro-batch")
-    if any(not s.prompt_token_ids for s in sequences):
+    if any(len(s.prompt_token_ids) == 0 for s in sequences):
         # Completion token 0 is predicted from the prompt's last position.
         raise ValueError("every sequence needs at least one prompt token")
     prompt = torch.tensor([len(s.prompt_token_ids) for s in sequences])
     completion = torch.tensor([len(s.completion_token_ids) for s in sequences])
     length = prompt + completion
     start = torch.cumsum(length, 0) - length
-    tokens: list[int] = []
-    for s in sequences:  # whole tuples at a time: extend runs in C
-        tokens += s.prompt_token_ids
-        tokens += s.completion_token_ids
-    ids = torch.tensor(tokens, dtype=torch.long)
+    ids = torch.from_numpy(np.concatenate(
+        [part for s in sequences for part in (s.prompt_token_ids, s.completion_token_ids)]
+    ).astype(np.int64))
     total = int(length.sum())
     positions = torch.arange(total) - torch.repeat_interleave(start, length)
     # Completion token j of sequence i sits at start_i + prompt_i + j; predicted one before.
@@ -81,10 +80,8 @@ def pack(sequences: Sequence[TrainSequence], device: torch.device | str = "cpu")
     within = torch.arange(n) - torch.repeat_interleave(torch.cumsum(completion, 0) - completion,
                                                        completion)
     predict_at = first + within
-    behaviour = torch.tensor(
-        list(itertools.chain.from_iterable(s.behaviour_logprobs for s in sequences)),
-        dtype=torch.float32,
-    )
+    behaviour = torch.from_numpy(
+        np.concatenate([s.behaviour_logprobs for s in sequences]).astype(np.float32))
     if behaviour.numel() != n:
         raise ValueError(f"{behaviour.numel()} behaviour logprobs for {n} completion tokens")
     advantages = torch.repeat_interleave(
@@ -208,7 +205,8 @@ def padded_logprobs(
     ids = torch.zeros((len(sequences), width), dtype=torch.long)
     mask = torch.zeros((len(sequences), width), dtype=torch.long)
     for row, seq in enumerate(sequences):
-        ids[row, : lengths[row]] = torch.tensor(seq.prompt_token_ids + seq.completion_token_ids)
+        ids[row, : lengths[row]] = torch.from_numpy(
+            np.concatenate([seq.prompt_token_ids, seq.completion_token_ids]).astype(np.int64))
         mask[row, : lengths[row]] = 1
     ids, mask = ids.to(device), mask.to(device)
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits

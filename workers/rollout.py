@@ -3,11 +3,10 @@
 Owns: starting and warming up the engine (built by ``workers.vllm_engine``), generating
 a prompt's ``group_size`` samples with behaviour logprobs and a policy version per
 token, scoring them, taking up published weights (in-flight or drain) with a per-phase
-timing, greedy evaluation, its counters and its spans. A plain class: the controller
-makes the actor with ``ray.remote(RolloutWorker).options(...)``; every method is async,
+timing, greedy evaluation, its counters and its spans. A plain class; every method is async,
 so one actor serves many concurrent ``generate_group`` calls and an ``update_weights``
-between them. vLLM is imported only when the engine is built, so importing this module
-(the controller does) stays cheap.
+between them (``workers.actors`` is the Ray actor around it). vLLM is imported only when
+the engine is built, so importing this module stays cheap.
 
 Knows nothing about admission, staleness bounds, queues, advantages or training: it
 generates what it is asked to and labels every token with the weights that produced it.
@@ -35,12 +34,13 @@ from async_rl.records import (
     Prompt,
     RolloutStatistics,
     Sample,
+    UsageReading,
     make_group,
 )
 from async_rl.rewards import RewardFn
 from async_rl.spans import UNRESOLVED, Span, SpanRecorder
 from workers.core_share import BusyFlag
-from workers.usage import UsageMeter, UsageReading
+from workers.usage import UsageMeter
 from workers.vllm_engine import (
     RolloutWorkerError,
     build_engine,

@@ -3,8 +3,8 @@
 Owns: the torch model replica, its optimizer, the process group (gloo on CPU, nccl on
 CUDA), executing a ShardBatch micro-batch by micro-batch (each one a padding-free packed
 row, ``workers.packing``), and serialising the weights for a broadcast. Knows nothing
-about Ray (the controller wraps this class with ``ray.remote``), queues, versions or how
-the plan was made.
+about Ray (``workers.actors`` wraps this class for Ray and resolves the batch's group
+references), queues, versions or how the plan was made.
 """
 
 from __future__ import annotations
@@ -12,8 +12,10 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Sequence
 from datetime import timedelta
 
+import numpy as np
 import safetensors.torch
 import torch
 import torch.distributed as dist
@@ -21,13 +23,22 @@ from torch.nn.parallel import DistributedDataParallel
 
 from async_rl.config import ModelConfig, TrainerConfig
 from async_rl.grpo import merge_stats, token_loss
-from async_rl.records import LossStats, ShardBatch, ShardStepResult, TrainSequence
+from async_rl.records import (
+    GroupTokens,
+    LossStats,
+    ShardBatch,
+    ShardStepResult,
+    TrainSequence,
+    UsageReading,
+)
 from async_rl.spans import UNRESOLVED, Span, SpanRecorder
 from workers.core_share import CoreShare
 from workers.packing import pack, packed_logprobs, padded_logprobs, use_packed_attention
-from workers.usage import UsageMeter, UsageReading
+from workers.usage import UsageMeter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+_NO_LOSS = LossStats(tokens=0, loss_sum=0.0, clipped=0, is_weight_sum=0.0,
+                     is_weight_sq_sum=0.0, is_weight_max=0.0, kl_sum=0.0)
 
 
 def pin_to_cpus(cpu_ids: tuple[int, ...]) -> None:
@@ -133,9 +144,7 @@ class TrainerShard:
             # A pad still runs the model so DDP's gradient hooks fire on every shard.
             dummy = torch.zeros((1, 1), dtype=torch.long, device=self.device)
             logits = self.model(input_ids=dummy, use_cache=False).logits
-            empty = LossStats(tokens=0, loss_sum=0.0, clipped=0, is_weight_sum=0.0,
-                              is_weight_sq_sum=0.0, is_weight_max=0.0, kl_sum=0.0)
-            return logits.sum() * 0.0, empty, 0
+            return logits.sum() * 0.0, _NO_LOSS, 0
         autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
                                   enabled=self.config.compute_dtype == "bfloat16")
         if self.packed:
@@ -148,11 +157,13 @@ class TrainerShard:
             with autocast:
                 logprobs, positions = padded_logprobs(self.model, sequences,
                                                       self.temperature, self.device)
-            behaviour = torch.tensor([lp for s in sequences for lp in s.behaviour_logprobs],
-                                     device=self.device)
-            advantages = torch.tensor(
-                [s.advantage for s in sequences for _ in s.completion_token_ids],
-                device=self.device)
+            behaviour = torch.from_numpy(
+                np.concatenate([s.behaviour_logprobs for s in sequences]).astype(np.float32)
+            ).to(self.device)
+            advantages = torch.repeat_interleave(
+                torch.tensor([s.advantage for s in sequences], dtype=torch.float32),
+                torch.tensor([len(s.completion_token_ids) for s in sequences]),
+            ).to(self.device)
         loss, stats = token_loss(
             logprobs,
             behaviour,
@@ -164,30 +175,47 @@ class TrainerShard:
         )
         return loss, stats, positions
 
-    def _global_tokens(self, local: int) -> int:
-        if self.world_size == 1:
-            return local
-        count = torch.tensor([local], dtype=torch.long)
-        dist.all_reduce(count)
-        return int(count.item())
+    def _agree(self, local_tokens: int, lost: bool) -> tuple[int, bool]:
+        """Every shard's completion tokens summed, and whether any shard lost its groups.
 
-    def train_step(self, batch: ShardBatch) -> ShardStepResult:
-        """One optimizer step over this shard's micro-batches."""
-        local_tokens = sum(
-            len(s.completion_token_ids) for mb in batch.micro_batches for s in mb
-        )
+        One all-reduce carries both, so a shard that could not fetch its groups makes
+        every shard skip the step together rather than leave the others waiting in the
+        gradient all-reduce. The tensor lives on the group's device: NCCL takes only
+        CUDA tensors.
+        """
+        if self.world_size == 1:
+            return local_tokens, lost
+        counts = torch.tensor([local_tokens, int(lost)], dtype=torch.long, device=self.device)
+        dist.all_reduce(counts)
+        return int(counts[0].item()), bool(counts[1].item())
+
+    def train_step(self, batch: ShardBatch,
+                   tokens: Sequence[GroupTokens] | None) -> ShardStepResult:
+        """One optimizer step over this shard's micro-batches.
+
+        ``tokens``: ``batch.groups`` resolved, in order; None when this shard could not
+        fetch them (their rollout worker died). Then no shard trains: every shard
+        returns a result with ``samples_lost`` set and the weights unchanged.
+        """
+        sequences = batch.sequences(tokens) if tokens is not None else ()
+        local_tokens = sum(len(s.completion_token_ids) for mb in sequences for s in mb)
         self.spans.switch("barrier", batch.step - 1)  # the token all-reduce waits for all shards
-        global_tokens = self._global_tokens(local_tokens)
+        global_tokens, lost = self._agree(local_tokens, tokens is None)
+        if lost:
+            self.spans.switch(UNRESOLVED, batch.step - 1)
+            return ShardStepResult(rank=self.rank, step=batch.step, loss=_NO_LOSS,
+                                   grad_norm=0.0, forward_s=0.0, backward_s=0.0,
+                                   optimizer_s=0.0, barrier_s=0.0, samples_lost=True)
         self.optimizer.zero_grad(set_to_none=True)
         forward_s = backward_s = barrier_s = 0.0
         parts: list[LossStats] = []
         positions = 0
-        last = len(batch.micro_batches) - 1
-        for index, sequences in enumerate(batch.micro_batches):
+        last = len(sequences) - 1
+        for index, micro_batch in enumerate(sequences):
             self.spans.switch("forward", batch.step - 1)
             self.cores.apply()
             t0 = time.perf_counter()
-            loss, stats, computed = self._micro_batch_loss(sequences, global_tokens)
+            loss, stats, computed = self._micro_batch_loss(micro_batch, global_tokens)
             positions += computed
             # DDP averages gradients over shards; the loss is already a share of the
             # global token mean, so scale back up to make the all-reduce a plain sum.
@@ -235,7 +263,7 @@ class TrainerShard:
             barrier_s=barrier_s,
             nonfinite=nonfinite,
             input_tokens=sum(len(s.prompt_token_ids) + len(s.completion_token_ids)
-                             for mb in batch.micro_batches for s in mb),
+                             for mb in sequences for s in mb),
             computed_positions=positions,
         )
 

@@ -10,33 +10,9 @@ from __future__ import annotations
 import threading
 import time
 
-import msgspec
 import psutil
 
-
-class UsageReading(msgspec.Struct, frozen=True, kw_only=True):
-    """Cumulative counters at one moment; two readings give a busy fraction."""
-
-    wall: float
-    """time.time() of the reading."""
-    cpu_s: float
-    """User + system CPU seconds of this process and all its descendants."""
-    gpu_util_sum: float = 0.0
-    """Sum of NVML utilisation samples (percent) so far; 0 without CUDA."""
-    gpu_samples: int = 0
-
-
-def busy_fraction(first: UsageReading, last: UsageReading,
-                  cores: float) -> dict[str, float]:
-    """CPU busy fraction of the worker's cores (and mean GPU utilisation) between readings.
-
-    ``cores`` may be fractional: a sharing trainer's thread count averaged over compute."""
-    wall = max(last.wall - first.wall, 1e-9)
-    result = {"cpu_busy": (last.cpu_s - first.cpu_s) / (wall * max(cores, 1.0))}
-    samples = last.gpu_samples - first.gpu_samples
-    if samples:
-        result["gpu_util"] = (last.gpu_util_sum - first.gpu_util_sum) / samples / 100.0
-    return result
+from async_rl.records import UsageReading
 
 
 def _tree_cpu_seconds(process: psutil.Process) -> float:

@@ -13,7 +13,7 @@ def test_async_grpo_runs_on_gpu_with_nvml_cross_check(tmp_path: Path) -> None:
     import ray
 
     from async_rl.config import decode_config
-    from async_rl.controller import run_training
+    from async_rl.ray_shell import run_training
     from async_rl.report import build_report
     from async_rl.tiny_model import make_model
 

@@ -10,7 +10,7 @@ import pytest
 import ray
 
 from async_rl.config import decode_config
-from async_rl.controller import NAMESPACE, run_training
+from async_rl.ray_shell import NAMESPACE, run_training
 from async_rl.run_dir import METRICS, RunSummary, read_ledger
 
 pytestmark = pytest.mark.ray

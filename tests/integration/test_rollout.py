@@ -12,7 +12,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import pytest
 import ray
@@ -21,9 +21,9 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_rl.config import ModelConfig, RolloutConfig, WeightsConfig
+from async_rl.idle import busy_fraction
 from async_rl.records import Group, Prompt
 from workers.rollout import RolloutWorker
-from workers.usage import busy_fraction
 
 pytestmark = pytest.mark.ray
 
@@ -43,6 +43,28 @@ def starts_with_digit(prompt: Prompt, completion_text: str) -> float:
     if prompt.answer == "raise":
         raise RuntimeError("reward function bug")
     return 1.0 if completion_text[:1].isdigit() else 0.0
+
+
+class SampleView(NamedTuple):
+    """One sample of a group, read back from its token arrays and metadata."""
+
+    token_ids: tuple[int, ...]
+    logprobs: tuple[float, ...]
+    versions: tuple[int, ...]
+    reward: float
+    finish_reason: str
+
+
+def samples(group: Group) -> list[SampleView]:
+    tokens = group.tokens
+    views = []
+    for k in range(group.num_samples):
+        span = slice(int(tokens.offsets[k]), int(tokens.offsets[k + 1]))
+        views.append(SampleView(tuple(tokens.completion_token_ids[span].tolist()),
+                                tuple(tokens.logprobs[span].tolist()),
+                                tuple(tokens.versions[span].tolist()),
+                                group.rewards[k], group.finish_reasons[k]))
+    return views
 
 
 def perturbed_state(model_dir: Path, seed: int) -> bytes:
@@ -67,10 +89,10 @@ def reference_logprobs(
     if state is not None:
         # lm_head is tied to the embedding, so it is absent from the state.
         model.load_state_dict(safetensors.torch.load(state), strict=False)
-    prompt = list(group.prompt_token_ids)
+    prompt = group.tokens.prompt_token_ids.tolist()
     out = []
     with torch.no_grad():
-        for sample in group.samples:
+        for sample in samples(group):
             ids = torch.tensor([prompt + list(sample.token_ids)])
             logits = model(ids).logits[0, len(prompt) - 1 : -1]
             picked = logits.log_softmax(-1).gather(-1, ids[0, len(prompt) :, None])
@@ -80,7 +102,7 @@ def reference_logprobs(
 
 def assert_behaviour_logprobs(model_dir: Path, state: bytes | None, group: Group) -> None:
     """vLLM's behaviour logprobs are the policy's own (what the trainer recomputes)."""
-    for sample, ref in zip(group.samples, reference_logprobs(model_dir, state, group),
+    for sample, ref in zip(samples(group), reference_logprobs(model_dir, state, group),
                            strict=True):
         assert sample.logprobs == pytest.approx(ref, abs=1e-4)
 
@@ -132,9 +154,9 @@ def wait_until_generating(actor: Any, min_tokens: int) -> None:
 
 
 def check_group(group: Group, prompt_ids: list[int]) -> None:
-    assert len(group.samples) == GROUP_SIZE
-    assert list(group.prompt_token_ids) == prompt_ids
-    for sample in group.samples:
+    assert len(samples(group)) == GROUP_SIZE
+    assert group.tokens.prompt_token_ids.tolist() == prompt_ids
+    for sample in samples(group):
         assert len(sample.token_ids) == len(sample.logprobs) == len(sample.versions) == LONG
         assert sample.finish_reason == "length"
         assert all(math.isfinite(lp) and lp <= 0.0 for lp in sample.logprobs)
@@ -159,11 +181,11 @@ def test_generate_group(worker: Any, tiny_model_dir: Path) -> None:
     if stats.version == 0:
         assert_behaviour_logprobs(tiny_model_dir, None, group)
     assert group.min_version == group.max_version == stats.version == stats.weight_updates
-    for sample in group.samples:
+    for sample in samples(group):
         assert set(sample.versions) == {stats.version}
-        assert sample.text == tokenizer.decode(sample.token_ids, skip_special_tokens=True)
-        assert sample.reward == starts_with_digit(PROMPT, sample.text)
-        assert not sample.reward_failed
+        text = tokenizer.decode(sample.token_ids, skip_special_tokens=True)
+        assert sample.reward == starts_with_digit(PROMPT, text)
+    assert group.reward_failures == 0
     after = ray.get(worker.statistics.remote(), timeout=TIMEOUT)
     assert after.groups_generated == stats.groups_generated + 1
     assert after.tokens_generated == stats.tokens_generated + GROUP_SIZE * LONG
@@ -184,7 +206,8 @@ def test_raising_reward_scores_zero_and_counts(worker: Any) -> None:
     before = ray.get(worker.statistics.remote(), timeout=TIMEOUT).reward_failures
     bad = Prompt(prompt_id="t-raise", text="3+4=", answer="raise")
     group: Group = ray.get(worker.generate_group.remote(bad), timeout=TIMEOUT)
-    assert all(s.reward == 0.0 and s.reward_failed for s in group.samples)
+    assert all(s.reward == 0.0 for s in samples(group))
+    assert group.reward_failures == GROUP_SIZE
     after = ray.get(worker.statistics.remote(), timeout=TIMEOUT).reward_failures
     assert after == before + GROUP_SIZE
 
@@ -248,11 +271,11 @@ def test_in_flight_update_mixes_versions_within_a_sample(
             timeout=TIMEOUT)
     group: Group = ray.get(pending, timeout=TIMEOUT)
     assert group.min_version == version and group.max_version == version + 1
-    for sample in group.samples:
+    for sample in samples(group):
         assert set(sample.versions) <= {version, version + 1}
         assert list(sample.versions) == sorted(sample.versions)
         assert len(sample.versions) == LONG and sample.finish_reason == "length"
-    assert any(len(set(s.versions)) == 2 for s in group.samples)
+    assert any(len(set(s.versions)) == 2 for s in samples(group))
 
     causes = {span.cause for span in ray.get(worker.drain_spans.remote(), timeout=TIMEOUT)}
     assert {"generate", "weight_sync"} <= causes <= {"generate", "weight_sync", "idle"}

@@ -1,12 +1,15 @@
-"""Trainer shards as real Ray actors: DDP over gloo, global-token normalisation, NaN skip."""
+"""Trainer shards as real Ray actors: DDP over gloo, global-token normalisation, NaN skip,
+and groups fetched by reference from the object store (a lost one voids the step)."""
 
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
 import ray
 
@@ -14,7 +17,7 @@ from async_rl.batching import shard_batches
 from async_rl.config import ModelConfig, TrainerConfig
 from async_rl.launch import free_port
 from async_rl.records import Group, Prompt, Sample, ShardStepResult, make_group
-from workers.trainer import TrainerShard
+from workers.actors import TrainerActor
 
 pytestmark = pytest.mark.ray
 
@@ -36,7 +39,7 @@ def groups(n: int, seed: int = 0) -> list[Group]:
 
 
 def start_shards(model_dir: Path, world: int, trainer: TrainerConfig) -> list[Any]:
-    cls = ray.remote(TrainerShard).options(num_cpus=0.5)
+    cls = ray.remote(TrainerActor).options(num_cpus=0.5)
     port = free_port()
     shards = [cls.remote(rank=r, world_size=world, model=ModelConfig(path=str(model_dir)),
                          trainer=trainer, seed=0, master_port=port) for r in range(world)]
@@ -44,11 +47,18 @@ def start_shards(model_dir: Path, world: int, trainer: TrainerConfig) -> list[An
     return shards
 
 
+def by_reference(data: list[Group]) -> list[Group]:
+    """The groups as the orchestrator holds them: tokens in the object store."""
+    return [msgspec.structs.replace(g, tokens=ray.put(g.tokens)) for g in data]
+
+
 def step(shards: list[Any], data: list[Group], trainer: TrainerConfig
          ) -> list[ShardStepResult]:
-    batches, _ = shard_batches(data, len(shards), trainer, step=1)
+    batches, _ = shard_batches(by_reference(data), len(shards), trainer, step=1)
     assert len({len(b.micro_batches) for b in batches}) == 1  # equal micro-batch counts
-    return ray.get([s.train_step.remote(b) for s, b in zip(shards, batches, strict=True)])
+    assert all(isinstance(g, ray.ObjectRef) for b in batches for g in b.groups)
+    return ray.get([s.train_step_by_ref.remote(b)
+                    for s, b in zip(shards, batches, strict=True)])
 
 
 def test_two_shards_match_one_shard_on_the_same_step(
@@ -65,7 +75,7 @@ def test_two_shards_match_one_shard_on_the_same_step(
     weights = ray.get([s.state_bytes.remote() for s in two])
     assert weights[0] == weights[1]
     assert sum(r.loss.tokens for r in results) == sum(
-        len(s.token_ids) for g in data for s in g.samples)
+        sum(g.completion_lengths) for g in data)
     for shard in two:
         ray.get(shard.shutdown.remote())
         ray.kill(shard)
@@ -88,9 +98,9 @@ def test_nonfinite_loss_skips_the_update_and_is_reported(
     (shard,) = start_shards(tiny_model_dir, 1, trainer)
     before = ray.get(shard.state_bytes.remote())
     data = groups(2)
-    poisoned = msgspec.structs.replace(
-        data[0], samples=tuple(msgspec.structs.replace(s, logprobs=(math.nan,) * len(s.logprobs))
-                               for s in data[0].samples))
+    tokens = data[0].tokens
+    poisoned = msgspec.structs.replace(data[0], tokens=msgspec.structs.replace(
+        tokens, logprobs=np.full_like(tokens.logprobs, math.nan)))
     (result,) = step([shard], [poisoned, data[1]], trainer)
     assert result.nonfinite
     assert ray.get(shard.state_bytes.remote()) == before
@@ -98,3 +108,42 @@ def test_nonfinite_loss_skips_the_update_and_is_reported(
     assert not healthy.nonfinite
     assert ray.get(shard.state_bytes.remote()) != before
     ray.kill(shard)
+
+
+@ray.remote(num_cpus=0)
+class ShortLivedOwner:
+    """Puts objects into the store as a rollout actor does, then can be killed."""
+
+    def put(self, tokens: Any) -> list[Any]:
+        return [ray.put(tokens)]  # in a list, so the caller borrows the reference
+
+
+def test_a_lost_group_voids_the_step_on_every_shard(
+    tiny_model_dir: Path, ray_cluster: None
+) -> None:
+    """One shard cannot fetch a group (its owner died); both shards skip the step
+    together (no shard is left waiting in the gradient all-reduce) and say so."""
+    trainer = TrainerConfig(num_shards=2, groups_per_step=4, micro_batch_tokens=64)
+    shards = start_shards(tiny_model_dir, 2, trainer)
+    before = ray.get([s.state_bytes.remote() for s in shards])
+    data = by_reference(groups(4))
+    owner = ShortLivedOwner.remote()
+    (lost,) = ray.get(owner.put.remote(ray.get(data[0].tokens)))
+    ray.kill(owner)
+    deadline = time.monotonic() + 60
+    with pytest.raises(ray.exceptions.OwnerDiedError):  # once Ray has noticed the death
+        while time.monotonic() < deadline:
+            ray.get(lost, timeout=10)
+            time.sleep(0.2)
+    data[0] = msgspec.structs.replace(data[0], tokens=lost)
+    batches, _ = shard_batches(data, 2, trainer, step=1)
+    results = ray.get([s.train_step_by_ref.remote(b) for s, b in
+                       zip(shards, batches, strict=True)], timeout=120)
+    assert len(results) == 2
+    assert all(r.samples_lost and r.loss.tokens == 0 for r in results)
+    assert ray.get([s.state_bytes.remote() for s in shards]) == before
+    (healthy, _) = step(shards, groups(4), trainer)  # the shards go on training
+    assert not healthy.samples_lost and healthy.loss.tokens > 0
+    for shard in shards:
+        ray.get(shard.shutdown.remote())
+        ray.kill(shard)

@@ -5,14 +5,15 @@ from __future__ import annotations
 from collections import Counter
 from itertools import count
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_rl.batching import shard_batches, training_sequences
+from async_rl.batching import shard_batches
 from async_rl.config import TrainerConfig
 from async_rl.grpo import group_advantages
-from async_rl.records import Group, Prompt, Sample, TrainSequence, make_group
+from async_rl.records import Group, Prompt, Sample, ShardBatch, TrainSequence, make_group
 from buffers import SequenceTooLong
 
 _ids = count()
@@ -42,40 +43,72 @@ def trainer(num_shards: int, cap: int) -> TrainerConfig:
                          micro_batch_tokens=cap)
 
 
-def key(seq: TrainSequence) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    return seq.prompt_token_ids, seq.completion_token_ids
+Key = tuple[tuple[int, ...], tuple[int, ...], tuple[float, ...], float]
 
 
-# -- training_sequences -----------------------------------------------------------------
+def key(seq: TrainSequence) -> Key:
+    """A sequence by value (its arrays as tuples), so sequences can be counted."""
+    return (tuple(seq.prompt_token_ids.tolist()), tuple(seq.completion_token_ids.tolist()),
+            tuple(seq.behaviour_logprobs.tolist()), seq.advantage)
 
 
-def test_one_sequence_per_sample_with_the_groups_advantages() -> None:
-    groups = [group(3, [2, 4, 1], [1.0, 0.0, 0.5]), group(5, [3, 3], [0.0, 1.0])]
-    sequences = training_sequences(groups)
-    assert len(sequences) == 5
-    i = 0
+def expected_sequences(groups: list[Group]) -> list[Key]:
+    """Every sample of every group with its group-normalised advantage, by value."""
+    out = []
     for g in groups:
-        advantages = group_advantages(g.rewards)
-        for sample, advantage in zip(g.samples, advantages, strict=True):
-            seq = sequences[i]
-            assert seq.prompt_token_ids == g.prompt_token_ids
-            assert seq.completion_token_ids == sample.token_ids
-            assert seq.behaviour_logprobs == sample.logprobs
-            assert seq.advantage == advantage
-            i += 1
-    # Advantages are normalised within each group, not across the step.
-    assert sum(s.advantage for s in sequences[:3]) == pytest.approx(0.0, abs=1e-9)
-    assert sum(s.advantage for s in sequences[3:]) == pytest.approx(0.0, abs=1e-9)
-    assert sequences[0].advantage > sequences[2].advantage > sequences[1].advantage
+        tokens = g.tokens
+        for k, advantage in enumerate(group_advantages(g.rewards)):
+            out.append(key(tokens.sequence(k, advantage)))
+    return out
+
+
+def laid_out(batch: ShardBatch) -> tuple[tuple[Key, ...], ...]:
+    """A shard's micro-batches resolved in-process (``groups`` hold the tokens)."""
+    return tuple(tuple(key(s) for s in mb) for mb in batch.sequences(batch.groups))
+
+
+# -- groups and their tokens ------------------------------------------------------------
+
+
+def test_a_group_is_metadata_and_its_tokens_are_arrays() -> None:
+    g = group(3, [2, 4, 1], [1.0, 0.0, 0.5])
+    assert g.prompt_length == 3
+    assert g.completion_lengths == (2, 4, 1)
+    assert g.sequence_lengths == (5, 7, 4)
+    assert g.num_tokens == 3 * 3 + 7
+    assert g.rewards == (1.0, 0.0, 0.5)
+    assert g.min_version == g.max_version
+    n = int(g.prompt.prompt_id[1:])
+    seq = g.tokens.sequence(1, 0.25)
+    assert seq.prompt_token_ids.tolist() == [1_000_000 * n + i for i in range(3)]
+    assert seq.completion_token_ids.tolist() == [1_000_000 * n + 2000 + i for i in range(4)]
+    assert seq.behaviour_logprobs.dtype == np.float32
+    assert seq.behaviour_logprobs.tolist() == pytest.approx([-0.1 * (i + 1) for i in range(4)])
+    assert seq.advantage == 0.25
+
+
+def test_a_group_without_samples_is_refused() -> None:
+    with pytest.raises(ValueError, match="no samples"):
+        make_group(Prompt(prompt_id="x", text="x", answer="0"), (1, 2), ())
+
+
+def test_advantages_are_normalised_within_each_group() -> None:
+    groups = [group(3, [2, 4, 1], [1.0, 0.0, 0.5]), group(5, [3, 3], [0.0, 1.0])]
+    (batch,), _ = shard_batches(groups, 1, trainer(1, 64), step=1)
+    advantages = {k[1]: k[3] for mb in laid_out(batch) for k in mb}  # completion -> adv
+    assert len(advantages) == 5
+    first = [advantages[tuple(groups[0].tokens.sequence(k, 0).completion_token_ids.tolist())]
+             for k in range(3)]
+    second = [advantages[tuple(groups[1].tokens.sequence(k, 0).completion_token_ids.tolist())]
+              for k in range(2)]
+    assert sum(first) == pytest.approx(0.0, abs=1e-9)
+    assert sum(second) == pytest.approx(0.0, abs=1e-9)
+    assert first[0] > first[2] > first[1]
 
 
 def test_a_group_with_equal_rewards_trains_with_zero_advantages() -> None:
-    sequences = training_sequences([group(2, [1, 2, 3, 4], [1.0] * 4)])
-    assert [s.advantage for s in sequences] == [0.0] * 4
-
-
-def test_no_groups_no_sequences() -> None:
-    assert training_sequences([]) == []
+    (batch,), _ = shard_batches([group(2, [1, 2, 3, 4], [1.0] * 4)], 1, trainer(1, 64), 1)
+    assert [slot.advantage for mb in batch.micro_batches for slot in mb] == [0.0] * 4
 
 
 # -- shard_batches ----------------------------------------------------------------------
@@ -106,20 +139,22 @@ def test_shard_batches_cover_every_sample_once_in_equal_capped_micro_batches(
     # Equal micro-batch counts, so DDP's collectives line up across shards.
     counts = {len(b.micro_batches) for b in batches}
     assert counts == {plan.num_micro_batches}
-    # Every sample exactly once, with the advantage training_sequences gave it.
-    expected = Counter(training_sequences(groups))
-    laid_out = Counter(s for b in batches for mb in b.micro_batches for s in mb)
-    assert laid_out == expected
-    assert len({key(s) for s in laid_out}) == len(expected)  # token ids are unique
+    # Every sample exactly once, with its group-normalised advantage.
+    expected = expected_sequences(groups)
+    assert Counter(s for b in batches for mb in laid_out(b) for s in mb) == Counter(expected)
+    assert len(set(expected)) == len(expected)  # token ids are unique
     # The hard token cap holds for every micro-batch (prompt + completion tokens).
     for b in batches:
-        for mb in b.micro_batches:
-            tokens = sum(len(s.prompt_token_ids) + len(s.completion_token_ids) for s in mb)
-            assert tokens <= cap
+        for mb in laid_out(b):
+            assert sum(len(p) + len(c) for p, c, *_ in mb) <= cap
     # The batches are the plan's layout, in the plan's order.
-    flat = training_sequences(groups)
     for b, shard in zip(batches, plan.shards, strict=True):
-        assert b.micro_batches == tuple(tuple(flat[i] for i in mb) for mb in shard.micro_batches)
+        assert laid_out(b) == tuple(tuple(expected[i] for i in mb)
+                                    for mb in shard.micro_batches)
+        # A shard lists only the groups it trains on, each once.
+        used = {slot.group for mb in b.micro_batches for slot in mb}
+        assert used == set(range(len(b.groups)))
+        assert len({id(g) for g in b.groups}) == len(b.groups)
 
 
 def test_more_shards_than_samples_pads_with_empty_micro_batches() -> None:

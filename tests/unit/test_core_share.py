@@ -7,14 +7,12 @@ from pathlib import Path
 
 import pytest
 
+from async_rl.auto_layout import AUTO_MARGIN, choose_layout, keep_shared
 from async_rl.config import Config, ConfigError, load_config
 from workers.core_share import (
-    AUTO_MARGIN,
     BusyFlag,
     CoreShare,
-    choose_layout,
     create_board,
-    keep_shared,
 )
 
 BASE = '[model]\npath = "runs/tiny-model"\n'

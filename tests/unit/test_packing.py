@@ -12,13 +12,21 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
 from async_rl.config import ModelConfig, TrainerConfig
 from async_rl.grpo import token_loss
-from async_rl.records import LossStats, ShardBatch, ShardStepResult, TrainSequence
+from async_rl.records import (
+    GroupTokens,
+    LossStats,
+    SequenceSlot,
+    ShardBatch,
+    ShardStepResult,
+    TrainSequence,
+)
 from async_rl.step_metrics import _padding_ratio
 from async_rl.tiny_model import build_config
 from workers.packing import (
@@ -41,10 +49,30 @@ def sequences(shapes: list[tuple[int, int]] = SHAPES, seed: int = 1) -> list[Tra
     for i, (p, c) in enumerate(shapes):
         ids = torch.randint(3, 250, (p + c,), generator=gen).tolist()
         behaviour = (-torch.rand(c, generator=gen) * 3).tolist()
-        out.append(TrainSequence(prompt_token_ids=tuple(ids[:p]),
-                                 completion_token_ids=tuple(ids[p:]),
-                                 behaviour_logprobs=tuple(behaviour), advantage=i - 1.5))
+        out.append(TrainSequence(prompt_token_ids=np.array(ids[:p], dtype=np.int32),
+                                 completion_token_ids=np.array(ids[p:], dtype=np.int32),
+                                 behaviour_logprobs=np.array(behaviour, dtype=np.float32),
+                                 advantage=i - 1.5))
     return out
+
+
+def shard_batch(micro_batches: list[list[TrainSequence]]) -> tuple[ShardBatch, list[GroupTokens]]:
+    """The micro-batches as a shard receives them: one single-sample group per sequence,
+    with the groups' tokens (what the shard would fetch by reference)."""
+    tokens: list[GroupTokens] = []
+    slots = []
+    for micro_batch in micro_batches:
+        row = []
+        for seq in micro_batch:
+            row.append(SequenceSlot(group=len(tokens), sample=0, advantage=seq.advantage))
+            n = len(seq.completion_token_ids)
+            tokens.append(GroupTokens(prompt_token_ids=seq.prompt_token_ids,
+                                      completion_token_ids=seq.completion_token_ids,
+                                      logprobs=seq.behaviour_logprobs,
+                                      versions=np.zeros(n, dtype=np.int32),
+                                      offsets=np.array([0, n], dtype=np.int64)))
+        slots.append(tuple(row))
+    return ShardBatch(step=1, groups=tuple(tokens), micro_batches=tuple(slots)), tokens
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -78,7 +106,7 @@ def packed_model(reference: Qwen2ForCausalLM) -> Qwen2ForCausalLM:
 
 def alone(model: torch.nn.Module, seq: TrainSequence) -> torch.Tensor:
     """Completion logprobs of one sequence run by itself: no packing, no padding."""
-    ids = torch.tensor([seq.prompt_token_ids + seq.completion_token_ids])
+    ids = torch.tensor([[*seq.prompt_token_ids, *seq.completion_token_ids]])
     logits = model(input_ids=ids, use_cache=False).logits[0].float() / TEMPERATURE
     logprobs = torch.log_softmax(logits[:-1], dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
     return logprobs[len(seq.prompt_token_ids) - 1 :]
@@ -92,7 +120,7 @@ def test_pack_lays_sequences_end_to_end() -> None:
     assert batch.num_tokens == total and batch.input_ids.shape == (1, total)
     assert batch.position_ids.tolist() == [[j for p, c in SHAPES for j in range(p + c)]]
     assert batch.input_ids[0].tolist() == [
-        t for s in seqs for t in s.prompt_token_ids + s.completion_token_ids]
+        t for s in seqs for t in [*s.prompt_token_ids, *s.completion_token_ids]]
     assert batch.predict_at.shape == batch.targets.shape == (n,)
     assert batch.targets.tolist() == [t for s in seqs for t in s.completion_token_ids]
     assert (batch.input_ids[0, batch.predict_at + 1] == batch.targets).all()
@@ -209,11 +237,11 @@ def shard(model_dir: Path, packed: bool, compute_dtype: str = "float32") -> Trai
 def test_trainer_step_packed_matches_padded_and_reports_padding(model_dir: Path) -> None:
     seqs = sequences()
     # Two micro-batches and an empty pad, as a shard with too few sequences would get.
-    batch = ShardBatch(step=1, micro_batches=(tuple(seqs[:2]), tuple(seqs[2:]), ()))
+    batch, tokens = shard_batch([seqs[:2], seqs[2:], []])
     packed, padded = shard(model_dir, packed=True), shard(model_dir, packed=False)
     assert packed.module.config._attn_implementation == PACKED_ATTENTION
     assert padded.module.config._attn_implementation == "sdpa"
-    a, b = packed.train_step(batch), padded.train_step(batch)
+    a, b = packed.train_step(batch, tokens), padded.train_step(batch, tokens)
     assert a.loss.tokens == b.loss.tokens == sum(c for _, c in SHAPES)
     assert a.loss.loss_sum == pytest.approx(b.loss.loss_sum, rel=1e-5, abs=1e-6)
     assert a.grad_norm == pytest.approx(b.grad_norm, rel=1e-4)
@@ -231,11 +259,11 @@ def test_trainer_step_packed_matches_padded_and_reports_padding(model_dir: Path)
 
 def test_bfloat16_compute_keeps_float32_state_and_close_loss(model_dir: Path) -> None:
     seqs = sequences()
-    batch = ShardBatch(step=1, micro_batches=(tuple(seqs),))
+    batch, tokens = shard_batch([seqs])
     full, half = shard(model_dir, packed=True), shard(model_dir, packed=True,
                                                       compute_dtype="bfloat16")
     before = {k: v.clone() for k, v in half.module.state_dict().items()}
-    a, b = full.train_step(batch), half.train_step(batch)
+    a, b = full.train_step(batch, tokens), half.train_step(batch, tokens)
     assert a.loss.tokens == b.loss.tokens > 0
     # bf16 matmuls round logprobs to about 3 significant digits: close, not equal.
     assert b.loss.loss_sum == pytest.approx(a.loss.loss_sum, rel=0.05, abs=0.05)

@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections import deque
-
 import anyio
 import anyio.abc
 import msgspec
@@ -13,7 +10,7 @@ from async_helpers import wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buffers import AdmissionGate, Dropped, GateShutDown, GateSnapshot, ReplayQueue
+from buffers import AdmissionGate, GateShutDown, GateSnapshot
 
 
 class Item(msgspec.Struct, frozen=True, kw_only=True):
@@ -168,65 +165,3 @@ def test_started_never_exceeds_the_bound(
         stats = gate.statistics()
         assert stats.started <= (gate.version + max_staleness + 1) * groups_per_step
         assert stats.started == stats.admitted_total - stats.released_total
-
-
-@pytest.mark.asyncio
-@pytest.mark.parametrize("max_staleness", [1, 2])
-async def test_stale_drop_gives_the_slot_back_so_training_goes_on(max_staleness: int) -> None:
-    """The controller's loop in miniature: some groups are slow and go stale. Re-queueing
-    the prompt and releasing its slot keeps training going; without the release every
-    drop leaks a slot, and once more than max_staleness * groups_per_step have leaked
-    the gate stays shut while the trainer waits for groups: a deadlock."""
-    groups_per_step, steps = 2, 6
-    gate = AdmissionGate(groups_per_step=groups_per_step, max_staleness=max_staleness)
-    prompts: deque[str] = deque(f"p{i}" for i in range(groups_per_step * steps))
-    version = 0
-    trained: list[str] = []
-    # First attempts of these finish only after the trainer moved past their bound.
-    slow = {f"p{i}" for i in range(0, groups_per_step * steps, 3)}
-    more = anyio.Event()
-
-    def on_drop(d: Dropped[Item]) -> None:
-        prompts.appendleft(d.prompt_id)
-        gate.release()
-        more.set()
-
-    queue = ReplayQueue[Item](
-        max_groups=8, max_tokens=1000, max_staleness=max_staleness, on_drop=on_drop
-    )
-
-    async def rollout(prompt: str, started_at: int) -> None:
-        if prompt in slow:
-            slow.discard(prompt)
-            while version <= started_at + max_staleness:
-                await anyio.sleep(0.001)
-        await queue.put(Item(prompt_id=prompt, min_version=started_at))
-
-    async def rollouts(tg: anyio.abc.TaskGroup) -> None:
-        nonlocal more
-        while len(trained) < groups_per_step * steps:
-            if not prompts:
-                more = anyio.Event()
-                await more.wait()
-                continue
-            await gate.acquire()
-            tg.start_soon(rollout, prompts.popleft(), version)
-
-    async def trainer() -> None:
-        nonlocal version
-        for _ in range(steps):
-            got = await queue.take(groups_per_step, version)
-            trained.extend(g.prompt_id for g in got)
-            version += 1
-            gate.on_version(version)
-        queue.close()
-        gate.shut_down()
-        more.set()
-
-    with anyio.fail_after(3):
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(trainer)
-            with contextlib.suppress(GateShutDown):
-                await rollouts(tg)
-    assert sorted(trained) == sorted(f"p{i}" for i in range(groups_per_step * steps))
-    assert queue.statistics().drops["stale"] >= 2

@@ -1,62 +1,92 @@
-"""The controller: the one place that starts Ray, creates the workers and runs the loops.
+"""The orchestrator: one async GRPO run's logic, in plain Python (no Ray).
 
-Owns: the order of a run, read top to bottom in ``Controller.run``: start workers,
-evaluate the base policy, then two loops side by side —
+Owns: the order of a run, read top to bottom in ``Orchestrator.run``: evaluate the base
+policy, then two loops side by side —
 
 - ``rollout_loop``: prompt source -> AdmissionGate -> a rollout worker -> ReplayQueue;
-- ``training_loop``: ReplayQueue -> plan -> trainer shards -> new version -> broadcast;
+- ``training_loop``: ReplayQueue -> plan -> trainer shards -> new version -> weights;
 
 with the evaluations due every ``run.eval_every`` steps running beside them
 (``evaluation_loop``), then evaluate again and save. It also keeps the prompt ledger:
 every admitted prompt ends trained exactly once, or dropped/failed and re-queued with a
-reason. Knows nothing about how engines generate or how shards compute (workers/), nor
-the rules of the gate, queue and plan (buffers/), nor when evaluations fall due and what
-they are charged against (async_rl/evaluation.py).
+reason. It sees workers only through ``async_rl.protocols`` and groups only as metadata
+(the tokens stay with the workers). Knows nothing about Ray (``async_rl.ray_shell``
+starts the workers and hands them in), how engines generate or shards compute, the
+rules of the gate, queue and plan (buffers/), nor when evaluations fall due
+(``async_rl.evaluation``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
-import os
 import time
 from collections import deque
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
 
 import anyio
 import msgspec
-import ray
 
 from async_rl.auto_layout import AutoLayout
 from async_rl.batching import shard_batches
 from async_rl.config import Config
 from async_rl.evaluation import EvalLog, describe
 from async_rl.idle import ROLLOUT_TRACK, TRAINER_TRACK
-from async_rl.launch import build_task, launch_workers
 from async_rl.progress import RunProgress
-from async_rl.records import BroadcastTiming, Group, LedgerEntry, Prompt, ShardStepResult
+from async_rl.protocols import (
+    ObservedWorker,
+    PublishedWeights,
+    RolloutClient,
+    RolloutFailed,
+    TrainerClient,
+    WeightPath,
+)
+from async_rl.records import BroadcastTiming, Group, LedgerEntry, Prompt, UsageReading
 from async_rl.run_dir import FINAL_MODEL, EvalPoint, RunSummary, RunWriter
-from async_rl.spans import Span, SpanRecorder
+from async_rl.spans import SpanRecorder
 from async_rl.step_metrics import StepTotals, step_row
+from async_rl.tasks import PromptSource
 from buffers.queue_records import Dropped
 from buffers.replay_queue import ReplayQueue
 from buffers.staleness import AdmissionGate
-from workers.placement import WorkerIdentity, registry_table
-from workers.rollout import RolloutWorkerError
-from workers.usage import UsageReading
-from workers.weights import Published, WeightBroadcast
 
-NAMESPACE = "async-rl"
-"""Ray namespace of a run's named actors ("rollout-0", "trainer-1", ...)."""
+T = TypeVar("T")
 
 
-class Controller:
-    """Runs one async GRPO job on a started Ray cluster."""
+async def each(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Runs the calls concurrently; their results in order (the first error cancels)."""
+    results: list[T | None] = [None] * len(calls)
 
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.out = RunWriter(config.run.output_dir, config)
-        self.source, self.reward_fn, self.eval_prompts = build_task(config)
+    async def one(i: int) -> None:
+        results[i] = await calls[i]()
+
+    async with anyio.create_task_group() as group:
+        for i in range(len(calls)):
+            group.start_soon(one, i)
+    return results  # type: ignore[return-value]  # every slot was filled
+
+
+@dataclass
+class Workers:
+    """The started compute plane, as the orchestrator sees it."""
+
+    rollout: dict[int, RolloutClient]
+    """rank -> live rollout worker; retired workers are removed."""
+    trainers: list[TrainerClient]
+    weights: WeightPath
+    can_share: bool = False
+    """Trainers can borrow rollout cores (run.layout shared/auto on CPU)."""
+
+
+class Orchestrator:
+    """Runs one async GRPO job on started workers; see the module docstring."""
+
+    def __init__(self, config: Config, out: RunWriter, source: PromptSource,
+                 eval_prompts: Sequence[Prompt], workers: Workers) -> None:
+        self.config, self.out, self.source = config, out, source
+        self.eval_prompts = tuple(eval_prompts)
+        self.rollout, self.trainers = workers.rollout, workers.trainers
+        self.weights = workers.weights
         self.gate = AdmissionGate(
             groups_per_step=config.trainer.groups_per_step,
             max_staleness=config.staleness.max_staleness,
@@ -78,37 +108,19 @@ class Controller:
         self.evals = EvalLog(every=config.run.eval_every, num_steps=config.run.num_steps)
         self.timings: list[BroadcastTiming] = []
         """Broadcast timings completed since the last metrics row."""
-        self.rollout: dict[int, Any] = {}
-        self.trainers: list[Any] = []
-        self.identities: list[WorkerIdentity] = []
-        self.board_path = ""
-        self.auto_layout: AutoLayout | None = None
-        """run.layout auto's probe, until it has picked (started with the workers)."""
+        self.auto_layout = (AutoLayout(self.rollout, self.trainers, workers.can_share)
+                            if config.run.layout == "auto" else None)
+        """run.layout auto's probe, until it has picked."""
         record = config.run.record_spans
-        # The controller's own tracks: what it waits on explains the workers' idle time.
+        # The orchestrator's own tracks: what it waits on explains the workers' idle time.
         self.admission = SpanRecorder(worker=ROLLOUT_TRACK, role="controller", rank=0,
                                       device="driver", cause="no_work", enabled=record)
         self.training = SpanRecorder(worker=TRAINER_TRACK, role="controller", rank=0,
                                      device="driver", cause="no_work", enabled=record)
 
-    # ---- setup -------------------------------------------------------------------------
-
-    async def start_workers(self) -> None:
-        started = await launch_workers(self.config, self.reward_fn)
-        self.rollout, self.trainers = started.rollout, started.trainers
-        self.identities, self.board_path = started.identities, started.board_path
-        print(registry_table(self.identities))
-        if self.board_path and self.config.run.layout == "shared":
-            await asyncio.gather(*(t.set_sharing.remote(True) for t in self.trainers))
-        if self.config.run.layout == "auto":
-            self.auto_layout = AutoLayout(self.rollout, self.trainers,
-                                          can_share=bool(self.board_path))
-        self.broadcast = WeightBroadcast(self.trainers[0], self.rollout)
-
     # ---- the run, top to bottom --------------------------------------------------------
 
     async def run(self) -> RunSummary:
-        await self.start_workers()
         start = await self.evaluate(step=0)
         started = time.perf_counter()
         self.evals.start(started)
@@ -126,8 +138,7 @@ class Controller:
                     loops.cancel_scope.cancel()
             wall_s = time.perf_counter() - started
             self.evals.training_ended()
-            rollout_versions = await asyncio.gather(*(w.version.remote()
-                                                      for w in self.rollout.values()))
+            rollout_versions = [await w.version() for w in list(self.rollout.values())]
             for prompt in self.open_prompts.values():  # generated or queued, never trained
                 self._ledger(prompt, "unfinished", reason="run_ended")
             self.admission.switch("no_work")
@@ -136,18 +147,13 @@ class Controller:
             await self.write_spans()
             # A sharing trainer used a varying number of cores: the CPU-time check
             # divides by its thread count averaged over compute.
-            trainer_cores = await asyncio.gather(*(t.mean_cores.remote()
-                                                   for t in self.trainers))
-            cores: dict[str, float] = {i.name: float(len(i.devices)) for i in self.identities}
-            cores.update({f"trainer-{r}": c for r, c in enumerate(trainer_cores)})
+            cores = {t.name: await t.mean_cores() for t in self.trainers}
             self.out.usage({name: {"first": usage_first[name], "last": reading,
-                                   "cores": cores[name]}
+                                   "cores": cores.get(name, 1.0)}
                             for name, reading in usage_last.items() if name in usage_first})
         # Any evaluation still due has finished (after the training window was recorded).
         end = await self.evaluate(step=self.config.run.num_steps)
-        await asyncio.to_thread(
-            ray.get, self.trainers[0].save.remote(str(self.out.path / FINAL_MODEL))
-        )
+        await self.trainers[0].save(str(self.out.path / FINAL_MODEL))
         summary = self.totals.summary(
             wall_s=wall_s, final_version=self.version,
             accuracy_start=start.accuracy if start else None,
@@ -189,17 +195,16 @@ class Controller:
     ) -> None:
         """One prompt on one worker, then into the queue (waiting there is backpressure)."""
         try:
-            group: Group = await self.rollout[rank].generate_group.remote(prompt)
-            self.totals.reward_failures += sum(s.reward_failed for s in group.samples)
+            group = await self.rollout[rank].generate(prompt)
+            self.totals.reward_failures += group.reward_failures
             self._ledger(prompt, "generated")
             # The worker's slot stays taken until the queue has room: backpressure.
             await self.queue.put(group)
-        except ray.exceptions.RayError as err:
+        except RolloutFailed as failed:
             self.totals.rollout_failures += 1
-            broken = isinstance(getattr(err, "cause", None), RolloutWorkerError)
-            if broken or isinstance(err, ray.exceptions.RayActorError):
-                self._retire(rank, f"{type(err).__name__}")  # dead or broken: no more prompts
-            self._requeue(prompt, "failed", f"rollout_error:{type(err).__name__}")
+            if failed.worker_gone:
+                self._retire(rank, failed.reason)  # dead or broken: no more prompts
+            self._requeue(prompt, "failed", f"rollout_error:{failed.reason}")
         finally:
             async with free:
                 busy[rank] -= 1
@@ -209,13 +214,16 @@ class Controller:
         """Take a step's groups, plan, train on every shard, publish the new version.
 
         Delivery of a published version to the rollout workers runs beside the next
-        step; the gate opens for a version only once every worker runs it.
+        step; the gate opens for a version only once every worker runs it. A step whose
+        groups a shard could not fetch (their rollout worker died) trains nothing: its
+        prompts run again and the step is taken anew.
         """
         cfg = self.config
         delivered = anyio.Event()
         delivered.set()
+        step = 1
         async with anyio.create_task_group() as deliveries:
-            for step in range(1, cfg.run.num_steps + 1):
+            while step <= cfg.run.num_steps:
                 self.training.switch("wait_data", self.version)
                 t0 = time.perf_counter()
                 groups = await self.queue.take(cfg.trainer.groups_per_step,
@@ -224,10 +232,15 @@ class Controller:
                 self.training.switch("training")
                 t1 = time.perf_counter()
                 batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step)
-                results: list[ShardStepResult] = await asyncio.gather(
-                    *(shard.train_step.remote(b)
-                      for shard, b in zip(self.trainers, batches, strict=True))
-                )
+                results = await each([
+                    lambda shard=shard, batch=batch: shard.train(batch)  # type: ignore[misc]
+                    for shard, batch in zip(self.trainers, batches, strict=True)
+                ])
+                if any(r.samples_lost for r in results):
+                    self.totals.lost_steps += 1
+                    for group in groups:
+                        self._requeue(group.prompt, "failed", "samples_lost")
+                    continue
                 t2 = time.perf_counter()
                 staleness = [self.version - g.min_version for g in groups]
                 self.version += 1
@@ -236,7 +249,7 @@ class Controller:
                     self._ledger(group.prompt, "trained", version=self.version - 1)
                 if self.version % cfg.weights.sync_every == 0:
                     self.training.switch("weight_publish", self.version)
-                    published = await self.broadcast.publish(self.version)
+                    published = await self.weights.publish(self.version)
                     previous, delivered = delivered, anyio.Event()
                     deliveries.start_soon(self.deliver, published, previous, delivered)
                 timings, self.timings = self.timings, []
@@ -253,13 +266,14 @@ class Controller:
                 bar.update(row)
                 if self.auto_layout is not None and not self.auto_layout.choice:
                     await self.auto_layout.after_step(step, results)
+                step += 1
             self.training.switch("weight_publish")  # the last delivery, awaited on exit
 
-    async def deliver(self, published: Published, previous: anyio.Event,
+    async def deliver(self, published: PublishedWeights, previous: anyio.Event,
                       done: anyio.Event) -> None:
         """Loads a published version into every rollout worker, in version order."""
         await previous.wait()
-        timings, failed = await self.broadcast.deliver(published)
+        timings, failed = await self.weights.deliver(published, list(self.rollout))
         self.timings.extend(timings)
         for rank in failed:
             self._retire(rank, f"weight load of version {published.version} failed")
@@ -274,41 +288,36 @@ class Controller:
             async for step in self.evals.due_steps:
                 try:
                     await self.evaluate(step)
-                except ray.exceptions.RayError as err:
+                except RolloutFailed as failed:
                     # Costs this row only; generation notices a broken worker and retires it.
-                    print(f"eval at step {step} failed: {type(err).__name__}")
+                    print(f"eval at step {step} failed: {failed.reason}")
 
     async def evaluate(self, step: int) -> EvalPoint | None:
         """Greedy held-out accuracy on a rollout worker's engine; one row of eval.jsonl."""
         if not self.eval_prompts or not self.rollout:
             return None
         worker = self.rollout[min(self.rollout)]
-        point = self.evals.record(step, await worker.evaluate.remote(list(self.eval_prompts)))
+        point = self.evals.record(step, await worker.evaluate(self.eval_prompts))
         self.out.eval(point)
         print(describe(point))
         return point
 
+    # ---- observation -------------------------------------------------------------------
+
+    def _observed(self) -> list[ObservedWorker]:
+        return [*self.rollout.values(), *self.trainers]
+
     async def read_usage(self) -> dict[str, UsageReading]:
         """Each live worker's CPU-time (and NVML) counters, keyed by worker name."""
-        actors = [(f"rollout-{r}", a) for r, a in self.rollout.items()]
-        actors += [(f"trainer-{r}", a) for r, a in enumerate(self.trainers)]
-        readings = await asyncio.gather(*(a.usage.remote() for _, a in actors))
-        return {name: reading for (name, _), reading in zip(actors, readings, strict=True)}
+        return {w.name: await w.usage() for w in self._observed()}
 
     async def write_spans(self) -> None:
-        """Gathers every worker's spans, shifts them onto the driver's clock, stores them."""
+        """Gathers the orchestrator's and every worker's spans and stores them."""
         if not self.config.run.record_spans:
             return
         spans = self.admission.flush() + self.training.flush()
-        for actor in [*self.rollout.values(), *self.trainers]:
-            sent = time.time()
-            remote_now: float = await actor.clock.remote()
-            offset = remote_now - (sent + time.time()) / 2  # remote clock minus ours
-            worker_spans: list[Span] = await actor.drain_spans.remote()
-            spans += [
-                msgspec.structs.replace(sp, start=sp.start - offset, end=sp.end - offset)
-                for sp in worker_spans
-            ]
+        for worker in self._observed():
+            spans += await worker.spans()
         self.out.spans(spans)
 
     # ---- the ledger ----------------------------------------------------------------------
@@ -342,37 +351,3 @@ class Controller:
         self.gate.release()
         self.requeued.append(msgspec.structs.replace(prompt, attempt=prompt.attempt + 1))
         self._ledger(prompt, "requeued", reason=reason)
-
-    async def shutdown(self) -> None:
-        for worker in self.rollout.values():
-            with contextlib.suppress(ray.exceptions.RayError):
-                await worker.shutdown.remote()
-        if self.board_path:
-            with contextlib.suppress(OSError):
-                os.unlink(self.board_path)
-
-
-def run_training(config: Config) -> RunSummary:
-    """Starts (or joins) Ray, runs the job, and always shuts Ray down if it started it."""
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
-                  + config.trainer.num_shards * config.trainer.cpus_per_shard)
-        if config.run.ray_address:
-            ray.init(address=config.run.ray_address, namespace=NAMESPACE)
-        else:
-            ray.init(num_cpus=max(config.run.num_cpus, needed), include_dashboard=False,
-                     _node_ip_address="127.0.0.1", namespace=NAMESPACE)
-    controller = Controller(config)
-
-    async def main() -> RunSummary:
-        try:
-            return await controller.run()
-        finally:
-            await controller.shutdown()
-
-    try:
-        return anyio.run(main)
-    finally:
-        if started_ray:
-            ray.shutdown()

@@ -1,0 +1,120 @@
+"""What the orchestrator may ask of its workers: the protocols, and the errors they raise.
+
+Owns: the orchestrator's whole view of the compute plane — a rollout worker
+(``RolloutClient``), a trainer shard (``TrainerClient``), the weight path
+(``WeightPath``), what every worker reports for the idle accounting (``ObservedWorker``)
+and the failures they signal. Knows nothing about Ray: ``async_rl.ray_shell`` adapts
+actor handles to these protocols, and the unit tests pass in-process fakes, so the
+orchestrator's loops run the same against both.
+
+Data moves by reference: a ``Group`` a rollout worker returns carries no tokens, only a
+reference (``Group.tokens``) that the trainer shards resolve themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+from async_rl.records import (
+    BroadcastTiming,
+    EvalResult,
+    Group,
+    Prompt,
+    ShardBatch,
+    ShardStepResult,
+    UsageReading,
+)
+from async_rl.spans import Span
+
+
+class RolloutFailed(Exception):
+    """A rollout call did not produce its result.
+
+    ``worker_gone``: the worker is dead or broken (a failed weight load, say) and must
+    get no more work; otherwise only this call failed.
+    """
+
+    def __init__(self, reason: str, *, worker_gone: bool) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.worker_gone = worker_gone
+
+
+class ObservedWorker(Protocol):
+    """What every worker reports for the idle accounting and the CPU-time cross-check."""
+
+    @property
+    def name(self) -> str:
+        """e.g. "rollout-0", "trainer-1": the worker's track in spans and usage."""
+        ...
+
+    async def usage(self) -> UsageReading:
+        """Cumulative OS counters of the worker's process tree."""
+        ...
+
+    async def spans(self) -> list[Span]:
+        """Closed spans since the last call, on the orchestrator's clock."""
+        ...
+
+
+class RolloutClient(ObservedWorker, Protocol):
+    """A rollout engine: generates scored groups, evaluates, runs one policy version."""
+
+    async def generate(self, prompt: Prompt) -> Group:
+        """Generates and scores one group; raises ``RolloutFailed``."""
+        ...
+
+    async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
+        """Greedy held-out accuracy; raises ``RolloutFailed``."""
+        ...
+
+    async def version(self) -> int:
+        """Policy version of the weights the engine runs."""
+        ...
+
+    async def busy_seconds(self) -> float:
+        """Seconds the engine had requests in flight or loaded weights (run.layout auto)."""
+        ...
+
+
+class TrainerClient(ObservedWorker, Protocol):
+    """One data-parallel trainer shard; every shard takes part in every step."""
+
+    async def train(self, batch: ShardBatch) -> ShardStepResult:
+        """One optimizer step; the shard resolves ``batch.groups`` itself."""
+        ...
+
+    async def set_sharing(self, enabled: bool) -> None:
+        """run.layout: may the shard borrow idle rollout cores from its next phase on."""
+        ...
+
+    async def mean_cores(self) -> float:
+        """Threads used, averaged over compute time (the CPU-time cross-check's cores)."""
+        ...
+
+    async def save(self, out_dir: str) -> None:
+        """Writes the current policy in Hugging Face format."""
+        ...
+
+
+class PublishedWeights(Protocol):
+    """A published version, ready to deliver (what it holds is the weight path's own)."""
+
+    @property
+    def version(self) -> int: ...
+
+
+class WeightPath(Protocol):
+    """Trainer shard 0's weights to every live rollout engine, one version at a time."""
+
+    async def publish(self, version: int) -> PublishedWeights:
+        """Snapshots the weights of ``version``; returns before delivery, so training
+        can go on with the next step while rollout engines load."""
+        ...
+
+    async def deliver(self, published: PublishedWeights, ranks: Sequence[int]
+                      ) -> tuple[list[BroadcastTiming], list[int]]:
+        """Makes ``published`` the policy of the rollout workers ``ranks``; returns the
+        timings of those that loaded it and the ranks that failed (each then unusable)."""
+        ...

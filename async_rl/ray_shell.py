@@ -1,0 +1,187 @@
+"""The Ray shell: starts Ray and the workers, adapts actor handles to the protocols, runs.
+
+Owns: everything Ray in the control plane — ``ray.init`` (or joining a cluster), creating
+the actors (through ``async_rl.launch``), one small adapter per protocol of
+``async_rl.protocols`` that turns ``handle.method.remote(...)`` into awaitable calls and
+Ray's errors into the protocols' errors, aligning worker span clocks with the driver's,
+and shutting everything down. The run's logic is ``async_rl.orchestrator``'s; nothing
+here decides anything about it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import anyio
+import msgspec
+import ray
+
+from async_rl.config import Config
+from async_rl.launch import StartedWorkers, build_task, launch_workers
+from async_rl.orchestrator import Orchestrator, Workers
+from async_rl.protocols import PublishedWeights, RolloutFailed
+from async_rl.records import (
+    BroadcastTiming,
+    EvalResult,
+    Group,
+    Prompt,
+    ShardBatch,
+    ShardStepResult,
+    UsageReading,
+)
+from async_rl.run_dir import RunSummary, RunWriter
+from async_rl.spans import Span
+from workers.placement import registry_table
+from workers.vllm_engine import RolloutWorkerError
+from workers.weights import Published, WeightBroadcast
+
+NAMESPACE = "async-rl"
+"""Ray namespace of a run's named actors ("rollout-0", "trainer-1", ...)."""
+
+
+class _Actor:
+    """What every worker adapter shares: its name, OS usage and clock-aligned spans."""
+
+    def __init__(self, name: str, handle: Any) -> None:
+        self._name, self.handle = name, handle
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    async def usage(self) -> UsageReading:
+        reading: UsageReading = await self.handle.usage.remote()
+        return reading
+
+    async def spans(self) -> list[Span]:
+        """The worker's spans shifted onto this process's clock (workers may sit on other
+        nodes): the offset is the remote clock minus ours at the call's midpoint."""
+        sent = time.time()
+        remote_now: float = await self.handle.clock.remote()
+        offset = remote_now - (sent + time.time()) / 2
+        spans: list[Span] = await self.handle.drain_spans.remote()
+        return [msgspec.structs.replace(s, start=s.start - offset, end=s.end - offset)
+                for s in spans]
+
+
+class RayRollout(_Actor):
+    """A ``RolloutClient`` over a ``workers.actors.RolloutActor`` handle."""
+
+    async def generate(self, prompt: Prompt) -> Group:
+        group: Group = await self._call(self.handle.generate_group_ref, prompt)
+        return group
+
+    async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
+        result: EvalResult = await self._call(self.handle.evaluate, list(prompts))
+        return result
+
+    async def version(self) -> int:
+        version: int = await self.handle.version.remote()
+        return version
+
+    async def busy_seconds(self) -> float:
+        seconds: float = await self.handle.busy_seconds.remote()
+        return seconds
+
+    async def _call(self, method: Any, *args: Any) -> Any:
+        try:
+            return await method.remote(*args)
+        except ray.exceptions.RayError as err:
+            # Dead (the actor is gone) or broken (it refuses work after a failed weight
+            # load): either way it gets no more prompts. Anything else fails this call.
+            broken = isinstance(getattr(err, "cause", None), RolloutWorkerError)
+            gone = broken or isinstance(err, ray.exceptions.RayActorError)
+            raise RolloutFailed(type(err).__name__, worker_gone=gone) from err
+
+
+class RayTrainer(_Actor):
+    """A ``TrainerClient`` over a ``workers.actors.TrainerActor`` handle."""
+
+    async def train(self, batch: ShardBatch) -> ShardStepResult:
+        result: ShardStepResult = await self.handle.train_step_by_ref.remote(batch)
+        return result
+
+    async def set_sharing(self, enabled: bool) -> None:
+        await self.handle.set_sharing.remote(enabled)
+
+    async def mean_cores(self) -> float:
+        cores: float = await self.handle.mean_cores.remote()
+        return cores
+
+    async def save(self, out_dir: str) -> None:
+        await self.handle.save.remote(out_dir)
+
+
+class RayWeights:
+    """A ``WeightPath`` over ``workers.weights.WeightBroadcast`` and the rollout handles."""
+
+    def __init__(self, source_shard: Any, rollout: dict[int, Any]) -> None:
+        self._rollout = rollout
+        self._broadcast = WeightBroadcast(source_shard, dict(rollout))
+
+    async def publish(self, version: int) -> Published:
+        return await self._broadcast.publish(version)
+
+    async def deliver(self, published: PublishedWeights, ranks: Sequence[int]
+                      ) -> tuple[list[BroadcastTiming], list[int]]:
+        assert isinstance(published, Published)
+        self._broadcast.rollout_workers = {r: self._rollout[r] for r in ranks}
+        return await self._broadcast.deliver(published)
+
+
+def adapt(started: StartedWorkers) -> Workers:
+    """The started actors as the orchestrator's protocols."""
+    return Workers(
+        rollout={rank: RayRollout(f"rollout-{rank}", handle)
+                 for rank, handle in started.rollout.items()},
+        trainers=[RayTrainer(f"trainer-{rank}", handle)
+                  for rank, handle in enumerate(started.trainers)],
+        weights=RayWeights(started.trainers[0], started.rollout),
+        can_share=bool(started.board_path),
+    )
+
+
+async def _shutdown(started: StartedWorkers) -> None:
+    for worker in started.rollout.values():
+        with contextlib.suppress(ray.exceptions.RayError):
+            await worker.shutdown.remote()
+    if started.board_path:
+        with contextlib.suppress(OSError):
+            os.unlink(started.board_path)
+
+
+def run_training(config: Config) -> RunSummary:
+    """Starts (or joins) Ray, runs the job, and always shuts Ray down if it started it."""
+    started_ray = not ray.is_initialized()
+    if started_ray:
+        needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
+                  + config.trainer.num_shards * config.trainer.cpus_per_shard)
+        if config.run.ray_address:
+            ray.init(address=config.run.ray_address, namespace=NAMESPACE)
+        else:
+            ray.init(num_cpus=max(config.run.num_cpus, needed), include_dashboard=False,
+                     _node_ip_address="127.0.0.1", namespace=NAMESPACE)
+    out = RunWriter(config.run.output_dir, config)
+    source, reward_fn, eval_prompts = build_task(config)
+
+    async def main() -> RunSummary:
+        started = StartedWorkers()
+        try:
+            started = await launch_workers(config, reward_fn)
+            print(registry_table(started.identities))
+            orchestrator = Orchestrator(config, out, source, eval_prompts,
+                                        adapt(started))
+            return await orchestrator.run()
+        finally:
+            await _shutdown(started)
+
+    try:
+        return anyio.run(main)
+    finally:
+        if started_ray:
+            ray.shutdown()
+
