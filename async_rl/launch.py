@@ -17,6 +17,7 @@ from typing import Any
 
 import msgspec
 import ray
+from ray.util.placement_group import PlacementGroup, placement_group_table
 
 from async_rl.config import Config
 from async_rl.longtail import RemainderTask
@@ -25,7 +26,7 @@ from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward, remainde
 from async_rl.tasks import ArithmeticTask, JsonlPromptSource, PromptSource
 from workers.actors import RolloutActor, TrainerActor
 from workers.core_share import create_board
-from workers.placement import WorkerIdentity, assign_cpus, in_bundle
+from workers.placement import WorkerIdentity, assign_cpus, gpus_per_worker, in_bundle
 from workers.placement import role_placement_groups as make_placement_groups
 
 
@@ -50,6 +51,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
+def bundle_node(group: PlacementGroup, index: int) -> tuple[str, str]:
+    """(node id, IP address) of the node that placement group bundle ``index`` is on."""
+    node_id = str(placement_group_table(group)["bundles_to_node_id"][index])
+    ip = next(str(n["NodeManagerAddress"]) for n in ray.nodes() if n["NodeID"] == node_id)
+    return node_id, ip
+
+
 @dataclass
 class StartedWorkers:
     """The started actors (Ray handles) and who runs where."""
@@ -59,6 +67,7 @@ class StartedWorkers:
     identities: list[WorkerIdentity] = field(default_factory=list)
     board_path: str = ""
     """The run.layout board in shared memory ("" when trainers never borrow cores)."""
+    placement_groups: list[PlacementGroup] = field(default_factory=list)
 
 
 async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
@@ -67,15 +76,10 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
         cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
         cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate,
     )
-    # One GPU per worker when the cluster has GPUs (the CUDA path); none on CPU.
-    gpus = 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
-    if gpus and cfg.run.colocate:
-        gpus = 0.5  # rollout worker i and trainer shard i share GPU i
+    gpus = gpus_per_worker(ray.cluster_resources().get("GPU", 0), cfg.run.colocate)
     groups = make_placement_groups(
-        layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard,
-        gpus_per_worker=gpus * (2 if cfg.run.colocate else 1),
-    )
-    started = StartedWorkers()
+        layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus)
+    started = StartedWorkers(placement_groups=list({id(g): g for g in groups.values()}.values()))
     # run.layout: who is busy goes on a shared-memory board; trainers may borrow the
     # rollout cores ("shared" from the start, "auto" once it has measured).
     board = ""
@@ -98,7 +102,8 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
             prefix_caching=cfg.rollout.prefix_caching, core_board=board,
         )
     trainer_cls = ray.remote(TrainerActor)
-    port = free_port()
+    # The shards' rendezvous is on shard 0's node, which may not be the driver's.
+    master_addr, port = bundle_node(groups["trainer"], 0)[1], free_port()
     started.trainers = [
         trainer_cls.options(
             name=ident.name,
@@ -111,7 +116,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
             rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
             trainer=cfg.trainer, seed=cfg.run.seed, temperature=cfg.rollout.temperature,
             cpu_ids=ident.devices,
-            master_port=port, record_spans=cfg.run.record_spans,
+            master_addr=master_addr, master_port=port, record_spans=cfg.run.record_spans,
             share_cores=rollout_cores if board else (), core_board=board,
         )
         for ident in layout.trainer
@@ -120,11 +125,10 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
     if board and cfg.run.layout == "shared":
         await asyncio.gather(*(t.set_sharing.remote(True) for t in started.trainers))
     rollout_pids = await asyncio.gather(*(w.start.remote() for w in started.rollout.values()))
-    node = ray.util.get_node_ip_address()
-    started.identities = [
-        msgspec.structs.replace(ident, node=node, pid=pid)
-        for ident, pid in zip(
-            [*layout.rollout, *layout.trainer], [*rollout_pids, *trainer_pids], strict=True
-        )
-    ]
+    started.identities = []
+    for ident, pid in zip([*layout.rollout, *layout.trainer], [*rollout_pids, *trainer_pids],
+                          strict=True):
+        node_id, ip = bundle_node(groups[ident.role], ident.rank)
+        started.identities.append(
+            msgspec.structs.replace(ident, node=ip, node_id=node_id, pid=pid))
     return started

@@ -19,6 +19,7 @@ from typing import Any
 import anyio
 import msgspec
 import ray
+from ray.util.placement_group import remove_placement_group
 
 from async_rl.config import Config
 from async_rl.launch import StartedWorkers, build_task, launch_workers
@@ -146,9 +147,14 @@ def adapt(started: StartedWorkers) -> Workers:
 
 
 async def _shutdown(started: StartedWorkers) -> None:
-    for worker in started.rollout.values():
+    """Stops the engines and process groups, then the actors and their placement groups:
+    on a cluster the shell joined, nothing of the run is left behind."""
+    for actor in [*started.rollout.values(), *started.trainers]:
         with contextlib.suppress(ray.exceptions.RayError):
-            await worker.shutdown.remote()
+            await actor.shutdown.remote()
+        ray.kill(actor)
+    for group in started.placement_groups:
+        remove_placement_group(group)
     if started.board_path:
         with contextlib.suppress(OSError):
             os.unlink(started.board_path)
@@ -173,6 +179,7 @@ def run_training(config: Config) -> RunSummary:
         try:
             started = await launch_workers(config, reward_fn)
             print(registry_table(started.identities))
+            out.workers(started.identities)
             orchestrator = Orchestrator(config, out, source, eval_prompts,
                                         adapt(started))
             return await orchestrator.run()

@@ -7,6 +7,7 @@ Knows nothing about how the figures are produced.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -23,6 +24,7 @@ SUMMARY = "summary.json"
 EVALS = "eval.jsonl"
 SPANS = "spans.jsonl"
 USAGE = "usage.json"
+WORKERS = "workers.json"
 FINAL_MODEL = "final_model"
 
 
@@ -118,6 +120,10 @@ class RunWriter:
 
     def spans(self, spans: list[Span]) -> None:
         (self.path / SPANS).write_bytes(b"".join(self._encoder.encode(s) + b"\n" for s in spans))
+
+    def workers(self, registry: Sequence[Any]) -> None:
+        """Who ran where: one record per worker (role, rank, node, devices, pid)."""
+        (self.path / WORKERS).write_bytes(msgspec.json.format(self._encoder.encode(registry)))
 
     def usage(self, usage: dict[str, Any]) -> None:
         """Per-worker OS/driver counters at the start and end of training."""

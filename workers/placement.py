@@ -1,7 +1,7 @@
 """Placement: who runs where. Worker identities, per-role placement groups and CPU cores.
 
 Owns: the explicit identity of every worker (role, rank, node, devices), the registry the
-controller prints, and the Ray placement groups of the two roles, either disaggregated
+shell prints, and the Ray placement groups of the two roles, either disaggregated
 (the default: rollout and trainer on their own devices) or co-located (both roles share
 one STRICT_PACK group). On CPU it also hands each worker its own cores, so that rollout
 and training behave like separate accelerators. Knows nothing about what workers do.
@@ -26,7 +26,9 @@ class WorkerIdentity(msgspec.Struct, frozen=True, kw_only=True):
     role: Role
     rank: int
     node: str = ""
-    """Node IP address (filled once the actor reports it)."""
+    """Node IP address (filled once the actor runs)."""
+    node_id: str = ""
+    """Ray node id: tells apart nodes that share an address (several on one machine)."""
     device_kind: Literal["cpu", "cuda"] = "cpu"
     devices: tuple[int, ...] = ()
     """CPU core ids (device_kind cpu) or GPU ordinals (cuda) this worker owns."""
@@ -84,28 +86,46 @@ def assign_cpus(
     )
 
 
-def role_placement_groups(layout: Layout, cpus_per_rollout: int, cpus_per_trainer: int,
-                          gpus_per_worker: float = 0.0) -> dict[Role, PlacementGroup]:
-    """One placement group per role (or one shared STRICT_PACK group when co-located)."""
+def gpus_per_worker(cluster_gpus: float, colocated: bool) -> float:
+    """GPUs each actor asks for: one per worker when the cluster has GPUs (the CUDA
+    path), half when co-located (rollout worker i and trainer shard i share GPU i)."""
+    if not cluster_gpus:
+        return 0.0
+    return 0.5 if colocated else 1.0
 
-    def bundles(count: int, cpus: int) -> list[dict[str, float]]:
+
+def role_bundles(layout: Layout, cpus_per_rollout: int, cpus_per_trainer: int,
+                 gpus: float = 0.0) -> dict[Role, list[dict[str, float]]]:
+    """The resource bundles of each role's placement group (``gpus`` per actor).
+
+    Co-located, both roles share one list: bundle i holds rollout worker i and trainer
+    shard i side by side, with both their CPUs and GPU shares.
+    """
+
+    def bundles(count: int, cpus: int, per_bundle: int) -> list[dict[str, float]]:
         bundle: dict[str, float] = {"CPU": float(cpus)}
-        if gpus_per_worker:
-            bundle["GPU"] = gpus_per_worker
+        if gpus:
+            bundle["GPU"] = gpus * per_bundle
         return [dict(bundle) for _ in range(count)]
 
     if layout.colocated:
-        shared = placement_group(
-            # Bundle i holds rollout worker i and trainer shard i side by side.
-            bundles(max(len(layout.rollout), len(layout.trainer)),
-                    cpus_per_rollout + cpus_per_trainer),
-            strategy="STRICT_PACK",
-        )
+        shared = bundles(max(len(layout.rollout), len(layout.trainer)),
+                         cpus_per_rollout + cpus_per_trainer, per_bundle=2)
+        return {"rollout": shared, "trainer": shared}
+    return {"rollout": bundles(len(layout.rollout), cpus_per_rollout, per_bundle=1),
+            "trainer": bundles(len(layout.trainer), cpus_per_trainer, per_bundle=1)}
+
+
+def role_placement_groups(layout: Layout, cpus_per_rollout: int, cpus_per_trainer: int,
+                          gpus: float = 0.0) -> dict[Role, PlacementGroup]:
+    """One placement group per role (or one shared STRICT_PACK group when co-located)."""
+    specs = role_bundles(layout, cpus_per_rollout, cpus_per_trainer, gpus)
+    if layout.colocated:
+        shared = placement_group(specs["rollout"], strategy="STRICT_PACK")
         ray.get(shared.ready())
         return {"rollout": shared, "trainer": shared}
     groups: dict[Role, PlacementGroup] = {
-        "rollout": placement_group(bundles(len(layout.rollout), cpus_per_rollout), "PACK"),
-        "trainer": placement_group(bundles(len(layout.trainer), cpus_per_trainer), "PACK"),
+        role: placement_group(bundles, "PACK") for role, bundles in specs.items()
     }
     ray.get([g.ready() for g in groups.values()])
     return groups
@@ -119,7 +139,7 @@ def in_bundle(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStra
 
 
 def registry_table(identities: list[WorkerIdentity]) -> str:
-    """The registry as a small fixed-width table, for the controller to print."""
+    """The registry as a small fixed-width table, for the shell to print."""
     rows = [("worker", "node", "devices", "pid")]
     rows += [(w.name, w.node or "-", w.device_label, str(w.pid or "-")) for w in identities]
     widths = [max(len(r[i]) for r in rows) for i in range(4)]

@@ -50,6 +50,12 @@ def pin_to_cpus(cpu_ids: tuple[int, ...]) -> None:
         torch.set_num_threads(len(wanted))
 
 
+def process_group_backend(device: torch.device) -> str:
+    """NCCL for CUDA tensors, gloo for CPU ones: each backend takes only its own, so
+    every collective's tensors must live on this device (``TrainerShard.device``)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
 class TrainerShard:
     """A replica of the policy on one device; ``world_size`` of them form a DDP group."""
 
@@ -106,9 +112,8 @@ class TrainerShard:
         self.usage_meter = UsageMeter(gpu_index=0 if self.device.type == "cuda" else None)
         torch.manual_seed(self.seed)
         if self.world_size > 1:
-            backend = "nccl" if self.device.type == "cuda" else "gloo"
             dist.init_process_group(
-                backend,
+                process_group_backend(self.device),
                 init_method=f"tcp://{self.master_addr}:{self.master_port}",
                 rank=self.rank,
                 world_size=self.world_size,
