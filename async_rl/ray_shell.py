@@ -169,7 +169,9 @@ def run_training(config: Config) -> RunSummary:
         if config.run.ray_address:
             ray.init(address=config.run.ray_address, namespace=NAMESPACE)
         else:
-            ray.init(num_cpus=max(config.run.num_cpus, needed), include_dashboard=False,
+            # "local": a new Ray for this run, never one already running on the machine.
+            ray.init(address="local", num_cpus=max(config.run.num_cpus, needed),
+                     include_dashboard=False,
                      _node_ip_address="127.0.0.1", namespace=NAMESPACE)
     out = RunWriter(config.run.output_dir, config)
     source, reward_fn, eval_prompts = build_task(config)

@@ -19,20 +19,21 @@ from ray.cluster_utils import Cluster
 from async_rl.config import decode_config
 from async_rl.ray_shell import run_training
 from async_rl.run_dir import WORKERS, read_metrics
-from async_rl.tiny_model import make_model
+from async_rl.tiny_model import SMALL, make_model
 
 pytestmark = pytest.mark.ray
 
 
-LEARNABLE_SFT_STEPS = 400
-"""Warm start long enough that greedy accuracy starts near 0.17, where ten RL steps show
-(the shared tiny fixture starts near 0, where they cannot)."""
+STEPS = 20
 
 
 @pytest.fixture(scope="module")
 def learnable_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The CPU default's small model (base greedy accuracy about 0.2): the tiny fixture
+    has too little capacity for RL to lift its accuracy within a test's steps."""
     out = tmp_path_factory.mktemp("learnable-model")
-    make_model(out, seed=0, sft_steps=LEARNABLE_SFT_STEPS, eval_size=64, log=None)
+    made = make_model(out, size=SMALL, seed=0, eval_size=64, num_threads=2, log=None)
+    assert made.base_accuracy < 0.5
     return out
 
 
@@ -56,25 +57,28 @@ def test_rollout_and_training_on_two_nodes_learn(
     config = decode_config({
         "model": {"path": str(learnable_model_dir)},
         "task": {"eval_size": 64},
-        "rollout": {"group_size": 8, "max_new_tokens": 6, "max_inflight_prompts": 8},
-        "trainer": {"groups_per_step": 8, "micro_batch_tokens": 1024, "lr": 3e-4},
-        "run": {"num_steps": 10, "output_dir": str(tmp_path), "progress": False,
+        "rollout": {"group_size": 8, "max_new_tokens": 6, "max_inflight_prompts": 16},
+        "trainer": {"groups_per_step": 16, "micro_batch_tokens": 2048, "lr": 3e-5},
+        "run": {"num_steps": STEPS, "output_dir": str(tmp_path), "progress": False,
                 "ray_address": two_nodes.address},
     })
     summary = run_training(config)
     assert not ray.is_initialized()  # it joined the cluster and left it; the nodes remain
-    assert summary.steps == 10 and summary.groups_trained == 80
+    assert summary.steps == STEPS and summary.groups_trained == STEPS * 16
+    # Every version crossed from the trainer's node to the rollout engine's.
+    assert summary.rollout_version == summary.final_version == STEPS
 
     workers = json.loads((tmp_path / WORKERS).read_text())
     assert sorted(w["role"] for w in workers) == ["rollout", "trainer"]
     nodes = {w["role"]: w["node_id"] for w in workers}
     assert nodes["rollout"] and nodes["trainer"] and nodes["rollout"] != nodes["trainer"]
 
-    # It learns: held-out greedy accuracy and the training reward both go up.
+    # It learns: held-out greedy accuracy and the training reward both go up (on one
+    # node the same run went from 0.20 to 0.94).
     assert summary.accuracy_start is not None and summary.accuracy_end is not None
-    assert summary.accuracy_end > summary.accuracy_start
+    assert summary.accuracy_end > summary.accuracy_start + 0.2
     rows = read_metrics(tmp_path)
-    assert len(rows) == 10
-    first = sum(r["reward_mean"] for r in rows[:3]) / 3
-    last = sum(r["reward_mean"] for r in rows[-3:]) / 3
+    assert len(rows) == STEPS
+    first = sum(r["reward_mean"] for r in rows[:5]) / 5
+    last = sum(r["reward_mean"] for r in rows[-5:]) / 5
     assert last > first
