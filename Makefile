@@ -15,14 +15,14 @@ $(MODEL)/config.json: | setup
 	$(BIN)/async-rl make-model --size small --out $(MODEL)
 
 demo: setup $(MODEL)/config.json
-	$(BIN)/async-rl train $(CONFIG)
+	$(BIN)/async-rl train $(CONFIG) --overwrite
 
 $(LONGTAIL_MODEL)/config.json: | setup
 	$(BIN)/async-rl make-model --task longtail --out $(LONGTAIL_MODEL)
 
 # The long-tail reasoning workload (completions of 20 to 300 tokens).
 demo-longtail: setup $(LONGTAIL_MODEL)/config.json
-	$(BIN)/async-rl train examples/cpu_longtail.toml
+	$(BIN)/async-rl train examples/cpu_longtail.toml --overwrite
 
 lint: setup
 	$(BIN)/ruff check .

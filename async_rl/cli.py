@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 from async_rl.config import Config, ConfigError, load_config, to_toml
-from async_rl.run_dir import SPANS
+from async_rl.run_dir import CONFIG, SPANS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -50,8 +51,14 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     train = commands.add_parser("train", help="run async GRPO")
-    train.add_argument("config", help="TOML config file")
+    train.add_argument("config", nargs="?", help="TOML config file (not with --resume)")
     _add_overrides(train)
+    existing = train.add_mutually_exclusive_group()
+    existing.add_argument("--resume", metavar="RUN_DIR",
+                          help="continue RUN_DIR from its newest good checkpoint, with its "
+                               "config (and any --set)")
+    existing.add_argument("--overwrite", action="store_true",
+                          help="replace an existing run directory")
 
     report = commands.add_parser(
         "report", help="rebuild a run's idle table, trace and timeline; two runs side by side"
@@ -99,6 +106,65 @@ def check_inputs(config: Config) -> None:
             raise ConfigError(f"prompt file error: {err}") from None
 
 
+STOP_EXIT = {"SIGINT": 130, "SIGTERM": 143}
+"""Exit status of a run stopped by a signal: 128 + the signal's number, as shells do."""
+
+
+def _train_config(args: argparse.Namespace) -> Config:
+    """The run's config: the file's, or with --resume the run directory's own."""
+    if args.resume:
+        if args.config:
+            raise ConfigError("usage error: give a config file or --resume RUN_DIR, not both")
+        saved = Path(args.resume) / CONFIG
+        if not saved.is_file():
+            raise ConfigError(f"resume error: {args.resume}: no {CONFIG} (not a run directory)")
+        return load_config(saved, [*args.overrides, f"run.output_dir={args.resume}"])
+    if not args.config:
+        raise ConfigError("usage error: async-rl train needs a config file or --resume RUN_DIR")
+    config = load_config(args.config, args.overrides)
+    out = Path(config.run.output_dir)
+    if (out / CONFIG).exists() and not args.overwrite:
+        raise ConfigError(
+            f"run.output_dir = {str(out)!r} already holds a run: continue it with "
+            f"--resume {out}, replace it with --overwrite, or choose another directory")
+    if args.overwrite and out.exists():
+        shutil.rmtree(out)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"config error: run.output_dir = {str(out)!r}: cannot create it "
+                          f"({err.strerror})") from None
+    return config
+
+
+def _train(args: argparse.Namespace) -> int:
+    config = _train_config(args)
+    check_inputs(config)
+    from async_rl.checkpoint import CheckpointError
+    from async_rl.ray_shell import RunInterrupted, run_training
+    from async_rl.report import print_report
+
+    out = config.run.output_dir
+    try:
+        summary = run_training(config, resume=bool(args.resume))
+    except CheckpointError as err:
+        print(f"resume error: {err}", file=sys.stderr)
+        return 2
+    except RunInterrupted as stop:
+        print(f"stopped at once by {stop}: no checkpoint of the step in progress; "
+              f"async-rl train --resume {out} continues from the last one, if any",
+              file=sys.stderr)
+        return STOP_EXIT.get(str(stop), 1)
+    if config.run.record_spans:
+        print_report(out)
+    print(f"accuracy {summary.accuracy_start} -> {summary.accuracy_end}; run directory {out}")
+    if summary.stopped:
+        print(f"stopped by {summary.stopped} after step {summary.steps}: "
+              f"async-rl train --resume {out} continues it", file=sys.stderr)
+        return STOP_EXIT.get(summary.stopped, 1)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
@@ -119,17 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             return 0
         if args.command == "train":
-            config = load_config(args.config, args.overrides)
-            check_inputs(config)
-            from async_rl.ray_shell import run_training
-            from async_rl.report import print_report
-
-            summary = run_training(config)
-            if config.run.record_spans:
-                print_report(config.run.output_dir)
-            print(f"accuracy {summary.accuracy_start} -> {summary.accuracy_end}; "
-                  f"run directory {config.run.output_dir}")
-            return 0
+            return _train(args)
         if args.command == "report":
             from async_rl.report import compare, print_report
 

@@ -202,6 +202,12 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     target_accuracy: Fraction = 0.8
     """Held-out accuracy a run's time-to-target (and samples-to-target) is measured
     against, in summary.json."""
+    checkpoint_every: NonNegative = 0
+    """Write a checkpoint (RUN_DIR/checkpoints) every this many optimizer steps; 0 = only
+    at the end of the run and on a clean stop (Ctrl-C, SIGTERM). ``--resume`` continues
+    from the newest good one."""
+    keep_checkpoints: Positive = 2
+    """Checkpoints kept; older ones are removed once a new one is complete."""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

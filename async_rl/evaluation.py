@@ -82,18 +82,19 @@ class EvalLog:
         # Unbounded: a weight delivery never waits on an evaluation; a slow evaluation
         # only delays the next (each then scores the version the engine has by then).
         self._due_in, self.due_steps = anyio.create_memory_object_stream[int](math.inf)
-        self._started = 0.0
+        self.started = 0.0
+        """perf_counter() when training started (earlier by the time a resumed run had)."""
         # version -> (wall_s, samples, groups, tokens) when it was produced; the initial
         # weights exist before training starts.
         self._produced: dict[int, tuple[float, int, int, int]] = {0: (0.0, 0, 0, 0)}
 
     def start(self, now: float) -> None:
-        self._started = now
+        self.started = now
 
     def produced(self, version: int, now: float, *, samples: int, groups: int,
                  tokens: int) -> None:
         """Training produced ``version`` at ``now``, having trained these totals."""
-        self._produced[version] = (now - self._started, samples, groups, tokens)
+        self._produced[version] = (now - self.started, samples, groups, tokens)
 
     def delivered(self, version: int) -> None:
         """``version`` now runs on the rollout workers: queue its evaluation if due."""

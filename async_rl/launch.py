@@ -70,8 +70,13 @@ class StartedWorkers:
     placement_groups: list[PlacementGroup] = field(default_factory=list)
 
 
-async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
-    """Creates every rollout worker and trainer shard, starts them, and says where."""
+async def launch_workers(cfg: Config, reward_fn: RewardFn,
+                         version: int = 0) -> StartedWorkers:
+    """Creates every rollout worker and trainer shard, starts them, and says where.
+
+    ``version``: the policy version of the weights at ``cfg.model.path`` (a checkpoint's,
+    when resuming): rollout engines label their tokens with it from the start.
+    """
     layout = assign_cpus(
         cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
         cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate,
@@ -99,7 +104,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
             rank=ident.rank, model=cfg.model, rollout=cfg.rollout, weights=cfg.weights,
             reward_fn=reward_fn, seed=cfg.run.seed + ident.rank,
             cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
-            prefix_caching=cfg.rollout.prefix_caching, core_board=board,
+            prefix_caching=cfg.rollout.prefix_caching, core_board=board, version=version,
         )
     trainer_cls = ray.remote(TrainerActor)
     # The shards' rendezvous is on shard 0's node, which may not be the driver's.

@@ -29,6 +29,7 @@ import msgspec
 
 from async_rl.auto_layout import AutoLayout
 from async_rl.batching import shard_batches
+from async_rl.checkpoint import RunState, write_checkpoint
 from async_rl.config import Config
 from async_rl.evaluation import EvalLog, describe
 from async_rl.idle import ROLLOUT_TRACK, TRAINER_TRACK
@@ -101,6 +102,12 @@ class Orchestrator:
             on_drop=self._on_drop,
         )
         self.version = 0
+        self.first_step = 1
+        """The step this run starts at (after a checkpoint's, on resume)."""
+        self.wall_offset = 0.0
+        """Training wall time already spent before this process (on resume)."""
+        self.stop_reason = ""
+        """Set by ``request_stop``: no step starts after it; the run ends cleanly."""
         self.requeued: deque[Prompt] = deque()
         self.open_prompts: dict[str, Prompt] = {}
         """Admitted and not yet trained or re-queued: in flight or in the queue."""
@@ -121,9 +128,14 @@ class Orchestrator:
     # ---- the run, top to bottom --------------------------------------------------------
 
     async def run(self) -> RunSummary:
-        start = await self.evaluate(step=0)
-        started = time.perf_counter()
+        start = await self.evaluate(step=0) if self.first_step == 1 else None
+        started = time.perf_counter() - self.wall_offset
         self.evals.start(started)
+        if self.first_step > 1:  # what the resumed version was charged with
+            self.evals.produced(self.version, started + self.wall_offset,
+                                samples=self.totals.samples_trained,
+                                groups=self.totals.groups_trained,
+                                tokens=self.totals.tokens_trained)
         # Idle accounting covers the training window only: drop setup and evaluation.
         self.admission.flush()
         self.training.flush()
@@ -151,9 +163,12 @@ class Orchestrator:
             self.out.usage({name: {"first": usage_first[name], "last": reading,
                                    "cores": cores.get(name, 1.0)}
                             for name, reading in usage_last.items() if name in usage_first})
+        await self.checkpoint(wall_s)
         # Any evaluation still due has finished (after the training window was recorded).
-        end = await self.evaluate(step=self.config.run.num_steps)
         await self.trainers[0].save(str(self.out.path / FINAL_MODEL))
+        end = None if self.stop_reason else await self.evaluate(step=self.version)
+        if start is None and self.evals.points:
+            start = self.evals.points[0]
         summary = self.totals.summary(
             wall_s=wall_s, final_version=self.version,
             accuracy_start=start.accuracy if start else None,
@@ -161,6 +176,7 @@ class Orchestrator:
             max_staleness=self.config.staleness.max_staleness,
             rollout_version=min(rollout_versions, default=-1),
             evals=self.evals.points, target_accuracy=self.config.run.target_accuracy,
+            stopped=self.stop_reason,
         )
         self.out.summary(summary)
         self.out.close()
@@ -221,9 +237,9 @@ class Orchestrator:
         cfg = self.config
         delivered = anyio.Event()
         delivered.set()
-        step = 1
+        step = self.first_step
         async with anyio.create_task_group() as deliveries:
-            while step <= cfg.run.num_steps:
+            while step <= cfg.run.num_steps and not self.stop_reason:
                 self.training.switch("wait_data", self.version)
                 t0 = time.perf_counter()
                 groups = await self.queue.take(cfg.trainer.groups_per_step,
@@ -266,6 +282,9 @@ class Orchestrator:
                 bar.update(row)
                 if self.auto_layout is not None and not self.auto_layout.choice:
                     await self.auto_layout.after_step(step, results)
+                every = cfg.run.checkpoint_every
+                if every and step % every == 0 and step < cfg.run.num_steps:
+                    await self.checkpoint(time.perf_counter() - self.evals.started)
                 step += 1
             self.training.switch("weight_publish")  # the last delivery, awaited on exit
 
@@ -301,6 +320,42 @@ class Orchestrator:
         self.out.eval(point)
         print(describe(point))
         return point
+
+    # ---- stopping, checkpoints, resuming ------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        """Ends the run cleanly after the step in progress: no new step starts."""
+        if not self.stop_reason:
+            self.stop_reason = reason
+            print(f"{reason}: stopping after the current step (again to stop at once)")
+
+    async def checkpoint(self, wall_s: float) -> None:
+        """A checkpoint of the last completed step: prompts admitted but not trained
+        (in flight, queued or re-queued) are saved to be issued again."""
+        reissue = (*self.requeued, *self.open_prompts.values())
+        state = RunState(
+            step=self.version, version=self.version,
+            gate=self.gate.snapshot(in_flight=len(self.open_prompts)),
+            source=self.source.state(), reissue=reissue,
+            counters=self.totals.counters(), evals=tuple(self.evals.points),
+            wall_s=wall_s, files=self.out.positions,
+        )
+        await write_checkpoint(self.out.path, state, self.trainers[0].save_checkpoint,
+                               keep=self.config.run.keep_checkpoints)
+
+    def restore(self, state: RunState) -> None:
+        """Continues from a checkpoint: its version (the workers were started from its
+        weights), counters and cursor; its unfinished prompts are issued first."""
+        self.version = state.version
+        self.first_step = state.step + 1
+        self.wall_offset = state.wall_s
+        self.gate.restore(state.gate)
+        self.source.restore(state.source)
+        self.totals.restore(state.counters)
+        self.evals.points.extend(state.evals)
+        for prompt in state.reissue:
+            self._ledger(prompt, "requeued", reason="resume")
+            self.requeued.append(msgspec.structs.replace(prompt, attempt=prompt.attempt + 1))
 
     # ---- observation -------------------------------------------------------------------
 

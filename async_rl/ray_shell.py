@@ -10,10 +10,13 @@ here decides anything about it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
+import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -21,6 +24,7 @@ import msgspec
 import ray
 from ray.util.placement_group import remove_placement_group
 
+from async_rl.checkpoint import TRAINER, latest_checkpoint
 from async_rl.config import Config
 from async_rl.launch import StartedWorkers, build_task, launch_workers
 from async_rl.orchestrator import Orchestrator, Workers
@@ -116,6 +120,9 @@ class RayTrainer(_Actor):
     async def save(self, out_dir: str) -> None:
         await self.handle.save.remote(out_dir)
 
+    async def save_checkpoint(self, out_dir: str) -> None:
+        await self.handle.save_checkpoint.remote(out_dir)
+
 
 class RayWeights:
     """A ``WeightPath`` over ``workers.weights.WeightBroadcast`` and the rollout handles."""
@@ -160,37 +167,101 @@ async def _shutdown(started: StartedWorkers) -> None:
             os.unlink(started.board_path)
 
 
-def run_training(config: Config) -> RunSummary:
-    """Starts (or joins) Ray, runs the job, and always shuts Ray down if it started it."""
+class RunInterrupted(Exception):
+    """A signal ended the run at once (a second one, or one during start-up): no
+    checkpoint of the step in progress."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class StopSignals:
+    """SIGINT and SIGTERM during a run: the first asks the orchestrator to stop cleanly
+    after the current step (before it exists, during start-up, there is nothing to save:
+    the run stops at once); a second one stops the run at once."""
+
+    def __init__(self) -> None:
+        self.run: anyio.CancelScope | None = None
+        """The scope of the whole run, cancelled to stop at once (set in the event loop)."""
+        self.received: list[int] = []
+        self.orchestrator: Orchestrator | None = None
+
+    async def watch(self) -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async for signum in signals:
+                self.received.append(signum)
+                if len(self.received) == 1 and self.orchestrator is not None:
+                    self.orchestrator.request_stop(signal.Signals(signum).name)
+                elif self.run is not None:
+                    self.run.cancel()
+                    return
+
+
+def _start_ray(config: Config) -> None:
+    needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
+              + config.trainer.num_shards * config.trainer.cpus_per_shard)
+    if config.run.ray_address:
+        ray.init(address=config.run.ray_address, namespace=NAMESPACE)
+    else:
+        # "local": a new Ray for this run, never one already running on the machine.
+        ray.init(address="local", num_cpus=max(config.run.num_cpus, needed),
+                 include_dashboard=False, _node_ip_address="127.0.0.1", namespace=NAMESPACE)
+
+
+def run_training(config: Config, *, resume: bool = False) -> RunSummary:
+    """Starts (or joins) Ray, runs the job, and always shuts Ray down if it started it.
+
+    ``resume``: continue ``run.output_dir`` from its newest good checkpoint (workers start
+    from its weights; its unfinished prompts are issued again). Raises
+    ``CheckpointError`` when there is none, ``RunInterrupted`` on a second stop signal.
+    """
+    checkpoint = latest_checkpoint(Path(config.run.output_dir)) if resume else None
+    workers_config = config
+    if checkpoint is not None:
+        print(f"resuming {config.run.output_dir} from {checkpoint[0].name} "
+              f"(version {checkpoint[1].version})")
+        model = msgspec.structs.replace(config.model, path=str(checkpoint[0] / TRAINER))
+        workers_config = msgspec.structs.replace(config, model=model)
     started_ray = not ray.is_initialized()
     if started_ray:
-        needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
-                  + config.trainer.num_shards * config.trainer.cpus_per_shard)
-        if config.run.ray_address:
-            ray.init(address=config.run.ray_address, namespace=NAMESPACE)
-        else:
-            # "local": a new Ray for this run, never one already running on the machine.
-            ray.init(address="local", num_cpus=max(config.run.num_cpus, needed),
-                     include_dashboard=False,
-                     _node_ip_address="127.0.0.1", namespace=NAMESPACE)
-    out = RunWriter(config.run.output_dir, config)
+        _start_ray(config)
+    out = RunWriter(config.run.output_dir, config,
+                    positions=checkpoint[1].files if checkpoint else None)
     source, reward_fn, eval_prompts = build_task(config)
+    stops = StopSignals()
 
-    async def main() -> RunSummary:
+    async def main() -> RunSummary | None:
         started = StartedWorkers()
         try:
-            started = await launch_workers(config, reward_fn)
-            print(registry_table(started.identities))
-            out.workers(started.identities)
-            orchestrator = Orchestrator(config, out, source, eval_prompts,
-                                        adapt(started))
-            return await orchestrator.run()
+            with anyio.CancelScope() as stops.run:
+                async with anyio.create_task_group() as signals:
+                    signals.start_soon(stops.watch)
+                    started = await launch_workers(
+                        workers_config, reward_fn,
+                        version=checkpoint[1].version if checkpoint else 0)
+                    print(registry_table(started.identities))
+                    out.workers(started.identities)
+                    orchestrator = Orchestrator(config, out, source, eval_prompts,
+                                                adapt(started))
+                    if checkpoint is not None:
+                        await asyncio.gather(*(t.load_training_state.remote(
+                            workers_config.model.path) for t in started.trainers))
+                        orchestrator.restore(checkpoint[1])
+                    stops.orchestrator = orchestrator
+                    summary = await orchestrator.run()
+                    signals.cancel_scope.cancel()
+                return summary
+            return None  # cancelled by a signal
         finally:
-            await _shutdown(started)
+            with anyio.CancelScope(shield=True):
+                await _shutdown(started)
 
     try:
-        return anyio.run(main)
+        summary = anyio.run(main)
     finally:
         if started_ray:
             ray.shutdown()
-
+    if summary is None:
+        raise RunInterrupted(stops.received[-1])
+    return summary

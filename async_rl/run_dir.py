@@ -81,6 +81,10 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     lost_steps: int = 0
     """Steps taken again because a shard could not fetch its groups (their rollout
     worker died); their prompts ran again."""
+    restarts: int = 0
+    """Rollout workers started again after dying or breaking."""
+    stopped: str = ""
+    """Why the run stopped before ``run.num_steps`` (e.g. "SIGINT"); "" when it finished."""
     max_staleness: int
     # Defaults: summaries written before periodic evaluation existed still read.
     samples_trained: int = 0
@@ -94,29 +98,54 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     """Every evaluation of the run, as in eval.jsonl."""
 
 
+class FilePositions(msgspec.Struct, frozen=True, kw_only=True):
+    """Lines in each of a run's JSONL files at one moment (a checkpoint's)."""
+
+    metrics: int
+    ledger: int
+    evals: int
+
+
 class RunWriter:
     """Appends a run's records to its directory as they happen (crash-safe: line-flushed)."""
 
-    def __init__(self, out_dir: str | Path, config: Config) -> None:
+    def __init__(self, out_dir: str | Path, config: Config,
+                 positions: FilePositions | None = None) -> None:
+        """A new run directory, or with ``positions`` an existing one continued from a
+        checkpoint: each JSONL file cut back to the lines it had then, appended after."""
         self.path = Path(out_dir)
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / CONFIG).write_text(to_toml(config))
         self._encoder = msgspec.json.Encoder()
-        self._metrics: IO[bytes] = open(self.path / METRICS, "wb")  # noqa: SIM115
-        self._ledger: IO[bytes] = open(self.path / LEDGER, "wb")  # noqa: SIM115
-        self._evals: IO[bytes] = open(self.path / EVALS, "wb")  # noqa: SIM115
+        self.positions = positions or FilePositions(metrics=0, ledger=0, evals=0)
+        """Lines written to each JSONL file so far (checkpoints record them)."""
+        self._metrics = self._open(METRICS, self.positions.metrics, positions is not None)
+        self._ledger = self._open(LEDGER, self.positions.ledger, positions is not None)
+        self._evals = self._open(EVALS, self.positions.evals, positions is not None)
+
+    def _open(self, name: str, keep: int, resume: bool) -> IO[bytes]:
+        path = self.path / name
+        if resume:
+            path.write_bytes(b"".join(path.read_bytes().splitlines(keepends=True)[:keep]))
+        return open(path, "ab" if resume else "wb")
+
+    def _advance(self, **lines: int) -> None:
+        self.positions = msgspec.structs.replace(self.positions, **lines)
 
     def metrics(self, row: dict[str, Any]) -> None:
         self._metrics.write(self._encoder.encode(row) + b"\n")
         self._metrics.flush()
+        self._advance(metrics=self.positions.metrics + 1)
 
     def ledger(self, entry: LedgerEntry) -> None:
         self._ledger.write(self._encoder.encode(entry) + b"\n")
         self._ledger.flush()
+        self._advance(ledger=self.positions.ledger + 1)
 
     def eval(self, point: EvalPoint) -> None:
         self._evals.write(self._encoder.encode(point) + b"\n")
         self._evals.flush()
+        self._advance(evals=self.positions.evals + 1)
 
     def spans(self, spans: list[Span]) -> None:
         (self.path / SPANS).write_bytes(b"".join(self._encoder.encode(s) + b"\n" for s in spans))

@@ -21,6 +21,22 @@ from buffers.balance import StepPlan
 from buffers.queue_records import ReplayQueueStatistics
 
 
+class Counters(msgspec.Struct, frozen=True, kw_only=True):
+    """``StepTotals`` as saved: every failure class and throughput counter."""
+
+    groups_trained: int
+    samples_trained: int
+    tokens_trained: int
+    dropped_stale: int
+    rollout_failures: int
+    reward_failures: int
+    nonfinite_steps: int
+    retired_workers: int
+    lost_steps: int
+    restarts: int
+    staleness: dict[int, int]
+
+
 class StepTotals:
     """Counters the orchestrator bumps during a run."""
 
@@ -34,12 +50,29 @@ class StepTotals:
         self.nonfinite_steps = 0
         self.retired_workers = 0
         self.lost_steps = 0
+        self.restarts = 0
         self.staleness: Counter[int] = Counter()
+
+    def counters(self) -> Counters:
+        """The totals as a checkpoint keeps them."""
+        return Counters(
+            groups_trained=self.groups_trained, samples_trained=self.samples_trained,
+            tokens_trained=self.tokens_trained, dropped_stale=self.dropped_stale,
+            rollout_failures=self.rollout_failures, reward_failures=self.reward_failures,
+            nonfinite_steps=self.nonfinite_steps, retired_workers=self.retired_workers,
+            lost_steps=self.lost_steps, restarts=self.restarts,
+            staleness=dict(self.staleness))
+
+    def restore(self, counters: Counters) -> None:
+        for name in Counters.__struct_fields__:
+            if name != "staleness":
+                setattr(self, name, getattr(counters, name))
+        self.staleness = Counter(counters.staleness)
 
     def summary(self, *, wall_s: float, final_version: int, accuracy_start: float | None,
                 accuracy_end: float | None, max_staleness: int, rollout_version: int,
-                evals: Sequence[EvalPoint] = (), target_accuracy: float = 0.8
-                ) -> RunSummary:
+                evals: Sequence[EvalPoint] = (), target_accuracy: float = 0.8,
+                stopped: str = "") -> RunSummary:
         top = max(self.staleness, default=0)
         reached = first_at_target(evals, target_accuracy)
         return RunSummary(
@@ -60,6 +93,8 @@ class StepTotals:
             nonfinite_steps=self.nonfinite_steps,
             retired_workers=self.retired_workers,
             lost_steps=self.lost_steps,
+            restarts=self.restarts,
+            stopped=stopped,
             max_staleness=max_staleness,
             samples_trained=self.samples_trained,
             target_accuracy=target_accuracy,

@@ -75,6 +75,7 @@ class RolloutWorker:
         ignore_eos: bool = False,
         record_spans: bool = True,
         core_board: str = "",
+        version: int = 0,
     ) -> None:
         """Cheap: records the arguments; ``start()`` builds the engine.
 
@@ -90,6 +91,8 @@ class RolloutWorker:
             benchmarks and tests); greedy evaluation always stops at EOS.
         core_board: the run.layout busy board (``workers.core_share``): this worker's
             byte says when its engine is busy, so a sharing trainer keeps off its cores.
+        version: policy version of the weights at ``model.path`` (a resumed run starts
+            its engines from the checkpoint of that version).
         """
         self._rank, self._model, self._rollout = rank, model, rollout
         self._weights, self._reward_fn, self._seed = weights, reward_fn, seed
@@ -117,7 +120,7 @@ class RolloutWorker:
         self._quiet_idle = False  # stop the engine's idle spin (see _stop_spinning_soon)
         self._quiet_tasks: set[asyncio.Task[None]] = set()
 
-        self._version = 0
+        self._version = version
         self._groups = self._samples = self._tokens = 0
         self._reward_failures = self._weight_updates = 0
         self._engine_start_s = self._warmup_s = 0.0
@@ -133,7 +136,7 @@ class RolloutWorker:
                                     seed=self._seed, cpu_ids=self._cpu_ids,
                                     kv_cache_gib=self._kv_cache_gib,
                                     prefix_caching=self._prefix_caching)
-        # The engine labels every step's tokens with this; label the initial weights 0.
+        # The engine labels every step's tokens with this: the version of model.path.
         await self._engine.update_weight_version(str(self._version))
         self._quiet_idle = await quiet_idle_reads(self._engine)
         cfg = self._rollout

@@ -14,6 +14,7 @@ import os
 import time
 from collections.abc import Sequence
 from datetime import timedelta
+from pathlib import Path
 
 import numpy as np
 import safetensors.torch
@@ -37,6 +38,8 @@ from workers.packing import pack, packed_logprobs, padded_logprobs, use_packed_a
 from workers.usage import UsageMeter
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TRAINING_STATE = "training_state.pt"
+"""Optimizer and RNG state, beside the model in a checkpoint's trainer folder."""
 _NO_LOSS = LossStats(tokens=0, loss_sum=0.0, clipped=0, is_weight_sum=0.0,
                      is_weight_sq_sum=0.0, is_weight_max=0.0, kl_sum=0.0)
 
@@ -306,6 +309,26 @@ class TrainerShard:
     def save(self, out_dir: str) -> None:
         """Writes the current policy in Hugging Face format (model only)."""
         self.module.save_pretrained(out_dir)  # type: ignore[operator]
+
+    def save_checkpoint(self, out_dir: str) -> None:
+        """The policy as a Hugging Face model with its tokenizer (a resumed run's rollout
+        engines start from it), plus the optimizer and RNG state (``TRAINING_STATE``).
+
+        Shards are replicas (DDP), so shard 0's copy is the checkpoint.
+        """
+        from transformers import AutoTokenizer
+
+        self.save(out_dir)
+        AutoTokenizer.from_pretrained(self.model_config.path).save_pretrained(out_dir)
+        torch.save({"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()},
+                   Path(out_dir) / TRAINING_STATE)
+
+    def load_training_state(self, checkpoint_dir: str) -> None:
+        """Restores the optimizer and RNG state saved by ``save_checkpoint`` (the weights
+        came with ``model.path`` pointing at the same folder)."""
+        state = torch.load(Path(checkpoint_dir) / TRAINING_STATE, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
 
     def shutdown(self) -> None:
         if dist.is_initialized():

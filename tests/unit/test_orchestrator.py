@@ -17,6 +17,7 @@ import anyio
 import msgspec
 import pytest
 
+from async_rl.checkpoint import latest_checkpoint
 from async_rl.config import Config
 from async_rl.orchestrator import Orchestrator, Workers
 from async_rl.protocols import RolloutFailed
@@ -117,7 +118,11 @@ class FakeTrainer:
         return 1.0
 
     async def save(self, out_dir: str) -> None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+
+    async def save_checkpoint(self, out_dir: str) -> None:
         Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "steps.json").write_text(json.dumps(self.steps))
 
     async def usage(self) -> UsageReading:
         return UsageReading(wall=0.0, cpu_s=0.0)
@@ -162,12 +167,31 @@ def config(tmp_path: Path, *, steps: int = 6, max_staleness: int = 1, groups: in
 
 
 def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer],
-        *, weights: FakeWeights | None = None) -> RunSummary:
+        *, weights: FakeWeights | None = None, stop_after: int = 0,
+        resume: bool = False) -> RunSummary:
+    """One run on fresh fakes; ``stop_after``: request a clean stop once that many
+    steps have trained; ``resume``: continue the run directory's newest checkpoint."""
     task = ArithmeticTask(seed=0)
     workers = Workers(rollout=dict(rollout), trainers=list(trainers),
                       weights=weights or FakeWeights(rollout))
-    orchestrator = Orchestrator(cfg, RunWriter(cfg.run.output_dir, cfg), task,
-                                task.eval_prompts(cfg.task.eval_size), workers)
+    state = latest_checkpoint(Path(cfg.run.output_dir))[1] if resume else None
+    out = RunWriter(cfg.run.output_dir, cfg, positions=state.files if state else None)
+    orchestrator = Orchestrator(cfg, out, task, task.eval_prompts(cfg.task.eval_size),
+                                workers)
+    if state is not None:
+        orchestrator.restore(state)
+        for fake in rollout.values():
+            fake.version_now = state.version  # engines start from the checkpoint
+    if stop_after:
+        train = trainers[0].train
+
+        async def train_then_stop(batch: ShardBatch) -> ShardStepResult:
+            result = await train(batch)
+            if batch.step == stop_after:
+                orchestrator.request_stop("SIGINT")
+            return result
+
+        trainers[0].train = train_then_stop  # type: ignore[method-assign]
 
     async def main() -> RunSummary:
         with anyio.fail_after(20):
@@ -277,3 +301,27 @@ def test_a_step_with_lost_samples_trains_nothing_and_its_prompts_run_again(
             if any(e.get("reason") == "samples_lost" for e in h)]
     assert len(lost) == cfg.trainer.groups_per_step  # the whole step's groups
     assert all(any(e["event"] == "trained" for e in events[p]) for p in lost)
+
+
+def test_a_stopped_run_resumes_with_nothing_lost_or_trained_twice(tmp_path: Path) -> None:
+    cfg = config(tmp_path, steps=6, max_staleness=2)
+    first = run(cfg, {0: FakeRollout(0)}, [FakeTrainer(0)], stop_after=3)
+    assert first.stopped == "SIGINT" and first.steps == first.final_version == 3
+    assert not (tmp_path / "eval.jsonl").read_text().count('"step":6')
+
+    trainer = FakeTrainer(0)
+    second = run(cfg, {0: FakeRollout(0)}, [trainer], resume=True)
+    assert second.stopped == "" and second.steps == second.final_version == 6
+    assert trainer.steps == [4, 5, 6]  # the resumed run started after the checkpoint
+    assert second.groups_trained == 6 * cfg.trainer.groups_per_step  # counters carried
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4, 5, 6]  # no duplicate step rows
+    events = ledger(tmp_path)
+    counts = trained_once_or_unfinished(events)
+    assert counts["trained"] == 6 * cfg.trainer.groups_per_step
+    # At η = 2 prompts were in flight at the stop: issued again, with the reason.
+    resumed = [p for p, h in events.items() if any(e["reason"] == "resume" for e in h)]
+    assert resumed
+    assert all(events[p][-1]["event"] in ("trained", "unfinished") for p in resumed)
+    # The staleness bound holds across the resume (versions continue from 3).
+    assert len(second.staleness_histogram) <= 3
