@@ -35,9 +35,10 @@ from async_rl.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.launch import build_task, launch_workers
 from async_rl.progress import RunProgress
 from async_rl.records import BroadcastTiming, Group, LedgerEntry, Prompt, ShardStepResult
-from async_rl.run_dir import FINAL_MODEL, EvalPoint, RunSummary, RunWriter
+from async_rl.run_dir import FINAL_MODEL, WORKERS_LOG, EvalPoint, RunSummary, RunWriter
 from async_rl.spans import Span, SpanRecorder
 from async_rl.step_metrics import StepTotals, step_row
+from async_rl.worker_logs import ray_options
 from buffers.queue_records import Dropped
 from buffers.replay_queue import ReplayQueue
 from buffers.staleness import AdmissionGate
@@ -352,17 +353,21 @@ class Controller:
                 os.unlink(self.board_path)
 
 
-def run_training(config: Config) -> RunSummary:
-    """Starts (or joins) Ray, runs the job, and always shuts Ray down if it started it."""
+def run_training(config: Config, *, verbose: bool = False) -> RunSummary:
+    """Starts (or joins) Ray, runs the job, and always shuts Ray down if it started it.
+
+    Workers' output goes to RUN_DIR/workers.log, only their warnings and errors to the
+    console, unless ``verbose``."""
     started_ray = not ray.is_initialized()
     if started_ray:
         needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
                   + config.trainer.num_shards * config.trainer.cpus_per_shard)
+        console = ray_options(os.path.join(config.run.output_dir, WORKERS_LOG), verbose)
         if config.run.ray_address:
-            ray.init(address=config.run.ray_address, namespace=NAMESPACE)
+            ray.init(address=config.run.ray_address, namespace=NAMESPACE, **console)
         else:
             ray.init(num_cpus=max(config.run.num_cpus, needed), include_dashboard=False,
-                     _node_ip_address="127.0.0.1", namespace=NAMESPACE)
+                     _node_ip_address="127.0.0.1", namespace=NAMESPACE, **console)
     controller = Controller(config)
 
     async def main() -> RunSummary:

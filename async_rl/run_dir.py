@@ -1,7 +1,9 @@
-"""The run directory: resolved config, per-step metrics, the prompt ledger, evaluations,
-the summary.
+"""The run directory: resolved config, experiment record, per-step metrics, the prompt
+ledger, evaluations, the summary.
 
-Owns: file names and formats of a run's outputs (TOML, JSONL of msgspec records, JSON).
+Owns: file names and formats of a run's outputs (TOML, JSONL of msgspec records, JSON),
+and handing metrics, evaluations and the summary on to the optional loggers of
+``run.loggers`` (metrics.jsonl is always written and stays the source of truth).
 Knows nothing about how the figures are produced.
 """
 
@@ -12,8 +14,11 @@ from typing import IO, Any
 
 import msgspec
 
+from async_rl import run_record
 from async_rl.config import Config, to_toml
+from async_rl.loggers import open_loggers, scalars, summary_scalars
 from async_rl.records import LedgerEntry
+from async_rl.run_record import RunRecord
 from async_rl.spans import Span
 
 CONFIG = "config.toml"
@@ -23,6 +28,8 @@ SUMMARY = "summary.json"
 EVALS = "eval.jsonl"
 SPANS = "spans.jsonl"
 USAGE = "usage.json"
+RUN_RECORD = "run.json"
+WORKERS_LOG = "workers.log"
 FINAL_MODEL = "final_model"
 
 
@@ -90,20 +97,34 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RunWriter:
-    """Appends a run's records to its directory as they happen (crash-safe: line-flushed)."""
+    """Appends a run's records to its directory as they happen (crash-safe: line-flushed).
+
+    Writes run.json (the experiment record) when created and again, with the end time,
+    when closed.
+    """
 
     def __init__(self, out_dir: str | Path, config: Config) -> None:
         self.path = Path(out_dir)
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / CONFIG).write_text(to_toml(config))
         self._encoder = msgspec.json.Encoder()
+        self.record = run_record.collect(config)
+        self._write_record()
         self._metrics: IO[bytes] = open(self.path / METRICS, "wb")  # noqa: SIM115
         self._ledger: IO[bytes] = open(self.path / LEDGER, "wb")  # noqa: SIM115
         self._evals: IO[bytes] = open(self.path / EVALS, "wb")  # noqa: SIM115
+        self._loggers = open_loggers(config.run.loggers, self.path, config)
+
+    def _write_record(self) -> None:
+        (self.path / RUN_RECORD).write_bytes(msgspec.json.format(self._encoder.encode(self.record)))
 
     def metrics(self, row: dict[str, Any]) -> None:
         self._metrics.write(self._encoder.encode(row) + b"\n")
         self._metrics.flush()
+        if self._loggers:
+            values = scalars(row, "train")
+            for logger in self._loggers:
+                logger.metrics(row["step"], values)
 
     def ledger(self, entry: LedgerEntry) -> None:
         self._ledger.write(self._encoder.encode(entry) + b"\n")
@@ -112,6 +133,8 @@ class RunWriter:
     def eval(self, point: EvalPoint) -> None:
         self._evals.write(self._encoder.encode(point) + b"\n")
         self._evals.flush()
+        for logger in self._loggers:
+            logger.eval(point)
 
     def spans(self, spans: list[Span]) -> None:
         (self.path / SPANS).write_bytes(b"".join(self._encoder.encode(s) + b"\n" for s in spans))
@@ -122,11 +145,19 @@ class RunWriter:
 
     def summary(self, summary: RunSummary) -> None:
         (self.path / SUMMARY).write_bytes(msgspec.json.format(self._encoder.encode(summary)))
+        if self._loggers:
+            values = summary_scalars(summary)
+            for logger in self._loggers:
+                logger.summary(values)
 
     def close(self) -> None:
         self._metrics.close()
         self._ledger.close()
         self._evals.close()
+        for logger in self._loggers:
+            logger.close()
+        self.record = msgspec.structs.replace(self.record, ended=run_record.now())
+        self._write_record()
 
 
 def read_ledger(run_dir: str | Path) -> list[LedgerEntry]:
@@ -148,3 +179,9 @@ def read_evals(run_dir: str | Path) -> list[EvalPoint]:
 
 def read_summary(run_dir: str | Path) -> RunSummary:
     return msgspec.json.decode((Path(run_dir) / SUMMARY).read_bytes(), type=RunSummary)
+
+
+def read_record(run_dir: str | Path) -> RunRecord | None:
+    """The run's experiment record; None for runs written before run.json existed."""
+    path = Path(run_dir) / RUN_RECORD
+    return msgspec.json.decode(path.read_bytes(), type=RunRecord) if path.exists() else None
