@@ -366,8 +366,10 @@ def run_training(config: Config, *, verbose: bool = False) -> RunSummary:
         if config.run.ray_address:
             ray.init(address=config.run.ray_address, namespace=NAMESPACE, **console)
         else:
-            ray.init(num_cpus=max(config.run.num_cpus, needed), include_dashboard=False,
-                     _node_ip_address="127.0.0.1", namespace=NAMESPACE, **console)
+            # address="local": a new cluster even when `ray start` left one running.
+            ray.init(address="local", num_cpus=max(config.run.num_cpus, needed),
+                     include_dashboard=False, _node_ip_address="127.0.0.1",
+                     namespace=NAMESPACE, **console)
     controller = Controller(config)
 
     async def main() -> RunSummary:

@@ -159,9 +159,9 @@ def run_sweep(config_path: str, grid: Grid, *, out: str | Path, steps: int | Non
     for number, trial in enumerate(planned, 1):
         label = ", ".join(f"{key} = {value}" for key, value in trial.values)
         label += f" (repeat {trial.repeat})" if trial.repeat else ""
-        print(f"[{number}/{len(planned)}] {label}: running", flush=True)
+        print(f"[{number}/{len(planned)}] {label}: ", end="", flush=True)
         result = run_trial(config_path, trial, out / trial.name, overrides, steps)
-        print(f"[{number}/{len(planned)}] {label}: {describe(result)}", flush=True)
+        print(describe(result), flush=True)
         results.append(result)
         rows = [trial_row(r.run_dir, dict(r.trial.values), repeat=r.trial.repeat,
                           status=r.status, error=r.error) for r in results]

@@ -72,13 +72,16 @@ def _number(value: float | None, spec: str) -> str:
 
 
 def print_table(rows: Sequence[Row], keys: Sequence[str], title: str) -> None:
-    table = Table(title=title)
-    for column in (*keys, "groups/s", "tokens/s", "trainer idle (top cause)",
-                   "rollout idle (top cause)", "mean stale", "stale drops", "final acc",
-                   "time to target", "status"):
-        table.add_column(column, justify="left" if column in keys else "right")
+    """The figures of every trial, then each failed trial's error on a line of its own."""
+    names = [key.partition(".")[2] for key in keys]
+    if len(set(names)) < len(names):  # e.g. run.seed and task.seed: keep the sections
+        names = list(keys)
+    table = Table(title=title, caption="idle: share of the run and its top cause; drops: "
+                  "groups dropped as too stale; to target: time to run.target_accuracy")
+    for column in (*names, "groups/s", "tokens/s", "trainer idle", "rollout idle",
+                   "mean stale", "drops", "final acc", "to target", "status"):
+        table.add_column(column, justify="left" if column in names else "right", no_wrap=True)
     for row in rows:
-        status = row["status"] if row["status"] != "failed" else f"failed: {row['error']}"
         target = row["time_to_target_s"]
         table.add_row(
             *(str(row[key]) for key in keys),
@@ -88,9 +91,14 @@ def print_table(rows: Sequence[Row], keys: Sequence[str], title: str) -> None:
             _number(row["accuracy_end"], ".3f"),
             f"{target:.1f}s" if target is not None else
             ("not reached" if row["groups_per_s"] is not None else ""),
-            status,
+            row["status"].replace("finished_earlier", "earlier run"),
         )
-    wide_console().print(table)
+    out = wide_console()
+    out.print(table)
+    for row in rows:
+        if row["error"]:
+            out.print(f"failed: {Path(row['run_dir']).name}: {row['error']}", markup=False,
+                      highlight=False)
 
 
 def write_plot(path: Path, rows: Sequence[Row], grid: dict[str, tuple[str, ...]]) -> None:
@@ -116,6 +124,7 @@ def write_plot(path: Path, rows: Sequence[Row], grid: dict[str, tuple[str, ...]]
                      if (ys := [y for px, y in points if px == x])]
             axis.plot([x for x, _ in means], [m for _, m in means], color=colour)
         ax.set_xticks(range(len(values)), values)
+        ax.set_xlim(-0.5, len(values) - 0.5)
         ax.set_xlabel(key)
         ax.set_ylabel("groups/s", color="#1565c0")
         accuracy_ax.set_ylabel("final accuracy", color="#ef6c00")

@@ -115,6 +115,7 @@ def test_sweep_records_a_failed_trial_and_skips_a_finished_one(
     assert done["trainer_top_cause"] == "wait_data" and done["rollout_top_cause"] == ""
     assert done["time_to_target_s"] == ""
     assert "25% wait_data" in printed and "20.00" in printed and "not reached" in printed
+    assert "failed: staleness.max_staleness=-1: config error: " in printed
     assert (out / SWEEP_PNG).read_bytes()[:4] == b"\x89PNG"
 
 
