@@ -38,8 +38,9 @@ from workers.usage import UsageReading, busy_fraction
 TRACE = "trace.json"
 TIMELINE = "timeline.png"
 IDLE_JSON = "idle.json"
-NOT_COMPARED = ("config run.output_dir", "record started", "record ended")
-"""Differ between any two runs, so they say nothing about why their figures differ."""
+NOT_COMPARED = ("config run.output_dir", "record started", "record ended", "record command")
+"""Differ between any two runs, so they say nothing about why their figures differ (the
+command's --set values show up as config differences)."""
 
 
 def read_spans(run_dir: str | Path) -> list[Span]:
@@ -219,7 +220,7 @@ def _flatten(tree: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 def _text(value: Any) -> str:
     if value is None:
         return "-"
-    return " ".join(map(str, value)) if isinstance(value, list) else str(value)
+    return " ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
 
 
 def differences(run_dirs: Sequence[Path]) -> Table | None:

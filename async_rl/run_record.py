@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.metadata
 import os
 import platform
+import shlex
 import socket
 import subprocess
 import sys
@@ -174,7 +175,7 @@ def describe(record: RunRecord) -> list[str]:
     gpu = (f"{len(hw.gpus)} x {hw.gpus[0].name}, driver {hw.gpu_driver}" if hw.gpus
            else "no GPU")
     return [
-        f"command: {' '.join(record.command)}",
+        f"command: {shlex.join(record.command)}",
         f"source: {source}; python {record.python}; "
         + ", ".join(f"{name} {version}" for name, version in record.packages.items()),
         f"hardware: {hw.cpu_model}, {hw.cpu_usable}/{hw.cpu_cores} cores, "
