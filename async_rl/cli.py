@@ -60,7 +60,8 @@ def _parser() -> argparse.ArgumentParser:
     )
 
     report = commands.add_parser(
-        "report", help="rebuild a run's idle table, trace and timeline; two runs side by side"
+        "report", help="a run's record (run.json), idle table, trace and timeline; for two "
+                       "runs what differs in config and record, then their figures side by side"
     )
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="one or more run directories")
 

@@ -14,11 +14,10 @@ from typing import IO, Any
 
 import msgspec
 
-from async_rl import run_record
 from async_rl.config import Config, to_toml
 from async_rl.loggers import open_loggers, scalars, summary_scalars
 from async_rl.records import LedgerEntry
-from async_rl.run_record import RunRecord
+from async_rl.run_record import RunRecord, collect, now
 from async_rl.spans import Span
 
 CONFIG = "config.toml"
@@ -108,7 +107,7 @@ class RunWriter:
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / CONFIG).write_text(to_toml(config))
         self._encoder = msgspec.json.Encoder()
-        self.record = run_record.collect(config)
+        self.record = collect(config)
         self._write_record()
         self._metrics: IO[bytes] = open(self.path / METRICS, "wb")  # noqa: SIM115
         self._ledger: IO[bytes] = open(self.path / LEDGER, "wb")  # noqa: SIM115
@@ -156,7 +155,7 @@ class RunWriter:
         self._evals.close()
         for logger in self._loggers:
             logger.close()
-        self.record = msgspec.structs.replace(self.record, ended=run_record.now())
+        self.record = msgspec.structs.replace(self.record, ended=now())
         self._write_record()
 
 

@@ -126,6 +126,8 @@ def main() -> None:
     # Ctrl-C stops the run; the relay must still drain what the workers write last.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     log_path, pid = sys.argv[1], sys.argv[2]
+    # On a multi-node cluster the driver's path is made on each node for its workers.
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "ab") as log:
         relay(sys.stdin.buffer, log, sys.stdout.buffer, pid,
               LineRouter(verbose=os.environ.get(VERBOSE_ENV) == "1"))
