@@ -1,4 +1,4 @@
-"""The `async-rl` command line: config show, make-model, train.
+"""The `async-rl` command line: config show, make-model, train, report, sweep.
 
 Owns: argument parsing and turning user errors into exit status 2 with one line. Knows
 nothing about how a run works; each command calls one function of the library, imported
@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from async_rl.config import Config, ConfigError, load_config, to_toml
+from async_rl.loggers import check_installed
 from async_rl.run_dir import CONFIG, SPANS
 
 
@@ -53,6 +54,11 @@ def _parser() -> argparse.ArgumentParser:
     train = commands.add_parser("train", help="run async GRPO")
     train.add_argument("config", nargs="?", help="TOML config file (not with --resume)")
     _add_overrides(train)
+    train.add_argument(
+        "--verbose", action="store_true",
+        help="show every line the workers print (default: RUN_DIR/workers.log holds them, "
+             "the console shows their warnings and errors)",
+    )
     existing = train.add_mutually_exclusive_group()
     existing.add_argument("--resume", metavar="RUN_DIR",
                           help="continue RUN_DIR from its newest good checkpoint, with its "
@@ -61,9 +67,28 @@ def _parser() -> argparse.ArgumentParser:
                           help="replace an existing run directory")
 
     report = commands.add_parser(
-        "report", help="rebuild a run's idle table, trace and timeline; two runs side by side"
+        "report", help="a run's record (run.json), idle table, trace and timeline; for two "
+                       "runs what differs in config and record, then their figures side by side"
     )
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="one or more run directories")
+
+    sweep = commands.add_parser(
+        "sweep", help="train once per point of a grid of config values, one run after another"
+    )
+    sweep.add_argument("config", help="TOML config file")
+    sweep.add_argument(
+        "--grid", action="append", required=True, metavar="SECTION.KEY=V1,V2",
+        help="values of one key to sweep (repeatable: every combination runs); "
+             "commas inside [...] belong to a list value",
+    )
+    sweep.add_argument("--steps", type=_positive_int, default=None,
+                       help="run.num_steps of every trial")
+    sweep.add_argument("--repeat", type=_positive_int, default=1,
+                       help="runs of each grid point (to see timing noise)")
+    sweep.add_argument("--out", default=None,
+                       help="sweep directory, one run directory per trial "
+                            "(default: the config's run.output_dir + '-sweep')")
+    _add_overrides(sweep)
     return parser
 
 
@@ -87,6 +112,7 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
 
 def check_inputs(config: Config) -> None:
     """Fails fast, in one line, on inputs that would otherwise fail inside a worker."""
+    check_installed(config.run.loggers)
     model = Path(config.model.path)
     if not (model / "config.json").is_file():
         raise ConfigError(
@@ -146,7 +172,7 @@ def _train(args: argparse.Namespace) -> int:
 
     out = config.run.output_dir
     try:
-        summary = run_training(config, resume=bool(args.resume))
+        summary = run_training(config, resume=bool(args.resume), verbose=args.verbose)
     except CheckpointError as err:
         print(f"resume error: {err}", file=sys.stderr)
         return 2
@@ -187,7 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             return _train(args)
         if args.command == "report":
-            from async_rl.report import compare, print_report
+            from async_rl.report import compare, print_record, print_report
 
             missing = [r for r in args.runs if not (Path(r) / SPANS).exists()]
             if missing:
@@ -195,9 +221,18 @@ def main(argv: Sequence[str] | None = None) -> int:
                       file=sys.stderr)
                 return 2
             if len(args.runs) == 1:
+                print_record(args.runs[0])
                 print_report(args.runs[0])
             else:
                 compare(args.runs)
+            return 0
+        if args.command == "sweep":
+            from async_rl.sweep import parse_grid, run_sweep
+
+            config = load_config(args.config, args.overrides)
+            out = args.out or f"{config.run.output_dir}-sweep"
+            run_sweep(args.config, parse_grid(args.grid), out=out, steps=args.steps,
+                      repeat=args.repeat, overrides=args.overrides)
             return 0
     except ConfigError as err:
         print(str(err), file=sys.stderr)

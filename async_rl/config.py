@@ -208,6 +208,17 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     from the newest good one."""
     keep_checkpoints: Positive = 2
     """Checkpoints kept; older ones are removed once a new one is complete."""
+    loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
+    """Where metrics go: "jsonl" (metrics.jsonl, always written: the reports read it),
+    "tensorboard" (an event file in RUN_DIR/tensorboard) and "wandb" (a W&B run in
+    RUN_DIR/wandb; WANDB_MODE=offline needs no network). The last two need the
+    ``loggers`` extra: pip install 'async-rl[loggers]'."""
+
+    def __post_init__(self) -> None:
+        if "jsonl" not in self.loggers or len(set(self.loggers)) < len(self.loggers):
+            raise _invalid("run.loggers", list(self.loggers),
+                           'must list "jsonl" (always written: the reports read it) '
+                           "and no logger twice")
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -287,11 +298,14 @@ def _one_line(err: msgspec.ValidationError, raw: dict[str, Any]) -> str:
 
 
 def _literal_choices(key: str) -> str:
-    """The allowed values of a Literal-typed field such as ``weights.update_mode``."""
+    """The allowed values of a Literal-typed field such as ``weights.update_mode``, or of
+    an item of a tuple of them (``run.loggers[1]``)."""
     section, _, name = key.partition(".")
+    name, _, index = name.partition("[")
     fields = {f.name: f.type for f in msgspec.structs.fields(Config)}
     inner = {f.name: f.type for f in msgspec.structs.fields(fields[section])}
-    return ", ".join(repr(choice) for choice in get_args(inner[name]))
+    field = get_args(inner[name])[0] if index else inner[name]
+    return ", ".join(repr(choice) for choice in get_args(field))
 
 
 def _parse_value(text: str) -> Any:

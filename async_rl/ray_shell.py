@@ -38,8 +38,9 @@ from async_rl.records import (
     ShardStepResult,
     UsageReading,
 )
-from async_rl.run_dir import RunSummary, RunWriter
+from async_rl.run_dir import WORKERS_LOG, RunSummary, RunWriter
 from async_rl.spans import Span
+from async_rl.worker_logs import ray_options
 from workers.placement import registry_table
 from workers.vllm_engine import RolloutWorkerError
 from workers.weights import Published, WeightBroadcast
@@ -198,19 +199,25 @@ class StopSignals:
                     return
 
 
-def _start_ray(config: Config) -> None:
+def _start_ray(config: Config, verbose: bool) -> None:
     needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
               + config.trainer.num_shards * config.trainer.cpus_per_shard)
+    console = ray_options(os.path.join(config.run.output_dir, WORKERS_LOG), verbose)
     if config.run.ray_address:
-        ray.init(address=config.run.ray_address, namespace=NAMESPACE)
+        ray.init(address=config.run.ray_address, namespace=NAMESPACE, **console)
     else:
         # "local": a new Ray for this run, never one already running on the machine.
         ray.init(address="local", num_cpus=max(config.run.num_cpus, needed),
-                 include_dashboard=False, _node_ip_address="127.0.0.1", namespace=NAMESPACE)
+                 include_dashboard=False, _node_ip_address="127.0.0.1", namespace=NAMESPACE,
+                 **console)
 
 
-def run_training(config: Config, *, resume: bool = False) -> RunSummary:
+def run_training(config: Config, *, resume: bool = False, verbose: bool = False
+                 ) -> RunSummary:
     """Starts (or joins) Ray, runs the job, and always shuts Ray down if it started it.
+
+    Workers' output goes to RUN_DIR/workers.log, only their warnings and errors to the
+    console, unless ``verbose``.
 
     ``resume``: continue ``run.output_dir`` from its newest good checkpoint (workers start
     from its weights; its unfinished prompts are issued again). Raises
@@ -225,7 +232,7 @@ def run_training(config: Config, *, resume: bool = False) -> RunSummary:
         workers_config = msgspec.structs.replace(config, model=model)
     started_ray = not ray.is_initialized()
     if started_ray:
-        _start_ray(config)
+        _start_ray(config, verbose)
     out = RunWriter(config.run.output_dir, config,
                     positions=checkpoint[1].files if checkpoint else None)
     source, reward_fn, eval_prompts = build_task(config)

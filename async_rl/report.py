@@ -2,17 +2,22 @@
 
 Owns: reading a run directory's stored spans and summary, resolving idle causes, writing
 ``trace.json`` and ``timeline.png``, and the tables printed at the end of a run and by
-``async-rl report RUN_DIR [RUN_B]``. Knows nothing about how the run was executed.
+``async-rl report RUN_DIR [RUN_B]``: the run's experiment record (run.json), and for two
+runs what differs in their config and record before their figures side by side. Knows
+nothing about how the run was executed.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import tomllib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 from async_rl.idle import (
     Breakdown,
@@ -24,13 +29,26 @@ from async_rl.idle import (
     step_windows,
 )
 from async_rl.records import UsageReading
-from async_rl.run_dir import EVALS, SPANS, USAGE, RunSummary, read_summary
+from async_rl.run_dir import (
+    CONFIG,
+    EVALS,
+    RUN_RECORD,
+    SPANS,
+    USAGE,
+    RunSummary,
+    read_record,
+    read_summary,
+)
+from async_rl.run_record import describe
 from async_rl.spans import IDLE, Span
 from async_rl.trace import write_chrome_trace, write_timeline_png
 
 TRACE = "trace.json"
 TIMELINE = "timeline.png"
 IDLE_JSON = "idle.json"
+NOT_COMPARED = ("config run.output_dir", "record started", "record ended", "record command")
+"""Differ between any two runs, so they say nothing about why their figures differ (the
+command's --set values show up as config differences)."""
 
 
 def read_spans(run_dir: str | Path) -> list[Span]:
@@ -102,7 +120,7 @@ def build_report(run_dir: str | Path) -> RunIdle:
     write_timeline_png(resolved, path / TIMELINE,
                        title=f"{path.name}: what each device did "
                              "(green/blue = busy, warm colours = waiting, by cause)",
-                       row_notes=notes, footer="   ".join(hints))
+                       row_notes=notes, footer="\n".join(hints))
     (path / IDLE_JSON).write_bytes(msgspec.json.format(msgspec.json.encode(idle)))
     return idle
 
@@ -132,7 +150,7 @@ def to_target(summary: RunSummary) -> str:
             f"{summary.samples_to_target} samples trained")
 
 
-def _console() -> Console:
+def wide_console() -> Console:
     """Wide enough for every cause column even when output goes to a file or a pipe."""
     console = Console()
     return console if console.is_terminal else Console(width=160)
@@ -161,7 +179,7 @@ def idle_table(idle: RunIdle, title: str) -> Table:
 
 def print_report(run_dir: str | Path, console: Console | None = None) -> RunIdle:
     """Rebuilds the outputs and prints the idle table, hints and headline figures."""
-    console = console or _console()
+    console = console or wide_console()
     path = Path(run_dir)
     idle = build_report(path)
     console.print(idle_table(idle, f"idle time by cause: {path}"))
@@ -188,10 +206,61 @@ def print_report(run_dir: str | Path, console: Console | None = None) -> RunIdle
     return idle
 
 
+def print_record(run_dir: str | Path, console: Console | None = None) -> None:
+    """The run's experiment record: command, source, versions, hardware, seeds, times."""
+    console = console or wide_console()
+    record = read_record(run_dir)
+    lines = describe(record) if record else [f"no {RUN_RECORD} (the run predates it)"]
+    for line in lines:
+        console.print(line, markup=False, highlight=False)
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _text(value: Any) -> str:
+    if value is None:
+        return "-"
+    return " ".join(map(str, value)) if isinstance(value, list | tuple) else str(value)
+
+
+def differences(run_dirs: Sequence[Path]) -> Table | None:
+    """Config keys and record fields whose values differ between the runs; None if none."""
+    sides = []
+    for path in run_dirs:
+        config = tomllib.loads((path / CONFIG).read_text()) if (path / CONFIG).exists() else {}
+        record = read_record(path)
+        sides.append({**_flatten(config, "config "),
+                      **_flatten(msgspec.to_builtins(record) if record else {}, "record ")})
+    names = dict.fromkeys(name for side in sides for name in side if name not in NOT_COMPARED)
+    rows = [(name, [_text(side.get(name)) for side in sides]) for name in names]
+    rows = [(name, values) for name, values in rows if len(set(values)) > 1]
+    if not rows:
+        return None
+    table = Table(title="what differs: config and record (run.json)")
+    table.add_column("")
+    for path in run_dirs:
+        table.add_column(path.name, overflow="fold")
+    for name, values in rows:
+        table.add_row(Text(name), *map(Text, values))  # values are data, never markup
+    return table
+
+
 def compare(run_dirs: Sequence[str | Path], console: Console | None = None) -> None:
-    """Two (or more) runs side by side: throughput, accuracy and idle by role and cause."""
-    console = console or _console()
+    """Two (or more) runs side by side: what differs in their config and record, then
+    throughput, accuracy and idle by role and cause."""
+    console = console or wide_console()
     columns = [Path(r) for r in run_dirs]
+    differing = differences(columns)
+    console.print(differing or "config and record: no differences "
+                               f"(not compared: {', '.join(NOT_COMPARED)})")
     rows: dict[str, list[str]] = {}
 
     def put(label: str, i: int, value: str) -> None:

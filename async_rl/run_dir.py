@@ -1,7 +1,9 @@
-"""The run directory: resolved config, per-step metrics, the prompt ledger, evaluations,
-the summary.
+"""The run directory: resolved config, experiment record, per-step metrics, the prompt
+ledger, evaluations, the summary.
 
-Owns: file names and formats of a run's outputs (TOML, JSONL of msgspec records, JSON).
+Owns: file names and formats of a run's outputs (TOML, JSONL of msgspec records, JSON),
+and handing metrics, evaluations and the summary on to the optional loggers of
+``run.loggers`` (metrics.jsonl is always written and stays the source of truth).
 Knows nothing about how the figures are produced.
 """
 
@@ -14,7 +16,9 @@ from typing import IO, Any
 import msgspec
 
 from async_rl.config import Config, to_toml
+from async_rl.loggers import open_loggers, scalars, summary_scalars
 from async_rl.records import LedgerEntry
+from async_rl.run_record import RunRecord, collect, now
 from async_rl.spans import Span
 
 CONFIG = "config.toml"
@@ -25,6 +29,8 @@ EVALS = "eval.jsonl"
 SPANS = "spans.jsonl"
 USAGE = "usage.json"
 WORKERS = "workers.json"
+RUN_RECORD = "run.json"
+WORKERS_LOG = "workers.log"
 FINAL_MODEL = "final_model"
 
 
@@ -107,7 +113,11 @@ class FilePositions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RunWriter:
-    """Appends a run's records to its directory as they happen (crash-safe: line-flushed)."""
+    """Appends a run's records to its directory as they happen (crash-safe: line-flushed).
+
+    Writes run.json (the experiment record) when created and again, with the end time,
+    when closed.
+    """
 
     def __init__(self, out_dir: str | Path, config: Config,
                  positions: FilePositions | None = None) -> None:
@@ -117,11 +127,14 @@ class RunWriter:
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / CONFIG).write_text(to_toml(config))
         self._encoder = msgspec.json.Encoder()
+        self.record = collect(config)
+        self._write_record()
         self.positions = positions or FilePositions(metrics=0, ledger=0, evals=0)
         """Lines written to each JSONL file so far (checkpoints record them)."""
         self._metrics = self._open(METRICS, self.positions.metrics, positions is not None)
         self._ledger = self._open(LEDGER, self.positions.ledger, positions is not None)
         self._evals = self._open(EVALS, self.positions.evals, positions is not None)
+        self._loggers = open_loggers(config.run.loggers, self.path, config)
 
     def _open(self, name: str, keep: int, resume: bool) -> IO[bytes]:
         path = self.path / name
@@ -132,10 +145,17 @@ class RunWriter:
     def _advance(self, **lines: int) -> None:
         self.positions = msgspec.structs.replace(self.positions, **lines)
 
+    def _write_record(self) -> None:
+        (self.path / RUN_RECORD).write_bytes(msgspec.json.format(self._encoder.encode(self.record)))
+
     def metrics(self, row: dict[str, Any]) -> None:
         self._metrics.write(self._encoder.encode(row) + b"\n")
         self._metrics.flush()
         self._advance(metrics=self.positions.metrics + 1)
+        if self._loggers:
+            values = scalars(row, "train")
+            for logger in self._loggers:
+                logger.metrics(row["step"], values)
 
     def ledger(self, entry: LedgerEntry) -> None:
         self._ledger.write(self._encoder.encode(entry) + b"\n")
@@ -146,6 +166,8 @@ class RunWriter:
         self._evals.write(self._encoder.encode(point) + b"\n")
         self._evals.flush()
         self._advance(evals=self.positions.evals + 1)
+        for logger in self._loggers:
+            logger.eval(point)
 
     def spans(self, spans: list[Span]) -> None:
         (self.path / SPANS).write_bytes(b"".join(self._encoder.encode(s) + b"\n" for s in spans))
@@ -160,11 +182,19 @@ class RunWriter:
 
     def summary(self, summary: RunSummary) -> None:
         (self.path / SUMMARY).write_bytes(msgspec.json.format(self._encoder.encode(summary)))
+        if self._loggers:
+            values = summary_scalars(summary)
+            for logger in self._loggers:
+                logger.summary(values)
 
     def close(self) -> None:
         self._metrics.close()
         self._ledger.close()
         self._evals.close()
+        for logger in self._loggers:
+            logger.close()
+        self.record = msgspec.structs.replace(self.record, ended=now())
+        self._write_record()
 
 
 def read_ledger(run_dir: str | Path) -> list[LedgerEntry]:
@@ -186,3 +216,9 @@ def read_evals(run_dir: str | Path) -> list[EvalPoint]:
 
 def read_summary(run_dir: str | Path) -> RunSummary:
     return msgspec.json.decode((Path(run_dir) / SUMMARY).read_bytes(), type=RunSummary)
+
+
+def read_record(run_dir: str | Path) -> RunRecord | None:
+    """The run's experiment record; None for runs written before run.json existed."""
+    path = Path(run_dir) / RUN_RECORD
+    return msgspec.json.decode(path.read_bytes(), type=RunRecord) if path.exists() else None

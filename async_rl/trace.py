@@ -8,6 +8,7 @@ coloured by cause). Knows nothing about how spans were recorded or resolved.
 from __future__ import annotations
 
 import math
+import textwrap
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,14 @@ COLOURS = {
     "training": "#90caf9",
     "admitting": "#a5d6a7",
 }
+
+
+TIMELINE_WIDTH_IN = 12
+FOOTER_CHARS = 150
+"""Characters of the 9-point footer that fit across the timeline's 12 inches (DejaVu
+Sans averages about 0.55 em a character: 12 * 72 / (9 * 0.55) = 174, less margins)."""
+FOOTER_LINE_IN = 0.19
+"""Height of one footer line: 9 points at 1.2 line spacing, in inches, rounded up."""
 
 
 def _order(spans: Sequence[Span]) -> list[str]:
@@ -95,7 +104,8 @@ def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "",
     """One row per worker, coloured by cause, with a legend of the causes present.
 
     ``row_notes`` adds a line under a row's label (e.g. "busy 48%, waits: wait_data");
-    ``footer`` is printed under the legend (e.g. the top idle cause and its hint).
+    ``footer`` is printed under the legend (e.g. the top idle cause and its hint), each
+    of its lines wrapped to the image's width.
     """
     import matplotlib
 
@@ -110,11 +120,14 @@ def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "",
     present = sorted({s.cause for s in spans},
                      key=lambda c: known.index(c) if c in known else len(known))
     columns = min(len(present), 7) or 1
+    footer_lines = [wrapped for line in footer.splitlines()
+                    for wrapped in textwrap.wrap(line, FOOTER_CHARS)]
+    footer_s = FOOTER_LINE_IN * len(footer_lines) + (0.1 if footer_lines else 0.0)
     # Legend and footer sit in a strip of their own under the axes, sized in inches so
     # the x-axis label never runs into them whatever the number of rows.
-    strip = 0.25 * math.ceil(len(present) / columns) + (0.3 if footer else 0.0)
+    strip = 0.25 * math.ceil(len(present) / columns) + footer_s
     height = 1.4 + 0.55 * len(names) + strip
-    fig, ax = plt.subplots(figsize=(12, height))
+    fig, ax = plt.subplots(figsize=(TIMELINE_WIDTH_IN, height))
     for row, name in enumerate(reversed(names)):
         mine = [s for s in spans if s.worker == name]
         ax.broken_barh(
@@ -127,11 +140,12 @@ def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "",
                         for n in reversed(names)], fontsize=8)
     ax.set_xlabel("seconds since start")
     fig.legend(handles=[Patch(color=COLOURS.get(c, "#000000"), label=c) for c in present],
-               loc="lower center", bbox_to_anchor=(0.5, (0.3 if footer else 0.05) / height),
+               loc="lower center", bbox_to_anchor=(0.5, (footer_s or 0.05) / height),
                ncol=columns, fontsize=8, frameon=False)
     ax.set_title(title or "what each device did (green/blue busy, warm colours waiting)")
-    if footer:
-        fig.text(0.01, 0.01, footer, fontsize=9, ha="left", va="bottom")
+    if footer_lines:
+        fig.text(0.01, 0.05 / height, "\n".join(footer_lines), fontsize=9, ha="left",
+                 va="bottom", linespacing=1.2)
     fig.tight_layout(rect=(0, (strip + 0.1) / height, 1, 1))
     fig.savefig(path, dpi=110)
     plt.close(fig)

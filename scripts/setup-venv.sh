@@ -1,13 +1,14 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the project's virtualenv and installs async-rl with the CPU build of
-# vLLM and the test tools. Idempotent: a second run only re-installs when pyproject.toml
-# changed since the last successful install.
+# vLLM, the test tools and the optional metric loggers (TensorBoard, W&B, so that their
+# tests run). Idempotent: a second run only re-installs when pyproject.toml changed since
+# the last successful install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-EXTRAS=${EXTRAS:-cpu,test}
+EXTRAS=${EXTRAS:-cpu,test,loggers}
 STAMP="$VENV/.installed-$EXTRAS"
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -100,6 +100,9 @@ BAD: list[tuple[str, list[str], str, str]] = [
     (GOOD, ["run.target_accuracy=1.2"], "run.target_accuracy", "<= 1"),
     (GOOD, ["weights.sync_every=4"], "weights.sync_every", "staleness.max_staleness + 1"),
     (GOOD.replace("[model]", "model = 3\n[modelx]"), [], "model", ""),
+    (GOOD, ['run.loggers=["tensorboard"]'], "run.loggers", 'must list "jsonl"'),
+    (GOOD, ['run.loggers=["jsonl", "jsonl"]'], "run.loggers", "no logger twice"),
+    (GOOD, ['run.loggers=["jsonl", "tb"]'], "run.loggers[1] = 'tb'", "'tensorboard'"),
 ]
 
 

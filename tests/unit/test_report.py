@@ -69,3 +69,18 @@ def test_two_runs_side_by_side(tmp_path: Path, capsys: pytest.CaptureFixture[str
 def test_report_of_a_non_run_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["report", str(tmp_path)]) == 2
     assert "not a run directory" in capsys.readouterr().err
+
+
+def test_timeline_hints_wrap_inside_the_image(tmp_path: Path) -> None:
+    import matplotlib.image
+
+    from async_rl.trace import write_timeline_png
+
+    spans = [s("rollout-0", "rollout", "generate", 0, 8), s("trainer-0", "trainer", "idle", 0, 8)]
+    hint = "trainer: trainer waits while its weights are published: " + "raise sync_every " * 20
+    path = tmp_path / "t.png"
+    write_timeline_png(spans, path, footer=f"{hint}\n{hint}")
+    pixels = matplotlib.image.imread(path)
+    # No text runs off the right edge: the last columns stay white from top to bottom.
+    assert (pixels[:, -4:, :3] == 1.0).all()
+    assert (pixels[-60:, :40, :3] < 1.0).any()  # the hints are drawn, bottom left

@@ -1,0 +1,137 @@
+"""Where the worker processes' output goes: RUN_DIR/workers.log, and warnings to the console.
+
+Owns: the ``ray.init`` options that install ``route_output`` in every worker process of
+a run, and the relay it starts. The relay gets everything the worker and the processes
+it spawns (vLLM's engine core and engine worker) write to stdout and stderr: vLLM's
+logs, C++ warnings, Python warnings, progress bars, prints, tracebacks. Every line goes
+to RUN_DIR/workers.log; warnings and errors (each distinct message once per worker) and
+tracebacks go on to the worker's original stderr, which Ray prints on the driver's
+console. With ``verbose`` every line goes on. Knows nothing about what the workers do.
+
+The relay is a process of its own, not a thread, so that what a dying worker writes
+last (a fatal error, a traceback) still reaches the log and the console.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import IO, Any
+
+LOG_ENV = "ASYNC_RL_WORKERS_LOG"
+"""Absolute path of the run's workers.log, set in the workers' environment."""
+VERBOSE_ENV = "ASYNC_RL_WORKERS_VERBOSE"
+"""1: the relay passes every line to the console, not only warnings and errors."""
+
+RAY_MARKERS = (":actor_name:", ":task_name:", ":job_id:")
+"""Lines Ray's log monitor reads to name a worker's output ("(RolloutWorker pid=...)")
+and never prints (ray/_private/ray_constants.py LOG_PREFIX_*): always passed on."""
+
+_LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
+_PROBLEM = re.compile(r"\w*(Warning|Error|Exception)\b")  # FutureWarning:, ValueError:, glog
+_ORIGIN = re.compile(r"^\([\w-]+ pid=\d+\) ")  # vLLM's "(EngineCore pid=12) " prefix
+
+
+def ray_options(log_path: str | Path, verbose: bool) -> dict[str, Any]:
+    """Keyword arguments for ``ray.init``: route worker output through the relay.
+
+    Starts an empty ``log_path``. Ray's own INFO lines on the driver ("Started a local
+    Ray instance") are hidden too unless ``verbose``.
+    """
+    path = Path(log_path).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(b"")
+    return {
+        "runtime_env": {
+            "worker_process_setup_hook": f"{__name__}.route_output",
+            "env_vars": {LOG_ENV: str(path), VERBOSE_ENV: "1" if verbose else "0"},
+        },
+        "logging_level": logging.INFO if verbose else logging.WARNING,
+    }
+
+
+def route_output() -> None:
+    """Ray's worker setup hook: this process's stdout and stderr go through the relay."""
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    read, write = os.pipe()
+    # The relay writes on to the file Ray tails for this worker; it inherits only the
+    # pipe's read end, so it sees end-of-file once every writer has exited.
+    subprocess.Popen([sys.executable, "-m", __name__, path, str(os.getpid())],
+                     stdin=read, stdout=2, stderr=2, close_fds=True)
+    os.close(read)
+    os.dup2(write, 1)
+    os.dup2(write, 2)
+    os.close(write)
+
+
+class LineRouter:
+    """Decides, line by line, what of a worker's output also goes to the console."""
+
+    def __init__(self, verbose: bool) -> None:
+        self.verbose = verbose
+        self.seen: set[str] = set()
+        self.in_traceback = False
+
+    def for_console(self, line: str) -> bool:
+        if self.verbose or line.startswith(RAY_MARKERS):
+            return True
+        if line.startswith("Traceback (most recent call last)"):
+            self.in_traceback = True
+            return True
+        if self.in_traceback:
+            # Frames are indented; the first unindented line is the exception itself.
+            self.in_traceback = line[:1].isspace()
+            return True
+        level = _LEVEL.search(line)
+        if level is None and not _PROBLEM.search(line):
+            return False
+        if level is not None and level.group(1) in ("DEBUG", "INFO"):
+            return False
+        # The same warning every weight update is shown once; workers.log has them all.
+        key = re.sub(r"\d+", "#", _ORIGIN.sub("", line))
+        if key in self.seen:
+            return False
+        self.seen.add(key)
+        return True
+
+
+def relay(source: IO[bytes], log: IO[bytes], console: IO[bytes], pid: str,
+          router: LineRouter) -> None:
+    """Copies ``source`` line by line to ``log`` (prefixed with the worker's name and
+    pid; Ray's markers left out) and the lines ``router`` picks to ``console``, until
+    end-of-file."""
+    origin = f"(pid={pid}) "
+    for raw in source:
+        line = raw.decode(errors="replace")
+        if line.startswith(RAY_MARKERS[0]):
+            origin = f"({line[len(RAY_MARKERS[0]):].strip()} pid={pid}) "
+        if not line.startswith(RAY_MARKERS):
+            log.write(origin.encode() + raw)
+            log.flush()
+        if router.for_console(line):
+            console.write(raw)
+            console.flush()
+
+
+def main() -> None:
+    # Ctrl-C stops the run; the relay must still drain what the workers write last.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    log_path, pid = sys.argv[1], sys.argv[2]
+    # On a multi-node cluster the driver's path is made on each node for its workers.
+    Path(log_path).parent.mkdir(parents=True, exist_ok=True)
+    with open(log_path, "ab") as log:
+        relay(sys.stdin.buffer, log, sys.stdout.buffer, pid,
+              LineRouter(verbose=os.environ.get(VERBOSE_ENV) == "1"))
+
+
+if __name__ == "__main__":
+    main()

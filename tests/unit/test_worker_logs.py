@@ -1,0 +1,104 @@
+"""The quiet console: a worker's output all goes to workers.log; only warnings (each once),
+errors, tracebacks and Ray's markers go on to the console, unless verbose."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+from async_rl.worker_logs import LOG_ENV, VERBOSE_ENV, LineRouter, ray_options
+
+VLLM_INFO = "(EngineCore pid=12) INFO 11-30 18:51:33 [core.py:133] Initializing a V1 LLM engine"
+VLLM_WARNING = "(Worker pid=13) WARNING 11-30 18:51:48 [layerwise.py:266] RotaryEmbedding: Failed"
+
+
+def test_router_shows_warnings_once_and_hides_info() -> None:
+    router = LineRouter(verbose=False)
+    assert not router.for_console(VLLM_INFO)
+    assert not router.for_console("Loading weights: 100%|##########| 50/50")
+    assert router.for_console(VLLM_WARNING)
+    # The same warning from the next weight update (new time, same message): not again.
+    assert not router.for_console(VLLM_WARNING.replace("18:51:48", "18:52:07"))
+    assert router.for_console(VLLM_WARNING.replace("RotaryEmbedding", "ParallelLMHead"))
+    assert router.for_console("x.py:138: FutureWarning: `reduce_op` is deprecated")
+    assert router.for_console("[W1130 18:51:41.93 utils.cpp:68] Warning: NUMA binding")
+    assert router.for_console("(EngineCore pid=12) ERROR 11-30 [core.py:9] engine died")
+    assert not router.for_console("(EngineCore pid=12) INFO 11-30 [x.py:1] no Error here")
+    assert router.for_console(":actor_name:RolloutWorker")
+
+
+def test_router_shows_a_whole_traceback() -> None:
+    router = LineRouter(verbose=False)
+    lines = ["Traceback (most recent call last):", '  File "a.py", line 1, in <module>',
+             "    run()", "RuntimeError: every rollout worker is gone"]
+    assert [router.for_console(line) for line in lines] == [True] * 4
+    assert not router.for_console("after the traceback, an ordinary line")
+
+
+def test_verbose_shows_everything() -> None:
+    router = LineRouter(verbose=True)
+    assert router.for_console(VLLM_INFO) and router.for_console(VLLM_INFO)
+
+
+def test_ray_options_start_an_empty_log(tmp_path: Path) -> None:
+    log = tmp_path / "run" / "workers.log"
+    options = ray_options(log, verbose=False)
+    assert log.read_bytes() == b""
+    env = options["runtime_env"]["env_vars"]
+    assert env == {LOG_ENV: str(log.resolve()), VERBOSE_ENV: "0"}
+    assert options["runtime_env"]["worker_process_setup_hook"] == (
+        "async_rl.worker_logs.route_output")
+
+
+WORKER = textwrap.dedent(f"""
+    import os, subprocess, sys
+    from async_rl.worker_logs import route_output
+    route_output()
+    print(":actor_name:RolloutWorker", flush=True)
+    print({VLLM_INFO!r}, flush=True)
+    print({VLLM_WARNING!r}, file=sys.stderr, flush=True)
+    print({VLLM_WARNING!r}, file=sys.stderr, flush=True)
+    subprocess.run([sys.executable, "-c",
+                    "import sys; print('(EngineCore pid=14) WARNING from the engine', "
+                    "file=sys.stderr)"], check=True)
+    os.write(2, b"[W1130 utils.cpp:68] Warning: written to the fd, not by Python\\n")
+    print("Traceback (most recent call last):", file=sys.stderr)
+    print("RuntimeError: the last words of a dying worker", file=sys.stderr, flush=True)
+    os._exit(1)
+""")
+
+
+def run_worker(tmp_path: Path, verbose: bool) -> tuple[str, str]:
+    """A process set up as Ray would (the hook first), and what reached its stderr."""
+    log = tmp_path / "workers.log"
+    env = {**os.environ, **ray_options(log, verbose)["runtime_env"]["env_vars"]}
+    # Its stderr closes only when the relay, its last holder, has drained the pipe.
+    done = subprocess.run([sys.executable, "-c", WORKER], env=env, capture_output=True,
+                          text=True, timeout=60, check=False)
+    return done.stderr, log.read_text()
+
+
+def test_worker_output_is_routed(tmp_path: Path) -> None:
+    console, log = run_worker(tmp_path, verbose=False)
+    assert console.splitlines() == [
+        ":actor_name:RolloutWorker", VLLM_WARNING,
+        "(EngineCore pid=14) WARNING from the engine",
+        "[W1130 utils.cpp:68] Warning: written to the fd, not by Python",
+        "Traceback (most recent call last):",
+        "RuntimeError: the last words of a dying worker",
+    ]
+    lines = log.splitlines()
+    assert len(lines) == 7  # everything but Ray's marker, the repeat included
+    prefix = "(RolloutWorker pid="
+    assert all(line.startswith(prefix) for line in lines)
+    assert lines[0].endswith(VLLM_INFO) and lines[-1].endswith("dying worker")
+
+
+def test_verbose_worker_output_reaches_the_console(tmp_path: Path) -> None:
+    console, log = run_worker(tmp_path, verbose=True)
+    assert VLLM_INFO in console.splitlines()
+    assert console.count(VLLM_WARNING) == 2
+    assert len(log.splitlines()) == 7
