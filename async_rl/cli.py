@@ -8,6 +8,7 @@ late so that `async-rl config show` does not pay for importing torch, Ray or vLL
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import sys
@@ -119,6 +120,15 @@ def check_inputs(config: Config) -> None:
             f"config error: model.path = {config.model.path!r}: no model there "
             f"(build one with: async-rl make-model --out {config.model.path})"
         )
+    try:
+        model_type = json.loads((model / "config.json").read_text()).get("model_type")
+    except (ValueError, AttributeError):
+        model_type = None
+    if not model_type:
+        raise ConfigError(
+            f"config error: model.path = {config.model.path!r}: its config.json is not a "
+            f"Hugging Face model config (no model_type)"
+        )
     if config.task.kind == "jsonl":
         from async_rl.tasks import PromptFileError, read_prompt_file
 
@@ -147,25 +157,30 @@ def _train_config(args: argparse.Namespace) -> Config:
         return load_config(saved, [*args.overrides, f"run.output_dir={args.resume}"])
     if not args.config:
         raise ConfigError("usage error: async-rl train needs a config file or --resume RUN_DIR")
-    config = load_config(args.config, args.overrides)
+    return load_config(args.config, args.overrides)
+
+
+def _prepare_run_dir(config: Config, overwrite: bool) -> None:
+    """A new run's directory: refuses to mix with an earlier run's unless told to."""
     out = Path(config.run.output_dir)
-    if (out / CONFIG).exists() and not args.overwrite:
+    if (out / CONFIG).exists() and not overwrite:
         raise ConfigError(
             f"run.output_dir = {str(out)!r} already holds a run: continue it with "
             f"--resume {out}, replace it with --overwrite, or choose another directory")
-    if args.overwrite and out.exists():
+    if overwrite and out.exists():
         shutil.rmtree(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
     except OSError as err:
         raise ConfigError(f"config error: run.output_dir = {str(out)!r}: cannot create it "
                           f"({err.strerror})") from None
-    return config
 
 
 def _train(args: argparse.Namespace) -> int:
     config = _train_config(args)
     check_inputs(config)
+    if not args.resume:
+        _prepare_run_dir(config, args.overwrite)
     from async_rl.checkpoint import CheckpointError
     from async_rl.ray_shell import RunInterrupted, run_training
     from async_rl.report import print_report

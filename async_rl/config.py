@@ -79,6 +79,11 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """vLLM gpu_memory_utilization (on CPU: the share of RAM for the KV cache)."""
     cpus_per_worker: Positive = 1
     """Cores each rollout worker owns (vLLM OMP threads)."""
+    sampling_seed: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """-1: samples come from each engine's own random stream. >= 0: every sample request
+    gets its own seed, made from this value, the prompt id, its attempt and the sample's
+    index, so a prompt's samples do not depend on which worker ran it, what ran beside
+    it, or a stop and resume: reproducible runs (at a small sampling cost)."""
     prefix_caching: bool = False
     """vLLM prefix caching. With it, an in-flight update clears the cache, so running
     requests recompute their KV under the new weights; without it they keep the old KV

@@ -166,7 +166,7 @@ class Orchestrator:
         await self.checkpoint(wall_s)
         # Any evaluation still due has finished (after the training window was recorded).
         await self.trainers[0].save(str(self.out.path / FINAL_MODEL))
-        end = None if self.stop_reason else await self.evaluate(step=self.version)
+        end = None if self.stop_reason else await self.final_evaluation()
         if start is None and self.evals.points:
             start = self.evals.points[0]
         summary = self.totals.summary(
@@ -311,6 +311,15 @@ class Orchestrator:
                     # Costs this row only; generation notices a broken worker and retires it.
                     print(f"eval at step {step} failed: {failed.reason}")
 
+    async def final_evaluation(self) -> EvalPoint | None:
+        """The end-of-run evaluation; the model is already saved, so a rollout worker
+        failing now costs only this row."""
+        try:
+            return await self.evaluate(self.version)
+        except RolloutFailed as failed:
+            print(f"final evaluation failed: {failed.reason}")
+            return None
+
     async def evaluate(self, step: int) -> EvalPoint | None:
         """Greedy held-out accuracy on a rollout worker's engine; one row of eval.jsonl."""
         if not self.eval_prompts or not self.rollout:
@@ -333,9 +342,12 @@ class Orchestrator:
         """A checkpoint of the last completed step: prompts admitted but not trained
         (in flight, queued or re-queued) are saved to be issued again."""
         reissue = (*self.requeued, *self.open_prompts.values())
+        # Every admission slot not spent on a trained group goes back: those of open
+        # prompts, and any the rollout loop held while it waited for a free worker.
+        unspent = self.gate.statistics().started - self.totals.groups_trained
         state = RunState(
             step=self.version, version=self.version,
-            gate=self.gate.snapshot(in_flight=len(self.open_prompts)),
+            gate=self.gate.snapshot(in_flight=unspent),
             source=self.source.state(), reissue=reissue,
             counters=self.totals.counters(), evals=tuple(self.evals.points),
             wall_s=wall_s, files=self.out.positions,
@@ -350,12 +362,16 @@ class Orchestrator:
         self.first_step = state.step + 1
         self.wall_offset = state.wall_s
         self.gate.restore(state.gate)
+        if state.gate.version < state.version:  # saved while its delivery still ran
+            self.gate.on_version(state.version)  # the engines start from this version
         self.source.restore(state.source)
         self.totals.restore(state.counters)
         self.evals.points.extend(state.evals)
         for prompt in state.reissue:
+            # The same attempt again: it was cut short, not failed or dropped, so with
+            # rollout.sampling_seed it samples what it would have without the stop.
             self._ledger(prompt, "requeued", reason="resume")
-            self.requeued.append(msgspec.structs.replace(prompt, attempt=prompt.attempt + 1))
+            self.requeued.append(prompt)
 
     # ---- observation -------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ import asyncio
 import contextlib
 import os
 import signal
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -243,7 +244,8 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False
         try:
             with anyio.CancelScope() as stops.run:
                 async with anyio.create_task_group() as signals:
-                    signals.start_soon(stops.watch)
+                    if threading.current_thread() is threading.main_thread():
+                        signals.start_soon(stops.watch)  # signals reach the main thread only
                     started = await launch_workers(
                         workers_config, reward_fn,
                         version=checkpoint[1].version if checkpoint else 0)

@@ -15,6 +15,7 @@ generates what it is asked to and labels every token with the weights that produ
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import itertools
 import math
 import os
@@ -55,6 +56,12 @@ if TYPE_CHECKING:
 
 WARMUP_TEXT = "warm up"
 """Prompt of the start-up warm-up requests (their output is thrown away)."""
+
+
+def request_seed(sampling_seed: int, prompt: Prompt, sample: int) -> int:
+    """The seed of one sample request: the same wherever and whenever it runs."""
+    key = f"{sampling_seed}/{prompt.prompt_id}/{prompt.attempt}/{sample}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") >> 1  # a signed int64
 
 
 class RolloutWorker:
@@ -281,14 +288,19 @@ class RolloutWorker:
                                   text=text)
 
     async def _stream_all(
-        self, texts: Sequence[str], kind: str
+        self, texts: Sequence[str], kind: str, seeds: Sequence[int] = ()
     ) -> list[tuple[tuple[int, ...], Sample]]:
+        """One request per text; ``seeds``, when given, one per text (see
+        ``rollout.sampling_seed``)."""
         self._ready()
+        params = [self._params[kind]] * len(texts)
+        for i, seed in enumerate(seeds):
+            params[i] = params[i].clone()
+            params[i].seed = seed
         try:
             async with asyncio.TaskGroup() as tasks:
-                running = [tasks.create_task(self._stream(t, self._params[kind],
-                                                          evaluation=kind == "greedy"))
-                           for t in texts]
+                running = [tasks.create_task(self._stream(t, p, evaluation=kind == "greedy"))
+                           for t, p in zip(texts, params, strict=True)]
         except ExceptionGroup as group:
             # One error (the engine died, say) fails the call; the others were cancelled,
             # which aborts their requests in the engine.
@@ -314,7 +326,9 @@ class RolloutWorker:
         Each sample is its own engine request (with prefix caching they share the
         prompt's KV). Raises ``RolloutWorkerError`` when the worker cannot generate.
         """
-        streams = await self._stream_all([prompt.text] * self._rollout.group_size, "sample")
+        size, seed = self._rollout.group_size, self._rollout.sampling_seed
+        seeds = [request_seed(seed, prompt, k) for k in range(size)] if seed >= 0 else []
+        streams = await self._stream_all([prompt.text] * size, "sample", seeds)
         samples = tuple(self._score(prompt, sample) for _, sample in streams)
         self._groups += 1
         self._samples += len(samples)

@@ -172,7 +172,7 @@ def test_train_with_a_malformed_prompt_file_exits_2_naming_the_line(
 ) -> None:
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "1+1=", "answer": "2"}\n{"prompt": oops}\n')
     path = write(tmp_path, f'[model]\npath = "{model}"\n[task]\nkind = "jsonl"\n'
@@ -180,6 +180,61 @@ def test_train_with_a_malformed_prompt_file_exits_2_naming_the_line(
     assert main(["train", str(path)]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "p.jsonl:2" in err
+
+
+def model_dir(tmp_path: Path, config_json: str = '{"model_type": "qwen2"}') -> Path:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(config_json)
+    return model
+
+
+def test_train_with_a_config_json_that_is_not_a_model_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = model_dir(tmp_path, '{"hello": 1}')
+    path = write(tmp_path, f'[model]\npath = "{model}"\n[run]\noutput_dir = "{tmp_path}/r"\n')
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.path" in err and "model_type" in err
+    assert not (tmp_path / "r").exists()  # nothing started, nothing written
+
+
+def test_train_into_an_uncreatable_output_dir_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    model = model_dir(tmp_path)
+    path = write(tmp_path, f'[model]\npath = "{model}"\n'
+                           f'[run]\noutput_dir = "{tmp_path}/file/run"\n')
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "run.output_dir" in err and "cannot create" in err
+
+
+def test_train_into_an_earlier_run_refuses_without_resume_or_overwrite(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = model_dir(tmp_path)
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "config.toml").write_text("# an earlier run")
+    (out / "metrics.jsonl").write_text("{}\n")
+    path = write(tmp_path, f'[model]\npath = "{model}"\n[run]\noutput_dir = "{out}"\n')
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "--resume" in err and "--overwrite" in err
+    assert (out / "metrics.jsonl").read_text() == "{}\n"  # untouched
+
+
+def test_resume_needs_a_run_directory_with_a_checkpoint(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["train", "--resume", str(tmp_path / "nothing")]) == 2
+    assert "not a run directory" in capsys.readouterr().err
+    path = write(tmp_path, GOOD)
+    assert main(["train", str(path), "--resume", str(tmp_path)]) == 2
+    assert "not both" in capsys.readouterr().err
 
 
 EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))

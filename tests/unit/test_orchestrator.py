@@ -308,6 +308,9 @@ def test_a_stopped_run_resumes_with_nothing_lost_or_trained_twice(tmp_path: Path
     first = run(cfg, {0: FakeRollout(0)}, [FakeTrainer(0)], stop_after=3)
     assert first.stopped == "SIGINT" and first.steps == first.final_version == 3
     assert not (tmp_path / "eval.jsonl").read_text().count('"step":6')
+    # Slots not spent on trained groups come back: the resumed gate admits the rest.
+    _, saved = latest_checkpoint(tmp_path)
+    assert saved.gate.started == first.groups_trained == 3 * cfg.trainer.groups_per_step
 
     trainer = FakeTrainer(0)
     second = run(cfg, {0: FakeRollout(0)}, [trainer], resume=True)
