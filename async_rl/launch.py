@@ -3,8 +3,8 @@
 Owns: choosing the prompt source, reward and held-out prompts from ``task`` config
 (``build_task``), and creating and starting the rollout and trainer actors on their
 cores or GPUs (``launch_workers``), with the shared-memory board that ``run.layout``
-uses. Knows nothing about the run's loops: ``async_rl.controller`` drives what this
-starts.
+uses and the weight-transfer groups between trainer shard 0 and each rollout worker.
+Knows nothing about the run's loops: ``async_rl.controller`` drives what this starts.
 """
 
 from __future__ import annotations
@@ -18,16 +18,17 @@ from typing import Any
 import msgspec
 import ray
 
-from async_rl.config import Config
+from async_rl.config import Config, check_transport
 from async_rl.longtail import RemainderTask
 from async_rl.records import Prompt
 from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward, remainder_reward
 from async_rl.tasks import ArithmeticTask, JsonlPromptSource, PromptSource
-from workers.core_share import create_board
+from workers.core_share import BOARD_DIR, create_board
 from workers.placement import WorkerIdentity, assign_cpus, in_bundle
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.rollout import RolloutWorker
 from workers.trainer import TrainerShard
+from workers.weights import SEND_GROUP
 
 
 def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ...]]:
@@ -70,6 +71,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
     )
     # One GPU per worker when the cluster has GPUs (the CUDA path); none on CPU.
     gpus = 1.0 if ray.cluster_resources().get("GPU", 0) else 0.0
+    check_transport(cfg.weights, cuda=bool(gpus))
     if gpus and cfg.run.colocate:
         gpus = 0.5  # rollout worker i and trainer shard i share GPU i
     groups = make_placement_groups(
@@ -81,8 +83,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
     # rollout cores ("shared" from the start, "auto" once it has measured).
     board = ""
     if cfg.run.layout != "split" and not gpus:
-        board = create_board(cfg.weights.transfer_dir, cfg.rollout.num_workers,
-                             uuid.uuid4().hex[:8])
+        board = create_board(BOARD_DIR, cfg.rollout.num_workers, uuid.uuid4().hex[:8])
         started.board_path = board
     rollout_cores = tuple(sorted({c for i in layout.rollout for c in i.devices}))
     rollout_cls = ray.remote(RolloutWorker)
@@ -108,9 +109,11 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
             # narrows or waits: a spinning pool thread on a rollout core steals it.
             runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}} if board else None,
             scheduling_strategy=in_bundle(groups["trainer"], ident.rank),
+            concurrency_groups={SEND_GROUP: cfg.rollout.num_workers},
         ).remote(
             rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
-            trainer=cfg.trainer, seed=cfg.run.seed, temperature=cfg.rollout.temperature,
+            trainer=cfg.trainer, seed=cfg.run.seed, weights=cfg.weights,
+            temperature=cfg.rollout.temperature,
             cpu_ids=ident.devices,
             master_port=port, record_spans=cfg.run.record_spans,
             share_cores=rollout_cores if board else (), core_board=board,
@@ -119,6 +122,9 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
     ]
     trainer_pids = await asyncio.gather(*(t.setup.remote() for t in started.trainers))
     rollout_pids = await asyncio.gather(*(w.start.remote() for w in started.rollout.values()))
+    # Weight broadcasts go from shard 0 to each rollout worker over a group of its own.
+    for rank, worker in started.rollout.items():
+        await started.trainers[0].connect_rollout.remote(rank, worker)
     node = ray.util.get_node_ip_address()
     started.identities = [
         msgspec.structs.replace(ident, node=node, pid=pid)

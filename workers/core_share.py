@@ -19,10 +19,14 @@ from __future__ import annotations
 
 import mmap
 import os
+import tempfile
 import time
 from pathlib import Path
 from typing import Literal
 
+BOARD_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+"""Where a run's board lives: shared memory where there is one (the board is read and
+written before every trainer phase)."""
 AUTO_WARMUP_STEPS = 1
 """Steps "auto" skips before measuring (the first one waits for the first data)."""
 AUTO_PROBE_STEPS = 3

@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 import ray
+import safetensors.torch
 
 from async_rl.batching import shard_batches
 from async_rl.config import ModelConfig, TrainerConfig
@@ -35,6 +36,16 @@ def groups(n: int, seed: int = 0) -> list[Group]:
     return out
 
 
+def saved_weights(shard: Any, out: Path) -> dict[str, Any]:
+    """The shard's weights as it saves its final model."""
+    ray.get(shard.save.remote(str(out)))
+    return safetensors.torch.load_file(out / "model.safetensors")
+
+
+def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+
+
 def start_shards(model_dir: Path, world: int, trainer: TrainerConfig) -> list[Any]:
     cls = ray.remote(TrainerShard).options(num_cpus=0.5)
     port = free_port()
@@ -52,7 +63,7 @@ def step(shards: list[Any], data: list[Group], trainer: TrainerConfig
 
 
 def test_two_shards_match_one_shard_on_the_same_step(
-    tiny_model_dir: Path, ray_cluster: None
+    tiny_model_dir: Path, ray_cluster: None, tmp_path: Path
 ) -> None:
     # Small cap: several micro-batches per shard, so no_sync accumulation is exercised.
     trainer = TrainerConfig(num_shards=2, groups_per_step=8, micro_batch_tokens=64,
@@ -62,8 +73,7 @@ def test_two_shards_match_one_shard_on_the_same_step(
     results = step(two, data, trainer)
     # After the all-reduce both shards hold the same gradient and the same new weights.
     assert results[0].grad_norm == pytest.approx(results[1].grad_norm, rel=1e-6)
-    weights = ray.get([s.state_bytes.remote() for s in two])
-    assert weights[0] == weights[1]
+    assert same(*(saved_weights(s, tmp_path / f"shard{i}") for i, s in enumerate(two)))
     assert sum(r.loss.tokens for r in results) == sum(
         len(s.token_ids) for g in data for s in g.samples)
     for shard in two:
@@ -82,19 +92,19 @@ def test_two_shards_match_one_shard_on_the_same_step(
 
 
 def test_nonfinite_loss_skips_the_update_and_is_reported(
-    tiny_model_dir: Path, ray_cluster: None
+    tiny_model_dir: Path, ray_cluster: None, tmp_path: Path
 ) -> None:
     trainer = TrainerConfig(num_shards=1, groups_per_step=2, micro_batch_tokens=512)
     (shard,) = start_shards(tiny_model_dir, 1, trainer)
-    before = ray.get(shard.state_bytes.remote())
+    before = saved_weights(shard, tmp_path / "before")
     data = groups(2)
     poisoned = msgspec.structs.replace(
         data[0], samples=tuple(msgspec.structs.replace(s, logprobs=(math.nan,) * len(s.logprobs))
                                for s in data[0].samples))
     (result,) = step([shard], [poisoned, data[1]], trainer)
     assert result.nonfinite
-    assert ray.get(shard.state_bytes.remote()) == before
+    assert same(saved_weights(shard, tmp_path / "skipped"), before)
     (healthy,) = step([shard], data, trainer)  # and training goes on afterwards
     assert not healthy.nonfinite
-    assert ray.get(shard.state_bytes.remote()) != before
+    assert not same(saved_weights(shard, tmp_path / "trained"), before)
     ray.kill(shard)
