@@ -99,7 +99,10 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
             cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
             prefix_caching=cfg.rollout.prefix_caching, core_board=board,
         )
-    trainer_cls = ray.remote(TrainerShard)
+    # Weight sends run in their own threads, beside training calls (workers.weights).
+    # Ray's typed overloads of remote() omit concurrency_groups, which it accepts.
+    trainer_cls = ray.remote(  # type: ignore[call-overload]
+        concurrency_groups={SEND_GROUP: cfg.rollout.num_workers})(TrainerShard)
     port = free_port()
     started.trainers = [
         trainer_cls.options(
@@ -109,7 +112,6 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn) -> StartedWorkers:
             # narrows or waits: a spinning pool thread on a rollout core steals it.
             runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}} if board else None,
             scheduling_strategy=in_bundle(groups["trainer"], ident.rank),
-            concurrency_groups={SEND_GROUP: cfg.rollout.num_workers},
         ).remote(
             rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
             trainer=cfg.trainer, seed=cfg.run.seed, weights=cfg.weights,

@@ -15,6 +15,7 @@ Knows nothing about when to publish or deliver (the controller, through
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -114,6 +115,10 @@ class WeightSender:
         self._weights, self._address = weights, address
         self._device = torch.device("cpu") if weights.transport == "gloo" else device
         self._snapshots: dict[int, Snapshot] = {}
+        self._spare: Snapshot = ()
+        """A released snapshot's tensors, copied into by the next one: fresh memory
+        would fault in every page at every publish, on the trainer's critical path."""
+        self._lock = threading.Lock()  # snapshot runs beside sends and releases
         self._pairs: dict[int, _Pair] = {}
 
     def connect(self, rank: int, actor: Any) -> None:
@@ -139,12 +144,18 @@ class WeightSender:
 
     def snapshot(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copies ``named`` tensors as ``version``'s weights; returns their bytes."""
-        copied = tuple(
-            (name, tensor.detach().to(self._device, copy=True,
-                                      memory_format=torch.contiguous_format))
-            for name, tensor in named)
-        self._snapshots[version] = copied
-        return sum(t.numel() * t.element_size() for _, t in copied)
+        sources = [(name, tensor.detach()) for name, tensor in named]
+        with self._lock:
+            spare, self._spare = self._spare, ()
+        if [(n, t.shape, t.dtype) for n, t in spare] != [(n, t.shape, t.dtype)
+                                                         for n, t in sources]:
+            spare = tuple((name, torch.empty(t.shape, dtype=t.dtype, device=self._device))
+                          for name, t in sources)
+        for (_, copy), (_, tensor) in zip(spare, sources, strict=True):
+            copy.copy_(tensor)
+        with self._lock:
+            self._snapshots[version] = spare
+        return sum(t.numel() * t.element_size() for _, t in spare)
 
     def send(self, version: int, rank: int, mode: UpdateMode | None = None) -> BroadcastTiming:
         """Makes ``version`` rollout worker ``rank``'s policy; its timing (publish_s 0).
@@ -156,7 +167,8 @@ class WeightSender:
         if pair is None:
             raise RuntimeError(f"no weight transfer with rollout worker {rank} (never "
                                "connected, or lost to an earlier failure)")
-        pair.source.snapshot = self._snapshots[version]
+        with self._lock:
+            pair.source.snapshot = self._snapshots[version]
         pair.client.prepare(version, mode)
         try:
             pair.engine.send_weights()
@@ -171,7 +183,8 @@ class WeightSender:
 
     def release(self, version: int) -> None:
         """Frees ``version``'s snapshot once every send of it is done."""
-        self._snapshots.pop(version, None)
+        with self._lock:
+            self._spare = self._snapshots.pop(version, self._spare)
 
     def disconnect(self, rank: int) -> None:
         pair = self._pairs.pop(rank, None)
@@ -181,5 +194,7 @@ class WeightSender:
     def shutdown(self) -> None:
         for rank in list(self._pairs):
             self.disconnect(rank)
-        self._snapshots.clear()
+        with self._lock:
+            self._snapshots.clear()
+            self._spare = ()
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 import ray
-import safetensors.torch
 
 from async_rl.batching import shard_batches
 from async_rl.config import ModelConfig, TrainerConfig
@@ -18,6 +18,9 @@ from async_rl.records import Group, Prompt, Sample, ShardStepResult, make_group
 from workers.trainer import TrainerShard
 
 pytestmark = pytest.mark.ray
+
+# module_state runs in the actors by value: this module is not importable there.
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 
 
 def groups(n: int, seed: int = 0) -> list[Group]:
@@ -36,10 +39,13 @@ def groups(n: int, seed: int = 0) -> list[Group]:
     return out
 
 
-def saved_weights(shard: Any, out: Path) -> dict[str, Any]:
-    """The shard's weights as it saves its final model."""
-    ray.get(shard.save.remote(str(out)))
-    return safetensors.torch.load_file(out / "model.safetensors")
+def module_state(shard: TrainerShard) -> dict[str, Any]:
+    return {name: t.detach().clone() for name, t in shard.module.state_dict().items()}
+
+
+def weights_of(shard: Any) -> dict[str, Any]:
+    """The shard's current weights (read inside the actor)."""
+    return ray.get(shard.__ray_call__.remote(module_state))
 
 
 def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -63,7 +69,7 @@ def step(shards: list[Any], data: list[Group], trainer: TrainerConfig
 
 
 def test_two_shards_match_one_shard_on_the_same_step(
-    tiny_model_dir: Path, ray_cluster: None, tmp_path: Path
+    tiny_model_dir: Path, ray_cluster: None
 ) -> None:
     # Small cap: several micro-batches per shard, so no_sync accumulation is exercised.
     trainer = TrainerConfig(num_shards=2, groups_per_step=8, micro_batch_tokens=64,
@@ -73,7 +79,7 @@ def test_two_shards_match_one_shard_on_the_same_step(
     results = step(two, data, trainer)
     # After the all-reduce both shards hold the same gradient and the same new weights.
     assert results[0].grad_norm == pytest.approx(results[1].grad_norm, rel=1e-6)
-    assert same(*(saved_weights(s, tmp_path / f"shard{i}") for i, s in enumerate(two)))
+    assert same(*(weights_of(s) for s in two))
     assert sum(r.loss.tokens for r in results) == sum(
         len(s.token_ids) for g in data for s in g.samples)
     for shard in two:
@@ -92,19 +98,19 @@ def test_two_shards_match_one_shard_on_the_same_step(
 
 
 def test_nonfinite_loss_skips_the_update_and_is_reported(
-    tiny_model_dir: Path, ray_cluster: None, tmp_path: Path
+    tiny_model_dir: Path, ray_cluster: None
 ) -> None:
     trainer = TrainerConfig(num_shards=1, groups_per_step=2, micro_batch_tokens=512)
     (shard,) = start_shards(tiny_model_dir, 1, trainer)
-    before = saved_weights(shard, tmp_path / "before")
+    before = weights_of(shard)
     data = groups(2)
     poisoned = msgspec.structs.replace(
         data[0], samples=tuple(msgspec.structs.replace(s, logprobs=(math.nan,) * len(s.logprobs))
                                for s in data[0].samples))
     (result,) = step([shard], [poisoned, data[1]], trainer)
     assert result.nonfinite
-    assert same(saved_weights(shard, tmp_path / "skipped"), before)
+    assert same(weights_of(shard), before)
     (healthy,) = step([shard], data, trainer)  # and training goes on afterwards
     assert not healthy.nonfinite
-    assert not same(saved_weights(shard, tmp_path / "trained"), before)
+    assert not same(weights_of(shard), before)
     ray.kill(shard)
