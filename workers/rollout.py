@@ -368,6 +368,12 @@ class RolloutWorker:
         """Completes the update, relabels, resumes; its timing (publish_s left 0)."""
         return await self._receiver.finish(self._ready())
 
+    async def abandon_weight_update(self, reason: str) -> None:
+        """The trainer gave up on the update under way: this worker fails (see
+        ``WeightReceiver.abandon``)."""
+        if self._engine is not None:
+            await self._receiver.abandon(self._engine, reason)
+
     def _weights_changed(self) -> None:
         self._switch_span()
         self._stop_spinning_soon()

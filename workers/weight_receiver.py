@@ -88,6 +88,8 @@ class WeightReceiver:
                 await engine.renderer.clear_mm_cache_async()
             await engine.engine_core.pause_scheduler_async(
                 mode="wait" if drain else "keep", clear_cache=self._clear_cache)
+            if self.failed is not None:  # abandoned by the trainer during the drain
+                raise RolloutWorkerError(self.failed)
             if drain:  # the running requests were generating until now
                 self._set_updating(True)
             self._paused = time.perf_counter()
@@ -142,12 +144,21 @@ class WeightReceiver:
         self.updating = updating
         self._on_change()
 
-    async def _fail(self, engine: AsyncLLM, step: str, err: Exception) -> None:
+    async def abandon(self, engine: AsyncLLM, reason: str) -> None:
+        """The trainer gave up on the update (a step failed or timed out on its side):
+        the weights may be half loaded, and the engine may stay paused waiting for steps
+        that will not come. Fails the worker as a failed step does."""
+        await self._give_up(engine, f"weight update abandoned by the trainer: {reason}")
+
+    async def _give_up(self, engine: AsyncLLM, failure: str) -> None:
         # Nothing generated from here on can be trusted or labelled: abort what is
-        # running (those calls raise) and refuse further work; the controller retires
-        # the worker.
-        self.failed = f"{step} failed: {err!r}"
+        # running (those calls raise, and their prompts go back to the controller) and
+        # refuse further work; the controller retires the worker.
+        self.failed = self.failed or failure
         self._set_updating(False)
         with contextlib.suppress(Exception):  # the engine itself may be what died
             await engine.pause_generation(mode="abort", clear_cache=False)
+
+    async def _fail(self, engine: AsyncLLM, step: str, err: Exception) -> None:
+        await self._give_up(engine, f"{step} failed: {err!r}")
         raise RolloutWorkerError(f"rollout worker {self._rank}: {self.failed}") from err

@@ -68,13 +68,14 @@ class RolloutClient:
         self._actor, self._timeout_s = actor, timeout_s
         self.version = 0
         self.mode: UpdateMode | None = None
-        self.started = False
-        """The worker paused for this update: a failure from here on may have left the
-        pair's group mid-message, so the pair is not used again."""
+        self.refused = False
+        """The worker raised at ``start_weight_update``: it refused the update before
+        pausing (a version that is not newer), or failed it itself. Any other failure
+        may leave it paused or half loaded without knowing, so it is told to give up."""
         self.timing: BroadcastTiming | None = None
 
     def prepare(self, version: int, mode: UpdateMode | None) -> None:
-        self.version, self.mode, self.started, self.timing = version, mode, False, None
+        self.version, self.mode, self.refused, self.timing = version, mode, False, None
 
     def _call(self, method: Any, *args: Any) -> Any:
         return ray.get(method.remote(*args), timeout=self._timeout_s)
@@ -83,8 +84,11 @@ class RolloutClient:
         self._call(self._actor.init_weight_transfer, init_info)
 
     def start_weight_update(self) -> None:
-        self._call(self._actor.start_weight_update, self.version, self.mode)
-        self.started = True
+        try:
+            self._call(self._actor.start_weight_update, self.version, self.mode)
+        except ray.exceptions.RayTaskError:
+            self.refused = True
+            raise
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         self._call(self._actor.update_weights, update_info)
@@ -92,6 +96,10 @@ class RolloutClient:
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         # weight_version is not used: the worker labels the version it was started with.
         self.timing = self._call(self._actor.finish_weight_update)
+
+    def abandon(self, reason: str) -> None:
+        """Tells the worker the update is given up; does not wait (it may be dead)."""
+        self._actor.abandon_weight_update.remote(reason)
 
 
 @dataclass
@@ -160,8 +168,9 @@ class WeightSender:
     def send(self, version: int, rank: int, mode: UpdateMode | None = None) -> BroadcastTiming:
         """Makes ``version`` rollout worker ``rank``'s policy; its timing (publish_s 0).
 
-        Raises when the worker refuses or fails the update (the worker is then unusable,
-        unless it refused before pausing, e.g. a version that is not newer).
+        Raises when the update fails. Unless the worker refused it (it is then as it
+        was, and so is the pair), the worker is told to give up and fail, and the pair is
+        not used again: its group may be mid-message.
         """
         pair = self._pairs.get(rank)
         if pair is None:
@@ -172,8 +181,9 @@ class WeightSender:
         pair.client.prepare(version, mode)
         try:
             pair.engine.send_weights()
-        except BaseException:
-            if pair.client.started:
+        except BaseException as err:
+            if not pair.client.refused:
+                pair.client.abandon(repr(err))
                 self.disconnect(rank)
             raise
         finally:
