@@ -167,9 +167,11 @@ class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     group over TCP, on any hardware (the CPU default). nccl: vLLM's NCCL engine (CUDA).
     ipc: vLLM's CUDA IPC engine, for a rollout engine on the trainer's own GPU (needs
     run.colocate, one rollout worker and one trainer shard)."""
-    bucket_mb: Positive = 32
+    bucket_mb: Positive = 16
     """Largest message of a transfer, in MiB: tensors are packed into buckets of at most
-    this size (gloo cuts larger tensors into pieces; nccl and ipc pack per buffer)."""
+    this size (gloo cuts larger tensors into pieces; nccl and ipc pack per buffer). On
+    gloo 8-16 measured best here (bench/weight_broadcast.py): larger receive buffers come
+    fresh from the kernel at every update, smaller ones cost more messages."""
     timeout_s: PositiveFloat = 300.0
     """Longest a weight update waits on one rollout worker for any one step (its pause,
     including a drain, a message, the load) before that worker counts as failed."""

@@ -20,9 +20,11 @@ transfer (new: engine paused, bytes moving into the model; old: object store fet
 file write, before the pause), load (the rest of the engine's pause), the engine's pause
 per update, and MB/s of the transfer and end to end (publish to resumed), each against
 memcpy: one thread copying a tensor of the state's size (torch), best of 5, and all
-threads for reference.
+threads for reference. Also the wire alone: the same tensors sent over a gloo pair
+group between two bare processes on the same two cores (``workers.bucket_transfer``,
+no model, nothing loaded), which bounds what the new path's transfer can reach.
 
-    python bench/weight_broadcast.py [--updates 5] [--bucket-mb 32] [--mode in_flight]
+    python bench/weight_broadcast.py [--updates 5] [--bucket-mb 16] [--mode in_flight]
                                      [--json]
 """
 
@@ -69,6 +71,8 @@ class Figures(msgspec.Struct, frozen=True, kw_only=True):
     memcpy_mb_s: float
     """One thread, a tensor of the state's size."""
     memcpy_all_threads_mb_s: float
+    wire_mb_s: float
+    """The gloo pair group alone, core 1 to core 0 (median of the updates, after one)."""
     paths: list[PathFigures]
     pause_minus_transfer_ms: float
     """New path: engine pause per update minus its transfer time (target <= 20 ms)."""
@@ -99,6 +103,56 @@ def build_model(out: Path) -> int:
     model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- the wire alone
+
+
+def wire_end(rank: int, port: int, specs: list[tuple[list[int], Any]], bucket_bytes: int,
+             repeats: int, seconds: Any) -> None:
+    """One end of the bare transfer, in its own process: rank 0 (the trainer's core 1)
+    sends, rank 1 (the engine's core 0) receives and records each transfer's time."""
+    import torch
+
+    from workers.bucket_transfer import join_store, pair_group, receive_buckets, send_buckets
+
+    os.sched_setaffinity(0, {1 if rank == 0 else 0})
+    torch.set_num_threads(1)
+    group = pair_group(join_store("127.0.0.1", port, 60.0), rank, 60.0)
+    tensors = [torch.ones(shape, dtype=dtype) for shape, dtype in specs] if rank == 0 else []
+    for _ in range(repeats):
+        if rank == 0:
+            send_buckets(group, tensors, bucket_bytes, 60.0)
+            continue
+        began = time.perf_counter()
+        for _ in receive_buckets(group, specs, bucket_bytes, 60.0):
+            pass
+        seconds.put(time.perf_counter() - began)
+
+
+def wire_mb_s(model_dir: Path, bucket_bytes: int, repeats: int) -> float:
+    """Median MB/s of the bare gloo transfer of the model's parameters (first one off)."""
+    import multiprocessing
+
+    from transformers import AutoModelForCausalLM
+
+    from workers.bucket_transfer import host_store
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    specs = [(list(p.shape), p.dtype) for p in model.parameters()]
+    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+    del model
+    store = host_store("127.0.0.1", 60.0)  # both ends join it as clients
+    spawn = multiprocessing.get_context("spawn")
+    seconds = spawn.Queue()
+    ends = [spawn.Process(target=wire_end, args=(rank, store.port, specs, bucket_bytes,
+                                                 repeats + 1, seconds)) for rank in (0, 1)]
+    for end in ends:
+        end.start()
+    times = [seconds.get(timeout=600) for _ in range(repeats + 1)]
+    for end in ends:
+        end.join()
+    return num_bytes / statistics.median(times[1:]) / 1e6
 
 
 # ---------------------------------------------------------------- the old path
@@ -234,7 +288,7 @@ def summarise(path: str, rows: list[tuple[float, Any, float]], num_bytes: int,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--updates", type=int, default=5, help="updates per path")
-    parser.add_argument("--bucket-mb", type=int, default=32, help="weights.bucket_mb")
+    parser.add_argument("--bucket-mb", type=int, default=16, help="weights.bucket_mb")
     parser.add_argument("--mode", choices=("in_flight", "drain"), default="in_flight")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args()
@@ -248,6 +302,7 @@ def main() -> None:
         num_bytes = parameters * 4  # float32
         memcpy = memcpy_mb_s(num_bytes, threads=1)
         memcpy_all = memcpy_mb_s(num_bytes, threads=os.cpu_count() or 1)
+        wire = wire_mb_s(model_dir, args.bucket_mb << 20, args.updates)
         # A Ray of its own (not one another process runs); this script's functions
         # travel to the actors by value (it is __main__).
         ray.init(address="local", num_cpus=2, include_dashboard=False,
@@ -260,7 +315,8 @@ def main() -> None:
     new = paths[1]
     figures = Figures(parameters=parameters, state_mb=num_bytes / 1e6,
                       bucket_mb=args.bucket_mb, mode=args.mode, updates=args.updates,
-                      memcpy_mb_s=memcpy, memcpy_all_threads_mb_s=memcpy_all, paths=paths,
+                      memcpy_mb_s=memcpy, memcpy_all_threads_mb_s=memcpy_all,
+                      wire_mb_s=wire, paths=paths,
                       pause_minus_transfer_ms=new.engine_paused_ms - new.transfer_ms)
     if args.json:
         print(msgspec.json.encode(figures).decode())
@@ -268,6 +324,8 @@ def main() -> None:
     print(f"{parameters / 1e6:.1f}M parameters, {num_bytes / 1e6:.0f} MB float32; "
           f"memcpy {memcpy:.0f} MB/s (1 thread), {memcpy_all:.0f} MB/s (all threads); "
           f"{args.updates} updates per path, {args.mode}, {args.bucket_mb} MiB buckets")
+    print(f"wire alone (gloo pair, core 1 -> core 0, nothing loaded): {wire:.0f} MB/s, "
+          f"{wire / memcpy:.2f}x memcpy")
     for p in paths:
         print(f"{p.path:>4}: publish {p.publish_ms:.0f} ms, transfer {p.transfer_ms:.0f} ms "
               f"({p.transfer_mb_s:.0f} MB/s, {p.transfer_vs_memcpy:.2f}x memcpy), load "

@@ -138,11 +138,17 @@ def send_buckets(group: dist.ProcessGroupGloo, tensors: Sequence[torch.Tensor],
     timeout = timedelta(seconds=timeout_s)
     # (work, message): the message must outlive its send.
     pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
+    # Packing buffers, one per message in flight, reused: a buffer is packed again only
+    # once its previous send has completed, and fresh memory would fault in every page.
+    packing = [torch.empty(0, dtype=torch.uint8) for _ in range(IN_FLIGHT)]
     for tag, bucket in enumerate(plan_buckets([f.numel() for f in flats], bucket_bytes)):
         if len(pending) == IN_FLIGHT:
             pending.popleft()[0].wait(timeout)
         if bucket.packed:
-            message = torch.empty(bucket.nbytes, dtype=torch.uint8)
+            slot = tag % IN_FLIGHT
+            if packing[slot].numel() < bucket.nbytes:
+                packing[slot] = torch.empty(bucket_bytes, dtype=torch.uint8)
+            message = packing[slot][:bucket.nbytes]
             for p in bucket.pieces:
                 message[p.offset:p.offset + p.nbytes].copy_(flats[p.tensor][p.start:p.stop])
         else:

@@ -162,6 +162,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self._info = info
         self._store: dist.TCPStore | None = None
         self._group: dist.ProcessGroupGloo | None = None
+        # Runs the worker's update_weights rpc while this thread sends. Kept across
+        # sends: starting a thread per send delays the rpc, and the engine is paused.
+        # After a failure this pair is not used again, so a call stuck in it until its
+        # timeout holds up nothing.
+        self._side = ThreadPoolExecutor(max_workers=1)
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -191,21 +196,17 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
             shapes=[list(m.shape) for m in meta],
         )
+        tensors = [tensor for _, tensor in self.source]
         self.client.start_weight_update()
-        side = ThreadPoolExecutor(max_workers=1)
-        try:
-            # The worker receives inside update_weights: the rpc and the sends run together.
-            received = side.submit(self.client.update_weights, asdict(update_info))
-            tensors = [tensor for _, tensor in self.source]
-            send_buckets(self._group, tensors, self._info.bucket_bytes, self._info.timeout_s)
-            received.result()
-        finally:
-            # Never join the rpc thread on an error: its call ends by its own timeout.
-            side.shutdown(wait=False)
+        # The worker receives inside update_weights: the rpc and the sends run together.
+        received = self._side.submit(self.client.update_weights, asdict(update_info))
+        send_buckets(self._group, tensors, self._info.bucket_bytes, self._info.timeout_s)
+        received.result()
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:
         self._group = self._store = None
+        self._side.shutdown(wait=False)
 
 
 WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)

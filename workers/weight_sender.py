@@ -159,8 +159,8 @@ class WeightSender:
                                                          for n, t in sources]:
             spare = tuple((name, torch.empty(t.shape, dtype=t.dtype, device=self._device))
                           for name, t in sources)
-        for (_, copy), (_, tensor) in zip(spare, sources, strict=True):
-            copy.copy_(tensor)
+        for (_, held), (_, tensor) in zip(spare, sources, strict=True):
+            held.copy_(tensor)
         with self._lock:
             self._snapshots[version] = spare
         return sum(t.numel() * t.element_size() for _, t in spare)
