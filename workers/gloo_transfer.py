@@ -89,6 +89,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._group = pair_group(self._store, RECEIVER, init_info.timeout_s)
         self._info = init_info
 
+    # vLLM's model-loading modules are imported where they are used: they are needed in
+    # the worker process only, and this module is imported by the trainer too.
+
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
