@@ -204,7 +204,7 @@ class RolloutWorker:
 
     def _stop_spinning_soon(self) -> None:
         """Once nothing is in flight, tells the engine's worker process to block rather
-        than spin until work arrives (``WeightLoaderExtension.stop_spinning`` says why).
+        than spin until work arrives (``WorkerExtension.stop_spinning`` says why).
 
         Without it an idle worker used a full core: vLLM's queue reader spins for a
         second after every read, and steps or weight loads come more often than that.
