@@ -166,8 +166,20 @@ class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Publish new weights every this many optimizer steps."""
     update_mode: Literal["in_flight", "drain"] = "in_flight"
     """in_flight: pause (keep requests), load, resume; drain: finish running requests first."""
-    transfer_dir: str = "/dev/shm"
-    """Where published safetensors files are written for the engine processes to load."""
+    transport: Literal["gloo", "nccl", "ipc"] = "gloo"
+    """How the weights travel from trainer shard 0 to each rollout engine, through vLLM's
+    weight-transfer API, one group per rollout worker. gloo: a torch.distributed gloo
+    group over TCP, on any hardware (the CPU default). nccl: vLLM's NCCL engine (CUDA).
+    ipc: vLLM's CUDA IPC engine, for a rollout engine on the trainer's own GPU (needs
+    run.colocate, one rollout worker and one trainer shard)."""
+    bucket_mb: Positive = 16
+    """Largest message of a transfer, in MiB: tensors are packed into buckets of at most
+    this size (gloo cuts larger tensors into pieces; nccl and ipc pack per buffer). On
+    gloo 8-16 measured best here (bench/weight_broadcast.py): larger receive buffers come
+    fresh from the kernel at every update, smaller ones cost more messages."""
+    timeout_s: PositiveFloat = 300.0
+    """Longest a weight update waits on one rollout worker for any one step (its pause,
+    including a drain, a message, the load) before that worker counts as failed."""
 
 
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -253,6 +265,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 f"must be <= staleness.max_staleness + 1 ({self.staleness.max_staleness + 1}):"
                 " rollout would run weights older than the staleness bound allows",
             )
+        if self.weights.transport == "ipc" and not (
+                self.run.colocate and self.rollout.num_workers == 1
+                and self.trainer.num_shards == 1):
+            raise _invalid("weights.transport", self.weights.transport,
+                           "needs run.colocate = true, rollout.num_workers = 1 and "
+                           "trainer.num_shards = 1 (CUDA IPC shares the trainer's own GPU "
+                           'with one engine); use "nccl" otherwise')
         if self.run.colocate and self.run.layout != "split":
             raise _invalid("run.layout", self.run.layout,
                            'must be "split" when run.colocate = true (co-located roles '
@@ -263,6 +282,14 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 self.trainer.micro_batch_tokens,
                 f"must be >= rollout.max_new_tokens ({self.rollout.max_new_tokens})",
             )
+
+
+def check_transport(weights: WeightsConfig, *, cuda: bool) -> None:
+    """Refuses a CUDA-only ``weights.transport`` when the workers have no GPU (the one
+    rule that needs to know the hardware: called once the cluster is known)."""
+    if weights.transport != "gloo" and not cuda:
+        raise ConfigError(f"config error: weights.transport = {weights.transport!r}: needs "
+                          'CUDA GPUs, and the workers have none; use "gloo" on CPU')
 
 
 _PATH_RE = re.compile(r" - at `\$((?:\.[A-Za-z_]\w*|\[\d+\])*)`$")

@@ -3,7 +3,8 @@
 Owns: choosing the prompt source, reward and held-out prompts from ``task`` config
 (``build_task``), and creating and starting the rollout and trainer actors on their
 cores or GPUs (``launch_workers``), with the shared-memory board that ``run.layout``
-uses. Part of the Ray shell: knows nothing about the run's loops, which
+uses and the weight-transfer groups between trainer shard 0 and each rollout worker.
+Part of the Ray shell: knows nothing about the run's loops, which
 ``async_rl.orchestrator`` drives through the adapters of ``async_rl.ray_shell``.
 """
 
@@ -19,15 +20,16 @@ import msgspec
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 
-from async_rl.config import Config
+from async_rl.config import Config, check_transport
 from async_rl.longtail import RemainderTask
 from async_rl.records import Prompt
 from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward, remainder_reward
 from async_rl.tasks import ArithmeticTask, JsonlPromptSource, PromptSource
 from workers.actors import RolloutActor, TrainerActor
-from workers.core_share import create_board
+from workers.core_share import BOARD_DIR, create_board
 from workers.placement import WorkerIdentity, assign_cpus, gpus_per_worker, in_bundle
 from workers.placement import role_placement_groups as make_placement_groups
+from workers.weights import SEND_GROUP
 
 
 def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ...]]:
@@ -82,6 +84,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
         cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate,
     )
     gpus = gpus_per_worker(ray.cluster_resources().get("GPU", 0), cfg.run.colocate)
+    check_transport(cfg.weights, cuda=bool(gpus))
     groups = make_placement_groups(
         layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus)
     started = StartedWorkers(placement_groups=list({id(g): g for g in groups.values()}.values()))
@@ -89,8 +92,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
     # rollout cores ("shared" from the start, "auto" once it has measured).
     board = ""
     if cfg.run.layout != "split" and not gpus:
-        board = create_board(cfg.weights.transfer_dir, cfg.rollout.num_workers,
-                             uuid.uuid4().hex[:8])
+        board = create_board(BOARD_DIR, cfg.rollout.num_workers, uuid.uuid4().hex[:8])
         started.board_path = board
     rollout_cores = tuple(sorted({c for i in layout.rollout for c in i.devices}))
     rollout_cls = ray.remote(RolloutActor)
@@ -106,7 +108,10 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
             cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
             prefix_caching=cfg.rollout.prefix_caching, core_board=board, version=version,
         )
-    trainer_cls = ray.remote(TrainerActor)
+    # Weight sends run in their own threads, beside training calls (workers.weights).
+    # Ray's typed overloads of remote() omit concurrency_groups, which it accepts.
+    trainer_cls = ray.remote(  # type: ignore[call-overload]
+        concurrency_groups={SEND_GROUP: cfg.rollout.num_workers})(TrainerActor)
     # The shards' rendezvous is on shard 0's node, which may not be the driver's.
     master_addr, port = bundle_node(groups["trainer"], 0)[1], free_port()
     started.trainers = [
@@ -119,7 +124,8 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
             scheduling_strategy=in_bundle(groups["trainer"], ident.rank),
         ).remote(
             rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
-            trainer=cfg.trainer, seed=cfg.run.seed, temperature=cfg.rollout.temperature,
+            trainer=cfg.trainer, seed=cfg.run.seed, weights=cfg.weights,
+            temperature=cfg.rollout.temperature,
             cpu_ids=ident.devices,
             master_addr=master_addr, master_port=port, record_spans=cfg.run.record_spans,
             share_cores=rollout_cores if board else (), core_board=board,
@@ -130,6 +136,9 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
     if board and cfg.run.layout == "shared":
         await asyncio.gather(*(t.set_sharing.remote(True) for t in started.trainers))
     rollout_pids = await asyncio.gather(*(w.start.remote() for w in started.rollout.values()))
+    # Weight broadcasts go from shard 0 to each rollout worker over a group of its own.
+    for rank, worker in started.rollout.items():
+        await started.trainers[0].connect_rollout.remote(rank, worker)
     started.identities = []
     for ident, pid in zip([*layout.rollout, *layout.trainer], [*rollout_pids, *trainer_pids],
                           strict=True):

@@ -1,6 +1,6 @@
 """Immutable records that cross a process or stage boundary.
 
-Owns: the shapes of prompts, generated samples, scored groups, weight versions and
+Owns: the shapes of prompts, generated samples, scored groups, weight broadcast timings and
 per-step metrics. Knows nothing about how they are produced or moved: every record is a
 frozen msgspec Struct, so it round-trips through msgpack (Ray, files) unchanged, and a
 stage that changes one makes a new record with ``msgspec.structs.replace``.
@@ -171,18 +171,23 @@ def make_group(
 
 
 class BroadcastTiming(msgspec.Struct, frozen=True, kw_only=True):
-    """How long one rollout worker took to take up one weight version, split by phase."""
+    """How long one rollout worker took to take up one weight version, split by phase.
+
+    The engine stood still (paused, nothing sampled) for ``transfer_s + load_s``."""
 
     version: int
     rollout_rank: int
     publish_s: float
-    """Trainer side: gathering and writing the state."""
+    """Trainer side: snapshotting the weights of the version (once for all workers)."""
     transfer_s: float
-    """From publication until the worker started loading (object store / file hand-off)."""
+    """Engine paused, moving the tensors in: the weight-transfer backend's receive calls,
+    each bucket loaded into the model as it arrives."""
     pause_s: float
-    """Engine paused (in-flight: keep; drain: waiting for running requests)."""
+    """Until the engine was paused (in-flight: keep, near 0; drain: waiting for the
+    running requests)."""
     load_s: float
-    """Loading the tensors into the engine's model."""
+    """Engine paused, the rest: preparing and finishing the reload, relabelling,
+    resuming, and the calls between those steps."""
 
 
 class EvalResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -45,7 +45,7 @@ def zero_reward(prompt: object, text: str) -> float:
     return 0.0
 
 
-async def measure(mode: str, model_dir: Path, transfer_dir: str, idle_s: float,
+async def measure(mode: str, model_dir: Path, idle_s: float,
                   repeat: int, core: int) -> IdleFigures:
     from async_rl.config import ModelConfig, RolloutConfig, WeightsConfig
     from async_rl.records import Prompt
@@ -57,7 +57,7 @@ async def measure(mode: str, model_dir: Path, transfer_dir: str, idle_s: float,
     # The CPU default's rollout shape: groups of 8, 6 new tokens.
     worker = RolloutWorker(0, ModelConfig(path=str(model_dir)),
                            RolloutConfig(group_size=8, max_new_tokens=6),
-                           WeightsConfig(transfer_dir=transfer_dir), zero_reward,
+                           WeightsConfig(), zero_reward,
                            cpu_ids=(core,), kv_cache_gib=1, ignore_eos=True)
     await worker.start()
     meter = UsageMeter()
@@ -105,7 +105,7 @@ def main() -> None:
 
             model_dir = Path(tmp) / "tiny"
             make_model(model_dir, seed=0, sft_steps=20, eval_size=16, log=None)
-        figures = [asyncio.run(measure(mode, model_dir, tmp, args.idle, args.repeat,
+        figures = [asyncio.run(measure(mode, model_dir, args.idle, args.repeat,
                                        args.core)) for mode in MODES]
     if args.json:
         print(msgspec.json.encode(figures).decode())

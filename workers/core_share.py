@@ -17,8 +17,13 @@ from __future__ import annotations
 
 import mmap
 import os
+import tempfile
 import time
 from pathlib import Path
+
+BOARD_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+"""Where a run's board lives: shared memory where there is one (the board is read and
+written before every trainer phase)."""
 
 
 def create_board(directory: str, num_workers: int, run_tag: str) -> str:

@@ -2,11 +2,12 @@
 
 Owns: starting and warming up the engine (built by ``workers.vllm_engine``), generating
 a prompt's ``group_size`` samples with behaviour logprobs and a policy version per
-token, scoring them, taking up published weights (in-flight or drain) with a per-phase
-timing, greedy evaluation, its counters and its spans. A plain class; every method is async,
-so one actor serves many concurrent ``generate_group`` calls and an ``update_weights``
-between them (``workers.actors`` is the Ray actor around it). vLLM is imported only when
-the engine is built, so importing this module stays cheap.
+token, scoring them, greedy evaluation, its counters and its spans, and the actor calls
+through which the trainer's weight-transfer engine updates its weights (the update
+itself is ``workers.weight_receiver``'s). A plain class; every method is async, so one
+actor serves many concurrent ``generate_group`` calls and a weight update between them
+(``workers.actors`` is the Ray actor around it). vLLM is imported only when the engine
+is built, so importing this module stays cheap.
 
 Knows nothing about admission, staleness bounds, queues, advantages or training: it
 generates what it is asked to and labels every token with the weights that produced it.
@@ -20,10 +21,8 @@ import itertools
 import math
 import os
 import time
-import uuid
 from collections.abc import Sequence
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -49,6 +48,7 @@ from workers.vllm_engine import (
     sampling_params,
     versions_from_spans,
 )
+from workers.weight_receiver import UpdateMode, WeightReceiver
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -92,8 +92,8 @@ class RolloutWorker:
             binding, no pinning.
         kv_cache_gib: KV-cache size on the CPU build (``VLLM_CPU_KVCACHE_SPACE``); None
             sizes it from ``rollout.memory_fraction``.
-        prefix_caching: a group's samples share the prompt's KV; see ``update_weights``
-            for what it costs at a weight update.
+        prefix_caching: a group's samples share the prompt's KV; see
+            ``WeightReceiver.start`` for what it costs at a weight update.
         ignore_eos: every sample runs to ``max_new_tokens`` (fixed-length rollouts for
             benchmarks and tests); greedy evaluation always stops at EOS.
         core_board: the run.layout busy board (``workers.core_share``): this worker's
@@ -102,7 +102,7 @@ class RolloutWorker:
             its engines from the checkpoint of that version).
         """
         self._rank, self._model, self._rollout = rank, model, rollout
-        self._weights, self._reward_fn, self._seed = weights, reward_fn, seed
+        self._transport, self._reward_fn, self._seed = weights.transport, reward_fn, seed
         self._cpu_ids = tuple(cpu_ids)
         self._kv_cache_gib = kv_cache_gib
         self._prefix_caching = prefix_caching
@@ -117,19 +117,16 @@ class RolloutWorker:
         self._usage = UsageMeter()
         self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
         self._failed: str | None = None
-        # Serialises updates: interleaved pause/load/resume cycles would resume the
-        # engine in the middle of the other one's load.
-        self._update_lock = asyncio.Lock()
-        self._updating = False
+        self._receiver = WeightReceiver(rank, weights, clear_cache=prefix_caching,
+                                        on_change=self._weights_changed, version=version)
         self._request_ids = itertools.count()
         self._in_flight: dict[str, int] = {}  # request id -> tokens generated so far
         self._evaluating = 0  # greedy (evaluation) requests among those in flight
         self._quiet_idle = False  # stop the engine's idle spin (see _stop_spinning_soon)
         self._quiet_tasks: set[asyncio.Task[None]] = set()
 
-        self._version = version
         self._groups = self._samples = self._tokens = 0
-        self._reward_failures = self._weight_updates = 0
+        self._reward_failures = 0
         self._engine_start_s = self._warmup_s = 0.0
 
     # ---------------------------------------------------------------- lifecycle
@@ -142,9 +139,10 @@ class RolloutWorker:
         self._engine = build_engine(self._model, self._rollout, rank=self._rank,
                                     seed=self._seed, cpu_ids=self._cpu_ids,
                                     kv_cache_gib=self._kv_cache_gib,
-                                    prefix_caching=self._prefix_caching)
+                                    prefix_caching=self._prefix_caching,
+                                    transport=self._transport)
         # The engine labels every step's tokens with this: the version of model.path.
-        await self._engine.update_weight_version(str(self._version))
+        await self._engine.update_weight_version(str(self._receiver.version))
         self._quiet_idle = await quiet_idle_reads(self._engine)
         cfg = self._rollout
         from transformers import AutoTokenizer
@@ -174,8 +172,9 @@ class RolloutWorker:
             engine.shutdown()
 
     def _ready(self) -> AsyncLLM:
-        if self._failed is not None:
-            raise RolloutWorkerError(f"rollout worker {self._rank}: {self._failed}")
+        failed = self._failed or self._receiver.failed
+        if failed is not None:
+            raise RolloutWorkerError(f"rollout worker {self._rank}: {failed}")
         if self._engine is None:
             raise RolloutWorkerError(f"rollout worker {self._rank}: start() was not called")
         return self._engine
@@ -186,13 +185,14 @@ class RolloutWorker:
         # Busy whenever the engine holds requests; idle causes are resolved later by
         # the controller, which knows why nothing was submitted. A span has one cause:
         # generation wins, so "evaluate" is time the engine ran nothing but evaluation.
-        self._busy.set(self._updating or bool(self._in_flight))
-        if self._updating:
-            self._spans.switch("weight_sync", self._version)
+        version = self._receiver.version
+        self._busy.set(self._receiver.updating or bool(self._in_flight))
+        if self._receiver.updating:
+            self._spans.switch("weight_sync", version)
         elif len(self._in_flight) > self._evaluating:
-            self._spans.switch("generate", self._version)
+            self._spans.switch("generate", version)
         else:
-            self._spans.switch("evaluate" if self._in_flight else UNRESOLVED, self._version)
+            self._spans.switch("evaluate" if self._in_flight else UNRESOLVED, version)
 
     async def drain_spans(self) -> list[Span]:
         """Closed spans since the last call (the current one is closed at now first)."""
@@ -214,13 +214,13 @@ class RolloutWorker:
 
     def _stop_spinning_soon(self) -> None:
         """Once nothing is in flight, tells the engine's worker process to block rather
-        than spin until work arrives (``WeightLoaderExtension.stop_spinning`` says why).
+        than spin until work arrives (``WorkerExtension.stop_spinning`` says why).
 
         Without it an idle worker used a full core: vLLM's queue reader spins for a
         second after every read, and steps or weight loads come more often than that.
         A task, so the request that finished last returns without waiting for the rpc.
         """
-        if self._quiet_idle and not self._in_flight and not self._updating:
+        if self._quiet_idle and not self._in_flight and not self._receiver.updating:
             task = asyncio.get_running_loop().create_task(self._stop_spinning())
             self._quiet_tasks.add(task)
             task.add_done_callback(self._quiet_tasks.discard)
@@ -228,7 +228,7 @@ class RolloutWorker:
     async def _stop_spinning(self) -> None:
         await asyncio.sleep(0)  # work submitted in the same loop turn cancels it
         engine = self._engine
-        if engine is None or self._failed or self._in_flight or self._updating:
+        if engine is None or self._failed or self._in_flight or self._receiver.updating:
             return
         try:
             await engine.collective_rpc("stop_spinning")
@@ -268,7 +268,7 @@ class RolloutWorker:
                     logprobs.append(float(entry[tok].logprob))
                 tokens.extend(new)
                 # Fallback tag: the version current when the token reached this process.
-                arrival_versions.extend([self._version] * len(new))
+                arrival_versions.extend([self._receiver.version] * len(new))
                 self._in_flight[request_id] = len(tokens)
                 if completion.finish_reason is not None:
                     finish_reason = str(completion.finish_reason)
@@ -352,7 +352,7 @@ class RolloutWorker:
         """
         if not prompts:
             raise ValueError("evaluate needs at least one prompt")
-        began, version = time.perf_counter(), self._version
+        began, version = time.perf_counter(), self._receiver.version
         samples = await self.generate_greedy(prompts)
         scored = [s for s in samples if s.versions]  # an empty completion has no version
         return EvalResult(
@@ -365,92 +365,47 @@ class RolloutWorker:
 
     # ---------------------------------------------------------------- weights
 
-    async def update_weights(
-        self, version: int, state: bytes, published_at: float,
-        *, mode: Literal["in_flight", "drain"] | None = None,
-    ) -> BroadcastTiming:
-        """Takes up the safetensors ``state`` (Hugging Face tensor names) as ``version``.
+    # The VLLMWeightSyncClient calls the trainer's weight-transfer engine makes
+    # (workers.weight_sender.EngineClient); workers.weight_receiver does the work.
 
-        ``in_flight``: pause keeping running requests, load, relabel, resume; a running
-        sample's later tokens carry the new version. ``drain``: stop starting requests
-        and let the running ones finish (vLLM's ``pause_generation(mode="wait")``), then
-        load, relabel, resume. ``mode`` overrides ``weights.update_mode`` for one update.
-        With prefix caching the pause also drops every cached block, so no request
-        reuses prompt KV computed by the old weights; vLLM can do that only by
-        preempting running requests, so in-flight ones recompute their KV under the new
-        weights when they resume.
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Joins the trainer's weight transfer (once, at start-up)."""
+        await self._receiver.connect(self._ready(), init_info)
 
-        Phases, in order and not overlapping: ``transfer_s`` from ``published_at`` until
-        the file is written under ``transfer_dir``; ``pause_s`` until the engine is
-        paused (the drain wait); ``load_s`` loading, relabelling and resuming.
-        """
-        async with self._update_lock:
-            engine = self._ready()
-            if version <= self._version:
-                raise ValueError(f"rollout worker {self._rank}: version {version} is not "
-                                 f"newer than the loaded version {self._version}")
-            name = f"async_rl-rollout{self._rank}-v{version}-{uuid.uuid4().hex[:8]}"
-            path = Path(self._weights.transfer_dir) / f"{name}.safetensors"
-            try:
-                # Off the event loop, so running samples keep streaming meanwhile.
-                await asyncio.to_thread(path.write_bytes, state)
-                transfer_s = max(0.0, time.time() - published_at)
-                began = time.perf_counter()
-                clear = self._prefix_caching
-                if (mode or self._weights.update_mode) == "drain":
-                    # Still generating (the running requests) until the drain is done.
-                    await engine.pause_generation(mode="wait", clear_cache=clear)
-                    self._updating = True
-                    self._switch_span()
-                else:
-                    self._updating = True
-                    self._switch_span()
-                    # The engine core's pause itself: AsyncLLM.pause_generation adds a
-                    # 20 ms sleep (for tidier output ordering, not correctness) that
-                    # would be ~30% of an update here.
-                    if clear:
-                        await engine.renderer.clear_mm_cache_async()
-                    await engine.engine_core.pause_scheduler_async(mode="keep",
-                                                                   clear_cache=clear)
-                paused = time.perf_counter()
-                await self._load_paused(engine, str(path), version)
-                loaded = time.perf_counter()
-            finally:
-                self._updating = False
-                self._switch_span()
-                self._stop_spinning_soon()
-                path.unlink(missing_ok=True)
-            self._weight_updates += 1
-            return BroadcastTiming(version=version, rollout_rank=self._rank, publish_s=0.0,
-                                   transfer_s=transfer_s, pause_s=paused - began,
-                                   load_s=loaded - paused)
+    async def start_weight_update(self, version: int, mode: UpdateMode | None = None) -> None:
+        """Pauses the engine to take in ``version`` (``mode`` overrides
+        ``weights.update_mode`` for this update); ``WeightReceiver.start`` says how."""
+        await self._receiver.start(self._ready(), version, mode)
 
-    async def _load_paused(self, engine: AsyncLLM, path: str, version: int) -> None:
-        try:
-            await engine.collective_rpc("load_weights_from_file", args=(path,))
-        except Exception as err:
-            # The weights may be half old, half new: nothing generated from them can be
-            # trusted or labelled. Abort what is running (those calls raise) and refuse
-            # further work; the controller treats the worker as lost.
-            self._failed = f"loading weights v{version} failed: {err!r}"
-            await engine.pause_generation(mode="abort", clear_cache=False)
-            raise RolloutWorkerError(f"rollout worker {self._rank}: {self._failed}") from err
-        # Relabel while still paused: no token is sampled between the load and the label.
-        await engine.update_weight_version(str(version))
-        self._version = version
-        await engine.resume_generation()
+    async def update_weights(self, update_info: dict[str, Any] | list[Any]) -> None:
+        """Receives and loads (a part of) the started update."""
+        await self._receiver.receive(self._ready(), update_info)
+
+    async def finish_weight_update(self) -> BroadcastTiming:
+        """Completes the update, relabels, resumes; its timing (publish_s left 0)."""
+        return await self._receiver.finish(self._ready())
+
+    async def abandon_weight_update(self, reason: str) -> None:
+        """The trainer gave up on the update under way: this worker fails (see
+        ``WeightReceiver.abandon``)."""
+        if self._engine is not None:
+            await self._receiver.abandon(self._engine, reason)
+
+    def _weights_changed(self) -> None:
+        self._switch_span()
+        self._stop_spinning_soon()
 
     # ---------------------------------------------------------------- state
 
     async def version(self) -> int:
         """Policy version of the weights now in the engine."""
-        return self._version
+        return self._receiver.version
 
     async def statistics(self) -> RolloutStatistics:
         return RolloutStatistics(
-            rank=self._rank, version=self._version, groups_generated=self._groups,
+            rank=self._rank, version=self._receiver.version, groups_generated=self._groups,
             samples_generated=self._samples, tokens_generated=self._tokens,
-            reward_failures=self._reward_failures, weight_updates=self._weight_updates,
+            reward_failures=self._reward_failures, weight_updates=self._receiver.updates,
             requests_running=len(self._in_flight),
             tokens_in_flight=sum(self._in_flight.values()),
             engine_start_s=self._engine_start_s, warmup_s=self._warmup_s,

@@ -2,9 +2,10 @@
 
 Owns: the torch model replica, its optimizer, the process group (gloo on CPU, nccl on
 CUDA), executing a ShardBatch micro-batch by micro-batch (each one a padding-free packed
-row, ``workers.packing``), and serialising the weights for a broadcast. Knows nothing
-about Ray (``workers.actors`` wraps this class for Ray and resolves the batch's group
-references), queues, versions or how the plan was made.
+row, ``workers.packing``), and, on the shard that is the source of weight broadcasts, the
+calls that snapshot and send its weights (``workers.weight_sender`` does both). Knows
+nothing about Ray (``workers.actors`` wraps this class for Ray and resolves the batch's
+group references), queues, versions or how the plan was made.
 """
 
 from __future__ import annotations
@@ -15,16 +16,17 @@ import time
 from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import safetensors.torch
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from async_rl.config import ModelConfig, TrainerConfig
+from async_rl.config import ModelConfig, TrainerConfig, WeightsConfig
 from async_rl.grpo import merge_stats, token_loss
 from async_rl.records import (
+    BroadcastTiming,
     GroupTokens,
     LossStats,
     ShardBatch,
@@ -36,6 +38,10 @@ from async_rl.spans import UNRESOLVED, Span, SpanRecorder
 from workers.core_share import CoreShare
 from workers.packing import pack, packed_logprobs, padded_logprobs, use_packed_attention
 from workers.usage import UsageMeter
+from workers.weight_receiver import UpdateMode
+
+if TYPE_CHECKING:
+    from workers.weight_sender import WeightSender
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TRAINING_STATE = "training_state.pt"
@@ -70,6 +76,7 @@ class TrainerShard:
         model: ModelConfig,
         trainer: TrainerConfig,
         seed: int,
+        weights: WeightsConfig | None = None,
         temperature: float = 1.0,
         cpu_ids: tuple[int, ...] = (),
         master_addr: str = "127.0.0.1",
@@ -84,6 +91,9 @@ class TrainerShard:
         self.model_config = model
         self.config = trainer
         self.seed = seed
+        self.weights = weights or WeightsConfig()
+        self.sender: WeightSender | None = None
+        """Shard 0's end of weight broadcasts, from the first ``connect_rollout``."""
         self.temperature = temperature
         """Rollout's sampling temperature: behaviour logprobs are of logits / temperature."""
         self.cpu_ids = cpu_ids
@@ -295,16 +305,38 @@ class TrainerShard:
         """This process's wall clock, for the controller to align span times across nodes."""
         return time.time()
 
-    def state_bytes(self) -> bytes:
-        """The weights as safetensors bytes, in the names vLLM's load_weights expects."""
-        state = {
-            name: tensor.detach().to("cpu").contiguous()
-            for name, tensor in self.module.state_dict().items()
-        }
-        if getattr(getattr(self.module, "config", None), "tie_word_embeddings", False):
-            # Tied: lm_head shares the embedding storage; safetensors refuses aliases.
-            state.pop("lm_head.weight", None)
-        return safetensors.torch.save(state)
+    # ---- weight broadcasts (the source shard only) -------------------------------------
+
+    def connect_rollout(self, rank: int, actor: Any) -> None:
+        """Opens the weight transfer with rollout worker ``rank`` (at start-up)."""
+        if self.sender is None:
+            # vLLM is imported here, on the source shard only.
+            from workers.weight_sender import WeightSender
+
+            self.sender = WeightSender(self.weights, address=self.master_addr,
+                                       device=self.device)
+        self.sender.connect(rank, actor)
+
+    def _connected(self) -> WeightSender:
+        if self.sender is None:
+            raise RuntimeError(f"trainer shard {self.rank}: no rollout worker connected")
+        return self.sender
+
+    def snapshot_weights(self, version: int) -> int:
+        """Copies the weights as ``version`` for the sends to come; returns their bytes.
+
+        Called in order with training calls, so it captures exactly ``version``; the
+        sends then run beside the next steps."""
+        return self._connected().snapshot(version, self.module.named_parameters())
+
+    def send_weights(self, version: int, rank: int, mode: UpdateMode | None = None
+                     ) -> BroadcastTiming:
+        """Makes the snapshot of ``version`` rollout worker ``rank``'s policy."""
+        return self._connected().send(version, rank, mode)
+
+    def release_weights(self, version: int) -> None:
+        """Frees the snapshot of ``version`` (every send of it is done)."""
+        self._connected().release(version)
 
     def save(self, out_dir: str) -> None:
         """Writes the current policy in Hugging Face format (model only)."""
@@ -331,5 +363,7 @@ class TrainerShard:
         torch.set_rng_state(state["rng"])
 
     def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()

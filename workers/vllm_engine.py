@@ -1,7 +1,8 @@
 """Building a rollout worker's vLLM engine, and reading what it returns.
 
-Owns: binding the engine to its cores (CPU build), the engine arguments (weight-loading
-worker extension, behaviour logprobs, KV-cache size), the sampling parameters of sampled
+Owns: binding the engine to its cores (CPU build), the engine arguments (worker
+extension, weight-transfer backend, behaviour logprobs, KV-cache size), the sampling
+parameters of sampled
 and greedy requests, making an idle engine block instead of spin, and turning vLLM's
 per-token weight-version spans into versions. Knows nothing about prompts, groups,
 rewards or weight updates: ``workers.rollout.RolloutWorker`` drives the engine. vLLM
@@ -20,7 +21,7 @@ if TYPE_CHECKING:
     from vllm import SamplingParams
     from vllm.v1.engine.async_llm import AsyncLLM
 
-EXTENSION_CLS = "workers.vllm_extension.WeightLoaderExtension"
+EXTENSION_CLS = "workers.vllm_extension.WorkerExtension"
 IDLE_RECHECK_MS = 20
 """Longest an idle engine worker process blocks before re-checking its queue: what a
 dropped vLLM notification (rare: none in 100 idle-to-busy switches measured) can cost the
@@ -31,7 +32,7 @@ KEEP_IDLE_SPIN_ENV = "ASYNC_RL_KEEP_VLLM_IDLE_SPIN"
 
 
 class RolloutWorkerError(RuntimeError):
-    """The worker cannot generate: not started, shut down, or a weight load failed."""
+    """The worker cannot generate: not started, shut down, or a weight update failed."""
 
 
 def bind_cpus(rank: int, cpu_ids: tuple[int, ...]) -> None:
@@ -52,8 +53,13 @@ def bind_cpus(rank: int, cpu_ids: tuple[int, ...]) -> None:
 def build_engine(
     model: ModelConfig, rollout: RolloutConfig, *, rank: int, seed: int,
     cpu_ids: tuple[int, ...], kv_cache_gib: int | None, prefix_caching: bool,
+    transport: str,
 ) -> AsyncLLM:
-    """The engine (tens of seconds on a CPU); ``cpu_ids`` bind it on the CPU build only."""
+    """The engine (tens of seconds on a CPU); ``cpu_ids`` bind it on the CPU build only.
+
+    ``transport`` is the weight-transfer backend its worker builds (``weights.transport``:
+    "gloo" is registered by the worker extension, "nccl" and "ipc" are vLLM's own).
+    """
     import torch
 
     if cpu_ids and not torch.cuda.is_available():
@@ -61,6 +67,7 @@ def build_engine(
     if kv_cache_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
 
+    from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -73,6 +80,7 @@ def build_engine(
             gpu_memory_utilization=rollout.memory_fraction,
             enable_prefix_caching=prefix_caching,
             worker_extension_cls=EXTENSION_CLS,
+            weight_transfer_config=WeightTransferConfig(backend=transport),
             # Logprobs of the distribution actually sampled (after temperature and
             # top-p), not of the raw logits: the behaviour policy's.
             logprobs_mode="processed_logprobs",

@@ -1,16 +1,14 @@
-"""Weight loading inside vLLM's worker process.
+"""What this project adds to vLLM's worker process.
 
-Owns: ``WeightLoaderExtension``, the mix-in vLLM grafts onto its worker class when the
-engine is built with ``worker_extension_cls="workers.vllm_extension.WeightLoaderExtension"``;
-the rollout engine reaches it with ``collective_rpc("load_weights_from_file", args=(path,))``.
-Knows nothing about Ray, versions, pausing or where the file came from: it reads one
-safetensors file of Hugging Face-named tensors and hands them to the worker's own
-``reload_weights`` (the model's ``load_weights`` does the q/k/v and gate/up stacking and
-the dtype cast).
+Owns: ``WorkerExtension``, the mix-in vLLM grafts onto its worker class when the engine
+is built with ``worker_extension_cls="workers.vllm_extension.WorkerExtension"``, and
+through its import the "gloo" weight-transfer backend: vLLM imports this module in the
+worker process before it builds the worker's weight-transfer engine, and importing
+``workers.gloo_transfer`` registers the backend with vLLM's factory there.
 
-Also owns the worker process's idle wait: ``watch_idle_reads`` (once, after the engine is
-built) and ``stop_spinning`` (whenever the rollout worker has nothing in flight); see
-``stop_spinning`` for why vLLM spins and what these change.
+The mix-in owns the worker process's idle wait: ``watch_idle_reads`` (once, after the
+engine is built) and ``stop_spinning`` (whenever the rollout worker has nothing in
+flight); see ``stop_spinning`` for why vLLM spins and what these change.
 
 It runs in the engine's worker process, imported by dotted path, so it imports only
 torch-side libraries that the worker has anyway.
@@ -22,45 +20,15 @@ import gc
 import math
 from typing import Any
 
-from safetensors.torch import load_file
+# Imported for its registration of the "gloo" backend (see the module docstring).
+import workers.gloo_transfer  # noqa: F401
 
 
-class WeightLoaderExtension:
-    """Mixed into vLLM's worker class; ``self.model_runner`` is the worker's."""
+class WorkerExtension:
+    """Mixed into vLLM's worker class."""
 
-    # Provided by the vLLM worker class this one is mixed into.
-    model_runner: Any
-    reload_weights: Any
     # Set by watch_idle_reads: this process's shared-memory queue readers.
     _idle_readers: list[Any]
-
-    def load_weights_from_file(self, path: str) -> int:
-        """Loads every tensor in the safetensors file at ``path``; returns how many.
-
-        A file rather than tensors in the rpc arguments: collective_rpc serialises
-        tensors in its arguments as Python lists, which is slow and loses the dtype.
-        """
-        # Read on the CPU; the weight loaders copy into the model's device and dtype.
-        state = load_file(path, device="cpu")
-        # Not model_runner.model.load_weights: after the first load vLLM repacks weights
-        # into kernel layouts (the CPU build leaves 0-element parameters behind), so a
-        # second plain load fails. reload_weights restores the checkpoint-format
-        # parameters layer by layer, loads, and re-runs the post-load processing.
-        self.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)
-        self._refresh_tied_head()
-        return len(state)
-
-    def _refresh_tied_head(self) -> None:
-        # With tied embeddings the checkpoint has no lm_head tensor, so reload_weights
-        # skips the head and keeps its old kernel state. On the CPU build that state is
-        # a packed copy of the old embedding (oneDNN / sgl GEMM), and logits would stay
-        # stale. Re-running the head's post-load processing packs the new embedding;
-        # elsewhere it is a no-op.
-        model = self.model_runner.get_model()  # unwrapped (CUDA graph wrappers on GPUs)
-        head = getattr(model, "lm_head", None)
-        method = getattr(head, "quant_method", None)
-        if getattr(getattr(model, "config", None), "tie_word_embeddings", False) and method:
-            method.process_weights_after_loading(head)
 
     def watch_idle_reads(self, recheck_ms: int) -> int:
         """Finds this process's shared-memory queue readers for ``stop_spinning`` and caps

@@ -1,4 +1,6 @@
-"""A rollout worker dies mid-run: the run is told, goes on with the others, loses nothing."""
+"""Failures a run must survive or refuse cleanly: a rollout worker dies mid-run (the run
+is told, goes on with the others, loses nothing), and a weight transport the hardware
+does not have (one config line, exit status 2)."""
 
 from __future__ import annotations
 
@@ -9,12 +11,12 @@ from pathlib import Path
 import pytest
 import ray
 
+from async_rl.cli import main
 from async_rl.config import decode_config
 from async_rl.ray_shell import NAMESPACE, run_training
 from async_rl.run_dir import METRICS, RunSummary, read_ledger
 
 pytestmark = pytest.mark.ray
-
 
 
 def test_dead_rollout_worker_is_retired_and_its_prompts_requeued(
@@ -55,6 +57,8 @@ def test_dead_rollout_worker_is_retired_and_its_prompts_requeued(
     (summary,) = result
     assert summary.steps == 12
     assert summary.retired_workers == 1
+    # The dead worker's transfer group failed alone: the survivor got every version.
+    assert summary.rollout_version == summary.final_version == 12
     entries = read_ledger(out)
     trained = [e.prompt_id for e in entries if e.event == "trained"]
     assert len(trained) == len(set(trained)) == 12 * 4
@@ -64,3 +68,16 @@ def test_dead_rollout_worker_is_retired_and_its_prompts_requeued(
     for pid in requeued:
         admitted = [e for e in entries if e.prompt_id == pid and e.event == "admitted"]
         assert len(admitted) >= 2, pid
+
+
+def test_cuda_transport_without_gpus_is_a_config_error(
+    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None,
+    capsys: pytest.CaptureFixture[str]
+) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(f'[model]\npath = "{tiny_model_dir}"\n[run]\nprogress = false\n'
+                      f'output_dir = "{tmp_path / "run"}"\n')
+    assert main(["train", str(config), "--set", "weights.transport=nccl"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1] == ("config error: weights.transport = 'nccl': needs CUDA GPUs, and the "
+                       'workers have none; use "gloo" on CPU')

@@ -1,14 +1,15 @@
 """RolloutWorker as a real Ray actor around the real vLLM CPU engine and the tiny model.
 
-One engine serves the whole module (starting one takes ~25 s on this machine). Tests read
-the current version instead of assuming one, so they do not depend on their order.
+One engine serves the whole module (starting one takes ~25 s on this machine). Weights
+reach it as they do in a run: a ``WeightSender`` actor (the trainer's end) sends them
+through vLLM's weight-transfer API over the gloo backend. Tests read the current version
+instead of assuming one, so they do not depend on their order.
 """
 
 from __future__ import annotations
 
 import math
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,14 +17,14 @@ from typing import Any, NamedTuple
 
 import pytest
 import ray
-import safetensors.torch
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_rl.config import ModelConfig, RolloutConfig, WeightsConfig
 from async_rl.idle import busy_fraction
-from async_rl.records import Group, Prompt
+from async_rl.records import BroadcastTiming, Group, Prompt
 from workers.rollout import RolloutWorker
+from workers.weight_sender import WeightSender
 
 pytestmark = pytest.mark.ray
 
@@ -36,6 +37,8 @@ PROMPT = Prompt(prompt_id="t-0", text="12+7=", answer="19")
 EVAL = [Prompt(prompt_id=f"e-{a}", text=f"{a}+{a + 3}=", answer=str(2 * a + 3))
         for a in range(6)]
 TIMEOUT = 120
+WEIGHTS = WeightsConfig(update_mode="in_flight", transport="gloo", bucket_mb=1)
+"""1 MiB buckets: the tiny model's update takes several messages, its embedding a split."""
 
 
 def starts_with_digit(prompt: Prompt, completion_text: str) -> float:
@@ -67,28 +70,28 @@ def samples(group: Group) -> list[SampleView]:
     return views
 
 
-def perturbed_state(model_dir: Path, seed: int) -> bytes:
-    """The model's weights with noise of their own size added, as the trainer sends them."""
+def perturbed_state(model_dir: Path, seed: int) -> dict[str, torch.Tensor]:
+    """The model's weights with noise of their own size added, named as the trainer
+    sends them (its parameters: the head is tied to the embedding, so it is absent)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     gen = torch.Generator().manual_seed(seed)
     state = {}
-    for name, tensor in model.state_dict().items():
-        if name == "lm_head.weight":  # tied to the embedding, as the trainer drops it
-            continue
+    for name, tensor in model.named_parameters():
         scale = tensor.float().std() if tensor.numel() > 1 else torch.tensor(1.0)
         noise = torch.randn(tensor.shape, generator=gen) * scale
-        state[name] = (tensor + noise.to(tensor.dtype)).contiguous()
-    return safetensors.torch.save(state)
+        state[name] = (tensor.detach() + noise.to(tensor.dtype)).contiguous()
+    assert "lm_head.weight" not in state
+    return state
 
 
 def reference_logprobs(
-    model_dir: Path, state: bytes | None, group: Group
+    model_dir: Path, state: dict[str, torch.Tensor] | None, group: Group
 ) -> list[list[float]]:
     """Each sample's token logprobs under transformers with ``state`` (base if None)."""
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     if state is not None:
         # lm_head is tied to the embedding, so it is absent from the state.
-        model.load_state_dict(safetensors.torch.load(state), strict=False)
+        model.load_state_dict(state, strict=False)
     prompt = group.tokens.prompt_token_ids.tolist()
     out = []
     with torch.no_grad():
@@ -100,19 +103,20 @@ def reference_logprobs(
     return out
 
 
-def assert_behaviour_logprobs(model_dir: Path, state: bytes | None, group: Group) -> None:
+def assert_behaviour_logprobs(model_dir: Path, state: dict[str, torch.Tensor] | None,
+                              group: Group) -> None:
     """vLLM's behaviour logprobs are the policy's own (what the trainer recomputes)."""
     for sample, ref in zip(samples(group), reference_logprobs(model_dir, state, group),
                            strict=True):
         assert sample.logprobs == pytest.approx(ref, abs=1e-4)
 
 
-def make_worker(model_dir: Path, transfer_dir: str) -> Any:
+def make_worker(model_dir: Path) -> Any:
     actor = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=64).remote(
         rank=0,
         model=ModelConfig(path=str(model_dir)),
         rollout=RolloutConfig(group_size=GROUP_SIZE, max_new_tokens=LONG, temperature=1.0),
-        weights=WeightsConfig(update_mode="in_flight", transfer_dir=transfer_dir),
+        weights=WEIGHTS,
         reward_fn=starts_with_digit,
         seed=0,
         cpu_ids=(0,),
@@ -125,15 +129,8 @@ def make_worker(model_dir: Path, transfer_dir: str) -> Any:
 
 
 @pytest.fixture(scope="module")
-def transfer_dir() -> Iterator[str]:
-    root = "/dev/shm" if Path("/dev/shm").is_dir() else None
-    with tempfile.TemporaryDirectory(prefix="async-rl-test-", dir=root) as path:
-        yield path
-
-
-@pytest.fixture(scope="module")
-def worker(ray_cluster: None, tiny_model_dir: Path, transfer_dir: str) -> Iterator[Any]:
-    actor = make_worker(tiny_model_dir, transfer_dir)
+def worker(ray_cluster: None, tiny_model_dir: Path) -> Iterator[Any]:
+    actor = make_worker(tiny_model_dir)
     try:
         yield actor
     finally:
@@ -141,9 +138,34 @@ def worker(ray_cluster: None, tiny_model_dir: Path, transfer_dir: str) -> Iterat
 
 
 @pytest.fixture(scope="module")
-def noisy_states(ray_cluster: None, tiny_model_dir: Path) -> list[Any]:
-    """A few perturbed weight sets, already in the object store (the controller's way)."""
-    return [ray.put(perturbed_state(tiny_model_dir, seed)) for seed in range(3)]
+def sender(worker: Any) -> Iterator[Any]:
+    """The trainer's end (no trainer: the tests choose the weights), connected to the
+    worker as ``launch_workers`` connects trainer shard 0."""
+    actor = ray.remote(WeightSender).options(num_cpus=0).remote(
+        WEIGHTS, address="127.0.0.1", device=torch.device("cpu"))
+    ray.get(actor.connect.remote(0, worker), timeout=TIMEOUT)
+    try:
+        yield actor
+    finally:
+        ray.get(actor.shutdown.remote(), timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def noisy_states(tiny_model_dir: Path) -> list[dict[str, torch.Tensor]]:
+    """A few perturbed weight sets."""
+    return [perturbed_state(tiny_model_dir, seed) for seed in range(3)]
+
+
+def update(sender: Any, version: int, state: dict[str, torch.Tensor],
+           mode: str | None = None) -> BroadcastTiming:
+    """One broadcast to the worker, as ``WeightBroadcast`` runs it: snapshot, send, free."""
+    ray.get(sender.snapshot.remote(version, list(state.items())), timeout=TIMEOUT)
+    try:
+        timing: BroadcastTiming = ray.get(sender.send.remote(version, 0, mode),
+                                          timeout=TIMEOUT)
+    finally:
+        ray.get(sender.release.remote(version), timeout=TIMEOUT)
+    return timing
 
 
 def wait_until_generating(actor: Any, min_tokens: int) -> None:
@@ -232,43 +254,39 @@ def test_evaluate_is_greedy_accuracy(worker: Any) -> None:
 
 
 def test_update_weights_changes_policy(
-    worker: Any, noisy_states: list[Any], transfer_dir: str, tiny_model_dir: Path
+    worker: Any, sender: Any, noisy_states: list[dict[str, torch.Tensor]],
+    tiny_model_dir: Path
 ) -> None:
     version = ray.get(worker.version.remote(), timeout=TIMEOUT)
     before = ray.get(worker.generate_greedy.remote(EVAL), timeout=TIMEOUT)
-    published = time.time()
-    timing = ray.get(
-        worker.update_weights.remote(version + 1, noisy_states[0], published), timeout=TIMEOUT
-    )
+    began = time.perf_counter()
+    timing = update(sender, version + 1, noisy_states[0])
     assert timing.version == version + 1 and timing.rollout_rank == 0
     assert timing.publish_s == 0.0
     assert min(timing.transfer_s, timing.pause_s, timing.load_s) >= 0.0
-    assert timing.transfer_s + timing.pause_s + timing.load_s <= time.time() - published
+    assert timing.transfer_s + timing.pause_s + timing.load_s <= time.perf_counter() - began
     assert ray.get(worker.version.remote(), timeout=TIMEOUT) == version + 1
-    assert list(Path(transfer_dir).iterdir()) == []  # the weights file was removed
 
     group: Group = ray.get(worker.generate_group.remote(PROMPT), timeout=TIMEOUT)
     assert group.min_version == group.max_version == version + 1
     # Every layer took the new weights, the tied output head included.
-    assert_behaviour_logprobs(tiny_model_dir, ray.get(noisy_states[0]), group)
+    assert_behaviour_logprobs(tiny_model_dir, noisy_states[0], group)
     after = ray.get(worker.generate_greedy.remote(EVAL), timeout=TIMEOUT)
     assert [s.token_ids for s in after] != [s.token_ids for s in before]
-    # A stale version is refused, and the loaded one stays.
+    # A stale version is refused before the engine pauses, and the loaded one stays.
     with pytest.raises(ValueError, match="not newer"):
-        ray.get(worker.update_weights.remote(version, noisy_states[0], published),
-                timeout=TIMEOUT)
+        update(sender, version, noisy_states[0])
     assert ray.get(worker.version.remote(), timeout=TIMEOUT) == version + 1
 
 
 def test_in_flight_update_mixes_versions_within_a_sample(
-    worker: Any, noisy_states: list[Any]
+    worker: Any, sender: Any, noisy_states: list[dict[str, torch.Tensor]]
 ) -> None:
     version = ray.get(worker.version.remote(), timeout=TIMEOUT)
     ray.get(worker.drain_spans.remote(), timeout=TIMEOUT)
     pending = worker.generate_group.remote(PROMPT)
     wait_until_generating(worker, min_tokens=GROUP_SIZE)
-    ray.get(worker.update_weights.remote(version + 1, noisy_states[1], time.time()),
-            timeout=TIMEOUT)
+    update(sender, version + 1, noisy_states[1])
     group: Group = ray.get(pending, timeout=TIMEOUT)
     assert group.min_version == version and group.max_version == version + 1
     for sample in samples(group):
@@ -282,18 +300,17 @@ def test_in_flight_update_mixes_versions_within_a_sample(
 
 
 def test_drain_update_finishes_running_samples_first(
-    worker: Any, noisy_states: list[Any]
+    worker: Any, sender: Any, noisy_states: list[dict[str, torch.Tensor]],
+    tiny_model_dir: Path
 ) -> None:
     version = ray.get(worker.version.remote(), timeout=TIMEOUT)
     pending = worker.generate_group.remote(PROMPT)
     wait_until_generating(worker, min_tokens=GROUP_SIZE)
-    timing = ray.get(
-        worker.update_weights.remote(version + 1, noisy_states[2], time.time(), mode="drain"),
-        timeout=TIMEOUT,
-    )
+    timing = update(sender, version + 1, noisy_states[2], mode="drain")
     group: Group = ray.get(pending, timeout=TIMEOUT)
     # Every token of the running group came from the old weights: the load waited.
     assert group.min_version == group.max_version == version
     assert timing.pause_s > 0.0
     fresh: Group = ray.get(worker.generate_group.remote(PROMPT), timeout=TIMEOUT)
     assert fresh.min_version == fresh.max_version == version + 1
+    assert_behaviour_logprobs(tiny_model_dir, noisy_states[2], fresh)

@@ -8,7 +8,7 @@ import msgspec
 import pytest
 
 from async_rl.cli import main
-from async_rl.config import Config, ConfigError, load_config, to_toml
+from async_rl.config import Config, ConfigError, check_transport, load_config, to_toml
 
 GOOD = """
 [model]
@@ -99,6 +99,10 @@ BAD: list[tuple[str, list[str], str, str]] = [
     (GOOD, ["run.target_accuracy=0"], "run.target_accuracy", "> 0"),
     (GOOD, ["run.target_accuracy=1.2"], "run.target_accuracy", "<= 1"),
     (GOOD, ["weights.sync_every=4"], "weights.sync_every", "staleness.max_staleness + 1"),
+    (GOOD, ["weights.transport=shm"], "weights.transport", "'gloo'"),
+    (GOOD, ["weights.transport=ipc"], "weights.transport", "run.colocate"),
+    (GOOD, ["weights.bucket_mb=0"], "weights.bucket_mb", ">= 1"),
+    (GOOD, ["weights.timeout_s=0"], "weights.timeout_s", "> 0"),
     (GOOD.replace("[model]", "model = 3\n[modelx]"), [], "model", ""),
     (GOOD, ['run.loggers=["tensorboard"]'], "run.loggers", 'must list "jsonl"'),
     (GOOD, ['run.loggers=["jsonl", "jsonl"]'], "run.loggers", "no logger twice"),
@@ -117,6 +121,19 @@ def test_bad_input_is_one_line_naming_the_key(
     assert message.startswith("config error: ")
     assert key in message
     assert allowed in message
+
+
+def test_cuda_transports_need_gpus(tmp_path: Path) -> None:
+    config = load_config(write(tmp_path, GOOD), ["weights.transport=nccl"])
+    check_transport(config.weights, cuda=True)
+    with pytest.raises(ConfigError) as info:
+        check_transport(config.weights, cuda=False)
+    assert str(info.value) == ("config error: weights.transport = 'nccl': needs CUDA GPUs, "
+                               'and the workers have none; use "gloo" on CPU')
+    check_transport(load_config(write(tmp_path, GOOD)).weights, cuda=False)
+    colocated = load_config(write(tmp_path, GOOD), [
+        "weights.transport=ipc", "run.colocate=true", "trainer.num_shards=1"])
+    assert colocated.weights.transport == "ipc"
 
 
 def test_unparsable_toml_names_the_file(tmp_path: Path) -> None:

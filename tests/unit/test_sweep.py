@@ -51,7 +51,7 @@ def test_bad_grid_is_one_line(items: list[str], message: str) -> None:
 def write_config(tmp_path: Path) -> Path:
     model = tmp_path / "model"
     model.mkdir()
-    (model / "config.json").write_text("{}")
+    (model / "config.json").write_text('{"model_type": "qwen2"}')
     path = tmp_path / "c.toml"
     path.write_text(f'[model]\npath = "{model}"\n[run]\noutput_dir = "{tmp_path / "runs"}"\n')
     return path

@@ -1,0 +1,145 @@
+"""The rollout engine's end of a weight update, against a fake engine (no vLLM, no Ray):
+the order of engine calls, refusals, phase timing, failure and abandonment."""
+
+from __future__ import annotations
+
+import asyncio
+from types import SimpleNamespace
+from typing import Any, Literal
+
+import pytest
+
+from async_rl.config import WeightsConfig
+from workers.vllm_engine import RolloutWorkerError
+from workers.weight_receiver import WeightReceiver
+
+
+class FakeEngine:
+    """Records the AsyncLLM calls a receiver makes; ``fail_on`` makes one of them raise."""
+
+    def __init__(self, fail_on: str = "", drain: asyncio.Event | None = None) -> None:
+        self.calls: list[str] = []
+        self.fail_on = fail_on
+        self.drain = drain
+        self.engine_core = SimpleNamespace(pause_scheduler_async=self._pause)
+        self.renderer = SimpleNamespace(clear_mm_cache_async=self._record("clear_mm_cache"))
+        self.start_weight_update = self._record("start_weight_update")
+        self.resume_generation = self._record("resume")
+
+    def _record(self, name: str) -> Any:
+        async def call(*args: Any, **kwargs: Any) -> None:
+            self.calls.append(name)
+            if name == self.fail_on:
+                raise RuntimeError(f"{name} broke")
+
+        return call
+
+    async def _pause(self, *, mode: str, clear_cache: bool) -> None:
+        if mode == "wait" and self.drain is not None:
+            await self.drain.wait()
+        await self._record(f"pause:{mode}:{clear_cache}")()
+
+    async def finish_weight_update(self, weight_version: str | None = None) -> None:
+        await self._record(f"finish:{weight_version}")()
+
+    async def pause_generation(self, *, mode: str, clear_cache: bool) -> None:
+        await self._record(f"pause_generation:{mode}")()
+
+
+def receiver(mode: Literal["in_flight", "drain"] = "in_flight", clear_cache: bool = False
+             ) -> tuple[WeightReceiver, list[bool]]:
+    """A receiver and the ``updating`` value at each of its change notices."""
+    changes: list[bool] = []
+    weights = WeightsConfig(update_mode=mode)
+    made = WeightReceiver(3, weights, clear_cache=clear_cache,
+                          on_change=lambda: changes.append(made.updating))
+    return made, changes
+
+
+def test_in_flight_update_pauses_keeping_requests_relabels_while_paused_then_resumes() -> None:
+    weights, changes = receiver(clear_cache=True)
+    engine: Any = FakeEngine()
+
+    async def update() -> Any:
+        await weights.start(engine, 1, None)
+        assert weights.updating
+        return await weights.finish(engine)
+
+    timing = asyncio.run(update())
+    assert engine.calls == ["clear_mm_cache", "pause:keep:True", "start_weight_update",
+                            "finish:1", "resume"]
+    assert weights.version == 1 and weights.updates == 1 and not weights.updating
+    assert changes[0] is True and changes[-1] is False  # busy from before the pause
+    assert (timing.version, timing.rollout_rank, timing.publish_s) == (1, 3, 0.0)
+    assert min(timing.pause_s, timing.transfer_s, timing.load_s) >= 0.0
+
+
+def test_drain_is_generation_until_the_running_requests_are_done() -> None:
+    weights, changes = receiver(mode="in_flight")
+    drained = asyncio.Event()
+    engine: Any = FakeEngine(drain=drained)
+
+    async def update() -> None:
+        start = asyncio.create_task(weights.start(engine, 2, "drain"))
+        await asyncio.sleep(0.01)
+        assert not weights.updating and changes == []  # still generating
+        drained.set()
+        await start
+        assert weights.updating
+        await weights.finish(engine)
+
+    asyncio.run(update())
+    assert engine.calls[0] == "pause:wait:False"
+
+
+def test_stale_and_overlapping_updates_are_refused_without_pausing() -> None:
+    weights, _ = receiver()
+    engine: Any = FakeEngine()
+
+    async def updates() -> None:
+        await weights.start(engine, 1, None)
+        with pytest.raises(RolloutWorkerError, match="still under way"):
+            await weights.start(engine, 2, None)
+        await weights.finish(engine)
+        calls = len(engine.calls)
+        with pytest.raises(ValueError, match="not newer"):
+            await weights.start(engine, 1, None)
+        assert len(engine.calls) == calls
+        with pytest.raises(RolloutWorkerError, match="no weight update started"):
+            await weights.finish(engine)
+
+    asyncio.run(updates())
+    assert weights.failed is None and weights.version == 1
+
+
+def test_a_failed_step_aborts_what_runs_and_fails_the_worker() -> None:
+    weights, _ = receiver()
+    engine: Any = FakeEngine(fail_on="finish:1")
+
+    async def update() -> None:
+        await weights.start(engine, 1, None)
+        with pytest.raises(RolloutWorkerError, match="finishing weights v1 failed"):
+            await weights.finish(engine)
+
+    asyncio.run(update())
+    assert engine.calls[-1] == "pause_generation:abort"
+    assert weights.failed is not None and not weights.updating and weights.version == 0
+
+
+def test_an_update_the_trainer_abandons_mid_drain_fails_the_worker() -> None:
+    weights, _ = receiver()
+    drained = asyncio.Event()
+    engine: Any = FakeEngine(drain=drained)
+
+    async def update() -> None:
+        start = asyncio.create_task(weights.start(engine, 1, "drain"))
+        await asyncio.sleep(0.01)
+        await weights.abandon(engine, "start timed out")
+        assert "pause_generation:abort" in engine.calls  # its requests end now
+        drained.set()
+        with pytest.raises(RolloutWorkerError, match="abandoned by the trainer"):
+            await start
+
+    asyncio.run(update())
+    assert "start_weight_update" not in engine.calls
+    assert weights.failed is not None and not weights.updating
