@@ -182,6 +182,7 @@ def _train(args: argparse.Namespace) -> int:
     if not args.resume:
         _prepare_run_dir(config, args.overwrite)
     from async_rl.checkpoint import CheckpointError
+    from async_rl.orchestrator import RunFailed
     from async_rl.ray_shell import RunInterrupted, run_training
     from async_rl.report import print_report
 
@@ -191,6 +192,10 @@ def _train(args: argparse.Namespace) -> int:
     except CheckpointError as err:
         print(f"resume error: {err}", file=sys.stderr)
         return 2
+    except RunFailed as failed:
+        print(f"run failed: {failed}; async-rl train --resume {out} continues from the "
+              f"last checkpoint", file=sys.stderr)
+        return 1
     except RunInterrupted as stop:
         print(f"stopped at once by {stop}: no checkpoint of the step in progress; "
               f"async-rl train --resume {out} continues from the last one, if any",

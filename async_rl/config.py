@@ -79,6 +79,9 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """vLLM gpu_memory_utilization (on CPU: the share of RAM for the KV cache)."""
     cpus_per_worker: Positive = 1
     """Cores each rollout worker owns (vLLM OMP threads)."""
+    max_restarts: NonNegative = 3
+    """Rollout workers started again, in all, after one dies or breaks (each from the
+    trainer's current weights); past it the run stops with a checkpoint, exit status 1."""
     sampling_seed: Annotated[int, msgspec.Meta(ge=-1)] = -1
     """-1: samples come from each engine's own random stream. >= 0: every sample request
     gets its own seed, made from this value, the prompt id, its attempt and the sample's

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +21,7 @@ import msgspec
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 
-from async_rl.config import Config, check_transport
+from async_rl.config import Config, ModelConfig, check_transport
 from async_rl.longtail import RemainderTask
 from async_rl.records import Prompt
 from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward, remainder_reward
@@ -70,6 +71,24 @@ class StartedWorkers:
     board_path: str = ""
     """The run.layout board in shared memory ("" when trainers never borrow cores)."""
     placement_groups: list[PlacementGroup] = field(default_factory=list)
+    new_rollout: Callable[[int, ModelConfig, int, str], Any] | None = None
+    """Creates (does not start) rollout worker ``rank`` on its cores from a model at a
+    version: how a lost worker is replaced."""
+
+
+async def restart_rollout(started: StartedWorkers, rank: int, model: ModelConfig,
+                          version: int) -> Any:
+    """Replaces rollout worker ``rank`` (dead or broken) by a new one on the same cores,
+    started from ``model`` labelled ``version`` and connected to trainer shard 0."""
+    assert started.new_rollout is not None
+    old = started.rollout.pop(rank, None)
+    if old is not None:
+        ray.kill(old)  # a broken worker may still hold its engine and cores
+    worker = started.new_rollout(rank, model, version, "")  # the old name may linger
+    await worker.start.remote()
+    await started.trainers[0].connect_rollout.remote(rank, worker)
+    started.rollout[rank] = worker
+    return worker
 
 
 async def launch_workers(cfg: Config, reward_fn: RewardFn,
@@ -96,18 +115,24 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
         started.board_path = board
     rollout_cores = tuple(sorted({c for i in layout.rollout for c in i.devices}))
     rollout_cls = ray.remote(RolloutActor)
-    for ident in layout.rollout:
-        started.rollout[ident.rank] = rollout_cls.options(
-            name=ident.name,
+
+    def new_rollout(rank: int, model: ModelConfig, version: int, name: str = "") -> Any:
+        ident = layout.rollout[rank]
+        return rollout_cls.options(
+            name=name or None,
             num_cpus=cfg.rollout.cpus_per_worker, num_gpus=gpus,
             max_concurrency=4 * cfg.rollout.max_inflight_prompts + 16,
             scheduling_strategy=in_bundle(groups["rollout"], ident.rank),
         ).remote(
-            rank=ident.rank, model=cfg.model, rollout=cfg.rollout, weights=cfg.weights,
+            rank=ident.rank, model=model, rollout=cfg.rollout, weights=cfg.weights,
             reward_fn=reward_fn, seed=cfg.run.seed + ident.rank,
             cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
             prefix_caching=cfg.rollout.prefix_caching, core_board=board, version=version,
         )
+
+    started.new_rollout = new_rollout
+    for ident in layout.rollout:
+        started.rollout[ident.rank] = new_rollout(ident.rank, cfg.model, version, ident.name)
     # Weight sends run in their own threads, beside training calls (workers.weights).
     # Ray's typed overloads of remote() omit concurrency_groups, which it accepts.
     trainer_cls = ray.remote(  # type: ignore[call-overload]

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
+import anyio.abc
 import msgspec
 
 from async_rl.auto_layout import AutoLayout
@@ -67,6 +68,20 @@ async def each(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
     return results  # type: ignore[return-value]  # every slot was filled
 
 
+class RunFailed(Exception):
+    """The run cannot go on (every rollout worker gone, restarts used up): one line."""
+
+
+def first_failure(group: BaseExceptionGroup[BaseException]) -> RunFailed | None:
+    """The ``RunFailed`` inside nested task-group errors, if there is one."""
+    for error in group.exceptions:
+        if isinstance(error, RunFailed):
+            return error
+        if isinstance(error, BaseExceptionGroup) and (found := first_failure(error)):
+            return found
+    return None
+
+
 @dataclass
 class Workers:
     """The started compute plane, as the orchestrator sees it."""
@@ -77,6 +92,9 @@ class Workers:
     weights: WeightPath
     can_share: bool = False
     """Trainers can borrow rollout cores (run.layout shared/auto on CPU)."""
+    restart_rollout: Callable[[int, str, int], Awaitable[RolloutClient]] | None = None
+    """Starts a new rollout worker for a rank from a model folder labelled with a
+    version; None: lost workers are not replaced."""
 
 
 class Orchestrator:
@@ -108,6 +126,14 @@ class Orchestrator:
         """Training wall time already spent before this process (on resume)."""
         self.stop_reason = ""
         """Set by ``request_stop``: no step starts after it; the run ends cleanly."""
+        self.restart_rollout = workers.restart_rollout
+        self.step_lock = anyio.Lock()
+        """Held while shards train and the version moves on: holding it, the trainer's
+        weights are exactly ``self.version`` (a restarted engine starts from them)."""
+        self.background: anyio.abc.TaskGroup | None = None
+        self._restarting = 0
+        self._free = anyio.Condition()
+        """Notified when a rollout worker can take another prompt (rollout_loop's)."""
         self.requeued: deque[Prompt] = deque()
         self.open_prompts: dict[str, Prompt] = {}
         """Admitted and not yet trained or re-queued: in flight or in the queue."""
@@ -140,9 +166,23 @@ class Orchestrator:
         self.admission.flush()
         self.training.flush()
         usage_first = await self.read_usage()
-        async with anyio.create_task_group() as evaluations:
-            # Evaluations due during training run beside it; it never waits for them.
-            evaluations.start_soon(self.evaluation_loop)
+        try:
+            return await self._train(start, started, usage_first)
+        except BaseExceptionGroup as group:
+            failure = first_failure(group)
+            if failure is None:
+                raise
+            # What trained so far is kept: --resume continues from here.
+            with anyio.CancelScope(shield=True):
+                await self.checkpoint(time.perf_counter() - started)
+            raise failure from None
+
+    async def _train(self, start: EvalPoint | None, started: float,
+                     usage_first: dict[str, UsageReading]) -> RunSummary:
+        """The training window and the end of the run (see ``run``)."""
+        async with anyio.create_task_group() as self.background:
+            # Evaluations due during training, and worker restarts, run beside it.
+            self.background.start_soon(self.evaluation_loop)
             with RunProgress(self.config.run.num_steps, enabled=self.config.run.progress) as bar:
                 async with anyio.create_task_group() as loops:
                     loops.start_soon(self.rollout_loop)
@@ -185,7 +225,7 @@ class Orchestrator:
     async def rollout_loop(self) -> None:
         """Admits prompts through the gate and hands each to the least-busy live worker."""
         busy = {rank: 0 for rank in self.rollout}
-        free = anyio.Condition()
+        free = self._free = anyio.Condition()
         limit = self.config.rollout.max_inflight_prompts
         async with anyio.create_task_group() as generations:
             while True:
@@ -248,18 +288,20 @@ class Orchestrator:
                 self.training.switch("training")
                 t1 = time.perf_counter()
                 batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step)
-                results = await each([
-                    lambda shard=shard, batch=batch: shard.train(batch)  # type: ignore[misc]
-                    for shard, batch in zip(self.trainers, batches, strict=True)
-                ])
+                async with self.step_lock:
+                    results = await each([
+                        lambda shard=shard, batch=batch: shard.train(batch)  # type: ignore[misc]
+                        for shard, batch in zip(self.trainers, batches, strict=True)
+                    ])
+                    if not any(r.samples_lost for r in results):
+                        self.version += 1
                 if any(r.samples_lost for r in results):
                     self.totals.lost_steps += 1
                     for group in groups:
                         self._requeue(group.prompt, "failed", "samples_lost")
                     continue
                 t2 = time.perf_counter()
-                staleness = [self.version - g.min_version for g in groups]
-                self.version += 1
+                staleness = [self.version - 1 - g.min_version for g in groups]
                 for group in groups:
                     self.open_prompts.pop(group.prompt_id, None)
                     self._ledger(group.prompt, "trained", version=self.version - 1)
@@ -404,12 +446,39 @@ class Orchestrator:
         )
 
     def _retire(self, rank: int, why: str) -> None:
-        """Stops using a dead or broken rollout worker; the run goes on with the others."""
-        if self.rollout.pop(rank, None) is not None:
+        """Stops using a dead or broken rollout worker and starts a new one in its place,
+        up to ``rollout.max_restarts``; the run goes on with the others meanwhile."""
+        if self.rollout.pop(rank, None) is None:
+            return
+        self.totals.retired_workers += 1
+        allowed = self.config.rollout.max_restarts
+        if self.restart_rollout is not None and self.totals.restarts < allowed:
+            self.totals.restarts += 1
+            print(f"rollout-{rank} lost ({why}): restarting it "
+                  f"({self.totals.restarts} of {allowed} restarts)")
+            assert self.background is not None  # set for the whole training window
+            self.background.start_soon(self._restart, rank)
+        elif not self.rollout and not self._restarting:
+            raise RunFailed(f"every rollout worker is gone (last: rollout-{rank}: {why}; "
+                            f"{self.totals.restarts} of {allowed} restarts used)")
+        else:
             print(f"rollout-{rank} retired: {why}")
-            self.totals.retired_workers += 1
-        if not self.rollout:
-            raise RuntimeError(f"every rollout worker is gone (last: rollout-{rank}: {why})")
+
+    async def _restart(self, rank: int) -> None:
+        """A new engine for ``rank``, from the trainer's current weights and version."""
+        self._restarting += 1
+        try:
+            async with self.step_lock:
+                version = self.version
+                model_dir = self.out.path / "restarts" / f"rollout-{rank}-v{version}"
+                await self.trainers[0].save_policy(str(model_dir))
+            assert self.restart_rollout is not None
+            self.rollout[rank] = await self.restart_rollout(rank, str(model_dir), version)
+            print(f"rollout-{rank} restarted at version {version}")
+            async with self._free:  # admission may be waiting for a live worker
+                self._free.notify_all()
+        finally:
+            self._restarting -= 1
 
     def _on_drop(self, dropped: Dropped[Group]) -> None:
         self.totals.dropped_stale += 1

@@ -97,6 +97,10 @@ class TrainerClient(ObservedWorker, Protocol):
         """Writes the current policy in Hugging Face format."""
         ...
 
+    async def save_policy(self, out_dir: str) -> None:
+        """Writes the policy with its tokenizer: an engine can start from the folder."""
+        ...
+
     async def save_checkpoint(self, out_dir: str) -> None:
         """Writes the policy, its tokenizer and the optimizer and RNG state to resume."""
         ...

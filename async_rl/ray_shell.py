@@ -27,8 +27,8 @@ from ray.util.placement_group import remove_placement_group
 
 from async_rl.checkpoint import TRAINER, latest_checkpoint
 from async_rl.config import Config
-from async_rl.launch import StartedWorkers, build_task, launch_workers
-from async_rl.orchestrator import Orchestrator, Workers
+from async_rl.launch import StartedWorkers, build_task, launch_workers, restart_rollout
+from async_rl.orchestrator import Orchestrator, Workers, first_failure
 from async_rl.protocols import PublishedWeights, RolloutFailed
 from async_rl.records import (
     BroadcastTiming,
@@ -122,6 +122,9 @@ class RayTrainer(_Actor):
     async def save(self, out_dir: str) -> None:
         await self.handle.save.remote(out_dir)
 
+    async def save_policy(self, out_dir: str) -> None:
+        await self.handle.save_policy.remote(out_dir)
+
     async def save_checkpoint(self, out_dir: str) -> None:
         await self.handle.save_checkpoint.remote(out_dir)
 
@@ -143,15 +146,24 @@ class RayWeights:
         return await self._broadcast.deliver(published)
 
 
-def adapt(started: StartedWorkers) -> Workers:
+def adapt(started: StartedWorkers, config: Config) -> Workers:
     """The started actors as the orchestrator's protocols."""
+    weights = RayWeights(started.trainers[0], started.rollout)
+
+    async def restart(rank: int, model_dir: str, version: int) -> RayRollout:
+        model = msgspec.structs.replace(config.model, path=model_dir)
+        # Also updates started.rollout, the map later deliveries read.
+        handle = await restart_rollout(started, rank, model, version)
+        return RayRollout(f"rollout-{rank}", handle)
+
     return Workers(
         rollout={rank: RayRollout(f"rollout-{rank}", handle)
                  for rank, handle in started.rollout.items()},
         trainers=[RayTrainer(f"trainer-{rank}", handle)
                   for rank, handle in enumerate(started.trainers)],
-        weights=RayWeights(started.trainers[0], started.rollout),
+        weights=weights,
         can_share=bool(started.board_path),
+        restart_rollout=restart,
     )
 
 
@@ -252,7 +264,7 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False
                     print(registry_table(started.identities))
                     out.workers(started.identities)
                     orchestrator = Orchestrator(config, out, source, eval_prompts,
-                                                adapt(started))
+                                                adapt(started, config))
                     if checkpoint is not None:
                         await asyncio.gather(*(t.load_training_state.remote(
                             workers_config.model.path) for t in started.trainers))
@@ -268,6 +280,11 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False
 
     try:
         summary = anyio.run(main)
+    except BaseExceptionGroup as group:
+        failure = first_failure(group)
+        if failure is None:
+            raise
+        raise failure from None  # one line for the user, not a tree of task groups
     finally:
         if started_ray:
             ray.shutdown()

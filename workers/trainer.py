@@ -342,16 +342,20 @@ class TrainerShard:
         """Writes the current policy in Hugging Face format (model only)."""
         self.module.save_pretrained(out_dir)  # type: ignore[operator]
 
-    def save_checkpoint(self, out_dir: str) -> None:
-        """The policy as a Hugging Face model with its tokenizer (a resumed run's rollout
-        engines start from it), plus the optimizer and RNG state (``TRAINING_STATE``).
-
-        Shards are replicas (DDP), so shard 0's copy is the checkpoint.
-        """
+    def save_policy(self, out_dir: str) -> None:
+        """The policy as a Hugging Face model with its tokenizer: an engine can start
+        from the folder (a restarted rollout worker, a resumed run)."""
         from transformers import AutoTokenizer
 
         self.save(out_dir)
         AutoTokenizer.from_pretrained(self.model_config.path).save_pretrained(out_dir)
+
+    def save_checkpoint(self, out_dir: str) -> None:
+        """``save_policy``, plus the optimizer and RNG state (``TRAINING_STATE``).
+
+        Shards are replicas (DDP), so shard 0's copy is the checkpoint.
+        """
+        self.save_policy(out_dir)
         torch.save({"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()},
                    Path(out_dir) / TRAINING_STATE)
 

@@ -1,6 +1,7 @@
 """Failures a run must survive or refuse cleanly: a rollout worker dies mid-run (the run
-is told, goes on with the others, loses nothing), and a weight transport the hardware
-does not have (one config line, exit status 2)."""
+is told, goes on with the others, starts a new one in its place, loses nothing), the
+only rollout worker dies (it is restarted and the run completes), and a weight
+transport the hardware does not have (one config line, exit status 2)."""
 
 from __future__ import annotations
 
@@ -14,19 +15,18 @@ import ray
 from async_rl.cli import main
 from async_rl.config import decode_config
 from async_rl.ray_shell import NAMESPACE, run_training
-from async_rl.run_dir import METRICS, RunSummary, read_ledger
+from async_rl.run_dir import FINAL_MODEL, METRICS, RunSummary, read_ledger
 
 pytestmark = pytest.mark.ray
 
 
-def test_dead_rollout_worker_is_retired_and_its_prompts_requeued(
-    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
-) -> None:
-    out = tmp_path / "run"
+def kill_during_run(tiny_model_dir: Path, out: Path, workers: int, victim: str
+                    ) -> RunSummary:
+    """Runs 12 steps and kills actor ``victim`` once 3 steps have trained."""
     config = decode_config({
         "model": {"path": str(tiny_model_dir)},
         "task": {"eval_size": 0},
-        "rollout": {"num_workers": 2, "group_size": 4, "max_new_tokens": 6,
+        "rollout": {"num_workers": workers, "group_size": 4, "max_new_tokens": 6,
                     "max_inflight_prompts": 4, "memory_fraction": 0.1},
         "staleness": {"max_staleness": 1},
         "trainer": {"groups_per_step": 4, "micro_batch_tokens": 512},
@@ -50,24 +50,48 @@ def test_dead_rollout_worker_is_retired_and_its_prompts_requeued(
             break
         time.sleep(0.2)
     assert not errors, errors
-    ray.kill(ray.get_actor("rollout-1", namespace=NAMESPACE))
-    thread.join(timeout=240)
+    ray.kill(ray.get_actor(victim, namespace=NAMESPACE))
+    thread.join(timeout=300)
     assert not thread.is_alive()
     assert not errors, errors
     (summary,) = result
-    assert summary.steps == 12
-    assert summary.retired_workers == 1
-    # The dead worker's transfer group failed alone: the survivor got every version.
-    assert summary.rollout_version == summary.final_version == 12
+    return summary
+
+
+def check_nothing_lost(out: Path) -> None:
     entries = read_ledger(out)
     trained = [e.prompt_id for e in entries if e.event == "trained"]
     assert len(trained) == len(set(trained)) == 12 * 4
-    requeued = {e.prompt_id for e in entries if e.event == "requeued"}
     assert all(e.reason for e in entries if e.event in ("failed", "requeued"))
     # Every prompt the dead worker held came back and was admitted again.
+    requeued = {e.prompt_id for e in entries if e.event == "requeued"}
     for pid in requeued:
         admitted = [e for e in entries if e.prompt_id == pid and e.event == "admitted"]
         assert len(admitted) >= 2, pid
+
+
+def test_dead_rollout_worker_is_replaced_and_its_prompts_requeued(
+    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
+) -> None:
+    out = tmp_path / "run"
+    summary = kill_during_run(tiny_model_dir, out, workers=2, victim="rollout-1")
+    assert summary.steps == 12
+    assert summary.retired_workers == summary.restarts == 1
+    # The dead worker's transfer group failed alone: the survivor got every version,
+    # and so did the replacement from the version it started at.
+    assert summary.rollout_version == summary.final_version == 12
+    check_nothing_lost(out)
+
+
+def test_the_only_rollout_worker_killed_is_restarted_and_the_run_completes(
+    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
+) -> None:
+    out = tmp_path / "run"
+    summary = kill_during_run(tiny_model_dir, out, workers=1, victim="rollout-0")
+    assert summary.steps == summary.final_version == 12
+    assert summary.restarts == 1
+    assert (out / FINAL_MODEL / "config.json").exists()
+    check_nothing_lost(out)
 
 
 def test_cuda_transport_without_gpus_is_a_config_error(

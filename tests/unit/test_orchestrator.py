@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -19,7 +19,7 @@ import pytest
 
 from async_rl.checkpoint import latest_checkpoint
 from async_rl.config import Config
-from async_rl.orchestrator import Orchestrator, Workers
+from async_rl.orchestrator import Orchestrator, RunFailed, Workers
 from async_rl.protocols import RolloutFailed
 from async_rl.records import (
     BroadcastTiming,
@@ -120,6 +120,9 @@ class FakeTrainer:
     async def save(self, out_dir: str) -> None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
 
+    async def save_policy(self, out_dir: str) -> None:
+        Path(out_dir).mkdir(parents=True)
+
     async def save_checkpoint(self, out_dir: str) -> None:
         Path(out_dir).mkdir(parents=True)
         (Path(out_dir) / "steps.json").write_text(json.dumps(self.steps))
@@ -168,12 +171,21 @@ def config(tmp_path: Path, *, steps: int = 6, max_staleness: int = 1, groups: in
 
 def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer],
         *, weights: FakeWeights | None = None, stop_after: int = 0,
-        resume: bool = False) -> RunSummary:
+        resume: bool = False, restart: Callable[[int], FakeRollout] | None = None
+        ) -> RunSummary:
     """One run on fresh fakes; ``stop_after``: request a clean stop once that many
     steps have trained; ``resume``: continue the run directory's newest checkpoint."""
     task = ArithmeticTask(seed=0)
+    async def restart_rollout(rank: int, model_dir: str, version: int) -> FakeRollout:
+        assert restart is not None and Path(model_dir).is_dir()  # the trainer saved it
+        fresh = restart(rank)
+        fresh.version_now = version
+        rollout[rank] = fresh  # weight deliveries reach it from now on
+        return fresh
+
     workers = Workers(rollout=dict(rollout), trainers=list(trainers),
-                      weights=weights or FakeWeights(rollout))
+                      weights=weights or FakeWeights(rollout),
+                      restart_rollout=restart_rollout if restart else None)
     state = latest_checkpoint(Path(cfg.run.output_dir))[1] if resume else None
     out = RunWriter(cfg.run.output_dir, cfg, positions=state.files if state else None)
     orchestrator = Orchestrator(cfg, out, task, task.eval_prompts(cfg.task.eval_size),
@@ -328,3 +340,27 @@ def test_a_stopped_run_resumes_with_nothing_lost_or_trained_twice(tmp_path: Path
     assert all(events[p][-1]["event"] in ("trained", "unfinished") for p in resumed)
     # The staleness bound holds across the resume (versions continue from 3).
     assert len(second.staleness_histogram) <= 3
+
+
+def test_a_dead_only_rollout_worker_is_restarted_and_the_run_completes(
+    tmp_path: Path,
+) -> None:
+    cfg = config(tmp_path, steps=5)
+    summary = run(cfg, {0: FakeRollout(0, dies_after=6)}, [FakeTrainer(0)],
+                  restart=lambda rank: FakeRollout(rank))
+    assert summary.steps == 5 and summary.restarts == 1
+    counts = trained_once_or_unfinished(ledger(tmp_path))
+    assert counts["trained"] == 5 * cfg.trainer.groups_per_step
+    assert counts["failed"] >= 1  # what the dead worker held ran again
+
+
+def test_past_max_restarts_the_run_fails_with_a_checkpoint(tmp_path: Path) -> None:
+    cfg = config(tmp_path, steps=50)
+    cfg = msgspec.structs.replace(cfg, rollout=msgspec.structs.replace(cfg.rollout,
+                                                                       max_restarts=1))
+    with pytest.raises(RunFailed, match="1 of 1 restarts used"):
+        run(cfg, {0: FakeRollout(0, dies_after=6)}, [FakeTrainer(0)],
+            restart=lambda rank: FakeRollout(rank, dies_after=6))
+    _, state = latest_checkpoint(tmp_path)
+    assert 1 <= state.version < 50
+    assert state.counters.restarts == 1
