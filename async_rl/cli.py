@@ -182,7 +182,7 @@ def _train(args: argparse.Namespace) -> int:
     if not args.resume:
         _prepare_run_dir(config, args.overwrite)
     from async_rl.checkpoint import CheckpointError
-    from async_rl.orchestrator import RunFailed
+    from async_rl.protocols import RunFailed
     from async_rl.ray_shell import RunInterrupted, run_training
     from async_rl.report import print_report
 

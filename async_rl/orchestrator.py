@@ -19,14 +19,11 @@ rules of the gate, queue and plan (buffers/), nor when evaluations fall due
 from __future__ import annotations
 
 import time
-from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import TypeVar
 
 import anyio
 import anyio.abc
-import msgspec
 
 from async_rl.auto_layout import AutoLayout
 from async_rl.batching import shard_batches
@@ -35,15 +32,16 @@ from async_rl.config import Config
 from async_rl.evaluation import EvalLog, describe
 from async_rl.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.progress import RunProgress
+from async_rl.prompt_ledger import PromptLedger
 from async_rl.protocols import (
     ObservedWorker,
     PublishedWeights,
-    RolloutClient,
     RolloutFailed,
-    TrainerClient,
-    WeightPath,
+    RunFailed,
+    Workers,
+    first_failure,
 )
-from async_rl.records import BroadcastTiming, Group, LedgerEntry, Prompt, UsageReading
+from async_rl.records import BroadcastTiming, Group, Prompt, UsageReading
 from async_rl.run_dir import FINAL_MODEL, EvalPoint, RunSummary, RunWriter
 from async_rl.spans import SpanRecorder
 from async_rl.step_metrics import StepTotals, step_row
@@ -66,35 +64,6 @@ async def each(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
         for i in range(len(calls)):
             group.start_soon(one, i)
     return results  # type: ignore[return-value]  # every slot was filled
-
-
-class RunFailed(Exception):
-    """The run cannot go on (every rollout worker gone, restarts used up): one line."""
-
-
-def first_failure(group: BaseExceptionGroup[BaseException]) -> RunFailed | None:
-    """The ``RunFailed`` inside nested task-group errors, if there is one."""
-    for error in group.exceptions:
-        if isinstance(error, RunFailed):
-            return error
-        if isinstance(error, BaseExceptionGroup) and (found := first_failure(error)):
-            return found
-    return None
-
-
-@dataclass
-class Workers:
-    """The started compute plane, as the orchestrator sees it."""
-
-    rollout: dict[int, RolloutClient]
-    """rank -> live rollout worker; retired workers are removed."""
-    trainers: list[TrainerClient]
-    weights: WeightPath
-    can_share: bool = False
-    """Trainers can borrow rollout cores (run.layout shared/auto on CPU)."""
-    restart_rollout: Callable[[int, str, int], Awaitable[RolloutClient]] | None = None
-    """Starts a new rollout worker for a rank from a model folder labelled with a
-    version; None: lost workers are not replaced."""
 
 
 class Orchestrator:
@@ -134,9 +103,7 @@ class Orchestrator:
         self._restarting = 0
         self._free = anyio.Condition()
         """Notified when a rollout worker can take another prompt (rollout_loop's)."""
-        self.requeued: deque[Prompt] = deque()
-        self.open_prompts: dict[str, Prompt] = {}
-        """Admitted and not yet trained or re-queued: in flight or in the queue."""
+        self.prompts = PromptLedger(out, lambda: self.version)
         self.totals = StepTotals()
         self.evals = EvalLog(every=config.run.eval_every, num_steps=config.run.num_steps)
         self.timings: list[BroadcastTiming] = []
@@ -191,8 +158,7 @@ class Orchestrator:
             wall_s = time.perf_counter() - started
             self.evals.training_ended()
             rollout_versions = [await w.version() for w in list(self.rollout.values())]
-            for prompt in self.open_prompts.values():  # generated or queued, never trained
-                self._ledger(prompt, "unfinished", reason="run_ended")
+            self.prompts.close()
             self.admission.switch("no_work")
             self.training.switch("no_work")
             usage_last = await self.read_usage()
@@ -241,9 +207,7 @@ class Orchestrator:
                     rank = min(self.rollout, key=lambda r: busy[r])
                     busy[rank] += 1
                 self.admission.switch("admitting", self.gate.version)
-                prompt = self.requeued.popleft() if self.requeued else self.source.next_prompt()
-                self._ledger(prompt, "admitted")
-                self.open_prompts[prompt.prompt_id] = prompt
+                prompt = self.prompts.admit(self.source)
                 generations.start_soon(self.generate, rank, prompt, busy, free)
 
     async def generate(
@@ -253,7 +217,7 @@ class Orchestrator:
         try:
             group = await self.rollout[rank].generate(prompt)
             self.totals.reward_failures += group.reward_failures
-            self._ledger(prompt, "generated")
+            self.prompts.write(prompt, "generated")
             # The worker's slot stays taken until the queue has room: backpressure.
             await self.queue.put(group)
         except RolloutFailed as failed:
@@ -303,8 +267,7 @@ class Orchestrator:
                 t2 = time.perf_counter()
                 staleness = [self.version - 1 - g.min_version for g in groups]
                 for group in groups:
-                    self.open_prompts.pop(group.prompt_id, None)
-                    self._ledger(group.prompt, "trained", version=self.version - 1)
+                    self.prompts.trained(group.prompt, version=self.version - 1)
                 if self.version % cfg.weights.sync_every == 0:
                     self.training.switch("weight_publish", self.version)
                     published = await self.weights.publish(self.version)
@@ -383,14 +346,13 @@ class Orchestrator:
     async def checkpoint(self, wall_s: float) -> None:
         """A checkpoint of the last completed step: prompts admitted but not trained
         (in flight, queued or re-queued) are saved to be issued again."""
-        reissue = (*self.requeued, *self.open_prompts.values())
         # Every admission slot not spent on a trained group goes back: those of open
         # prompts, and any the rollout loop held while it waited for a free worker.
         unspent = self.gate.statistics().started - self.totals.groups_trained
         state = RunState(
             step=self.version, version=self.version,
             gate=self.gate.snapshot(in_flight=unspent),
-            source=self.source.state(), reissue=reissue,
+            source=self.source.state(), reissue=self.prompts.owed(),
             counters=self.totals.counters(), evals=tuple(self.evals.points),
             wall_s=wall_s, files=self.out.positions,
         )
@@ -409,11 +371,7 @@ class Orchestrator:
         self.source.restore(state.source)
         self.totals.restore(state.counters)
         self.evals.points.extend(state.evals)
-        for prompt in state.reissue:
-            # The same attempt again: it was cut short, not failed or dropped, so with
-            # rollout.sampling_seed it samples what it would have without the stop.
-            self._ledger(prompt, "requeued", reason="resume")
-            self.requeued.append(prompt)
+        self.prompts.reissue(state.reissue)
 
     # ---- observation -------------------------------------------------------------------
 
@@ -433,17 +391,7 @@ class Orchestrator:
             spans += await worker.spans()
         self.out.spans(spans)
 
-    # ---- the ledger ----------------------------------------------------------------------
-
-    def _ledger(self, prompt: Prompt, event: str, *, reason: str = "",
-                version: int | None = None) -> None:
-        self.out.ledger(
-            LedgerEntry(
-                prompt_id=prompt.prompt_id, event=event,
-                version=self.version if version is None else version,
-                attempt=prompt.attempt, reason=reason, time=time.time(),
-            )
-        )
+    # ---- workers lost, prompts re-queued -------------------------------------------------
 
     def _retire(self, rank: int, why: str) -> None:
         """Stops using a dead or broken rollout worker and starts a new one in its place,
@@ -486,8 +434,5 @@ class Orchestrator:
 
     def _requeue(self, prompt: Prompt, event: str, reason: str) -> None:
         """Gives the prompt's admission slot back and runs it again: nothing is lost."""
-        self._ledger(prompt, event, reason=reason)
-        self.open_prompts.pop(prompt.prompt_id, None)
         self.gate.release()
-        self.requeued.append(msgspec.structs.replace(prompt, attempt=prompt.attempt + 1))
-        self._ledger(prompt, "requeued", reason=reason)
+        self.prompts.requeue(prompt, event, reason)

@@ -2,10 +2,11 @@
 
 Owns: the orchestrator's whole view of the compute plane — a rollout worker
 (``RolloutClient``), a trainer shard (``TrainerClient``), the weight path
-(``WeightPath``), what every worker reports for the idle accounting (``ObservedWorker``)
-and the failures they signal. Knows nothing about Ray: ``async_rl.ray_shell`` adapts
-actor handles to these protocols, and the unit tests pass in-process fakes, so the
-orchestrator's loops run the same against both.
+(``WeightPath``), what every worker reports for the idle accounting (``ObservedWorker``),
+the bundle the shell hands over (``Workers``) and the failures: a worker's
+(``RolloutFailed``) and the run's (``RunFailed``). Knows nothing about Ray:
+``async_rl.ray_shell`` adapts actor handles to these protocols, and the unit tests pass
+in-process fakes, so the orchestrator's loops run the same against both.
 
 Data moves by reference: a ``Group`` a rollout worker returns carries no tokens, only a
 reference (``Group.tokens``) that the trainer shards resolve themselves.
@@ -13,7 +14,8 @@ reference (``Group.tokens``) that the trainer shards resolve themselves.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 from async_rl.records import (
@@ -126,3 +128,32 @@ class WeightPath(Protocol):
         """Makes ``published`` the policy of the rollout workers ``ranks``; returns the
         timings of those that loaded it and the ranks that failed (each then unusable)."""
         ...
+
+
+class RunFailed(Exception):
+    """The run cannot go on (every rollout worker gone, restarts used up): one line."""
+
+
+def first_failure(group: BaseExceptionGroup[BaseException]) -> RunFailed | None:
+    """The ``RunFailed`` inside nested task-group errors, if there is one."""
+    for error in group.exceptions:
+        if isinstance(error, RunFailed):
+            return error
+        if isinstance(error, BaseExceptionGroup) and (found := first_failure(error)):
+            return found
+    return None
+
+
+@dataclass
+class Workers:
+    """The started compute plane, as the orchestrator sees it."""
+
+    rollout: dict[int, RolloutClient]
+    """rank -> live rollout worker; retired workers are removed."""
+    trainers: list[TrainerClient]
+    weights: WeightPath
+    can_share: bool = False
+    """Trainers can borrow rollout cores (run.layout shared/auto on CPU)."""
+    restart_rollout: Callable[[int, str, int], Awaitable[RolloutClient]] | None = None
+    """Starts a new rollout worker for a rank from a model folder labelled with a
+    version; None: lost workers are not replaced."""

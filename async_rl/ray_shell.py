@@ -28,8 +28,8 @@ from ray.util.placement_group import remove_placement_group
 from async_rl.checkpoint import TRAINER, latest_checkpoint
 from async_rl.config import Config
 from async_rl.launch import StartedWorkers, build_task, launch_workers, restart_rollout
-from async_rl.orchestrator import Orchestrator, Workers, first_failure
-from async_rl.protocols import PublishedWeights, RolloutFailed
+from async_rl.orchestrator import Orchestrator
+from async_rl.protocols import PublishedWeights, RolloutFailed, Workers, first_failure
 from async_rl.records import (
     BroadcastTiming,
     EvalResult,

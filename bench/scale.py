@@ -82,8 +82,8 @@ from async_rl.config import (
     RunConfig,
     TrainerConfig,
 )
-from async_rl.orchestrator import Orchestrator, Workers, each
-from async_rl.protocols import PublishedWeights, TrainerClient
+from async_rl.orchestrator import Orchestrator, each
+from async_rl.protocols import PublishedWeights, TrainerClient, Workers
 from async_rl.ray_shell import RayRollout, RayTrainer
 from async_rl.records import BroadcastTiming, SequenceSlot, ShardBatch, ShardStepResult
 from async_rl.run_dir import RunWriter

@@ -19,8 +19,8 @@ import pytest
 
 from async_rl.checkpoint import latest_checkpoint
 from async_rl.config import Config
-from async_rl.orchestrator import Orchestrator, RunFailed, Workers
-from async_rl.protocols import RolloutFailed
+from async_rl.orchestrator import Orchestrator
+from async_rl.protocols import RolloutFailed, RunFailed, Workers
 from async_rl.records import (
     BroadcastTiming,
     EvalResult,
