@@ -39,7 +39,7 @@ from async_rl.protocols import (
     RolloutFailed,
     RunFailed,
     Workers,
-    first_failure,
+    first_error,
 )
 from async_rl.records import BroadcastTiming, Group, Prompt, UsageReading
 from async_rl.run_dir import FINAL_MODEL, EvalPoint, RunSummary, RunWriter
@@ -136,7 +136,7 @@ class Orchestrator:
         try:
             return await self._train(start, started, usage_first)
         except BaseExceptionGroup as group:
-            failure = first_failure(group)
+            failure = first_error(group)
             if failure is None:
                 raise
             # What trained so far is kept: --resume continues from here.

@@ -134,12 +134,14 @@ class RunFailed(Exception):
     """The run cannot go on (every rollout worker gone, restarts used up): one line."""
 
 
-def first_failure(group: BaseExceptionGroup[BaseException]) -> RunFailed | None:
-    """The ``RunFailed`` inside nested task-group errors, if there is one."""
+def first_error(group: BaseExceptionGroup[BaseException],
+                kinds: tuple[type[Exception], ...] = ()) -> Exception | None:
+    """The first error of ``kinds`` (default: ``RunFailed``) inside nested task-group
+    errors, if there is one: what the user gets as one line instead of the tree."""
     for error in group.exceptions:
-        if isinstance(error, RunFailed):
+        if isinstance(error, kinds or (RunFailed,)):
             return error
-        if isinstance(error, BaseExceptionGroup) and (found := first_failure(error)):
+        if isinstance(error, BaseExceptionGroup) and (found := first_error(error, kinds)):
             return found
     return None
 

@@ -25,11 +25,11 @@ import msgspec
 import ray
 from ray.util.placement_group import remove_placement_group
 
-from async_rl.checkpoint import TRAINER, latest_checkpoint
-from async_rl.config import Config
+from async_rl.checkpoint import TRAINER, CheckpointError, latest_checkpoint
+from async_rl.config import Config, ConfigError
 from async_rl.launch import StartedWorkers, build_task, launch_workers, restart_rollout
 from async_rl.orchestrator import Orchestrator
-from async_rl.protocols import PublishedWeights, RolloutFailed, Workers, first_failure
+from async_rl.protocols import PublishedWeights, RolloutFailed, RunFailed, Workers, first_error
 from async_rl.records import (
     BroadcastTiming,
     EvalResult,
@@ -281,10 +281,11 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False
     try:
         summary = anyio.run(main)
     except BaseExceptionGroup as group:
-        failure = first_failure(group)
+        # One line for the user, not a tree of task groups.
+        failure = first_error(group, (RunFailed, ConfigError, CheckpointError))
         if failure is None:
             raise
-        raise failure from None  # one line for the user, not a tree of task groups
+        raise failure from None
     finally:
         if started_ray:
             ray.shutdown()
