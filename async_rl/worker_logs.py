@@ -29,7 +29,7 @@ VERBOSE_ENV = "ASYNC_RL_WORKERS_VERBOSE"
 """1: the relay passes every line to the console, not only warnings and errors."""
 
 RAY_MARKERS = (":actor_name:", ":task_name:", ":job_id:")
-"""Lines Ray's log monitor reads to name a worker's output ("(RolloutWorker pid=...)")
+"""Lines Ray's log monitor reads to name a worker's output ("(RolloutActor pid=...)")
 and never prints (ray/_private/ray_constants.py LOG_PREFIX_*): always passed on."""
 
 _LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")

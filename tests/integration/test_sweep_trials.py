@@ -57,7 +57,7 @@ def test_sweep_runs_each_trial_records_a_failure_and_skips_on_rerun(
         console = (result.run_dir / CONSOLE_LOG).read_text()
         workers = (result.run_dir / WORKERS_LOG).read_text()
         assert " INFO " not in console and len(console.splitlines()) < 60
-        assert " INFO " in workers and "RolloutWorker pid=" in workers
+        assert " INFO " in workers and "RolloutActor pid=" in workers
     with open(out / SWEEP_CSV) as table:
         rows = list(csv.DictReader(table))
     assert [(r["staleness.max_staleness"], r["status"]) for r in rows] == [
