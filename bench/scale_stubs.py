@@ -95,7 +95,21 @@ class ValueShardBatch(msgspec.Struct, frozen=True, kw_only=True):
     micro_batches: tuple[tuple[ValueSequence, ...], ...]
 
 
-class StubRollout:
+class ObservedStub:
+    """What every stub reports for the shell's observation calls: its own process's
+    CPU time, its clock, and no spans (the bench measures the driver, not the stubs)."""
+
+    def usage(self) -> UsageReading:
+        return UsageReading(wall=time.time(), cpu_s=time.process_time())
+
+    def clock(self) -> float:
+        return time.time()
+
+    def drain_spans(self) -> list[Span]:
+        return []
+
+
+class StubRollout(ObservedStub):
     """Emits one group per ``1 / groups_per_s`` seconds, lognormal lengths, random tokens.
 
     Token data are slices of pools drawn at ``reset``, so building a group costs little
@@ -207,20 +221,11 @@ class StubRollout:
     def busy_seconds(self) -> float:
         return 0.0
 
-    def usage(self) -> UsageReading:
-        return UsageReading(wall=time.time(), cpu_s=time.process_time())
-
-    def clock(self) -> float:
-        return time.time()
-
-    def drain_spans(self) -> list[Span]:
-        return []
-
     def shutdown(self) -> None:
         pass
 
 
-class StubTrainer:
+class StubTrainer(ObservedStub):
     """Resolves its batch's tokens, then sleeps ``ns_per_token`` per token it trains."""
 
     def __init__(self, rank: int, ns_per_token: float) -> None:
@@ -263,11 +268,8 @@ class StubTrainer:
     def save(self, out_dir: str) -> None:
         pass
 
-    def usage(self) -> UsageReading:
-        return UsageReading(wall=time.time(), cpu_s=time.process_time())
+    def save_policy(self, out_dir: str) -> None:
+        pass
 
-    def clock(self) -> float:
-        return time.time()
-
-    def drain_spans(self) -> list[Span]:
-        return []
+    def save_checkpoint(self, out_dir: str) -> None:
+        pass
