@@ -129,11 +129,12 @@ class RunWriter:
         self._encoder = msgspec.json.Encoder()
         self.record = collect(config)
         self._write_record()
-        self.positions = positions or FilePositions(metrics=0, ledger=0, evals=0)
-        """Lines written to each JSONL file so far (checkpoints record them)."""
-        self._metrics = self._open(METRICS, self.positions.metrics, positions is not None)
-        self._ledger = self._open(LEDGER, self.positions.ledger, positions is not None)
-        self._evals = self._open(EVALS, self.positions.evals, positions is not None)
+        start = positions or FilePositions(metrics=0, ledger=0, evals=0)
+        # Lines written to each JSONL file so far: plain counters on the per-event path.
+        self._lines = {"metrics": start.metrics, "ledger": start.ledger, "evals": start.evals}
+        self._metrics = self._open(METRICS, start.metrics, positions is not None)
+        self._ledger = self._open(LEDGER, start.ledger, positions is not None)
+        self._evals = self._open(EVALS, start.evals, positions is not None)
         self._loggers = open_loggers(config.run.loggers, self.path, config)
 
     def _open(self, name: str, keep: int, resume: bool) -> IO[bytes]:
@@ -142,8 +143,10 @@ class RunWriter:
             path.write_bytes(b"".join(path.read_bytes().splitlines(keepends=True)[:keep]))
         return open(path, "ab" if resume else "wb")
 
-    def _advance(self, **lines: int) -> None:
-        self.positions = msgspec.structs.replace(self.positions, **lines)
+    @property
+    def positions(self) -> FilePositions:
+        """Lines written to each JSONL file so far (what a checkpoint records)."""
+        return FilePositions(**self._lines)
 
     def _write_record(self) -> None:
         (self.path / RUN_RECORD).write_bytes(msgspec.json.format(self._encoder.encode(self.record)))
@@ -151,7 +154,7 @@ class RunWriter:
     def metrics(self, row: dict[str, Any]) -> None:
         self._metrics.write(self._encoder.encode(row) + b"\n")
         self._metrics.flush()
-        self._advance(metrics=self.positions.metrics + 1)
+        self._lines["metrics"] += 1
         if self._loggers:
             values = scalars(row, "train")
             for logger in self._loggers:
@@ -160,12 +163,12 @@ class RunWriter:
     def ledger(self, entry: LedgerEntry) -> None:
         self._ledger.write(self._encoder.encode(entry) + b"\n")
         self._ledger.flush()
-        self._advance(ledger=self.positions.ledger + 1)
+        self._lines["ledger"] += 1
 
     def eval(self, point: EvalPoint) -> None:
         self._evals.write(self._encoder.encode(point) + b"\n")
         self._evals.flush()
-        self._advance(evals=self.positions.evals + 1)
+        self._lines["evals"] += 1
         for logger in self._loggers:
             logger.eval(point)
 
