@@ -87,6 +87,12 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     gets its own seed, made from this value, the prompt id, its attempt and the sample's
     index, so a prompt's samples do not depend on which worker ran it, what ran beside
     it, or a stop and resume: reproducible runs (at a small sampling cost)."""
+    generate_timeout_s: PositiveFloat = 600.0
+    """Longest one group's generation may take; past it the worker counts as stuck and is
+    replaced like a dead one (``max_restarts``), its prompt run again."""
+    stall_timeout_s: PositiveFloat = 900.0
+    """Longest the run may go with no group generated and no step trained: past it the
+    run stops as a rollout stall (checkpoint, one line, exit 1) instead of hanging."""
     prefix_caching: bool = False
     """vLLM prefix caching. With it, an in-flight update clears the cache, so running
     requests recompute their KV under the new weights; without it they keep the old KV
@@ -147,6 +153,12 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Balancing cost per squared token (attention's quadratic term)."""
     cpus_per_shard: Positive = 1
     """Cores each trainer shard owns (torch threads)."""
+    step_timeout_s: PositiveFloat = 900.0
+    """Longest one shard's optimizer step may take; past it the shard counts as stuck
+    and the run stops with a checkpoint from a live shard (if any)."""
+    max_nonfinite_steps: Positive = 3
+    """Steps in a row with a non-finite gradient (each trains nothing and runs its
+    prompts again) before the run stops with a checkpoint: a diverged run is loud."""
     compute_dtype: Literal["float32", "bfloat16"] = "float32"
     """Precision of the trainer's matmuls (torch autocast over forward and backward).
     Weights, gradients, optimizer state and the loss stay in model.dtype. bfloat16 makes
@@ -222,10 +234,15 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     target_accuracy: Fraction = 0.8
     """Held-out accuracy a run's time-to-target (and samples-to-target) is measured
     against, in summary.json."""
-    checkpoint_every: NonNegative = 0
-    """Write a checkpoint (RUN_DIR/checkpoints) every this many optimizer steps; 0 = only
-    at the end of the run and on a clean stop (Ctrl-C, SIGTERM). ``--resume`` continues
-    from the newest good one."""
+    checkpoint_every: NonNegative = 20
+    """Write a checkpoint (RUN_DIR/checkpoints) every this many optimizer steps, besides
+    the end of the run, a clean stop (Ctrl-C, SIGTERM) and a failure; 0 = only those.
+    ``--resume`` continues from the newest good one. Periodic by default: a trainer
+    shard that dies takes its weights with it, and with one shard the newest periodic
+    checkpoint is then all that is left to resume from."""
+    call_timeout_s: PositiveFloat = 300.0
+    """Longest any other call to a worker may take (evaluation, saving, usage and span
+    reads): past it the run stops, naming the call and the wait, instead of hanging."""
     keep_checkpoints: Positive = 2
     """Checkpoints kept; older ones are removed once a new one is complete."""
     loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)

@@ -7,13 +7,15 @@ policy, then two loops side by side —
 - ``training_loop``: ReplayQueue -> plan -> trainer shards -> new version -> weights;
 
 with the evaluations due every ``run.eval_every`` steps running beside them
-(``evaluation_loop``), then evaluate again and save. It also keeps the prompt ledger:
-every admitted prompt ends trained exactly once, or dropped/failed and re-queued with a
-reason. It sees workers only through ``async_rl.protocols`` and groups only as metadata
-(the tokens stay with the workers). Knows nothing about Ray (``async_rl.ray_shell``
-starts the workers and hands them in), how engines generate or shards compute, the
-rules of the gate, queue and plan (buffers/), nor when evaluations fall due
-(``async_rl.evaluation``).
+(``evaluation_loop``), then evaluate again and save. Which rollout worker takes a prompt,
+and replacing lost ones, is ``async_rl.rollout_pool``'s; which failures stop the run,
+``async_rl.run_health``'s (a failed run still ends with a checkpoint and a summary).
+It also keeps the prompt ledger: every admitted prompt ends trained exactly once, or
+dropped/failed and re-queued with a reason. It sees workers only through
+``async_rl.protocols`` and groups only as metadata (the tokens stay with the workers).
+Knows nothing about Ray (``async_rl.ray_shell`` starts the workers and hands them in),
+how engines generate or shards compute, the rules of the gate, queue and plan
+(buffers/), nor when evaluations fall due (``async_rl.evaluation``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import anyio
-import anyio.abc
 
 from async_rl.auto_layout import AutoLayout
 from async_rl.batching import shard_batches
@@ -38,11 +39,14 @@ from async_rl.protocols import (
     PublishedWeights,
     RolloutFailed,
     RunFailed,
+    TrainerClient,
     Workers,
     first_error,
 )
 from async_rl.records import BroadcastTiming, Group, Prompt, UsageReading
+from async_rl.rollout_pool import RolloutPool
 from async_rl.run_dir import FINAL_MODEL, EvalPoint, RunSummary, RunWriter
+from async_rl.run_health import RunHealth
 from async_rl.spans import SpanRecorder
 from async_rl.step_metrics import StepTotals, step_row
 from async_rl.tasks import PromptSource
@@ -74,6 +78,11 @@ class Orchestrator:
         self.config, self.out, self.source = config, out, source
         self.eval_prompts = tuple(eval_prompts)
         self.rollout, self.trainers = workers.rollout, workers.trainers
+        self.totals = StepTotals()
+        self.pool = RolloutPool(
+            workers.rollout, limit=config.rollout.max_inflight_prompts,
+            max_restarts=config.rollout.max_restarts, totals=self.totals,
+            restart=workers.restart_rollout, current_policy=self.current_policy)
         self.weights = workers.weights
         self.gate = AdmissionGate(
             groups_per_step=config.trainer.groups_per_step,
@@ -95,16 +104,12 @@ class Orchestrator:
         """Training wall time already spent before this process (on resume)."""
         self.stop_reason = ""
         """Set by ``request_stop``: no step starts after it; the run ends cleanly."""
-        self.restart_rollout = workers.restart_rollout
         self.step_lock = anyio.Lock()
         """Held while shards train and the version moves on: holding it, the trainer's
         weights are exactly ``self.version`` (a restarted engine starts from them)."""
-        self.background: anyio.abc.TaskGroup | None = None
-        self._restarting = 0
-        self._free = anyio.Condition()
-        """Notified when a rollout worker can take another prompt (rollout_loop's)."""
+        self.health = RunHealth(config, self.totals)
+        self.evaluations_over = anyio.Event()
         self.prompts = PromptLedger(out, lambda: self.version)
-        self.totals = StepTotals()
         self.evals = EvalLog(every=config.run.eval_every, num_steps=config.run.num_steps)
         self.timings: list[BroadcastTiming] = []
         """Broadcast timings completed since the last metrics row."""
@@ -121,6 +126,21 @@ class Orchestrator:
     # ---- the run, top to bottom --------------------------------------------------------
 
     async def run(self) -> RunSummary:
+        """The whole run; worker restarts and evaluations due run beside it. A failure
+        stops it with a checkpoint and a summary, as ``RunFailed`` with one line."""
+        try:
+            async with anyio.create_task_group() as self.pool.background:
+                summary = await self._run()
+        except BaseExceptionGroup as group:
+            failure = first_error(group)
+            if failure is None:
+                raise
+            with anyio.CancelScope(shield=True):
+                message = await self._stop_failed(failure, group)
+            raise RunFailed(message) from None
+        return summary
+
+    async def _run(self) -> RunSummary:
         start = await self.evaluate(step=0) if self.first_step == 1 else None
         started = time.perf_counter() - self.wall_offset
         self.evals.start(started)
@@ -133,86 +153,72 @@ class Orchestrator:
         self.admission.flush()
         self.training.flush()
         usage_first = await self.read_usage()
-        try:
-            return await self._train(start, started, usage_first)
-        except BaseExceptionGroup as group:
-            failure = first_error(group)
-            if failure is None:
-                raise
-            # What trained so far is kept: --resume continues from here.
-            with anyio.CancelScope(shield=True):
-                await self.checkpoint(time.perf_counter() - started)
-            raise failure from None
-
-    async def _train(self, start: EvalPoint | None, started: float,
-                     usage_first: dict[str, UsageReading]) -> RunSummary:
-        """The training window and the end of the run (see ``run``)."""
-        async with anyio.create_task_group() as self.background:
-            # Evaluations due during training, and worker restarts, run beside it.
-            self.background.start_soon(self.evaluation_loop)
-            with RunProgress(self.config.run.num_steps, enabled=self.config.run.progress) as bar:
-                async with anyio.create_task_group() as loops:
-                    loops.start_soon(self.rollout_loop)
-                    await self.training_loop(bar)
-                    loops.cancel_scope.cancel()
-            wall_s = time.perf_counter() - started
-            self.evals.training_ended()
-            rollout_versions = [await w.version() for w in list(self.rollout.values())]
-            self.prompts.close()
-            self.admission.switch("no_work")
-            self.training.switch("no_work")
-            usage_last = await self.read_usage()
-            await self.write_spans()
-            # A sharing trainer used a varying number of cores: the CPU-time check
-            # divides by its thread count averaged over compute.
-            cores = {t.name: await t.mean_cores() for t in self.trainers}
-            self.out.usage({name: {"first": usage_first[name], "last": reading,
-                                   "cores": cores.get(name, 1.0)}
-                            for name, reading in usage_last.items() if name in usage_first})
+        assert self.pool.background is not None
+        self.pool.background.start_soon(self.evaluation_loop)
+        self.pool.background.start_soon(self.health.stall_watch, lambda: len(self.rollout))
+        with RunProgress(self.config.run.num_steps, enabled=self.config.run.progress) as bar:
+            async with anyio.create_task_group() as loops:
+                loops.start_soon(self.rollout_loop)
+                await self.training_loop(bar)
+                loops.cancel_scope.cancel()
+        self.health.watching = False
+        wall_s = time.perf_counter() - started
+        self.evals.training_ended()
+        rollout_versions = [await w.version() for w in list(self.rollout.values())]
+        self.prompts.close()
+        self.admission.switch("no_work")
+        self.training.switch("no_work")
+        usage_last = await self.read_usage()
+        await self.write_spans()
+        # A sharing trainer used a varying number of cores: the CPU-time check
+        # divides by its thread count averaged over compute.
+        cores = {t.name: await t.mean_cores() for t in self.trainers}
+        self.out.usage({name: {"first": usage_first[name], "last": reading,
+                               "cores": cores.get(name, 1.0)}
+                        for name, reading in usage_last.items() if name in usage_first})
+        # Evaluations still due finish (after the training window was recorded).
+        await self.evaluations_over.wait()
         await self.checkpoint(wall_s)
-        # Any evaluation still due has finished (after the training window was recorded).
         await self.trainers[0].save(str(self.out.path / FINAL_MODEL))
         end = None if self.stop_reason else await self.final_evaluation()
         if start is None and self.evals.points:
             start = self.evals.points[0]
-        summary = self.totals.summary(
+        summary = self._summary(wall_s, start, end, rollout_versions, self.stop_reason)
+        self.out.summary(summary)
+        self.out.close()
+        return summary
+
+    def _summary(self, wall_s: float, start: EvalPoint | None, end: EvalPoint | None,
+                 rollout_versions: Sequence[int], stopped: str) -> RunSummary:
+        return self.totals.summary(
             wall_s=wall_s, final_version=self.version,
             accuracy_start=start.accuracy if start else None,
             accuracy_end=end.accuracy if end else None,
             max_staleness=self.config.staleness.max_staleness,
             rollout_version=min(rollout_versions, default=-1),
             evals=self.evals.points, target_accuracy=self.config.run.target_accuracy,
-            stopped=self.stop_reason,
+            stopped=stopped,
         )
-        self.out.summary(summary)
-        self.out.close()
-        return summary
 
     async def rollout_loop(self) -> None:
         """Admits prompts through the gate and hands each to the least-busy live worker."""
-        busy = {rank: 0 for rank in self.rollout}
-        free = self._free = anyio.Condition()
-        limit = self.config.rollout.max_inflight_prompts
+
+        def waiting() -> None:
+            # Slots held by groups blocked on a full queue are backpressure.
+            full = self.queue.statistics().put_waits.waiting_now > 0
+            self.admission.switch("queue_full" if full else "admitting")
+
         async with anyio.create_task_group() as generations:
             while True:
                 if not self.gate.open_slots:
                     self.admission.switch("gate_closed", self.gate.version)
                 await self.gate.acquire()
-                async with free:
-                    while not self.rollout or min(busy[r] for r in self.rollout) >= limit:
-                        # Slots held by groups blocked on a full queue are backpressure.
-                        full = self.queue.statistics().put_waits.waiting_now > 0
-                        self.admission.switch("queue_full" if full else "admitting")
-                        await free.wait()
-                    rank = min(self.rollout, key=lambda r: busy[r])
-                    busy[rank] += 1
+                rank = await self.pool.acquire(waiting)
                 self.admission.switch("admitting", self.gate.version)
                 prompt = self.prompts.admit(self.source)
-                generations.start_soon(self.generate, rank, prompt, busy, free)
+                generations.start_soon(self.generate, rank, prompt)
 
-    async def generate(
-        self, rank: int, prompt: Prompt, busy: dict[int, int], free: anyio.Condition
-    ) -> None:
+    async def generate(self, rank: int, prompt: Prompt) -> None:
         """One prompt on one worker, then into the queue (waiting there is backpressure)."""
         try:
             group = await self.rollout[rank].generate(prompt)
@@ -220,15 +226,14 @@ class Orchestrator:
             self.prompts.write(prompt, "generated")
             # The worker's slot stays taken until the queue has room: backpressure.
             await self.queue.put(group)
+            self.health.progressed()
         except RolloutFailed as failed:
-            self.totals.rollout_failures += 1
+            self.health.rollout_failed(failed)
             if failed.worker_gone:
-                self._retire(rank, failed.reason)  # dead or broken: no more prompts
+                self.pool.retire(rank, failed.reason)  # dead, broken or stuck
             self._requeue(prompt, "failed", f"rollout_error:{failed.reason}")
         finally:
-            async with free:
-                busy[rank] -= 1
-                free.notify_all()
+            await self.pool.release(rank)
 
     async def training_loop(self, bar: RunProgress) -> None:
         """Take a step's groups, plan, train on every shard, publish the new version.
@@ -257,12 +262,13 @@ class Orchestrator:
                         lambda shard=shard, batch=batch: shard.train(batch)  # type: ignore[misc]
                         for shard, batch in zip(self.trainers, batches, strict=True)
                     ])
-                    if not any(r.samples_lost for r in results):
+                    untrained = self.health.untrained(step, results)
+                    if not untrained:
                         self.version += 1
-                if any(r.samples_lost for r in results):
-                    self.totals.lost_steps += 1
+                self.health.progressed()
+                if untrained:  # nothing was trained: the step's prompts run again
                     for group in groups:
-                        self._requeue(group.prompt, "failed", "samples_lost")
+                        self._requeue(group.prompt, "failed", untrained)
                     continue
                 t2 = time.perf_counter()
                 staleness = [self.version - 1 - g.min_version for g in groups]
@@ -300,7 +306,7 @@ class Orchestrator:
         timings, failed = await self.weights.deliver(published, list(self.rollout))
         self.timings.extend(timings)
         for rank in failed:
-            self._retire(rank, f"weight load of version {published.version} failed")
+            self.pool.retire(rank, f"weight load of version {published.version} failed")
         self.gate.on_version(published.version)
         done.set()
         # Evaluated once delivered, so the engine already runs (at least) this version.
@@ -310,30 +316,37 @@ class Orchestrator:
         """Runs the evaluations due during training one at a time, until training ends."""
         async with self.evals.due_steps:
             async for step in self.evals.due_steps:
-                try:
-                    await self.evaluate(step)
-                except RolloutFailed as failed:
-                    # Costs this row only; generation notices a broken worker and retires it.
-                    print(f"eval at step {step} failed: {failed.reason}")
+                await self.evaluate(step)
+        self.evaluations_over.set()
 
     async def final_evaluation(self) -> EvalPoint | None:
-        """The end-of-run evaluation; the model is already saved, so a rollout worker
-        failing now costs only this row."""
-        try:
-            return await self.evaluate(self.version)
-        except RolloutFailed as failed:
-            print(f"final evaluation failed: {failed.reason}")
-            return None
+        """The end-of-run evaluation (the model is already saved)."""
+        return await self.evaluate(self.version)
 
     async def evaluate(self, step: int) -> EvalPoint | None:
-        """Greedy held-out accuracy on a rollout worker's engine; one row of eval.jsonl."""
-        if not self.eval_prompts or not self.rollout:
+        """Greedy held-out accuracy on a rollout worker's engine; one row of eval.jsonl.
+
+        A worker lost during it is replaced (as in generation) and the evaluation runs
+        again on a live one; any other failure costs only this row."""
+        if not self.eval_prompts:
             return None
-        worker = self.rollout[min(self.rollout)]
-        point = self.evals.record(step, await worker.evaluate(self.eval_prompts))
-        self.out.eval(point)
-        print(describe(point))
-        return point
+        for attempt in (1, 2):
+            rank = await self.pool.any_live()
+            try:
+                result = await self.rollout[rank].evaluate(self.eval_prompts)
+            except RolloutFailed as failed:
+                self.health.rollout_failed(failed)
+                if failed.worker_gone:
+                    self.pool.retire(rank, failed.reason)
+                if not failed.worker_gone or attempt == 2:
+                    print(f"evaluation at step {step} failed: {failed.reason}")
+                    return None
+                continue
+            point = self.evals.record(step, result)
+            self.out.eval(point)
+            print(describe(point))
+            return point
+        return None
 
     # ---- stopping, checkpoints, resuming ------------------------------------------------
 
@@ -343,9 +356,10 @@ class Orchestrator:
             self.stop_reason = reason
             print(f"{reason}: stopping after the current step (again to stop at once)")
 
-    async def checkpoint(self, wall_s: float) -> None:
+    async def checkpoint(self, wall_s: float, shard: TrainerClient | None = None) -> None:
         """A checkpoint of the last completed step: prompts admitted but not trained
-        (in flight, queued or re-queued) are saved to be issued again."""
+        (in flight, queued or re-queued) are saved to be issued again. The weights come
+        from ``shard`` (default shard 0: shards are replicas)."""
         # Every admission slot not spent on a trained group goes back: those of open
         # prompts, and any the rollout loop held while it waited for a free worker.
         unspent = self.gate.statistics().started - self.totals.groups_trained
@@ -356,12 +370,32 @@ class Orchestrator:
             counters=self.totals.counters(), evals=tuple(self.evals.points),
             wall_s=wall_s, files=self.out.positions,
         )
-        await write_checkpoint(self.out.path, state, self.trainers[0].save_checkpoint,
+        saver = shard or self.trainers[0]
+        await write_checkpoint(self.out.path, state, saver.save_checkpoint,
                                keep=self.config.run.keep_checkpoints)
 
-    def restore(self, state: RunState) -> None:
+    async def _stop_failed(self, failure: Exception,
+                           group: BaseExceptionGroup[BaseException]) -> str:
+        """After a failure: a checkpoint from a live trainer shard, a summary saying why;
+        returns the one line the user gets."""
+        dead = self.health.failed(failure, group)
+        live = [shard for rank, shard in enumerate(self.trainers) if rank not in dead]
+        wall_s = time.perf_counter() - self.evals.started
+        saved = "no live trainer shard to write a checkpoint from"
+        if live:
+            try:
+                await self.checkpoint(wall_s, live[0])
+                saved = f"checkpoint of step {self.version} written"
+            except RunFailed as err:
+                saved = f"no checkpoint ({err})"
+        self.out.summary(self._summary(wall_s, None, None, (), f"failed: {failure}"))
+        self.out.close()
+        return self.health.message(failure, saved)
+
+    def restore(self, state: RunState, refused: int = 0) -> None:
         """Continues from a checkpoint: its version (the workers were started from its
-        weights), counters and cursor; its unfinished prompts are issued first."""
+        weights), counters and cursor; its unfinished prompts are issued first.
+        ``refused``: newer checkpoints that did not verify (restore failures)."""
         self.version = state.version
         self.first_step = state.step + 1
         self.wall_offset = state.wall_s
@@ -370,6 +404,7 @@ class Orchestrator:
             self.gate.on_version(state.version)  # the engines start from this version
         self.source.restore(state.source)
         self.totals.restore(state.counters)
+        self.totals.restore_failures += refused
         self.evals.points.extend(state.evals)
         self.prompts.reissue(state.reissue)
 
@@ -393,40 +428,13 @@ class Orchestrator:
 
     # ---- workers lost, prompts re-queued -------------------------------------------------
 
-    def _retire(self, rank: int, why: str) -> None:
-        """Stops using a dead or broken rollout worker and starts a new one in its place,
-        up to ``rollout.max_restarts``; the run goes on with the others meanwhile."""
-        if self.rollout.pop(rank, None) is None:
-            return
-        self.totals.retired_workers += 1
-        allowed = self.config.rollout.max_restarts
-        if self.restart_rollout is not None and self.totals.restarts < allowed:
-            self.totals.restarts += 1
-            print(f"rollout-{rank} lost ({why}): restarting it "
-                  f"({self.totals.restarts} of {allowed} restarts)")
-            assert self.background is not None  # set for the whole training window
-            self.background.start_soon(self._restart, rank)
-        elif not self.rollout and not self._restarting:
-            raise RunFailed(f"every rollout worker is gone (last: rollout-{rank}: {why}; "
-                            f"{self.totals.restarts} of {allowed} restarts used)")
-        else:
-            print(f"rollout-{rank} retired: {why}")
-
-    async def _restart(self, rank: int) -> None:
-        """A new engine for ``rank``, from the trainer's current weights and version."""
-        self._restarting += 1
-        try:
-            async with self.step_lock:
-                version = self.version
-                model_dir = self.out.path / "restarts" / f"rollout-{rank}-v{version}"
-                await self.trainers[0].save_policy(str(model_dir))
-            assert self.restart_rollout is not None
-            self.rollout[rank] = await self.restart_rollout(rank, str(model_dir), version)
-            print(f"rollout-{rank} restarted at version {version}")
-            async with self._free:  # admission may be waiting for a live worker
-                self._free.notify_all()
-        finally:
-            self._restarting -= 1
+    async def current_policy(self, rank: int) -> tuple[str, int]:
+        """The trainer's current policy, written for rollout worker ``rank`` to restart
+        from, and its version (under the step lock: exactly that version)."""
+        async with self.step_lock:
+            model_dir = self.out.path / "restarts" / f"rollout-{rank}-v{self.version}"
+            await self.trainers[0].save_policy(str(model_dir))
+            return str(model_dir), self.version
 
     def _on_drop(self, dropped: Dropped[Group]) -> None:
         self.totals.dropped_stale += 1

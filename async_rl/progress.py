@@ -39,4 +39,7 @@ class RunProgress:
             f"reward {row['reward_mean']:.2f}  acc {row['accuracy']:.2f}  "
             f"stale<= {row['staleness_max']}  {row['tokens_per_s']:.0f} tok/s"
         )
+        failures = row.get("failures", {})
+        if failures:  # failure classes so far, e.g. "worker_restarts 1"
+            status += "  [" + ", ".join(f"{k} {v}" for k, v in failures.items()) + "]"
         self.progress.update(self.task, advance=1, status=status)

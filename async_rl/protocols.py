@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, TypeVar
 
 from async_rl.records import (
     BroadcastTiming,
@@ -29,6 +29,8 @@ from async_rl.records import (
 )
 from async_rl.spans import Span
 
+E = TypeVar("E", bound=Exception)
+
 
 class RolloutFailed(Exception):
     """A rollout call did not produce its result.
@@ -37,10 +39,13 @@ class RolloutFailed(Exception):
     get no more work; otherwise only this call failed.
     """
 
-    def __init__(self, reason: str, *, worker_gone: bool) -> None:
+    def __init__(self, reason: str, *, worker_gone: bool, out_of_memory: bool = False,
+                 timed_out: bool = False) -> None:
         super().__init__(reason)
         self.reason = reason
         self.worker_gone = worker_gone
+        self.out_of_memory = out_of_memory
+        self.timed_out = timed_out
 
 
 class ObservedWorker(Protocol):
@@ -132,6 +137,37 @@ class WeightPath(Protocol):
 
 class RunFailed(Exception):
     """The run cannot go on (every rollout worker gone, restarts used up): one line."""
+
+
+class WaitTimedOut(RunFailed):
+    """A call to a worker got no answer in time: names what was waited for, how long."""
+
+    def __init__(self, what: str, seconds: float, key: str) -> None:
+        super().__init__(f"timed out after {seconds:g} s waiting for {what} ({key})")
+
+
+class TrainerFailed(RunFailed):
+    """A trainer shard's step failed. ``dead``: its process is gone or stuck, so only
+    the other shards can still write the checkpoint (shards are replicas)."""
+
+    def __init__(self, rank: int, reason: str, *, dead: bool,
+                 out_of_memory: bool = False, timed_out: bool = False) -> None:
+        super().__init__(f"trainer-{rank} {'died' if dead else 'failed'}: {reason}")
+        self.rank = rank
+        self.dead = dead
+        self.out_of_memory = out_of_memory
+        self.timed_out = timed_out
+
+
+def all_errors(group: BaseExceptionGroup[BaseException], kind: type[E]) -> list[E]:
+    """Every error of ``kind`` inside nested task-group errors."""
+    found: list[E] = []
+    for error in group.exceptions:
+        if isinstance(error, kind):
+            found.append(error)
+        elif isinstance(error, BaseExceptionGroup):
+            found += all_errors(error, kind)
+    return found
 
 
 def first_error(group: BaseExceptionGroup[BaseException],

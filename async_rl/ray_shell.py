@@ -29,7 +29,15 @@ from async_rl.checkpoint import TRAINER, CheckpointError, latest_checkpoint
 from async_rl.config import Config, ConfigError
 from async_rl.launch import StartedWorkers, build_task, launch_workers, restart_rollout
 from async_rl.orchestrator import Orchestrator
-from async_rl.protocols import PublishedWeights, RolloutFailed, RunFailed, Workers, first_error
+from async_rl.protocols import (
+    PublishedWeights,
+    RolloutFailed,
+    RunFailed,
+    TrainerFailed,
+    WaitTimedOut,
+    Workers,
+    first_error,
+)
 from async_rl.records import (
     BroadcastTiming,
     EvalResult,
@@ -50,27 +58,44 @@ NAMESPACE = "async-rl"
 """Ray namespace of a run's named actors ("rollout-0", "trainer-1", ...)."""
 
 
-class _Actor:
-    """What every worker adapter shares: its name, OS usage and clock-aligned spans."""
+def _out_of_memory(err: BaseException) -> bool:
+    """Ray's memory monitor killed the worker, or the call itself ran out of memory."""
+    cause = getattr(err, "cause", None)
+    return (isinstance(err, ray.exceptions.OutOfMemoryError)
+            or isinstance(cause, MemoryError)
+            or type(cause).__name__ == "OutOfMemoryError"  # torch's, CPU or CUDA
+            or "out of memory" in str(err).lower())
 
-    def __init__(self, name: str, handle: Any) -> None:
-        self._name, self.handle = name, handle
+
+class _Actor:
+    """What every worker adapter shares: its name, OS usage and clock-aligned spans, and
+    a deadline on every call (``run.call_timeout_s`` unless the call has its own)."""
+
+    def __init__(self, name: str, handle: Any, config: Config) -> None:
+        self._name, self.handle, self.config = name, handle, config
 
     @property
     def name(self) -> str:
         return self._name
 
+    async def _answer(self, method: str, *args: Any) -> Any:
+        """``handle.method.remote(*args)``, or ``WaitTimedOut`` past run.call_timeout_s."""
+        seconds = self.config.run.call_timeout_s
+        with anyio.move_on_after(seconds):
+            return await getattr(self.handle, method).remote(*args)
+        raise WaitTimedOut(f"{self._name}.{method}", seconds, "run.call_timeout_s")
+
     async def usage(self) -> UsageReading:
-        reading: UsageReading = await self.handle.usage.remote()
+        reading: UsageReading = await self._answer("usage")
         return reading
 
     async def spans(self) -> list[Span]:
         """The worker's spans shifted onto this process's clock (workers may sit on other
         nodes): the offset is the remote clock minus ours at the call's midpoint."""
         sent = time.time()
-        remote_now: float = await self.handle.clock.remote()
+        remote_now: float = await self._answer("clock")
         offset = remote_now - (sent + time.time()) / 2
-        spans: list[Span] = await self.handle.drain_spans.remote()
+        spans: list[Span] = await self._answer("drain_spans")
         return [msgspec.structs.replace(s, start=s.start - offset, end=s.end - offset)
                 for s in spans]
 
@@ -79,54 +104,78 @@ class RayRollout(_Actor):
     """A ``RolloutClient`` over a ``workers.actors.RolloutActor`` handle."""
 
     async def generate(self, prompt: Prompt) -> Group:
-        group: Group = await self._call(self.handle.generate_group_ref, prompt)
+        group: Group = await self._call(self.config.rollout.generate_timeout_s,
+                                        "rollout.generate_timeout_s",
+                                        "generate_group_ref", prompt)
         return group
 
     async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
-        result: EvalResult = await self._call(self.handle.evaluate, list(prompts))
+        result: EvalResult = await self._call(self.config.run.call_timeout_s,
+                                              "run.call_timeout_s", "evaluate", list(prompts))
         return result
 
     async def version(self) -> int:
-        version: int = await self.handle.version.remote()
+        version: int = await self._answer("version")
         return version
 
     async def busy_seconds(self) -> float:
-        seconds: float = await self.handle.busy_seconds.remote()
+        seconds: float = await self._answer("busy_seconds")
         return seconds
 
-    async def _call(self, method: Any, *args: Any) -> Any:
+    async def _call(self, seconds: float, key: str, method: str, *args: Any) -> Any:
         try:
-            return await method.remote(*args)
+            with anyio.move_on_after(seconds):
+                return await getattr(self.handle, method).remote(*args)
         except ray.exceptions.RayError as err:
             # Dead (the actor is gone) or broken (it refuses work after a failed weight
             # load): either way it gets no more prompts. Anything else fails this call.
             broken = isinstance(getattr(err, "cause", None), RolloutWorkerError)
             gone = broken or isinstance(err, ray.exceptions.RayActorError)
-            raise RolloutFailed(type(err).__name__, worker_gone=gone) from err
+            raise RolloutFailed(type(err).__name__, worker_gone=gone,
+                                out_of_memory=_out_of_memory(err)) from err
+        # A stuck engine: it is replaced like a dead one.
+        raise RolloutFailed(f"no answer to {method} after {seconds:g} s ({key})",
+                            worker_gone=True, timed_out=True)
 
 
 class RayTrainer(_Actor):
     """A ``TrainerClient`` over a ``workers.actors.TrainerActor`` handle."""
 
+    def __init__(self, rank: int, handle: Any, config: Config) -> None:
+        super().__init__(f"trainer-{rank}", handle, config)
+        self.rank = rank
+
     async def train(self, batch: ShardBatch) -> ShardStepResult:
-        result: ShardStepResult = await self.handle.train_step_by_ref.remote(batch)
-        return result
+        seconds = self.config.trainer.step_timeout_s
+        try:
+            with anyio.move_on_after(seconds):
+                result: ShardStepResult = await self.handle.train_step_by_ref.remote(batch)
+                return result
+        except ray.exceptions.RayError as err:
+            cause = getattr(err, "cause", None)
+            reason = type(err).__name__ if cause is None else f"{type(cause).__name__}: {cause}"
+            raise TrainerFailed(self.rank, f"step {batch.step}: {reason.splitlines()[0]}",
+                                dead=isinstance(err, ray.exceptions.RayActorError),
+                                out_of_memory=_out_of_memory(err)) from err
+        # Stuck (in a collective whose peer died, say): it cannot save either.
+        raise TrainerFailed(self.rank, f"no answer to step {batch.step} after {seconds:g} s "
+                            "(trainer.step_timeout_s)", dead=True, timed_out=True)
 
     async def set_sharing(self, enabled: bool) -> None:
-        await self.handle.set_sharing.remote(enabled)
+        await self._answer("set_sharing", enabled)
 
     async def mean_cores(self) -> float:
-        cores: float = await self.handle.mean_cores.remote()
+        cores: float = await self._answer("mean_cores")
         return cores
 
     async def save(self, out_dir: str) -> None:
-        await self.handle.save.remote(out_dir)
+        await self._answer("save", out_dir)
 
     async def save_policy(self, out_dir: str) -> None:
-        await self.handle.save_policy.remote(out_dir)
+        await self._answer("save_policy", out_dir)
 
     async def save_checkpoint(self, out_dir: str) -> None:
-        await self.handle.save_checkpoint.remote(out_dir)
+        await self._answer("save_checkpoint", out_dir)
 
 
 class RayWeights:
@@ -154,12 +203,12 @@ def adapt(started: StartedWorkers, config: Config) -> Workers:
         model = msgspec.structs.replace(config.model, path=model_dir)
         # Also updates started.rollout, the map later deliveries read.
         handle = await restart_rollout(started, rank, model, version)
-        return RayRollout(f"rollout-{rank}", handle)
+        return RayRollout(f"rollout-{rank}", handle, config)
 
     return Workers(
-        rollout={rank: RayRollout(f"rollout-{rank}", handle)
+        rollout={rank: RayRollout(f"rollout-{rank}", handle, config)
                  for rank, handle in started.rollout.items()},
-        trainers=[RayTrainer(f"trainer-{rank}", handle)
+        trainers=[RayTrainer(rank, handle, config)
                   for rank, handle in enumerate(started.trainers)],
         weights=weights,
         can_share=bool(started.board_path),
@@ -236,7 +285,13 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False
     from its weights; its unfinished prompts are issued again). Raises
     ``CheckpointError`` when there is none, ``RunInterrupted`` on a second stop signal.
     """
-    checkpoint = latest_checkpoint(Path(config.run.output_dir)) if resume else None
+    refused: list[str] = []  # newer checkpoints that did not verify: restore failures
+
+    def warn(line: str) -> None:
+        refused.append(line)
+        print(line)
+
+    checkpoint = latest_checkpoint(Path(config.run.output_dir), warn) if resume else None
     workers_config = config
     if checkpoint is not None:
         print(f"resuming {config.run.output_dir} from {checkpoint[0].name} "
@@ -268,7 +323,7 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False
                     if checkpoint is not None:
                         await asyncio.gather(*(t.load_training_state.remote(
                             workers_config.model.path) for t in started.trainers))
-                        orchestrator.restore(checkpoint[1])
+                        orchestrator.restore(checkpoint[1], refused=len(refused))
                     stops.orchestrator = orchestrator
                     summary = await orchestrator.run()
                     signals.cancel_scope.cancel()

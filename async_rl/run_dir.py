@@ -90,7 +90,12 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     restarts: int = 0
     """Rollout workers started again after dying or breaking."""
     stopped: str = ""
-    """Why the run stopped before ``run.num_steps`` (e.g. "SIGINT"); "" when it finished."""
+    """Why the run stopped before ``run.num_steps`` (e.g. "SIGINT", or "failed: ..."
+    with the one-line reason); "" when it finished."""
+    failures: dict[str, int] = {}
+    """Count of each failure class (``StepTotals.failures``): out_of_memory,
+    rollout_stall, worker_restarts, rollout_errors, timeouts, restore_failures,
+    nonfinite_steps, lost_steps, reward_errors, stale_drops."""
     max_staleness: int
     # Defaults: summaries written before periodic evaluation existed still read.
     samples_trained: int = 0

@@ -35,6 +35,11 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     lost_steps: int
     restarts: int
     staleness: dict[int, int]
+    # Defaults: checkpoints written before these classes existed still read.
+    out_of_memory: int = 0
+    rollout_stalls: int = 0
+    restore_failures: int = 0
+    timeouts: int = 0
 
 
 class StepTotals:
@@ -51,6 +56,12 @@ class StepTotals:
         self.retired_workers = 0
         self.lost_steps = 0
         self.restarts = 0
+        self.out_of_memory = 0
+        self.rollout_stalls = 0
+        self.restore_failures = 0
+        self.timeouts = 0
+        self.nonfinite_in_a_row = 0
+        """Non-finite steps since the last good one (trainer.max_nonfinite_steps)."""
         self.staleness: Counter[int] = Counter()
 
     def counters(self) -> Counters:
@@ -61,13 +72,35 @@ class StepTotals:
             rollout_failures=self.rollout_failures, reward_failures=self.reward_failures,
             nonfinite_steps=self.nonfinite_steps, retired_workers=self.retired_workers,
             lost_steps=self.lost_steps, restarts=self.restarts,
-            staleness=dict(self.staleness))
+            staleness=dict(self.staleness), out_of_memory=self.out_of_memory,
+            rollout_stalls=self.rollout_stalls, restore_failures=self.restore_failures,
+            timeouts=self.timeouts)
 
     def restore(self, counters: Counters) -> None:
         for name in Counters.__struct_fields__:
             if name != "staleness":
                 setattr(self, name, getattr(counters, name))
         self.staleness = Counter(counters.staleness)
+
+    def failures(self) -> dict[str, int]:
+        """Every failure class with its count, as summary.json, the progress line and
+        the exit message name them."""
+        return {
+            "out_of_memory": self.out_of_memory,
+            "rollout_stall": self.rollout_stalls,
+            "worker_restarts": self.restarts,
+            "rollout_errors": self.rollout_failures,
+            "timeouts": self.timeouts,
+            "restore_failures": self.restore_failures,
+            "nonfinite_steps": self.nonfinite_steps,
+            "lost_steps": self.lost_steps,
+            "reward_errors": self.reward_failures,
+            "stale_drops": self.dropped_stale,
+        }
+
+    def describe_failures(self) -> str:
+        """The failure classes that happened, e.g. "worker_restarts 2, stale_drops 5"."""
+        return ", ".join(f"{name} {count}" for name, count in self.failures().items() if count)
 
     def summary(self, *, wall_s: float, final_version: int, accuracy_start: float | None,
                 accuracy_end: float | None, max_staleness: int, rollout_version: int,
@@ -95,6 +128,7 @@ class StepTotals:
             lost_steps=self.lost_steps,
             restarts=self.restarts,
             stopped=stopped,
+            failures=self.failures(),
             max_staleness=max_staleness,
             samples_trained=self.samples_trained,
             target_accuracy=target_accuracy,
@@ -128,11 +162,9 @@ def step_row(
     """One metrics row; also folds the step into ``totals``."""
     rewards = [r for g in groups for r in g.rewards]
     tokens = sum(g.num_tokens for g in groups)
-    nonfinite = any(r.nonfinite for r in results)
     totals.groups_trained += len(groups)
     totals.samples_trained += sum(g.num_samples for g in groups)
     totals.tokens_trained += tokens
-    totals.nonfinite_steps += nonfinite
     totals.staleness.update(staleness)
     histogram = Counter(staleness)
     step_s = wait_s + train_s + sync_s
@@ -144,7 +176,8 @@ def step_row(
         "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else 0.0,
         **summarise(merge_stats([r.loss for r in results])),
         "grad_norm": results[0].grad_norm if results else 0.0,
-        "nonfinite": nonfinite,
+        # Cumulative counts of the failure classes so far (the progress line shows them).
+        "failures": {k: v for k, v in totals.failures().items() if v},
         "staleness_histogram": [histogram[s] for s in range(max(histogram, default=0) + 1)],
         "staleness_max": max(staleness, default=0),
         "groups": len(groups),

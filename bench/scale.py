@@ -203,14 +203,14 @@ def run_point(mode: str, tokens: int, workers: int, args: argparse.Namespace,
         run=RunConfig(num_steps=args.steps, progress=False, eval_every=0),
     )
     trainer_type = ByValueTrainer if mode == "before" else RayTrainer
-    clients: list[TrainerClient] = [trainer_type(f"trainer-{i}", h)
+    clients: list[TrainerClient] = [trainer_type(i, h, config)
                                     for i, h in enumerate(trainers)]
     gc.collect()  # the previous point's garbage is not this point's cost
     with tempfile.TemporaryDirectory(prefix="async-rl-scale-") as out_dir:
         out = TimedWriter(out_dir, config)
         orchestrator = Orchestrator(
             config, out, ArithmeticTask(seed=args.seed), (),
-            Workers(rollout={r: RayRollout(f"rollout-{r}", h) for r, h in handles.items()},
+            Workers(rollout={r: RayRollout(f"rollout-{r}", h, config) for r, h in handles.items()},
                     trainers=clients, weights=StubWeights(handles)))
         anyio.run(orchestrator.run)
     ray.get([h.quiesce.remote() for h in handles.values()])
