@@ -37,6 +37,7 @@ from async_rl.prompt_ledger import PromptLedger
 from async_rl.protocols import (
     ObservedWorker,
     PublishedWeights,
+    RolloutClient,
     RolloutFailed,
     RunFailed,
     TrainerClient,
@@ -213,15 +214,15 @@ class Orchestrator:
                 if not self.gate.open_slots:
                     self.admission.switch("gate_closed", self.gate.version)
                 await self.gate.acquire()
-                rank = await self.pool.acquire(waiting)
+                rank, worker = await self.pool.acquire(waiting)
                 self.admission.switch("admitting", self.gate.version)
                 prompt = self.prompts.admit(self.source)
-                generations.start_soon(self.generate, rank, prompt)
+                generations.start_soon(self.generate, rank, worker, prompt)
 
-    async def generate(self, rank: int, prompt: Prompt) -> None:
+    async def generate(self, rank: int, worker: RolloutClient, prompt: Prompt) -> None:
         """One prompt on one worker, then into the queue (waiting there is backpressure)."""
         try:
-            group = await self.rollout[rank].generate(prompt)
+            group = await worker.generate(prompt)
             self.totals.reward_failures += group.reward_failures
             self.prompts.write(prompt, "generated")
             # The worker's slot stays taken until the queue has room: backpressure.
@@ -230,7 +231,7 @@ class Orchestrator:
         except RolloutFailed as failed:
             self.health.rollout_failed(failed)
             if failed.worker_gone:
-                self.pool.retire(rank, failed.reason)  # dead, broken or stuck
+                self.pool.retire(rank, worker, failed.reason)  # dead, broken or stuck
             self._requeue(prompt, "failed", f"rollout_error:{failed.reason}")
         finally:
             await self.pool.release(rank)
@@ -303,10 +304,12 @@ class Orchestrator:
                       done: anyio.Event) -> None:
         """Loads a published version into every rollout worker, in version order."""
         await previous.wait()
-        timings, failed = await self.weights.deliver(published, list(self.rollout))
+        targets = dict(self.rollout)
+        timings, failed = await self.weights.deliver(published, list(targets))
         self.timings.extend(timings)
         for rank in failed:
-            self.pool.retire(rank, f"weight load of version {published.version} failed")
+            self.pool.retire(rank, targets[rank],
+                             f"weight load of version {published.version} failed")
         self.gate.on_version(published.version)
         done.set()
         # Evaluated once delivered, so the engine already runs (at least) this version.
@@ -332,12 +335,13 @@ class Orchestrator:
             return None
         for attempt in (1, 2):
             rank = await self.pool.any_live()
+            worker = self.rollout[rank]
             try:
-                result = await self.rollout[rank].evaluate(self.eval_prompts)
+                result = await worker.evaluate(self.eval_prompts)
             except RolloutFailed as failed:
                 self.health.rollout_failed(failed)
                 if failed.worker_gone:
-                    self.pool.retire(rank, failed.reason)
+                    self.pool.retire(rank, worker, failed.reason)
                 if not failed.worker_gone or attempt == 2:
                     print(f"evaluation at step {step} failed: {failed.reason}")
                     return None

@@ -50,16 +50,17 @@ class RolloutPool:
         """No live worker can take another prompt now."""
         return not self.workers or min(self.busy[r] for r in self.workers) >= self.limit
 
-    async def acquire(self, waiting: Callable[[], None]) -> int:
-        """The least-busy live worker's rank, with one of its slots taken; ``waiting`` is
-        called each time it must wait for one."""
+    async def acquire(self, waiting: Callable[[], None]) -> tuple[int, RolloutClient]:
+        """The least-busy live worker and its rank, with one of its slots taken (it may be
+        lost before it is called: the call then fails like any on a lost worker);
+        ``waiting`` is called each time it must wait for one."""
         async with self._changed:
             while self.full():
                 waiting()
                 await self._changed.wait()
             rank = min(self.workers, key=lambda r: self.busy[r])
             self.busy[rank] += 1
-            return rank
+            return rank, self.workers[rank]
 
     async def release(self, rank: int) -> None:
         """Gives back a slot taken by ``acquire``."""
@@ -78,11 +79,12 @@ class RolloutPool:
                 await self._changed.wait()
             return min(self.workers)
 
-    def retire(self, rank: int, why: str) -> None:
+    def retire(self, rank: int, worker: RolloutClient, why: str) -> None:
         """Stops using a lost worker and starts a new one in its place while restarts are
         left; the run goes on with the others meanwhile."""
-        if self.workers.pop(rank, None) is None:
-            return  # already retired by another of its calls
+        if self.workers.get(rank) is not worker:
+            return  # retired by another of its calls already (and maybe replaced)
+        del self.workers[rank]
         self.totals.retired_workers += 1
         if (self.restart is not None and self.background is not None
                 and self.totals.restarts < self.max_restarts):

@@ -1,233 +1,27 @@
-"""The orchestrator's loops, run for real against in-process fake workers (no Ray).
-
-The fakes implement ``async_rl.protocols`` the simplest way that keeps the contracts a
-real worker keeps: a rollout fake labels its tokens with the version it runs and sleeps
-to make groups finish out of order; a trainer fake resolves its batch's in-process
-tokens; the weight fake delivers a version by setting it on every live rollout fake.
-"""
+"""The orchestrator's loops, run for real against in-process fake workers (no Ray):
+the staleness bound, stale drops, lost workers and samples, stop and resume, restarts."""
 
 from __future__ import annotations
 
 import json
-from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
-import anyio
 import msgspec
 import pytest
+from orchestrator_fakes import (
+    LOST,
+    FakeRollout,
+    FakeTrainer,
+    config,
+    ledger,
+    run,
+    trained_once_or_unfinished,
+)
 
 from async_rl.checkpoint import latest_checkpoint
-from async_rl.config import Config
-from async_rl.orchestrator import Orchestrator
-from async_rl.protocols import RolloutFailed, RunFailed, Workers
-from async_rl.records import (
-    BroadcastTiming,
-    EvalResult,
-    Group,
-    LossStats,
-    Prompt,
-    Sample,
-    ShardBatch,
-    ShardStepResult,
-    UsageReading,
-    make_group,
-)
-from async_rl.run_dir import FINAL_MODEL, RunSummary, RunWriter
-from async_rl.spans import Span
-from async_rl.tasks import ArithmeticTask
-
-LOST = "lost"
-"""A group's ``tokens`` after its (fake) rollout worker died: unfetchable."""
-
-
-class FakeRollout:
-    """Generates a group per prompt after ``delay(prompt)`` seconds at its current version."""
-
-    def __init__(self, rank: int, *, delay: float = 0.001, slow: frozenset[str] = frozenset(),
-                 dies_after: int | None = None) -> None:
-        self.rank, self.version_now = rank, 0
-        self.delay, self.slow, self.dies_after = delay, slow, dies_after
-        self.generated = 0
-        self.dead = False
-
-    @property
-    def name(self) -> str:
-        return f"rollout-{self.rank}"
-
-    async def generate(self, prompt: Prompt) -> Group:
-        if self.dead or (self.dies_after is not None and self.generated >= self.dies_after):
-            self.dead = True
-            raise RolloutFailed("RayActorError", worker_gone=True)
-        started = self.version_now
-        slow = prompt.prompt_id in self.slow and prompt.attempt == 0
-        await anyio.sleep(0.2 if slow else self.delay)
-        self.generated += 1
-        samples = tuple(Sample(token_ids=(5, 6, 7)[: 1 + k % 3], logprobs=(-0.5,) * (1 + k % 3),
-                               versions=(started,) * (1 + k % 3), finish_reason="stop",
-                               text="x", reward=float(k % 2)) for k in range(4))
-        return make_group(prompt, (1, 2), samples, rollout_rank=self.rank)
-
-    async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
-        return EvalResult(accuracy=0.5, version_min=self.version_now,
-                          version_max=self.version_now, num_prompts=len(prompts),
-                          rollout_rank=self.rank, seconds=0.0)
-
-    async def version(self) -> int:
-        return self.version_now
-
-    async def busy_seconds(self) -> float:
-        return 0.0
-
-    async def usage(self) -> UsageReading:
-        return UsageReading(wall=0.0, cpu_s=0.0)
-
-    async def spans(self) -> list[Span]:
-        return []
-
-
-class FakeTrainer:
-    """Trains nothing; checks its batch resolves, and reports lost samples like a shard."""
-
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
-        self.steps: list[int] = []
-
-    @property
-    def name(self) -> str:
-        return f"trainer-{self.rank}"
-
-    async def train(self, batch: ShardBatch) -> ShardStepResult:
-        lost = any(g == LOST for g in batch.groups)
-        tokens = 0 if lost else sum(len(s.completion_token_ids) for mb in
-                                    batch.sequences(batch.groups) for s in mb)
-        if not lost:
-            self.steps.append(batch.step)
-        return ShardStepResult(rank=self.rank, step=batch.step, grad_norm=1.0,
-                               loss=LossStats(tokens=tokens, loss_sum=0.0, clipped=0,
-                                              is_weight_sum=float(tokens),
-                                              is_weight_sq_sum=float(tokens),
-                                              is_weight_max=1.0, kl_sum=0.0),
-                               forward_s=0.0, backward_s=0.0, optimizer_s=0.0,
-                               barrier_s=0.0, samples_lost=lost)
-
-    async def set_sharing(self, enabled: bool) -> None:
-        pass
-
-    async def mean_cores(self) -> float:
-        return 1.0
-
-    async def save(self, out_dir: str) -> None:
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-
-    async def save_policy(self, out_dir: str) -> None:
-        Path(out_dir).mkdir(parents=True)
-
-    async def save_checkpoint(self, out_dir: str) -> None:
-        Path(out_dir).mkdir(parents=True)
-        (Path(out_dir) / "steps.json").write_text(json.dumps(self.steps))
-
-    async def usage(self) -> UsageReading:
-        return UsageReading(wall=0.0, cpu_s=0.0)
-
-    async def spans(self) -> list[Span]:
-        return []
-
-
-class Published(msgspec.Struct, frozen=True, kw_only=True):
-    version: int
-
-
-class FakeWeights:
-    def __init__(self, rollout: dict[int, FakeRollout]) -> None:
-        self.rollout = rollout
-        self.delivered: list[int] = []
-
-    async def publish(self, version: int) -> Published:
-        return Published(version=version)
-
-    async def deliver(self, published: Published, ranks: Sequence[int]
-                      ) -> tuple[list[BroadcastTiming], list[int]]:
-        await anyio.sleep(0.002)
-        for rank in ranks:
-            self.rollout[rank].version_now = published.version
-        self.delivered.append(published.version)
-        return [BroadcastTiming(version=published.version, rollout_rank=r, publish_s=0.0,
-                                transfer_s=0.0, pause_s=0.0, load_s=0.0) for r in ranks], []
-
-
-def config(tmp_path: Path, *, steps: int = 6, max_staleness: int = 1, groups: int = 4,
-           shards: int = 1) -> Config:
-    return msgspec.convert({
-        "model": {"path": "unused"},
-        "task": {"eval_size": 4},
-        "rollout": {"max_inflight_prompts": 4, "group_size": 4},
-        "staleness": {"max_staleness": max_staleness},
-        "trainer": {"groups_per_step": groups, "num_shards": shards},
-        "run": {"num_steps": steps, "output_dir": str(tmp_path), "progress": False,
-                "eval_every": 2},
-    }, Config)
-
-
-def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer],
-        *, weights: FakeWeights | None = None, stop_after: int = 0,
-        resume: bool = False, restart: Callable[[int], FakeRollout] | None = None
-        ) -> RunSummary:
-    """One run on fresh fakes; ``stop_after``: request a clean stop once that many
-    steps have trained; ``resume``: continue the run directory's newest checkpoint."""
-    task = ArithmeticTask(seed=0)
-    async def restart_rollout(rank: int, model_dir: str, version: int) -> FakeRollout:
-        assert restart is not None and Path(model_dir).is_dir()  # the trainer saved it
-        fresh = restart(rank)
-        fresh.version_now = version
-        rollout[rank] = fresh  # weight deliveries reach it from now on
-        return fresh
-
-    workers = Workers(rollout=dict(rollout), trainers=list(trainers),
-                      weights=weights or FakeWeights(rollout),
-                      restart_rollout=restart_rollout if restart else None)
-    state = latest_checkpoint(Path(cfg.run.output_dir))[1] if resume else None
-    out = RunWriter(cfg.run.output_dir, cfg, positions=state.files if state else None)
-    orchestrator = Orchestrator(cfg, out, task, task.eval_prompts(cfg.task.eval_size),
-                                workers)
-    if state is not None:
-        orchestrator.restore(state)
-        for fake in rollout.values():
-            fake.version_now = state.version  # engines start from the checkpoint
-    if stop_after:
-        train = trainers[0].train
-
-        async def train_then_stop(batch: ShardBatch) -> ShardStepResult:
-            result = await train(batch)
-            if batch.step == stop_after:
-                orchestrator.request_stop("SIGINT")
-            return result
-
-        trainers[0].train = train_then_stop  # type: ignore[method-assign]
-
-    async def main() -> RunSummary:
-        with anyio.fail_after(20):
-            return await orchestrator.run()
-
-    return anyio.run(main)
-
-
-def ledger(path: Path) -> dict[str, list[dict[str, object]]]:
-    events: dict[str, list[dict[str, object]]] = defaultdict(list)
-    for line in (path / "ledger.jsonl").read_text().splitlines():
-        entry = json.loads(line)
-        events[str(entry["prompt_id"])].append(entry)
-    return events
-
-
-def trained_once_or_unfinished(events: dict[str, list[dict[str, object]]]) -> Counter[str]:
-    """Every prompt's last event is trained or unfinished, and none is trained twice."""
-    assert events
-    for prompt_id, history in events.items():
-        kinds = [e["event"] for e in history]
-        assert kinds.count("trained") <= 1, prompt_id
-        assert kinds[-1] in ("trained", "unfinished"), (prompt_id, kinds)
-    return Counter(str(e["event"]) for h in events.values() for e in h)
+from async_rl.protocols import RunFailed
+from async_rl.records import Group, Prompt
+from async_rl.run_dir import FINAL_MODEL
 
 
 def test_a_run_trains_every_step_within_the_staleness_bound(tmp_path: Path) -> None:
