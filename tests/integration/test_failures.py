@@ -1,6 +1,7 @@
 """Failures a run must survive or refuse cleanly: a rollout worker dies mid-run (the run
 is told, goes on with the others, starts a new one in its place, loses nothing), the
-only rollout worker dies (it is restarted and the run completes), and a weight
+only rollout worker dies (it is restarted and the run completes), it dies as
+evaluations start (replaced, the evaluations run), and a weight
 transport the hardware does not have (one config line, exit status 2)."""
 
 from __future__ import annotations
@@ -14,8 +15,9 @@ import ray
 
 from async_rl.cli import main
 from async_rl.config import decode_config
-from async_rl.ray_shell import NAMESPACE, run_training
-from async_rl.run_dir import FINAL_MODEL, METRICS, RunSummary, read_ledger
+from async_rl.orchestrator import Orchestrator
+from async_rl.ray_shell import NAMESPACE, RayRollout, run_training
+from async_rl.run_dir import FINAL_MODEL, METRICS, EvalPoint, RunSummary, read_ledger
 
 pytestmark = pytest.mark.ray
 
@@ -58,10 +60,10 @@ def kill_during_run(tiny_model_dir: Path, out: Path, workers: int, victim: str
     return summary
 
 
-def check_nothing_lost(out: Path) -> None:
+def check_nothing_lost(out: Path, steps: int = 12) -> None:
     entries = read_ledger(out)
     trained = [e.prompt_id for e in entries if e.event == "trained"]
-    assert len(trained) == len(set(trained)) == 12 * 4
+    assert len(trained) == len(set(trained)) == steps * 4
     assert all(e.reason for e in entries if e.event in ("failed", "requeued"))
     # Every prompt the dead worker held came back and was admitted again.
     requeued = {e.prompt_id for e in entries if e.event == "requeued"}
@@ -92,6 +94,44 @@ def test_the_only_rollout_worker_killed_is_restarted_and_the_run_completes(
     assert summary.restarts == 1
     assert (out / FINAL_MODEL / "config.json").exists()
     check_nothing_lost(out)
+
+
+def test_a_rollout_worker_killed_as_evaluations_start_is_restarted_and_they_run(
+    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The only rollout worker is killed as the step-3 evaluation (beside training) and
+    as the final one (after the model is saved) start: each time it is replaced and
+    the evaluation runs on the new engine; training loses nothing."""
+    out = tmp_path / "run"
+    config = decode_config({
+        "model": {"path": str(tiny_model_dir)},
+        "task": {"eval_size": 8},
+        "rollout": {"group_size": 4, "max_new_tokens": 6, "memory_fraction": 0.1},
+        "trainer": {"groups_per_step": 4, "micro_batch_tokens": 512},
+        "run": {"num_steps": 6, "eval_every": 3, "output_dir": str(out),
+                "progress": False},
+    })
+    evaluate = Orchestrator.evaluate
+    killed: list[int] = []
+
+    async def kill_then_evaluate(self: Orchestrator, step: int) -> EvalPoint | None:
+        if step > 0 and step not in killed:
+            killed.append(step)
+            victim = self.rollout[min(self.rollout)]
+            assert isinstance(victim, RayRollout)
+            ray.kill(victim.handle)
+        return await evaluate(self, step)
+
+    monkeypatch.setattr(Orchestrator, "evaluate", kill_then_evaluate)
+    summary = run_training(config)
+    assert killed == [3, 6]
+    assert summary.steps == summary.final_version == 6
+    assert summary.restarts == summary.failures["worker_restarts"] == 2
+    assert [p.step for p in summary.evals] == [0, 3, 6]
+    assert summary.accuracy_end is not None
+    assert (out / FINAL_MODEL / "config.json").exists()
+    check_nothing_lost(out, steps=6)
 
 
 def test_cuda_transport_without_gpus_is_a_config_error(
