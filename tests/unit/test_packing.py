@@ -18,7 +18,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from async_rl.config import ModelConfig, TrainerConfig
-from async_rl.grpo import token_loss
+from async_rl.grpo import Normaliser, token_loss
 from async_rl.records import (
     GroupTokens,
     LossStats,
@@ -56,9 +56,11 @@ def sequences(shapes: list[tuple[int, int]] = SHAPES, seed: int = 1) -> list[Tra
     return out
 
 
-def shard_batch(micro_batches: list[list[TrainSequence]]) -> tuple[ShardBatch, list[GroupTokens]]:
+def shard_batch(micro_batches: list[list[TrainSequence]], updates: tuple[int, ...] = ()
+                ) -> tuple[ShardBatch, list[GroupTokens]]:
     """The micro-batches as a shard receives them: one single-sample group per sequence,
-    with the groups' tokens (what the shard would fetch by reference)."""
+    with the groups' tokens (what the shard would fetch by reference); ``updates`` empty
+    is one update of them all."""
     tokens: list[GroupTokens] = []
     slots = []
     for micro_batch in micro_batches:
@@ -72,7 +74,8 @@ def shard_batch(micro_batches: list[list[TrainSequence]]) -> tuple[ShardBatch, l
                                       versions=np.zeros(n, dtype=np.int32),
                                       offsets=np.array([0, n], dtype=np.int64)))
         slots.append(tuple(row))
-    return ShardBatch(step=1, groups=tuple(tokens), micro_batches=tuple(slots)), tokens
+    return ShardBatch(step=1, groups=tuple(tokens), micro_batches=tuple(slots),
+                      updates=updates or (len(slots),)), tokens
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -196,8 +199,9 @@ def loss_and_grads(model: torch.nn.Module, packed: bool) -> tuple[LossStats, lis
         assert positions == len(SHAPES) * max(p + c for p, c in SHAPES)
         behaviour = torch.tensor([x for s in seqs for x in s.behaviour_logprobs])
         advantages = torch.tensor([s.advantage for s in seqs for _ in s.completion_token_ids])
-    loss, stats = token_loss(logprobs, behaviour, advantages, global_tokens=int(logprobs.numel()),
-                             clip_low=0.2, clip_high=0.28, tis_cap=2.0)
+    norm = Normaliser(agg="token_mean", tokens=int(logprobs.numel()), sequences=len(seqs))
+    loss, stats = token_loss(logprobs, behaviour, advantages, norm=norm, config=TrainerConfig(),
+                             lengths=[c for _, c in SHAPES])
     loss.backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None for g in grads)
@@ -275,8 +279,7 @@ def test_bfloat16_compute_keeps_float32_state_and_close_loss(model_dir: Path) ->
 
 
 def test_padding_ratio_over_shards() -> None:
-    stats = LossStats(tokens=0, loss_sum=0.0, clipped=0, is_weight_sum=0.0,
-                      is_weight_sq_sum=0.0, is_weight_max=0.0, kl_sum=0.0)
+    stats = LossStats()
 
     def result(real: int, computed: int) -> ShardStepResult:
         return ShardStepResult(rank=0, step=1, loss=stats, grad_norm=0.0, forward_s=0.0,
