@@ -128,7 +128,8 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     num_shards: Positive = 1
     """Data-parallel trainer shards (DDP; gloo on CPU)."""
     groups_per_step: Positive = 8
-    """Groups consumed by one optimizer step."""
+    """Groups consumed by one training step (one policy version: mini_batches * epochs
+    optimizer updates, one by default)."""
     micro_batch_tokens: Positive = 4096
     """Hard cap on the tokens in one micro-batch (first-fit-decreasing packing)."""
     lr: PositiveFloat = 1e-4
