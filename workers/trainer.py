@@ -177,8 +177,9 @@ class TrainerShard:
         fetch them (their rollout worker died). Then no shard trains: every shard
         returns a result with ``samples_lost`` set and the weights unchanged.
         """
-        sequences = batch.sequences(tokens) if tokens is not None else ((),) * len(
-            batch.micro_batches)
+        # Without its groups a shard still sends its (zero) counts in the all-reduce.
+        sequences = (batch.sequences(tokens) if tokens is not None
+                     else ((),) * len(batch.micro_batches))
         updates = batch.per_update(sequences)
         self.spans.switch("barrier", batch.step - 1)  # the count all-reduce waits for all shards
         norms, lost = self.losses.agree(updates, tokens is None)
@@ -207,19 +208,18 @@ class TrainerShard:
                 norms_seen.append(grad_norm)
         self.cores.idle()
         self.spans.switch(UNRESOLVED, batch.step)
-        finite = [n for n in norms_seen if math.isfinite(n)]
-        nonfinite = len(finite) < len(norms_seen)
         return ShardStepResult(
             rank=self.rank,
             step=batch.step,
             loss=merge_stats(parts),
-            grad_norm=(next(n for n in norms_seen if not math.isfinite(n)) if nonfinite
-                       else max(finite, default=0.0)),
+            # The largest, a non-finite one before any other.
+            grad_norm=max(norms_seen, default=0.0,
+                          key=lambda n: n if math.isfinite(n) else math.inf),
             forward_s=times.forward_s,
             backward_s=times.backward_s,
             optimizer_s=times.optimizer_s,
             barrier_s=times.barrier_s,
-            nonfinite=nonfinite,
+            nonfinite=not all(math.isfinite(n) for n in norms_seen),
             input_tokens=sum(len(s.prompt_token_ids) + len(s.completion_token_ids)
                              for mb in sequences for s in mb),
             computed_positions=positions,
