@@ -1,15 +1,18 @@
 """From a step's groups to per-shard work: advantages and the plan, made from metadata.
 
-Owns: giving every sample its group-normalised advantage and laying the samples out as
-the balancing plan says, as slots (group, sample, advantage) into each shard's list of
-group references. Knows nothing about Ray or torch and never sees a token: lengths and
-rewards are on the ``Group`` metadata; the shards resolve the references themselves.
-The plan comes from ``buffers.balance``.
+Owns: giving every sample its group-normalised advantage, cutting the step into
+``trainer.mini_batches`` mini-batches of whole groups (one optimizer update each), and
+laying the samples out as the balancing plan says, as slots (group, sample, advantage)
+into each shard's list of group references. Knows nothing about Ray or torch and never
+sees a token: lengths and rewards are on the ``Group`` metadata; the shards resolve the
+references themselves. The plan comes from ``buffers.balance``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+
+import numpy as np
 
 from async_rl.config import TrainerConfig
 from async_rl.grpo import group_advantages
@@ -29,14 +32,19 @@ def shard_batches(
         (g, k, advantage, length)
         for g, group in enumerate(groups)
         for k, (advantage, length) in enumerate(
-            zip(group_advantages(group.rewards), group.sequence_lengths, strict=True))
+            zip(group_advantages(group.rewards, trainer.advantage_std),
+                group.sequence_lengths, strict=True))
     ]
+    # Mini-batches: consecutive runs of whole groups, one optimizer update each.
+    chunks = np.array_split(np.arange(len(groups)),
+                            max(1, min(trainer.mini_batches, len(groups))))
     plan = plan_step(
         [length for *_, length in samples],
         num_shards=num_shards,
         cap=trainer.micro_batch_tokens,
         cost_a=trainer.cost_a,
         cost_b=trainer.cost_b,
+        updates=[sum(groups[int(g)].num_samples for g in chunk) for chunk in chunks],
     )
     batches = []
     for shard in plan.shards:
@@ -50,5 +58,5 @@ def shard_batches(
                                           advantage=advantage))
             micro_batches.append(tuple(slots))
         batches.append(ShardBatch(step=step, groups=tuple(groups[g].tokens for g in local),
-                                  micro_batches=tuple(micro_batches)))
+                                  micro_batches=tuple(micro_batches), updates=plan.updates))
     return batches, plan

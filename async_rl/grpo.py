@@ -1,16 +1,29 @@
-"""GRPO math: group-normalised advantages and the off-policy clipped token loss.
+"""GRPO math: group advantages, the off-policy PPO token loss, its normalisation and stats.
 
-Owns: the GRPO advantage and token-loss formulas and the per-step loss statistics.
-Knows nothing about batching, devices or distribution: callers pass flat token tensors
-and the global token count, and sum the returned loss across micro-batches and shards.
+Owns: the GRPO advantage and token-loss formulas, how an update's token losses are
+aggregated (``Normaliser``) and the per-step loss statistics. Knows nothing about
+batching, devices or distribution: callers pass flat token tensors and the counts every
+shard agreed on, and sum the returned loss across micro-batches and shards.
+
+Per token, with advantage A, clip band [1 - clip_low, 1 + clip_high] and dual-clip c:
+
+    ppo(r)  = max(-A * r, -A * clip(r))          PPO-clip, as a loss
+    loss(r) = min(ppo(r), -A * c)  if A < 0      dual-clip (verl, AReaL)
+              ppo(r)               otherwise
 
 Two forms, chosen by ``tis_cap``:
-- bypass (tis_cap = 0): PPO-clip with the vLLM behaviour logprobs as the old policy,
-  ratio = pi_theta / pi_behaviour, clipped to [1 - clip_low, 1 + clip_high].
-- decoupled (tis_cap > 0): the proximal policy is the trainer's own policy at step start
-  (detached), so the clipped ratio is 1 on the single update this system makes per batch,
-  and the off-policy correction is the truncated importance weight
-  min(pi_theta / pi_behaviour, C), detached (AReaL's decoupled PPO with TIS).
+- decoupled (tis_cap > 0, the default; AReaL's decoupled PPO): r = pi_theta / pi_prox,
+  where the proximal policy pi_prox is the trainer's policy at the start of the step
+  (its logprobs computed once, without gradient, before any update), and the per-token
+  loss is multiplied by the detached behaviour weight w = pi_prox / pi_behaviour, capped
+  at tis_cap (``tis_mode``: truncated to the cap, or the token masked out). With one
+  update per step the proximal policy is the current one, so r = 1 in value and the
+  loss is -w * A (the truncated-IS policy gradient).
+- plain (tis_cap = 0): PPO-clip with the rollout engine's behaviour logprobs as the old
+  policy, r = pi_theta / pi_behaviour, no weight.
+
+Every log-ratio is clamped to +-20 before ``exp``, so a token 100 nats off-policy gives a
+finite loss and gradient.
 """
 
 from __future__ import annotations
@@ -18,22 +31,75 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+import msgspec
 import torch
 
+from async_rl.config import AdvantageStd, LossAgg, TrainerConfig
 from async_rl.records import LossStats
 
+LOG_RATIO_LIMIT = 20.0
+"""Log-ratios are clamped to +-this before ``exp`` (verl's bound): exp(20) ~ 5e8."""
 
-def group_advantages(rewards: Sequence[float], eps: float = 1e-6) -> list[float]:
-    """(r - mean) / (std + eps) within one group; an all-equal group gets zeros."""
+
+def group_advantages(rewards: Sequence[float], std: AdvantageStd = "sample",
+                     eps: float = 1e-6) -> list[float]:
+    """(r - mean) / (std + eps) within one group (``trainer.advantage_std``).
+
+    ``std``: "sample" (n - 1), "population" (n) or "none" (r - mean, no scaling). A group
+    whose rewards are all equal, a group of one included, gets zeros.
+    """
     n = len(rewards)
     if n == 0:
         return []
     mean = sum(rewards) / n
-    var = sum((r - mean) ** 2 for r in rewards) / n
-    std = math.sqrt(var)
-    if std < eps:
+    deviations = [r - mean for r in rewards]
+    squares = sum(d * d for d in deviations)
+    if math.sqrt(squares / n) < eps:
         return [0.0] * n
-    return [(r - mean) / (std + eps) for r in rewards]
+    if std == "none":
+        return deviations
+    spread = math.sqrt(squares / (n - 1 if std == "sample" else n))
+    return [d / (spread + eps) for d in deviations]
+
+
+class Normaliser(msgspec.Struct, frozen=True, kw_only=True):
+    """What one update's token losses are divided by (``trainer.loss_agg``).
+
+    Built from counts every shard agreed on before the update, so the losses of every
+    micro-batch on every shard add up to the update's loss however tokens were split.
+    """
+
+    agg: LossAgg
+    """``trainer.loss_agg``."""
+    tokens: int
+    """Completion tokens in the update, over all shards."""
+    sequences: int
+    """Sequences in the update, over all shards."""
+    max_response_tokens: int = 1
+    """The constant seq_mean_token_sum_norm divides each sequence's token sum by
+    (rollout.max_new_tokens)."""
+
+    def aggregate(self, per_token: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """This micro-batch's share of the update loss; ``lengths`` are its sequences'
+        completion lengths, in token order."""
+        if self.agg == "token_mean":
+            return per_token.sum() / max(self.tokens, 1)
+        if self.agg == "seq_mean_token_mean":
+            counts = torch.tensor(lengths, dtype=torch.long, device=per_token.device)
+            per_sequence = 1.0 / counts.clamp(min=1).to(per_token.dtype)
+            per_token = per_token * torch.repeat_interleave(per_sequence, counts)
+            return per_token.sum() / max(self.sequences, 1)
+        return per_token.sum() / (max(self.sequences, 1) * self.max_response_tokens)
+
+
+def _exp_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+
+
+def _term(weight: torch.Tensor | None, ratio: torch.Tensor | float,
+          advantages: torch.Tensor) -> torch.Tensor:
+    """-(w * ratio * A), or -(ratio * A) without a weight: one term of the loss."""
+    return -(ratio * advantages) if weight is None else -(weight * ratio * advantages)
 
 
 def token_loss(
@@ -41,42 +107,68 @@ def token_loss(
     behaviour_logprobs: torch.Tensor,
     advantages: torch.Tensor,
     *,
-    global_tokens: int,
-    clip_low: float,
-    clip_high: float,
-    tis_cap: float,
+    lengths: Sequence[int],
+    norm: Normaliser,
+    config: TrainerConfig,
+    proximal_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, LossStats]:
-    """Loss over completion tokens, normalised by ``global_tokens`` (all shards' tokens).
+    """This micro-batch's share of an update's loss, and its statistics.
 
-    All three tensors are 1-D over the same completion tokens. The returned loss is a
-    sum / global_tokens, so adding the losses of every micro-batch on every shard gives
-    the mean token loss of the whole step regardless of how tokens were split.
+    The tensors are 1-D over the same completion tokens, sequence after sequence
+    (``lengths``). ``proximal_logprobs``: the step-start policy's logprobs (decoupled
+    form); None means the current policy detached, exact when the update is the step's
+    only one (it skips a forward pass). ``entropy``: the policy's entropy per token, for
+    the statistics only.
     """
-    log_ratio = logprobs - behaviour_logprobs
-    ratio = torch.exp(log_ratio)
-    if tis_cap > 0:
-        proximal_ratio = torch.exp(logprobs - logprobs.detach())
-        weight = torch.clamp(ratio.detach(), max=tis_cap)
-        per_token = -(weight * proximal_ratio * advantages)
+    decoupled = config.tis_cap > 0
+    if not decoupled:
+        reference = behaviour_logprobs
+    elif proximal_logprobs is None:
+        reference = logprobs.detach()
     else:
-        weight = ratio.detach()
-        clipped_ratio = torch.clamp(ratio, 1.0 - clip_low, 1.0 + clip_high)
-        per_token = -torch.minimum(ratio * advantages, clipped_ratio * advantages)
-    loss = per_token.sum() / max(global_tokens, 1)
+        reference = proximal_logprobs
     with torch.no_grad():
-        outside = (ratio < 1.0 - clip_low) | (ratio > 1.0 + clip_high)
+        behaviour_log_ratio = (logprobs - behaviour_logprobs).clamp(
+            -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        behaviour_ratio = torch.exp(behaviour_log_ratio)
+        weight: torch.Tensor | None = None
+        if decoupled:
+            weight = _exp_ratio(reference - behaviour_logprobs)
+            if config.tis_mode == "truncate":
+                weight = torch.clamp(weight, max=config.tis_cap)
+            else:
+                weight = torch.where(weight <= config.tis_cap, weight, 0.0)
+    ratio = _exp_ratio(logprobs - reference)
+    clipped_ratio = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+    # The weight goes inside each term, in this order, so that with one update (r = 1)
+    # loss and gradient are bit for bit the previous -(w * r * A).
+    unclipped_loss = _term(weight, ratio, advantages)
+    clipped_loss = _term(weight, clipped_ratio, advantages)
+    ppo = torch.maximum(unclipped_loss, clipped_loss)
+    bound = _term(weight, config.clip_ratio_c, advantages)
+    negative = advantages < 0
+    per_token = torch.where(negative, torch.minimum(ppo, bound), ppo)
+    if weight is None:
+        weight = behaviour_ratio  # for the statistics: the plain form's IS ratio
+    loss = norm.aggregate(per_token, lengths)
+    with torch.no_grad():
+        out_of_band = ((behaviour_ratio < 1.0 - config.clip_low)
+                       | (behaviour_ratio > 1.0 + config.clip_high))
         # k3 estimator of KL(behaviour || current) on behaviour samples: r - 1 - log r
         # with r = pi_theta / pi_behaviour (unbiased, never negative).
-        log_r = log_ratio.detach()
-        k3 = torch.exp(log_r) - 1.0 - log_r
+        k3 = behaviour_ratio - 1.0 - behaviour_log_ratio
         stats = LossStats(
             tokens=int(logprobs.numel()),
             loss_sum=float(per_token.sum()),
-            clipped=int(outside.sum()),
+            clipped=int((clipped_loss > unclipped_loss).sum()),
+            dual_clipped=int((negative & (ppo > bound)).sum()),
+            out_of_band=int(out_of_band.sum()),
             is_weight_sum=float(weight.sum()),
             is_weight_sq_sum=float((weight * weight).sum()),
             is_weight_max=float(weight.max()) if weight.numel() else 0.0,
             kl_sum=float(k3.sum()),
+            entropy_sum=float(entropy.sum()) if entropy is not None else 0.0,
         )
     return loss, stats
 
@@ -87,10 +179,13 @@ def merge_stats(parts: Sequence[LossStats]) -> LossStats:
         tokens=sum(p.tokens for p in parts),
         loss_sum=sum(p.loss_sum for p in parts),
         clipped=sum(p.clipped for p in parts),
+        dual_clipped=sum(p.dual_clipped for p in parts),
+        out_of_band=sum(p.out_of_band for p in parts),
         is_weight_sum=sum(p.is_weight_sum for p in parts),
         is_weight_sq_sum=sum(p.is_weight_sq_sum for p in parts),
         is_weight_max=max((p.is_weight_max for p in parts), default=0.0),
         kl_sum=sum(p.kl_sum for p in parts),
+        entropy_sum=sum(p.entropy_sum for p in parts),
     )
 
 
@@ -103,8 +198,11 @@ def summarise(stats: LossStats) -> dict[str, float]:
     return {
         "loss": stats.loss_sum / n,
         "clip_fraction": stats.clipped / n,
+        "dual_clip_fraction": stats.dual_clipped / n,
+        "is_out_of_band_fraction": stats.out_of_band / n,
         "is_weight_mean": stats.is_weight_sum / n,
         "is_weight_max": stats.is_weight_max,
         "ess": ess,
         "kl_behaviour": stats.kl_sum / n,
+        "entropy": stats.entropy_sum / n,
     }

@@ -89,7 +89,8 @@ class TrainerClient(ObservedWorker, Protocol):
     """One data-parallel trainer shard; every shard takes part in every step."""
 
     async def train(self, batch: ShardBatch) -> ShardStepResult:
-        """One optimizer step; the shard resolves ``batch.groups`` itself."""
+        """One training step (its optimizer updates); the shard resolves ``batch.groups``
+        itself."""
         ...
 
     async def set_sharing(self, enabled: bool) -> None:

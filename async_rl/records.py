@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, TypeVar
 
 import msgspec
 import numpy as np
 from numpy.typing import NDArray
+
+T = TypeVar("T")
 
 
 class Prompt(msgspec.Struct, frozen=True, kw_only=True):
@@ -256,6 +258,9 @@ class ShardBatch(msgspec.Struct, frozen=True, kw_only=True):
     groups: tuple[Any, ...]
     """Each group's ``GroupTokens``, or a reference the shard resolves to one."""
     micro_batches: tuple[tuple[SequenceSlot, ...], ...]
+    updates: tuple[int, ...]
+    """Micro-batches of each optimizer update, in order (they sum to all of them); the
+    same on every shard of the step, so the shards' updates line up."""
 
     def sequences(self, tokens: Sequence[GroupTokens]
                   ) -> tuple[tuple[TrainSequence, ...], ...]:
@@ -263,19 +268,38 @@ class ShardBatch(msgspec.Struct, frozen=True, kw_only=True):
         return tuple(tuple(tokens[s.group].sequence(s.sample, s.advantage) for s in mb)
                      for mb in self.micro_batches)
 
+    def per_update(self, items: Sequence[T]) -> tuple[tuple[T, ...], ...]:
+        """``items`` (one per micro-batch, in order) cut into the step's updates."""
+        if len(items) != sum(self.updates):
+            raise ValueError(f"{len(items)} micro-batches for updates of {self.updates}")
+        ends = list(itertools.accumulate(self.updates))
+        return tuple(tuple(items[end - count : end])
+                     for count, end in zip(self.updates, ends, strict=True))
+
 
 class LossStats(msgspec.Struct, frozen=True, kw_only=True):
-    """Sums over the completion tokens of a micro-batch, a shard or a step."""
+    """Sums over the completion tokens of a micro-batch, a shard or a step (every token
+    once per update pass that trained it); ``LossStats()`` is the empty sum."""
 
-    tokens: int
-    loss_sum: float
-    clipped: int
-    """Tokens whose pi_theta / pi_behaviour lies outside the clip range."""
-    is_weight_sum: float
-    is_weight_sq_sum: float
-    is_weight_max: float
-    kl_sum: float
+    tokens: int = 0
+    loss_sum: float = 0.0
+    """Sum of the per-token objective (before the update's aggregation)."""
+    clipped: int = 0
+    """Tokens where the PPO clip binds: the clipped term is the one the max takes, so no
+    gradient flows through the ratio (verl's pg_clipfrac). A token masked out by
+    tis_mode "mask" (weight 0) counts as neither clipped nor dual-clipped."""
+    dual_clipped: int = 0
+    """Tokens with a negative advantage whose loss the dual-clip bound -c * A replaced
+    (verl's pg_clipfrac_lower)."""
+    out_of_band: int = 0
+    """Tokens whose pi_theta / pi_behaviour lies outside [1 - clip_low, 1 + clip_high]."""
+    is_weight_sum: float = 0.0
+    is_weight_sq_sum: float = 0.0
+    is_weight_max: float = 0.0
+    kl_sum: float = 0.0
     """Sum of the k3 estimator of KL(behaviour || current) per token."""
+    entropy_sum: float = 0.0
+    """Sum of the current policy's entropy at each trained token's position."""
 
 
 class ShardStepResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -286,13 +310,15 @@ class ShardStepResult(msgspec.Struct, frozen=True, kw_only=True):
     loss: LossStats
     """Loss statistics summed over this shard's completion tokens."""
     grad_norm: float
+    """The gradient norm before clipping; the largest over the step's updates."""
     forward_s: float
     backward_s: float
     optimizer_s: float
     barrier_s: float
     """Time this shard waited for slower shards before the gradient all-reduce."""
     nonfinite: bool = False
-    """True when the loss or gradient was NaN/inf and the update was skipped."""
+    """True when the loss or gradient of some update of the step was NaN/inf (that
+    update was skipped)."""
     input_tokens: int = 0
     """Prompt plus completion tokens of this shard's sequences (the real tokens)."""
     computed_positions: int = 0

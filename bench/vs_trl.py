@@ -34,14 +34,18 @@ and grpo_trainer.py of 1.16.0):
   ``lr_scheduler_type = "constant"``, no warm-up (Trainer's default is a linear decay
   to 0; async-rl's lr is constant).
 - loss: ``loss_type = "dapo"``: per-token losses summed and divided by the number of
-  completion tokens in the whole generation batch: async-rl's token mean over the step.
-  ``scale_rewards = "group"``: (r - group mean) / (group std + 1e-4), as async-rl's
-  ``group_advantages`` (which uses the population std and eps 1e-6: TRL's Bessel-corrected
-  std scales every advantage by the same sqrt((n-1)/n), which AdamW's update ignores).
-  ``beta = 0`` (no KL, no reference model). ``epsilon``/``epsilon_high`` = clip_low/
-  clip_high; on-policy with one update per batch the ratio is 1, so clipping never bites,
-  the same as async-rl's decoupled loss at max_staleness 0 (proximal ratio 1, IS weight
-  pi_theta / pi_vllm ~ 1). ``importance_sampling_level = "token"``.
+  completion tokens in the whole generation batch: async-rl's ``trainer.loss_agg =
+  "token_mean"`` over the step (the other two map to "grpo" and "dr_grpo"; a config
+  TRL cannot match, population std or several updates per step, exits 2).
+  ``scale_rewards = "group"``: (r - group mean) / (group std + 1e-4) with TRL's
+  Bessel-corrected (n - 1) std (``trl.trainer.utils.nanstd``), as async-rl's default
+  ``trainer.advantage_std = "sample"`` (eps 1e-6 there: a difference only for groups
+  whose std is near 0; "none" maps to "none"). ``beta = 0`` (no KL, no reference model).
+  ``epsilon``/``epsilon_high`` = clip_low/clip_high; on-policy with one update per batch
+  the ratio is 1, so clipping never bites, the same as async-rl's decoupled loss with
+  ``trainer.mini_batches = trainer.epochs = 1`` (r = pi / pi_prox = 1, so neither the
+  clip nor the dual-clip bound binds; IS weight pi_theta / pi_vllm ~ 1 at max_staleness
+  0). ``importance_sampling_level = "token"``.
 - ``mask_truncated_completions = False`` (async-rl trains truncated completions too; the
   reward scores them 0); completion tokens include the EOS token in both.
 - order: ``shuffle_dataset = False`` over a dataset of prompt_at(0 .. steps *
@@ -225,8 +229,29 @@ def race_config(base: Config, *, steps: int, eval_every: int, target: float, mod
 # ---- TRL ---------------------------------------------------------------------------------
 
 
+TRL_SCALE_REWARDS = {"sample": "group", "none": "none"}
+"""trainer.advantage_std -> GRPOConfig.scale_rewards (TRL has no population std)."""
+TRL_LOSS_TYPE = {"token_mean": "dapo", "seq_mean_token_mean": "grpo",
+                 "seq_mean_token_sum_norm": "dr_grpo"}
+"""trainer.loss_agg -> GRPOConfig.loss_type (TRL's dr_grpo divides by the batch's
+sequences times max_completion_length, as seq_mean_token_sum_norm does)."""
+
+
+def check_trl_mapping(config: Config) -> None:
+    """Refuses a trainer config the race cannot give TRL the same loss for."""
+    tr = config.trainer
+    if tr.advantage_std not in TRL_SCALE_REWARDS:
+        raise ConfigError(f"config error: trainer.advantage_std = {tr.advantage_std!r}: "
+                          f"the race maps only {', '.join(map(repr, TRL_SCALE_REWARDS))}")
+    if (tr.mini_batches, tr.epochs) != (1, 1):
+        raise ConfigError(f"config error: trainer.mini_batches = {tr.mini_batches}, "
+                          f"trainer.epochs = {tr.epochs}: the race runs one update per step "
+                          "on both sides (TRL num_iterations = 1)")
+
+
 def trl_settings(config: Config, steps: int, out_dir: Path) -> dict[str, Any]:
     """GRPOConfig keyword arguments for the same job (see the module docstring)."""
+    check_trl_mapping(config)
     tr, ro = config.trainer, config.rollout
     batch = tr.groups_per_step * ro.group_size
     return dict(
@@ -241,7 +266,8 @@ def trl_settings(config: Config, steps: int, out_dir: Path) -> dict[str, Any]:
         learning_rate=tr.lr, weight_decay=tr.weight_decay, max_grad_norm=tr.max_grad_norm,
         optim="adamw_torch_fused", adam_beta1=0.9, adam_beta2=0.999, adam_epsilon=1e-8,
         lr_scheduler_type="constant", warmup_steps=0,
-        beta=0.0, loss_type="dapo", scale_rewards="group", epsilon=tr.clip_low,
+        beta=0.0, loss_type=TRL_LOSS_TYPE[tr.loss_agg],
+        scale_rewards=TRL_SCALE_REWARDS[tr.advantage_std], epsilon=tr.clip_low,
         epsilon_high=tr.clip_high, importance_sampling_level="token",
         mask_truncated_completions=False, shuffle_dataset=False, disable_dropout=True,
         remove_unused_columns=False, report_to="none", save_strategy="no",
@@ -555,6 +581,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             trl_config = race_config(base, name="trl", max_staleness=None, **common)
             async_config = race_config(base, name="async", max_staleness=None, **common)
             sync_config = race_config(base, name="sync", max_staleness=0, **common)
+            check_trl_mapping(base)
         except ConfigError as err:
             print(str(err), file=sys.stderr)
             return 2

@@ -2,15 +2,17 @@
 
 Owns: the cost model ``a*L + b*L^2``, first-fit-decreasing packing under a hard token
 cap, and ``plan_step``, which turns the step's sequence lengths into a ``StepPlan``: per
-shard, the same number of micro-batches (index tuples into the input), balanced cost per
-micro-step, and the permutation that merges per-sample results back into input order.
-Knows nothing about groups, tensors or trainers: it sees lengths only (metadata), so the
-plan is made before any data moves. Splitting costs into parts is ``partition.py``'s.
+shard, the same number of micro-batches (index tuples into the input) in each optimizer
+update of the step, balanced cost per micro-step, and the permutation that merges
+per-sample results back into input order. Knows nothing about groups, tensors or
+trainers: it sees lengths only (metadata), so the plan is made before any data moves.
+Splitting costs into parts is ``partition.py``'s.
 """
 
 from __future__ import annotations
 
 import heapq
+import itertools
 from collections.abc import Sequence
 
 import msgspec
@@ -42,6 +44,8 @@ class StepPlan(msgspec.Struct, frozen=True, kw_only=True):
     shards: tuple[ShardPlan, ...]
     num_micro_batches: int
     """Micro-batches per shard (the same on every shard)."""
+    updates: tuple[int, ...]
+    """Micro-batches of each optimizer update, in order (the same on every shard)."""
     padding_micro_batches: int
     """Empty micro-batches over all shards (only when a shard has too few sequences)."""
     token_cap: int
@@ -104,11 +108,17 @@ def plan_step(
     *,
     cost_a: float = 1.0,
     cost_b: float = 0.0,
+    updates: Sequence[int] = (),
 ) -> StepPlan:
     """Plans a step: KK over shards on cost, then equal-count, cap-bounded micro-batches.
 
+    ``updates``: how many consecutive sequences each optimizer update of the step takes
+    (they sum to ``len(lengths)``); empty is one update of them all. Each update is
+    planned on its own, as follows, and its micro-batches come after the previous
+    update's on every shard, so every shard has the same micro-batches per update.
+
     1. ``partition`` splits the sequences over ``num_shards`` by cost (sizes may differ).
-    2. FFD packs each shard under ``cap`` tokens; the largest count M is the step's
+    2. FFD packs each shard under ``cap`` tokens; the largest count M is the update's
        micro-batch count (no shard can do with fewer).
     3. Each shard's sequences are spread over exactly M micro-batches, greedy by cost
        under the cap, so micro-batches of a shard cost about the same; when that greedy
@@ -121,22 +131,24 @@ def plan_step(
         raise ValueError(f"num_shards={num_shards}: must be >= 1")
     sizes = [int(x) for x in lengths]
     _check_lengths(sizes, cap)
+    counts = list(updates) or [len(sizes)]
+    if sum(counts) != len(sizes) or min(counts) < 0:
+        raise ValueError(f"updates {counts} do not split {len(sizes)} sequences")
     costs = sequence_costs(sizes, cost_a, cost_b).tolist()
-    parts = partition(costs, num_shards) if sizes else ((),) * num_shards
-    ffd = [pack([sizes[i] for i in part], cap) for part in parts]
-    m = max(len(bins) for bins in ffd)
+    per_shard: list[list[tuple[int, ...]]] = [[] for _ in range(num_shards)]
+    update_micro_batches = []
+    for end, count in zip(itertools.accumulate(counts), counts, strict=True):
+        planned = _plan_update(range(end - count, end), sizes, costs, num_shards, cap)
+        update_micro_batches.append(len(planned[0]))
+        for shard, mbs in zip(per_shard, planned, strict=True):
+            shard.extend(mbs)
     shards = []
-    for part, bins in zip(parts, ffd, strict=True):
-        spread = _spread(part, sizes, costs, m, cap)
-        if spread is None:
-            spread = _split_to(m, [[part[j] for j in mb] for mb in bins], costs)
-        spread.sort(key=lambda mb: -sum(costs[i] for i in mb))
-        mbs = tuple(tuple(sorted(mb)) for mb in spread) + ((),) * (m - len(spread))
-        mb_tokens = tuple(sum(sizes[i] for i in mb) for mb in mbs)
-        mb_costs = tuple(sum(costs[i] for i in mb) for mb in mbs)
+    for micro_batches in per_shard:
+        mb_tokens = tuple(sum(sizes[i] for i in mb) for mb in micro_batches)
+        mb_costs = tuple(sum(costs[i] for i in mb) for mb in micro_batches)
         shards.append(
             ShardPlan(
-                micro_batches=mbs,
+                micro_batches=tuple(micro_batches),
                 micro_batch_tokens=mb_tokens,
                 micro_batch_costs=mb_costs,
                 tokens=sum(mb_tokens),
@@ -149,10 +161,12 @@ def plan_step(
         inverse[i] = position
     shard_costs = [s.cost for s in shards]
     mean = sum(shard_costs) / num_shards
+    m = sum(update_micro_batches)
     step_max = sum(max(s.micro_batch_costs[j] for s in shards) for j in range(m))
     return StepPlan(
         shards=tuple(shards),
         num_micro_batches=m,
+        updates=tuple(update_micro_batches),
         padding_micro_batches=sum(len(s.micro_batches) - len(_nonempty(s)) for s in shards),
         token_cap=cap,
         permutation=permutation,
@@ -160,6 +174,26 @@ def plan_step(
         imbalance=max(shard_costs) / mean if mean > 0 else 1.0,
         micro_step_imbalance=step_max / mean if mean > 0 else 1.0,
     )
+
+
+def _plan_update(
+    indices: Sequence[int], sizes: list[int], costs: list[float], num_shards: int, cap: int
+) -> list[tuple[tuple[int, ...], ...]]:
+    """Steps 1-4 of ``plan_step`` for the sequences ``indices``: each shard's
+    micro-batches, the same number on every shard."""
+    local = partition([costs[i] for i in indices], num_shards) if indices else (
+        ((),) * num_shards)
+    parts = [[indices[j] for j in part] for part in local]
+    ffd = [pack([sizes[i] for i in part], cap) for part in parts]
+    m = max(len(bins) for bins in ffd)
+    planned = []
+    for part, bins in zip(parts, ffd, strict=True):
+        spread = _spread(part, sizes, costs, m, cap)
+        if spread is None:
+            spread = _split_to(m, [[part[j] for j in mb] for mb in bins], costs)
+        spread.sort(key=lambda mb: -sum(costs[i] for i in mb))
+        planned.append(tuple(tuple(sorted(mb)) for mb in spread) + ((),) * (m - len(spread)))
+    return planned
 
 
 def _nonempty(shard: ShardPlan) -> list[tuple[int, ...]]:

@@ -2,8 +2,9 @@
 
 Owns: laying a micro-batch's sequences end to end in one row (``pack``), the attention
 function that keeps each sequence to itself inside that row (``packed_attention``), and
-the completion-token logprobs of a packed forward (``packed_logprobs``). The padded
-layout the trainer used before (``padded_logprobs``) stays as the reference the tests
+the completion-token logits and logprobs of a packed forward (``packed_logits``,
+``packed_logprobs``) and their entropy (``token_entropy``). The padded layout the
+trainer used before (``padded_logits``, ``padded_logprobs``) stays as the reference the tests
 and ``bench/packing.py`` compare against. Knows nothing about Ray, DDP, optimizers or the
 GRPO loss.
 
@@ -172,10 +173,19 @@ def completion_logprobs(
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def packed_logprobs(
-    model: torch.nn.Module, batch: PackedBatch, temperature: float
-) -> torch.Tensor:
-    """Current-policy logprob of every completion token of a packed micro-batch.
+def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
+    """Entropy of ``softmax(logits / temperature)`` per row of ``(N, V)`` logits, without
+    gradient (a statistic: the graph keeps nothing vocabulary-sized for it)."""
+    with torch.no_grad():
+        logits = logits.float()
+        if temperature != 1.0:
+            logits = logits / temperature
+        logp = torch.log_softmax(logits, dim=-1)
+        return -(logp.exp() * logp).sum(-1)
+
+
+def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """``(N, V)`` logits predicting each completion token of a packed micro-batch.
 
     The LM head runs only on the positions that predict a completion token
     (``logits_to_keep``), so prompt positions never become vocabulary-sized rows.
@@ -186,19 +196,26 @@ def packed_logprobs(
         use_cache=False,  # a cache would hide the packing from transformers' own masks
         logits_to_keep=batch.predict_at,
     ).logits
-    return completion_logprobs(logits[0], batch.targets, temperature)
+    return logits[0]
 
 
-def padded_logprobs(
+def packed_logprobs(
+    model: torch.nn.Module, batch: PackedBatch, temperature: float
+) -> torch.Tensor:
+    """Current-policy logprob of every completion token of a packed micro-batch."""
+    return completion_logprobs(packed_logits(model, batch), batch.targets, temperature)
+
+
+def padded_logits(
     model: torch.nn.Module,
     sequences: Sequence[TrainSequence],
-    temperature: float,
     device: torch.device | str = "cpu",
-) -> tuple[torch.Tensor, int]:
-    """The padded reference: one right-padded row per sequence; (logprobs, positions).
+) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The padded reference: one right-padded row per sequence; (``(N, V)`` logits
+    predicting each completion token, the N targets, positions computed).
 
-    Same values as ``packed_logprobs`` on a model with standard attention; the second
-    item is the positions computed (rows x longest row).
+    Same values as ``packed_logits`` on a model with standard attention; positions
+    computed are rows x longest row.
     """
     lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in sequences]
     width = max(lengths)
@@ -210,8 +227,21 @@ def padded_logprobs(
         mask[row, : lengths[row]] = 1
     ids, mask = ids.to(device), mask.to(device)
     logits = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
-    token_logprobs = completion_logprobs(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(),
-                                         temperature).view(len(sequences), width - 1)
-    picked = [token_logprobs[row, len(s.prompt_token_ids) - 1 : lengths[row] - 1]
-              for row, s in enumerate(sequences)]
-    return torch.cat(picked), ids.numel()
+    # Completion token j of row i sits at prompt_i + j; predicted one position before.
+    spans = [slice(len(s.prompt_token_ids) - 1, lengths[row] - 1)
+             for row, s in enumerate(sequences)]
+    picked = torch.cat([logits[row, span] for row, span in enumerate(spans)])
+    targets = torch.cat([ids[row, span.start + 1 : span.stop + 1]
+                         for row, span in enumerate(spans)])
+    return picked, targets, ids.numel()
+
+
+def padded_logprobs(
+    model: torch.nn.Module,
+    sequences: Sequence[TrainSequence],
+    temperature: float,
+    device: torch.device | str = "cpu",
+) -> tuple[torch.Tensor, int]:
+    """``padded_logits`` as completion logprobs; (logprobs, positions computed)."""
+    logits, targets, positions = padded_logits(model, sequences, device)
+    return completion_logprobs(logits, targets, temperature), positions

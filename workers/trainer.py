@@ -1,11 +1,13 @@
 """TrainerShard: one data-parallel shard of the policy, trained with the GRPO loss.
 
 Owns: the torch model replica, its optimizer, the process group (gloo on CPU, nccl on
-CUDA), executing a ShardBatch micro-batch by micro-batch (each one a padding-free packed
-row, ``workers.packing``), and, on the shard that is the source of weight broadcasts, the
-calls that snapshot and send its weights (``workers.weight_sender`` does both). Knows
-nothing about Ray (``workers.actors`` wraps this class for Ray and resolves the batch's
-group references), queues, versions or how the plan was made.
+CUDA), executing a ShardBatch update by update (``trainer.epochs`` passes, one optimizer
+step per update, skipped when its gradient norm is not finite) and micro-batch by
+micro-batch (each one a padding-free packed row, ``workers.packing``; the losses and
+their normalisers are ``workers.ppo_update``'s), and, on the shard that is the source of
+weight broadcasts, the calls that snapshot and send its weights (``workers.weight_sender``
+does both). Knows nothing about Ray (``workers.actors`` wraps this class for Ray and
+resolves the batch's group references), queues, versions or how the plan was made.
 """
 
 from __future__ import annotations
@@ -14,29 +16,29 @@ import math
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from async_rl.config import ModelConfig, TrainerConfig, WeightsConfig
-from async_rl.grpo import merge_stats, token_loss
+from async_rl.config import ModelConfig, RolloutConfig, TrainerConfig, WeightsConfig
+from async_rl.grpo import Normaliser, merge_stats
 from async_rl.records import (
     BroadcastTiming,
     GroupTokens,
     LossStats,
     ShardBatch,
     ShardStepResult,
-    TrainSequence,
     UsageReading,
 )
 from async_rl.spans import UNRESOLVED, Span, SpanRecorder
 from workers.core_share import CoreShare
-from workers.packing import pack, packed_logprobs, padded_logprobs, use_packed_attention
+from workers.packing import use_packed_attention
+from workers.ppo_update import MicroBatch, StepLoss
 from workers.usage import UsageMeter
 from workers.weight_receiver import UpdateMode
 
@@ -46,8 +48,16 @@ if TYPE_CHECKING:
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TRAINING_STATE = "training_state.pt"
 """Optimizer and RNG state, beside the model in a checkpoint's trainer folder."""
-_NO_LOSS = LossStats(tokens=0, loss_sum=0.0, clipped=0, is_weight_sum=0.0,
-                     is_weight_sq_sum=0.0, is_weight_max=0.0, kl_sum=0.0)
+
+
+@dataclass(kw_only=True, slots=True)
+class _Times:
+    """Seconds a step spent in each phase, summed over its updates."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    barrier_s: float = 0.0
 
 
 def pin_to_cpus(cpu_ids: tuple[int, ...]) -> None:
@@ -78,6 +88,7 @@ class TrainerShard:
         seed: int,
         weights: WeightsConfig | None = None,
         temperature: float = 1.0,
+        max_new_tokens: int = RolloutConfig().max_new_tokens,
         cpu_ids: tuple[int, ...] = (),
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
@@ -96,6 +107,8 @@ class TrainerShard:
         """Shard 0's end of weight broadcasts, from the first ``connect_rollout``."""
         self.temperature = temperature
         """Rollout's sampling temperature: behaviour logprobs are of logits / temperature."""
+        self.max_new_tokens = max_new_tokens
+        """Rollout's completion cap: loss_agg seq_mean_token_sum_norm divides by it."""
         self.cpu_ids = cpu_ids
         self.master_addr = master_addr
         self.master_port = master_port
@@ -149,102 +162,93 @@ class TrainerShard:
             # per-tensor loop (bench/packing.py measures both).
             fused=self.device.type in ("cpu", "cuda"),
         )
+        self.losses = StepLoss(config=self.config, model=self.model, module=module,
+                               device=self.device, world_size=self.world_size,
+                               packed=self.packed, temperature=self.temperature,
+                               max_response_tokens=self.max_new_tokens)
         return os.getpid()
-
-    def _micro_batch_loss(
-        self, sequences: tuple[TrainSequence, ...], global_tokens: int
-    ) -> tuple[torch.Tensor, LossStats, int]:
-        """Forward pass over one micro-batch: (loss, statistics, positions computed).
-
-        An empty micro-batch is a zero-loss pad (its one dummy position is not counted).
-        """
-        if not sequences:
-            # A pad still runs the model so DDP's gradient hooks fire on every shard.
-            dummy = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            logits = self.model(input_ids=dummy, use_cache=False).logits
-            return logits.sum() * 0.0, _NO_LOSS, 0
-        autocast = torch.autocast(self.device.type, dtype=torch.bfloat16,
-                                  enabled=self.config.compute_dtype == "bfloat16")
-        if self.packed:
-            batch = pack(sequences, self.device)
-            with autocast:
-                logprobs = packed_logprobs(self.model, batch, self.temperature)
-            behaviour, advantages = batch.behaviour_logprobs, batch.advantages
-            positions = batch.num_tokens
-        else:
-            with autocast:
-                logprobs, positions = padded_logprobs(self.model, sequences,
-                                                      self.temperature, self.device)
-            behaviour = torch.from_numpy(
-                np.concatenate([s.behaviour_logprobs for s in sequences]).astype(np.float32)
-            ).to(self.device)
-            advantages = torch.repeat_interleave(
-                torch.tensor([s.advantage for s in sequences], dtype=torch.float32),
-                torch.tensor([len(s.completion_token_ids) for s in sequences]),
-            ).to(self.device)
-        loss, stats = token_loss(
-            logprobs,
-            behaviour,
-            advantages,
-            global_tokens=global_tokens,
-            clip_low=self.config.clip_low,
-            clip_high=self.config.clip_high,
-            tis_cap=self.config.tis_cap,
-        )
-        return loss, stats, positions
-
-    def _agree(self, local_tokens: int, lost: bool) -> tuple[int, bool]:
-        """Every shard's completion tokens summed, and whether any shard lost its groups.
-
-        One all-reduce carries both, so a shard that could not fetch its groups makes
-        every shard skip the step together rather than leave the others waiting in the
-        gradient all-reduce. The tensor lives on the group's device: NCCL takes only
-        CUDA tensors.
-        """
-        if self.world_size == 1:
-            return local_tokens, lost
-        counts = torch.tensor([local_tokens, int(lost)], dtype=torch.long, device=self.device)
-        dist.all_reduce(counts)
-        return int(counts[0].item()), bool(counts[1].item())
 
     def train_step(self, batch: ShardBatch,
                    tokens: Sequence[GroupTokens] | None) -> ShardStepResult:
-        """One optimizer step over this shard's micro-batches.
+        """One step: ``trainer.epochs`` passes over the batch's updates, each update one
+        optimizer step over its micro-batches (``workers.ppo_update`` makes the losses).
 
         ``tokens``: ``batch.groups`` resolved, in order; None when this shard could not
         fetch them (their rollout worker died). Then no shard trains: every shard
         returns a result with ``samples_lost`` set and the weights unchanged.
         """
-        sequences = batch.sequences(tokens) if tokens is not None else ()
-        local_tokens = sum(len(s.completion_token_ids) for mb in sequences for s in mb)
-        self.spans.switch("barrier", batch.step - 1)  # the token all-reduce waits for all shards
-        global_tokens, lost = self._agree(local_tokens, tokens is None)
+        # Without its groups a shard still sends its (zero) counts in the all-reduce.
+        sequences = (batch.sequences(tokens) if tokens is not None
+                     else ((),) * len(batch.micro_batches))
+        updates = batch.per_update(sequences)
+        self.spans.switch("barrier", batch.step - 1)  # the count all-reduce waits for all shards
+        norms, lost = self.losses.agree(updates, tokens is None)
         if lost:
             self.spans.switch(UNRESOLVED, batch.step - 1)
-            return ShardStepResult(rank=self.rank, step=batch.step, loss=_NO_LOSS,
+            return ShardStepResult(rank=self.rank, step=batch.step, loss=LossStats(),
                                    grad_norm=0.0, forward_s=0.0, backward_s=0.0,
                                    optimizer_s=0.0, barrier_s=0.0, samples_lost=True)
-        self.optimizer.zero_grad(set_to_none=True)
-        forward_s = backward_s = barrier_s = 0.0
+        self.spans.switch("forward")
+        self.cores.apply()
+        t0 = time.perf_counter()
+        # The proximal policy is the one this step starts from; with a single update it
+        # is the current policy itself, so no extra forward pass is needed (nor in the
+        # plain form, tis_cap = 0, which has no proximal policy).
+        several = len(updates) * self.config.epochs > 1 and self.config.tis_cap > 0
+        proximal = batch.per_update(self.losses.proximal(sequences) if several
+                                    else [None] * len(sequences))
+        times = _Times(forward_s=time.perf_counter() - t0)
         parts: list[LossStats] = []
+        norms_seen: list[float] = []
         positions = 0
-        last = len(sequences) - 1
-        for index, micro_batch in enumerate(sequences):
-            self.spans.switch("forward", batch.step - 1)
+        for epoch in range(self.config.epochs):
+            for micro_batches, norm, prox in zip(updates, norms, proximal, strict=True):
+                computed, grad_norm = self._update(micro_batches, norm, prox, parts, times)
+                positions += computed if epoch == 0 else 0
+                norms_seen.append(grad_norm)
+        self.cores.idle()
+        self.spans.switch(UNRESOLVED, batch.step)
+        return ShardStepResult(
+            rank=self.rank,
+            step=batch.step,
+            loss=merge_stats(parts),
+            # The largest, a non-finite one before any other.
+            grad_norm=max(norms_seen, default=0.0,
+                          key=lambda n: n if math.isfinite(n) else math.inf),
+            forward_s=times.forward_s,
+            backward_s=times.backward_s,
+            optimizer_s=times.optimizer_s,
+            barrier_s=times.barrier_s,
+            nonfinite=not all(math.isfinite(n) for n in norms_seen),
+            input_tokens=sum(len(s.prompt_token_ids) + len(s.completion_token_ids)
+                             for mb in sequences for s in mb),
+            computed_positions=positions,
+        )
+
+    def _update(self, micro_batches: Sequence[MicroBatch], norm: Normaliser,
+                proximal: Sequence[torch.Tensor | None], parts: list[LossStats],
+                times: _Times) -> tuple[int, float]:
+        """One optimizer update; appends each micro-batch's statistics to ``parts`` and
+        adds its phase times to ``times``. Returns (positions computed, gradient norm)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        positions = 0
+        last = len(micro_batches) - 1
+        for index, (micro_batch, prox) in enumerate(zip(micro_batches, proximal, strict=True)):
+            self.spans.switch("forward")
             self.cores.apply()
             t0 = time.perf_counter()
-            loss, stats, computed = self._micro_batch_loss(micro_batch, global_tokens)
+            loss, stats, computed = self.losses.micro_batch(micro_batch, norm, prox)
             positions += computed
             # DDP averages gradients over shards; the loss is already a share of the
-            # global token mean, so scale back up to make the all-reduce a plain sum.
+            # global normaliser, so scale back up to make the all-reduce a plain sum.
             loss = loss * self.world_size
             t1 = time.perf_counter()
-            forward_s += t1 - t0
+            times.forward_s += t1 - t0
             if index == last and self.world_size > 1:
                 # Time spent here is waiting on slower shards, not communication.
                 self.spans.switch("barrier")
                 dist.barrier()
-                barrier_s = time.perf_counter() - t1
+                times.barrier_s += time.perf_counter() - t1
                 t1 = time.perf_counter()
             self.spans.switch("backward")
             self.cores.apply()
@@ -253,7 +257,7 @@ class TrainerShard:
                     torch.autograd.backward(loss)
             else:
                 torch.autograd.backward(loss)
-            backward_s += time.perf_counter() - t1
+            times.backward_s += time.perf_counter() - t1
             parts.append(stats)
         self.spans.switch("optimizer")
         self.cores.apply()
@@ -262,28 +266,12 @@ class TrainerShard:
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
         )
         # Every shard sees the same all-reduced gradient, so they all agree to skip.
-        nonfinite = not math.isfinite(grad_norm)
-        if nonfinite:
-            self.optimizer.zero_grad(set_to_none=True)
-        else:
+        if math.isfinite(grad_norm):
             self.optimizer.step()
-        optimizer_s = time.perf_counter() - t2
-        self.cores.idle()
-        self.spans.switch(UNRESOLVED, batch.step)
-        return ShardStepResult(
-            rank=self.rank,
-            step=batch.step,
-            loss=merge_stats(parts),
-            grad_norm=grad_norm,
-            forward_s=forward_s,
-            backward_s=backward_s,
-            optimizer_s=optimizer_s,
-            barrier_s=barrier_s,
-            nonfinite=nonfinite,
-            input_tokens=sum(len(s.prompt_token_ids) + len(s.completion_token_ids)
-                             for mb in sequences for s in mb),
-            computed_positions=positions,
-        )
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        times.optimizer_s += time.perf_counter() - t2
+        return positions, grad_norm
 
     def set_sharing(self, enabled: bool) -> None:
         """run.layout "shared" (True) or "split" (False) from the next phase on."""

@@ -194,3 +194,53 @@ def test_plan_is_a_frozen_record_that_round_trips() -> None:
         plan.imbalance = 0.0  # type: ignore[misc]
     empty = plan_step([], 3, 10)
     assert empty.num_micro_batches == 0 and empty.permutation == ()
+
+
+# -- updates: a step cut into optimizer updates -----------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    lengths=lengths_st,
+    shards=st.integers(1, 4),
+    cap=st.integers(512, 2048),
+    cuts=st.lists(st.integers(0, 200), max_size=3),
+)
+def test_each_update_is_planned_alone_with_equal_counts_on_every_shard(
+    lengths: list[int], shards: int, cap: int, cuts: list[int]
+) -> None:
+    cut = sorted({0, len(lengths), *(min(c, len(lengths)) for c in cuts)})
+    updates = [hi - lo for lo, hi in itertools.pairwise(cut)] or [0]
+    bounds = [0, *itertools.accumulate(updates)]
+    plan = plan_step(lengths, shards, cap, updates=updates)
+    assert len(plan.updates) == len(updates)
+    assert sum(plan.updates) == plan.num_micro_batches
+    assert {len(s.micro_batches) for s in plan.shards} == {plan.num_micro_batches}
+    assert sorted(plan.permutation) == list(range(len(lengths)))
+    ends = list(itertools.accumulate(plan.updates))
+    for shard in plan.shards:
+        for u, (end, count) in enumerate(zip(ends, plan.updates, strict=True)):
+            # An update's micro-batches hold only its own sequences, under the cap.
+            lo, hi = bounds[u], bounds[u + 1]
+            for mb in shard.micro_batches[end - count : end]:
+                assert all(lo <= i < hi for i in mb)
+                assert sum(lengths[i] for i in mb) <= cap
+
+
+def test_one_update_is_the_whole_step() -> None:
+    lengths = [100, 300, 50, 700, 20, 20]
+    assert plan_step(lengths, 2, 800, updates=[6]) == plan_step(lengths, 2, 800)
+    assert plan_step(lengths, 2, 800).updates == (plan_step(lengths, 2, 800).num_micro_batches,)
+
+
+def test_two_updates_keep_their_sequences_apart() -> None:
+    # Four short sequences would share one micro-batch; cut in two updates, each update
+    # gets its own micro-batch on the one shard.
+    plan = plan_step([10, 10, 10, 10], 1, 100, updates=[2, 2])
+    assert plan.updates == (1, 1)
+    assert plan.shards[0].micro_batches == ((0, 1), (2, 3))
+
+
+def test_updates_must_split_the_sequences() -> None:
+    with pytest.raises(ValueError, match="do not split"):
+        plan_step([10, 10, 10], 1, 100, updates=[2, 2])

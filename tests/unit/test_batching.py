@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from itertools import count
+from typing import Any
 
 import numpy as np
 import pytest
@@ -169,3 +170,50 @@ def test_sequence_over_the_cap_is_refused_not_truncated() -> None:
     groups = [group(10, [60, 2], [0.0, 1.0])]
     with pytest.raises(SequenceTooLong):
         shard_batches(groups, 1, trainer(1, 64), step=0)
+
+
+# -- mini-batches and the advantage knob ----------------------------------------------
+
+
+def test_mini_batches_are_consecutive_whole_groups_one_update_each() -> None:
+    groups = [group(2, [3, 5, 2, 4], [0.0, 1.0, 0.0, 1.0]) for _ in range(4)]
+    config = TrainerConfig(num_shards=2, groups_per_step=4, micro_batch_tokens=64,
+                           mini_batches=2)
+    batches, plan = shard_batches(groups, 2, config, step=3)
+    assert len(plan.updates) == 2
+    expected = expected_sequences(groups)
+    first, second = set(expected[:8]), set(expected[8:])  # groups 0-1, then groups 2-3
+    for b in batches:
+        assert b.updates == plan.updates
+        by_update = b.per_update(laid_out(b))
+        assert all(s in first for mb in by_update[0] for s in mb)
+        assert all(s in second for mb in by_update[1] for s in mb)
+    assert Counter(s for b in batches for mb in laid_out(b) for s in mb) == Counter(expected)
+
+
+def test_more_mini_batches_than_groups_makes_one_update_per_group() -> None:
+    groups = [group(2, [3, 3], [0.0, 1.0])]
+    config = TrainerConfig(groups_per_step=4, micro_batch_tokens=64, mini_batches=4)
+    (batch,), plan = shard_batches(groups, 1, config, step=1)
+    assert plan.updates == batch.updates == (1,)
+
+
+def test_per_update_refuses_a_list_of_the_wrong_length() -> None:
+    (batch,), _ = shard_batches([group(2, [3, 3], [0.0, 1.0])], 1, trainer(1, 64), 1)
+    with pytest.raises(ValueError, match="micro-batches for updates"):
+        batch.per_update([(), ()])
+
+
+@pytest.mark.parametrize(("std", "expected"), [
+    # rewards [0, 1, 1]: mean 2/3, deviations -2/3, 1/3, 1/3, squared sum 2/3.
+    ("none", [-2 / 3, 1 / 3, 1 / 3]),
+    # population std sqrt(2/9) = 0.4714: -1.4142, 0.7071, 0.7071
+    ("population", [-1.414214, 0.707107, 0.707107]),
+    # sample std sqrt(1/3) = 0.57735: -1.1547, 0.57735, 0.57735
+    ("sample", [-1.154701, 0.577350, 0.577350]),
+])
+def test_advantage_std_reaches_the_slots(std: Any, expected: list[float]) -> None:
+    config = TrainerConfig(groups_per_step=1, micro_batch_tokens=64, advantage_std=std)
+    (batch,), _ = shard_batches([group(2, [1, 2, 3], [0.0, 1.0, 1.0])], 1, config, 1)
+    by_sample = {slot.sample: slot.advantage for mb in batch.micro_batches for slot in mb}
+    assert [by_sample[k] for k in range(3)] == pytest.approx(expected, abs=1e-5)

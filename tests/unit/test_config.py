@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import tomllib
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from async_rl.cli import main
-from async_rl.config import Config, ConfigError, check_transport, load_config, to_toml
+from async_rl.config import (
+    Config,
+    ConfigError,
+    apply_overrides,
+    check_transport,
+    decode_config,
+    load_config,
+    to_toml,
+)
 
 GOOD = """
 [model]
@@ -27,6 +36,10 @@ def write(tmp_path: Path, text: str) -> Path:
     path = tmp_path / "config.toml"
     path.write_text(text)
     return path
+
+
+def load_config_text(text: str, overrides: list[str] | None = None) -> Config:
+    return decode_config(apply_overrides(tomllib.loads(text), overrides or []))
 
 
 def test_good_config_resolves_with_defaults(tmp_path: Path) -> None:
@@ -107,6 +120,15 @@ BAD: list[tuple[str, list[str], str, str]] = [
     (GOOD, ['run.loggers=["tensorboard"]'], "run.loggers", 'must list "jsonl"'),
     (GOOD, ['run.loggers=["jsonl", "jsonl"]'], "run.loggers", "no logger twice"),
     (GOOD, ['run.loggers=["jsonl", "tb"]'], "run.loggers[1] = 'tb'", "'tensorboard'"),
+    (GOOD, ["trainer.clip_ratio_c=1.0"], "trainer.clip_ratio_c", "> 1"),
+    (GOOD, ["trainer.clip_ratio_c=0.5"], "trainer.clip_ratio_c", "> 1"),
+    (GOOD, ["trainer.mini_batches=0"], "trainer.mini_batches", ">= 1"),
+    (GOOD, ["trainer.mini_batches=3"], "trainer.mini_batches", "must divide"),
+    (GOOD, ["trainer.epochs=0"], "trainer.epochs", ">= 1"),
+    (GOOD, ["trainer.advantage_std=bessel"], "trainer.advantage_std", "'sample'"),
+    (GOOD, ["trainer.loss_agg=seq_mean"], "trainer.loss_agg", "'seq_mean_token_sum_norm'"),
+    (GOOD, ["trainer.tis_mode=clip"], "trainer.tis_mode", "'truncate', 'mask'"),
+    (GOOD, ["trainer.tis_cap=-1"], "trainer.tis_cap", ">= 0"),
 ]
 
 
@@ -154,6 +176,28 @@ def test_cli_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture
     assert err.count("\n") == 1
     assert "staleness.max_staleness = -3" in err
     assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("override", ["trainer.mini_batches=3", "trainer.loss_agg=sum",
+                                      "trainer.clip_ratio_c=1", "trainer.tis_mode=drop"])
+def test_cli_exits_2_naming_a_bad_loss_key(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], override: str
+) -> None:
+    assert main(["config", "show", str(write(tmp_path, GOOD)), "--set", override]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1
+    assert override.split("=")[0] in err
+
+
+def test_loss_defaults() -> None:
+    trainer = load_config_text("[model]\npath = 'm'\n").trainer
+    assert (trainer.mini_batches, trainer.epochs, trainer.clip_ratio_c) == (1, 1, 3.0)
+    assert (trainer.advantage_std, trainer.loss_agg, trainer.tis_mode) == (
+        "sample", "token_mean", "truncate")
+    assert (trainer.clip_low, trainer.clip_high, trainer.tis_cap) == (0.2, 0.28, 2.0)
+    four = load_config_text(GOOD, ["trainer.mini_batches=4", "trainer.epochs=2",
+                                   "trainer.loss_agg=seq_mean_token_sum_norm"]).trainer
+    assert (four.mini_batches, four.epochs, four.loss_agg) == (4, 2, "seq_mean_token_sum_norm")
 
 
 def test_cli_show_prints_resolved_config(

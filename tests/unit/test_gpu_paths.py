@@ -11,12 +11,15 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
 from async_rl.config import ModelConfig, TrainerConfig
+from async_rl.records import TrainSequence
 from workers.placement import assign_cpus, gpus_per_worker, role_bundles
+from workers.ppo_update import StepLoss
 from workers.trainer import TrainerShard, process_group_backend
 
 
@@ -48,8 +51,16 @@ def test_the_step_all_reduce_is_placed_on_the_shard_device(
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
     shard = TrainerShard(rank=0, world_size=2, model=ModelConfig(path="unused"),
                          trainer=TrainerConfig(num_shards=2), seed=0, record_spans=False)
-    assert shard._agree(7, lost=False) == (14, False)
-    assert shard._agree(0, lost=True) == (0, True)
+    losses = StepLoss(config=shard.config, model=torch.nn.Identity(),
+                      module=torch.nn.Identity(), device=shard.device, world_size=2,
+                      packed=True, temperature=1.0, max_response_tokens=8)
+    seq = TrainSequence(prompt_token_ids=np.ones(2, np.int32),
+                        completion_token_ids=np.ones(7, np.int32),
+                        behaviour_logprobs=np.zeros(7, np.float32), advantage=1.0)
+    norms, lost = losses.agree([[(seq,)], [(), ()]], lost=False)
+    assert not lost
+    assert [(n.tokens, n.sequences) for n in norms] == [(14, 2), (0, 0)]
+    assert losses.agree([[()]], lost=True)[1]
     assert len(reduced) == 2
     assert all(t.device == shard.device for t in reduced)
 

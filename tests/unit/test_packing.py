@@ -1,5 +1,6 @@
-"""Packed micro-batches: the packed layout, per-sequence attention inside one row, and a
-trainer step that matches the padded layout it replaced.
+"""Packed micro-batches: the packed layout, per-sequence attention inside one row, a
+trainer step that matches the padded layout it replaced, and steps of several updates
+(the proximal pass, epochs, the entropy statistic).
 
 Model-level, but no Ray and no engine: a tiny randomly initialised Qwen2
 (``build_config()``, 0.5M parameters) on a few dozen tokens runs in milliseconds.
@@ -8,8 +9,10 @@ Model-level, but no Ray and no engine: a tiny randomly initialised Qwen2
 from __future__ import annotations
 
 import copy
+import math
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import numpy as np
@@ -18,7 +21,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from async_rl.config import ModelConfig, TrainerConfig
-from async_rl.grpo import token_loss
+from async_rl.grpo import Normaliser, token_loss
 from async_rl.records import (
     GroupTokens,
     LossStats,
@@ -32,10 +35,14 @@ from async_rl.tiny_model import build_config
 from workers.packing import (
     PACKED_ATTENTION,
     pack,
+    packed_logits,
     packed_logprobs,
+    padded_logits,
     padded_logprobs,
+    token_entropy,
     use_packed_attention,
 )
+from workers.ppo_update import StepLoss
 from workers.trainer import TrainerShard
 
 TEMPERATURE = 0.7
@@ -56,9 +63,11 @@ def sequences(shapes: list[tuple[int, int]] = SHAPES, seed: int = 1) -> list[Tra
     return out
 
 
-def shard_batch(micro_batches: list[list[TrainSequence]]) -> tuple[ShardBatch, list[GroupTokens]]:
+def shard_batch(micro_batches: list[list[TrainSequence]], updates: tuple[int, ...] = ()
+                ) -> tuple[ShardBatch, list[GroupTokens]]:
     """The micro-batches as a shard receives them: one single-sample group per sequence,
-    with the groups' tokens (what the shard would fetch by reference)."""
+    with the groups' tokens (what the shard would fetch by reference); ``updates`` empty
+    is one update of them all."""
     tokens: list[GroupTokens] = []
     slots = []
     for micro_batch in micro_batches:
@@ -72,7 +81,8 @@ def shard_batch(micro_batches: list[list[TrainSequence]]) -> tuple[ShardBatch, l
                                       versions=np.zeros(n, dtype=np.int32),
                                       offsets=np.array([0, n], dtype=np.int64)))
         slots.append(tuple(row))
-    return ShardBatch(step=1, groups=tuple(tokens), micro_batches=tuple(slots)), tokens
+    return ShardBatch(step=1, groups=tuple(tokens), micro_batches=tuple(slots),
+                      updates=updates or (len(slots),)), tokens
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -196,8 +206,9 @@ def loss_and_grads(model: torch.nn.Module, packed: bool) -> tuple[LossStats, lis
         assert positions == len(SHAPES) * max(p + c for p, c in SHAPES)
         behaviour = torch.tensor([x for s in seqs for x in s.behaviour_logprobs])
         advantages = torch.tensor([s.advantage for s in seqs for _ in s.completion_token_ids])
-    loss, stats = token_loss(logprobs, behaviour, advantages, global_tokens=int(logprobs.numel()),
-                             clip_low=0.2, clip_high=0.28, tis_cap=2.0)
+    norm = Normaliser(agg="token_mean", tokens=int(logprobs.numel()), sequences=len(seqs))
+    loss, stats = token_loss(logprobs, behaviour, advantages, norm=norm, config=TrainerConfig(),
+                             lengths=[c for _, c in SHAPES])
     loss.backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None for g in grads)
@@ -224,8 +235,9 @@ def model_dir(reference: Qwen2ForCausalLM, tmp_path_factory: pytest.TempPathFact
     return out
 
 
-def shard(model_dir: Path, packed: bool, compute_dtype: str = "float32") -> TrainerShard:
-    config = msgspec.convert({"max_grad_norm": 1e9, "compute_dtype": compute_dtype},
+def shard(model_dir: Path, packed: bool, compute_dtype: str = "float32",
+          **trainer: Any) -> TrainerShard:
+    config = msgspec.convert({"max_grad_norm": 1e9, "compute_dtype": compute_dtype, **trainer},
                              TrainerConfig)
     trainer = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
                            trainer=config, seed=0,
@@ -275,8 +287,7 @@ def test_bfloat16_compute_keeps_float32_state_and_close_loss(model_dir: Path) ->
 
 
 def test_padding_ratio_over_shards() -> None:
-    stats = LossStats(tokens=0, loss_sum=0.0, clipped=0, is_weight_sum=0.0,
-                      is_weight_sq_sum=0.0, is_weight_max=0.0, kl_sum=0.0)
+    stats = LossStats()
 
     def result(real: int, computed: int) -> ShardStepResult:
         return ShardStepResult(rank=0, step=1, loss=stats, grad_norm=0.0, forward_s=0.0,
@@ -287,3 +298,103 @@ def test_padding_ratio_over_shards() -> None:
     assert result(0, 0).padding_ratio == 1.0
     assert _padding_ratio([result(100, 100), result(50, 200)]) == 2.0
     assert _padding_ratio([]) == 1.0
+
+
+# -- entropy and steps of several updates -----------------------------------------------
+
+
+def test_token_entropy_is_the_entropy_of_the_tempered_distribution() -> None:
+    logits = torch.randn(5, 11, generator=torch.Generator().manual_seed(3),
+                         requires_grad=True)
+    probs = torch.softmax(logits.detach() / TEMPERATURE, dim=-1)
+    expected = -(probs * probs.log()).sum(-1)
+    got = token_entropy(logits, TEMPERATURE)
+    torch.testing.assert_close(got, expected)
+    assert not got.requires_grad  # a statistic: nothing kept for backward
+    uniform = token_entropy(torch.zeros(2, 8), 1.0)
+    torch.testing.assert_close(uniform, torch.full((2,), math.log(8)))
+
+
+def test_packed_and_padded_logits_agree(
+    reference: Qwen2ForCausalLM, packed_model: Qwen2ForCausalLM
+) -> None:
+    seqs = sequences()
+    packed = packed_logits(packed_model, pack(seqs))
+    padded, targets, _ = padded_logits(reference, seqs)
+    assert targets.tolist() == [t for s in seqs for t in s.completion_token_ids]
+    torch.testing.assert_close(packed, padded, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(token_entropy(packed, TEMPERATURE),
+                               token_entropy(padded, TEMPERATURE), atol=1e-5, rtol=1e-5)
+
+
+def test_the_proximal_pass_reproduces_the_current_policy(model_dir: Path) -> None:
+    # So with proximal logprobs the first update's loss and gradient are the single-update
+    # ones (r = 1 exactly).
+    trainer = shard(model_dir, packed=True)
+    micro_batch = tuple(sequences())
+    (proximal,) = trainer.losses.proximal([micro_batch])
+    assert proximal is not None and not proximal.requires_grad
+    assert torch.equal(proximal, packed_logprobs(trainer.module, pack(micro_batch),
+                                                 TEMPERATURE).detach())
+    norm = Normaliser(agg="token_mean", tokens=proximal.numel(), sequences=len(micro_batch))
+    results = []
+    for prox in (None, proximal):
+        trainer.optimizer.zero_grad(set_to_none=True)
+        loss, stats, _ = trainer.losses.micro_batch(micro_batch, norm, prox)
+        loss.backward()
+        results.append((loss.detach(), stats, [p.grad.clone() for p in
+                                               trainer.module.parameters()
+                                               if p.grad is not None]))
+    (loss_a, stats_a, grads_a), (loss_b, stats_b, grads_b) = results
+    assert torch.equal(loss_a, loss_b) and stats_a == stats_b
+    assert stats_a.entropy_sum > 0
+    assert len(grads_a) == len(grads_b) > 0
+    assert all(torch.equal(a, b) for a, b in zip(grads_a, grads_b, strict=True))
+
+
+def counting_proximal(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    calls: list[int] = []
+    original = StepLoss.proximal
+
+    def proximal(self: StepLoss, micro_batches: Any) -> Any:
+        calls.append(len(micro_batches))
+        return original(self, micro_batches)
+
+    monkeypatch.setattr(StepLoss, "proximal", proximal)
+    return calls
+
+
+def test_a_single_update_step_makes_no_proximal_pass(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = counting_proximal(monkeypatch)
+    seqs = sequences()
+    batch, tokens = shard_batch([seqs[:2], seqs[2:]])
+    result = shard(model_dir, packed=True).train_step(batch, tokens)
+    assert calls == []
+    assert result.loss.tokens == sum(c for _, c in SHAPES)
+
+
+def test_several_updates_train_every_token_once_per_epoch(
+    model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    calls = counting_proximal(monkeypatch)
+    seqs = sequences()
+    batch, tokens = shard_batch([seqs[:2], seqs[2:], []], updates=(1, 2))
+    single, _ = shard_batch([seqs[:2], seqs[2:], []])
+    once = shard(model_dir, packed=True)
+    twice = shard(model_dir, packed=True, mini_batches=2, epochs=2)
+    before = {k: v.clone() for k, v in twice.module.state_dict().items()}
+    a = once.train_step(single, tokens)
+    b = twice.train_step(batch, tokens)
+    assert calls == [3]  # one no-grad pass over the step's micro-batches, before any update
+    n = sum(c for _, c in SHAPES)
+    assert b.loss.tokens == 2 * n and a.loss.tokens == n
+    assert b.computed_positions == a.computed_positions == a.input_tokens  # one pass counted
+    assert math.isfinite(b.grad_norm) and not b.nonfinite
+    assert 0 < b.loss.entropy_sum / b.loss.tokens <= math.log(build_config().vocab_size)
+    after_a, after_b = once.module.state_dict(), twice.module.state_dict()
+    # Four updates move the weights further than one.
+    moved_a = sum(float((after_a[k] - before[k]).norm()) for k in before)
+    moved_b = sum(float((after_b[k] - before[k]).norm()) for k in before)
+    assert moved_b > 2 * moved_a > 0
