@@ -317,8 +317,9 @@ class ShardStepResult(msgspec.Struct, frozen=True, kw_only=True):
     barrier_s: float
     """Time this shard waited for slower shards before the gradient all-reduce."""
     nonfinite: bool = False
-    """True when the loss or gradient of some update of the step was NaN/inf (that
-    update was skipped)."""
+    """True when the first update's gradient was NaN/inf: it was skipped and the step
+    trained nothing (its prompts run again). A later non-finite update ends the step
+    early, keeping the updates before it, and shows only in ``grad_norm``."""
     input_tokens: int = 0
     """Prompt plus completion tokens of this shard's sequences (the real tokens)."""
     computed_positions: int = 0

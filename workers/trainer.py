@@ -206,6 +206,10 @@ class TrainerShard:
                 computed, grad_norm = self._update(micro_batches, norm, prox, parts, times)
                 positions += computed if epoch == 0 else 0
                 norms_seen.append(grad_norm)
+                if not math.isfinite(grad_norm):
+                    break  # the rest of the step would build on a diverged update
+            if not math.isfinite(norms_seen[-1]):
+                break
         self.cores.idle()
         self.spans.switch(UNRESOLVED, batch.step)
         return ShardStepResult(
@@ -219,7 +223,9 @@ class TrainerShard:
             backward_s=times.backward_s,
             optimizer_s=times.optimizer_s,
             barrier_s=times.barrier_s,
-            nonfinite=not all(math.isfinite(n) for n in norms_seen),
+            # Nothing was trained only if the first update was skipped; after a later
+            # one the step stops, keeping the updates made before it.
+            nonfinite=not math.isfinite(norms_seen[0]),
             input_tokens=sum(len(s.prompt_token_ids) + len(s.completion_token_ids)
                              for mb in sequences for s in mb),
             computed_positions=positions,

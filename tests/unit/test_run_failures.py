@@ -201,7 +201,7 @@ def test_every_worker_call_has_a_deadline_that_names_what_was_waited_for(
                            r"0.05 s \(rollout.generate_timeout_s\)") as failed:
             await rollout.generate(prompt)
         assert failed.value.worker_gone and failed.value.timed_out
-        batch = ShardBatch(step=3, groups=(), micro_batches=())
+        batch = ShardBatch(step=3, groups=(), micro_batches=(), updates=(0,))
         with pytest.raises(TrainerFailed, match=r"^trainer-0 died: no answer to step 3 "
                            r"after 0.05 s \(trainer.step_timeout_s\)$") as stuck:
             await trainer.train(batch)
