@@ -134,6 +134,8 @@ class Orchestrator:
                 summary = await self._run()
         except BaseExceptionGroup as group:
             failure = first_error(group)
+            if failure is None and (error := first_error(group, (Exception,))) is not None:
+                failure = self.health.unexpected(error, self.out.path)
             if failure is None:
                 raise
             with anyio.CancelScope(shield=True):
@@ -390,8 +392,8 @@ class Orchestrator:
             try:
                 await self.checkpoint(wall_s, live[0])
                 saved = f"checkpoint of step {self.version} written"
-            except RunFailed as err:
-                saved = f"no checkpoint ({err})"
+            except Exception as err:  # the failure itself may be what breaks saving
+                saved = f"no checkpoint ({type(err).__name__}: {str(err).splitlines()[0]})"
         self.out.summary(self._summary(wall_s, None, None, (), f"failed: {failure}"))
         self.out.close()
         return self.health.message(failure, saved)

@@ -176,10 +176,11 @@ def first_error(group: BaseExceptionGroup[BaseException],
     """The first error of ``kinds`` (default: ``RunFailed``) inside nested task-group
     errors, if there is one: what the user gets as one line instead of the tree."""
     for error in group.exceptions:
-        if isinstance(error, kinds or (RunFailed,)):
+        if isinstance(error, BaseExceptionGroup):  # groups are Exceptions too: look inside
+            if found := first_error(error, kinds):
+                return found
+        elif isinstance(error, kinds or (RunFailed,)):
             return error
-        if isinstance(error, BaseExceptionGroup) and (found := first_error(error, kinds)):
-            return found
     return None
 
 

@@ -10,7 +10,9 @@ user gets. Knows nothing about workers beyond the protocols' errors, nor about q
 from __future__ import annotations
 
 import time
+import traceback
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import anyio
 
@@ -18,6 +20,9 @@ from async_rl.config import Config
 from async_rl.protocols import RolloutFailed, RunFailed, TrainerFailed, WaitTimedOut, all_errors
 from async_rl.records import ShardStepResult
 from async_rl.step_metrics import StepTotals
+
+ERROR_LOG = "error.log"
+"""The traceback of an unexpected error that stopped the run, in the run directory."""
 
 
 class RunHealth:
@@ -85,6 +90,14 @@ class RunHealth:
             self.totals.timeouts += fault.timed_out
         self.totals.timeouts += isinstance(failure, WaitTimedOut)
         return {fault.rank for fault in faults if fault.dead}
+
+    def unexpected(self, error: Exception, run_dir: Path) -> RunFailed:
+        """An error no rule expected (a bug, a broken disk): its traceback goes to
+        RUN_DIR/error.log and the run stops like any failure, with one line."""
+        log = run_dir / ERROR_LOG
+        log.write_text("".join(traceback.format_exception(error)))
+        first = (str(error).splitlines() or [""])[0]
+        return RunFailed(f"unexpected {type(error).__name__}: {first} (traceback in {log})")
 
     def message(self, failure: Exception, saved: str) -> str:
         """The one line a failed run ends with: why, what was saved, the failure counts."""

@@ -129,7 +129,11 @@ class TrainerShard:
 
     def setup(self) -> int:
         """Joins the process group, loads the model and builds the optimizer; returns pid."""
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        # Kept in memory for save_policy: model.path may be a checkpoint that a resumed
+        # run later rotates away (run.keep_checkpoints).
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.path)
 
         # Before pinning: the cores it may borrow are outside its own.
         self.cores = CoreShare(self.cpu_ids, self.share_cores, self.core_board)
@@ -339,10 +343,8 @@ class TrainerShard:
     def save_policy(self, out_dir: str) -> None:
         """The policy as a Hugging Face model with its tokenizer: an engine can start
         from the folder (a restarted rollout worker, a resumed run)."""
-        from transformers import AutoTokenizer
-
         self.save(out_dir)
-        AutoTokenizer.from_pretrained(self.model_config.path).save_pretrained(out_dir)
+        self.tokenizer.save_pretrained(out_dir)
 
     def save_checkpoint(self, out_dir: str) -> None:
         """``save_policy``, plus the optimizer and RNG state (``TRAINING_STATE``).

@@ -19,6 +19,7 @@ import time
 from collections import Counter
 from pathlib import Path
 
+import msgspec
 import psutil
 import pytest
 import torch
@@ -78,7 +79,12 @@ def test_stop_and_resume_trains_what_a_straight_run_trains(
     assert first.stopped == "SIGINT" and 3 <= first.steps < STEPS
     _, state = latest_checkpoint(resumed)
     assert state.version == first.steps
-    second = run_training(config(tiny_model_dir, resumed), resume=True)
+    # A checkpoint every step rotates away the one the run resumed from (keep 2): the
+    # later saves must not need its folder.
+    every_step = config(tiny_model_dir, resumed)
+    every_step = msgspec.structs.replace(every_step, run=msgspec.structs.replace(
+        every_step.run, checkpoint_every=1))
+    second = run_training(every_step, resume=True)
     assert second.stopped == "" and second.final_version == second.rollout_version == STEPS
 
     # The same prompts, each trained exactly once, and no step row twice.

@@ -208,3 +208,23 @@ def test_every_worker_call_has_a_deadline_that_names_what_was_waited_for(
         assert stuck.value.dead and stuck.value.timed_out
 
     anyio.run(main)
+
+
+class BreaksAtStep(FakeTrainer):
+    """A shard whose step raises an error no rule expects (a bug, say)."""
+
+    async def train(self, batch: ShardBatch) -> ShardStepResult:
+        if batch.step == 3:
+            raise KeyError("no such tensor")
+        return await super().train(batch)
+
+
+def test_an_unexpected_error_stops_the_run_in_one_line_with_its_traceback_kept(
+    tmp_path: Path,
+) -> None:
+    with pytest.raises(RunFailed, match=r"^unexpected KeyError: 'no such tensor' \(traceback "
+                       r"in .*error.log\); checkpoint of step 2 written$"):
+        run(config(tmp_path, steps=6), {0: FakeRollout(0)}, [BreaksAtStep(0)])
+    assert "KeyError: 'no such tensor'" in (tmp_path / "error.log").read_text()
+    assert latest_checkpoint(tmp_path)[1].version == 2
+    assert summary_json(tmp_path)["stopped"].startswith("failed: unexpected KeyError")
