@@ -105,6 +105,13 @@ class QueueConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     homogeneous_take: bool = False
     """Take a step's groups from one token-length bucket (then its neighbours) to cut
     padding; the oldest group, and any that would go stale next step, are always taken."""
+    wait_for_expiring: bool = True
+    """A step also waits for the groups still being generated that it is the last step
+    allowed to train (started at version <= v - max_staleness), so they are trained
+    rather than dropped as stale when they arrive. Without it, stale drops fall on the
+    slowest groups to generate, which are the longest: the trained length mix leans
+    short. The price is the wait itself, which the long-tail simulation
+    (bench/stale_drops.py) measured as a net gain, since a drop wastes its generation."""
 
     def __post_init__(self) -> None:
         edges = self.bucket_edges

@@ -87,6 +87,7 @@ class Orchestrator:
             # Called the moment a group goes stale, even while a take waits: the slot must
             # come back at once or the gate could stay shut while training waits.
             on_drop=self._on_drop,
+            wait_for_expiring=config.queue.wait_for_expiring,
         )
         self.version = 0
         self.first_step = 1
@@ -104,7 +105,7 @@ class Orchestrator:
         self._free = anyio.Condition()
         """Notified when a rollout worker can take another prompt (rollout_loop's)."""
         self.prompts = PromptLedger(out, lambda: self.version)
-        self.totals = StepTotals()
+        self.totals = StepTotals(bucket_edges=config.queue.bucket_edges)
         self.evals = EvalLog(every=config.run.eval_every, num_steps=config.run.num_steps)
         self.timings: list[BroadcastTiming] = []
         """Broadcast timings completed since the last metrics row."""
@@ -215,8 +216,11 @@ class Orchestrator:
     ) -> None:
         """One prompt on one worker, then into the queue (waiting there is backpressure)."""
         try:
-            group = await self.rollout[rank].generate(prompt)
-            self.totals.reward_failures += group.reward_failures
+            # Every live engine runs the gate's version, so the group's tokens are no
+            # older: the take that is its last chance to be trained waits for it.
+            with self.queue.expecting(self.gate.version):
+                group = await self.rollout[rank].generate(prompt)
+            self.totals.generated(group)
             self.prompts.write(prompt, "generated")
             # The worker's slot stays taken until the queue has room: backpressure.
             await self.queue.put(group)
@@ -429,7 +433,7 @@ class Orchestrator:
             self._restarting -= 1
 
     def _on_drop(self, dropped: Dropped[Group]) -> None:
-        self.totals.dropped_stale += 1
+        self.totals.dropped(dropped.item)
         self._requeue(dropped.item.prompt, "dropped", dropped.reason)
 
     def _requeue(self, prompt: Prompt, event: str, reason: str) -> None:
