@@ -31,14 +31,11 @@ class DropAccounting(Generic[T]):
         self.edges = tuple(bucket_edges)
         self.by_reason: dict[str, int] = {}
         self.put_by_bucket = [0] * (len(self.edges) + 1)
-        """Groups put per bucket, those dropped on arrival included."""
+        """Groups put per bucket, those dropped on arrival included; the queue counts
+        them itself, on its hot path."""
         self.dropped_by_bucket = [0] * (len(self.edges) + 1)
         self._on_drop = on_drop
         self._kept: list[Dropped[T]] = []
-
-    def put(self, bucket: int) -> None:
-        """A group of ``bucket`` was put (queued, or dropped on arrival)."""
-        self.put_by_bucket[bucket] += 1
 
     def drop(self, items: Sequence[T], reason: str, at_version: int) -> None:
         """Counts the dropped groups and hands each on (``on_drop``) or keeps it."""

@@ -23,18 +23,16 @@ class InFlight:
 
     def __init__(self, max_staleness: int) -> None:
         self.max_staleness = max_staleness
-        self._by_version: dict[int, int] = {}
-
-    def __bool__(self) -> bool:
-        return bool(self._by_version)
+        self.by_version: dict[int, int] = {}
+        """Announced groups per version; empty when none is in flight."""
 
     def add(self, version: int) -> None:
-        self._by_version[version] = self._by_version.get(version, 0) + 1
+        self.by_version[version] = self.by_version.get(version, 0) + 1
 
     def remove(self, version: int) -> None:
-        left = self._by_version.pop(version) - 1
+        left = self.by_version.pop(version) - 1
         if left:
-            self._by_version[version] = left
+            self.by_version[version] = left
 
     def must_wait(self, n_groups: int, at_version: int,
                   queued_up_to: Callable[[int], int]) -> bool:
@@ -44,7 +42,7 @@ class InFlight:
         for ahead in range(self.max_staleness + 1):
             # Groups whose deadline is at most take at_version + ahead.
             last = at_version + ahead - self.max_staleness
-            flying = sum(count for version, count in self._by_version.items()
+            flying = sum(count for version, count in self.by_version.items()
                          if version <= last)
             if not flying:
                 continue

@@ -318,7 +318,7 @@ class ReplayQueue(Generic[T]):
         return store.groups < self.max_groups and store.tokens + tokens <= self.max_tokens
 
     def _insert(self, item: T) -> None:
-        self._drops.put(self._store.insert(item))
+        self._drops.put_by_bucket[self._store.insert(item)] += 1
         self._put_total += 1
         if self._takers:
             self._wake_taker()
@@ -330,7 +330,7 @@ class ReplayQueue(Generic[T]):
         # Dropped on arrival: a taker already works at a version this group is too old
         # for, so keeping it would only hold room (and an admission slot) hostage.
         self._put_total += 1
-        self._drops.put(bucket_index(self.bucket_edges, item.num_tokens))
+        self._drops.put_by_bucket[bucket_index(self.bucket_edges, item.num_tokens)] += 1
         self._drops.drop([item], DROP_STALE, sink)
         return True
 
@@ -338,7 +338,7 @@ class ReplayQueue(Generic[T]):
         """Enough groups are queued, and none the take must hold is still generating."""
         if self._store.groups < n_groups:
             return False
-        if not (self.wait_for_expiring and self._in_flight):
+        if not (self.wait_for_expiring and self._in_flight.by_version):
             return True
         return not self._in_flight.must_wait(n_groups, at_version, self._store.groups_up_to)
 
