@@ -217,7 +217,7 @@ class Orchestrator:
         """One prompt on one worker, then into the queue (waiting there is backpressure)."""
         try:
             # Every live engine runs the gate's version, so the group's tokens are no
-            # older: the take that is its last chance to be trained waits for it.
+            # older: a take that must hold the group waits for it (wait_for_expiring).
             with self.queue.expecting(self.gate.version):
                 group = await self.rollout[rank].generate(prompt)
             self.totals.generated(group)

@@ -38,7 +38,8 @@ class InFlight:
                   queued_up_to: Callable[[int], int]) -> bool:
         """True while a group the take must hold is in flight; ``queued_up_to(u)``:
         queued groups with ``min_version <= u``. An announced version is a lower bound,
-        so a group may be waited for a take early, never too late."""
+        so a take may wait for a group a later take could still have trained, but never
+        leaves out one it must hold."""
         for ahead in range(self.max_staleness + 1):
             # Groups whose deadline is at most take at_version + ahead.
             last = at_version + ahead - self.max_staleness
