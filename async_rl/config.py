@@ -113,6 +113,15 @@ class QueueConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     homogeneous_take: bool = False
     """Take a step's groups from one token-length bucket (then its neighbours) to cut
     padding; the oldest group, and any that would go stale next step, are always taken."""
+    wait_for_expiring: bool = True
+    """A step also waits for the groups still being generated that it must train so that
+    none goes stale: those it is the last step allowed to train, and any the next steps
+    could not all fit. Without it a late group is dropped when it arrives, and the late
+    ones are the slowest to generate, the longest: the trained mix leans short. The
+    price: the trainer waits for slow groups, and trained groups are older (mean
+    staleness near max_staleness); on the long-tail task that bought zero drops at the
+    same or better groups/s (README, bench/stale_drops.py). homogeneous_take picks by
+    bucket among what a step need not train yet, so with it a few may still go stale."""
 
     def __post_init__(self) -> None:
         edges = self.bucket_edges

@@ -79,7 +79,7 @@ class Orchestrator:
         self.config, self.out, self.source = config, out, source
         self.eval_prompts = tuple(eval_prompts)
         self.rollout, self.trainers = workers.rollout, workers.trainers
-        self.totals = StepTotals()
+        self.totals = StepTotals(bucket_edges=config.queue.bucket_edges)
         self.pool = RolloutPool(
             workers.rollout, limit=config.rollout.max_inflight_prompts,
             max_restarts=config.rollout.max_restarts, totals=self.totals,
@@ -97,6 +97,7 @@ class Orchestrator:
             # Called the moment a group goes stale, even while a take waits: the slot must
             # come back at once or the gate could stay shut while training waits.
             on_drop=self._on_drop,
+            wait_for_expiring=config.queue.wait_for_expiring,
         )
         self.version = 0
         self.first_step = 1
@@ -224,8 +225,11 @@ class Orchestrator:
     async def generate(self, rank: int, worker: RolloutClient, prompt: Prompt) -> None:
         """One prompt on one worker, then into the queue (waiting there is backpressure)."""
         try:
-            group = await worker.generate(prompt)
-            self.totals.reward_failures += group.reward_failures
+            # Every live engine runs the gate's version, so the group's tokens are no
+            # older: a take that must hold the group waits for it (wait_for_expiring).
+            with self.queue.expecting(self.gate.version):
+                group = await worker.generate(prompt)
+            self.totals.generated(group)
             self.prompts.write(prompt, "generated")
             # The worker's slot stays taken until the queue has room: backpressure.
             await self.queue.put(group)
@@ -443,7 +447,7 @@ class Orchestrator:
             return str(model_dir), self.version
 
     def _on_drop(self, dropped: Dropped[Group]) -> None:
-        self.totals.dropped_stale += 1
+        self.totals.dropped(dropped.item)
         self._requeue(dropped.item.prompt, "dropped", dropped.reason)
 
     def _requeue(self, prompt: Prompt, event: str, reason: str) -> None:

@@ -35,6 +35,7 @@ from async_rl.run_dir import (
     RUN_RECORD,
     SPANS,
     USAGE,
+    BucketDrops,
     RunSummary,
     read_record,
     read_summary,
@@ -150,6 +151,17 @@ def to_target(summary: RunSummary) -> str:
             f"{summary.samples_to_target} samples trained")
 
 
+def drops_by_length(buckets: Sequence[BucketDrops]) -> str:
+    """Stale drops over groups generated, per token-length bucket of a group."""
+    def label(b: BucketDrops) -> str:
+        if b.high is None:
+            return f">={b.low}"
+        return f"<{b.high}" if b.low == 0 else f"{b.low}-{b.high - 1}"
+
+    return "stale drops by length (tokens per group): " + ", ".join(
+        f"{label(b)}: {b.dropped}/{b.groups} ({_pct(b.dropped, b.groups)})" for b in buckets)
+
+
 def wide_console() -> Console:
     """Wide enough for every cause column even when output goes to a file or a pipe."""
     console = Console()
@@ -199,6 +211,8 @@ def print_report(run_dir: str | Path, console: Console | None = None) -> RunIdle
             f"{s.tokens_per_s:.0f} tokens/s; accuracy {s.accuracy_start} -> {s.accuracy_end}; "
             f"staleness histogram {list(s.staleness_histogram)}"
         )
+        if s.stale_drops_by_length:  # summaries written before it have none
+            console.print(drops_by_length(s.stale_drops_by_length))
         if s.evals:
             console.print(f"held-out accuracy {s.target_accuracy} {to_target(s)} "
                           f"({len(s.evals)} evaluations in {EVALS})")

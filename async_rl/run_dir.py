@@ -63,6 +63,19 @@ class EvalPoint(msgspec.Struct, frozen=True, kw_only=True):
     num_prompts: int
 
 
+class BucketDrops(msgspec.Struct, frozen=True, kw_only=True):
+    """Stale drops among the generated groups of one token-length bucket
+    (queue.bucket_edges: groups with ``low <= num_tokens < high``)."""
+
+    low: int
+    high: int | None
+    """None for the last, open-ended bucket."""
+    groups: int
+    """Groups generated in this bucket; a prompt that ran again counts again."""
+    dropped: int
+    """Of those, dropped as stale (and run again)."""
+
+
 class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     """The figures of a whole run, written to summary.json and returned to the caller."""
 
@@ -107,6 +120,9 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     """samples_trained of that evaluation; None if none reached it."""
     evals: tuple[EvalPoint, ...] = ()
     """Every evaluation of the run, as in eval.jsonl."""
+    stale_drops_by_length: tuple[BucketDrops, ...] = ()
+    """``dropped_stale`` split by token-length bucket, beside the groups generated there:
+    drops fall on the slowest groups, which are the longest."""
 
 
 class FilePositions(msgspec.Struct, frozen=True, kw_only=True):

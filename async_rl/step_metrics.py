@@ -16,9 +16,10 @@ import msgspec
 from async_rl.evaluation import first_at_target
 from async_rl.grpo import merge_stats, summarise
 from async_rl.records import BroadcastTiming, Group, ShardStepResult
-from async_rl.run_dir import EvalPoint, RunSummary
+from async_rl.run_dir import BucketDrops, EvalPoint, RunSummary
 from buffers.balance import StepPlan
 from buffers.queue_records import ReplayQueueStatistics
+from buffers.replay_store import bucket_index
 
 
 class Counters(msgspec.Struct, frozen=True, kw_only=True):
@@ -35,17 +36,19 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     lost_steps: int
     restarts: int
     staleness: dict[int, int]
-    # Defaults: checkpoints written before these classes existed still read.
+    # Defaults: checkpoints written before these existed still read.
     out_of_memory: int = 0
     rollout_stalls: int = 0
     restore_failures: int = 0
     timeouts: int = 0
+    stale_drops_by_length: tuple[BucketDrops, ...] = ()
 
 
 class StepTotals:
-    """Counters the orchestrator bumps during a run."""
+    """Counters the orchestrator bumps during a run; ``bucket_edges``: queue.bucket_edges,
+    the token-length buckets stale drops are counted by."""
 
-    def __init__(self) -> None:
+    def __init__(self, bucket_edges: Sequence[int] = ()) -> None:
         self.groups_trained = 0
         self.samples_trained = 0
         self.tokens_trained = 0
@@ -63,6 +66,26 @@ class StepTotals:
         self.nonfinite_in_a_row = 0
         """Non-finite steps since the last good one (trainer.max_nonfinite_steps)."""
         self.staleness: Counter[int] = Counter()
+        self.bucket_edges = tuple(bucket_edges)
+        self.generated_by_bucket = [0] * (len(self.bucket_edges) + 1)
+        self.dropped_by_bucket = [0] * (len(self.bucket_edges) + 1)
+
+    def generated(self, group: Group) -> None:
+        """A group came back from a rollout worker (before it is queued)."""
+        self.reward_failures += group.reward_failures
+        self.generated_by_bucket[bucket_index(self.bucket_edges, group.num_tokens)] += 1
+
+    def dropped(self, group: Group) -> None:
+        """The queue dropped a group as stale."""
+        self.dropped_stale += 1
+        self.dropped_by_bucket[bucket_index(self.bucket_edges, group.num_tokens)] += 1
+
+    def by_length(self) -> tuple[BucketDrops, ...]:
+        lows = (0, *self.bucket_edges)
+        highs: tuple[int | None, ...] = (*self.bucket_edges, None)
+        return tuple(BucketDrops(low=lo, high=hi, groups=g, dropped=d) for lo, hi, g, d in
+                     zip(lows, highs, self.generated_by_bucket, self.dropped_by_bucket,
+                         strict=True))
 
     def counters(self) -> Counters:
         """The totals as a checkpoint keeps them."""
@@ -74,13 +97,18 @@ class StepTotals:
             lost_steps=self.lost_steps, restarts=self.restarts,
             staleness=dict(self.staleness), out_of_memory=self.out_of_memory,
             rollout_stalls=self.rollout_stalls, restore_failures=self.restore_failures,
-            timeouts=self.timeouts)
+            timeouts=self.timeouts, stale_drops_by_length=self.by_length())
 
     def restore(self, counters: Counters) -> None:
         for name in Counters.__struct_fields__:
-            if name != "staleness":
+            if name not in ("staleness", "stale_drops_by_length"):
                 setattr(self, name, getattr(counters, name))
         self.staleness = Counter(counters.staleness)
+        saved = counters.stale_drops_by_length
+        # Counts by other bucket edges (changed on resume) would be mislabelled here.
+        if [(b.low, b.high) for b in saved] == [(b.low, b.high) for b in self.by_length()]:
+            self.generated_by_bucket = [b.groups for b in saved]
+            self.dropped_by_bucket = [b.dropped for b in saved]
 
     def failures(self) -> dict[str, int]:
         """Every failure class with its count, as summary.json, the progress line and
@@ -135,6 +163,7 @@ class StepTotals:
             time_to_target_s=reached.wall_s if reached else None,
             samples_to_target=reached.samples_trained if reached else None,
             evals=tuple(evals),
+            stale_drops_by_length=self.by_length(),
         )
 
 
@@ -204,5 +233,7 @@ def step_row(
                   "put_wait_s": queue.put_waits.seconds,
                   "take_wait_s": queue.take_waits.seconds,
                   # Groups per token-length bucket after the take, smallest bucket first.
-                  "bucket_groups": [b.groups for b in queue.buckets]},
+                  "bucket_groups": [b.groups for b in queue.buckets],
+                  # Stale drops per bucket so far (this process's queue).
+                  "bucket_drops": [b.dropped for b in queue.buckets]},
     }

@@ -1,6 +1,7 @@
 """Data plane: replay queue, admission gate, balancing. Pure Python + anyio + msgspec."""
 
 from buffers.balance import ShardPlan, StepPlan, pack, plan_step, sequence_costs
+from buffers.drop_accounting import DropHandler
 from buffers.errors import (
     GateShutDown,
     NotEnoughGroups,
@@ -20,7 +21,7 @@ from buffers.queue_records import (
     ReplayQueueStatistics,
     WaitStatistics,
 )
-from buffers.replay_queue import DropHandler, ReplayQueue
+from buffers.replay_queue import ReplayQueue
 from buffers.staleness import AdmissionGate, GateSnapshot, GateStatistics
 
 __all__ = [

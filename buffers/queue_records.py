@@ -1,7 +1,8 @@
 """The shapes the replay queue takes in and hands out: its item protocol and its records.
 
 Owns: ``QueueItem`` (what the queue needs to know about a group) and the frozen records
-the queue returns (``Dropped``, ``ReplayQueueStatistics``, ``ReplayQueueSnapshot``).
+the queue returns (``Dropped``, ``ReplayQueueStatistics``, ``ReplayQueueSnapshot``,
+``DropCounts``).
 Knows nothing about how a group is generated, scored or trained; the project's real
 item, ``async_rl.records.Group``, satisfies ``QueueItem`` structurally, without an import.
 """
@@ -15,6 +16,7 @@ import msgspec
 __all__ = [
     "DROP_STALE",
     "BucketStatistics",
+    "DropCounts",
     "Dropped",
     "QueueItem",
     "ReplayQueueSnapshot",
@@ -63,13 +65,18 @@ class Dropped(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
 
 
 class BucketStatistics(msgspec.Struct, frozen=True, kw_only=True):
-    """Occupancy of one token-count bucket: groups with ``low <= num_tokens < high``."""
+    """One token-count bucket (groups with ``low <= num_tokens < high``): what it holds
+    now, and how many of its groups were put and dropped since the queue was made."""
 
     low: int
     high: int | None
     """Exclusive upper edge; None for the last, open-ended bucket."""
     groups: int
     tokens: int
+    put_total: int
+    """Groups of this bucket put, those dropped on arrival included."""
+    dropped: int
+    """Of those, dropped as stale: ``dropped / put_total`` is the bucket's drop rate."""
 
 
 class WaitStatistics(msgspec.Struct, frozen=True, kw_only=True):
@@ -107,6 +114,17 @@ class ReplayQueueStatistics(msgspec.Struct, frozen=True, kw_only=True):
     closed: bool
 
 
+class DropCounts(msgspec.Struct, frozen=True, kw_only=True):
+    """A queue's drop counters, as its snapshot keeps them."""
+
+    by_reason: dict[str, int]
+    bucket_edges: tuple[int, ...]
+    """The edges the per-bucket counts were taken with."""
+    put_by_bucket: tuple[int, ...]
+    """Groups put per bucket, those dropped on arrival included."""
+    dropped_by_bucket: tuple[int, ...]
+
+
 class ReplayQueueSnapshot(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
     """The queue's contents and counters, for a checkpoint (decode as ``Snapshot[Group]``)."""
 
@@ -116,5 +134,5 @@ class ReplayQueueSnapshot(msgspec.Struct, Generic[T], frozen=True, kw_only=True)
     put_total: int
     taken_total: int
     drained_total: int
-    drops: dict[str, int]
+    drops: DropCounts
     staleness_taken: tuple[int, ...]

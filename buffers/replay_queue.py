@@ -2,10 +2,12 @@
 
 Owns: where groups wait between rollout and training, in which order they leave
 (oldest ``min_version`` first, then arrival), the bounds (groups and tokens) that push
-back on producers, and the rule that no group older than ``max_staleness`` versions is
-ever handed to a taker. Knows nothing about prompts, rewards, trainers or Ray: a group is
-anything with ``prompt_id``, ``min_version`` and ``num_tokens`` (``QueueItem``), and a
-dropped group is handed to the ``on_drop`` callback so its prompt can be re-run.
+back on producers, the rule that no group older than ``max_staleness`` versions is ever
+handed to a taker, and a take's wait for groups still being generated that it must
+hold (``expecting``; the rule is ``buffers.in_flight``'s). Knows nothing about
+prompts, rewards, trainers or Ray: a group is anything with ``prompt_id``,
+``min_version`` and ``num_tokens`` (``QueueItem``), and a dropped group is handed to the
+``on_drop`` callback so its prompt can be re-run (``buffers.drop_accounting``).
 
 Speed: ``put`` and ``take`` do not yield to the event loop when they need not wait (like
 ``asyncio.Queue``), because a checkpoint per call would cost more than the queue itself.
@@ -13,15 +15,18 @@ Speed: ``put`` and ``take`` do not yield to the event loop when they need not wa
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Generic
 
 import anyio
 
+from buffers.drop_accounting import DropAccounting, DropHandler
 from buffers.errors import NotEnoughGroups, QueueClosed, QueueFull, QueueTooSmall
+from buffers.in_flight import InFlight
 from buffers.queue_records import (
     DROP_STALE,
     BucketStatistics,
@@ -32,24 +37,21 @@ from buffers.queue_records import (
     T,
     WaitStatistics,
 )
-from buffers.replay_store import BucketedStore
+from buffers.replay_store import BucketedStore, bucket_index
 
-__all__ = ["DropHandler", "QueueItem", "ReplayQueue"]
-
-DropHandler = Callable[[Dropped[T]], None]
-"""Called synchronously for every dropped group; typically re-queues the prompt and gives
-its admission slot back. Without one, drops are kept for ``drain_dropped()``."""
+__all__ = ["QueueItem", "ReplayQueue"]
 
 
 class _Waiter:
     """One parked put or take; FIFO among its kind, woken by replacing nothing but the event."""
 
-    __slots__ = ("event", "need")
+    __slots__ = ("at_version", "event", "need")
 
-    def __init__(self, need: int) -> None:
+    def __init__(self, need: int, at_version: int = 0) -> None:
         self.event = anyio.Event()
         self.need = need
         """Tokens of the item to put, or groups wanted by the take."""
+        self.at_version = at_version  # the take's; unused for a put
 
 
 class ReplayQueue(Generic[T]):
@@ -58,6 +60,7 @@ class ReplayQueue(Generic[T]):
     ``bucket_edges`` are increasing token counts: edges ``(1024, 4096)`` make buckets
     ``[0, 1024)``, ``[1024, 4096)`` and ``[4096, inf)``. A group that could never fit
     (more than ``max_tokens``) is refused with ``ValueError`` rather than waiting forever.
+    ``wait_for_expiring``: see ``take``.
     """
 
     def __init__(
@@ -68,6 +71,7 @@ class ReplayQueue(Generic[T]):
         max_staleness: int,
         bucket_edges: Sequence[int] = (),
         on_drop: DropHandler[T] | None = None,
+        wait_for_expiring: bool = True,
     ) -> None:
         if max_groups < 1 or max_tokens < 1:
             raise ValueError(f"max_groups={max_groups}, max_tokens={max_tokens}: both must be >= 1")
@@ -80,9 +84,10 @@ class ReplayQueue(Generic[T]):
         self.max_tokens = max_tokens
         self.max_staleness = max_staleness
         self.bucket_edges = edges
-        self._on_drop = on_drop
-        self._dropped: list[Dropped[T]] = []
+        self.wait_for_expiring = wait_for_expiring
+        self._drops: DropAccounting[T] = DropAccounting(edges, on_drop)
         self._store: BucketedStore[T] = BucketedStore(edges)
+        self._in_flight = InFlight(max_staleness)
         self._sink_version: int | None = None
         self._closed = False
         self._putters: deque[_Waiter] = deque()
@@ -94,7 +99,6 @@ class ReplayQueue(Generic[T]):
         self._put_total = 0
         self._taken_total = 0
         self._drained_total = 0
-        self._drops: dict[str, int] = {}
         self._staleness_taken = [0] * (max_staleness + 1)
 
     def __len__(self) -> int:
@@ -147,34 +151,40 @@ class ReplayQueue(Generic[T]):
     # -- take ------------------------------------------------------------------------
 
     def take_nowait(self, n_groups: int, at_version: int, *, homogeneous: bool = False) -> list[T]:
-        """Takes ``n_groups`` now (oldest first), or raises ``NotEnoughGroups``.
+        """Takes ``n_groups`` now (oldest first), or raises ``NotEnoughGroups`` (also
+        while ``take`` would wait for an expiring group).
 
         Stale groups are dropped first either way. See ``take`` for ``homogeneous``.
         """
         self._advance_sink(n_groups, at_version)
-        if self._takers or self._store.groups < n_groups:
+        if self._takers or not self._ready(n_groups, at_version):
             raise QueueClosed if self._closed else NotEnoughGroups
         return self._pop(n_groups, at_version, homogeneous)
 
     async def take(self, n_groups: int, at_version: int, *, homogeneous: bool = False) -> list[T]:
         """Takes ``n_groups`` groups for training at policy version ``at_version``.
 
-        Waits until that many are queued. Groups with ``at_version - min_version >
+        Waits until that many are queued, and with ``wait_for_expiring`` for every group
+        announced by ``expecting`` that this take must hold: those whose last chance it
+        is, and any the takes after it could not all fit (``buffers.in_flight``). Without
+        the wait newer groups are trained and the late one, the slowest to generate and
+        so the longest, is dropped on arrival. Groups with ``at_version - min_version >
         max_staleness`` are dropped (see ``on_drop``), never returned. Without
         ``homogeneous`` the result is the oldest groups (by min_version, then arrival).
         With it, groups are drawn from one token bucket (then its nearest neighbours) so
         micro-batches pad little; the bound it keeps: the oldest group is always taken,
         and so is every group that would be too stale at ``at_version + 1``, so a group
         is only passed over while it can still be trained. With ``max_staleness == 0``
-        this is exactly oldest-first. Raises ``QueueClosed`` when closed while waiting,
-        ``QueueTooSmall`` when the token bound makes the take impossible.
+        it is exactly oldest-first.
+        Raises ``QueueClosed`` when closed while waiting, ``QueueTooSmall`` when the
+        token bound makes the take impossible.
         """
         self._advance_sink(n_groups, at_version)
-        if not self._takers and self._store.groups >= n_groups:
+        if not self._takers and self._ready(n_groups, at_version):
             return self._pop(n_groups, at_version, homogeneous)
         if self._closed:
             raise QueueClosed
-        waiter = _Waiter(n_groups)
+        waiter = _Waiter(n_groups, at_version)
         self._takers.append(waiter)
         self._take_waits += 1
         started = time.perf_counter()
@@ -184,12 +194,27 @@ class ReplayQueue(Generic[T]):
                 await waiter.event.wait()
                 if self._closed:
                     raise QueueClosed
-                if self._takers[0] is waiter and self._store.groups >= n_groups:
+                if self._takers[0] is waiter and self._ready(n_groups, at_version):
                     return self._pop(n_groups, at_version, homogeneous)
                 waiter.event = anyio.Event()
         finally:
             self._takers.remove(waiter)
             self._take_wait_s += time.perf_counter() - started
+            self._wake_taker()
+
+    @contextlib.contextmanager
+    def expecting(self, version: int) -> Iterator[None]:
+        """Announces a group being generated whose tokens are no older than ``version``.
+
+        Wrap the generation, not the put: on leaving (with the group or an error) the
+        announcement ends, and a take that waited for it goes on. A group that then
+        waits for room is not waited for: the take is what makes the room.
+        """
+        self._in_flight.add(version)
+        try:
+            yield
+        finally:
+            self._in_flight.remove(version)
             self._wake_taker()
 
     # -- lifecycle -------------------------------------------------------------------
@@ -213,16 +238,17 @@ class ReplayQueue(Generic[T]):
 
     def drain_dropped(self) -> list[Dropped[T]]:
         """Returns and forgets the drops kept because no ``on_drop`` handler was given."""
-        dropped, self._dropped = self._dropped, []
-        return dropped
+        return self._drops.drain()
 
     def statistics(self) -> ReplayQueueStatistics:
         lows = (0, *self.bucket_edges)
         highs: tuple[int | None, ...] = (*self.bucket_edges, None)
-        store = self._store
-        counts = zip(lows, highs, store.bucket_groups, store.bucket_tokens, strict=True)
+        store, drops = self._store, self._drops
+        counts = zip(lows, highs, store.bucket_groups, store.bucket_tokens,
+                     drops.put_by_bucket, drops.dropped_by_bucket, strict=True)
         buckets = tuple(
-            BucketStatistics(low=lo, high=hi, groups=g, tokens=t) for lo, hi, g, t in counts
+            BucketStatistics(low=lo, high=hi, groups=g, tokens=t, put_total=p, dropped=d)
+            for lo, hi, g, t, p, d in counts
         )
         return ReplayQueueStatistics(
             groups=self._store.groups,
@@ -240,7 +266,7 @@ class ReplayQueue(Generic[T]):
             put_total=self._put_total,
             taken_total=self._taken_total,
             drained_total=self._drained_total,
-            drops=dict(self._drops),
+            drops=dict(self._drops.by_reason),
             staleness_taken=tuple(self._staleness_taken),
             sink_version=self._sink_version,
             closed=self._closed,
@@ -254,7 +280,7 @@ class ReplayQueue(Generic[T]):
             put_total=self._put_total,
             taken_total=self._taken_total,
             drained_total=self._drained_total,
-            drops=dict(self._drops),
+            drops=self._drops.counts(),
             staleness_taken=tuple(self._staleness_taken),
         )
 
@@ -262,7 +288,8 @@ class ReplayQueue(Generic[T]):
         """Loads a snapshot into this new, empty queue.
 
         The bounds are this queue's (the run may have changed them); restored groups are
-        admitted even beyond them, and later puts wait until takes make room.
+        admitted even beyond them, and later puts wait until takes make room. Per-bucket
+        counts survive only if the bucket edges are the same.
         """
         if self._store.groups or self._put_total or self._putters or self._takers:
             raise RuntimeError("restore() needs a new, empty queue")
@@ -273,7 +300,7 @@ class ReplayQueue(Generic[T]):
         self._put_total = snapshot.put_total
         self._taken_total = snapshot.taken_total
         self._drained_total = snapshot.drained_total
-        self._drops = dict(snapshot.drops)
+        self._drops.restore(snapshot.drops)
         hist = list(snapshot.staleness_taken[: self.max_staleness + 1])
         self._staleness_taken = hist + [0] * (self.max_staleness + 1 - len(hist))
 
@@ -291,7 +318,7 @@ class ReplayQueue(Generic[T]):
         return store.groups < self.max_groups and store.tokens + tokens <= self.max_tokens
 
     def _insert(self, item: T) -> None:
-        self._store.insert(item)
+        self._drops.put_by_bucket[self._store.insert(item)] += 1
         self._put_total += 1
         if self._takers:
             self._wake_taker()
@@ -303,23 +330,17 @@ class ReplayQueue(Generic[T]):
         # Dropped on arrival: a taker already works at a version this group is too old
         # for, so keeping it would only hold room (and an admission slot) hostage.
         self._put_total += 1
-        self._record_drops([item], sink)
+        self._drops.put_by_bucket[bucket_index(self.bucket_edges, item.num_tokens)] += 1
+        self._drops.drop([item], DROP_STALE, sink)
         return True
 
-    def _record_drops(self, items: list[T], at_version: int) -> None:
-        self._drops[DROP_STALE] = self._drops.get(DROP_STALE, 0) + len(items)
-        for item in items:
-            dropped = Dropped(
-                prompt_id=item.prompt_id,
-                reason=DROP_STALE,
-                min_version=item.min_version,
-                at_version=at_version,
-                item=item,
-            )
-            if self._on_drop is None:
-                self._dropped.append(dropped)
-            else:
-                self._on_drop(dropped)
+    def _ready(self, n_groups: int, at_version: int) -> bool:
+        """Enough groups are queued, and none the take must hold is still generating."""
+        if self._store.groups < n_groups:
+            return False
+        if not (self.wait_for_expiring and self._in_flight.by_version):
+            return True
+        return not self._in_flight.must_wait(n_groups, at_version, self._store.groups_up_to)
 
     def _advance_sink(self, n_groups: int, at_version: int) -> None:
         if n_groups < 1 or n_groups > self.max_groups:
@@ -332,7 +353,7 @@ class ReplayQueue(Generic[T]):
         self._sink_version = at_version
         stale = self._store.pop_older_than(at_version - self.max_staleness)
         if stale:
-            self._record_drops(stale, at_version)
+            self._drops.drop(stale, DROP_STALE, at_version)
         # Parked putters re-check: their groups may now be stale, and room may have opened.
         for waiter in self._putters:
             waiter.event.set()
@@ -360,7 +381,7 @@ class ReplayQueue(Generic[T]):
     def _wake_taker(self) -> None:
         if self._takers:
             head = self._takers[0]
-            if self._closed or self._store.groups >= head.need:
+            if self._closed or self._ready(head.need, head.at_version):
                 head.event.set()
 
     def _wake_starved_taker(self) -> None:

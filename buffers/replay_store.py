@@ -15,7 +15,13 @@ from typing import Generic
 
 from buffers.queue_records import T
 
-__all__ = ["BucketedStore"]
+__all__ = ["BucketedStore", "bucket_index"]
+
+
+def bucket_index(edges: Sequence[int], num_tokens: int) -> int:
+    """The bucket of a group of ``num_tokens``: 0 below the first edge, len(edges) at or
+    above the last."""
+    return bisect_right(edges, num_tokens)
 
 
 class BucketedStore(Generic[T]):
@@ -39,7 +45,8 @@ class BucketedStore(Generic[T]):
         for version in self._versions:
             yield from self._by_version[version].values()
 
-    def insert(self, item: T) -> None:
+    def insert(self, item: T) -> int:
+        """Stores the group; returns its bucket."""
         version = item.min_version
         entries = self._by_version.get(version)
         if entries is None:
@@ -53,6 +60,13 @@ class BucketedStore(Generic[T]):
         self.bucket_tokens[b] += tokens
         self.groups += 1
         self.tokens += tokens
+        return b
+
+    def groups_up_to(self, version: int) -> int:
+        """How many groups have ``min_version <= version``."""
+        by_version = self._by_version
+        return sum(len(by_version[v]) for v in itertools.takewhile(
+            lambda v: v <= version, self._versions))
 
     def pop_older_than(self, version: int) -> list[T]:
         """Removes every group with ``min_version < version`` (the stale ones)."""

@@ -156,11 +156,12 @@ class FakeWeights:
 
 
 def config(tmp_path: Path, *, steps: int = 6, max_staleness: int = 1, groups: int = 4,
-           shards: int = 1) -> Config:
+           shards: int = 1, wait_for_expiring: bool = True) -> Config:
     return msgspec.convert({
         "model": {"path": "unused"},
         "task": {"eval_size": 4},
         "rollout": {"max_inflight_prompts": 4, "group_size": 4},
+        "queue": {"wait_for_expiring": wait_for_expiring},
         "staleness": {"max_staleness": max_staleness},
         "trainer": {"groups_per_step": groups, "num_shards": shards},
         "run": {"num_steps": steps, "output_dir": str(tmp_path), "progress": False,

@@ -46,24 +46,46 @@ def test_a_run_trains_every_step_within_the_staleness_bound(tmp_path: Path) -> N
     assert (tmp_path / FINAL_MODEL).is_dir()
 
 
+SLOW = frozenset(f"arith-{i}" for i in range(0, 12, 3))
+"""Prompts whose first attempt takes 100x longer: they finish out of order."""
+
+
 @pytest.mark.parametrize("max_staleness", [1, 2])
 def test_slow_groups_go_stale_are_requeued_and_training_goes_on(
     tmp_path: Path, max_staleness: int,
 ) -> None:
-    """Groups that finish after the trainer moved past their bound are dropped at take
-    time and their prompts run again: the slot comes back, so the gate never stays
-    shut (without the release every drop would leak a slot and deadlock the run)."""
-    cfg = config(tmp_path, steps=6, max_staleness=max_staleness, groups=2)
-    slow = frozenset(f"arith-{i}" for i in range(0, 12, 3))
-    summary = run(cfg, {0: FakeRollout(0, slow=slow)}, [FakeTrainer(0)])
+    """Without queue.wait_for_expiring, groups that finish after the trainer moved past
+    their bound are dropped at take time and their prompts run again: the slot comes
+    back, so the gate never stays shut (without the release every drop would leak a
+    slot and deadlock the run)."""
+    cfg = config(tmp_path, steps=6, max_staleness=max_staleness, groups=2,
+                 wait_for_expiring=False)
+    summary = run(cfg, {0: FakeRollout(0, slow=SLOW)}, [FakeTrainer(0)])
     assert summary.steps == 6
     assert len(summary.staleness_histogram) <= max_staleness + 1  # the bound held
     events = ledger(tmp_path)
     counts = trained_once_or_unfinished(events)
     assert counts["trained"] == 12
     assert summary.dropped_stale == counts["dropped"] >= 1
+    assert sum(b.dropped for b in summary.stale_drops_by_length) == summary.dropped_stale
+    assert sum(b.groups for b in summary.stale_drops_by_length) == counts["generated"]
     dropped = [p for p, h in events.items() if any(e["event"] == "dropped" for e in h)]
     assert all(any(e["event"] == "requeued" for e in events[p]) for p in dropped)
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_slow_groups_are_waited_for_when_their_bound_is_near(
+    tmp_path: Path, max_staleness: int,
+) -> None:
+    """With queue.wait_for_expiring (the default) the step that is a slow group's last
+    chance waits for it: trained within the bound, none dropped."""
+    cfg = config(tmp_path, steps=6, max_staleness=max_staleness, groups=2)
+    summary = run(cfg, {0: FakeRollout(0, slow=SLOW)}, [FakeTrainer(0)])
+    assert summary.steps == 6 and summary.dropped_stale == 0
+    assert len(summary.staleness_histogram) <= max_staleness + 1
+    events = ledger(tmp_path)
+    assert trained_once_or_unfinished(events)["trained"] == 12
+    assert all(any(e["event"] == "trained" for e in events[p]) for p in SLOW)
 
 
 def test_a_dead_rollout_worker_is_retired_and_its_prompt_runs_elsewhere(tmp_path: Path) -> None:

@@ -1,4 +1,5 @@
-"""ReplayQueue: order, bounds, backpressure, staleness drops, close, snapshot, bucketing."""
+"""ReplayQueue: order, bounds, backpressure, staleness drops and waits, close, snapshot,
+bucketing."""
 
 from __future__ import annotations
 
@@ -310,6 +311,107 @@ async def test_parked_putter_with_a_now_stale_group_is_dropped() -> None:
     assert dropped == ["b", "c"] and len(q) == 0
 
 
+def test_drops_are_counted_by_length_bucket() -> None:
+    q = make_queue(max_staleness=0, bucket_edges=(100,), max_tokens=10_000)
+    for pid, v, t in [("s0", 0, 50), ("l0", 0, 500), ("l1", 1, 500), ("s1", 1, 60)]:
+        q.put_nowait(item(pid, v, t))
+    assert ids(q.take_nowait(1, at_version=1)) == ["l1"]  # s0 and l0 dropped
+    q.put_nowait(item("l2", 0, 400))  # too stale on arrival
+    buckets = q.statistics().buckets
+    assert [(b.low, b.high, b.put_total, b.dropped) for b in buckets] == [
+        (0, 100, 2, 1),
+        (100, None, 3, 2),
+    ]
+    assert sum(b.dropped for b in buckets) == q.statistics().drops["stale"]
+
+
+# -- waiting for groups only this take may train ----------------------------------------
+
+
+@pytest.mark.parametrize("wait_for_expiring", [True, False])
+@pytest.mark.asyncio
+async def test_an_expiring_long_group_is_taken_ahead_of_newer_short_ones(
+    wait_for_expiring: bool,
+) -> None:
+    """A long group started at version 0 is still generating when the trainer takes at
+    version 1 = its last chance (max_staleness 1). With the wait it is trained ahead of
+    the newer short groups; without it the short ones go and it is dropped later."""
+    dropped: list[str] = []
+    q = make_queue(max_staleness=1, bucket_edges=(100,), wait_for_expiring=wait_for_expiring,
+                   on_drop=lambda d: dropped.append(d.prompt_id))
+    got: list[list[str]] = []
+
+    async def trainer(version: int, n: int) -> None:
+        got.append(ids(await q.take(n, at_version=version)))
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            with q.expecting(0):
+                q.put_nowait(item("s1", 1, 50))
+                q.put_nowait(item("s2", 1, 60))
+                tg.start_soon(trainer, 1, 2)
+                await anyio.sleep(0.01)  # the trainer runs while the long group generates
+                assert got == ([] if wait_for_expiring else [["s1", "s2"]])
+            await q.put(item("long", 0, 500))
+            await wait_until(lambda: len(got) == 1)
+            q.put_nowait(item("s3", 2, 50))
+            tg.start_soon(trainer, 2, 1)
+    if wait_for_expiring:
+        assert got == [["long", "s1"], ["s2"]] and dropped == []
+    else:
+        assert got == [["s1", "s2"], ["s3"]] and dropped == ["long"]
+        assert q.statistics().buckets[1].dropped == 1  # the long bucket's drop rate
+
+
+def test_a_take_does_not_wait_for_groups_a_later_take_may_train() -> None:
+    q = make_queue(max_staleness=1)
+    q.put_nowait(item("a", 1))
+    with q.expecting(1):  # trainable at version 2 too
+        assert ids(q.take_nowait(1, at_version=1)) == ["a"]
+    q.put_nowait(item("b", 1))
+    with q.expecting(0), pytest.raises(NotEnoughGroups):  # only this take may train it
+        q.take_nowait(1, at_version=1)
+    assert ids(q.take_nowait(1, at_version=1)) == ["b"]
+
+
+@pytest.mark.asyncio
+async def test_a_failed_generation_ends_the_wait() -> None:
+    q = make_queue(max_staleness=1)
+    q.put_nowait(item("a", 1))
+    got: list[str] = []
+
+    async def trainer() -> None:
+        got.extend(ids(await q.take(1, at_version=1)))
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            with pytest.raises(RuntimeError), q.expecting(0):
+                tg.start_soon(trainer)
+                await wait_until(lambda: q.statistics().take_waits.waiting_now == 1)
+                raise RuntimeError("the rollout worker died")
+    assert got == ["a"]
+
+
+@pytest.mark.asyncio
+async def test_a_group_waiting_for_room_is_not_waited_for() -> None:
+    """The take is what makes room, so waiting for a parked putter would deadlock."""
+    q = make_queue(max_groups=2, max_staleness=1)
+    q.put_nowait(item("a", 1))
+    q.put_nowait(item("b", 1))
+    got: list[str] = []
+
+    async def trainer() -> None:
+        got.extend(ids(await q.take(2, at_version=1)))
+
+    with anyio.fail_after(2):
+        async with anyio.create_task_group() as tg:
+            with q.expecting(0):
+                tg.start_soon(trainer)
+                await wait_until(lambda: q.statistics().take_waits.waiting_now == 1)
+            tg.start_soon(q.put, item("late", 0))  # full: parks, and the take goes on
+    assert got == ["a", "b"] and ids(q.drain()) == ["late"]
+
+
 # -- close, snapshot --------------------------------------------------------------------
 
 
@@ -348,15 +450,29 @@ def test_snapshot_round_trips_through_msgpack() -> None:
     q = make_queue(bucket_edges=(20,), max_staleness=2)
     for pid, v, t in [("a", 1, 10), ("b", 0, 30), ("c", 1, 5), ("d", 2, 25)]:
         q.put_nowait(item(pid, v, t))
-    q.take_nowait(1, at_version=2)  # takes b at staleness 2
+    q.take_nowait(1, at_version=3)  # drops b (bucket 1), takes a at staleness 2
+    q.put_nowait(item("late", 0, 40))  # dropped on arrival, also in bucket 1
     raw = msgspec.msgpack.encode(q.snapshot())
     snap = msgspec.msgpack.decode(raw, type=ReplayQueueSnapshot[Item])
     restored = make_queue(bucket_edges=(20,), max_staleness=2)
     restored.restore(snap)
     assert restored.statistics() == q.statistics()
-    assert ids(restored.drain()) == ids(q.drain()) == ["a", "c", "d"]
+    assert [(b.put_total, b.dropped) for b in restored.statistics().buckets] == [(2, 0), (3, 2)]
+    assert ids(restored.drain()) == ids(q.drain()) == ["c", "d"]
     with pytest.raises(RuntimeError):
         restored.restore(snap)
+
+
+def test_restore_with_other_bucket_edges_restarts_the_per_bucket_counts() -> None:
+    q = make_queue(bucket_edges=(20,), max_staleness=0)
+    q.put_nowait(item("old", 0, 30))
+    with pytest.raises(NotEnoughGroups):
+        q.take_nowait(1, at_version=1)  # drops "old"
+    restored = make_queue(bucket_edges=(50,), max_staleness=0)
+    restored.restore(q.snapshot())
+    stats = restored.statistics()
+    assert stats.drops == {"stale": 1} and stats.put_total == 1
+    assert [(b.put_total, b.dropped) for b in stats.buckets] == [(0, 0), (0, 0)]
 
 
 # -- homogeneous takes ------------------------------------------------------------------

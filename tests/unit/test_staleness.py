@@ -10,7 +10,7 @@ from async_helpers import wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from buffers import AdmissionGate, GateShutDown, GateSnapshot
+from buffers import AdmissionGate, Dropped, GateShutDown, GateSnapshot, ReplayQueue
 
 
 class Item(msgspec.Struct, frozen=True, kw_only=True):
@@ -165,3 +165,50 @@ def test_started_never_exceeds_the_bound(
         stats = gate.statistics()
         assert stats.started <= (gate.version + max_staleness + 1) * groups_per_step
         assert stats.started == stats.admitted_total - stats.released_total
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lengths=st.lists(st.integers(0, 30), min_size=4, max_size=30),
+    groups_per_step=st.integers(1, 4),
+    max_staleness=st.integers(0, 2),
+)
+def test_gate_and_queue_drop_nothing_when_takes_wait_for_expiring_groups(
+    lengths: list[int], groups_per_step: int, max_staleness: int
+) -> None:
+    """Rollout as the orchestrator runs it: a prompt starts once the gate admits it and
+    its group takes ``length`` loop turns to generate, so groups finish out of order.
+    Each take waits for the groups only it may train: none is dropped, none is trained
+    beyond the bound, and every step fills."""
+    steps = len(lengths) // groups_per_step
+    gate = AdmissionGate(groups_per_step=groups_per_step, max_staleness=max_staleness)
+    dropped: list[Dropped[Item]] = []
+    queue = ReplayQueue[Item](max_groups=64, max_tokens=10_000, max_staleness=max_staleness,
+                              on_drop=dropped.append)
+    trained: list[Item] = []
+
+    async def generate(i: int) -> None:
+        version = gate.version
+        with queue.expecting(version):
+            for _ in range(lengths[i]):
+                await anyio.sleep(0)
+        await queue.put(Item(prompt_id=f"p{i}", min_version=version))
+
+    async def rollout(generations: anyio.abc.TaskGroup) -> None:
+        for i in range(len(lengths)):
+            await gate.acquire()
+            generations.start_soon(generate, i)
+
+    async def main() -> None:
+        with anyio.fail_after(5):
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(rollout, tg)
+                for version in range(steps):
+                    got = await queue.take(groups_per_step, at_version=version)
+                    assert all(version - x.min_version <= max_staleness for x in got)
+                    trained.extend(got)
+                    gate.on_version(version + 1)
+                tg.cancel_scope.cancel()
+
+    anyio.run(main)
+    assert not dropped and len(trained) == steps * groups_per_step
