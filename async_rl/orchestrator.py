@@ -7,7 +7,7 @@ policy, then two loops side by side —
 - ``training_loop``: ReplayQueue -> plan -> trainer shards -> new version -> weights;
 
 with the evaluations due every ``run.eval_every`` steps running beside them
-(``evaluation_loop``), then evaluate again and save. Which rollout worker takes a prompt,
+(``async_rl.evaluation_runner``), then save and evaluate again. Which rollout worker takes a prompt,
 and replacing lost ones, is ``async_rl.rollout_pool``'s; which failures stop the run,
 ``async_rl.run_health``'s (a failed run still ends with a checkpoint and a summary).
 It also keeps the prompt ledger: every admitted prompt ends trained exactly once, or
@@ -30,7 +30,8 @@ from async_rl.auto_layout import AutoLayout
 from async_rl.batching import shard_batches
 from async_rl.checkpoint import RunState, write_checkpoint
 from async_rl.config import Config
-from async_rl.evaluation import EvalLog, describe
+from async_rl.evaluation import EvalLog
+from async_rl.evaluation_runner import EvaluationRunner
 from async_rl.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.progress import RunProgress
 from async_rl.prompt_ledger import PromptLedger
@@ -77,7 +78,6 @@ class Orchestrator:
     def __init__(self, config: Config, out: RunWriter, source: PromptSource,
                  eval_prompts: Sequence[Prompt], workers: Workers) -> None:
         self.config, self.out, self.source = config, out, source
-        self.eval_prompts = tuple(eval_prompts)
         self.rollout, self.trainers = workers.rollout, workers.trainers
         self.totals = StepTotals(bucket_edges=config.queue.bucket_edges)
         self.pool = RolloutPool(
@@ -110,9 +110,10 @@ class Orchestrator:
         """Held while shards train and the version moves on: holding it, the trainer's
         weights are exactly ``self.version`` (a restarted engine starts from them)."""
         self.health = RunHealth(config, self.totals)
-        self.evaluations_over = anyio.Event()
         self.prompts = PromptLedger(out, lambda: self.version)
         self.evals = EvalLog(every=config.run.eval_every, num_steps=config.run.num_steps)
+        self.evaluations = EvaluationRunner(eval_prompts, self.evals, self.pool,
+                                            self.health, out)
         self.timings: list[BroadcastTiming] = []
         """Broadcast timings completed since the last metrics row."""
         self.auto_layout = (AutoLayout(self.rollout, self.trainers, workers.can_share)
@@ -145,7 +146,7 @@ class Orchestrator:
         return summary
 
     async def _run(self) -> RunSummary:
-        start = await self.evaluate(step=0) if self.first_step == 1 else None
+        start = await self.evaluations.evaluate(step=0) if self.first_step == 1 else None
         started = time.perf_counter() - self.wall_offset
         self.evals.start(started)
         if self.first_step > 1:  # what the resumed version was charged with
@@ -158,7 +159,7 @@ class Orchestrator:
         self.training.flush()
         usage_first = await self.read_usage()
         assert self.pool.background is not None
-        self.pool.background.start_soon(self.evaluation_loop)
+        self.pool.background.start_soon(self.evaluations.due_loop)
         self.pool.background.start_soon(self.health.stall_watch, lambda: len(self.rollout))
         with RunProgress(self.config.run.num_steps, enabled=self.config.run.progress) as bar:
             async with anyio.create_task_group() as loops:
@@ -181,10 +182,10 @@ class Orchestrator:
                                "cores": cores.get(name, 1.0)}
                         for name, reading in usage_last.items() if name in usage_first})
         # Evaluations still due finish (after the training window was recorded).
-        await self.evaluations_over.wait()
+        await self.evaluations.over.wait()
         await self.checkpoint(wall_s)
         await self.trainers[0].save(str(self.out.path / FINAL_MODEL))
-        end = None if self.stop_reason else await self.final_evaluation()
+        end = None if self.stop_reason else await self.evaluations.evaluate(self.version)
         if start is None and self.evals.points:
             start = self.evals.points[0]
         summary = self._summary(wall_s, start, end, rollout_versions, self.stop_reason)
@@ -320,43 +321,6 @@ class Orchestrator:
         done.set()
         # Evaluated once delivered, so the engine already runs (at least) this version.
         self.evals.delivered(published.version)
-
-    async def evaluation_loop(self) -> None:
-        """Runs the evaluations due during training one at a time, until training ends."""
-        async with self.evals.due_steps:
-            async for step in self.evals.due_steps:
-                await self.evaluate(step)
-        self.evaluations_over.set()
-
-    async def final_evaluation(self) -> EvalPoint | None:
-        """The end-of-run evaluation (the model is already saved)."""
-        return await self.evaluate(self.version)
-
-    async def evaluate(self, step: int) -> EvalPoint | None:
-        """Greedy held-out accuracy on a rollout worker's engine; one row of eval.jsonl.
-
-        A worker lost during it is replaced (as in generation) and the evaluation runs
-        again on a live one; any other failure costs only this row."""
-        if not self.eval_prompts:
-            return None
-        for attempt in (1, 2):
-            rank = await self.pool.any_live()
-            worker = self.rollout[rank]
-            try:
-                result = await worker.evaluate(self.eval_prompts)
-            except RolloutFailed as failed:
-                self.health.rollout_failed(failed)
-                if failed.worker_gone:
-                    self.pool.retire(rank, worker, failed.reason)
-                if not failed.worker_gone or attempt == 2:
-                    print(f"evaluation at step {step} failed: {failed.reason}")
-                    return None
-                continue
-            point = self.evals.record(step, result)
-            self.out.eval(point)
-            print(describe(point))
-            return point
-        return None
 
     # ---- stopping, checkpoints, resuming ------------------------------------------------
 
