@@ -15,7 +15,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from async_rl.config import Config, ConfigError, load_config, to_toml
+from async_rl.config import Config, ConfigError
+from async_rl.config_io import load_config, to_toml
 from async_rl.loggers import check_installed
 from async_rl.run_dir import CONFIG, SPANS
 

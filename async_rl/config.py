@@ -1,18 +1,15 @@
 """The run configuration: one tree of frozen Structs decoded from TOML.
 
-Owns: every knob a user can set, its bounds (``msgspec.Meta``), the rules that tie fields
-together (``__post_init__``), ``--set section.key=value`` overrides, and turning any bad
-input into one line that names the key, the value and what is allowed (``ConfigError``).
-Knows nothing about what the knobs drive.
+Owns: every knob a user can set, its default, its bounds (``msgspec.Meta``) and the rules
+that tie fields together (``__post_init__``), raising ``ConfigError`` with one line that
+names the key. Reading a config from TOML with ``--set`` overrides, and writing one
+back, is ``async_rl.config_io``'s. Knows nothing about what the knobs drive.
 """
 
 from __future__ import annotations
 
 import itertools
-import re
-import tomllib
-from pathlib import Path
-from typing import Annotated, Any, Literal, get_args
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -362,128 +359,3 @@ def check_transport(weights: WeightsConfig, *, cuda: bool) -> None:
     if weights.transport != "gloo" and not cuda:
         raise ConfigError(f"config error: weights.transport = {weights.transport!r}: needs "
                           'CUDA GPUs, and the workers have none; use "gloo" on CPU')
-
-
-_PATH_RE = re.compile(r" - at `\$((?:\.[A-Za-z_]\w*|\[\d+\])*)`$")
-
-
-def _lookup(raw: dict[str, Any], path: str) -> object:
-    value: Any = raw
-    for part in re.findall(r"\.(\w+)|\[(\d+)\]", path):
-        key, index = part
-        try:
-            value = value[key] if key else value[int(index)]
-        except (KeyError, IndexError, TypeError):
-            return None
-    return value
-
-
-def _one_line(err: msgspec.ValidationError, raw: dict[str, Any]) -> str:
-    message = str(err)
-    match = _PATH_RE.search(message)
-    path = match.group(1) if match else ""
-    detail = message[: match.start()] if match else message
-    key = path.lstrip(".")
-    unknown = re.match(r"Object contains unknown field `(\w+)`", detail)
-    if unknown:
-        full = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
-        section = _lookup(raw, path)
-        value = section.get(unknown.group(1)) if isinstance(section, dict) else None
-        return f"config error: {full} = {value!r}: unknown key"
-    missing = re.match(r"Object missing required field `(\w+)`", detail)
-    if missing:
-        full = f"{key}.{missing.group(1)}" if key else missing.group(1)
-        return f"config error: {full}: required key is missing"
-    if re.match(r"[\w.\[\]]+ = ", detail):  # raised by a __post_init__ rule: already keyed
-        return f"config error: {detail}"
-    if detail.startswith("Invalid enum value"):
-        detail = f"expected one of {_literal_choices(key)}"
-    return f"config error: {key} = {_lookup(raw, path)!r}: {detail[:1].lower()}{detail[1:]}"
-
-
-def _literal_choices(key: str) -> str:
-    """The allowed values of a Literal-typed field such as ``weights.update_mode``, or of
-    an item of a tuple of them (``run.loggers[1]``)."""
-    section, _, name = key.partition(".")
-    name, _, index = name.partition("[")
-    fields = {f.name: f.type for f in msgspec.structs.fields(Config)}
-    inner = {f.name: f.type for f in msgspec.structs.fields(fields[section])}
-    field = get_args(inner[name])[0] if index else inner[name]
-    return ", ".join(repr(choice) for choice in get_args(field))
-
-
-def _parse_value(text: str) -> Any:
-    """An override's value is a TOML value; bare words that are not TOML are strings."""
-    try:
-        return tomllib.loads(f"v = {text}")["v"]
-    except tomllib.TOMLDecodeError:
-        return text
-
-
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Returns a copy of ``raw`` with each ``section.key=value`` override applied."""
-    merged: dict[str, Any] = {name: dict(section) if isinstance(section, dict) else section
-                              for name, section in raw.items()}
-    known = {field.encode_name: field.type for field in msgspec.structs.fields(Config)}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        key = key.strip()
-        parts = key.split(".")
-        if not sep or len(parts) != 2 or not all(parts):
-            raise ConfigError(f"config error: override {item!r}: expected section.key=value")
-        section, name = parts
-        if section not in known:
-            raise ConfigError(
-                f"config error: {key} = {text!r}: unknown section {section!r}"
-                f" (one of {', '.join(known)})"
-            )
-        section_type = known[section]
-        names = {f.encode_name for f in msgspec.structs.fields(section_type)}
-        if name not in names:
-            raise ConfigError(f"config error: {key} = {text!r}: unknown key")
-        target = merged.setdefault(section, {})
-        if not isinstance(target, dict):
-            raise ConfigError(f"config error: {section} = {target!r}: expected a table")
-        target[name] = _parse_value(text.strip())
-    return merged
-
-
-def decode_config(raw: dict[str, Any]) -> Config:
-    """Validates a parsed TOML document into a Config, or raises a one-line ConfigError."""
-    try:
-        return msgspec.convert(raw, Config)
-    except msgspec.ValidationError as err:
-        raise ConfigError(_one_line(err, raw)) from None
-
-
-def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """Reads a TOML file, applies ``--set`` overrides and validates the result."""
-    path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"config error: {path}: file not found") from None
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"config error: {path}: not valid TOML ({err})") from None
-    return decode_config(apply_overrides(raw, overrides or []))
-
-
-def to_toml(config: Config) -> str:
-    """Renders the resolved config as TOML (every field, defaults included)."""
-    lines: list[str] = []
-    for section, values in msgspec.to_builtins(config).items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
-        lines.append("")
-    return "\n".join(lines)
-
-
-def _toml_value(value: Any) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return msgspec.json.encode(value).decode()
-    if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)

@@ -15,7 +15,8 @@ from typing import IO, Any
 
 import msgspec
 
-from async_rl.config import Config, to_toml
+from async_rl.config import Config
+from async_rl.config_io import to_toml
 from async_rl.loggers import open_loggers, scalars, summary_scalars
 from async_rl.records import LedgerEntry
 from async_rl.run_record import RunRecord, collect, now

@@ -24,7 +24,8 @@ from typing import Literal
 import msgspec
 
 from async_rl.cli import check_inputs
-from async_rl.config import Config, ConfigError, apply_overrides, load_config, to_toml
+from async_rl.config import Config, ConfigError
+from async_rl.config_io import apply_overrides, load_config, to_toml
 from async_rl.run_dir import CONFIG, SUMMARY
 from async_rl.sweep_report import print_table, trial_row, write_csv, write_plot
 

@@ -45,7 +45,8 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from async_rl.config import ConfigError, load_config
+from async_rl.config import ConfigError
+from async_rl.config_io import load_config
 from async_rl.records import LedgerEntry
 from async_rl.run_dir import METRICS, WORKERS, read_ledger, read_summary
 

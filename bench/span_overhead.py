@@ -26,7 +26,7 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
-from async_rl.config import load_config
+from async_rl.config_io import load_config
 from async_rl.ray_shell import run_training
 from async_rl.report import read_spans
 from async_rl.spans import SpanRecorder

@@ -45,7 +45,8 @@ from quiet_stdout import stdout_to_stderr
 from rich.console import Console
 from rich.table import Table
 
-from async_rl.config import Config, ConfigError, decode_config, load_config
+from async_rl.config import Config, ConfigError
+from async_rl.config_io import decode_config, load_config
 from async_rl.idle import Breakdown
 from async_rl.report import RunIdle, idle_of, read_spans
 from async_rl.run_dir import RunSummary

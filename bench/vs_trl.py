@@ -104,7 +104,8 @@ from quiet_stdout import stdout_to_stderr
 from rich.console import Console
 from rich.table import Table
 
-from async_rl.config import Config, ConfigError, decode_config, load_config
+from async_rl.config import Config, ConfigError
+from async_rl.config_io import decode_config, load_config
 from async_rl.records import Prompt
 from async_rl.rewards import RewardFn
 from async_rl.tasks import IndexedSource, PromptSource

@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.ray]
 def test_async_grpo_runs_on_gpu_with_nvml_cross_check(tmp_path: Path, transport: str) -> None:
     import ray
 
-    from async_rl.config import decode_config
+    from async_rl.config_io import decode_config
     from async_rl.ray_shell import run_training
     from async_rl.report import build_report
     from async_rl.tiny_model import make_model

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.config import Config, decode_config
+from async_rl.config import Config
+from async_rl.config_io import decode_config
 from async_rl.ray_shell import run_training
 from async_rl.report import build_report
 from async_rl.run_dir import FINAL_MODEL, RunSummary, read_evals, read_ledger, read_metrics

@@ -14,7 +14,7 @@ import pytest
 import ray
 
 from async_rl.cli import main
-from async_rl.config import decode_config
+from async_rl.config_io import decode_config
 from async_rl.evaluation_runner import EvaluationRunner
 from async_rl.ray_shell import NAMESPACE, RayRollout, run_training
 from async_rl.run_dir import FINAL_MODEL, METRICS, EvalPoint, RunSummary, read_ledger

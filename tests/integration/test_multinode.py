@@ -16,7 +16,7 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
-from async_rl.config import decode_config
+from async_rl.config_io import decode_config
 from async_rl.ray_shell import run_training
 from async_rl.run_dir import WORKERS, read_metrics
 from async_rl.tiny_model import SMALL, make_model

@@ -26,7 +26,8 @@ import torch
 from safetensors.torch import load_file
 
 from async_rl.checkpoint import CHECKPOINTS, latest_checkpoint
-from async_rl.config import Config, decode_config
+from async_rl.config import Config
+from async_rl.config_io import decode_config
 from async_rl.ray_shell import run_training
 from async_rl.run_dir import FINAL_MODEL, read_ledger, read_metrics
 

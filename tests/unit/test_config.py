@@ -9,15 +9,8 @@ import msgspec
 import pytest
 
 from async_rl.cli import main
-from async_rl.config import (
-    Config,
-    ConfigError,
-    apply_overrides,
-    check_transport,
-    decode_config,
-    load_config,
-    to_toml,
-)
+from async_rl.config import Config, ConfigError, check_transport
+from async_rl.config_io import apply_overrides, decode_config, load_config, to_toml
 
 GOOD = """
 [model]

@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from async_rl.auto_layout import AUTO_MARGIN, choose_layout, keep_shared
-from async_rl.config import Config, ConfigError, load_config
+from async_rl.config import Config, ConfigError
+from async_rl.config_io import load_config
 from workers.core_share import (
     BusyFlag,
     CoreShare,

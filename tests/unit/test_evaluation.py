@@ -9,7 +9,7 @@ import anyio
 import msgspec
 import pytest
 
-from async_rl.config import decode_config
+from async_rl.config_io import decode_config
 from async_rl.evaluation import EvalLog, EvalSchedule, describe, first_at_target, planned_steps
 from async_rl.records import EvalResult
 from async_rl.run_dir import (

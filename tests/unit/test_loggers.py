@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from async_rl.cli import main
-from async_rl.config import decode_config
+from async_rl.config_io import decode_config
 from async_rl.loggers import TENSORBOARD_DIR, scalars
 from async_rl.run_dir import EvalPoint, RunWriter, read_metrics
 from async_rl.step_metrics import StepTotals

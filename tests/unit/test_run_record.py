@@ -12,7 +12,7 @@ import pytest
 from test_report import write_run
 
 from async_rl.cli import main
-from async_rl.config import decode_config
+from async_rl.config_io import decode_config
 from async_rl.run_dir import RUN_RECORD, RunWriter, read_record
 from async_rl.run_record import RunRecord, collect, source_state
 

@@ -10,7 +10,8 @@ import msgspec
 import pytest
 
 from async_rl.cli import main
-from async_rl.config import ConfigError, load_config, to_toml
+from async_rl.config import ConfigError
+from async_rl.config_io import load_config, to_toml
 from async_rl.idle import Breakdown
 from async_rl.report import IDLE_JSON, RunIdle
 from async_rl.run_dir import CONFIG, SUMMARY
