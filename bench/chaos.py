@@ -52,8 +52,10 @@ from async_rl.run_dir import METRICS, WORKERS, read_ledger, read_summary
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLLOUT, TRAINER = "ray::RolloutActor", "ray::TrainerActor"
-LOST = re.compile(r"^rollout-\d+ lost .*: restarting it", re.MULTILINE)
-RESTARTED = re.compile(r"^rollout-\d+ restarted at version", re.MULTILINE)
+# Not anchored at line starts: Ray's log monitor may print a message without its newline
+# just before (a dead worker's), so the driver's line can begin mid-line.
+LOST = re.compile(r"rollout-\d+ lost \(.*?\): restarting it")
+RESTARTED = re.compile(r"rollout-\d+ restarted at version")
 
 
 class Kill(NamedTuple):
