@@ -10,6 +10,8 @@ from typing import Any
 
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from async_rl.run_dir import describe_failures
+
 
 class RunProgress:
     """A context manager around a rich progress bar; silent when ``enabled`` is False."""
@@ -39,7 +41,6 @@ class RunProgress:
             f"reward {row['reward_mean']:.2f}  acc {row['accuracy']:.2f}  "
             f"stale<= {row['staleness_max']}  {row['tokens_per_s']:.0f} tok/s"
         )
-        failures = row.get("failures", {})
-        if failures:  # failure classes so far, e.g. "worker_restarts 1"
-            status += "  [" + ", ".join(f"{k} {v}" for k, v in failures.items()) + "]"
+        if failures := describe_failures(row.get("failures", {})):  # the classes so far
+            status += f"  [{failures}]"
         self.progress.update(self.task, advance=1, status=status)

@@ -37,6 +37,7 @@ from async_rl.run_dir import (
     USAGE,
     BucketDrops,
     RunSummary,
+    describe_failures,
     read_record,
     read_summary,
 )
@@ -216,8 +217,7 @@ def print_report(run_dir: str | Path, console: Console | None = None) -> RunIdle
         if s.evals:
             console.print(f"held-out accuracy {s.target_accuracy} {to_target(s)} "
                           f"({len(s.evals)} evaluations in {EVALS})")
-        failures = ", ".join(f"{k} {v}" for k, v in s.failures.items() if v)
-        console.print(f"failures: {failures or 'none'}"
+        console.print(f"failures: {describe_failures(s.failures) or 'none'}"
                       + (f"; stopped: {s.stopped}" if s.stopped else ""), markup=False)
     console.print(f"trace: {path / TRACE} (open in ui.perfetto.dev)  timeline: {path / TIMELINE}")
     return idle

@@ -9,7 +9,7 @@ Knows nothing about how the figures are produced.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -75,6 +75,12 @@ class BucketDrops(msgspec.Struct, frozen=True, kw_only=True):
     """Groups generated in this bucket; a prompt that ran again counts again."""
     dropped: int
     """Of those, dropped as stale (and run again)."""
+
+
+def describe_failures(counts: Mapping[str, int]) -> str:
+    """The failure classes that happened, e.g. "worker_restarts 2, stale_drops 5" (the
+    progress line, the report and a failed run's last line all say it this way)."""
+    return ", ".join(f"{name} {count}" for name, count in counts.items() if count)
 
 
 class RunSummary(msgspec.Struct, frozen=True, kw_only=True):

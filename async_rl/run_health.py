@@ -19,6 +19,7 @@ import anyio
 from async_rl.config import Config
 from async_rl.protocols import RolloutFailed, RunFailed, TrainerFailed, WaitTimedOut, all_errors
 from async_rl.records import ShardStepResult
+from async_rl.run_dir import describe_failures
 from async_rl.step_metrics import StepTotals
 
 ERROR_LOG = "error.log"
@@ -101,5 +102,5 @@ class RunHealth:
 
     def message(self, failure: Exception, saved: str) -> str:
         """The one line a failed run ends with: why, what was saved, the failure counts."""
-        failures = self.totals.describe_failures()
+        failures = describe_failures(self.totals.failures())
         return f"{failure}; {saved}" + (f" [failures: {failures}]" if failures else "")

@@ -126,10 +126,6 @@ class StepTotals:
             "stale_drops": self.dropped_stale,
         }
 
-    def describe_failures(self) -> str:
-        """The failure classes that happened, e.g. "worker_restarts 2, stale_drops 5"."""
-        return ", ".join(f"{name} {count}" for name, count in self.failures().items() if count)
-
     def summary(self, *, wall_s: float, final_version: int, accuracy_start: float | None,
                 accuracy_end: float | None, max_staleness: int, rollout_version: int,
                 evals: Sequence[EvalPoint] = (), target_accuracy: float = 0.8,
