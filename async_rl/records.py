@@ -351,7 +351,8 @@ class RolloutStatistics(msgspec.Struct, frozen=True, kw_only=True):
     requests_running: int
     """Sample requests submitted to the engine and not finished."""
     tokens_in_flight: int
-    """Tokens generated so far by the requests still running."""
+    """Tokens generated so far by the requests still running (counted as they come only
+    when the worker streams tokens, ``stream_tokens``; otherwise 0 until they finish)."""
     engine_start_s: float
     """Seconds ``start()`` took to build and warm up the engine (0 before it ran)."""
     warmup_s: float

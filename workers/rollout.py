@@ -80,6 +80,7 @@ class RolloutWorker:
         kv_cache_gib: int | None = None,
         prefix_caching: bool = True,
         ignore_eos: bool = False,
+        stream_tokens: bool = False,
         record_spans: bool = True,
         core_board: str = "",
         version: int = 0,
@@ -96,6 +97,10 @@ class RolloutWorker:
             ``WeightReceiver.start`` for what it costs at a weight update.
         ignore_eos: every sample runs to ``max_new_tokens`` (fixed-length rollouts for
             benchmarks and tests); greedy evaluation always stops at EOS.
+        stream_tokens: tokens reach this process every engine step instead of once per
+            finished request, so ``statistics().tokens_in_flight`` counts them as they
+            come (tests time a weight update mid-generation by it); slower, see
+            ``workers.vllm_engine.sampling_params``.
         core_board: the run.layout busy board (``workers.core_share``): this worker's
             byte says when its engine is busy, so a sharing trainer keeps off its cores.
         version: policy version of the weights at ``model.path`` (a resumed run starts
@@ -107,6 +112,7 @@ class RolloutWorker:
         self._kv_cache_gib = kv_cache_gib
         self._prefix_caching = prefix_caching
         self._ignore_eos = ignore_eos
+        self._stream_tokens = stream_tokens
         device = "cpu:" + ",".join(map(str, self._cpu_ids)) if self._cpu_ids else "cpu"
         self._spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
                                    device=device, enabled=record_spans)
@@ -148,7 +154,8 @@ class RolloutWorker:
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(self._model.path)
-        self._params = sampling_params(cfg, ignore_eos=self._ignore_eos)
+        self._params = sampling_params(cfg, ignore_eos=self._ignore_eos,
+                                       stream_tokens=self._stream_tokens)
         # Warm-up: the CPU build's first steps at each new batch shape are many times
         # slower than later ones (a run's first 16 groups took 2.1 s to generate cold
         # against 0.18 s warm), which would otherwise land in the first training step as
@@ -246,6 +253,10 @@ class RolloutWorker:
         prompt_ids: tuple[int, ...] = ()
         tokens: list[int] = []
         logprobs: list[float] = []
+        # Fallback tag if the engine's spans are unusable. Streaming: the version current
+        # as each step's tokens arrive. Otherwise the version the request started under,
+        # the oldest its tokens can have (staleness errs high, never low).
+        started_version = self._receiver.version
         arrival_versions: list[int] = []
         finish_reason, spans = "abort", None
         self._in_flight[request_id] = 0
@@ -267,8 +278,8 @@ class RolloutWorker:
                         raise RolloutWorkerError(f"{request_id}: no logprob for token {tok}")
                     logprobs.append(float(entry[tok].logprob))
                 tokens.extend(new)
-                # Fallback tag: the version current when the token reached this process.
-                arrival_versions.extend([self._receiver.version] * len(new))
+                arrival_versions.extend([self._receiver.version if self._stream_tokens
+                                         else started_version] * len(new))
                 self._in_flight[request_id] = len(tokens)
                 if completion.finish_reason is not None:
                     finish_reason = str(completion.finish_reason)

@@ -89,16 +89,24 @@ def build_engine(
     )
 
 
-def sampling_params(rollout: RolloutConfig, *, ignore_eos: bool) -> dict[str, SamplingParams]:
-    """``"sample"`` (the behaviour policy) and ``"greedy"`` (evaluation) requests."""
+def sampling_params(rollout: RolloutConfig, *, ignore_eos: bool, stream_tokens: bool
+                    ) -> dict[str, SamplingParams]:
+    """``"sample"`` (the behaviour policy) and ``"greedy"`` (evaluation) requests.
+
+    ``stream_tokens``: every engine step's new tokens reach the rollout worker as they
+    are made (vLLM's DELTA outputs); otherwise a request's tokens arrive once, when it
+    finishes (FINAL_ONLY). Streaming costs generation time on a busy core: one output
+    and one coroutine wake-up per request per step, about 13% of long-tail throughput
+    with one core (``bench/rollout_outputs.py`` compares both).
+    """
     from vllm import SamplingParams
     from vllm.sampling_params import RequestOutputKind
 
     # No incremental detokenising in the engine: the text is decoded once, at the end,
     # from exactly the token ids the trainer sees (and it saves engine-side work).
+    kind = RequestOutputKind.DELTA if stream_tokens else RequestOutputKind.FINAL_ONLY
     common: dict[str, Any] = dict(
-        max_tokens=rollout.max_new_tokens, logprobs=0, output_kind=RequestOutputKind.DELTA,
-        detokenize=False,
+        max_tokens=rollout.max_new_tokens, logprobs=0, output_kind=kind, detokenize=False,
     )
     return {
         "sample": SamplingParams(temperature=rollout.temperature, ignore_eos=ignore_eos,

@@ -122,6 +122,7 @@ def make_worker(model_dir: Path) -> Any:
         cpu_ids=(0,),
         kv_cache_gib=1,
         ignore_eos=True,
+        stream_tokens=True,  # wait_until_generating reads tokens_in_flight
     )
     pid = ray.get(actor.start.remote(), timeout=300)
     assert isinstance(pid, int) and pid > 0
