@@ -42,7 +42,7 @@ from async_rl.run_dir import (
     read_summary,
 )
 from async_rl.run_record import describe
-from async_rl.spans import IDLE, Span
+from async_rl.spans import COMPUTING_IDLE, IDLE, Span
 from async_rl.trace import write_chrome_trace, write_timeline_png
 
 TRACE = "trace.json"
@@ -139,7 +139,9 @@ def cross_check(idle: RunIdle, usage_path: Path) -> dict[str, dict[str, float]]:
         first, last, cores = counters["first"], counters["last"], counters["cores"]
         assert isinstance(first, UsageReading) and isinstance(last, UsageReading)
         measured = busy_fraction(first, last, float(cores) if isinstance(cores, float) else 1.0)
+        computing = item.busy_s + sum(item.idle_by_cause.get(c, 0.0) for c in COMPUTING_IDLE)
         result[item.name] = {"span_busy": item.busy_s / item.wall_s if item.wall_s else 0.0,
+                             "span_computing": computing / item.wall_s if item.wall_s else 0.0,
                              **measured}
     return result
 
@@ -198,7 +200,11 @@ def print_report(run_dir: str | Path, console: Console | None = None) -> RunIdle
     console.print(idle_table(idle, f"idle time by cause: {path}"))
     for name, check in idle.cross_check.items():
         extra = f", NVML {check['gpu_util']:.0%}" if "gpu_util" in check else ""
-        console.print(f"cross-check {name}: spans say busy {check['span_busy']:.0%}, "
+        # Weight loads and snapshot copies use the worker's cores without being busy.
+        computing = check.get("span_computing", check["span_busy"])
+        loads = (f" ({computing:.0%} with weight loads and copies)"
+                 if computing - check["span_busy"] >= 0.005 else "")
+        console.print(f"cross-check {name}: spans say busy {check['span_busy']:.0%}{loads}, "
                       f"OS CPU time says {check['cpu_busy']:.0%}{extra}")
     for role in idle.roles:
         if role.idle_s > 0 and hint(role):

@@ -26,6 +26,11 @@ TRAINER_IDLE = ("wait_data", "barrier", "weight_publish", "no_work")
 UNRESOLVED = "idle"
 """Recorded by a worker that cannot tell why it waits; resolved from controller spans."""
 
+COMPUTING_IDLE = ("weight_sync", "weight_publish")
+"""Idle causes during which the worker's own cores still compute: a rollout engine loads
+weights, a trainer shard copies its snapshot. Not busy (no samples or gradients come of
+it), but the OS CPU-time cross-check counts it as work."""
+
 BUSY = {"rollout": ROLLOUT_BUSY, "trainer": TRAINER_BUSY}
 IDLE = {"rollout": ROLLOUT_IDLE, "trainer": TRAINER_IDLE}
 

@@ -9,8 +9,9 @@ import pytest
 
 from async_rl.cli import main
 from async_rl.idle import ROLLOUT_TRACK, TRAINER_TRACK
+from async_rl.records import UsageReading
 from async_rl.report import IDLE_JSON, TIMELINE, TRACE, RunIdle
-from async_rl.run_dir import SPANS
+from async_rl.run_dir import SPANS, USAGE
 from async_rl.spans import Span
 
 
@@ -84,3 +85,24 @@ def test_timeline_hints_wrap_inside_the_image(tmp_path: Path) -> None:
     # No text runs off the right edge: the last columns stay white from top to bottom.
     assert (pixels[:, -4:, :3] == 1.0).all()
     assert (pixels[-60:, :40, :3] < 1.0).any()  # the hints are drawn, bottom left
+
+
+def test_cross_check_counts_weight_loads_as_cpu_work(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    run = tmp_path / "run"
+    write_run(run, trainer_wait=4)
+    # Over the 10 s window the rollout worker generated 8 s and loaded weights 1 s (9 s
+    # of CPU), the trainer computed 4.5 s and copied its snapshot 0.5 s (5 s).
+    usage = {"rollout-0": {"first": UsageReading(wall=0.0, cpu_s=0.0),
+                           "last": UsageReading(wall=10.0, cpu_s=9.0), "cores": 1.0},
+             "trainer-0": {"first": UsageReading(wall=0.0, cpu_s=0.0),
+                           "last": UsageReading(wall=10.0, cpu_s=5.0), "cores": 1.0}}
+    (run / USAGE).write_bytes(msgspec.json.encode(usage))
+    assert main(["report", str(run)]) == 0
+    out = capsys.readouterr().out
+    assert ("cross-check rollout-0: spans say busy 80% (90% with weight loads and copies), "
+            "OS CPU time says 90%") in out
+    assert ("cross-check trainer-0: spans say busy 45% (50% with weight loads and copies), "
+            "OS CPU time says 50%") in out
+    check = msgspec.json.decode((run / IDLE_JSON).read_bytes(), type=RunIdle).cross_check
+    assert check["rollout-0"]["span_computing"] == pytest.approx(0.9)
