@@ -134,7 +134,10 @@ def token_loss(
         behaviour_ratio = torch.exp(behaviour_log_ratio)
         weight: torch.Tensor | None = None
         if decoupled:
-            weight = _exp_ratio(reference - behaviour_logprobs)
+            # Without proximal logprobs the reference is the current policy, so the
+            # weight is the behaviour ratio just computed.
+            weight = (behaviour_ratio if proximal_logprobs is None
+                      else _exp_ratio(reference - behaviour_logprobs))
             if config.tis_mode == "truncate":
                 weight = torch.clamp(weight, max=config.tis_cap)
             else:

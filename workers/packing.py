@@ -173,15 +173,23 @@ def completion_logprobs(
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+ENTROPY_ROWS = 1024
+"""Rows of logits ``token_entropy`` works on at once: its float32 temporaries are
+``ENTROPY_ROWS x V``, not ``N x V`` (gigabytes for a micro-batch on a real vocabulary)."""
+
+
 def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     """Entropy of ``softmax(logits / temperature)`` per row of ``(N, V)`` logits, without
     gradient (a statistic: the graph keeps nothing vocabulary-sized for it)."""
     with torch.no_grad():
-        logits = logits.float()
-        if temperature != 1.0:
-            logits = logits / temperature
-        logp = torch.log_softmax(logits, dim=-1)
-        return -(logp.exp() * logp).sum(-1)
+        parts = []
+        for rows in logits.split(ENTROPY_ROWS):
+            rows = rows.float()
+            if temperature != 1.0:
+                rows = rows / temperature
+            logp = torch.log_softmax(rows, dim=-1)
+            parts.append(-(logp.exp() * logp).sum(-1))
+        return torch.cat(parts)
 
 
 def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:

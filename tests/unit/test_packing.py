@@ -33,6 +33,7 @@ from async_rl.records import (
 from async_rl.step_metrics import _padding_ratio
 from async_rl.tiny_model import build_config
 from workers.packing import (
+    ENTROPY_ROWS,
     PACKED_ATTENTION,
     pack,
     packed_logits,
@@ -313,6 +314,16 @@ def test_token_entropy_is_the_entropy_of_the_tempered_distribution() -> None:
     assert not got.requires_grad  # a statistic: nothing kept for backward
     uniform = token_entropy(torch.zeros(2, 8), 1.0)
     torch.testing.assert_close(uniform, torch.full((2,), math.log(8)))
+
+
+def test_token_entropy_works_through_rows_in_chunks() -> None:
+    rows = ENTROPY_ROWS * 2 + 3  # three chunks, the last one short
+    logits = torch.randn(rows, 7, generator=torch.Generator().manual_seed(4))
+    probs = torch.softmax(logits / TEMPERATURE, dim=-1)
+    got = token_entropy(logits, TEMPERATURE)
+    assert got.shape == (rows,)
+    torch.testing.assert_close(got, -(probs * probs.log()).sum(-1))
+    assert token_entropy(torch.zeros(0, 7), 1.0).shape == (0,)
 
 
 def test_packed_and_padded_logits_agree(
