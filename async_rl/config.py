@@ -278,8 +278,14 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     record_spans: bool = True
     """Record per-worker spans for idle accounting, the Perfetto trace and the timeline."""
     eval_every: NonNegative = 0
-    """Evaluate greedy held-out accuracy every this many optimizer steps, on a rollout
-    worker beside training (eval.jsonl); 0 = only at the start and end."""
+    """Evaluate greedy held-out accuracy every this many optimizer steps, beside training
+    (where: run.eval_on; rows in eval.jsonl); 0 = only at the start and end."""
+    eval_on: Literal["rollout", "idle_cpu"] = "rollout"
+    """Where evaluations run. rollout: greedy on a rollout worker's engine, beside
+    generation (weight updates landing meanwhile make a mixed-version row). idle_cpu: a
+    process of its own scores exactly the version due with transformers on the CPU, at
+    the OS's idle priority, so it runs only on cores the workers leave idle; its weights
+    come from trainer shard 0 by reference. For small models on CPU machines."""
     target_accuracy: Fraction = 0.8
     """Held-out accuracy a run's time-to-target (and samples-to-target) is measured
     against, in summary.json."""

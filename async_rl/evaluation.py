@@ -2,7 +2,7 @@
 and time-to-target.
 
 Owns: the schedule of evaluations during training (``EvalSchedule``) and the hand-off of
-due ones from weight deliveries to the evaluation loop, the training progress (wall time,
+due ones to the evaluation loop, the training progress (wall time,
 samples, groups, tokens) at which each policy version was produced, turning a rollout
 worker's ``EvalResult`` into an ``EvalPoint`` (a line of eval.jsonl), and the first point
 at a target accuracy. Knows nothing about Ray, engines or files: the controller runs the
@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import anyio
 
+from async_rl.protocols import PolicyWeights
 from async_rl.records import EvalResult
 from async_rl.run_dir import EvalPoint
 
@@ -24,24 +25,25 @@ class EvalSchedule:
     """Which policy versions to evaluate while training runs.
 
     An evaluation is due every ``every`` optimizer steps. It is asked for when a version
-    at or past the due step has been delivered to the rollout workers (with
-    weights.sync_every > 1 the due version itself may never be), so the engine already
-    runs it. The last step is left to the end-of-run evaluation; ``every == 0``: none.
+    at or past the due step can be evaluated: once delivered to the rollout workers (so
+    the engine already runs it; with weights.sync_every > 1 the due version itself may
+    never be), or once trained (run.eval_on = "idle_cpu" scores the trainer's weights).
+    The last step is left to the end-of-run evaluation; ``every == 0``: none.
     """
 
     def __init__(self, every: int, num_steps: int) -> None:
         self.every, self.num_steps = every, num_steps
         self.next_due = every
 
-    def due(self, delivered: int) -> int | None:
-        """The step whose evaluation the delivered version stands for, or None.
+    def due(self, version: int) -> int | None:
+        """The step whose evaluation ``version`` stands for, or None.
 
-        Versions are delivered in increasing order; a version past several due steps
+        Versions are asked about in increasing order; a version past several due steps
         stands for the latest of them (one evaluation, not a burst of identical ones).
         """
-        if not self.every or delivered < self.next_due or delivered >= self.num_steps:
+        if not self.every or version < self.next_due or version >= self.num_steps:
             return None
-        step = delivered // self.every * self.every
+        step = version // self.every * self.every
         self.next_due = step + self.every
         return step
 
@@ -70,10 +72,10 @@ def first_at_target(points: Sequence[EvalPoint], target: float) -> EvalPoint | N
 class EvalLog:
     """A run's evaluation points and the training progress they are charged against.
 
-    ``start`` when training starts, ``produced`` after every optimizer step,
-    ``delivered`` after every weight delivery, ``record`` for every finished evaluation
-    (times come from the same monotonic clock). ``due_steps`` yields the steps whose
-    evaluation fell due, until ``training_ended``.
+    ``start`` when training starts, ``produced`` after every optimizer step, ``due`` and
+    ``queue`` when a version can be evaluated, ``record`` for every finished evaluation
+    (times come from the same monotonic clock). ``due_steps`` yields the (step, weights)
+    of each evaluation that fell due, until ``training_ended``.
     """
 
     def __init__(self, *, every: int, num_steps: int) -> None:
@@ -81,7 +83,8 @@ class EvalLog:
         self.points: list[EvalPoint] = []
         # Unbounded: a weight delivery never waits on an evaluation; a slow evaluation
         # only delays the next (each then scores the version the engine has by then).
-        self._due_in, self.due_steps = anyio.create_memory_object_stream[int](math.inf)
+        self._due_in, self.due_steps = anyio.create_memory_object_stream[
+            tuple[int, PolicyWeights | None]](math.inf)
         self.started = 0.0
         """perf_counter() when training started (earlier by the time a resumed run had)."""
         # version -> (wall_s, samples, groups, tokens) when it was produced; the initial
@@ -96,11 +99,15 @@ class EvalLog:
         """Training produced ``version`` at ``now``, having trained these totals."""
         self._produced[version] = (now - self.started, samples, groups, tokens)
 
-    def delivered(self, version: int) -> None:
-        """``version`` now runs on the rollout workers: queue its evaluation if due."""
-        step = self.schedule.due(version)
-        if step is not None:
-            self._due_in.send_nowait(step)
+    def due(self, version: int) -> int | None:
+        """The step whose evaluation ``version`` stands for, or None (``EvalSchedule``):
+        asked once per version, in order, when it can be evaluated."""
+        return self.schedule.due(version)
+
+    def queue(self, step: int, weights: PolicyWeights | None = None) -> None:
+        """Hands a due evaluation to ``due_steps``; ``weights``: what it is to score
+        (None: whatever the rollout engine runs)."""
+        self._due_in.send_nowait((step, weights))
 
     def training_ended(self) -> None:
         """No evaluation falls due any more; ``due_steps`` ends after those queued."""

@@ -3,7 +3,8 @@
 Owns: choosing the prompt source, reward and held-out prompts from ``task`` config
 (``build_task``), and creating and starting the rollout and trainer actors on their
 cores or GPUs (``launch_workers``), with the shared-memory board that ``run.layout``
-uses and the weight-transfer groups between trainer shard 0 and each rollout worker.
+uses, the weight-transfer groups between trainer shard 0 and each rollout worker, and
+the idle-CPU evaluator of run.eval_on.
 Part of the Ray shell: knows nothing about the run's loops, which
 ``async_rl.orchestrator`` drives through the adapters of ``async_rl.ray_shell``.
 """
@@ -28,6 +29,7 @@ from async_rl.rewards import RewardFn, arithmetic_reward, gsm8k_reward, remainde
 from async_rl.tasks import ArithmeticTask, JsonlPromptSource, PromptSource
 from workers.actors import RolloutActor, TrainerActor
 from workers.core_share import BOARD_DIR, create_board
+from workers.evaluator import IdleCpuEvaluator
 from workers.placement import WorkerIdentity, assign_cpus, gpus_per_worker, in_bundle
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.weights import SEND_GROUP
@@ -71,6 +73,8 @@ class StartedWorkers:
     board_path: str = ""
     """The run.layout board in shared memory ("" when trainers never borrow cores)."""
     placement_groups: list[PlacementGroup] = field(default_factory=list)
+    evaluator: Any = None
+    """The run.eval_on = "idle_cpu" evaluator (None: evaluations run on rollout workers)."""
     new_rollout: Callable[[int, ModelConfig, int, str], Any] | None = None
     """Creates (does not start) rollout worker ``rank`` on its cores from a model at a
     version: how a lost worker is replaced."""
@@ -162,6 +166,13 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
     if board and cfg.run.layout == "shared":
         await asyncio.gather(*(t.set_sharing.remote(True) for t in started.trainers))
     rollout_pids = await asyncio.gather(*(w.start.remote() for w in started.rollout.values()))
+    if cfg.run.eval_on == "idle_cpu":
+        # No cores of its own (num_cpus=0): it runs at idle priority on whichever core
+        # its workers leave idle.
+        started.evaluator = ray.remote(IdleCpuEvaluator).options(
+            name="evaluator", num_cpus=0).remote(
+            model=cfg.model, reward_fn=reward_fn, max_new_tokens=cfg.rollout.max_new_tokens)
+        await started.evaluator.setup.remote()
     # Weight broadcasts go from shard 0 to each rollout worker over a group of its own.
     for rank, worker in started.rollout.items():
         await started.trainers[0].connect_rollout.remote(rank, worker)

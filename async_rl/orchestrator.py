@@ -113,7 +113,8 @@ class Orchestrator:
         self.prompts = PromptLedger(out, lambda: self.version)
         self.evals = EvalLog(every=config.run.eval_every, num_steps=config.run.num_steps)
         self.evaluations = EvaluationRunner(eval_prompts, self.evals, self.pool,
-                                            self.health, out)
+                                            self.health, out, evaluator=workers.evaluator,
+                                            source=self.trainers[0])
         self.timings: list[BroadcastTiming] = []
         """Broadcast timings completed since the last metrics row."""
         self.auto_layout = (AutoLayout(self.rollout, self.trainers, workers.can_share)
@@ -146,7 +147,8 @@ class Orchestrator:
         return summary
 
     async def _run(self) -> RunSummary:
-        start = await self.evaluations.evaluate(step=0) if self.first_step == 1 else None
+        start = (await self.evaluations.evaluate(step=0, version=self.version)
+                 if self.first_step == 1 else None)
         started = time.perf_counter() - self.wall_offset
         self.evals.start(started)
         if self.first_step > 1:  # what the resumed version was charged with
@@ -185,7 +187,8 @@ class Orchestrator:
         await self.evaluations.over.wait()
         await self.checkpoint(wall_s)
         await self.trainers[0].save(str(self.out.path / FINAL_MODEL))
-        end = None if self.stop_reason else await self.evaluations.evaluate(self.version)
+        end = (None if self.stop_reason
+               else await self.evaluations.evaluate(self.version, self.version))
         if start is None and self.evals.points:
             start = self.evals.points[0]
         summary = self._summary(wall_s, start, end, rollout_versions, self.stop_reason)
@@ -298,6 +301,7 @@ class Orchestrator:
                 self.evals.produced(self.version, t2, samples=self.totals.samples_trained,
                                     groups=self.totals.groups_trained,
                                     tokens=self.totals.tokens_trained)
+                await self.evaluations.version_trained(self.version)
                 bar.update(row)
                 if self.auto_layout is not None and not self.auto_layout.choice:
                     await self.auto_layout.after_step(step, results)
@@ -319,8 +323,8 @@ class Orchestrator:
                              f"weight load of version {published.version} failed")
         self.gate.on_version(published.version)
         done.set()
-        # Evaluated once delivered, so the engine already runs (at least) this version.
-        self.evals.delivered(published.version)
+        # On the rollout engines: evaluated once delivered, so they run (at least) it.
+        self.evaluations.version_delivered(published.version)
 
     # ---- stopping, checkpoints, resuming ------------------------------------------------
 

@@ -2,11 +2,12 @@
 
 Owns: the orchestrator's whole view of the compute plane — a rollout worker
 (``RolloutClient``), a trainer shard (``TrainerClient``), the weight path
-(``WeightPath``), what every worker reports for the idle accounting (``ObservedWorker``),
-the bundle the shell hands over (``Workers``) and the failures: a worker's
-(``RolloutFailed``) and the run's (``RunFailed``). Knows nothing about Ray:
-``async_rl.ray_shell`` adapts actor handles to these protocols, and the unit tests pass
-in-process fakes, so the orchestrator's loops run the same against both.
+(``WeightPath``), the evaluator beside them (``Evaluator``), what every worker reports
+for the idle accounting (``ObservedWorker``), the bundle the shell hands over
+(``Workers``) and the failures: a worker's (``RolloutFailed``, ``EvaluationFailed``)
+and the run's (``RunFailed``). Knows nothing about Ray: ``async_rl.ray_shell`` adapts
+actor handles to these protocols, and the unit tests pass in-process fakes, so the
+orchestrator's loops run the same against both.
 
 Data moves by reference: a ``Group`` a rollout worker returns carries no tokens, only a
 reference (``Group.tokens``) that the trainer shards resolve themselves.
@@ -101,6 +102,11 @@ class TrainerClient(ObservedWorker, Protocol):
         """Threads used, averaged over compute time (the CPU-time cross-check's cores)."""
         ...
 
+    async def policy_weights(self, version: int) -> PolicyWeights:
+        """The policy's weights, labelled ``version``, by reference (for the evaluator).
+        Taken in order with training calls: exactly the weights of the last step."""
+        ...
+
     async def save(self, out_dir: str) -> None:
         """Writes the current policy in Hugging Face format."""
         ...
@@ -112,6 +118,27 @@ class TrainerClient(ObservedWorker, Protocol):
     async def save_checkpoint(self, out_dir: str) -> None:
         """Writes the policy, its tokenizer and the optimizer and RNG state to resume."""
         ...
+
+
+class PolicyWeights(Protocol):
+    """One version's weights where an evaluator can load them (what it holds is the
+    shell's own: on Ray, a reference into the object store)."""
+
+    @property
+    def version(self) -> int: ...
+
+
+class Evaluator(Protocol):
+    """Scores exact policy versions away from the rollout engines (run.eval_on)."""
+
+    async def evaluate(self, prompts: Sequence[Prompt], weights: PolicyWeights) -> EvalResult:
+        """Greedy held-out accuracy of ``weights``; raises ``EvaluationFailed``."""
+        ...
+
+
+class EvaluationFailed(Exception):
+    """The evaluator could not score a version (it died, timed out or raised): the
+    evaluation's row is lost, the run goes on."""
 
 
 class PublishedWeights(Protocol):
@@ -192,6 +219,8 @@ class Workers:
     """rank -> live rollout worker; retired workers are removed."""
     trainers: list[TrainerClient]
     weights: WeightPath
+    evaluator: Evaluator | None = None
+    """Where evaluations run with run.eval_on = "idle_cpu"; None: on rollout workers."""
     can_share: bool = False
     """Trainers can borrow rollout cores (run.layout shared/auto on CPU)."""
     restart_rollout: Callable[[int, str, int], Awaitable[RolloutClient]] | None = None

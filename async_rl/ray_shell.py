@@ -17,6 +17,7 @@ import signal
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,8 @@ from async_rl.config import Config, ConfigError
 from async_rl.launch import StartedWorkers, build_task, launch_workers, restart_rollout
 from async_rl.orchestrator import Orchestrator
 from async_rl.protocols import (
+    EvaluationFailed,
+    PolicyWeights,
     PublishedWeights,
     RolloutFailed,
     RunFailed,
@@ -168,6 +171,11 @@ class RayTrainer(_Actor):
         cores: float = await self._answer("mean_cores")
         return cores
 
+    async def policy_weights(self, version: int) -> RayPolicyWeights:
+        # Not awaited: submitted before the next step's call, the copy runs in order with
+        # training calls, and the evaluator fetches it from the object store itself.
+        return RayPolicyWeights(version=version, state=self.handle.policy_state.remote())
+
     async def save(self, out_dir: str) -> None:
         await self._answer("save", out_dir)
 
@@ -176,6 +184,34 @@ class RayTrainer(_Actor):
 
     async def save_checkpoint(self, out_dir: str) -> None:
         await self._answer("save_checkpoint", out_dir)
+
+
+@dataclass(frozen=True)
+class RayPolicyWeights:
+    """A ``PolicyWeights``: a reference to trainer shard 0's copy of one version."""
+
+    version: int
+    state: ray.ObjectRef[Any]
+
+
+class RayEvaluator:
+    """An ``Evaluator`` over a ``workers.evaluator.IdleCpuEvaluator`` actor."""
+
+    def __init__(self, handle: Any, config: Config) -> None:
+        self.handle, self.config = handle, config
+
+    async def evaluate(self, prompts: Sequence[Prompt], weights: PolicyWeights) -> EvalResult:
+        assert isinstance(weights, RayPolicyWeights)
+        seconds = self.config.run.call_timeout_s
+        try:
+            with anyio.move_on_after(seconds):
+                # A reference as an argument: Ray hands the actor the weights themselves.
+                result: EvalResult = await self.handle.evaluate.remote(
+                    list(prompts), weights.state, weights.version)
+                return result
+        except ray.exceptions.RayError as err:
+            raise EvaluationFailed(f"{type(err).__name__}: {str(err).splitlines()[0]}") from err
+        raise EvaluationFailed(f"no answer after {seconds:g} s (run.call_timeout_s)")
 
 
 class RayWeights:
@@ -211,6 +247,8 @@ def adapt(started: StartedWorkers, config: Config) -> Workers:
         trainers=[RayTrainer(rank, handle, config)
                   for rank, handle in enumerate(started.trainers)],
         weights=weights,
+        evaluator=(RayEvaluator(started.evaluator, config)
+                   if started.evaluator is not None else None),
         can_share=bool(started.board_path),
         restart_rollout=restart,
     )
@@ -223,6 +261,8 @@ async def _shutdown(started: StartedWorkers) -> None:
         with contextlib.suppress(ray.exceptions.RayError):
             await actor.shutdown.remote()
         ray.kill(actor)
+    if started.evaluator is not None:
+        ray.kill(started.evaluator)
     for group in started.placement_groups:
         remove_placement_group(group)
     if started.board_path:

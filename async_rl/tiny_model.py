@@ -10,8 +10,7 @@ what it writes is an ordinary ``save_pretrained`` directory that
 from __future__ import annotations
 
 import time
-from collections import defaultdict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Final
@@ -21,17 +20,15 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 from transformers import (
     GenerationConfig,
-    PreTrainedModel,
-    PreTrainedTokenizerBase,
     PreTrainedTokenizerFast,
     Qwen2Config,
     Qwen2ForCausalLM,
 )
 
+from async_rl.greedy import evaluate_accuracy
 from async_rl.longtail import MAX_NEW_TOKENS as LONGTAIL_MAX_NEW_TOKENS
 from async_rl.longtail import RemainderTask
-from async_rl.records import Prompt
-from async_rl.rewards import EOS_TEXT, RewardFn, arithmetic_reward, remainder_reward
+from async_rl.rewards import EOS_TEXT, arithmetic_reward, remainder_reward
 from async_rl.tasks import ArithmeticTask
 from async_rl.warm_start import supervised_warm_start
 
@@ -226,69 +223,6 @@ def size_config(size: ModelSize, max_positions: int = 128) -> Qwen2Config:
         intermediate_size=size.intermediate_size,
         max_positions=max_positions,
     )
-
-
-@torch.no_grad()
-def greedy_completions(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    texts: Sequence[str],
-    *,
-    max_new_tokens: int = 8,
-) -> list[str]:
-    """Greedy completions (EOS and everything after it removed), batched by prompt length.
-
-    Prompts of equal token length share a batch, so there is no padding, no attention
-    mask and no position shift: exactly what an engine computes for each prompt alone.
-    Decoding keeps a KV cache (long-tail completions run to hundreds of tokens). A
-    completion that never emitted EOS within ``max_new_tokens`` ends in ``<unk>``, so a
-    reward with a format check rejects it even if the limit fell right after a valid
-    answer.
-    """
-    was_training = model.training
-    model.eval()
-    encoded = [tokenizer.encode(t) for t in texts]
-    by_len: dict[int, list[int]] = defaultdict(list)
-    for i, ids in enumerate(encoded):
-        by_len[len(ids)].append(i)
-    out: list[list[int]] = [[] for _ in texts]
-    for members in by_len.values():
-        step_input = torch.tensor([encoded[i] for i in members], dtype=torch.long)
-        done = torch.zeros(len(members), dtype=torch.bool)
-        cache = None
-        for _ in range(max_new_tokens):
-            result = model(input_ids=step_input, past_key_values=cache, use_cache=True)
-            cache = result.past_key_values
-            nxt = result.logits[:, -1].argmax(-1)
-            for row, i in enumerate(members):
-                if not done[row] and int(nxt[row]) != EOS_ID:
-                    out[i].append(int(nxt[row]))
-            done |= nxt == EOS_ID
-            if bool(done.all()):
-                break
-            step_input = nxt[:, None]
-        for row, i in enumerate(members):
-            if not done[row]:
-                out[i].append(UNK_ID)
-    model.train(was_training)
-    return [str(tokenizer.decode(token_ids)) for token_ids in out]
-
-
-def evaluate_accuracy(
-    model: PreTrainedModel,
-    tokenizer: PreTrainedTokenizerBase,
-    prompts: Sequence[Prompt],
-    reward_fn: RewardFn = arithmetic_reward,
-    *,
-    max_new_tokens: int = 8,
-) -> float:
-    """Mean reward of greedy completions: the accuracy for a 0/1 reward."""
-    if not prompts:
-        raise ValueError("evaluate_accuracy needs at least one prompt")
-    texts = greedy_completions(
-        model, tokenizer, [p.text for p in prompts], max_new_tokens=max_new_tokens
-    )
-    return sum(reward_fn(p, t) for p, t in zip(prompts, texts, strict=True)) / len(prompts)
 
 
 def make_model(

@@ -60,7 +60,7 @@ and grpo_trainer.py of 1.16.0):
 
 Evaluation: async-rl's own evaluator for both, greedy held-out accuracy on the task's
 eval prompts (``build_task``) with the task's reward, every ``eval_every`` steps. TRL: a
-``TrainerCallback`` calls ``async_rl.tiny_model.evaluate_accuracy`` (transformers greedy)
+``TrainerCallback`` calls ``async_rl.greedy.evaluate_accuracy`` (transformers greedy)
 on the live model at step 0, every ``eval_every`` steps and at the last step; it is
 stop-the-world and its time is taken OUT of TRL's clock. async-rl: ``run.eval_every``
 evaluates on a rollout worker beside training (``eval.jsonl``), so whatever that costs
@@ -302,8 +302,8 @@ def run_trl(config: Config, *, steps: int, eval_every: int, target: float,
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
+    from async_rl.greedy import evaluate_accuracy
     from async_rl.launch import build_task
-    from async_rl.tiny_model import evaluate_accuracy
 
     torch.set_num_threads(threads)
     source, reward_fn, eval_prompts = build_task(config)
@@ -405,10 +405,10 @@ def run_async_rl(config: Config, name: str, target: float) -> SystemFigures:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from async_rl.greedy import evaluate_accuracy
     from async_rl.launch import build_task
     from async_rl.ray_shell import run_training
     from async_rl.run_dir import FINAL_MODEL, read_ledger, read_metrics
-    from async_rl.tiny_model import evaluate_accuracy
 
     run_training(config)
     run_dir = Path(config.run.output_dir)

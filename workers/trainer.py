@@ -336,6 +336,11 @@ class TrainerShard:
         """Frees the snapshot of ``version`` (every send of it is done)."""
         self._connected().release(version)
 
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """A copy of the policy's weights (what the evaluator loads). Called in order with
+        training calls, so it holds exactly the version just trained."""
+        return {name: t.detach().clone() for name, t in self.module.state_dict().items()}
+
     def save(self, out_dir: str) -> None:
         """Writes the current policy in Hugging Face format (model only)."""
         self.module.save_pretrained(out_dir)  # type: ignore[operator]

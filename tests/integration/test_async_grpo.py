@@ -13,9 +13,12 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_rl.config import Config
 from async_rl.config_io import decode_config
+from async_rl.greedy import evaluate_accuracy
+from async_rl.launch import build_task
 from async_rl.ray_shell import run_training
 from async_rl.report import build_report
 from async_rl.run_dir import FINAL_MODEL, RunSummary, read_evals, read_ledger, read_metrics
@@ -121,12 +124,24 @@ def test_staleness_bound_two_is_kept_and_used(
 def test_staleness_zero_is_synchronous(
     tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
 ) -> None:
+    # Evaluations every 2 steps on the idle-CPU evaluator: each scores exactly its step.
     config = small_config(tiny_model_dir, tmp_path / "run", max_staleness=0,
-                          weights={"update_mode": "drain"})
+                          weights={"update_mode": "drain"}, task={"eval_size": 16},
+                          run={"eval_every": 2, "eval_on": "idle_cpu"})
     summary = run_training(config)
     assert summary.staleness_histogram == (6 * 4,)
     assert summary.dropped_stale == 0
     check_ledger(tmp_path / "run", summary.groups_trained)
+    check_evals(tmp_path / "run", summary, steps=[0, 2, 4, 6], group_size=4,
+                groups_per_step=4)
+    rows = read_evals(tmp_path / "run")
+    assert [(r.version_min, r.version) for r in rows] == [(0, 0), (2, 2), (4, 4), (6, 6)]
+    # Scored by transformers at the trainer's final weights: the saved final model.
+    final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / FINAL_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    _, reward_fn, prompts = build_task(config)
+    assert rows[-1].accuracy == evaluate_accuracy(final, tokenizer, prompts, reward_fn,
+                                                  max_new_tokens=6)
 
 
 def test_layout_auto_picks_after_probing_and_keeps_the_contract(

@@ -19,7 +19,7 @@ import msgspec
 from async_rl.checkpoint import latest_checkpoint
 from async_rl.config import Config
 from async_rl.orchestrator import Orchestrator
-from async_rl.protocols import RolloutFailed, Workers
+from async_rl.protocols import EvaluationFailed, PolicyWeights, RolloutFailed, Workers
 from async_rl.records import (
     BroadcastTiming,
     EvalResult,
@@ -116,6 +116,9 @@ class FakeTrainer:
     async def mean_cores(self) -> float:
         return 1.0
 
+    async def policy_weights(self, version: int) -> FakePolicyWeights:
+        return FakePolicyWeights(version=version, steps_trained=tuple(self.steps))
+
     async def save(self, out_dir: str) -> None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
 
@@ -131,6 +134,31 @@ class FakeTrainer:
 
     async def spans(self) -> list[Span]:
         return []
+
+
+class FakePolicyWeights(msgspec.Struct, frozen=True, kw_only=True):
+    """What a fake shard's weights hold: the steps it had trained when they were taken."""
+
+    version: int
+    steps_trained: tuple[int, ...]
+
+
+class FakeEvaluator:
+    """Scores whatever weights it gets; fails the evaluation of the versions in ``fails``."""
+
+    def __init__(self, fails: frozenset[int] = frozenset()) -> None:
+        self.fails = fails
+        self.scored: list[FakePolicyWeights] = []
+
+    async def evaluate(self, prompts: Sequence[Prompt], weights: PolicyWeights) -> EvalResult:
+        assert isinstance(weights, FakePolicyWeights)
+        await anyio.sleep(0.01)  # training goes on meanwhile
+        if weights.version in self.fails:
+            raise EvaluationFailed("the evaluator died")
+        self.scored.append(weights)
+        return EvalResult(accuracy=0.5, version_min=weights.version,
+                          version_max=weights.version, num_prompts=len(prompts),
+                          rollout_rank=-1, seconds=0.01)
 
 
 class Published(msgspec.Struct, frozen=True, kw_only=True):
@@ -170,7 +198,8 @@ def config(tmp_path: Path, *, steps: int = 6, max_staleness: int = 1, groups: in
 
 
 def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer],
-        *, weights: FakeWeights | None = None, stop_after: int = 0,
+        *, weights: FakeWeights | None = None, evaluator: FakeEvaluator | None = None,
+        stop_after: int = 0,
         resume: bool = False, restart: Callable[[int], FakeRollout] | None = None
         ) -> RunSummary:
     """One run on fresh fakes; ``stop_after``: request a clean stop once that many
@@ -184,7 +213,7 @@ def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer
         return fresh
 
     workers = Workers(rollout=dict(rollout), trainers=list(trainers),
-                      weights=weights or FakeWeights(rollout),
+                      weights=weights or FakeWeights(rollout), evaluator=evaluator,
                       restart_rollout=restart_rollout if restart else None)
     state = latest_checkpoint(Path(cfg.run.output_dir))[1] if resume else None
     out = RunWriter(cfg.run.output_dir, cfg, positions=state.files if state else None)

@@ -11,6 +11,7 @@ import pytest
 
 from async_rl.config_io import decode_config
 from async_rl.evaluation import EvalLog, EvalSchedule, describe, first_at_target, planned_steps
+from async_rl.protocols import PolicyWeights
 from async_rl.records import EvalResult
 from async_rl.run_dir import (
     EVALS,
@@ -21,6 +22,12 @@ from async_rl.run_dir import (
     read_summary,
 )
 from async_rl.step_metrics import StepTotals
+
+
+class Weights(msgspec.Struct, frozen=True):
+    """A stand-in for a version's weights (the shell's reference)."""
+
+    version: int
 
 
 def result(accuracy: float, version: int, version_min: int | None = None) -> EvalResult:
@@ -76,14 +83,15 @@ def test_log_charges_the_newest_scored_version() -> None:
 def test_log_hands_due_steps_to_the_evaluation_loop() -> None:
     log = EvalLog(every=2, num_steps=6)
     for version in range(1, 7):
-        log.delivered(version)
+        if (step := log.due(version)) is not None:
+            log.queue(step, Weights(version))
     log.training_ended()
 
-    async def collect() -> list[int]:
+    async def collect() -> list[tuple[int, PolicyWeights | None]]:
         async with log.due_steps:
-            return [step async for step in log.due_steps]
+            return [due async for due in log.due_steps]
 
-    assert anyio.run(collect) == [2, 4]
+    assert anyio.run(collect) == [(2, Weights(2)), (4, Weights(4))]
 
 
 def test_first_at_target() -> None:

@@ -16,9 +16,9 @@ ROOT = Path(__file__).resolve().parents[2]
 SHELL = {"async_rl.ray_shell", "async_rl.launch", "async_rl.cli", "async_rl.sweep"}
 """The thin Ray shell and the commands above it (cli, sweep): they may import anything."""
 VOCABULARY = {"async_rl.config", "async_rl.records", "async_rl.spans", "async_rl.grpo",
-              "async_rl.rewards"}
+              "async_rl.rewards", "async_rl.greedy"}
 """What workers share with the control plane: config, records, span causes, loss math,
-reward functions."""
+reward functions, greedy decoding for evaluation."""
 COMPUTE = {"ray", "workers", "vllm"}
 
 

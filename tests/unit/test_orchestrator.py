@@ -10,6 +10,7 @@ import msgspec
 import pytest
 from orchestrator_fakes import (
     LOST,
+    FakeEvaluator,
     FakeRollout,
     FakeTrainer,
     config,
@@ -44,6 +45,32 @@ def test_a_run_trains_every_step_within_the_staleness_bound(tmp_path: Path) -> N
     assert {e["step"] for e in evals} >= {0, 6}
     assert summary.rollout_version == 6
     assert (tmp_path / FINAL_MODEL).is_dir()
+
+
+def test_an_evaluator_scores_exactly_each_due_version_and_a_failure_costs_one_row(
+    tmp_path: Path,
+) -> None:
+    """run.eval_on = "idle_cpu": each due version's weights are taken the moment it is
+    trained (before the next step), so a row's version is exactly its step; a failed
+    evaluation loses its row only. The rollout engines evaluate nothing."""
+    cfg = config(tmp_path, steps=6, max_staleness=1)  # eval_every 2
+    evaluator = FakeEvaluator(fails=frozenset({4}))
+    rollout = {0: FakeRollout(0)}
+    evaluations: list[int] = []
+
+    async def counted(prompts: object) -> None:
+        evaluations.append(1)
+        raise AssertionError("a rollout worker evaluated")
+
+    rollout[0].evaluate = counted  # type: ignore[assignment,method-assign]
+    summary = run(cfg, rollout, [FakeTrainer(0)], evaluator=evaluator)
+    assert summary.steps == 6 and not evaluations
+    assert [w.version for w in evaluator.scored] == [0, 2, 6]
+    # Taken right after training the version: exactly that many steps in the weights.
+    assert [w.steps_trained for w in evaluator.scored] == [(), (1, 2), (1, 2, 3, 4, 5, 6)]
+    evals = [json.loads(x) for x in (tmp_path / "eval.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["version_min"], e["version"]) for e in evals] == [
+        (0, 0, 0), (2, 2, 2), (6, 6, 6)]
 
 
 SLOW = frozenset(f"arith-{i}" for i in range(0, 12, 3))

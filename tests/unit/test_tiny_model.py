@@ -13,6 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
+from async_rl.greedy import evaluate_accuracy, greedy_completions
 from async_rl.longtail import MAX_DIVISOR, MAX_NEW_TOKENS, MAX_NUMBER, RemainderTask
 from async_rl.rewards import arithmetic_reward
 from async_rl.tasks import ArithmeticTask
@@ -31,8 +32,6 @@ from async_rl.tiny_model import (
     MadeModel,
     build_config,
     build_tokenizer,
-    evaluate_accuracy,
-    greedy_completions,
     make_model,
 )
 
