@@ -63,10 +63,13 @@ eval prompts (``build_task``) with the task's reward, every ``eval_every`` steps
 ``TrainerCallback`` calls ``async_rl.greedy.evaluate_accuracy`` (transformers greedy)
 on the live model at step 0, every ``eval_every`` steps and at the last step; it is
 stop-the-world and its time is taken OUT of TRL's clock. async-rl: ``run.eval_every``
-evaluates on a rollout worker beside training (``eval.jsonl``), so whatever that costs
-training (a rollout core busy evaluating) stays IN its clock (conservative for async-rl).
-async-rl's final model is also scored with the transformers evaluator (``end acc
-(HF)``), a cross-check of the two evaluators.
+evaluates beside training (``eval.jsonl``), where the example config's ``run.eval_on``
+says: ``idle_cpu`` (both examples) runs that same transformers evaluator on exactly the
+version due, in a process of its own at the OS's idle priority, so it takes only CPU
+time the workers leave; whatever it still costs training (caches, memory bandwidth)
+stays IN async-rl's clock. With ``rollout`` it runs on a rollout engine beside
+generation, also IN the clock. async-rl's final model is also scored with the
+transformers evaluator in this process (``end acc (HF)``), a cross-check.
 
 Figures, per system: groups/s and tokens/s (completion tokens trained, EOS included, per
 second) over the training loop only: model load, engine start-up and warm-up and the

@@ -1,12 +1,12 @@
 """Building a rollout worker's vLLM engine, and reading what it returns.
 
 Owns: binding the engine to its cores (CPU build), the engine arguments (worker
-extension, weight-transfer backend, behaviour logprobs, KV-cache size), the sampling
-parameters of sampled
-and greedy requests, making an idle engine block instead of spin, and turning vLLM's
-per-token weight-version spans into versions. Knows nothing about prompts, groups,
-rewards or weight updates: ``workers.rollout.RolloutWorker`` drives the engine. vLLM
-is imported inside the functions, so importing this module stays cheap.
+extension, weight-transfer backend, behaviour logprobs, KV-cache size, which process
+runs the model), the sampling parameters of sampled and greedy requests, making an
+idle engine block instead of spin, and turning vLLM's per-token weight-version spans
+into versions. Knows nothing about prompts, groups, rewards or weight updates:
+``workers.rollout.RolloutWorker`` drives the engine. vLLM is imported inside the
+functions, so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -29,6 +29,25 @@ first step after idle, against vLLM's own 5 s; 50 wake-ups a second while idle, 
 of a core here."""
 KEEP_IDLE_SPIN_ENV = "ASYNC_RL_KEEP_VLLM_IDLE_SPIN"
 """Set to 1 to leave vLLM spinning while the worker is idle (for before/after figures)."""
+
+
+WORKER_PROCESS_ENV = "ASYNC_RL_VLLM_WORKER_PROCESS"
+"""Set to 1 to keep vLLM's model runner in a process of its own on a one-core CPU
+worker (for before/after figures: ``bench/rollout_outputs.py --compare worker-process``)."""
+
+
+def model_in_engine_core(cpu_ids: tuple[int, ...], *, cuda: bool) -> bool:
+    """Whether the model runs inside vLLM's engine core process ("uni" executor).
+
+    On the CPU build vLLM otherwise runs it in a third process (after the rollout
+    worker's and the engine core's), and every engine step crosses a shared-memory
+    queue both ways. On a worker with one core those processes take turns on it, so the
+    hop is pure cost: long-tail generation ran 1.13x and 1.21x faster in tokens/s
+    without it (two benchmarks, medians of 4 runs each, ABBA). With several cores vLLM's CPU platform wants its
+    multiprocess executor to set up the OpenMP threads, so it keeps it.
+    """
+    return (not cuda and len(cpu_ids) == 1
+            and os.environ.get(WORKER_PROCESS_ENV, "0") != "1")
 
 
 class RolloutWorkerError(RuntimeError):
@@ -67,6 +86,12 @@ def build_engine(
     if kv_cache_gib is not None:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
 
+    cuda = torch.cuda.is_available()
+    in_core = model_in_engine_core(cpu_ids, cuda=cuda)
+    if not cuda:
+        # vLLM's CPU platform turns "uni" back into "mp" unless V1 multiprocessing is
+        # off; AsyncLLM still runs its engine core in a process of its own either way.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_core else "1"
     from vllm.config.weight_transfer import WeightTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -85,6 +110,7 @@ def build_engine(
             # top-p), not of the raw logits: the behaviour policy's.
             logprobs_mode="processed_logprobs",
             disable_log_stats=True,
+            distributed_executor_backend="uni" if in_core else None,
         )
     )
 
