@@ -43,8 +43,9 @@ def model_in_engine_core(cpu_ids: tuple[int, ...], *, cuda: bool) -> bool:
     worker's and the engine core's), and every engine step crosses a shared-memory
     queue both ways. On a worker with one core those processes take turns on it, so the
     hop is pure cost: long-tail generation ran 1.13x and 1.21x faster in tokens/s
-    without it (two benchmarks, medians of 4 runs each, ABBA). With several cores vLLM's CPU platform wants its
-    multiprocess executor to set up the OpenMP threads, so it keeps it.
+    without it (two benchmarks, medians of 4 runs each, ABBA). With several cores,
+    vLLM's CPU platform wants its multiprocess executor to set up the OpenMP threads,
+    so it keeps it.
     """
     return (not cuda and len(cpu_ids) == 1
             and os.environ.get(WORKER_PROCESS_ENV, "0") != "1")
