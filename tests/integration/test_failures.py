@@ -17,7 +17,8 @@ from async_rl.cli import main
 from async_rl.config_io import decode_config
 from async_rl.evaluation_runner import EvaluationRunner
 from async_rl.ray_shell import NAMESPACE, RayRollout, run_training
-from async_rl.run_dir import FINAL_MODEL, METRICS, EvalPoint, RunSummary, read_ledger
+from async_rl.records import EvalResult
+from async_rl.run_dir import FINAL_MODEL, METRICS, RunSummary, read_ledger
 
 pytestmark = pytest.mark.ray
 
@@ -112,18 +113,18 @@ def test_a_rollout_worker_killed_as_evaluations_start_is_restarted_and_they_run(
         "run": {"num_steps": 6, "eval_every": 3, "output_dir": str(out),
                 "progress": False},
     })
-    evaluate = EvaluationRunner.evaluate
+    on_rollout = EvaluationRunner._on_rollout
     killed: list[int] = []
 
-    async def kill_then_evaluate(self: EvaluationRunner, step: int) -> EvalPoint | None:
+    async def kill_then_evaluate(self: EvaluationRunner, step: int) -> EvalResult | None:
         if step > 0 and step not in killed:
             killed.append(step)
             victim = self.pool.workers[min(self.pool.workers)]
             assert isinstance(victim, RayRollout)
             ray.kill(victim.handle)
-        return await evaluate(self, step)
+        return await on_rollout(self, step)
 
-    monkeypatch.setattr(EvaluationRunner, "evaluate", kill_then_evaluate)
+    monkeypatch.setattr(EvaluationRunner, "_on_rollout", kill_then_evaluate)
     summary = run_training(config)
     assert killed == [3, 6]
     assert summary.steps == summary.final_version == 6
