@@ -50,13 +50,17 @@ class EvaluationRunner:
     async def version_trained(self, version: int) -> None:
         """Training just produced ``version`` (before the next step starts): with an
         evaluator, takes its weights now if its evaluation is due."""
-        if self.evaluator is not None and (step := self.evals.due(version)) is not None:
+        if self.evaluator is not None and (step := self._due(version)) is not None:
             self.evals.queue(step, await self._weights(version))
 
     def version_delivered(self, version: int) -> None:
         """Every rollout engine runs ``version`` now: due on the rollout workers."""
-        if self.evaluator is None and (step := self.evals.due(version)) is not None:
+        if self.evaluator is None and (step := self._due(version)) is not None:
             self.evals.queue(step)
+
+    def _due(self, version: int) -> int | None:
+        """The step ``version``'s evaluation stands for; never one without prompts."""
+        return self.evals.due(version) if self.prompts else None
 
     async def due_loop(self) -> None:
         """Runs the evaluations due during training one at a time, until training ends."""
@@ -78,8 +82,6 @@ class EvaluationRunner:
         return await self.source.policy_weights(version)
 
     async def _evaluate(self, step: int, weights: PolicyWeights | None) -> EvalPoint | None:
-        if not self.prompts:
-            return None
         if self.evaluator is not None:
             assert weights is not None
             try:

@@ -1,13 +1,15 @@
 """Reward functions for the built-in tasks.
 
 Owns: the ``RewardFn`` protocol (a plain function ``(prompt, completion_text) -> float``),
-the exact-answer arithmetic reward with its format check, and the GSM8K-style numeric
+calling one so that a failure scores nothing instead of raising (``guarded_reward``), the
+exact-answer arithmetic reward with its format check, and the GSM8K-style numeric
 reward with its answer extraction. Knows nothing about tokens, engines, groups or
 advantages: it scores one decoded completion against ``Prompt.answer``.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from fractions import Fraction
 from typing import Final, Protocol
@@ -34,6 +36,17 @@ class RewardFn(Protocol):
     """Scores one completion of ``prompt``; must be pure and cheap (it runs per sample)."""
 
     def __call__(self, prompt: Prompt, completion_text: str) -> float: ...
+
+
+def guarded_reward(reward_fn: RewardFn, prompt: Prompt, text: str) -> float | None:
+    """``reward_fn``'s finite score, or None when it raised or was not finite: a buggy
+    reward or a pathological completion must not take a run down (callers score 0 and
+    count it)."""
+    try:
+        reward = float(reward_fn(prompt, text))
+    except Exception:
+        return None
+    return reward if math.isfinite(reward) else None
 
 
 def _strip_eos(text: str) -> str:

@@ -110,7 +110,7 @@ from rich.table import Table
 from async_rl.config import Config, ConfigError
 from async_rl.config_io import decode_config, load_config
 from async_rl.records import Prompt
-from async_rl.rewards import RewardFn
+from async_rl.rewards import RewardFn, guarded_reward
 from async_rl.tasks import IndexedSource, PromptSource
 
 CONFIGS = {"arithmetic": "examples/cpu_default.toml", "longtail": "examples/cpu_longtail.toml"}
@@ -392,12 +392,12 @@ def run_trl(config: Config, *, steps: int, eval_every: int, target: float,
 
 
 def _safe_reward(reward_fn: RewardFn, prompt: Prompt, text: str, counts: dict[str, int]) -> float:
-    """The task's reward, 0 on an exception (async-rl's rollout worker does the same)."""
-    try:
-        return float(reward_fn(prompt, text))
-    except Exception:
+    """The task's reward, 0 when it raises or is not finite (as async-rl's rollout
+    worker scores)."""
+    reward = guarded_reward(reward_fn, prompt, text)
+    if reward is None:
         counts["reward_failures"] += 1
-        return 0.0
+    return reward or 0.0
 
 
 # ---- async-rl ----------------------------------------------------------------------------

@@ -15,7 +15,6 @@ Knows nothing about Ray, when evaluations fall due or the run's clock.
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from collections.abc import Mapping, Sequence
@@ -25,7 +24,7 @@ import torch
 from async_rl.config import ModelConfig
 from async_rl.greedy import greedy_completions
 from async_rl.records import EvalResult, Prompt
-from async_rl.rewards import RewardFn
+from async_rl.rewards import RewardFn, guarded_reward
 
 EVALUATOR_RANK = -1
 """``EvalResult.rollout_rank`` of this evaluator's results (no rollout worker ran them)."""
@@ -66,8 +65,7 @@ class IdleCpuEvaluator:
             raise ValueError("evaluate needs at least one prompt")
         idle_priority()  # the thread Ray runs this call on may not be the one set up
         began = time.perf_counter()
-        with torch.no_grad():
-            self.model.load_state_dict(state)
+        self.model.load_state_dict(state)
         texts = greedy_completions(self.model, self.tokenizer, [p.text for p in prompts],
                                    max_new_tokens=self.max_new_tokens)
         rewards = [self._reward(p, t) for p, t in zip(prompts, texts, strict=True)]
@@ -79,11 +77,7 @@ class IdleCpuEvaluator:
 
     def _reward(self, prompt: Prompt, text: str) -> float:
         """As a rollout worker scores: a reward that raises or is not finite counts 0."""
-        try:
-            reward = float(self.reward_fn(prompt, text))
-            if math.isfinite(reward):
-                return reward
-        except Exception:  # a buggy reward must not take the evaluation down
-            pass
-        self.reward_failures += 1
-        return 0.0
+        reward = guarded_reward(self.reward_fn, prompt, text)
+        if reward is None:
+            self.reward_failures += 1
+        return reward or 0.0

@@ -18,7 +18,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
-import math
 import os
 import time
 from collections.abc import Sequence
@@ -37,7 +36,7 @@ from async_rl.records import (
     UsageReading,
     make_group,
 )
-from async_rl.rewards import RewardFn
+from async_rl.rewards import RewardFn, guarded_reward
 from async_rl.spans import UNRESOLVED, Span, SpanRecorder
 from workers.core_share import BusyFlag
 from workers.usage import UsageMeter
@@ -320,16 +319,11 @@ class RolloutWorker:
         return [task.result() for task in running]
 
     def _score(self, prompt: Prompt, sample: Sample) -> Sample:
-        try:
-            reward, failed = float(self._reward_fn(prompt, sample.text)), False
-            if not math.isfinite(reward):
-                raise ValueError(f"reward {reward} is not finite")
-        except Exception:
-            # A buggy reward or a pathological completion must not take the run down:
-            # score 0, flag it, count it.
-            reward, failed = 0.0, True
+        reward = guarded_reward(self._reward_fn, prompt, sample.text)
+        if reward is None:  # score 0, flag it, count it
             self._reward_failures += 1
-        return msgspec.structs.replace(sample, reward=reward, reward_failed=failed)
+        return msgspec.structs.replace(sample, reward=reward or 0.0,
+                                       reward_failed=reward is None)
 
     async def generate_group(self, prompt: Prompt) -> Group:
         """Generates and scores ``group_size`` samples of ``prompt``.

@@ -337,9 +337,10 @@ class TrainerShard:
         self._connected().release(version)
 
     def policy_state(self) -> dict[str, torch.Tensor]:
-        """A copy of the policy's weights (what the evaluator loads). Called in order with
-        training calls, so it holds exactly the version just trained."""
-        return {name: t.detach().clone() for name, t in self.module.state_dict().items()}
+        """The policy's weights (what the evaluator loads). Called in order with training
+        calls, so they are exactly the version just trained; the actor's return value is
+        copied into the object store before its next call runs, so no clone is needed."""
+        return {name: t.detach() for name, t in self.module.state_dict().items()}
 
     def save(self, out_dir: str) -> None:
         """Writes the current policy in Hugging Face format (model only)."""
