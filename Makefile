@@ -27,6 +27,7 @@ demo-longtail: setup $(LONGTAIL_MODEL)/config.json
 lint: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 
 unit: setup
 	$(BIN)/python -m pytest tests/unit -q
@@ -37,6 +38,7 @@ integration: setup
 test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports
 	$(BIN)/python -m pytest -q --durations=10
 
 clean:

@@ -8,17 +8,17 @@ late so that `async-rl config show` does not pay for importing torch, Ray or vLL
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from async_rl.config import Config, ConfigError
+from async_rl.config import Config
 from async_rl.config_io import load_config, to_toml
-from async_rl.loggers import check_installed
-from async_rl.run_dir import CONFIG, SPANS
+from async_rl.run.inputs import check_inputs
+from async_rl.run.run_dir import CONFIG, SPANS
+from buffers.config import ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -112,37 +112,6 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def check_inputs(config: Config) -> None:
-    """Fails fast, in one line, on inputs that would otherwise fail inside a worker."""
-    check_installed(config.run.loggers)
-    model = Path(config.model.path)
-    if not (model / "config.json").is_file():
-        raise ConfigError(
-            f"config error: model.path = {config.model.path!r}: no model there "
-            f"(build one with: async-rl make-model --out {config.model.path})"
-        )
-    try:
-        model_type = json.loads((model / "config.json").read_text()).get("model_type")
-    except (ValueError, AttributeError):
-        model_type = None
-    if not model_type:
-        raise ConfigError(
-            f"config error: model.path = {config.model.path!r}: its config.json is not a "
-            f"Hugging Face model config (no model_type)"
-        )
-    if config.task.kind == "jsonl":
-        from async_rl.tasks import PromptFileError, read_prompt_file
-
-        if not Path(config.task.jsonl_path).is_file():
-            raise ConfigError(
-                f"config error: task.jsonl_path = {config.task.jsonl_path!r}: file not found"
-            )
-        try:
-            read_prompt_file(config.task.jsonl_path)
-        except PromptFileError as err:
-            raise ConfigError(f"prompt file error: {err}") from None
-
-
 STOP_EXIT = {"SIGINT": 130, "SIGTERM": 143}
 """Exit status of a run stopped by a signal: 128 + the signal's number, as shells do."""
 
@@ -182,10 +151,10 @@ def _train(args: argparse.Namespace) -> int:
     check_inputs(config)
     if not args.resume:
         _prepare_run_dir(config, args.overwrite)
-    from async_rl.checkpoint import CheckpointError
-    from async_rl.protocols import RunFailed
-    from async_rl.ray_shell import RunInterrupted, run_training
-    from async_rl.report import print_report
+    from async_rl.analysis.report import print_report
+    from async_rl.control.checkpoint import CheckpointError
+    from async_rl.control.protocols import RunFailed
+    from async_rl.shell.ray_shell import RunInterrupted, run_training
 
     out = config.run.output_dir
     try:
@@ -219,7 +188,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(to_toml(load_config(args.config, args.overrides)), end="")
             return 0
         if args.command == "make-model":
-            from async_rl.tiny_model import MODEL_SIZES, TASK_RECIPES, make_model
+            from async_rl.models.tiny_model import MODEL_SIZES, TASK_RECIPES, make_model
 
             recipe = TASK_RECIPES[args.task]
             size = MODEL_SIZES[args.size or recipe.default_size]
@@ -234,7 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "train":
             return _train(args)
         if args.command == "report":
-            from async_rl.report import compare, print_record, print_report
+            from async_rl.analysis.report import compare, print_record, print_report
 
             missing = [r for r in args.runs if not (Path(r) / SPANS).exists()]
             if missing:
@@ -248,7 +217,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 compare(args.runs)
             return 0
         if args.command == "sweep":
-            from async_rl.sweep import parse_grid, run_sweep
+            from async_rl.analysis.sweep import parse_grid, run_sweep
 
             config = load_config(args.config, args.overrides)
             out = args.out or f"{config.run.output_dir}-sweep"

@@ -15,7 +15,8 @@ from typing import Any, get_args
 
 import msgspec
 
-from async_rl.config import Config, ConfigError
+from async_rl.config import Config
+from buffers.config import ConfigError
 
 _PATH_RE = re.compile(r" - at `\$((?:\.[A-Za-z_]\w*|\[\d+\])*)`$")
 

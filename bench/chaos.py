@@ -45,10 +45,10 @@ import psutil
 from rich.console import Console
 from rich.table import Table
 
-from async_rl.config import ConfigError
 from async_rl.config_io import load_config
-from async_rl.records import LedgerEntry
-from async_rl.run_dir import METRICS, WORKERS, read_ledger, read_summary
+from async_rl.run.run_dir import METRICS, WORKERS, read_ledger, read_summary
+from buffers.config import ConfigError
+from buffers.records import LedgerEntry
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLLOUT, TRAINER = "ray::RolloutActor", "ray::TrainerActor"

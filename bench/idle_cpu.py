@@ -47,11 +47,13 @@ def zero_reward(prompt: object, text: str) -> float:
 
 async def measure(mode: str, model_dir: Path, idle_s: float,
                   repeat: int, core: int) -> IdleFigures:
-    from async_rl.config import ModelConfig, RolloutConfig, WeightsConfig
-    from async_rl.records import Prompt
-    from workers.rollout import RolloutWorker
+    from buffers.records import Prompt
+    from workers.model_config import ModelConfig
+    from workers.rollout.config import RolloutConfig
+    from workers.rollout.engine import KEEP_IDLE_SPIN_ENV
+    from workers.rollout.worker import RolloutWorker
     from workers.usage import UsageMeter
-    from workers.vllm_engine import KEEP_IDLE_SPIN_ENV
+    from workers.weights.config import WeightsConfig
 
     os.environ[KEEP_IDLE_SPIN_ENV] = MODES[mode]  # read by start()
     # The CPU default's rollout shape: groups of 8, 6 new tokens.
@@ -101,7 +103,7 @@ def main() -> None:
     with stdout_to_stderr(), tempfile.TemporaryDirectory() as tmp:
         model_dir = args.model
         if model_dir is None:
-            from async_rl.tiny_model import make_model
+            from async_rl.models.tiny_model import make_model
 
             model_dir = Path(tmp) / "tiny"
             make_model(model_dir, seed=0, sft_steps=20, eval_size=16, log=None)

@@ -20,8 +20,13 @@ import json
 import statistics
 from collections.abc import Sequence
 
-from async_rl.longtail import MAX_NEW_TOKENS, RemainderTask, parse_prompt, reference_completion
-from async_rl.run_dir import read_metrics
+from async_rl.run.run_dir import read_metrics
+from async_rl.tasks.longtail import (
+    MAX_NEW_TOKENS,
+    RemainderTask,
+    parse_prompt,
+    reference_completion,
+)
 
 
 def percentiles(values: Sequence[int]) -> dict[str, float]:

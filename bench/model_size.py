@@ -1,7 +1,7 @@
 """Benchmark: which stage is slower, per model size, on one core each (why the CPU default
 uses ``SMALL``).
 
-For every ``async_rl.tiny_model.MODEL_SIZES`` entry (weights as initialised: the shape is
+For every ``async_rl.models.tiny_model.MODEL_SIZES`` entry (weights as initialised: the shape is
 what costs, not what was learned) it times, on one core:
 
 - train: one forward + backward + AdamW step over 128 sequences of 11 tokens (a CPU
@@ -85,7 +85,7 @@ def main() -> None:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from async_rl.tiny_model import MODEL_SIZES, build_tokenizer, size_config
+    from async_rl.models.tiny_model import MODEL_SIZES, build_tokenizer, size_config
 
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "0"
     os.sched_setaffinity(0, {0})

@@ -1,7 +1,7 @@
 """Benchmark: a trainer step with padded vs packed micro-batches on long-tail lengths.
 
 One ``TrainerShard`` step (forward, backward, AdamW) over 128 sequences whose lengths
-are those of the long-tail task's reference traces (``async_rl.longtail.RemainderTask``:
+are those of the long-tail task's reference traces (``async_rl.tasks.longtail.RemainderTask``:
 prompts about 6 tokens, completions median about 20, 99th percentile about 210), planned
 into micro-batches the way a run plans them (``buffers.balance.plan_step``, first-fit-
 decreasing under ``--cap`` tokens). The model is ``--size`` (default ``small``, the CPU
@@ -30,8 +30,8 @@ from typing import TYPE_CHECKING
 import msgspec
 from quiet_stdout import stdout_to_stderr
 
-from async_rl.longtail import RemainderTask, parse_prompt, reference_completion
-from async_rl.records import Group, Sample, make_group
+from async_rl.tasks.longtail import RemainderTask, parse_prompt, reference_completion
+from buffers.records import Group, Sample, make_group
 
 if TYPE_CHECKING:
     import torch
@@ -112,11 +112,12 @@ def main() -> None:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from async_rl.batching import shard_batches
-    from async_rl.config import ModelConfig, TrainerConfig
-    from async_rl.records import ShardStepResult
-    from async_rl.tiny_model import MODEL_SIZES, size_config
-    from workers.trainer import TrainerShard
+    from async_rl.control.batching import shard_batches
+    from async_rl.models.tiny_model import MODEL_SIZES, size_config
+    from buffers.records import ShardStepResult
+    from workers.model_config import ModelConfig
+    from workers.trainer.config import TrainerConfig
+    from workers.trainer.shard import TrainerShard
 
     torch.set_num_threads(1)
     groups = long_tail_groups(args.sequences, seed=0)

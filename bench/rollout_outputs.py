@@ -47,9 +47,9 @@ class OutputFigures(msgspec.Struct, frozen=True, kw_only=True):
 async def measure(config_path: str, overrides: list[str], mode: str, groups: int,
                   core: int) -> OutputFigures:
     from async_rl.config_io import load_config
-    from async_rl.launch import build_task
-    from workers.rollout import RolloutWorker
-    from workers.vllm_engine import WORKER_PROCESS_ENV
+    from async_rl.shell.launch import build_task
+    from workers.rollout.engine import WORKER_PROCESS_ENV
+    from workers.rollout.worker import RolloutWorker
 
     os.environ[WORKER_PROCESS_ENV] = "1" if mode == "worker-process" else "0"
     config = load_config(config_path, overrides)

@@ -1,7 +1,7 @@
 """Benchmark: driver cost as tokens per step and rollout workers grow, by value vs by reference.
 
-Drives the real ``async_rl.orchestrator.Orchestrator`` on real Ray through the real
-``async_rl.ray_shell`` adapters, against stub workers (bench/scale_stubs.py): rollout
+Drives the real ``async_rl.control.orchestrator.Orchestrator`` on real Ray through the real
+``async_rl.shell.ray_shell`` adapters, against stub workers (bench/scale_stubs.py): rollout
 stubs emit groups at a set total rate (``--rate`` groups/s, split evenly over the
 workers) with lognormal (heavy-tailed) completion lengths and random token ids; trainer
 stubs resolve their batch and sleep ``--ns-per-token`` per token. Nothing computes, so
@@ -74,20 +74,17 @@ from scale_stubs import (
     ValueTokens,
 )
 
-from async_rl.config import (
-    Config,
-    ModelConfig,
-    QueueConfig,
-    RolloutConfig,
-    RunConfig,
-    TrainerConfig,
-)
-from async_rl.orchestrator import Orchestrator, each
-from async_rl.protocols import PublishedWeights, TrainerClient, Workers
-from async_rl.ray_shell import RayRollout, RayTrainer
-from async_rl.records import BroadcastTiming, SequenceSlot, ShardBatch, ShardStepResult
-from async_rl.run_dir import RunWriter
-from async_rl.tasks import ArithmeticTask
+from async_rl.config import Config, RunConfig
+from async_rl.control.orchestrator import Orchestrator, each
+from async_rl.control.protocols import PublishedWeights, TrainerClient, Workers
+from async_rl.run.run_dir import RunWriter
+from async_rl.shell.ray_shell import RayRollout, RayTrainer
+from async_rl.tasks.sources import ArithmeticTask
+from buffers.config import QueueConfig
+from buffers.records import BroadcastTiming, SequenceSlot, ShardBatch, ShardStepResult
+from workers.model_config import ModelConfig
+from workers.rollout.config import RolloutConfig
+from workers.trainer.config import TrainerConfig
 
 MODES = ("after", "before")
 TARGET_GROWTH = 1.5

@@ -4,7 +4,7 @@ Owns: the stub rollout actor (``StubRollout``), the stub trainer actor (``StubTr
 what a point asks of them (``StubSpec``) and the by-value records the "before" data
 path moves (``ValueTokens``, ``ValueSequence``, ``ValueShardBatch``). The stubs answer
 the same calls as ``workers.actors.RolloutActor`` / ``TrainerActor``, so the real
-``async_rl.ray_shell`` adapters drive them. A separate module from the bench script so
+``async_rl.shell.ray_shell`` adapters drive them. A separate module from the bench script so
 Ray's workers import these classes by name (a class defined in ``__main__`` would be
 pickled by value with every record that crosses a process).
 """
@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 import ray
 
-from async_rl.records import (
+from buffers.records import (
     EvalResult,
     Group,
     GroupTokens,
@@ -31,7 +31,7 @@ from async_rl.records import (
     ShardStepResult,
     UsageReading,
 )
-from async_rl.spans import Span
+from workers.spans import Span
 
 VOCAB = 151_936
 """Token ids are drawn below a real vocabulary's size: ids above 256 are not Python's

@@ -26,10 +26,10 @@ import msgspec
 from rich.console import Console
 from rich.table import Table
 
+from async_rl.analysis.report import read_spans
 from async_rl.config_io import load_config
-from async_rl.ray_shell import run_training
-from async_rl.report import read_spans
-from async_rl.spans import SpanRecorder
+from async_rl.shell.ray_shell import run_training
+from workers.spans import SpanRecorder
 
 
 def switch_cost_s(n: int = 200_000) -> float:

@@ -4,7 +4,7 @@ A simulation of the real ``ReplayQueue`` and ``AdmissionGate``, driven the way t
 orchestrator drives them, by simulated rollout workers on a virtual clock (a run of
 hundreds of steps takes about a second, the same every time for a seed):
 
-- prompts are the long-tail task's (``async_rl.longtail``); each of a group's samples is
+- prompts are the long-tail task's (``async_rl.tasks.longtail``); each of a group's samples is
   as long as the prompt's reference completion (capped at 256 tokens, as
   ``examples/cpu_longtail.toml``), so most groups are short and a few are very long;
 - a rollout worker is a continuously batching engine: every step emits one token per
@@ -42,7 +42,12 @@ from typing import Any
 import anyio
 import msgspec
 
-from async_rl.longtail import MAX_NEW_TOKENS, RemainderTask, parse_prompt, reference_completion
+from async_rl.tasks.longtail import (
+    MAX_NEW_TOKENS,
+    RemainderTask,
+    parse_prompt,
+    reference_completion,
+)
 from buffers import AdmissionGate, Dropped, ReplayQueue
 
 BUCKET_EDGES = (256, 512, 1024, 2048)

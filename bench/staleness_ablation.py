@@ -14,7 +14,7 @@ generation-bound, so realized staleness is about (groups in generation) / groups
 step; the example's 16/16 leaves it at ~1.3 even at η = 8, while 32 prompts x 8 samples
 fill the engine's 256 sequence slots and span ~4 versions of 8 groups.
 
-Trials run one after another, each its own `async-rl train` (async_rl.sweep's
+Trials run one after another, each its own `async-rl train` (async_rl.analysis.sweep's
 run_trial); the two losses of an η back to back in alternating order (ABBA), the η order
 reversed for the next seed, so machine noise hits both arms alike. A trial whose run
 directory holds a finished run of the same resolved config is skipped: an interrupted
@@ -59,8 +59,9 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from async_rl.run_dir import METRICS, SUMMARY, RunSummary, read_summary
-from async_rl.sweep import Trial, describe, run_trial
+from async_rl.analysis.sweep import Trial, describe, run_trial
+from async_rl.run.run_dir import METRICS, SUMMARY, read_summary
+from async_rl.run.summary import RunSummary
 
 LOSSES = {"decoupled": "2.0", "plain": "0.0"}
 """Loss form -> trainer.tis_cap."""

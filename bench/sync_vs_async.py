@@ -1,11 +1,11 @@
 """Benchmark: what asynchrony buys. The same job at max_staleness 0 (synchronous), 1 and 2.
 
-Runs ``async_rl.ray_shell.run_training`` once per staleness bound η, same config, same
+Runs ``async_rl.shell.ray_shell.run_training`` once per staleness bound η, same config, same
 steps, evaluation off, and reads each run's summary and spans. Per run it prints:
 
 - groups/s and tokens/s over the training window (``RunSummary``);
 - rollout and trainer idle % over the training window (the controller's spans start
-  when its loops do), split by cause (``async_rl.report.idle_of``): gate_closed means
+  when its loops do), split by cause (``async_rl.analysis.report.idle_of``): gate_closed means
   rollout waited on the staleness bound, wait_data means the trainer waited on rollout,
   weight_sync / weight_publish are the broadcast;
 - speedup: groups/s over the η=0 run's groups/s;
@@ -45,12 +45,13 @@ from quiet_stdout import stdout_to_stderr
 from rich.console import Console
 from rich.table import Table
 
-from async_rl.config import Config, ConfigError
+from async_rl.analysis.idle import Breakdown
+from async_rl.analysis.report import RunIdle, idle_of, read_spans
+from async_rl.config import Config
 from async_rl.config_io import decode_config, load_config
-from async_rl.idle import Breakdown
-from async_rl.report import RunIdle, idle_of, read_spans
-from async_rl.run_dir import RunSummary
-from async_rl.spans import IDLE
+from async_rl.run.summary import RunSummary
+from buffers.config import ConfigError
+from workers.spans import IDLE
 
 ROLES = ("rollout", "trainer")
 
@@ -133,7 +134,7 @@ def role_figures(idle: RunIdle, role: str) -> RoleFigures | None:
 
 def measure(config: Config) -> tuple[RunSummary, RunIdle]:
     """One full run (starts and stops its own Ray), then its idle accounting from spans."""
-    from async_rl.ray_shell import run_training  # imports Ray and vLLM: late
+    from async_rl.shell.ray_shell import run_training
 
     summary = run_training(config)
     idle, _ = idle_of(read_spans(config.run.output_dir))

@@ -60,7 +60,7 @@ and grpo_trainer.py of 1.16.0):
 
 Evaluation: async-rl's own evaluator for both, greedy held-out accuracy on the task's
 eval prompts (``build_task``) with the task's reward, every ``eval_every`` steps. TRL: a
-``TrainerCallback`` calls ``async_rl.greedy.evaluate_accuracy`` (transformers greedy)
+``TrainerCallback`` calls ``workers.eval.greedy.evaluate_accuracy`` (transformers greedy)
 on the live model at step 0, every ``eval_every`` steps and at the last step; it is
 stop-the-world and its time is taken OUT of TRL's clock. async-rl: ``run.eval_every``
 evaluates beside training (``eval.jsonl``), where the example config's ``run.eval_on``
@@ -107,11 +107,12 @@ from quiet_stdout import stdout_to_stderr
 from rich.console import Console
 from rich.table import Table
 
-from async_rl.config import Config, ConfigError
+from async_rl.config import Config
 from async_rl.config_io import decode_config, load_config
-from async_rl.records import Prompt
-from async_rl.rewards import RewardFn, guarded_reward
-from async_rl.tasks import IndexedSource, PromptSource
+from async_rl.tasks.sources import IndexedSource, PromptSource
+from buffers.config import ConfigError
+from buffers.records import Prompt
+from workers.reward import RewardFn, guarded_reward
 
 CONFIGS = {"arithmetic": "examples/cpu_default.toml", "longtail": "examples/cpu_longtail.toml"}
 TRL_THREADS = 2
@@ -196,7 +197,7 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
 
 def first_at_target(evals: Sequence[EvalPoint], target: float) -> EvalPoint | None:
     """The earliest evaluation (by wall_s) at or above ``target``; the rule of
-    ``async_rl.evaluation.first_at_target``, applied to every system alike."""
+    ``async_rl.control.evaluation.first_at_target``, applied to every system alike."""
     reached = [e for e in evals if e.accuracy >= target]
     return min(reached, key=lambda e: (e.wall_s, e.step), default=None)
 
@@ -305,8 +306,8 @@ def run_trl(config: Config, *, steps: int, eval_every: int, target: float,
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from async_rl.greedy import evaluate_accuracy
-    from async_rl.launch import build_task
+    from async_rl.shell.launch import build_task
+    from workers.eval.greedy import evaluate_accuracy
 
     torch.set_num_threads(threads)
     source, reward_fn, eval_prompts = build_task(config)
@@ -408,10 +409,10 @@ def run_async_rl(config: Config, name: str, target: float) -> SystemFigures:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from async_rl.greedy import evaluate_accuracy
-    from async_rl.launch import build_task
-    from async_rl.ray_shell import run_training
-    from async_rl.run_dir import FINAL_MODEL, read_ledger, read_metrics
+    from async_rl.run.run_dir import FINAL_MODEL, read_ledger, read_metrics
+    from async_rl.shell.launch import build_task
+    from async_rl.shell.ray_shell import run_training
+    from workers.eval.greedy import evaluate_accuracy
 
     run_training(config)
     run_dir = Path(config.run.output_dir)

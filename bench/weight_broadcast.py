@@ -6,7 +6,7 @@ the project's byte-level tokenizer; nothing is downloaded), starts a real Ray wi
 ``TrainerShard`` (core 1) and one ``RolloutWorker`` (core 0, the vLLM CPU build) and
 alternates the two paths, ``--updates`` times each:
 
-- new: what a run does (``workers.weights.WeightBroadcast``): trainer shard 0 snapshots
+- new: what a run does (``workers.weights.broadcast.WeightBroadcast``): trainer shard 0 snapshots
   its parameters, then sends them through vLLM's weight-transfer API over the "gloo"
   backend (``weights.transport``) in ``--bucket-mb`` buckets; the engine pauses
   (``--mode``), receives and loads each bucket, relabels, resumes.
@@ -21,7 +21,7 @@ file write, before the pause), load (the rest of the engine's pause), the engine
 per update, and MB/s of the transfer and end to end (publish to resumed), each against
 memcpy: one thread copying a tensor of the state's size (torch), best of 5, and all
 threads for reference. Also the wire alone: the same tensors sent over a gloo pair
-group between two bare processes on the same two cores (``workers.bucket_transfer``,
+group between two bare processes on the same two cores (``workers.weights.bucket_transfer``,
 no model, nothing loaded), which bounds what the new path's transfer can reach.
 
     python bench/weight_broadcast.py [--updates 5] [--bucket-mb 16] [--mode in_flight]
@@ -96,7 +96,7 @@ def build_model(out: Path) -> int:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from async_rl.tiny_model import build_config, build_tokenizer
+    from async_rl.models.tiny_model import build_config, build_tokenizer
 
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(build_config(**SHAPE))
@@ -114,7 +114,12 @@ def wire_end(rank: int, port: int, specs: list[tuple[list[int], Any]], bucket_by
     sends, rank 1 (the engine's core 0) receives and records each transfer's time."""
     import torch
 
-    from workers.bucket_transfer import join_store, pair_group, receive_buckets, send_buckets
+    from workers.weights.bucket_transfer import (
+        join_store,
+        pair_group,
+        receive_buckets,
+        send_buckets,
+    )
 
     os.sched_setaffinity(0, {1 if rank == 0 else 0})
     torch.set_num_threads(1)
@@ -136,7 +141,7 @@ def wire_mb_s(model_dir: Path, bucket_bytes: int, repeats: int) -> float:
 
     from transformers import AutoModelForCausalLM
 
-    from workers.bucket_transfer import host_store
+    from workers.weights.bucket_transfer import host_store
 
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     specs = [(list(p.shape), p.dtype) for p in model.parameters()]
@@ -181,8 +186,8 @@ def load_from_file(worker: Any, path: str) -> None:
 
 
 def bench_rollout_class() -> type:
-    from async_rl.records import BroadcastTiming
-    from workers.rollout import RolloutWorker
+    from buffers.records import BroadcastTiming
+    from workers.rollout.worker import RolloutWorker
 
     class BenchRolloutWorker(RolloutWorker):
         """The product's rollout worker plus the old update path (reaches into its
@@ -221,9 +226,12 @@ async def run(model_dir: Path, updates: int, bucket_mb: int, mode: str
     """Per path: (publish_s, BroadcastTiming, end_to_end_s) per update."""
     import ray
 
-    from async_rl.config import ModelConfig, RolloutConfig, TrainerConfig, WeightsConfig
-    from workers.trainer import TrainerShard
-    from workers.weights import SEND_GROUP, WeightBroadcast
+    from workers.model_config import ModelConfig
+    from workers.rollout.config import RolloutConfig
+    from workers.trainer.config import TrainerConfig
+    from workers.trainer.shard import TrainerShard
+    from workers.weights.broadcast import SEND_GROUP, WeightBroadcast
+    from workers.weights.config import WeightsConfig
 
     weights = WeightsConfig(update_mode=mode, transport="gloo",  # type: ignore[arg-type]
                             bucket_mb=bucket_mb)

@@ -5,7 +5,7 @@ each group's ``GroupTokens`` in Ray's object store and returns the group's metad
 a reference (``generate_group_ref``); a trainer actor resolves the references of its
 batch straight from the object store before training (``train_step_by_ref``). So a
 token goes from the engine that sampled it to the shard that trains it without passing
-through the driver. Knows nothing about the run's logic; ``async_rl.launch`` creates
+through the driver. Knows nothing about the run's logic; ``async_rl.shell.launch`` creates
 these actors with ``ray.remote(...)``.
 """
 
@@ -14,9 +14,9 @@ from __future__ import annotations
 import msgspec
 import ray
 
-from async_rl.records import Group, Prompt, ShardBatch, ShardStepResult
-from workers.rollout import RolloutWorker
-from workers.trainer import TrainerShard
+from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
+from workers.rollout.worker import RolloutWorker
+from workers.trainer.shard import TrainerShard
 
 
 class RolloutActor(RolloutWorker):

@@ -4,7 +4,7 @@ Owns: the busy board (one byte per rollout worker in a small shared-memory file:
 the worker's engine has requests in flight or is loading weights), the trainer's side of
 sharing (``CoreShare``: before each forward, backward and optimizer phase it uses every
 core while no rollout worker is busy, and only its own cores while one is). No torch, no
-Ray at import time. When "auto" shares is decided by ``async_rl.auto_layout``.
+Ray at import time. When "auto" shares is decided by ``async_rl.control.auto_layout``.
 
 Why the trainer adapts and not the engine: vLLM's CPU build binds its OpenMP threads
 once, when the engine is built; torch's intra-op thread count can change between phases.

@@ -12,7 +12,7 @@ import time
 
 import psutil
 
-from async_rl.records import UsageReading
+from buffers.records import UsageReading
 
 
 def _tree_cpu_seconds(process: psutil.Process) -> float:

@@ -14,10 +14,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.ray]
 def test_async_grpo_runs_on_gpu_with_nvml_cross_check(tmp_path: Path, transport: str) -> None:
     import ray
 
+    from async_rl.analysis.report import build_report
     from async_rl.config_io import decode_config
-    from async_rl.ray_shell import run_training
-    from async_rl.report import build_report
-    from async_rl.tiny_model import make_model
+    from async_rl.models.tiny_model import make_model
+    from async_rl.shell.ray_shell import run_training
 
     model = tmp_path / "model"
     make_model(model, seed=0, sft_steps=50, eval_size=16, log=None)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import ray
 
-from async_rl.tiny_model import make_model
+from async_rl.models.tiny_model import make_model
 
 TINY_MODEL_SFT_STEPS = 20
 """Enough warm start that greedy completions look like numbers; a few seconds here."""

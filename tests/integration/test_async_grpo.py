@@ -15,13 +15,14 @@ from pathlib import Path
 import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from async_rl.analysis.report import build_report
 from async_rl.config import Config
 from async_rl.config_io import decode_config
-from async_rl.greedy import evaluate_accuracy
-from async_rl.launch import build_task
-from async_rl.ray_shell import run_training
-from async_rl.report import build_report
-from async_rl.run_dir import FINAL_MODEL, RunSummary, read_evals, read_ledger, read_metrics
+from async_rl.run.run_dir import FINAL_MODEL, read_evals, read_ledger, read_metrics
+from async_rl.run.summary import RunSummary
+from async_rl.shell.launch import build_task
+from async_rl.shell.ray_shell import run_training
+from workers.eval.greedy import evaluate_accuracy
 
 pytestmark = pytest.mark.ray
 

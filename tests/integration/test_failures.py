@@ -15,10 +15,11 @@ import ray
 
 from async_rl.cli import main
 from async_rl.config_io import decode_config
-from async_rl.evaluation_runner import EvaluationRunner
-from async_rl.ray_shell import NAMESPACE, RayRollout, run_training
-from async_rl.records import EvalResult
-from async_rl.run_dir import FINAL_MODEL, METRICS, RunSummary, read_ledger
+from async_rl.control.evaluation_runner import EvaluationRunner
+from async_rl.run.run_dir import FINAL_MODEL, METRICS, read_ledger
+from async_rl.run.summary import RunSummary
+from async_rl.shell.ray_shell import NAMESPACE, RayRollout, run_training
+from buffers.records import EvalResult
 
 pytestmark = pytest.mark.ray
 

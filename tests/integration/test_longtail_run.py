@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 
 from async_rl.config_io import decode_config
-from async_rl.longtail import MAX_NEW_TOKENS, RemainderTask
-from async_rl.ray_shell import run_training
-from async_rl.run_dir import FINAL_MODEL, read_evals, read_ledger, read_metrics, read_summary
-from async_rl.tiny_model import LONGTAIL, TINY, make_model
+from async_rl.models.tiny_model import LONGTAIL, TINY, make_model
+from async_rl.run.run_dir import FINAL_MODEL, read_evals, read_ledger, read_metrics, read_summary
+from async_rl.shell.ray_shell import run_training
+from async_rl.tasks.longtail import MAX_NEW_TOKENS, RemainderTask
 
 pytestmark = pytest.mark.ray
 

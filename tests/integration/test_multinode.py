@@ -17,9 +17,9 @@ import ray
 from ray.cluster_utils import Cluster
 
 from async_rl.config_io import decode_config
-from async_rl.ray_shell import run_training
-from async_rl.run_dir import WORKERS, read_metrics
-from async_rl.tiny_model import SMALL, make_model
+from async_rl.models.tiny_model import SMALL, make_model
+from async_rl.run.run_dir import WORKERS, read_metrics
+from async_rl.shell.ray_shell import run_training
 
 pytestmark = pytest.mark.ray
 

@@ -20,11 +20,13 @@ import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from async_rl.config import ModelConfig, RolloutConfig, WeightsConfig
-from async_rl.idle import busy_fraction
-from async_rl.records import BroadcastTiming, Group, Prompt
-from workers.rollout import RolloutWorker
-from workers.weight_sender import WeightSender
+from async_rl.analysis.idle import busy_fraction
+from buffers.records import BroadcastTiming, Group, Prompt
+from workers.model_config import ModelConfig
+from workers.rollout.config import RolloutConfig
+from workers.rollout.worker import RolloutWorker
+from workers.weights.config import WeightsConfig
+from workers.weights.sender import WeightSender
 
 pytestmark = pytest.mark.ray
 

@@ -25,11 +25,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from async_rl.checkpoint import CHECKPOINTS, latest_checkpoint
 from async_rl.config import Config
 from async_rl.config_io import decode_config
-from async_rl.ray_shell import run_training
-from async_rl.run_dir import FINAL_MODEL, read_ledger, read_metrics
+from async_rl.control.checkpoint import CHECKPOINTS, latest_checkpoint
+from async_rl.run.run_dir import FINAL_MODEL, read_ledger, read_metrics
+from async_rl.shell.ray_shell import run_training
 
 pytestmark = pytest.mark.ray
 

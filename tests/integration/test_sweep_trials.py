@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.run_dir import RUN_RECORD, WORKERS_LOG, read_record, read_summary
-from async_rl.sweep import CONSOLE_LOG, SWEEP_CSV, SWEEP_PNG, parse_grid, run_sweep
+from async_rl.analysis.sweep import CONSOLE_LOG, SWEEP_CSV, SWEEP_PNG, parse_grid, run_sweep
+from async_rl.run.run_dir import RUN_RECORD, WORKERS_LOG, read_record, read_summary
 
 pytestmark = pytest.mark.ray
 

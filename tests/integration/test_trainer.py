@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 import ray
 
-from async_rl.batching import shard_batches
-from async_rl.config import ModelConfig, TrainerConfig
-from async_rl.launch import free_port
-from async_rl.records import Group, Prompt, Sample, ShardStepResult, make_group
+from async_rl.control.batching import shard_batches
+from async_rl.shell.launch import free_port
+from buffers.records import Group, Prompt, Sample, ShardStepResult, make_group
 from workers.actors import TrainerActor
+from workers.model_config import ModelConfig
+from workers.trainer.config import TrainerConfig
 
 pytestmark = pytest.mark.ray
 

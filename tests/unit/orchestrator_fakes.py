@@ -1,6 +1,6 @@
 """In-process fake workers for the orchestrator's unit tests (no Ray), and running it.
 
-The fakes implement ``async_rl.protocols`` the simplest way that keeps the contracts a
+The fakes implement ``async_rl.control.protocols`` the simplest way that keeps the contracts a
 real worker keeps: a rollout fake labels its tokens with the version it runs and sleeps
 to make groups finish out of order; a trainer fake resolves its batch's in-process
 tokens; the weight fake delivers a version by setting it on every live rollout fake.
@@ -16,11 +16,14 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from async_rl.checkpoint import latest_checkpoint
 from async_rl.config import Config
-from async_rl.orchestrator import Orchestrator
-from async_rl.protocols import EvaluationFailed, PolicyWeights, RolloutFailed, Workers
-from async_rl.records import (
+from async_rl.control.checkpoint import latest_checkpoint
+from async_rl.control.orchestrator import Orchestrator
+from async_rl.control.protocols import EvaluationFailed, PolicyWeights, RolloutFailed, Workers
+from async_rl.run.run_dir import RunWriter
+from async_rl.run.summary import RunSummary
+from async_rl.tasks.sources import ArithmeticTask
+from buffers.records import (
     BroadcastTiming,
     EvalResult,
     Group,
@@ -32,9 +35,7 @@ from async_rl.records import (
     UsageReading,
     make_group,
 )
-from async_rl.run_dir import RunSummary, RunWriter
-from async_rl.spans import Span
-from async_rl.tasks import ArithmeticTask
+from workers.spans import Span
 
 LOST = "lost"
 """A group's ``tokens`` after its (fake) rollout worker died: unfetchable."""

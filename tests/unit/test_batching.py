@@ -11,11 +11,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_rl.batching import shard_batches
-from async_rl.config import TrainerConfig
-from async_rl.grpo import group_advantages
-from async_rl.records import Group, Prompt, Sample, ShardBatch, TrainSequence, make_group
+from async_rl.control.batching import shard_batches
 from buffers import SequenceTooLong
+from buffers.advantages import group_advantages
+from buffers.records import Group, Prompt, Sample, ShardBatch, TrainSequence, make_group
+from workers.trainer.config import TrainerConfig
 
 _ids = count()
 

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
-from workers.bucket_transfer import (
+from workers.weights.bucket_transfer import (
     ALIGN,
     RECEIVER,
     SENDER,

@@ -10,7 +10,7 @@ from types import ModuleType
 
 import pytest
 
-from async_rl.records import LedgerEntry
+from buffers.records import LedgerEntry
 
 
 def _load() -> ModuleType:

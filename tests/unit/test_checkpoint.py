@@ -8,17 +8,17 @@ from pathlib import Path
 import anyio
 import pytest
 
-from async_rl.checkpoint import (
+from async_rl.control.checkpoint import (
     CHECKPOINTS,
     CheckpointError,
     RunState,
     latest_checkpoint,
     write_checkpoint,
 )
-from async_rl.records import Prompt
-from async_rl.run_dir import FilePositions
-from async_rl.step_metrics import StepTotals
-from async_rl.tasks import SourceState
+from async_rl.control.step_metrics import StepTotals
+from async_rl.run.run_dir import FilePositions
+from async_rl.tasks.sources import SourceState
+from buffers.records import Prompt
 from buffers.staleness import AdmissionGate
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import tomllib
 from pathlib import Path
 
@@ -9,8 +10,10 @@ import msgspec
 import pytest
 
 from async_rl.cli import main
-from async_rl.config import Config, ConfigError, check_transport
+from async_rl.config import Config
 from async_rl.config_io import apply_overrides, decode_config, load_config, to_toml
+from buffers.config import ConfigError
+from workers.weights.config import check_transport
 
 GOOD = """
 [model]
@@ -205,8 +208,9 @@ def test_cli_show_prints_resolved_config(
 
 
 def test_every_field_is_documented() -> None:
-    source = Path(__import__("async_rl.config").config.__file__).read_text()
     for section in msgspec.structs.fields(Config):
+        # Each section lives beside its component: read the file that defines it.
+        source = Path(inspect.getsourcefile(section.type) or "").read_text()
         for field in msgspec.structs.fields(section.type):
             after = source.split(f"    {field.name}: ", 1)[1].splitlines()[1].strip()
             assert after.startswith('"""'), f"{section.name}.{field.name} has no docstring"

@@ -7,9 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from async_rl.auto_layout import AUTO_MARGIN, choose_layout, keep_shared
-from async_rl.config import Config, ConfigError
+from async_rl.config import Config
 from async_rl.config_io import load_config
+from async_rl.control.auto_layout import AUTO_MARGIN, choose_layout, keep_shared
+from buffers.config import ConfigError
 from workers.core_share import (
     BusyFlag,
     CoreShare,

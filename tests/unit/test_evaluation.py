@@ -10,18 +10,18 @@ import msgspec
 import pytest
 
 from async_rl.config_io import decode_config
-from async_rl.evaluation import EvalLog, EvalSchedule, describe, first_at_target, planned_steps
-from async_rl.protocols import PolicyWeights
-from async_rl.records import EvalResult
-from async_rl.run_dir import (
-    EVALS,
-    SUMMARY,
-    EvalPoint,
-    RunWriter,
-    read_evals,
-    read_summary,
+from async_rl.control.evaluation import (
+    EvalLog,
+    EvalSchedule,
+    describe,
+    first_at_target,
+    planned_steps,
 )
-from async_rl.step_metrics import StepTotals
+from async_rl.control.protocols import PolicyWeights
+from async_rl.control.step_metrics import StepTotals
+from async_rl.run.run_dir import EVALS, SUMMARY, RunWriter, read_evals, read_summary
+from async_rl.run.summary import EvalPoint
+from buffers.records import EvalResult
 
 
 class Weights(msgspec.Struct, frozen=True):
@@ -149,8 +149,10 @@ def test_summary_written_before_periodic_evaluation_still_reads(tmp_path: Path) 
 
 
 def test_rollout_span_is_evaluate_only_while_nothing_but_evaluation_runs() -> None:
-    from async_rl.config import ModelConfig, RolloutConfig, WeightsConfig
-    from workers.rollout import RolloutWorker
+    from workers.model_config import ModelConfig
+    from workers.rollout.config import RolloutConfig
+    from workers.rollout.worker import RolloutWorker
+    from workers.weights.config import WeightsConfig
 
     worker = RolloutWorker(0, ModelConfig(path="m"), RolloutConfig(), WeightsConfig(),
                            reward_fn=lambda prompt, text: 0.0)
@@ -165,9 +167,9 @@ def test_rollout_span_is_evaluate_only_while_nothing_but_evaluation_runs() -> No
 
 def test_report_prints_time_to_target(tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
-    from async_rl.report import print_report
-    from async_rl.run_dir import SPANS
-    from async_rl.spans import Span
+    from async_rl.analysis.report import print_report
+    from async_rl.run.run_dir import SPANS
+    from workers.spans import Span
 
     run = tmp_path / "run"
     run.mkdir()

@@ -11,13 +11,13 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from async_rl.config import ModelConfig
-from async_rl.greedy import evaluate_accuracy
-from async_rl.records import EvalResult, Prompt
-from async_rl.rewards import arithmetic_reward
-from async_rl.tasks import ArithmeticTask
-from async_rl.tiny_model import MadeModel, make_model
-from workers.evaluator import EVALUATOR_RANK, IdleCpuEvaluator
+from async_rl.models.tiny_model import MadeModel, make_model
+from async_rl.tasks.rewards import arithmetic_reward
+from async_rl.tasks.sources import ArithmeticTask
+from buffers.records import EvalResult, Prompt
+from workers.eval.evaluator import EVALUATOR_RANK, IdleCpuEvaluator
+from workers.eval.greedy import evaluate_accuracy
+from workers.model_config import ModelConfig
 
 PROMPTS = ArithmeticTask(seed=0).eval_prompts(24)
 

@@ -16,11 +16,12 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from async_rl.config import ModelConfig, TrainerConfig
-from async_rl.records import TrainSequence
+from buffers.records import TrainSequence
+from workers.model_config import ModelConfig
 from workers.placement import assign_cpus, gpus_per_worker, role_bundles
-from workers.ppo_update import StepLoss
-from workers.trainer import TrainerShard, process_group_backend
+from workers.trainer.config import TrainerConfig
+from workers.trainer.ppo_update import StepLoss
+from workers.trainer.shard import TrainerShard, process_group_backend
 
 
 def test_each_device_gets_the_backend_that_accepts_its_tensors() -> None:

@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from async_rl.idle import (
+from async_rl.analysis.idle import (
     ROLLOUT_TRACK,
     TRAINER_TRACK,
     breakdown,
@@ -16,7 +16,7 @@ from async_rl.idle import (
     resolve,
     step_windows,
 )
-from async_rl.spans import Span, SpanRecorder
+from workers.spans import Span, SpanRecorder
 
 
 class FakeClock:

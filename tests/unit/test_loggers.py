@@ -15,9 +15,10 @@ import pytest
 
 from async_rl.cli import main
 from async_rl.config_io import decode_config
-from async_rl.loggers import TENSORBOARD_DIR, scalars
-from async_rl.run_dir import EvalPoint, RunWriter, read_metrics
-from async_rl.step_metrics import StepTotals
+from async_rl.control.step_metrics import StepTotals
+from async_rl.run.loggers import TENSORBOARD_DIR, scalars
+from async_rl.run.run_dir import RunWriter, read_metrics
+from async_rl.run.summary import EvalPoint
 
 
 def row(step: int) -> dict[str, Any]:

@@ -14,7 +14,7 @@ import sys
 import msgspec
 import pytest
 
-from async_rl.longtail import (
+from async_rl.tasks.longtail import (
     MAX_DIVISOR,
     MAX_NEW_TOKENS,
     MAX_NUMBER,
@@ -23,9 +23,9 @@ from async_rl.longtail import (
     reference_completion,
     reference_steps,
 )
-from async_rl.records import Prompt
-from async_rl.rewards import EOS_TEXT, arithmetic_reward, remainder_reward
-from async_rl.tasks import ArithmeticTask, SourceMismatchError, SourceState
+from async_rl.tasks.rewards import EOS_TEXT, arithmetic_reward, remainder_reward
+from async_rl.tasks.sources import ArithmeticTask, SourceMismatchError, SourceState
+from buffers.records import Prompt
 
 TRAIN_PROMPTS = 20_000
 """Enough that the 99th percentile of the lengths is stable (at 5000 it still moves by
@@ -123,7 +123,7 @@ def test_stream_is_deterministic_per_seed_and_index(train_prompts: list[Prompt])
 
 def test_stream_does_not_depend_on_the_hash_seed() -> None:
     code = (
-        "from async_rl.longtail import RemainderTask;"
+        "from async_rl.tasks.longtail import RemainderTask;"
         "t = RemainderTask(seed=5);"
         "print([t.prompt_at(i).text for i in range(20)], [p.text for p in t.eval_prompts(5)])"
     )

@@ -1,4 +1,4 @@
-"""``async_rl.grpo.token_loss`` against reference implementations written from their
+"""``workers.trainer.loss.token_loss`` against reference implementations written from their
 definitions: AReaL's decoupled PPO objective, verl's vanilla PPO loss with dual-clip, and
 this project's previous loss (which the single-update default must reproduce exactly).
 
@@ -16,8 +16,9 @@ from typing import Any
 import pytest
 import torch
 
-from async_rl.config import TrainerConfig
-from async_rl.grpo import Normaliser, summarise, token_loss
+from workers.trainer.config import TrainerConfig
+from workers.trainer.loss import Normaliser, token_loss
+from workers.trainer.loss_stats import summarise
 
 SEEDS = range(5)
 BATCH, WIDTH = 7, 13

@@ -19,10 +19,10 @@ from orchestrator_fakes import (
     trained_once_or_unfinished,
 )
 
-from async_rl.checkpoint import latest_checkpoint
-from async_rl.protocols import RunFailed
-from async_rl.records import Group, Prompt
-from async_rl.run_dir import FINAL_MODEL
+from async_rl.control.checkpoint import latest_checkpoint
+from async_rl.control.protocols import RunFailed
+from async_rl.run.run_dir import FINAL_MODEL
+from buffers.records import Group, Prompt
 
 
 def test_a_run_trains_every_step_within_the_staleness_bound(tmp_path: Path) -> None:

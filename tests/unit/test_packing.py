@@ -20,9 +20,9 @@ import pytest
 import torch
 from transformers import Qwen2ForCausalLM
 
-from async_rl.config import ModelConfig, TrainerConfig
-from async_rl.grpo import Normaliser, token_loss
-from async_rl.records import (
+from async_rl.control.step_metrics import _padding_ratio
+from async_rl.models.tiny_model import build_config
+from buffers.records import (
     GroupTokens,
     LossStats,
     SequenceSlot,
@@ -30,9 +30,10 @@ from async_rl.records import (
     ShardStepResult,
     TrainSequence,
 )
-from async_rl.step_metrics import _padding_ratio
-from async_rl.tiny_model import build_config
-from workers.packing import (
+from workers.model_config import ModelConfig
+from workers.trainer.config import TrainerConfig
+from workers.trainer.loss import Normaliser, token_loss
+from workers.trainer.packing import (
     ENTROPY_ROWS,
     PACKED_ATTENTION,
     pack,
@@ -43,8 +44,8 @@ from workers.packing import (
     token_entropy,
     use_packed_attention,
 )
-from workers.ppo_update import StepLoss
-from workers.trainer import TrainerShard
+from workers.trainer.ppo_update import StepLoss
+from workers.trainer.shard import TrainerShard
 
 TEMPERATURE = 0.7
 # (prompt, completion) lengths: mixed, so padding would be most of a padded batch.

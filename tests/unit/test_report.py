@@ -7,12 +7,12 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
+from async_rl.analysis.report import IDLE_JSON, TIMELINE, TRACE, RunIdle
 from async_rl.cli import main
-from async_rl.idle import ROLLOUT_TRACK, TRAINER_TRACK
-from async_rl.records import UsageReading
-from async_rl.report import IDLE_JSON, TIMELINE, TRACE, RunIdle
-from async_rl.run_dir import SPANS, USAGE
-from async_rl.spans import Span
+from async_rl.run.run_dir import SPANS, USAGE
+from buffers.records import UsageReading
+from workers.spans import Span
 
 
 def s(worker: str, role: str, cause: str, start: float, end: float, version: int = 0) -> Span:
@@ -75,7 +75,7 @@ def test_report_of_a_non_run_exits_2(tmp_path: Path, capsys: pytest.CaptureFixtu
 def test_timeline_hints_wrap_inside_the_image(tmp_path: Path) -> None:
     import matplotlib.image
 
-    from async_rl.trace import write_timeline_png
+    from async_rl.analysis.trace import write_timeline_png
 
     spans = [s("rollout-0", "rollout", "generate", 0, 8), s("trainer-0", "trainer", "idle", 0, 8)]
     hint = "trainer: trainer waits while its weights are published: " + "raise sync_every " * 20

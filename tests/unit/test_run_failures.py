@@ -21,11 +21,11 @@ from orchestrator_fakes import (
     trained_once_or_unfinished,
 )
 
-from async_rl.checkpoint import latest_checkpoint
 from async_rl.config import Config
-from async_rl.protocols import RolloutFailed, RunFailed, TrainerFailed, WaitTimedOut
-from async_rl.ray_shell import RayRollout, RayTrainer
-from async_rl.records import EvalResult, Prompt, ShardBatch, ShardStepResult
+from async_rl.control.checkpoint import latest_checkpoint
+from async_rl.control.protocols import RolloutFailed, RunFailed, TrainerFailed, WaitTimedOut
+from async_rl.shell.ray_shell import RayRollout, RayTrainer
+from buffers.records import EvalResult, Prompt, ShardBatch, ShardStepResult
 
 
 def with_keys(cfg: Config, **sections: dict[str, Any]) -> Config:

@@ -13,8 +13,8 @@ from test_report import write_run
 
 from async_rl.cli import main
 from async_rl.config_io import decode_config
-from async_rl.run_dir import RUN_RECORD, RunWriter, read_record
-from async_rl.run_record import RunRecord, collect, source_state
+from async_rl.run.run_dir import RUN_RECORD, RunWriter, read_record
+from async_rl.run.run_record import RunRecord, collect, source_state
 
 
 def test_run_json_holds_the_record_and_its_end_time(tmp_path: Path) -> None:

@@ -11,7 +11,7 @@ from types import ModuleType
 import msgspec
 import pytest
 
-from async_rl.run_dir import EvalPoint, RunSummary
+from async_rl.run.summary import EvalPoint, RunSummary
 
 
 def _load() -> ModuleType:

@@ -9,14 +9,14 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from async_rl.analysis.idle import Breakdown
+from async_rl.analysis.report import IDLE_JSON, RunIdle
+from async_rl.analysis.sweep import SWEEP_CSV, SWEEP_PNG, finished, parse_grid, split_values, trials
 from async_rl.cli import main
-from async_rl.config import ConfigError
 from async_rl.config_io import load_config, to_toml
-from async_rl.idle import Breakdown
-from async_rl.report import IDLE_JSON, RunIdle
-from async_rl.run_dir import CONFIG, SUMMARY
-from async_rl.step_metrics import StepTotals
-from async_rl.sweep import SWEEP_CSV, SWEEP_PNG, finished, parse_grid, split_values, trials
+from async_rl.control.step_metrics import StepTotals
+from async_rl.run.run_dir import CONFIG, SUMMARY
+from buffers.config import ConfigError
 
 
 def test_values_split_at_commas_outside_brackets() -> None:

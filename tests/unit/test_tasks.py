@@ -14,9 +14,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from async_rl.records import Prompt
-from async_rl.rewards import arithmetic_reward, extract_gsm8k_answer, gsm8k_reward
-from async_rl.tasks import (
+from async_rl.tasks.rewards import arithmetic_reward, extract_gsm8k_answer, gsm8k_reward
+from async_rl.tasks.sources import (
     ArithmeticTask,
     JsonlPromptSource,
     PromptFileError,
@@ -25,6 +24,7 @@ from async_rl.tasks import (
     SourceState,
     read_prompt_file,
 )
+from buffers.records import Prompt
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "tiny_gsm.jsonl"
 
@@ -68,7 +68,7 @@ def test_arithmetic_is_deterministic_per_seed_and_index() -> None:
 
 def test_arithmetic_stream_does_not_depend_on_the_hash_seed() -> None:
     code = (
-        "from async_rl.tasks import ArithmeticTask;"
+        "from async_rl.tasks.sources import ArithmeticTask;"
         "t = ArithmeticTask(seed=5);"
         "print([t.prompt_at(i).text for i in range(20)], [p.text for p in t.eval_prompts(5)])"
     )

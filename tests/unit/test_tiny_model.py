@@ -13,11 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
 
-from async_rl.greedy import evaluate_accuracy, greedy_completions
-from async_rl.longtail import MAX_DIVISOR, MAX_NEW_TOKENS, MAX_NUMBER, RemainderTask
-from async_rl.rewards import arithmetic_reward
-from async_rl.tasks import ArithmeticTask
-from async_rl.tiny_model import (
+from async_rl.models.tiny_model import (
     BYTE_OFFSET,
     EOS_ID,
     LONGTAIL,
@@ -34,6 +30,10 @@ from async_rl.tiny_model import (
     build_tokenizer,
     make_model,
 )
+from async_rl.tasks.longtail import MAX_DIVISOR, MAX_NEW_TOKENS, MAX_NUMBER, RemainderTask
+from async_rl.tasks.rewards import arithmetic_reward
+from async_rl.tasks.sources import ArithmeticTask
+from workers.eval.greedy import evaluate_accuracy, greedy_completions
 
 TEXTS = [
     "12+7=",

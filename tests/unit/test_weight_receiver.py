@@ -9,9 +9,9 @@ from typing import Any, Literal
 
 import pytest
 
-from async_rl.config import WeightsConfig
-from workers.vllm_engine import RolloutWorkerError
-from workers.weight_receiver import WeightReceiver
+from workers.errors import RolloutWorkerError
+from workers.weights.config import WeightsConfig
+from workers.weights.receiver import WeightReceiver
 
 
 class FakeEngine:

@@ -9,7 +9,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-from async_rl.worker_logs import LOG_ENV, VERBOSE_ENV, LineRouter, ray_options
+from async_rl.shell.worker_logs import LOG_ENV, VERBOSE_ENV, LineRouter, ray_options
 
 VLLM_INFO = "(EngineCore pid=12) INFO 11-30 18:51:33 [core.py:133] Initializing a V1 LLM engine"
 VLLM_WARNING = "(Worker pid=13) WARNING 11-30 18:51:48 [layerwise.py:266] RotaryEmbedding: Failed"
@@ -50,12 +50,12 @@ def test_ray_options_start_an_empty_log(tmp_path: Path) -> None:
     env = options["runtime_env"]["env_vars"]
     assert env == {LOG_ENV: str(log.resolve()), VERBOSE_ENV: "0"}
     assert options["runtime_env"]["worker_process_setup_hook"] == (
-        "async_rl.worker_logs.route_output")
+        "async_rl.shell.worker_logs.route_output")
 
 
 WORKER = textwrap.dedent(f"""
     import os, subprocess, sys
-    from async_rl.worker_logs import route_output
+    from async_rl.shell.worker_logs import route_output
     route_output()
     print(":actor_name:RolloutWorker", flush=True)
     print({VLLM_INFO!r}, flush=True)

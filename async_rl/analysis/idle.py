@@ -1,0 +1,198 @@
+"""Idle accounting: resolve why workers waited, then split each device's wall time.
+
+Owns: turning raw worker spans into resolved spans (a worker's ``idle`` stretches take
+the cause the controller was waiting on at that moment) and the per-worker, per-role and
+per-step breakdowns whose busy time plus idle causes add up to wall time, and the OS
+cross-check of a worker's busy share (``busy_fraction``). Knows nothing
+about where spans come from or how they are drawn.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import defaultdict
+from collections.abc import Iterable, Sequence
+
+import msgspec
+
+from buffers.records import UsageReading
+from workers.spans import BUSY, IDLE, UNRESOLVED, Span
+
+ROLLOUT_TRACK = "controller-admission"
+"""Controller track whose causes explain rollout idleness (gate_closed, queue_full)."""
+TRAINER_TRACK = "controller-training"
+"""Controller track whose causes explain trainer idleness (wait_data, weight_publish)."""
+
+
+def resolve(worker_spans: Sequence[Span], controller_spans: Sequence[Span]) -> list[Span]:
+    """Replaces each ``idle`` worker span by the controller causes overlapping it.
+
+    Rollout workers are explained by the admission track, trainers by the training
+    track; a stretch no explaining cause covers becomes ``no_work``.
+    """
+    tracks: dict[str, list[Span]] = defaultdict(list)
+    for span in controller_spans:
+        tracks[span.worker].append(span)
+    for spans in tracks.values():
+        spans.sort(key=lambda s: s.start)
+    # Controller spans tile their track, so their ends are sorted too: bisect to the
+    # first one that can overlap instead of scanning each track from its start.
+    ends = {name: [s.end for s in spans] for name, spans in tracks.items()}
+    resolved: list[Span] = []
+    for span in worker_spans:
+        if span.cause != UNRESOLVED:
+            resolved.append(span)
+            continue
+        name = ROLLOUT_TRACK if span.role == "rollout" else TRAINER_TRACK
+        track = tracks[name]
+        allowed = IDLE.get(span.role, ())
+        cursor = span.start
+        first = bisect.bisect_right(ends.get(name, []), cursor)
+        for explain in track[first:]:
+            if explain.end <= cursor or explain.cause not in allowed:
+                continue
+            if explain.start >= span.end:
+                break
+            lo, hi = max(explain.start, cursor), min(explain.end, span.end)
+            if lo > cursor:
+                resolved.append(msgspec.structs.replace(span, cause="no_work", start=cursor,
+                                                        end=lo))
+            resolved.append(msgspec.structs.replace(span, cause=explain.cause, start=lo,
+                                                    end=hi))
+            cursor = hi
+        if cursor < span.end:
+            resolved.append(msgspec.structs.replace(span, cause="no_work", start=cursor))
+    return resolved
+
+
+class Breakdown(msgspec.Struct, frozen=True, kw_only=True):
+    """One worker's (or role's) wall time split into busy time and idle causes."""
+
+    name: str
+    role: str
+    device: str
+    wall_s: float
+    busy_s: float
+    idle_by_cause: dict[str, float]
+
+    @property
+    def idle_s(self) -> float:
+        return sum(self.idle_by_cause.values())
+
+    @property
+    def idle_fraction(self) -> float:
+        return self.idle_s / self.wall_s if self.wall_s else 0.0
+
+    @property
+    def top_cause(self) -> str:
+        return max(self.idle_by_cause, key=lambda c: self.idle_by_cause[c], default="")
+
+
+def _clip(spans: Iterable[Span], start: float, end: float) -> Iterable[tuple[Span, float]]:
+    for span in spans:
+        overlap = min(span.end, end) - max(span.start, start)
+        if overlap > 0:
+            yield span, overlap
+
+
+def breakdown(spans: Sequence[Span], start: float, end: float) -> list[Breakdown]:
+    """Per worker: busy seconds and idle seconds by cause over [start, end].
+
+    Time of the window a worker has no span for (before it started, after it stopped)
+    counts as ``no_work``, so busy + idle always equals the window's wall time.
+    """
+    by_worker: dict[str, list[Span]] = defaultdict(list)
+    for span in spans:
+        if span.role in BUSY:
+            by_worker[span.worker].append(span)
+    wall = end - start
+    result: list[Breakdown] = []
+    for name in sorted(by_worker):
+        worker_spans = by_worker[name]
+        role = worker_spans[0].role
+        busy = 0.0
+        idle: dict[str, float] = dict.fromkeys(IDLE[role], 0.0)
+        covered = 0.0
+        for span, seconds in _clip(worker_spans, start, end):
+            covered += seconds
+            if span.cause in BUSY[role]:
+                busy += seconds
+            else:
+                cause = "no_work" if span.cause == UNRESOLVED else span.cause
+                idle[cause] = idle.get(cause, 0.0) + seconds
+        idle["no_work"] += max(wall - covered, 0.0)
+        result.append(Breakdown(name=name, role=role, device=worker_spans[0].device,
+                                wall_s=wall, busy_s=busy, idle_by_cause=idle))
+    return result
+
+
+def by_role(per_worker: Sequence[Breakdown]) -> list[Breakdown]:
+    """Sums worker breakdowns into one per role (wall time adds up across devices)."""
+    roles: dict[str, list[Breakdown]] = defaultdict(list)
+    for item in per_worker:
+        roles[item.role].append(item)
+    result = []
+    for role, items in sorted(roles.items()):
+        causes: dict[str, float] = defaultdict(float)
+        for item in items:
+            for cause, seconds in item.idle_by_cause.items():
+                causes[cause] += seconds
+        result.append(Breakdown(
+            name=role, role=role, device=f"{len(items)} device(s)",
+            wall_s=sum(i.wall_s for i in items), busy_s=sum(i.busy_s for i in items),
+            idle_by_cause=dict(causes),
+        ))
+    return result
+
+
+def step_windows(spans: Sequence[Span]) -> list[tuple[int, float, float]]:
+    """(step, start, end) windows from the controller's training track version changes."""
+    marks = sorted(
+        (s.version, s.start) for s in spans if s.worker == TRAINER_TRACK
+    )
+    firsts: dict[int, float] = {}
+    for version, start in marks:
+        firsts.setdefault(version, start)
+    versions = sorted(firsts)
+    end = max((s.end for s in spans if s.worker == TRAINER_TRACK), default=0.0)
+    bounds = [firsts[v] for v in versions] + [end]
+    return [(v + 1, bounds[i], bounds[i + 1]) for i, v in enumerate(versions)]
+
+
+HINTS = {
+    ("trainer", "wait_data"): "trainer waits for data: add rollout workers or raise "
+                              "max_staleness",
+    ("trainer", "weight_publish"): "trainer waits while its weights are published: "
+                                   "raise weights.sync_every (loading them into rollout "
+                                   "already overlaps the next step)",
+    ("trainer", "barrier"): "trainer shards wait on each other: lower micro_batch_tokens "
+                            "or add cost_b so the plan balances better",
+    ("trainer", "no_work"): "trainer has nothing scheduled: the controller is the "
+                            "bottleneck (evaluation, planning)",
+    ("rollout", "gate_closed"): "rollout waits at the staleness gate: raise max_staleness "
+                                "or add trainer shards",
+    ("rollout", "queue_full"): "rollout waits on a full queue: raise queue.max_groups or "
+                               "train faster",
+    ("rollout", "weight_sync"): "rollout pauses for weight updates: raise "
+                                "weights.sync_every or use in_flight updates",
+    ("rollout", "no_work"): "rollout has no prompts: raise rollout.max_inflight_prompts",
+}
+
+
+def hint(item: Breakdown) -> str:
+    """A one-line suggestion for the biggest idle cause of a role."""
+    return HINTS.get((item.role, item.top_cause), "")
+
+
+def busy_fraction(first: UsageReading, last: UsageReading,
+                  cores: float) -> dict[str, float]:
+    """CPU busy fraction of the worker's cores (and mean GPU utilisation) between readings.
+
+    ``cores`` may be fractional: a sharing trainer's thread count averaged over compute."""
+    wall = max(last.wall - first.wall, 1e-9)
+    result = {"cpu_busy": (last.cpu_s - first.cpu_s) / (wall * max(cores, 1.0))}
+    samples = last.gpu_samples - first.gpu_samples
+    if samples:
+        result["gpu_util"] = (last.gpu_util_sum - first.gpu_util_sum) / samples / 100.0
+    return result
+

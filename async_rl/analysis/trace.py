@@ -1,0 +1,151 @@
+"""Pictures of a run: a Chrome-trace JSON for Perfetto and a timeline PNG.
+
+Owns: the trace event layout (one track per worker, the controller's tracks, version
+markers, weight-broadcast flow arrows) and the matplotlib timeline (one row per device,
+coloured by cause). Knows nothing about how spans were recorded or resolved.
+"""
+
+from __future__ import annotations
+
+import math
+import textwrap
+from collections import defaultdict
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from workers.spans import Span
+
+# One colour per cause, busy causes in greens/blues, idle causes in warm colours, so the
+# picture reads "green good, red/orange waiting" without a legend lookup.
+COLOURS = {
+    "generate": "#2e7d32",
+    "evaluate": "#66bb6a",
+    "forward": "#1565c0",
+    "backward": "#1e88e5",
+    "optimizer": "#64b5f6",
+    "weight_sync": "#8e24aa",
+    "weight_publish": "#ab47bc",
+    "gate_closed": "#e53935",
+    "queue_full": "#fb8c00",
+    "wait_data": "#f4511e",
+    "barrier": "#fdd835",
+    "no_work": "#bdbdbd",
+    "idle": "#9e9e9e",
+    "training": "#90caf9",
+    "admitting": "#a5d6a7",
+}
+
+
+TIMELINE_WIDTH_IN = 12
+FOOTER_CHARS = 150
+"""Characters of the 9-point footer that fit across the timeline's 12 inches (DejaVu
+Sans averages about 0.55 em a character: 12 * 72 / (9 * 0.55) = 174, less margins)."""
+FOOTER_LINE_IN = 0.19
+"""Height of one footer line: 9 points at 1.2 line spacing, in inches, rounded up."""
+
+
+def _order(spans: Sequence[Span]) -> list[str]:
+    """Track order: rollout workers, trainer shards, then controller tracks."""
+    rank = {"rollout": 0, "trainer": 1}
+    names = {s.worker: (rank.get(s.role, 2), s.rank, s.worker) for s in spans}
+    return sorted(names, key=lambda n: names[n])
+
+
+def chrome_trace(spans: Sequence[Span]) -> dict[str, Any]:
+    """Trace-event JSON (open at ui.perfetto.dev): tracks, markers, broadcast flows."""
+    if not spans:
+        return {"traceEvents": [], "displayTimeUnit": "ms"}
+    origin = min(s.start for s in spans)
+    tids = {name: i + 1 for i, name in enumerate(_order(spans))}
+    events: list[dict[str, Any]] = [
+        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "async-rl run"}}
+    ]
+    devices = {s.worker: s.device for s in spans}
+    for name, tid in tids.items():
+        events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid,
+                       "args": {"name": f"{name} ({devices[name]})"}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": tid,
+                       "args": {"sort_index": tid}})
+
+    def us(t: float) -> float:
+        return round((t - origin) * 1e6, 1)
+
+    for s in spans:
+        events.append({"ph": "X", "name": s.cause, "cat": s.role, "pid": 1,
+                       "tid": tids[s.worker], "ts": us(s.start), "dur": us(s.end) - us(s.start),
+                       "args": {"version": s.version}})
+    publishes = {s.version: s for s in spans if s.cause == "weight_publish"}
+    syncs: dict[int, list[Span]] = defaultdict(list)
+    for s in spans:
+        if s.cause == "weight_sync":
+            syncs[s.version].append(s)
+    for version, publish in sorted(publishes.items()):
+        events.append({"ph": "i", "s": "g", "name": f"v{version}", "pid": 1,
+                       "tid": tids[publish.worker], "ts": us(publish.end)})
+        for sync in syncs[version]:
+            flow = {"name": f"weights v{version}", "cat": "broadcast", "pid": 1,
+                    "id": version * 1000 + sync.rank}
+            events.append({**flow, "ph": "s", "tid": tids[publish.worker],
+                           "ts": us(publish.start)})
+            events.append({**flow, "ph": "f", "bp": "e", "tid": tids[sync.worker],
+                           "ts": us(sync.start)})
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def write_chrome_trace(spans: Sequence[Span], path: str | Path) -> None:
+    Path(path).write_bytes(msgspec.json.encode(chrome_trace(spans)))
+
+
+def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "",
+                       row_notes: dict[str, str] | None = None, footer: str = "") -> None:
+    """One row per worker, coloured by cause, with a legend of the causes present.
+
+    ``row_notes`` adds a line under a row's label (e.g. "busy 48%, waits: wait_data");
+    ``footer`` is printed under the legend (e.g. the top idle cause and its hint), each
+    of its lines wrapped to the image's width.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    names = _order(spans)
+    origin = min((s.start for s in spans), default=0.0)
+    devices = {s.worker: s.device for s in spans}
+    known = list(COLOURS)
+    present = sorted({s.cause for s in spans},
+                     key=lambda c: known.index(c) if c in known else len(known))
+    columns = min(len(present), 7) or 1
+    footer_lines = [wrapped for line in footer.splitlines()
+                    for wrapped in textwrap.wrap(line, FOOTER_CHARS)]
+    footer_s = FOOTER_LINE_IN * len(footer_lines) + (0.1 if footer_lines else 0.0)
+    # Legend and footer sit in a strip of their own under the axes, sized in inches so
+    # the x-axis label never runs into them whatever the number of rows.
+    strip = 0.25 * math.ceil(len(present) / columns) + footer_s
+    height = 1.4 + 0.55 * len(names) + strip
+    fig, ax = plt.subplots(figsize=(TIMELINE_WIDTH_IN, height))
+    for row, name in enumerate(reversed(names)):
+        mine = [s for s in spans if s.worker == name]
+        ax.broken_barh(
+            [(s.start - origin, s.end - s.start) for s in mine], (row - 0.4, 0.8),
+            facecolors=[COLOURS.get(s.cause, "#000000") for s in mine], linewidth=0,
+        )
+    ax.set_yticks(range(len(names)))
+    notes = row_notes or {}
+    ax.set_yticklabels([f"{n} ({devices[n]})" + (f"\n{notes[n]}" if n in notes else "")
+                        for n in reversed(names)], fontsize=8)
+    ax.set_xlabel("seconds since start")
+    fig.legend(handles=[Patch(color=COLOURS.get(c, "#000000"), label=c) for c in present],
+               loc="lower center", bbox_to_anchor=(0.5, (footer_s or 0.05) / height),
+               ncol=columns, fontsize=8, frameon=False)
+    ax.set_title(title or "what each device did (green/blue busy, warm colours waiting)")
+    if footer_lines:
+        fig.text(0.01, 0.05 / height, "\n".join(footer_lines), fontsize=9, ha="left",
+                 va="bottom", linespacing=1.2)
+    fig.tight_layout(rect=(0, (strip + 0.1) / height, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

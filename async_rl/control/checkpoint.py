@@ -1,0 +1,124 @@
+"""Checkpoints: what a stopped run needs to go on, written atomically, verified on load.
+
+Owns: the ``RunState`` record (the orchestrator's side of a checkpoint: version, gate
+counters, prompt cursor, prompts to issue again, counters, file positions), the layout of
+``RUN_DIR/checkpoints/step-NNNNNN/`` (``state.json``, the trainer's ``trainer/`` folder,
+and ``manifest.json`` with a SHA-256 per file), writing one (a temporary folder renamed
+into place, the oldest beyond ``keep`` removed) and finding the newest good one (a
+missing or mismatching file refuses that checkpoint, in one line naming the file, and the
+one before it is tried). Knows nothing about Ray or what the trainer writes into its
+folder (``TrainerClient.save_checkpoint``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+
+from async_rl.control.step_metrics import Counters
+from async_rl.run.run_dir import FilePositions
+from async_rl.run.summary import EvalPoint
+from async_rl.tasks.sources import SourceState
+from buffers.records import Prompt
+from buffers.staleness import GateSnapshot
+
+CHECKPOINTS = "checkpoints"
+STATE = "state.json"
+MANIFEST = "manifest.json"
+TRAINER = "trainer"
+"""The trainer's folder in a checkpoint: a Hugging Face model (the rollout engines of a
+resumed run start from it) plus the optimizer and RNG state."""
+
+
+class CheckpointError(Exception):
+    """No usable checkpoint: the message is one line for the user."""
+
+
+class RunState(msgspec.Struct, frozen=True, kw_only=True):
+    """The orchestrator's state after ``step`` completed steps."""
+
+    step: int
+    version: int
+    gate: GateSnapshot
+    source: SourceState
+    reissue: tuple[Prompt, ...]
+    """Admitted (or re-queued) and not trained: issued again, first, on resume."""
+    counters: Counters
+    evals: tuple[EvalPoint, ...]
+    wall_s: float
+    """Training wall time up to this step (a resumed run's clock continues from it)."""
+    files: FilePositions
+    """How far metrics, ledger and evaluations had been written: a resumed run cuts
+    them back to here, so no step row or ledger event appears twice."""
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+async def write_checkpoint(run_dir: Path, state: RunState,
+                           save_trainer: Callable[[str], Awaitable[None]], keep: int) -> Path:
+    """Writes checkpoint ``step-NNNNNN`` for ``state``; returns its folder.
+
+    Everything goes into a temporary folder first, the manifest last; the rename makes it
+    visible whole, so a crash leaves either the previous checkpoints or this one too.
+    """
+    root = run_dir / CHECKPOINTS
+    final = root / f"step-{state.step:06d}"
+    partial = root / f".{final.name}.partial"
+    shutil.rmtree(partial, ignore_errors=True)
+    partial.mkdir(parents=True)
+    await save_trainer(str(partial / TRAINER))
+    (partial / STATE).write_bytes(msgspec.json.format(msgspec.json.encode(state)))
+    manifest = {str(p.relative_to(partial)): _sha256(p) for p in _files(partial)}
+    (partial / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
+    shutil.rmtree(final, ignore_errors=True)  # a stale one of the same step (a resumed run)
+    os.replace(partial, final)
+    for old in sorted(root.glob("step-*"))[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _check(folder: Path) -> RunState:
+    """The checkpoint's state, or ``CheckpointError`` naming the first bad file."""
+    manifest_path = folder / MANIFEST
+    if not manifest_path.is_file():
+        raise CheckpointError(f"{manifest_path}: missing (an incomplete checkpoint)")
+    manifest = msgspec.json.decode(manifest_path.read_bytes(), type=dict[str, str])
+    for name, digest in manifest.items():
+        path = folder / name
+        if not path.is_file():
+            raise CheckpointError(f"{path}: missing")
+        if _sha256(path) != digest:
+            raise CheckpointError(f"{path}: does not match its checksum (corrupt)")
+    try:
+        return msgspec.json.decode((folder / STATE).read_bytes(), type=RunState)
+    except msgspec.DecodeError as err:
+        raise CheckpointError(f"{folder / STATE}: {err}") from None
+
+
+def latest_checkpoint(run_dir: Path, warn: Callable[[str], None] = print
+                      ) -> tuple[Path, RunState]:
+    """The newest checkpoint that verifies; each refused one costs one ``warn`` line."""
+    folders = sorted((run_dir / CHECKPOINTS).glob("step-*"), reverse=True)
+    for folder in folders:
+        try:
+            return folder, _check(folder)
+        except CheckpointError as err:
+            warn(f"checkpoint refused: {err}")
+    raise CheckpointError(f"{run_dir}: no usable checkpoint to resume from "
+                          f"({len(folders)} refused)" if folders else
+                          f"{run_dir}: no checkpoint to resume from")

@@ -1,0 +1,426 @@
+"""The orchestrator: one async GRPO run's logic, in plain Python (no Ray).
+
+Owns: the order of a run, read top to bottom in ``Orchestrator.run``: evaluate the base
+policy, then two loops side by side —
+
+- ``rollout_loop``: prompt source -> AdmissionGate -> a rollout worker -> ReplayQueue;
+- ``training_loop``: ReplayQueue -> plan -> trainer shards -> new version -> weights;
+
+with the evaluations due every ``run.eval_every`` steps running beside them
+(``async_rl.control.evaluation_runner``), then save and evaluate again. Which rollout
+worker takes a prompt, and replacing lost ones, is ``async_rl.control.rollout_pool``'s;
+which failures stop the run, ``async_rl.control.run_health``'s (a failed run still ends
+with a checkpoint and a summary). It also keeps the prompt ledger: every admitted
+prompt ends trained exactly once, or dropped/failed and re-queued with a reason. It sees
+workers only through ``async_rl.control.protocols`` and groups only as metadata (the
+tokens stay with the workers). Knows nothing about Ray (``async_rl.shell.ray_shell``
+starts the workers and hands them in), how engines generate or shards compute, the
+rules of the gate, queue and plan (buffers/), nor when evaluations fall due
+(``async_rl.control.evaluation``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import anyio
+
+from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
+from async_rl.config import Config
+from async_rl.control.auto_layout import AutoLayout
+from async_rl.control.batching import shard_batches
+from async_rl.control.checkpoint import RunState, write_checkpoint
+from async_rl.control.evaluation import EvalLog
+from async_rl.control.evaluation_runner import EvaluationRunner
+from async_rl.control.prompt_ledger import PromptLedger
+from async_rl.control.protocols import (
+    ObservedWorker,
+    PublishedWeights,
+    RolloutClient,
+    RolloutFailed,
+    RunFailed,
+    TrainerClient,
+    Workers,
+    first_error,
+)
+from async_rl.control.rollout_pool import RolloutPool
+from async_rl.control.run_health import RunHealth
+from async_rl.control.step_metrics import StepTotals, step_row
+from async_rl.run.progress import RunProgress
+from async_rl.run.run_dir import FINAL_MODEL, RunWriter
+from async_rl.run.summary import EvalPoint, RunSummary
+from async_rl.tasks.sources import PromptSource
+from buffers.queue_records import Dropped
+from buffers.records import BroadcastTiming, Group, Prompt, UsageReading
+from buffers.replay_queue import ReplayQueue
+from buffers.staleness import AdmissionGate
+from workers.spans import SpanRecorder
+
+T = TypeVar("T")
+
+
+async def each(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Runs the calls concurrently; their results in order (the first error cancels)."""
+    results: list[T | None] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        results[i] = await calls[i]()
+
+    async with anyio.create_task_group() as group:
+        for i in range(len(calls)):
+            group.start_soon(one, i)
+    return results  # type: ignore[return-value]  # every slot was filled
+
+
+class Orchestrator:
+    """Runs one async GRPO job on started workers; see the module docstring."""
+
+    def __init__(self, config: Config, out: RunWriter, source: PromptSource,
+                 eval_prompts: Sequence[Prompt], workers: Workers) -> None:
+        self.config, self.out, self.source = config, out, source
+        self.rollout, self.trainers = workers.rollout, workers.trainers
+        self.totals = StepTotals(bucket_edges=config.queue.bucket_edges)
+        self.pool = RolloutPool(
+            workers.rollout, limit=config.rollout.max_inflight_prompts,
+            max_restarts=config.rollout.max_restarts, totals=self.totals,
+            restart=workers.restart_rollout, current_policy=self.current_policy)
+        self.weights = workers.weights
+        self.gate = AdmissionGate(
+            groups_per_step=config.trainer.groups_per_step,
+            max_staleness=config.staleness.max_staleness,
+        )
+        self.queue: ReplayQueue[Group] = ReplayQueue(
+            max_groups=config.queue.max_groups,
+            max_tokens=config.queue.max_tokens,
+            bucket_edges=config.queue.bucket_edges,
+            max_staleness=config.staleness.max_staleness,
+            # Called the moment a group goes stale, even while a take waits: the slot must
+            # come back at once or the gate could stay shut while training waits.
+            on_drop=self._on_drop,
+            wait_for_expiring=config.queue.wait_for_expiring,
+        )
+        self.version = 0
+        self.first_step = 1
+        """The step this run starts at (after a checkpoint's, on resume)."""
+        self.wall_offset = 0.0
+        """Training wall time already spent before this process (on resume)."""
+        self.stop_reason = ""
+        """Set by ``request_stop``: no step starts after it; the run ends cleanly."""
+        self.step_lock = anyio.Lock()
+        """Held while shards train and the version moves on: holding it, the trainer's
+        weights are exactly ``self.version`` (a restarted engine starts from them)."""
+        self.health = RunHealth(config, self.totals)
+        self.prompts = PromptLedger(out, lambda: self.version)
+        self.evals = EvalLog(every=config.run.eval_every, num_steps=config.run.num_steps)
+        self.evaluations = EvaluationRunner(eval_prompts, self.evals, self.pool,
+                                            self.health, out, evaluator=workers.evaluator,
+                                            source=self.trainers[0])
+        self.timings: list[BroadcastTiming] = []
+        """Broadcast timings completed since the last metrics row."""
+        self.auto_layout = (AutoLayout(self.rollout, self.trainers, workers.can_share)
+                            if config.run.layout == "auto" else None)
+        """run.layout auto's probe, until it has picked."""
+        record = config.run.record_spans
+        # The orchestrator's own tracks: what it waits on explains the workers' idle time.
+        self.admission = SpanRecorder(worker=ROLLOUT_TRACK, role="controller", rank=0,
+                                      device="driver", cause="no_work", enabled=record)
+        self.training = SpanRecorder(worker=TRAINER_TRACK, role="controller", rank=0,
+                                     device="driver", cause="no_work", enabled=record)
+
+    # ---- the run, top to bottom --------------------------------------------------------
+
+    async def run(self) -> RunSummary:
+        """The whole run; worker restarts and evaluations due run beside it. A failure
+        stops it with a checkpoint and a summary, as ``RunFailed`` with one line."""
+        try:
+            async with anyio.create_task_group() as self.pool.background:
+                summary = await self._run()
+        except BaseExceptionGroup as group:
+            failure = first_error(group)
+            if failure is None and (error := first_error(group, (Exception,))) is not None:
+                failure = self.health.unexpected(error, self.out.path)
+            if failure is None:
+                raise
+            with anyio.CancelScope(shield=True):
+                message = await self._stop_failed(failure, group)
+            raise RunFailed(message) from None
+        return summary
+
+    async def _run(self) -> RunSummary:
+        start = (await self.evaluations.evaluate(step=0, version=self.version)
+                 if self.first_step == 1 else None)
+        started = time.perf_counter() - self.wall_offset
+        self.evals.start(started)
+        if self.first_step > 1:  # what the resumed version was charged with
+            self.evals.produced(self.version, started + self.wall_offset,
+                                samples=self.totals.samples_trained,
+                                groups=self.totals.groups_trained,
+                                tokens=self.totals.tokens_trained)
+        # Idle accounting covers the training window only: drop setup and evaluation.
+        self.admission.flush()
+        self.training.flush()
+        usage_first = await self.read_usage()
+        assert self.pool.background is not None
+        self.pool.background.start_soon(self.evaluations.due_loop)
+        self.pool.background.start_soon(self.health.stall_watch, lambda: len(self.rollout))
+        with RunProgress(self.config.run.num_steps, enabled=self.config.run.progress) as bar:
+            async with anyio.create_task_group() as loops:
+                loops.start_soon(self.rollout_loop)
+                await self.training_loop(bar)
+                loops.cancel_scope.cancel()
+        self.health.watching = False
+        wall_s = time.perf_counter() - started
+        self.evals.training_ended()
+        rollout_versions = [await w.version() for w in list(self.rollout.values())]
+        self.prompts.close()
+        self.admission.switch("no_work")
+        self.training.switch("no_work")
+        usage_last = await self.read_usage()
+        await self.write_spans()
+        # A sharing trainer used a varying number of cores: the CPU-time check
+        # divides by its thread count averaged over compute.
+        cores = {t.name: await t.mean_cores() for t in self.trainers}
+        self.out.usage({name: {"first": usage_first[name], "last": reading,
+                               "cores": cores.get(name, 1.0)}
+                        for name, reading in usage_last.items() if name in usage_first})
+        # Evaluations still due finish (after the training window was recorded).
+        await self.evaluations.over.wait()
+        await self.checkpoint(wall_s)
+        await self.trainers[0].save(str(self.out.path / FINAL_MODEL))
+        end = (None if self.stop_reason
+               else await self.evaluations.evaluate(self.version, self.version))
+        if start is None and self.evals.points:
+            start = self.evals.points[0]
+        summary = self._summary(wall_s, start, end, rollout_versions, self.stop_reason)
+        self.out.summary(summary)
+        self.out.close()
+        return summary
+
+    def _summary(self, wall_s: float, start: EvalPoint | None, end: EvalPoint | None,
+                 rollout_versions: Sequence[int], stopped: str) -> RunSummary:
+        return self.totals.summary(
+            wall_s=wall_s, final_version=self.version,
+            accuracy_start=start.accuracy if start else None,
+            accuracy_end=end.accuracy if end else None,
+            max_staleness=self.config.staleness.max_staleness,
+            rollout_version=min(rollout_versions, default=-1),
+            evals=self.evals.points, target_accuracy=self.config.run.target_accuracy,
+            stopped=stopped,
+        )
+
+    async def rollout_loop(self) -> None:
+        """Admits prompts through the gate and hands each to the least-busy live worker."""
+
+        def waiting() -> None:
+            # Slots held by groups blocked on a full queue are backpressure.
+            full = self.queue.statistics().put_waits.waiting_now > 0
+            self.admission.switch("queue_full" if full else "admitting")
+
+        async with anyio.create_task_group() as generations:
+            while True:
+                if not self.gate.open_slots:
+                    self.admission.switch("gate_closed", self.gate.version)
+                await self.gate.acquire()
+                rank, worker = await self.pool.acquire(waiting)
+                self.admission.switch("admitting", self.gate.version)
+                prompt = self.prompts.admit(self.source)
+                generations.start_soon(self.generate, rank, worker, prompt)
+
+    async def generate(self, rank: int, worker: RolloutClient, prompt: Prompt) -> None:
+        """One prompt on one worker, then into the queue (waiting there is backpressure)."""
+        try:
+            # Every live engine runs the gate's version, so the group's tokens are no
+            # older: a take that must hold the group waits for it (wait_for_expiring).
+            with self.queue.expecting(self.gate.version):
+                group = await worker.generate(prompt)
+            self.totals.generated(group)
+            self.prompts.write(prompt, "generated")
+            # The worker's slot stays taken until the queue has room: backpressure.
+            await self.queue.put(group)
+            self.health.progressed()
+        except RolloutFailed as failed:
+            self.health.rollout_failed(failed)
+            if failed.worker_gone:
+                self.pool.retire(rank, worker, failed.reason)  # dead, broken or stuck
+            self._requeue(prompt, "failed", f"rollout_error:{failed.reason}")
+        finally:
+            await self.pool.release(rank)
+
+    async def training_loop(self, bar: RunProgress) -> None:
+        """Take a step's groups, plan, train on every shard, publish the new version.
+
+        Delivery of a published version to the rollout workers runs beside the next
+        step; the gate opens for a version only once every worker runs it. A step whose
+        groups a shard could not fetch (their rollout worker died) trains nothing: its
+        prompts run again and the step is taken anew.
+        """
+        cfg = self.config
+        delivered = anyio.Event()
+        delivered.set()
+        step = self.first_step
+        async with anyio.create_task_group() as deliveries:
+            while step <= cfg.run.num_steps and not self.stop_reason:
+                self.training.switch("wait_data", self.version)
+                t0 = time.perf_counter()
+                groups = await self.queue.take(cfg.trainer.groups_per_step,
+                                               at_version=self.version,
+                                               homogeneous=cfg.queue.homogeneous_take)
+                self.training.switch("training")
+                t1 = time.perf_counter()
+                batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step)
+                async with self.step_lock:
+                    results = await each([
+                        lambda shard=shard, batch=batch: shard.train(batch)  # type: ignore[misc]
+                        for shard, batch in zip(self.trainers, batches, strict=True)
+                    ])
+                    untrained = self.health.untrained(step, results)
+                    if not untrained:
+                        self.version += 1
+                self.health.progressed()
+                if untrained:  # nothing was trained: the step's prompts run again
+                    for group in groups:
+                        self._requeue(group.prompt, "failed", untrained)
+                    continue
+                t2 = time.perf_counter()
+                staleness = [self.version - 1 - g.min_version for g in groups]
+                for group in groups:
+                    self.prompts.trained(group.prompt, version=self.version - 1)
+                if self.version % cfg.weights.sync_every == 0:
+                    self.training.switch("weight_publish", self.version)
+                    published = await self.weights.publish(self.version)
+                    previous, delivered = delivered, anyio.Event()
+                    deliveries.start_soon(self.deliver, published, previous, delivered)
+                timings, self.timings = self.timings, []
+                row = step_row(
+                    step=step, version=self.version, groups=groups, results=results,
+                    plan=plan, staleness=staleness, wait_s=t1 - t0, train_s=t2 - t1,
+                    sync_s=time.perf_counter() - t2, timings=timings,
+                    queue=self.queue.statistics(), totals=self.totals,
+                )
+                self.out.metrics(row)
+                self.evals.produced(self.version, t2, samples=self.totals.samples_trained,
+                                    groups=self.totals.groups_trained,
+                                    tokens=self.totals.tokens_trained)
+                await self.evaluations.version_trained(self.version)
+                bar.update(row)
+                if self.auto_layout is not None and not self.auto_layout.choice:
+                    await self.auto_layout.after_step(step, results)
+                every = cfg.run.checkpoint_every
+                if every and step % every == 0 and step < cfg.run.num_steps:
+                    await self.checkpoint(time.perf_counter() - self.evals.started)
+                step += 1
+            self.training.switch("weight_publish")  # the last delivery, awaited on exit
+
+    async def deliver(self, published: PublishedWeights, previous: anyio.Event,
+                      done: anyio.Event) -> None:
+        """Loads a published version into every rollout worker, in version order."""
+        await previous.wait()
+        targets = dict(self.rollout)
+        timings, failed = await self.weights.deliver(published, list(targets))
+        self.timings.extend(timings)
+        for rank in failed:
+            self.pool.retire(rank, targets[rank],
+                             f"weight load of version {published.version} failed")
+        self.gate.on_version(published.version)
+        done.set()
+        # On the rollout engines: evaluated once delivered, so they run (at least) it.
+        self.evaluations.version_delivered(published.version)
+
+    # ---- stopping, checkpoints, resuming ------------------------------------------------
+
+    def request_stop(self, reason: str) -> None:
+        """Ends the run cleanly after the step in progress: no new step starts."""
+        if not self.stop_reason:
+            self.stop_reason = reason
+            print(f"{reason}: stopping after the current step (again to stop at once)")
+
+    async def checkpoint(self, wall_s: float, shard: TrainerClient | None = None) -> None:
+        """A checkpoint of the last completed step: prompts admitted but not trained
+        (in flight, queued or re-queued) are saved to be issued again. The weights come
+        from ``shard`` (default shard 0: shards are replicas)."""
+        # Every admission slot not spent on a trained group goes back: those of open
+        # prompts, and any the rollout loop held while it waited for a free worker.
+        unspent = self.gate.statistics().started - self.totals.groups_trained
+        state = RunState(
+            step=self.version, version=self.version,
+            gate=self.gate.snapshot(in_flight=unspent),
+            source=self.source.state(), reissue=self.prompts.owed(),
+            counters=self.totals.counters(), evals=tuple(self.evals.points),
+            wall_s=wall_s, files=self.out.positions,
+        )
+        saver = shard or self.trainers[0]
+        await write_checkpoint(self.out.path, state, saver.save_checkpoint,
+                               keep=self.config.run.keep_checkpoints)
+
+    async def _stop_failed(self, failure: Exception,
+                           group: BaseExceptionGroup[BaseException]) -> str:
+        """After a failure: a checkpoint from a live trainer shard, a summary saying why;
+        returns the one line the user gets."""
+        dead = self.health.failed(failure, group)
+        live = [shard for rank, shard in enumerate(self.trainers) if rank not in dead]
+        wall_s = time.perf_counter() - self.evals.started
+        saved = "no live trainer shard to write a checkpoint from"
+        if live:
+            try:
+                await self.checkpoint(wall_s, live[0])
+                saved = f"checkpoint of step {self.version} written"
+            except Exception as err:  # the failure itself may be what breaks saving
+                saved = f"no checkpoint ({type(err).__name__}: {str(err).splitlines()[0]})"
+        self.out.summary(self._summary(wall_s, None, None, (), f"failed: {failure}"))
+        self.out.close()
+        return self.health.message(failure, saved)
+
+    def restore(self, state: RunState, refused: int = 0) -> None:
+        """Continues from a checkpoint: its version (the workers were started from its
+        weights), counters and cursor; its unfinished prompts are issued first.
+        ``refused``: newer checkpoints that did not verify (restore failures)."""
+        self.version = state.version
+        self.first_step = state.step + 1
+        self.wall_offset = state.wall_s
+        self.gate.restore(state.gate)
+        if state.gate.version < state.version:  # saved while its delivery still ran
+            self.gate.on_version(state.version)  # the engines start from this version
+        self.source.restore(state.source)
+        self.totals.restore(state.counters)
+        self.totals.restore_failures += refused
+        self.evals.points.extend(state.evals)
+        self.prompts.reissue(state.reissue)
+
+    # ---- observation -------------------------------------------------------------------
+
+    def _observed(self) -> list[ObservedWorker]:
+        return [*self.rollout.values(), *self.trainers]
+
+    async def read_usage(self) -> dict[str, UsageReading]:
+        """Each live worker's CPU-time (and NVML) counters, keyed by worker name."""
+        return {w.name: await w.usage() for w in self._observed()}
+
+    async def write_spans(self) -> None:
+        """Gathers the orchestrator's and every worker's spans and stores them."""
+        if not self.config.run.record_spans:
+            return
+        spans = self.admission.flush() + self.training.flush()
+        for worker in self._observed():
+            spans += await worker.spans()
+        self.out.spans(spans)
+
+    # ---- workers lost, prompts re-queued -------------------------------------------------
+
+    async def current_policy(self, rank: int) -> tuple[str, int]:
+        """The trainer's current policy, written for rollout worker ``rank`` to restart
+        from, and its version (under the step lock: exactly that version)."""
+        async with self.step_lock:
+            model_dir = self.out.path / "restarts" / f"rollout-{rank}-v{self.version}"
+            await self.trainers[0].save_policy(str(model_dir))
+            return str(model_dir), self.version
+
+    def _on_drop(self, dropped: Dropped[Group]) -> None:
+        self.totals.dropped(dropped.item)
+        self._requeue(dropped.item.prompt, "dropped", dropped.reason)
+
+    def _requeue(self, prompt: Prompt, event: str, reason: str) -> None:
+        """Gives the prompt's admission slot back and runs it again: nothing is lost."""
+        self.gate.release()
+        self.prompts.requeue(prompt, event, reason)

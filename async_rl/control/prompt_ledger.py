@@ -1,0 +1,74 @@
+"""The prompt ledger: every admitted prompt's life, and the prompts still owed a training.
+
+Owns: writing each event of a prompt to ``ledger.jsonl`` (admitted, generated, trained,
+dropped or failed and re-queued with a reason, unfinished at the end) and the two sets
+behind the run's "nothing lost, nothing trained twice": the prompts admitted and not yet
+trained (``open``) and those waiting to run again (``requeued``, handed out before new
+ones). Knows nothing about the gate, the queue or workers: the orchestrator says what
+happened.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+
+import msgspec
+
+from async_rl.run.run_dir import RunWriter
+from async_rl.tasks.sources import PromptSource
+from buffers.records import LedgerEntry, Prompt
+
+
+class PromptLedger:
+    """A run's prompts in flight, owed, and their events; ``version`` labels each event."""
+
+    def __init__(self, out: RunWriter, version: Callable[[], int]) -> None:
+        self._out, self._version = out, version
+        self.requeued: deque[Prompt] = deque()
+        self.open: dict[str, Prompt] = {}
+        """Admitted and not yet trained or re-queued: in flight or in the queue."""
+
+    def write(self, prompt: Prompt, event: str, *, reason: str = "",
+              version: int | None = None) -> None:
+        self._out.ledger(LedgerEntry(
+            prompt_id=prompt.prompt_id, event=event,
+            version=self._version() if version is None else version,
+            attempt=prompt.attempt, reason=reason, time=time.time(),
+        ))
+
+    def admit(self, source: PromptSource) -> Prompt:
+        """The next prompt to run: a re-queued one first, else a new one from ``source``."""
+        prompt = self.requeued.popleft() if self.requeued else source.next_prompt()
+        self.write(prompt, "admitted")
+        self.open[prompt.prompt_id] = prompt
+        return prompt
+
+    def trained(self, prompt: Prompt, version: int) -> None:
+        self.open.pop(prompt.prompt_id, None)
+        self.write(prompt, "trained", version=version)
+
+    def requeue(self, prompt: Prompt, event: str, reason: str) -> None:
+        """``event`` (dropped, failed) and the prompt runs again, as its next attempt."""
+        self.write(prompt, event, reason=reason)
+        self.open.pop(prompt.prompt_id, None)
+        self.requeued.append(msgspec.structs.replace(prompt, attempt=prompt.attempt + 1))
+        self.write(prompt, "requeued", reason=reason)
+
+    def owed(self) -> tuple[Prompt, ...]:
+        """Every prompt admitted or re-queued and not trained (what a checkpoint keeps)."""
+        return (*self.requeued, *self.open.values())
+
+    def reissue(self, prompts: Iterable[Prompt]) -> None:
+        """A resumed run's owed prompts, first in line. The same attempt again: it was
+        cut short, not failed or dropped, so with rollout.sampling_seed it samples what
+        it would have without the stop."""
+        for prompt in prompts:
+            self.write(prompt, "requeued", reason="resume")
+            self.requeued.append(prompt)
+
+    def close(self) -> None:
+        """The run ended: what was generated or queued and never trained is unfinished."""
+        for prompt in self.open.values():
+            self.write(prompt, "unfinished", reason="run_ended")

@@ -1,0 +1,228 @@
+"""What the orchestrator may ask of its workers: the protocols, and the errors they raise.
+
+Owns: the orchestrator's whole view of the compute plane — a rollout worker
+(``RolloutClient``), a trainer shard (``TrainerClient``), the weight path
+(``WeightPath``), the evaluator beside them (``Evaluator``), what every worker reports
+for the idle accounting (``ObservedWorker``), the bundle the shell hands over
+(``Workers``) and the failures: a worker's (``RolloutFailed``, ``EvaluationFailed``)
+and the run's (``RunFailed``). Knows nothing about Ray: ``async_rl.shell.ray_shell`` adapts
+actor handles to these protocols, and the unit tests pass in-process fakes, so the
+orchestrator's loops run the same against both.
+
+Data moves by reference: a ``Group`` a rollout worker returns carries no tokens, only a
+reference (``Group.tokens``) that the trainer shards resolve themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+from buffers.records import (
+    BroadcastTiming,
+    EvalResult,
+    Group,
+    Prompt,
+    ShardBatch,
+    ShardStepResult,
+    UsageReading,
+)
+from workers.spans import Span
+
+E = TypeVar("E", bound=Exception)
+
+
+class RolloutFailed(Exception):
+    """A rollout call did not produce its result.
+
+    ``worker_gone``: the worker is dead or broken (a failed weight load, say) and must
+    get no more work; otherwise only this call failed.
+    """
+
+    def __init__(self, reason: str, *, worker_gone: bool, out_of_memory: bool = False,
+                 timed_out: bool = False) -> None:
+        super().__init__(reason)
+        self.reason = reason
+        self.worker_gone = worker_gone
+        self.out_of_memory = out_of_memory
+        self.timed_out = timed_out
+
+
+class ObservedWorker(Protocol):
+    """What every worker reports for the idle accounting and the CPU-time cross-check."""
+
+    @property
+    def name(self) -> str:
+        """e.g. "rollout-0", "trainer-1": the worker's track in spans and usage."""
+        ...
+
+    async def usage(self) -> UsageReading:
+        """Cumulative OS counters of the worker's process tree."""
+        ...
+
+    async def spans(self) -> list[Span]:
+        """Closed spans since the last call, on the orchestrator's clock."""
+        ...
+
+
+class RolloutClient(ObservedWorker, Protocol):
+    """A rollout engine: generates scored groups, evaluates, runs one policy version."""
+
+    async def generate(self, prompt: Prompt) -> Group:
+        """Generates and scores one group; raises ``RolloutFailed``."""
+        ...
+
+    async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
+        """Greedy held-out accuracy; raises ``RolloutFailed``."""
+        ...
+
+    async def version(self) -> int:
+        """Policy version of the weights the engine runs."""
+        ...
+
+    async def busy_seconds(self) -> float:
+        """Seconds the engine had requests in flight or loaded weights (run.layout auto)."""
+        ...
+
+
+class TrainerClient(ObservedWorker, Protocol):
+    """One data-parallel trainer shard; every shard takes part in every step."""
+
+    async def train(self, batch: ShardBatch) -> ShardStepResult:
+        """One training step (its optimizer updates); the shard resolves ``batch.groups``
+        itself."""
+        ...
+
+    async def set_sharing(self, enabled: bool) -> None:
+        """run.layout: may the shard borrow idle rollout cores from its next phase on."""
+        ...
+
+    async def mean_cores(self) -> float:
+        """Threads used, averaged over compute time (the CPU-time cross-check's cores)."""
+        ...
+
+    async def policy_weights(self, version: int) -> PolicyWeights:
+        """The policy's weights, labelled ``version``, by reference (for the evaluator).
+        Taken in order with training calls: exactly the weights of the last step."""
+        ...
+
+    async def save(self, out_dir: str) -> None:
+        """Writes the current policy in Hugging Face format."""
+        ...
+
+    async def save_policy(self, out_dir: str) -> None:
+        """Writes the policy with its tokenizer: an engine can start from the folder."""
+        ...
+
+    async def save_checkpoint(self, out_dir: str) -> None:
+        """Writes the policy, its tokenizer and the optimizer and RNG state to resume."""
+        ...
+
+
+class PolicyWeights(Protocol):
+    """One version's weights where an evaluator can load them (what it holds is the
+    shell's own: on Ray, a reference into the object store)."""
+
+    @property
+    def version(self) -> int: ...
+
+
+class Evaluator(Protocol):
+    """Scores exact policy versions away from the rollout engines (run.eval_on)."""
+
+    async def evaluate(self, prompts: Sequence[Prompt], weights: PolicyWeights) -> EvalResult:
+        """Greedy held-out accuracy of ``weights``; raises ``EvaluationFailed``."""
+        ...
+
+
+class EvaluationFailed(Exception):
+    """The evaluator could not score a version (it died, timed out or raised): the
+    evaluation's row is lost, the run goes on."""
+
+
+class PublishedWeights(Protocol):
+    """A published version, ready to deliver (what it holds is the weight path's own)."""
+
+    @property
+    def version(self) -> int: ...
+
+
+class WeightPath(Protocol):
+    """Trainer shard 0's weights to every live rollout engine, one version at a time."""
+
+    async def publish(self, version: int) -> PublishedWeights:
+        """Snapshots the weights of ``version``; returns before delivery, so training
+        can go on with the next step while rollout engines load."""
+        ...
+
+    async def deliver(self, published: PublishedWeights, ranks: Sequence[int]
+                      ) -> tuple[list[BroadcastTiming], list[int]]:
+        """Makes ``published`` the policy of the rollout workers ``ranks``; returns the
+        timings of those that loaded it and the ranks that failed (each then unusable)."""
+        ...
+
+
+class RunFailed(Exception):
+    """The run cannot go on (every rollout worker gone, restarts used up): one line."""
+
+
+class WaitTimedOut(RunFailed):
+    """A call to a worker got no answer in time: names what was waited for, how long."""
+
+    def __init__(self, what: str, seconds: float, key: str) -> None:
+        super().__init__(f"timed out after {seconds:g} s waiting for {what} ({key})")
+
+
+class TrainerFailed(RunFailed):
+    """A trainer shard's step failed. ``dead``: its process is gone or stuck, so only
+    the other shards can still write the checkpoint (shards are replicas)."""
+
+    def __init__(self, rank: int, reason: str, *, dead: bool,
+                 out_of_memory: bool = False, timed_out: bool = False) -> None:
+        super().__init__(f"trainer-{rank} {'died' if dead else 'failed'}: {reason}")
+        self.rank = rank
+        self.dead = dead
+        self.out_of_memory = out_of_memory
+        self.timed_out = timed_out
+
+
+def all_errors(group: BaseExceptionGroup[BaseException], kind: type[E]) -> list[E]:
+    """Every error of ``kind`` inside nested task-group errors."""
+    found: list[E] = []
+    for error in group.exceptions:
+        if isinstance(error, kind):
+            found.append(error)
+        elif isinstance(error, BaseExceptionGroup):
+            found += all_errors(error, kind)
+    return found
+
+
+def first_error(group: BaseExceptionGroup[BaseException],
+                kinds: tuple[type[Exception], ...] = ()) -> Exception | None:
+    """The first error of ``kinds`` (default: ``RunFailed``) inside nested task-group
+    errors, if there is one: what the user gets as one line instead of the tree."""
+    for error in group.exceptions:
+        if isinstance(error, BaseExceptionGroup):  # groups are Exceptions too: look inside
+            if found := first_error(error, kinds):
+                return found
+        elif isinstance(error, kinds or (RunFailed,)):
+            return error
+    return None
+
+
+@dataclass
+class Workers:
+    """The started compute plane, as the orchestrator sees it."""
+
+    rollout: dict[int, RolloutClient]
+    """rank -> live rollout worker; retired workers are removed."""
+    trainers: list[TrainerClient]
+    weights: WeightPath
+    evaluator: Evaluator | None = None
+    """Where evaluations run with run.eval_on = "idle_cpu"; None: on rollout workers."""
+    can_share: bool = False
+    """Trainers can borrow rollout cores (run.layout shared/auto on CPU)."""
+    restart_rollout: Callable[[int, str, int], Awaitable[RolloutClient]] | None = None
+    """Starts a new rollout worker for a rank from a model folder labelled with a
+    version; None: lost workers are not replaced."""

@@ -1,0 +1,112 @@
+"""RunHealth: which failures a run survives, counts and reports, and which stop it.
+
+Owns: the failure classes' counting (``StepTotals.failures`` holds the counts), the rules
+that turn repeated or silent trouble into a named stop — trainer.max_nonfinite_steps
+non-finite steps in a row, no progress for rollout.stall_timeout_s — and, once a run
+fails, which trainer shards are still alive to write its checkpoint and the one line the
+user gets. Knows nothing about workers beyond the protocols' errors, nor about queues.
+"""
+
+from __future__ import annotations
+
+import time
+import traceback
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import anyio
+
+from async_rl.config import Config
+from async_rl.control.protocols import (
+    RolloutFailed,
+    RunFailed,
+    TrainerFailed,
+    WaitTimedOut,
+    all_errors,
+)
+from async_rl.control.step_metrics import StepTotals
+from async_rl.run.summary import describe_failures
+from buffers.records import ShardStepResult
+
+ERROR_LOG = "error.log"
+"""The traceback of an unexpected error that stopped the run, in the run directory."""
+
+
+class RunHealth:
+    """See the module docstring."""
+
+    def __init__(self, config: Config, totals: StepTotals) -> None:
+        self.config, self.totals = config, totals
+        self.last_progress = time.perf_counter()
+        """When a group was last generated or a step last trained (the stall watch's)."""
+        self.watching = True
+        """The stall watch runs while this holds (the training window)."""
+
+    def progressed(self) -> None:
+        """A group was generated or a step trained."""
+        self.last_progress = time.perf_counter()
+
+    def rollout_failed(self, failed: RolloutFailed) -> None:
+        self.totals.rollout_failures += 1
+        self.totals.out_of_memory += failed.out_of_memory
+        self.totals.timeouts += failed.timed_out
+
+    def untrained(self, step: int, results: Sequence[ShardStepResult]) -> str:
+        """Why a step's shards trained nothing ("" when they trained): a shard could not
+        fetch its groups (their rollout worker died), or the gradient was not finite
+        (the update was skipped). Raises ``RunFailed`` at trainer.max_nonfinite_steps
+        non-finite steps in a row: a diverged run stops loudly."""
+        if any(r.samples_lost for r in results):
+            self.totals.lost_steps += 1
+            return "samples_lost"
+        if not any(r.nonfinite for r in results):
+            self.totals.nonfinite_in_a_row = 0
+            return ""
+        self.totals.nonfinite_steps += 1
+        self.totals.nonfinite_in_a_row += 1
+        limit = self.config.trainer.max_nonfinite_steps
+        print(f"step {step}: non-finite gradient (norm {results[0].grad_norm}): nothing "
+              f"trained, its prompts run again ({self.totals.nonfinite_in_a_row} in a row "
+              f"of trainer.max_nonfinite_steps = {limit})")
+        if self.totals.nonfinite_in_a_row >= limit:
+            raise RunFailed(f"{limit} steps in a row had a non-finite gradient "
+                            "(trainer.max_nonfinite_steps): the policy diverged")
+        return "nonfinite"
+
+    async def stall_watch(self, live_workers: Callable[[], int]) -> None:
+        """Raises ``RunFailed`` (a rollout stall) once nothing progressed for
+        rollout.stall_timeout_s, instead of letting the run hang; returns once
+        ``watching`` is cleared."""
+        limit = self.config.rollout.stall_timeout_s
+        while self.watching:
+            await anyio.sleep(min(limit / 4, 1.0))
+            quiet = time.perf_counter() - self.last_progress
+            if quiet > limit and self.watching:
+                self.totals.rollout_stalls += 1
+                raise RunFailed(f"rollout stall: no group generated and no step trained for "
+                                f"{quiet:.0f} s (rollout.stall_timeout_s = {limit:g}); "
+                                f"{live_workers()} live rollout worker(s)")
+
+    def failed(self, failure: Exception, group: BaseExceptionGroup[BaseException]
+               ) -> set[int]:
+        """Counts a failure that stops the run; returns the ranks of the trainer shards
+        it left dead or stuck (they cannot write a checkpoint)."""
+        faults = all_errors(group, TrainerFailed)
+        for fault in faults:
+            self.totals.out_of_memory += fault.out_of_memory
+            self.totals.timeouts += fault.timed_out
+        self.totals.timeouts += isinstance(failure, WaitTimedOut)
+        return {fault.rank for fault in faults if fault.dead}
+
+    def unexpected(self, error: Exception, run_dir: Path) -> RunFailed:
+        """An error no rule expected (a bug, a broken disk): its traceback goes to
+        RUN_DIR/error.log and the run stops like any failure, with one line."""
+        log = run_dir / ERROR_LOG
+        log.write_text("".join(traceback.format_exception(error)))
+        first = (str(error).splitlines() or [""])[0]
+        return RunFailed(f"unexpected {type(error).__name__}: {first} (traceback in {log})")
+
+    def message(self, failure: Exception, saved: str) -> str:
+        """The one line a failed run ends with: why, what was saved, the failure counts."""
+        failures = describe_failures(self.totals.failures())
+        return f"{failure}; {saved}" + (f" [failures: {failures}]" if failures else "")

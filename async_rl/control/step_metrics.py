@@ -1,0 +1,235 @@
+"""Per-step metrics rows and whole-run totals.
+
+Owns: what one metrics.jsonl row holds (reward, accuracy, loss statistics, staleness
+histogram, queue state, throughput, broadcast timings, balance) and the running totals
+that become the run summary. Knows nothing about where the figures come from.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+
+from async_rl.control.evaluation import first_at_target
+from async_rl.run.summary import BucketDrops, EvalPoint, RunSummary
+from buffers.balance import StepPlan
+from buffers.queue_records import ReplayQueueStatistics
+from buffers.records import BroadcastTiming, Group, ShardStepResult
+from buffers.replay_store import bucket_index
+from workers.trainer.loss_stats import merge_stats, summarise
+
+
+class Counters(msgspec.Struct, frozen=True, kw_only=True):
+    """``StepTotals`` as saved: every failure class and throughput counter."""
+
+    groups_trained: int
+    samples_trained: int
+    tokens_trained: int
+    dropped_stale: int
+    rollout_failures: int
+    reward_failures: int
+    nonfinite_steps: int
+    retired_workers: int
+    lost_steps: int
+    restarts: int
+    staleness: dict[int, int]
+    # Defaults: checkpoints written before these existed still read.
+    out_of_memory: int = 0
+    rollout_stalls: int = 0
+    restore_failures: int = 0
+    timeouts: int = 0
+    stale_drops_by_length: tuple[BucketDrops, ...] = ()
+
+
+class StepTotals:
+    """Counters the orchestrator bumps during a run; ``bucket_edges``: queue.bucket_edges,
+    the token-length buckets stale drops are counted by."""
+
+    def __init__(self, bucket_edges: Sequence[int] = ()) -> None:
+        self.groups_trained = 0
+        self.samples_trained = 0
+        self.tokens_trained = 0
+        self.dropped_stale = 0
+        self.rollout_failures = 0
+        self.reward_failures = 0
+        self.nonfinite_steps = 0
+        self.retired_workers = 0
+        self.lost_steps = 0
+        self.restarts = 0
+        self.out_of_memory = 0
+        self.rollout_stalls = 0
+        self.restore_failures = 0
+        self.timeouts = 0
+        self.nonfinite_in_a_row = 0
+        """Non-finite steps since the last good one (trainer.max_nonfinite_steps)."""
+        self.staleness: Counter[int] = Counter()
+        self.bucket_edges = tuple(bucket_edges)
+        self.generated_by_bucket = [0] * (len(self.bucket_edges) + 1)
+        self.dropped_by_bucket = [0] * (len(self.bucket_edges) + 1)
+
+    def generated(self, group: Group) -> None:
+        """A group came back from a rollout worker (before it is queued)."""
+        self.reward_failures += group.reward_failures
+        self.generated_by_bucket[bucket_index(self.bucket_edges, group.num_tokens)] += 1
+
+    def dropped(self, group: Group) -> None:
+        """The queue dropped a group as stale."""
+        self.dropped_stale += 1
+        self.dropped_by_bucket[bucket_index(self.bucket_edges, group.num_tokens)] += 1
+
+    def by_length(self) -> tuple[BucketDrops, ...]:
+        lows = (0, *self.bucket_edges)
+        highs: tuple[int | None, ...] = (*self.bucket_edges, None)
+        return tuple(BucketDrops(low=lo, high=hi, groups=g, dropped=d) for lo, hi, g, d in
+                     zip(lows, highs, self.generated_by_bucket, self.dropped_by_bucket,
+                         strict=True))
+
+    def counters(self) -> Counters:
+        """The totals as a checkpoint keeps them."""
+        return Counters(
+            groups_trained=self.groups_trained, samples_trained=self.samples_trained,
+            tokens_trained=self.tokens_trained, dropped_stale=self.dropped_stale,
+            rollout_failures=self.rollout_failures, reward_failures=self.reward_failures,
+            nonfinite_steps=self.nonfinite_steps, retired_workers=self.retired_workers,
+            lost_steps=self.lost_steps, restarts=self.restarts,
+            staleness=dict(self.staleness), out_of_memory=self.out_of_memory,
+            rollout_stalls=self.rollout_stalls, restore_failures=self.restore_failures,
+            timeouts=self.timeouts, stale_drops_by_length=self.by_length())
+
+    def restore(self, counters: Counters) -> None:
+        for name in Counters.__struct_fields__:
+            if name not in ("staleness", "stale_drops_by_length"):
+                setattr(self, name, getattr(counters, name))
+        self.staleness = Counter(counters.staleness)
+        saved = counters.stale_drops_by_length
+        # Counts by other bucket edges (changed on resume) would be mislabelled here.
+        if [(b.low, b.high) for b in saved] == [(b.low, b.high) for b in self.by_length()]:
+            self.generated_by_bucket = [b.groups for b in saved]
+            self.dropped_by_bucket = [b.dropped for b in saved]
+
+    def failures(self) -> dict[str, int]:
+        """Every failure class with its count, as summary.json, the progress line and
+        the exit message name them."""
+        return {
+            "out_of_memory": self.out_of_memory,
+            "rollout_stall": self.rollout_stalls,
+            "worker_restarts": self.restarts,
+            "rollout_errors": self.rollout_failures,
+            "timeouts": self.timeouts,
+            "restore_failures": self.restore_failures,
+            "nonfinite_steps": self.nonfinite_steps,
+            "lost_steps": self.lost_steps,
+            "reward_errors": self.reward_failures,
+            "stale_drops": self.dropped_stale,
+        }
+
+    def summary(self, *, wall_s: float, final_version: int, accuracy_start: float | None,
+                accuracy_end: float | None, max_staleness: int, rollout_version: int,
+                evals: Sequence[EvalPoint] = (), target_accuracy: float = 0.8,
+                stopped: str = "") -> RunSummary:
+        top = max(self.staleness, default=0)
+        reached = first_at_target(evals, target_accuracy)
+        return RunSummary(
+            steps=final_version,
+            final_version=final_version,
+            rollout_version=rollout_version,
+            wall_s=wall_s,
+            groups_trained=self.groups_trained,
+            tokens_trained=self.tokens_trained,
+            groups_per_s=self.groups_trained / wall_s if wall_s else 0.0,
+            tokens_per_s=self.tokens_trained / wall_s if wall_s else 0.0,
+            accuracy_start=accuracy_start,
+            accuracy_end=accuracy_end,
+            staleness_histogram=tuple(self.staleness[s] for s in range(top + 1)),
+            dropped_stale=self.dropped_stale,
+            rollout_failures=self.rollout_failures,
+            reward_failures=self.reward_failures,
+            nonfinite_steps=self.nonfinite_steps,
+            retired_workers=self.retired_workers,
+            lost_steps=self.lost_steps,
+            restarts=self.restarts,
+            stopped=stopped,
+            failures=self.failures(),
+            max_staleness=max_staleness,
+            samples_trained=self.samples_trained,
+            target_accuracy=target_accuracy,
+            time_to_target_s=reached.wall_s if reached else None,
+            samples_to_target=reached.samples_trained if reached else None,
+            evals=tuple(evals),
+            stale_drops_by_length=self.by_length(),
+        )
+
+
+def _padding_ratio(results: Sequence[ShardStepResult]) -> float:
+    """Positions the trainer computed / real tokens over all shards (1.0: no padding)."""
+    real = sum(r.input_tokens for r in results)
+    return sum(r.computed_positions for r in results) / real if real else 1.0
+
+
+def step_row(
+    *,
+    step: int,
+    version: int,
+    groups: Sequence[Group],
+    results: Sequence[ShardStepResult],
+    plan: StepPlan,
+    staleness: Sequence[int],
+    wait_s: float,
+    train_s: float,
+    sync_s: float,
+    timings: Sequence[BroadcastTiming],
+    queue: ReplayQueueStatistics,
+    totals: StepTotals,
+) -> dict[str, Any]:
+    """One metrics row; also folds the step into ``totals``."""
+    rewards = [r for g in groups for r in g.rewards]
+    tokens = sum(g.num_tokens for g in groups)
+    totals.groups_trained += len(groups)
+    totals.samples_trained += sum(g.num_samples for g in groups)
+    totals.tokens_trained += tokens
+    totals.staleness.update(staleness)
+    histogram = Counter(staleness)
+    step_s = wait_s + train_s + sync_s
+    lengths = sorted(n for g in groups for n in g.completion_lengths)
+    return {
+        "step": step,
+        "version": version,
+        "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
+        "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else 0.0,
+        **summarise(merge_stats([r.loss for r in results])),
+        "grad_norm": results[0].grad_norm if results else 0.0,
+        # Cumulative counts of the failure classes so far (the progress line shows them).
+        "failures": {k: v for k, v in totals.failures().items() if v},
+        "staleness_histogram": [histogram[s] for s in range(max(histogram, default=0) + 1)],
+        "staleness_max": max(staleness, default=0),
+        "groups": len(groups),
+        "tokens": tokens,
+        "tokens_per_s": tokens / step_s if step_s else 0.0,
+        # The long tail the buckets and the balancer exist for.
+        "completion_tokens": {"mean": sum(lengths) / len(lengths),
+                              "p50": lengths[len(lengths) // 2],
+                              "max": lengths[-1]} if lengths else {},
+        "wait_s": wait_s,
+        "train_s": train_s,
+        "sync_s": sync_s,
+        "imbalance": plan.imbalance,
+        "micro_batches_per_shard": len(plan.shards[0].micro_batches) if plan.shards else 0,
+        "padding_ratio": _padding_ratio(results),
+        "shards": [
+            {"rank": r.rank, "tokens": r.loss.tokens, "forward_s": r.forward_s,
+             "backward_s": r.backward_s, "optimizer_s": r.optimizer_s,
+             "barrier_s": r.barrier_s}
+            for r in results
+        ],
+        "broadcast": [msgspec.to_builtins(t) for t in timings],
+        "queue": {"groups": queue.groups, "tokens": queue.tokens, "drops": queue.drops,
+                  "put_wait_s": queue.put_waits.seconds,
+                  "take_wait_s": queue.take_waits.seconds,
+                  # Groups per token-length bucket after the take, smallest bucket first.
+                  "bucket_groups": [b.groups for b in queue.buckets],
+                  # Stale drops per bucket so far (this process's queue).
+                  "bucket_drops": [b.dropped for b in queue.buckets]},
+    }

@@ -1,0 +1,188 @@
+"""What a run starts: its task, and its workers as Ray actors.
+
+Owns: choosing the prompt source, reward and held-out prompts from ``task`` config
+(``build_task``), and creating and starting the rollout and trainer actors on their
+cores or GPUs (``launch_workers``), with the shared-memory board that ``run.layout``
+uses, the weight-transfer groups between trainer shard 0 and each rollout worker, and
+the idle-CPU evaluator of run.eval_on.
+Part of the Ray shell: knows nothing about the run's loops, which
+``async_rl.control.orchestrator`` drives through the adapters of ``async_rl.shell.ray_shell``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import ray
+from ray.util.placement_group import PlacementGroup, placement_group_table
+
+from async_rl.config import Config
+from async_rl.tasks.longtail import RemainderTask
+from async_rl.tasks.rewards import arithmetic_reward, gsm8k_reward, remainder_reward
+from async_rl.tasks.sources import ArithmeticTask, JsonlPromptSource, PromptSource
+from buffers.records import Prompt
+from workers.actors import RolloutActor, TrainerActor
+from workers.core_share import BOARD_DIR, create_board
+from workers.eval.evaluator import IdleCpuEvaluator
+from workers.model_config import ModelConfig
+from workers.placement import WorkerIdentity, assign_cpus, gpus_per_worker, in_bundle
+from workers.placement import role_placement_groups as make_placement_groups
+from workers.reward import RewardFn
+from workers.weights.broadcast import SEND_GROUP
+from workers.weights.config import check_transport
+
+
+def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ...]]:
+    """The prompt source, its reward function and the held-out evaluation prompts."""
+    task = config.task
+    if task.kind == "jsonl":
+        source = JsonlPromptSource(task.jsonl_path, seed=task.seed)
+        held_out = tuple(source.prompt_at(i) for i in range(min(task.eval_size, len(source))))
+        return source, gsm8k_reward, held_out
+    if task.kind == "longtail":
+        longtail = RemainderTask(seed=task.seed)
+        return longtail, remainder_reward, longtail.eval_prompts(task.eval_size)
+    arithmetic = ArithmeticTask(seed=task.seed)
+    return arithmetic, arithmetic_reward, arithmetic.eval_prompts(task.eval_size)
+
+
+def free_port() -> int:
+    """A free TCP port on the loopback, for the trainer shards' process group."""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def bundle_node(group: PlacementGroup, index: int) -> tuple[str, str]:
+    """(node id, IP address) of the node that placement group bundle ``index`` is on."""
+    node_id = str(placement_group_table(group)["bundles_to_node_id"][index])
+    ip = next(str(n["NodeManagerAddress"]) for n in ray.nodes() if n["NodeID"] == node_id)
+    return node_id, ip
+
+
+@dataclass
+class StartedWorkers:
+    """The started actors (Ray handles) and who runs where."""
+
+    rollout: dict[int, Any] = field(default_factory=dict)
+    trainers: list[Any] = field(default_factory=list)
+    identities: list[WorkerIdentity] = field(default_factory=list)
+    board_path: str = ""
+    """The run.layout board in shared memory ("" when trainers never borrow cores)."""
+    placement_groups: list[PlacementGroup] = field(default_factory=list)
+    evaluator: Any = None
+    """The run.eval_on = "idle_cpu" evaluator (None: evaluations run on rollout workers)."""
+    new_rollout: Callable[[int, ModelConfig, int, str], Any] | None = None
+    """Creates (does not start) rollout worker ``rank`` on its cores from a model at a
+    version: how a lost worker is replaced."""
+
+
+async def restart_rollout(started: StartedWorkers, rank: int, model: ModelConfig,
+                          version: int) -> Any:
+    """Replaces rollout worker ``rank`` (dead or broken) by a new one on the same cores,
+    started from ``model`` labelled ``version`` and connected to trainer shard 0."""
+    assert started.new_rollout is not None
+    old = started.rollout.pop(rank, None)
+    if old is not None:
+        ray.kill(old)  # a broken worker may still hold its engine and cores
+    worker = started.new_rollout(rank, model, version, "")  # the old name may linger
+    await worker.start.remote()
+    await started.trainers[0].connect_rollout.remote(rank, worker)
+    started.rollout[rank] = worker
+    return worker
+
+
+async def launch_workers(cfg: Config, reward_fn: RewardFn,
+                         version: int = 0) -> StartedWorkers:
+    """Creates every rollout worker and trainer shard, starts them, and says where.
+
+    ``version``: the policy version of the weights at ``cfg.model.path`` (a checkpoint's,
+    when resuming): rollout engines label their tokens with it from the start.
+    """
+    layout = assign_cpus(
+        cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
+        cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate,
+    )
+    gpus = gpus_per_worker(ray.cluster_resources().get("GPU", 0), cfg.run.colocate)
+    check_transport(cfg.weights, cuda=bool(gpus))
+    groups = make_placement_groups(
+        layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus)
+    started = StartedWorkers(placement_groups=list({id(g): g for g in groups.values()}.values()))
+    # run.layout: who is busy goes on a shared-memory board; trainers may borrow the
+    # rollout cores ("shared" from the start, "auto" once it has measured).
+    board = ""
+    if cfg.run.layout != "split" and not gpus:
+        board = create_board(BOARD_DIR, cfg.rollout.num_workers, uuid.uuid4().hex[:8])
+        started.board_path = board
+    rollout_cores = tuple(sorted({c for i in layout.rollout for c in i.devices}))
+    rollout_cls = ray.remote(RolloutActor)
+
+    def new_rollout(rank: int, model: ModelConfig, version: int, name: str = "") -> Any:
+        ident = layout.rollout[rank]
+        return rollout_cls.options(
+            name=name or None,
+            num_cpus=cfg.rollout.cpus_per_worker, num_gpus=gpus,
+            max_concurrency=4 * cfg.rollout.max_inflight_prompts + 16,
+            scheduling_strategy=in_bundle(groups["rollout"], ident.rank),
+        ).remote(
+            rank=ident.rank, model=model, rollout=cfg.rollout, weights=cfg.weights,
+            reward_fn=reward_fn, seed=cfg.run.seed + ident.rank,
+            cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
+            prefix_caching=cfg.rollout.prefix_caching, core_board=board, version=version,
+        )
+
+    started.new_rollout = new_rollout
+    for ident in layout.rollout:
+        started.rollout[ident.rank] = new_rollout(ident.rank, cfg.model, version, ident.name)
+    # Weight sends run in their own threads, beside training calls (workers.weights.broadcast).
+    # Ray's typed overloads of remote() omit concurrency_groups, which it accepts.
+    trainer_cls = ray.remote(  # type: ignore[call-overload]
+        concurrency_groups={SEND_GROUP: cfg.rollout.num_workers})(TrainerActor)
+    # The shards' rendezvous is on shard 0's node, which may not be the driver's.
+    master_addr, port = bundle_node(groups["trainer"], 0)[1], free_port()
+    started.trainers = [
+        trainer_cls.options(
+            name=ident.name,
+            num_cpus=cfg.trainer.cpus_per_shard, num_gpus=gpus,
+            # A sharing trainer's OpenMP threads must sleep, not spin, when it
+            # narrows or waits: a spinning pool thread on a rollout core steals it.
+            runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}} if board else None,
+            scheduling_strategy=in_bundle(groups["trainer"], ident.rank),
+        ).remote(
+            rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
+            trainer=cfg.trainer, seed=cfg.run.seed, weights=cfg.weights,
+            temperature=cfg.rollout.temperature,
+            max_new_tokens=cfg.rollout.max_new_tokens,
+            cpu_ids=ident.devices,
+            master_addr=master_addr, master_port=port, record_spans=cfg.run.record_spans,
+            share_cores=rollout_cores if board else (), core_board=board,
+        )
+        for ident in layout.trainer
+    ]
+    trainer_pids = await asyncio.gather(*(t.setup.remote() for t in started.trainers))
+    if board and cfg.run.layout == "shared":
+        await asyncio.gather(*(t.set_sharing.remote(True) for t in started.trainers))
+    rollout_pids = await asyncio.gather(*(w.start.remote() for w in started.rollout.values()))
+    if cfg.run.eval_on == "idle_cpu":
+        # No cores of its own (num_cpus=0): it runs at idle priority on whichever core
+        # its workers leave idle.
+        started.evaluator = ray.remote(IdleCpuEvaluator).options(
+            name="evaluator", num_cpus=0).remote(
+            model=cfg.model, reward_fn=reward_fn, max_new_tokens=cfg.rollout.max_new_tokens)
+        await started.evaluator.setup.remote()
+    # Weight broadcasts go from shard 0 to each rollout worker over a group of its own.
+    for rank, worker in started.rollout.items():
+        await started.trainers[0].connect_rollout.remote(rank, worker)
+    started.identities = []
+    for ident, pid in zip([*layout.rollout, *layout.trainer], [*rollout_pids, *trainer_pids],
+                          strict=True):
+        node_id, ip = bundle_node(groups[ident.role], ident.rank)
+        started.identities.append(
+            msgspec.structs.replace(ident, node=ip, node_id=node_id, pid=pid))
+    return started

@@ -1,0 +1,1 @@
+"""Built-in tasks: where prompts come from (``PromptSource``) and how they are scored."""

@@ -1,0 +1,65 @@
+"""The config vocabulary every layer's sections use, and the data plane's own sections.
+
+Owns: the field bounds (``Positive``, ``NonNegative``, ...), ``ConfigError`` (a bad config
+or override, shown as one line naming the key) and ``invalid`` (how a section's
+``__post_init__`` names a bad key), plus the knobs of the replay queue (``QueueConfig``)
+and the admission gate (``StalenessConfig``). Each component's section lives beside the
+component; ``async_rl.config`` assembles them into one tree. Knows nothing about TOML.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Annotated
+
+import msgspec
+
+Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
+PositiveFloat = Annotated[float, msgspec.Meta(gt=0)]
+Fraction = Annotated[float, msgspec.Meta(gt=0, le=1)]
+
+
+class ConfigError(Exception):
+    """A bad config or override; ``str(err)`` is the one line shown to the user."""
+
+
+def invalid(key: str, value: object, allowed: str) -> ValueError:
+    # msgspec re-raises ValueErrors from __post_init__ as ValidationError with this text.
+    return ValueError(f"{key} = {value!r}: {allowed}")
+
+
+class QueueConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The token-length-bucketed replay queue between rollout and training."""
+
+    max_groups: Positive = 64
+    """Capacity in groups; a full queue makes rollout wait (backpressure)."""
+    max_tokens: Positive = 1_000_000
+    """Capacity in tokens (prompt + completion over all samples)."""
+    bucket_edges: tuple[Positive, ...] = (64, 128, 256)
+    """Increasing upper edges of the token-count buckets; larger groups go in a last bucket."""
+    homogeneous_take: bool = False
+    """Take a step's groups from one token-length bucket (then its neighbours) to cut
+    padding; the oldest group, and any that would go stale next step, are always taken."""
+    wait_for_expiring: bool = True
+    """A step also waits for the groups still being generated that it must train so that
+    none goes stale: those it is the last step allowed to train, and any the next steps
+    could not all fit. Without it a late group is dropped when it arrives, and the late
+    ones are the slowest to generate, the longest: the trained mix leans short. The
+    price: the trainer waits for slow groups, and trained groups are older (mean
+    staleness near max_staleness); on the long-tail task that bought zero drops at the
+    same or better groups/s (README, bench/stale_drops.py). homogeneous_take picks by
+    bucket among what a step need not train yet, so with it a few may still go stale."""
+
+    def __post_init__(self) -> None:
+        edges = self.bucket_edges
+        for lower, upper in itertools.pairwise(edges):
+            if upper <= lower:
+                raise invalid("queue.bucket_edges", edges, "must be strictly increasing")
+
+
+class StalenessConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """How far behind the trained policy a sample may be."""
+
+    max_staleness: NonNegative = 2
+    """Hard bound η on (trained version - oldest token version); 0 = synchronous on-policy."""

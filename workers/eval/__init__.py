@@ -1,0 +1,1 @@
+"""Held-out evaluation outside the rollout engines: greedy decoding with transformers."""

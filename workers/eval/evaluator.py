@@ -1,0 +1,83 @@
+"""IdleCpuEvaluator: held-out evaluations of exact policy versions on CPU time nobody wants.
+
+Owns: a transformers copy of the policy on the CPU, loaded before each evaluation with
+the weights of the version to score (trainer shard 0's state, passed by reference), its
+greedy completions (``workers.eval.greedy.greedy_completions``, the evaluator the race
+bench scores TRL with) and their mean reward, all at the OS's idle scheduling priority.
+
+Why a process of its own at ``SCHED_IDLE``: an evaluation on a rollout engine shares the
+engine with generation (on the long-tail CPU task 4-5 s of the rollout core per
+evaluation, every 10 steps) and scores whatever versions the engine runs meanwhile. Here
+the Linux scheduler runs it only on a core whose own workers have nothing to run, so
+training loses no cycles to it, and every token comes from the one version asked for.
+Knows nothing about Ray, when evaluations fall due or the run's clock.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from buffers.records import EvalResult, Prompt
+from workers.eval.greedy import greedy_completions
+from workers.model_config import ModelConfig
+from workers.reward import RewardFn, guarded_reward
+
+EVALUATOR_RANK = -1
+"""``EvalResult.rollout_rank`` of this evaluator's results (no rollout worker ran them)."""
+
+
+def idle_priority() -> None:
+    """Puts the calling thread in ``SCHED_IDLE``: it runs only when its core has nothing
+    else to run. Lowering one's own priority needs no privilege."""
+    os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+
+
+class IdleCpuEvaluator:
+    """See the module docstring. ``setup`` once, then ``evaluate`` per version."""
+
+    def __init__(self, *, model: ModelConfig, reward_fn: RewardFn, max_new_tokens: int) -> None:
+        self.model_config, self.reward_fn = model, reward_fn
+        self.max_new_tokens = max_new_tokens
+        self.reward_failures = 0
+
+    def setup(self) -> int:
+        """Loads the model and tokenizer from ``model.path``; returns the pid."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        idle_priority()
+        # One thread: a second one would wait at every operation's barrier whenever its
+        # core is taken, and a single thread can still run on whichever core is free.
+        torch.set_num_threads(1)
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.path)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            self.model_config.path, dtype=getattr(torch, self.model_config.dtype))
+        self.model.eval()
+        return os.getpid()
+
+    def evaluate(self, prompts: Sequence[Prompt], state: Mapping[str, torch.Tensor],
+                 version: int) -> EvalResult:
+        """Greedy accuracy of the policy whose weights are ``state``, labelled ``version``."""
+        if not prompts:
+            raise ValueError("evaluate needs at least one prompt")
+        idle_priority()  # the thread Ray runs this call on may not be the one set up
+        began = time.perf_counter()
+        self.model.load_state_dict(state)
+        texts = greedy_completions(self.model, self.tokenizer, [p.text for p in prompts],
+                                   max_new_tokens=self.max_new_tokens)
+        rewards = [self._reward(p, t) for p, t in zip(prompts, texts, strict=True)]
+        return EvalResult(
+            accuracy=sum(rewards) / len(rewards), version_min=version, version_max=version,
+            num_prompts=len(rewards), rollout_rank=EVALUATOR_RANK,
+            seconds=time.perf_counter() - began,
+        )
+
+    def _reward(self, prompt: Prompt, text: str) -> float:
+        """As a rollout worker scores: a reward that raises or is not finite counts 0."""
+        reward = guarded_reward(self.reward_fn, prompt, text)
+        if reward is None:
+            self.reward_failures += 1
+        return reward or 0.0

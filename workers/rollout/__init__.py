@@ -1,0 +1,1 @@
+"""The rollout role: a vLLM engine that turns prompts into scored groups."""

@@ -1,0 +1,52 @@
+"""The rollout section: the knobs of the vLLM rollout workers (``RolloutConfig``).
+
+Owns: every rollout knob, its default and bounds. Knows nothing about TOML or the other
+sections (``async_rl.config`` checks the rules that tie sections together).
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from buffers.config import Fraction, NonNegative, Positive, PositiveFloat
+
+
+class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The vLLM rollout workers."""
+
+    num_workers: Positive = 1
+    """Rollout workers (one vLLM engine each)."""
+    group_size: Annotated[int, msgspec.Meta(ge=2)] = 8
+    """Samples per prompt; GRPO normalises rewards within this group (needs >= 2)."""
+    max_new_tokens: Positive = 8
+    """Completion length cap per sample."""
+    temperature: PositiveFloat = 1.0
+    """Sampling temperature of the behaviour policy (the trainer scores at the same one).
+
+    No top-p/top-k: the trainer must be able to recompute the sampled distribution."""
+    max_inflight_prompts: Positive = 16
+    """Prompts a worker generates at once (each expands to group_size requests)."""
+    memory_fraction: Fraction = 0.2
+    """vLLM gpu_memory_utilization (on CPU: the share of RAM for the KV cache)."""
+    cpus_per_worker: Positive = 1
+    """Cores each rollout worker owns (vLLM OMP threads)."""
+    max_restarts: NonNegative = 3
+    """Rollout workers started again, in all, after one dies or breaks (each from the
+    trainer's current weights); past it the run stops with a checkpoint, exit status 1."""
+    sampling_seed: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """-1: samples come from each engine's own random stream. >= 0: every sample request
+    gets its own seed, made from this value, the prompt id, its attempt and the sample's
+    index, so a prompt's samples do not depend on which worker ran it, what ran beside
+    it, or a stop and resume: reproducible runs (at a small sampling cost)."""
+    generate_timeout_s: PositiveFloat = 600.0
+    """Longest one group's generation may take; past it the worker counts as stuck and is
+    replaced like a dead one (``max_restarts``), its prompt run again."""
+    stall_timeout_s: PositiveFloat = 900.0
+    """Longest the run may go with no group generated and no step trained: past it the
+    run stops as a rollout stall (checkpoint, one line, exit 1) instead of hanging."""
+    prefix_caching: bool = False
+    """vLLM prefix caching. With it, an in-flight update clears the cache, so running
+    requests recompute their KV under the new weights; without it they keep the old KV
+    (PipelineRL's choice) and an update pauses the engine for less time."""

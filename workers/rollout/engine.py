@@ -1,0 +1,168 @@
+"""Building a rollout worker's vLLM engine, and reading what it returns.
+
+Owns: binding the engine to its cores (CPU build), the engine arguments (worker
+extension, weight-transfer backend, behaviour logprobs, KV-cache size, which process
+runs the model), the sampling parameters of sampled and greedy requests, making an
+idle engine block instead of spin, and turning vLLM's per-token weight-version spans
+into versions. Knows nothing about prompts, groups, rewards or weight updates:
+``workers.rollout.worker.RolloutWorker`` drives the engine. vLLM is imported inside the
+functions, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from workers.errors import RolloutWorkerError
+from workers.model_config import ModelConfig
+from workers.rollout.config import RolloutConfig
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+EXTENSION_CLS = "workers.weights.vllm_extension.WorkerExtension"
+IDLE_RECHECK_MS = 20
+"""Longest an idle engine worker process blocks before re-checking its queue: what a
+dropped vLLM notification (rare: none in 100 idle-to-busy switches measured) can cost the
+first step after idle, against vLLM's own 5 s; 50 wake-ups a second while idle, about 1%
+of a core here."""
+KEEP_IDLE_SPIN_ENV = "ASYNC_RL_KEEP_VLLM_IDLE_SPIN"
+"""Set to 1 to leave vLLM spinning while the worker is idle (for before/after figures)."""
+
+
+WORKER_PROCESS_ENV = "ASYNC_RL_VLLM_WORKER_PROCESS"
+"""Set to 1 to keep vLLM's model runner in a process of its own on a one-core CPU
+worker (for before/after figures: ``bench/rollout_outputs.py --compare worker-process``)."""
+
+
+def model_in_engine_core(cpu_ids: tuple[int, ...], *, cuda: bool) -> bool:
+    """Whether the model runs inside vLLM's engine core process ("uni" executor).
+
+    On the CPU build vLLM otherwise runs it in a third process (after the rollout
+    worker's and the engine core's), and every engine step crosses a shared-memory
+    queue both ways. On a worker with one core those processes take turns on it, so the
+    hop is pure cost: long-tail generation ran 1.13x and 1.21x faster in tokens/s
+    without it (two benchmarks, medians of 4 runs each, ABBA). With several cores,
+    vLLM's CPU platform wants its multiprocess executor to set up the OpenMP threads,
+    so it keeps it.
+    """
+    return (not cuda and len(cpu_ids) == 1
+            and os.environ.get(WORKER_PROCESS_ENV, "0") != "1")
+
+
+def bind_cpus(rank: int, cpu_ids: tuple[int, ...]) -> None:
+    """Pins this process, and the engine processes it will spawn, to ``cpu_ids``."""
+    allowed = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else None
+    if allowed is not None and not set(cpu_ids) <= allowed:
+        raise RolloutWorkerError(f"rollout worker {rank}: cores {cpu_ids} "
+                                 f"are not all available to it ({sorted(allowed)})")
+    # Read by vLLM when it builds the engine, inherited by the processes it spawns.
+    # One engine worker process (no tensor parallelism): one OpenMP core list.
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(map(str, cpu_ids))
+    if allowed is not None:
+        # The scheduler and detokenizer loops run outside the OpenMP threads;
+        # pinning keeps them off other roles' cores (the engine processes inherit it).
+        os.sched_setaffinity(0, cpu_ids)
+
+
+def build_engine(
+    model: ModelConfig, rollout: RolloutConfig, *, rank: int, seed: int,
+    cpu_ids: tuple[int, ...], kv_cache_gib: int | None, prefix_caching: bool,
+    transport: str,
+) -> AsyncLLM:
+    """The engine (tens of seconds on a CPU); ``cpu_ids`` bind it on the CPU build only.
+
+    ``transport`` is the weight-transfer backend its worker builds (``weights.transport``:
+    "gloo" is registered by the worker extension, "nccl" and "ipc" are vLLM's own).
+    """
+    import torch
+
+    if cpu_ids and not torch.cuda.is_available():
+        bind_cpus(rank, cpu_ids)
+    if kv_cache_gib is not None:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+
+    cuda = torch.cuda.is_available()
+    in_core = model_in_engine_core(cpu_ids, cuda=cuda)
+    if not cuda:
+        # vLLM's CPU platform turns "uni" back into "mp" unless V1 multiprocessing is
+        # off; AsyncLLM still runs its engine core in a process of its own either way.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0" if in_core else "1"
+    from vllm.config.weight_transfer import WeightTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    return AsyncLLM.from_engine_args(
+        AsyncEngineArgs(
+            model=model.path,
+            dtype=model.dtype,
+            seed=seed,
+            enforce_eager=True,
+            gpu_memory_utilization=rollout.memory_fraction,
+            enable_prefix_caching=prefix_caching,
+            worker_extension_cls=EXTENSION_CLS,
+            weight_transfer_config=WeightTransferConfig(backend=transport),
+            # Logprobs of the distribution actually sampled (after temperature and
+            # top-p), not of the raw logits: the behaviour policy's.
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=True,
+            distributed_executor_backend="uni" if in_core else None,
+        )
+    )
+
+
+def sampling_params(rollout: RolloutConfig, *, ignore_eos: bool, stream_tokens: bool
+                    ) -> dict[str, SamplingParams]:
+    """``"sample"`` (the behaviour policy) and ``"greedy"`` (evaluation) requests.
+
+    ``stream_tokens``: every engine step's new tokens reach the rollout worker as they
+    are made (vLLM's DELTA outputs); otherwise a request's tokens arrive once, when it
+    finishes (FINAL_ONLY). Streaming costs generation time on a busy core: one output
+    and one coroutine wake-up per request per step; without it long-tail generation on
+    one core ran 1.10x faster (1.18x at 32 prompts in flight; ``bench/rollout_outputs.py``
+    compares both).
+    """
+    from vllm import SamplingParams
+    from vllm.sampling_params import RequestOutputKind
+
+    # No incremental detokenising in the engine: the text is decoded once, at the end,
+    # from exactly the token ids the trainer sees (and it saves engine-side work).
+    kind = RequestOutputKind.DELTA if stream_tokens else RequestOutputKind.FINAL_ONLY
+    common: dict[str, Any] = dict(
+        max_tokens=rollout.max_new_tokens, logprobs=0, output_kind=kind, detokenize=False,
+    )
+    return {
+        "sample": SamplingParams(temperature=rollout.temperature, ignore_eos=ignore_eos,
+                                 **common),
+        "greedy": SamplingParams(temperature=0.0, **common),
+    }
+
+
+async def quiet_idle_reads(engine: AsyncLLM) -> bool:
+    """Lets the engine's worker process block when idle (see ``stop_spinning`` in
+    ``workers.weights.vllm_extension``); True when the rollout worker must ask it to.
+
+    Only the multiprocess executor (the CPU build's; on a GPU one worker runs inside the
+    engine core process, "uni") has a queue whose reader spins.
+    """
+    executor = engine.vllm_config.parallel_config.distributed_executor_backend
+    if executor != "mp" or os.environ.get(KEEP_IDLE_SPIN_ENV, "0") == "1":
+        return False
+    # Raises (engine start fails) if vLLM's internals it relies on changed.
+    await engine.collective_rpc("watch_idle_reads", args=(IDLE_RECHECK_MS,))
+    return True
+
+
+def versions_from_spans(spans: Sequence[Any] | None, num_tokens: int) -> list[int] | None:
+    """Per-token versions from vLLM's ``WeightVersionSpan`` list; None if unusable."""
+    versions: list[int] = []
+    for span in spans or ():
+        try:
+            label = int(span.version)
+        except ValueError:  # a label this worker did not set (vLLM's "default")
+            return None
+        versions.extend([label] * (span.end - span.start))
+    return versions if spans and len(versions) == num_tokens else None

@@ -1,0 +1,419 @@
+"""The rollout worker: one vLLM ``AsyncLLM`` engine that turns prompts into scored groups.
+
+Owns: starting and warming up the engine (built by ``workers.rollout.engine``), generating
+a prompt's ``group_size`` samples with behaviour logprobs and a policy version per
+token, scoring them, greedy evaluation, its counters and its spans, and the actor calls
+through which the trainer's weight-transfer engine updates its weights (the update
+itself is ``workers.weights.receiver``'s). A plain class; every method is async, so one
+actor serves many concurrent ``generate_group`` calls and a weight update between them
+(``workers.actors`` is the Ray actor around it). vLLM is imported only when the engine
+is built, so importing this module stays cheap.
+
+Knows nothing about admission, staleness bounds, queues, advantages or training: it
+generates what it is asked to and labels every token with the weights that produced it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import itertools
+import os
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+import msgspec
+
+from buffers.records import (
+    BroadcastTiming,
+    EvalResult,
+    Group,
+    Prompt,
+    RolloutStatistics,
+    Sample,
+    UsageReading,
+    make_group,
+)
+from workers.core_share import BusyFlag
+from workers.errors import RolloutWorkerError
+from workers.model_config import ModelConfig
+from workers.reward import RewardFn, guarded_reward
+from workers.rollout.config import RolloutConfig
+from workers.rollout.engine import (
+    build_engine,
+    quiet_idle_reads,
+    sampling_params,
+    versions_from_spans,
+)
+from workers.spans import UNRESOLVED, Span, SpanRecorder
+from workers.usage import UsageMeter
+from workers.weights.config import UpdateMode, WeightsConfig
+from workers.weights.receiver import WeightReceiver
+
+if TYPE_CHECKING:
+    from vllm import SamplingParams
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+WARMUP_TEXT = "warm up"
+"""Prompt of the start-up warm-up requests (their output is thrown away)."""
+
+
+def request_seed(sampling_seed: int, prompt: Prompt, sample: int) -> int:
+    """The seed of one sample request: the same wherever and whenever it runs."""
+    key = f"{sampling_seed}/{prompt.prompt_id}/{prompt.attempt}/{sample}".encode()
+    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") >> 1  # a signed int64
+
+
+class RolloutWorker:
+    """A vLLM engine with a policy version; see the module docstring."""
+
+    def __init__(
+        self,
+        rank: int,
+        model: ModelConfig,
+        rollout: RolloutConfig,
+        weights: WeightsConfig,
+        reward_fn: RewardFn,
+        *,
+        seed: int = 0,
+        cpu_ids: tuple[int, ...] = (),
+        kv_cache_gib: int | None = None,
+        prefix_caching: bool = True,
+        ignore_eos: bool = False,
+        stream_tokens: bool = False,
+        record_spans: bool = True,
+        core_board: str = "",
+        version: int = 0,
+    ) -> None:
+        """Cheap: records the arguments; ``start()`` builds the engine.
+
+        cpu_ids: cores this worker owns (CPU build only; ignored when CUDA is present).
+            The engine's OpenMP threads are bound to them and the actor process, with
+            the engine processes it spawns, is pinned to them. Empty: vLLM's automatic
+            binding, no pinning.
+        kv_cache_gib: KV-cache size on the CPU build (``VLLM_CPU_KVCACHE_SPACE``); None
+            sizes it from ``rollout.memory_fraction``.
+        prefix_caching: a group's samples share the prompt's KV; see
+            ``WeightReceiver.start`` for what it costs at a weight update.
+        ignore_eos: every sample runs to ``max_new_tokens`` (fixed-length rollouts for
+            benchmarks and tests); greedy evaluation always stops at EOS.
+        stream_tokens: tokens reach this process every engine step instead of once per
+            finished request, so ``statistics().tokens_in_flight`` counts them as they
+            come (tests time a weight update mid-generation by it); slower, see
+            ``workers.rollout.engine.sampling_params``.
+        core_board: the run.layout busy board (``workers.core_share``): this worker's
+            byte says when its engine is busy, so a sharing trainer keeps off its cores.
+        version: policy version of the weights at ``model.path`` (a resumed run starts
+            its engines from the checkpoint of that version).
+        """
+        self._rank, self._model, self._rollout = rank, model, rollout
+        self._transport, self._reward_fn, self._seed = weights.transport, reward_fn, seed
+        self._cpu_ids = tuple(cpu_ids)
+        self._kv_cache_gib = kv_cache_gib
+        self._prefix_caching = prefix_caching
+        self._ignore_eos = ignore_eos
+        self._stream_tokens = stream_tokens
+        device = "cpu:" + ",".join(map(str, self._cpu_ids)) if self._cpu_ids else "cpu"
+        self._spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
+                                   device=device, enabled=record_spans)
+        self._busy = BusyFlag(core_board, rank)
+
+        self._engine: AsyncLLM | None = None
+        self._tokenizer: Any = None  # the model's tokenizer, from start()
+        self._usage = UsageMeter()
+        self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
+        self._failed: str | None = None
+        self._receiver = WeightReceiver(rank, weights, clear_cache=prefix_caching,
+                                        on_change=self._weights_changed, version=version)
+        self._request_ids = itertools.count()
+        self._in_flight: dict[str, int] = {}  # request id -> tokens generated so far
+        self._evaluating = 0  # greedy (evaluation) requests among those in flight
+        self._quiet_idle = False  # stop the engine's idle spin (see _stop_spinning_soon)
+        self._quiet_tasks: set[asyncio.Task[None]] = set()
+
+        self._groups = self._samples = self._tokens = 0
+        self._reward_failures = 0
+        self._engine_start_s = self._warmup_s = 0.0
+
+    # ---------------------------------------------------------------- lifecycle
+
+    async def start(self) -> int:
+        """Builds the engine (tens of seconds on a CPU); returns this actor's pid."""
+        if self._engine is not None:
+            return os.getpid()
+        began = time.perf_counter()
+        self._engine = build_engine(self._model, self._rollout, rank=self._rank,
+                                    seed=self._seed, cpu_ids=self._cpu_ids,
+                                    kv_cache_gib=self._kv_cache_gib,
+                                    prefix_caching=self._prefix_caching,
+                                    transport=self._transport)
+        # The engine labels every step's tokens with this: the version of model.path.
+        await self._engine.update_weight_version(str(self._receiver.version))
+        self._quiet_idle = await quiet_idle_reads(self._engine)
+        cfg = self._rollout
+        from transformers import AutoTokenizer
+
+        self._tokenizer = AutoTokenizer.from_pretrained(self._model.path)
+        self._params = sampling_params(cfg, ignore_eos=self._ignore_eos,
+                                       stream_tokens=self._stream_tokens)
+        # Warm-up: the CPU build's first steps at each new batch shape are many times
+        # slower than later ones (a run's first 16 groups took 2.1 s to generate cold
+        # against 0.18 s warm), which would otherwise land in the first training step as
+        # trainer wait. One full in-flight load of throwaway requests takes that cost
+        # here, as engine start-up; its spans are discarded and nothing is counted.
+        warm_began = time.perf_counter()
+        warm_requests = cfg.max_inflight_prompts * cfg.group_size
+        await self._stream_all([WARMUP_TEXT] * warm_requests, "sample")
+        self._spans.flush()
+        self._warmup_s = time.perf_counter() - warm_began
+        self._engine_start_s = time.perf_counter() - began
+        return os.getpid()
+
+    async def shutdown(self) -> None:
+        """Stops the engine and its processes; the worker cannot generate afterwards."""
+        engine, self._engine = self._engine, None
+        self._failed = self._failed or "shut down"
+        for task in self._quiet_tasks:
+            task.cancel()
+        if engine is not None:
+            engine.shutdown()
+
+    def _ready(self) -> AsyncLLM:
+        failed = self._failed or self._receiver.failed
+        if failed is not None:
+            raise RolloutWorkerError(f"rollout worker {self._rank}: {failed}")
+        if self._engine is None:
+            raise RolloutWorkerError(f"rollout worker {self._rank}: start() was not called")
+        return self._engine
+
+    # ---------------------------------------------------------------- spans
+
+    def _switch_span(self) -> None:
+        # Busy whenever the engine holds requests; idle causes are resolved later by
+        # the controller, which knows why nothing was submitted. A span has one cause:
+        # generation wins, so "evaluate" is time the engine ran nothing but evaluation.
+        version = self._receiver.version
+        self._busy.set(self._receiver.updating or bool(self._in_flight))
+        if self._receiver.updating:
+            self._spans.switch("weight_sync", version)
+        elif len(self._in_flight) > self._evaluating:
+            self._spans.switch("generate", version)
+        else:
+            self._spans.switch("evaluate" if self._in_flight else UNRESOLVED, version)
+
+    async def drain_spans(self) -> list[Span]:
+        """Closed spans since the last call (the current one is closed at now first)."""
+        return self._spans.flush()
+
+    async def busy_seconds(self) -> float:
+        """Seconds the engine had requests in flight or loaded weights (run.layout auto)."""
+        return self._busy.busy_seconds()
+
+    async def clock(self) -> float:
+        """This process's wall clock, for aligning span times across nodes."""
+        return time.time()
+
+    async def usage(self) -> UsageReading:
+        """CPU time of this actor and its engine processes, for the span cross-check."""
+        return self._usage.read()
+
+    # ---------------------------------------------------------------- idle engine
+
+    def _stop_spinning_soon(self) -> None:
+        """Once nothing is in flight, tells the engine's worker process to block rather
+        than spin until work arrives (``WorkerExtension.stop_spinning`` says why).
+
+        Without it an idle worker used a full core: vLLM's queue reader spins for a
+        second after every read, and steps or weight loads come more often than that.
+        A task, so the request that finished last returns without waiting for the rpc.
+        """
+        if self._quiet_idle and not self._in_flight and not self._receiver.updating:
+            task = asyncio.get_running_loop().create_task(self._stop_spinning())
+            self._quiet_tasks.add(task)
+            task.add_done_callback(self._quiet_tasks.discard)
+
+    async def _stop_spinning(self) -> None:
+        await asyncio.sleep(0)  # work submitted in the same loop turn cancels it
+        engine = self._engine
+        if engine is None or self._failed or self._in_flight or self._receiver.updating:
+            return
+        try:
+            await engine.collective_rpc("stop_spinning")
+        except Exception as err:
+            if self._engine is not None and self._failed is None:  # not a shutdown race
+                self._failed = f"stopping the engine's idle spin failed: {err!r}"
+
+    # ---------------------------------------------------------------- generation
+
+    async def _stream(self, text: str, params: SamplingParams, *, evaluation: bool = False
+                      ) -> tuple[tuple[int, ...], Sample]:
+        """One engine request: the prompt ids vLLM used and the unscored sample."""
+        engine = self._ready()
+        request_id = f"rollout{self._rank}-{next(self._request_ids)}"
+        prompt_ids: tuple[int, ...] = ()
+        tokens: list[int] = []
+        logprobs: list[float] = []
+        # Fallback tag if the engine's spans are unusable. Streaming: the version current
+        # as each step's tokens arrive. Otherwise the version the request started under,
+        # the oldest its tokens can have (staleness errs high, never low).
+        started_version = self._receiver.version
+        arrival_versions: list[int] = []
+        finish_reason, spans = "abort", None
+        self._in_flight[request_id] = 0
+        self._evaluating += evaluation
+        self._switch_span()
+        try:
+            # A text prompt: vLLM tokenises it itself, and the ids it really used come
+            # back on the outputs (the trainer must see exactly those).
+            async for out in engine.generate({"prompt": text}, params, request_id):
+                prompt_ids = prompt_ids or tuple(out.prompt_token_ids or ())
+                completion = out.outputs[0]
+                new = list(completion.token_ids)
+                entries = completion.logprobs or []
+                if len(entries) != len(new):
+                    raise RolloutWorkerError(f"{request_id}: {len(entries)} logprobs for "
+                                             f"{len(new)} tokens")
+                for entry, tok in zip(entries, new, strict=True):
+                    if entry is None or tok not in entry:
+                        raise RolloutWorkerError(f"{request_id}: no logprob for token {tok}")
+                    logprobs.append(float(entry[tok].logprob))
+                tokens.extend(new)
+                arrival_versions.extend([self._receiver.version if self._stream_tokens
+                                         else started_version] * len(new))
+                self._in_flight[request_id] = len(tokens)
+                if completion.finish_reason is not None:
+                    finish_reason = str(completion.finish_reason)
+                    spans = completion.weight_versions
+        finally:
+            del self._in_flight[request_id]
+            self._evaluating -= evaluation
+            self._switch_span()
+            self._stop_spinning_soon()
+        # The engine labels each step's tokens with the label set while it was paused
+        # for the load, so its spans are exact; a token sampled just before a pause may
+        # reach this process only after the version changed.
+        versions = versions_from_spans(spans, len(tokens)) or arrival_versions
+        text = str(self._tokenizer.decode(tokens, skip_special_tokens=True))
+        return prompt_ids, Sample(token_ids=tuple(tokens), logprobs=tuple(logprobs),
+                                  versions=tuple(versions), finish_reason=finish_reason,
+                                  text=text)
+
+    async def _stream_all(
+        self, texts: Sequence[str], kind: str, seeds: Sequence[int] = ()
+    ) -> list[tuple[tuple[int, ...], Sample]]:
+        """One request per text; ``seeds``, when given, one per text (see
+        ``rollout.sampling_seed``)."""
+        self._ready()
+        params = [self._params[kind]] * len(texts)
+        for i, seed in enumerate(seeds):
+            params[i] = params[i].clone()
+            params[i].seed = seed
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                running = [tasks.create_task(self._stream(t, p, evaluation=kind == "greedy"))
+                           for t, p in zip(texts, params, strict=True)]
+        except ExceptionGroup as group:
+            # One error (the engine died, say) fails the call; the others were cancelled,
+            # which aborts their requests in the engine.
+            raise group.exceptions[0] from group
+        self._ready()  # a failed weight load aborted the requests: their output is void
+        return [task.result() for task in running]
+
+    def _score(self, prompt: Prompt, sample: Sample) -> Sample:
+        reward = guarded_reward(self._reward_fn, prompt, sample.text)
+        if reward is None:  # score 0, flag it, count it
+            self._reward_failures += 1
+        return msgspec.structs.replace(sample, reward=reward or 0.0,
+                                       reward_failed=reward is None)
+
+    async def generate_group(self, prompt: Prompt) -> Group:
+        """Generates and scores ``group_size`` samples of ``prompt``.
+
+        Each sample is its own engine request (with prefix caching they share the
+        prompt's KV). Raises ``RolloutWorkerError`` when the worker cannot generate.
+        """
+        size, seed = self._rollout.group_size, self._rollout.sampling_seed
+        seeds = [request_seed(seed, prompt, k) for k in range(size)] if seed >= 0 else []
+        streams = await self._stream_all([prompt.text] * size, "sample", seeds)
+        samples = tuple(self._score(prompt, sample) for _, sample in streams)
+        self._groups += 1
+        self._samples += len(samples)
+        self._tokens += sum(len(s.token_ids) for s in samples)
+        return make_group(prompt, streams[0][0], samples,
+                          rollout_rank=self._rank, finished_at=time.time())
+
+    async def generate_greedy(self, prompts: Sequence[Prompt]) -> list[Sample]:
+        """One scored greedy (temperature 0) completion per prompt, stopping at EOS."""
+        streams = await self._stream_all([p.text for p in prompts], "greedy")
+        return [self._score(p, s) for p, (_, s) in zip(prompts, streams, strict=True)]
+
+    async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
+        """Greedy accuracy (the mean reward of one greedy completion per prompt) and the
+        policy versions that produced the scored tokens.
+
+        Runs beside generation and does not hold off weight updates: holding them would
+        keep the staleness gate shut for every worker (it opens only once all run the new
+        version) and stall training for the length of the evaluation. An update landing
+        mid-evaluation shows as version_min < version_max (tokens are labelled exactly).
+        """
+        if not prompts:
+            raise ValueError("evaluate needs at least one prompt")
+        began, version = time.perf_counter(), self._receiver.version
+        samples = await self.generate_greedy(prompts)
+        scored = [s for s in samples if s.versions]  # an empty completion has no version
+        return EvalResult(
+            accuracy=sum(s.reward for s in samples) / len(samples),
+            version_min=min((s.min_version for s in scored), default=version),
+            version_max=max((s.max_version for s in scored), default=version),
+            num_prompts=len(samples), rollout_rank=self._rank,
+            seconds=time.perf_counter() - began,
+        )
+
+    # ---------------------------------------------------------------- weights
+
+    # The VLLMWeightSyncClient calls the trainer's weight-transfer engine makes
+    # (workers.weights.sender.EngineClient); workers.weights.receiver does the work.
+
+    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
+        """Joins the trainer's weight transfer (once, at start-up)."""
+        await self._receiver.connect(self._ready(), init_info)
+
+    async def start_weight_update(self, version: int, mode: UpdateMode | None = None) -> None:
+        """Pauses the engine to take in ``version`` (``mode`` overrides
+        ``weights.update_mode`` for this update); ``WeightReceiver.start`` says how."""
+        await self._receiver.start(self._ready(), version, mode)
+
+    async def update_weights(self, update_info: dict[str, Any] | list[Any]) -> None:
+        """Receives and loads (a part of) the started update."""
+        await self._receiver.receive(self._ready(), update_info)
+
+    async def finish_weight_update(self) -> BroadcastTiming:
+        """Completes the update, relabels, resumes; its timing (publish_s left 0)."""
+        return await self._receiver.finish(self._ready())
+
+    async def abandon_weight_update(self, reason: str) -> None:
+        """The trainer gave up on the update under way: this worker fails (see
+        ``WeightReceiver.abandon``)."""
+        if self._engine is not None:
+            await self._receiver.abandon(self._engine, reason)
+
+    def _weights_changed(self) -> None:
+        self._switch_span()
+        self._stop_spinning_soon()
+
+    # ---------------------------------------------------------------- state
+
+    async def version(self) -> int:
+        """Policy version of the weights now in the engine."""
+        return self._receiver.version
+
+    async def statistics(self) -> RolloutStatistics:
+        return RolloutStatistics(
+            rank=self._rank, version=self._receiver.version, groups_generated=self._groups,
+            samples_generated=self._samples, tokens_generated=self._tokens,
+            reward_failures=self._reward_failures, weight_updates=self._receiver.updates,
+            requests_running=len(self._in_flight),
+            tokens_in_flight=sum(self._in_flight.values()),
+            engine_start_s=self._engine_start_s, warmup_s=self._warmup_s,
+        )

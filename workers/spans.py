@@ -1,0 +1,113 @@
+"""Spans: what each worker was doing, when, and (when idle) why.
+
+Owns: the ``Span`` record, the vocabulary of busy and idle causes per role, and
+``SpanRecorder``, a cheap state machine a worker switches on state changes (never per
+token): a worker is always in exactly one cause, so its spans tile its wall time with no
+gaps or overlaps. Knows nothing about Ray, engines or files.
+
+A worker often cannot see why it is idle (a rollout engine with no requests does not know
+the gate is closed). It records ``idle``; ``async_rl.analysis.idle`` later resolves each idle
+stretch against the controller's own spans (what the controller was waiting on then).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import msgspec
+
+ROLLOUT_BUSY = ("generate", "evaluate")
+"""``evaluate``: the engine runs only held-out evaluation requests (generation wins when
+both run)."""
+ROLLOUT_IDLE = ("weight_sync", "gate_closed", "queue_full", "no_work")
+TRAINER_BUSY = ("forward", "backward", "optimizer")
+TRAINER_IDLE = ("wait_data", "barrier", "weight_publish", "no_work")
+UNRESOLVED = "idle"
+"""Recorded by a worker that cannot tell why it waits; resolved from controller spans."""
+
+COMPUTING_IDLE = ("weight_sync", "weight_publish")
+"""Idle causes during which the worker's own cores still compute: a rollout engine loads
+weights, a trainer shard copies its snapshot. Not busy (no samples or gradients come of
+it), but the OS CPU-time cross-check counts it as work."""
+
+BUSY = {"rollout": ROLLOUT_BUSY, "trainer": TRAINER_BUSY}
+IDLE = {"rollout": ROLLOUT_IDLE, "trainer": TRAINER_IDLE}
+
+
+class Span(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
+    """One stretch of one worker's time in one cause (times in seconds since the epoch)."""
+
+    worker: str
+    """Worker name, e.g. "rollout-0", "trainer-1", or "controller"."""
+    role: str
+    """rollout | trainer | controller"""
+    rank: int
+    device: str
+    """e.g. "cpu:0" or "cuda:3"."""
+    cause: str
+    start: float
+    end: float
+    version: int
+    """Policy version current on this worker when the span began."""
+
+
+class SpanRecorder:
+    """Records a worker's state changes as contiguous spans.
+
+    ``switch(cause)`` closes the running span and opens the next (zero-length spans are
+    not kept). ``drain()`` hands over the closed spans (the open one stays open).
+    """
+
+    def __init__(
+        self,
+        *,
+        worker: str,
+        role: str,
+        rank: int,
+        device: str,
+        cause: str = UNRESOLVED,
+        clock: Callable[[], float] = time.time,
+        enabled: bool = True,
+    ) -> None:
+        self.worker, self.role, self.rank, self.device = worker, role, rank, device
+        self.clock = clock
+        self.enabled = enabled
+        self.cause = cause
+        self.version = 0
+        self.since = clock()
+        self._closed: list[Span] = []
+
+    def switch(self, cause: str, version: int | None = None) -> None:
+        """From now on the worker is in ``cause``; no-op when it already is."""
+        if not self.enabled:
+            return
+        if version is None:
+            version = self.version
+        if cause == self.cause and version == self.version:
+            return
+        now = self.clock()
+        if now > self.since:
+            self._closed.append(
+                Span(worker=self.worker, role=self.role, rank=self.rank, device=self.device,
+                     cause=self.cause, start=self.since, end=now, version=self.version)
+            )
+        self.cause, self.version, self.since = cause, version, now
+
+    def drain(self) -> list[Span]:
+        """The closed spans since the last drain, oldest first."""
+        spans, self._closed = self._closed, []
+        return spans
+
+    def flush(self) -> list[Span]:
+        """Closes the running span at now (keeping its cause) and drains everything."""
+        if self.enabled:
+            now = self.clock()
+            if now > self.since:
+                self._closed.append(
+                    Span(worker=self.worker, role=self.role, rank=self.rank,
+                         device=self.device, cause=self.cause, start=self.since, end=now,
+                         version=self.version)
+                )
+            self.since = now
+        return self.drain()

@@ -1,0 +1,1 @@
+"""The trainer role: a torch shard of the policy trained with the GRPO loss."""

@@ -1,0 +1,106 @@
+"""The trainer section: the knobs of the torch trainer shards and the GRPO loss.
+
+Owns: ``TrainerConfig``, its defaults, bounds and the rules among its own fields, and the
+choice types the loss reads (``AdvantageStd``, ``LossAgg``). Knows nothing about TOML or
+the other sections.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+import msgspec
+
+from buffers.advantages import AdvantageStd
+from buffers.config import Positive, PositiveFloat, invalid
+
+LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+
+
+class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The torch trainer shards and the GRPO loss."""
+
+    num_shards: Positive = 1
+    """Data-parallel trainer shards (DDP; gloo on CPU)."""
+    groups_per_step: Positive = 8
+    """Groups consumed by one training step (one policy version: mini_batches * epochs
+    optimizer updates, one by default)."""
+    micro_batch_tokens: Positive = 4096
+    """Hard cap on the tokens in one micro-batch (first-fit-decreasing packing)."""
+    lr: PositiveFloat = 1e-4
+    """AdamW learning rate."""
+    weight_decay: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: PositiveFloat = 1.0
+    """Gradient clipping norm."""
+    clip_low: Annotated[float, msgspec.Meta(gt=0, lt=1)] = 0.2
+    """PPO clip: the ratio's lower bound is 1 - clip_low (the ratio is pi_theta /
+    pi_proximal, or pi_theta / pi_behaviour when tis_cap = 0)."""
+    clip_high: PositiveFloat = 0.28
+    """PPO clip: the ratio's upper bound is 1 + clip_high (DAPO's clip-higher: a
+    low-probability token may rise further than a likely one may fall)."""
+    clip_ratio_c: Annotated[float, msgspec.Meta(gt=1)] = 3.0
+    """Dual-clip bound c (> 1): for a negative advantage the per-token loss is at most
+    -c * A, so a token whose ratio ran far above 1 cannot blow up the step (verl's
+    clip_ratio_c; 3.0 is its default)."""
+    tis_cap: Annotated[float, msgspec.Meta(ge=0)] = 2.0
+    """Cap C on the behaviour importance weight pi_proximal / pi_behaviour (decoupled
+    PPO, ``workers.trainer.loss``); 0 = no proximal policy: plain PPO-clip against the
+    behaviour logprobs."""
+    tis_mode: Literal["truncate", "mask"] = "truncate"
+    """What a behaviour weight above tis_cap does. truncate: it counts as tis_cap (TIS;
+    every token keeps a gradient, the default since a rare far-off token still teaches);
+    mask: the token contributes nothing (AReaL's default; its tokens still count in the
+    normaliser)."""
+    mini_batches: Positive = 1
+    """Optimizer updates per pass over a step's data: the step's groups are cut into
+    this many consecutive mini-batches of whole groups (must divide groups_per_step),
+    each one update. 1 = one update per step (the default: the cheapest, no proximal
+    forward pass)."""
+    epochs: Positive = 1
+    """Passes over a step's mini-batches (each mini-batch is an update in every pass).
+    With mini_batches * epochs > 1 the proximal logprobs come from one extra no-grad
+    forward at step start, and the PPO clip bounds how far the later updates move."""
+    advantage_std: AdvantageStd = "sample"
+    """How group rewards are scaled: (r - mean) / (std + eps) with the sample std (n - 1,
+    as verl, AReaL and TRL), the population std (n), or "none": r - mean (Dr. GRPO: no
+    scaling, so groups with a small reward spread are not amplified)."""
+    loss_agg: LossAgg = "token_mean"
+    """How per-token losses become the update's loss (verl's modes). token_mean: sum over
+    every token / tokens of the update (the default: every token weighs the same, long
+    answers are not down-weighted; DAPO). seq_mean_token_mean: each sequence's token mean,
+    averaged over sequences (the original GRPO). seq_mean_token_sum_norm: each sequence's
+    token sum / rollout.max_new_tokens, averaged over sequences (Dr. GRPO). Every count
+    is global: all micro-batches and all shards of the update."""
+    cost_a: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    """Balancing cost per token (cost = a*L + b*L^2)."""
+    cost_b: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Balancing cost per squared token (attention's quadratic term)."""
+    cpus_per_shard: Positive = 1
+    """Cores each trainer shard owns (torch threads)."""
+    step_timeout_s: PositiveFloat = 900.0
+    """Longest one shard's optimizer step may take; past it the shard counts as stuck
+    and the run stops with a checkpoint from a live shard (if any)."""
+    max_nonfinite_steps: Positive = 3
+    """Steps in a row with a non-finite gradient (each trains nothing and runs its
+    prompts again) before the run stops with a checkpoint: a diverged run is loud."""
+    compute_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Precision of the trainer's matmuls (torch autocast over forward and backward).
+    Weights, gradients, optimizer state and the loss stay in model.dtype. bfloat16 makes
+    a CPU step with AVX-512 bf16 about 1.5-2x faster, at the price of logprobs that
+    differ from the engine's by bf16 rounding (the truncated IS weight absorbs it)."""
+
+    def __post_init__(self) -> None:
+        if self.groups_per_step % self.num_shards:
+            raise invalid(
+                "trainer.groups_per_step",
+                self.groups_per_step,
+                f"must be a multiple of trainer.num_shards ({self.num_shards})",
+            )
+        if self.groups_per_step % self.mini_batches:
+            raise invalid(
+                "trainer.mini_batches",
+                self.mini_batches,
+                f"must divide trainer.groups_per_step ({self.groups_per_step}): "
+                "every mini-batch holds the same number of whole groups",
+            )

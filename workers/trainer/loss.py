@@ -1,0 +1,157 @@
+"""The GRPO token loss: the off-policy PPO formula and its normalisation.
+
+Owns: the token-loss formula (``token_loss``) and how an update's token losses are
+aggregated (``Normaliser``). Advantages are ``buffers.advantages``'; adding and
+summarising the statistics is ``workers.trainer.loss_stats``'. Knows nothing about
+batching, devices or distribution: callers pass flat token tensors and the counts every
+shard agreed on, and sum the returned loss across micro-batches and shards.
+
+Per token, with advantage A, clip band [1 - clip_low, 1 + clip_high] and dual-clip c:
+
+    ppo(r)  = max(-A * r, -A * clip(r))          PPO-clip, as a loss
+    loss(r) = min(ppo(r), -A * c)  if A < 0      dual-clip (verl, AReaL)
+              ppo(r)               otherwise
+
+Two forms, chosen by ``tis_cap``:
+- decoupled (tis_cap > 0, the default; AReaL's decoupled PPO): r = pi_theta / pi_prox,
+  where the proximal policy pi_prox is the trainer's policy at the start of the step
+  (its logprobs computed once, without gradient, before any update), and the per-token
+  loss is multiplied by the detached behaviour weight w = pi_prox / pi_behaviour, capped
+  at tis_cap (``tis_mode``: truncated to the cap, or the token masked out). With one
+  update per step the proximal policy is the current one, so r = 1 in value and the
+  loss is -w * A (the truncated-IS policy gradient).
+- plain (tis_cap = 0): PPO-clip with the rollout engine's behaviour logprobs as the old
+  policy, r = pi_theta / pi_behaviour, no weight.
+
+Every log-ratio is clamped to +-20 before ``exp``, so a token 100 nats off-policy gives a
+finite loss and gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+import torch
+
+from buffers.records import LossStats
+from workers.trainer.config import LossAgg, TrainerConfig
+
+LOG_RATIO_LIMIT = 20.0
+"""Log-ratios are clamped to +-this before ``exp`` (verl's bound): exp(20) ~ 5e8."""
+
+
+class Normaliser(msgspec.Struct, frozen=True, kw_only=True):
+    """What one update's token losses are divided by (``trainer.loss_agg``).
+
+    Built from counts every shard agreed on before the update, so the losses of every
+    micro-batch on every shard add up to the update's loss however tokens were split.
+    """
+
+    agg: LossAgg
+    """``trainer.loss_agg``."""
+    tokens: int
+    """Completion tokens in the update, over all shards."""
+    sequences: int
+    """Sequences in the update, over all shards."""
+    max_response_tokens: int = 1
+    """The constant seq_mean_token_sum_norm divides each sequence's token sum by
+    (rollout.max_new_tokens)."""
+
+    def aggregate(self, per_token: torch.Tensor, lengths: Sequence[int]) -> torch.Tensor:
+        """This micro-batch's share of the update loss; ``lengths`` are its sequences'
+        completion lengths, in token order."""
+        if self.agg == "token_mean":
+            return per_token.sum() / max(self.tokens, 1)
+        if self.agg == "seq_mean_token_mean":
+            counts = torch.tensor(lengths, dtype=torch.long, device=per_token.device)
+            per_sequence = 1.0 / counts.clamp(min=1).to(per_token.dtype)
+            per_token = per_token * torch.repeat_interleave(per_sequence, counts)
+            return per_token.sum() / max(self.sequences, 1)
+        return per_token.sum() / (max(self.sequences, 1) * self.max_response_tokens)
+
+
+def _exp_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
+    return torch.exp(torch.clamp(log_ratio, -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT))
+
+
+def _term(weight: torch.Tensor | None, ratio: torch.Tensor | float,
+          advantages: torch.Tensor) -> torch.Tensor:
+    """-(w * ratio * A), or -(ratio * A) without a weight: one term of the loss."""
+    return -(ratio * advantages) if weight is None else -(weight * ratio * advantages)
+
+
+def token_loss(
+    logprobs: torch.Tensor,
+    behaviour_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    *,
+    lengths: Sequence[int],
+    norm: Normaliser,
+    config: TrainerConfig,
+    proximal_logprobs: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, LossStats]:
+    """This micro-batch's share of an update's loss, and its statistics.
+
+    The tensors are 1-D over the same completion tokens, sequence after sequence
+    (``lengths``). ``proximal_logprobs``: the step-start policy's logprobs (decoupled
+    form); None means the current policy detached, exact when the update is the step's
+    only one (it skips a forward pass). ``entropy``: the policy's entropy per token, for
+    the statistics only.
+    """
+    decoupled = config.tis_cap > 0
+    if not decoupled:
+        reference = behaviour_logprobs
+    elif proximal_logprobs is None:
+        reference = logprobs.detach()
+    else:
+        reference = proximal_logprobs
+    with torch.no_grad():
+        behaviour_log_ratio = (logprobs - behaviour_logprobs).clamp(
+            -LOG_RATIO_LIMIT, LOG_RATIO_LIMIT)
+        behaviour_ratio = torch.exp(behaviour_log_ratio)
+        weight: torch.Tensor | None = None
+        if decoupled:
+            # Without proximal logprobs the reference is the current policy, so the
+            # weight is the behaviour ratio just computed.
+            weight = (behaviour_ratio if proximal_logprobs is None
+                      else _exp_ratio(reference - behaviour_logprobs))
+            if config.tis_mode == "truncate":
+                weight = torch.clamp(weight, max=config.tis_cap)
+            else:
+                weight = torch.where(weight <= config.tis_cap, weight, 0.0)
+    ratio = _exp_ratio(logprobs - reference)
+    clipped_ratio = torch.clamp(ratio, 1.0 - config.clip_low, 1.0 + config.clip_high)
+    # The weight goes inside each term, in this order, so that with one update (r = 1)
+    # loss and gradient are bit for bit the previous -(w * r * A).
+    unclipped_loss = _term(weight, ratio, advantages)
+    clipped_loss = _term(weight, clipped_ratio, advantages)
+    ppo = torch.maximum(unclipped_loss, clipped_loss)
+    bound = _term(weight, config.clip_ratio_c, advantages)
+    negative = advantages < 0
+    per_token = torch.where(negative, torch.minimum(ppo, bound), ppo)
+    if weight is None:
+        weight = behaviour_ratio  # for the statistics: the plain form's IS ratio
+    loss = norm.aggregate(per_token, lengths)
+    with torch.no_grad():
+        out_of_band = ((behaviour_ratio < 1.0 - config.clip_low)
+                       | (behaviour_ratio > 1.0 + config.clip_high))
+        # k3 estimator of KL(behaviour || current) on behaviour samples: r - 1 - log r
+        # with r = pi_theta / pi_behaviour (unbiased, never negative).
+        k3 = behaviour_ratio - 1.0 - behaviour_log_ratio
+        stats = LossStats(
+            tokens=int(logprobs.numel()),
+            loss_sum=float(per_token.sum()),
+            clipped=int((clipped_loss > unclipped_loss).sum()),
+            dual_clipped=int((negative & (ppo > bound)).sum()),
+            out_of_band=int(out_of_band.sum()),
+            is_weight_sum=float(weight.sum()),
+            is_weight_sq_sum=float((weight * weight).sum()),
+            is_weight_max=float(weight.max()) if weight.numel() else 0.0,
+            kl_sum=float(k3.sum()),
+            entropy_sum=float(entropy.sum()) if entropy is not None else 0.0,
+        )
+    return loss, stats
+
+

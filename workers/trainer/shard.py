@@ -1,0 +1,378 @@
+"""TrainerShard: one data-parallel shard of the policy, trained with the GRPO loss.
+
+Owns: the torch model replica, its optimizer, the process group (gloo on CPU, nccl on
+CUDA), executing a ShardBatch update by update (``trainer.epochs`` passes, one optimizer
+step per update, skipped when its gradient norm is not finite) and micro-batch by
+micro-batch (each one a padding-free packed row, ``workers.trainer.packing``; the losses and
+their normalisers are ``workers.trainer.ppo_update``'s), and, on the shard that is the source of
+weight broadcasts, the calls that snapshot and send its weights (``workers.weights.sender``
+does both). Knows nothing about Ray (``workers.actors`` wraps this class for Ray and
+resolves the batch's group references), queues, versions or how the plan was made.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel
+
+from buffers.records import (
+    BroadcastTiming,
+    GroupTokens,
+    LossStats,
+    ShardBatch,
+    ShardStepResult,
+    UsageReading,
+)
+from workers.core_share import CoreShare
+from workers.model_config import ModelConfig
+from workers.rollout.config import RolloutConfig
+from workers.spans import UNRESOLVED, Span, SpanRecorder
+from workers.trainer.config import TrainerConfig
+from workers.trainer.loss import Normaliser
+from workers.trainer.loss_stats import merge_stats
+from workers.trainer.packing import use_packed_attention
+from workers.trainer.ppo_update import MicroBatch, StepLoss
+from workers.usage import UsageMeter
+from workers.weights.config import UpdateMode, WeightsConfig
+
+if TYPE_CHECKING:
+    from workers.weights.sender import WeightSender
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+TRAINING_STATE = "training_state.pt"
+"""Optimizer and RNG state, beside the model in a checkpoint's trainer folder."""
+
+
+@dataclass(kw_only=True, slots=True)
+class _Times:
+    """Seconds a step spent in each phase, summed over its updates."""
+
+    forward_s: float = 0.0
+    backward_s: float = 0.0
+    optimizer_s: float = 0.0
+    barrier_s: float = 0.0
+
+
+def pin_to_cpus(cpu_ids: tuple[int, ...]) -> None:
+    """Gives this process its own cores so roles behave like separate devices."""
+    if cpu_ids and hasattr(os, "sched_setaffinity"):
+        available = os.sched_getaffinity(0)
+        wanted = {c for c in cpu_ids if c in available} or available
+        os.sched_setaffinity(0, wanted)
+        torch.set_num_threads(len(wanted))
+
+
+def process_group_backend(device: torch.device) -> str:
+    """NCCL for CUDA tensors, gloo for CPU ones: each backend takes only its own, so
+    every collective's tensors must live on this device (``TrainerShard.device``)."""
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+class TrainerShard:
+    """A replica of the policy on one device; ``world_size`` of them form a DDP group."""
+
+    def __init__(
+        self,
+        *,
+        rank: int,
+        world_size: int,
+        model: ModelConfig,
+        trainer: TrainerConfig,
+        seed: int,
+        weights: WeightsConfig | None = None,
+        temperature: float = 1.0,
+        max_new_tokens: int = RolloutConfig().max_new_tokens,
+        cpu_ids: tuple[int, ...] = (),
+        master_addr: str = "127.0.0.1",
+        master_port: int = 29500,
+        record_spans: bool = True,
+        packed: bool = True,
+        share_cores: tuple[int, ...] = (),
+        core_board: str = "",
+    ) -> None:
+        self.rank = rank
+        self.world_size = world_size
+        self.model_config = model
+        self.config = trainer
+        self.seed = seed
+        self.weights = weights or WeightsConfig()
+        self.sender: WeightSender | None = None
+        """Shard 0's end of weight broadcasts, from the first ``connect_rollout``."""
+        self.temperature = temperature
+        """Rollout's sampling temperature: behaviour logprobs are of logits / temperature."""
+        self.max_new_tokens = max_new_tokens
+        """Rollout's completion cap: loss_agg seq_mean_token_sum_norm divides by it."""
+        self.cpu_ids = cpu_ids
+        self.master_addr = master_addr
+        self.master_port = master_port
+        self.packed = packed
+        self.share_cores = share_cores
+        """Rollout cores this shard may borrow while no rollout worker is busy (run.layout
+        "shared"; ``core_board`` says who is busy); used once ``set_sharing(True)``."""
+        self.core_board = core_board
+        """One padding-free row per micro-batch (``workers.trainer.packing``); False runs the
+        padded reference layout (for comparisons)."""
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        label = (f"cuda:{torch.cuda.current_device()}" if self.device.type == "cuda"
+                 else "cpu:" + ",".join(map(str, cpu_ids)))
+        if share_cores and self.device.type == "cpu":
+            label += "(+" + ",".join(map(str, share_cores)) + ")"  # borrowed while idle
+        self.spans = SpanRecorder(worker=f"trainer-{rank}", role="trainer", rank=rank,
+                                  device=label, enabled=record_spans)
+
+    def setup(self) -> int:
+        """Joins the process group, loads the model and builds the optimizer; returns pid."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        # Kept in memory for save_policy: model.path may be a checkpoint that a resumed
+        # run later rotates away (run.keep_checkpoints).
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.path)
+
+        # Before pinning: the cores it may borrow are outside its own.
+        self.cores = CoreShare(self.cpu_ids, self.share_cores, self.core_board)
+        pin_to_cpus(self.cpu_ids)
+        self.cores.apply()
+        self.usage_meter = UsageMeter(gpu_index=0 if self.device.type == "cuda" else None)
+        torch.manual_seed(self.seed)
+        if self.world_size > 1:
+            dist.init_process_group(
+                process_group_backend(self.device),
+                init_method=f"tcp://{self.master_addr}:{self.master_port}",
+                rank=self.rank,
+                world_size=self.world_size,
+                timeout=timedelta(minutes=5),
+            )
+        module: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
+            self.model_config.path, dtype=_DTYPES[self.model_config.dtype]
+        )
+        module.to(self.device)
+        module.train()
+        if self.packed:
+            use_packed_attention(module)
+        self.module = module
+        self.model: torch.nn.Module = (
+            DistributedDataParallel(module) if self.world_size > 1 else module
+        )
+        self.optimizer = torch.optim.AdamW(
+            module.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay,
+            # One fused kernel over every tensor: on CPU 3-5x faster than the default
+            # per-tensor loop (bench/packing.py measures both).
+            fused=self.device.type in ("cpu", "cuda"),
+        )
+        self.losses = StepLoss(config=self.config, model=self.model, module=module,
+                               device=self.device, world_size=self.world_size,
+                               packed=self.packed, temperature=self.temperature,
+                               max_response_tokens=self.max_new_tokens)
+        return os.getpid()
+
+    def train_step(self, batch: ShardBatch,
+                   tokens: Sequence[GroupTokens] | None) -> ShardStepResult:
+        """One step: ``trainer.epochs`` passes over the batch's updates, each update one
+        optimizer step over its micro-batches (``workers.trainer.ppo_update`` makes the losses).
+
+        ``tokens``: ``batch.groups`` resolved, in order; None when this shard could not
+        fetch them (their rollout worker died). Then no shard trains: every shard
+        returns a result with ``samples_lost`` set and the weights unchanged.
+        """
+        # Without its groups a shard still sends its (zero) counts in the all-reduce.
+        sequences = (batch.sequences(tokens) if tokens is not None
+                     else ((),) * len(batch.micro_batches))
+        updates = batch.per_update(sequences)
+        self.spans.switch("barrier", batch.step - 1)  # the count all-reduce waits for all shards
+        norms, lost = self.losses.agree(updates, tokens is None)
+        if lost:
+            self.spans.switch(UNRESOLVED, batch.step - 1)
+            return ShardStepResult(rank=self.rank, step=batch.step, loss=LossStats(),
+                                   grad_norm=0.0, forward_s=0.0, backward_s=0.0,
+                                   optimizer_s=0.0, barrier_s=0.0, samples_lost=True)
+        self.spans.switch("forward")
+        self.cores.apply()
+        t0 = time.perf_counter()
+        # The proximal policy is the one this step starts from; with a single update it
+        # is the current policy itself, so no extra forward pass is needed (nor in the
+        # plain form, tis_cap = 0, which has no proximal policy).
+        several = len(updates) * self.config.epochs > 1 and self.config.tis_cap > 0
+        proximal = batch.per_update(self.losses.proximal(sequences) if several
+                                    else [None] * len(sequences))
+        times = _Times(forward_s=time.perf_counter() - t0)
+        parts: list[LossStats] = []
+        norms_seen: list[float] = []
+        positions = 0
+        for epoch in range(self.config.epochs):
+            for micro_batches, norm, prox in zip(updates, norms, proximal, strict=True):
+                computed, grad_norm = self._update(micro_batches, norm, prox, parts, times)
+                positions += computed if epoch == 0 else 0
+                norms_seen.append(grad_norm)
+                if not math.isfinite(grad_norm):
+                    break  # the rest of the step would build on a diverged update
+            if not math.isfinite(norms_seen[-1]):
+                break
+        self.cores.idle()
+        self.spans.switch(UNRESOLVED, batch.step)
+        return ShardStepResult(
+            rank=self.rank,
+            step=batch.step,
+            loss=merge_stats(parts),
+            # The largest, a non-finite one before any other.
+            grad_norm=max(norms_seen, default=0.0,
+                          key=lambda n: n if math.isfinite(n) else math.inf),
+            forward_s=times.forward_s,
+            backward_s=times.backward_s,
+            optimizer_s=times.optimizer_s,
+            barrier_s=times.barrier_s,
+            # Nothing was trained only if the first update was skipped; after a later
+            # one the step stops, keeping the updates made before it.
+            nonfinite=not math.isfinite(norms_seen[0]),
+            input_tokens=sum(len(s.prompt_token_ids) + len(s.completion_token_ids)
+                             for mb in sequences for s in mb),
+            computed_positions=positions,
+        )
+
+    def _update(self, micro_batches: Sequence[MicroBatch], norm: Normaliser,
+                proximal: Sequence[torch.Tensor | None], parts: list[LossStats],
+                times: _Times) -> tuple[int, float]:
+        """One optimizer update; appends each micro-batch's statistics to ``parts`` and
+        adds its phase times to ``times``. Returns (positions computed, gradient norm)."""
+        self.optimizer.zero_grad(set_to_none=True)
+        positions = 0
+        last = len(micro_batches) - 1
+        for index, (micro_batch, prox) in enumerate(zip(micro_batches, proximal, strict=True)):
+            self.spans.switch("forward")
+            self.cores.apply()
+            t0 = time.perf_counter()
+            loss, stats, computed = self.losses.micro_batch(micro_batch, norm, prox)
+            positions += computed
+            # DDP averages gradients over shards; the loss is already a share of the
+            # global normaliser, so scale back up to make the all-reduce a plain sum.
+            loss = loss * self.world_size
+            t1 = time.perf_counter()
+            times.forward_s += t1 - t0
+            if index == last and self.world_size > 1:
+                # Time spent here is waiting on slower shards, not communication.
+                self.spans.switch("barrier")
+                dist.barrier()
+                times.barrier_s += time.perf_counter() - t1
+                t1 = time.perf_counter()
+            self.spans.switch("backward")
+            self.cores.apply()
+            if index != last and isinstance(self.model, DistributedDataParallel):
+                with self.model.no_sync():
+                    torch.autograd.backward(loss)
+            else:
+                torch.autograd.backward(loss)
+            times.backward_s += time.perf_counter() - t1
+            parts.append(stats)
+        self.spans.switch("optimizer")
+        self.cores.apply()
+        t2 = time.perf_counter()
+        grad_norm = float(
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
+        )
+        # Every shard sees the same all-reduced gradient, so they all agree to skip.
+        if math.isfinite(grad_norm):
+            self.optimizer.step()
+        else:
+            self.optimizer.zero_grad(set_to_none=True)
+        times.optimizer_s += time.perf_counter() - t2
+        return positions, grad_norm
+
+    def set_sharing(self, enabled: bool) -> None:
+        """run.layout "shared" (True) or "split" (False) from the next phase on."""
+        self.cores.enabled = enabled
+
+    def mean_cores(self) -> float:
+        """Threads used, averaged over compute time: the cores the CPU-time check uses."""
+        return self.cores.mean_cores()
+
+    def drain_spans(self) -> list[Span]:
+        """Closed spans since the last call (the current one is closed at now first)."""
+        return self.spans.flush()
+
+    def usage(self) -> UsageReading:
+        """CPU time (and on CUDA, NVML utilisation) for the span cross-check."""
+        return self.usage_meter.read()
+
+    def clock(self) -> float:
+        """This process's wall clock, for the controller to align span times across nodes."""
+        return time.time()
+
+    # ---- weight broadcasts (the source shard only) -------------------------------------
+
+    def connect_rollout(self, rank: int, actor: Any) -> None:
+        """Opens the weight transfer with rollout worker ``rank`` (at start-up)."""
+        if self.sender is None:
+            # vLLM is imported here, on the source shard only.
+            from workers.weights.sender import WeightSender
+
+            self.sender = WeightSender(self.weights, address=self.master_addr,
+                                       device=self.device)
+        self.sender.connect(rank, actor)
+
+    def _connected(self) -> WeightSender:
+        if self.sender is None:
+            raise RuntimeError(f"trainer shard {self.rank}: no rollout worker connected")
+        return self.sender
+
+    def snapshot_weights(self, version: int) -> int:
+        """Copies the weights as ``version`` for the sends to come; returns their bytes.
+
+        Called in order with training calls, so it captures exactly ``version``; the
+        sends then run beside the next steps."""
+        return self._connected().snapshot(version, self.module.named_parameters())
+
+    def send_weights(self, version: int, rank: int, mode: UpdateMode | None = None
+                     ) -> BroadcastTiming:
+        """Makes the snapshot of ``version`` rollout worker ``rank``'s policy."""
+        return self._connected().send(version, rank, mode)
+
+    def release_weights(self, version: int) -> None:
+        """Frees the snapshot of ``version`` (every send of it is done)."""
+        self._connected().release(version)
+
+    def policy_state(self) -> dict[str, torch.Tensor]:
+        """The policy's weights (what the evaluator loads). Called in order with training
+        calls, so they are exactly the version just trained; the actor's return value is
+        copied into the object store before its next call runs, so no clone is needed."""
+        return {name: t.detach() for name, t in self.module.state_dict().items()}
+
+    def save(self, out_dir: str) -> None:
+        """Writes the current policy in Hugging Face format (model only)."""
+        self.module.save_pretrained(out_dir)  # type: ignore[operator]
+
+    def save_policy(self, out_dir: str) -> None:
+        """The policy as a Hugging Face model with its tokenizer: an engine can start
+        from the folder (a restarted rollout worker, a resumed run)."""
+        self.save(out_dir)
+        self.tokenizer.save_pretrained(out_dir)
+
+    def save_checkpoint(self, out_dir: str) -> None:
+        """``save_policy``, plus the optimizer and RNG state (``TRAINING_STATE``).
+
+        Shards are replicas (DDP), so shard 0's copy is the checkpoint.
+        """
+        self.save_policy(out_dir)
+        torch.save({"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()},
+                   Path(out_dir) / TRAINING_STATE)
+
+    def load_training_state(self, checkpoint_dir: str) -> None:
+        """Restores the optimizer and RNG state saved by ``save_checkpoint`` (the weights
+        came with ``model.path`` pointing at the same folder)."""
+        state = torch.load(Path(checkpoint_dir) / TRAINING_STATE, weights_only=True)
+        self.optimizer.load_state_dict(state["optimizer"])
+        torch.set_rng_state(state["rng"])
+
+    def shutdown(self) -> None:
+        if self.sender is not None:
+            self.sender.shutdown()
+        if dist.is_initialized():
+            dist.destroy_process_group()

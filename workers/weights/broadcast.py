@@ -1,0 +1,71 @@
+"""Versioned weight broadcast: trainer shard 0 publishes, every rollout worker loads.
+
+Owns: the two halves of a broadcast as the controller drives them — ``publish`` (the
+source shard snapshots the weights of a version, once) and ``deliver`` (the source shard
+sends that snapshot to every live rollout worker through vLLM's weight-transfer API,
+``workers.weights.sender``, then frees it) — and their timing, split into publish,
+transfer, pause and load. The halves are separate so the trainer can go on with the next
+step while rollout workers load: sends run in the source shard's ``SEND_GROUP``
+concurrency group, beside its training calls. Knows nothing about when to broadcast (the
+controller decides) or how an engine loads (the rollout worker does).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgspec
+
+from buffers.records import BroadcastTiming
+
+SEND_GROUP = "weights"
+"""Ray concurrency group of the source shard's sends (one thread per rollout worker):
+a send is not queued behind a training step, as calls in the default group are."""
+
+
+class Published(msgspec.Struct, frozen=True, kw_only=True):
+    """A version's weights snapshotted on the source shard, ready to deliver."""
+
+    version: int
+    publish_s: float
+
+
+class WeightBroadcast:
+    """Publishes the source shard's weights to a set of rollout worker actors."""
+
+    def __init__(self, source_shard: Any, rollout_workers: dict[int, Any]) -> None:
+        self.source_shard = source_shard
+        self.rollout_workers = rollout_workers
+        """rank -> actor handle; the controller removes dead workers from it. The source
+        shard was connected to each at start-up (``launch_workers``)."""
+
+    async def publish(self, version: int) -> Published:
+        """Snapshots the source shard's weights as ``version``.
+
+        The snapshot call is queued on the shard before any later training call, so it
+        captures exactly the weights of ``version`` even if training goes on meanwhile.
+        """
+        started = time.perf_counter()
+        await self.source_shard.snapshot_weights.remote(version)
+        return Published(version=version, publish_s=time.perf_counter() - started)
+
+    async def deliver(self, published: Published) -> tuple[list[BroadcastTiming], list[int]]:
+        """Makes the published version the policy of every live rollout worker.
+
+        Returns the timings of the workers that loaded it and the ranks of those that
+        failed (a failed load leaves a worker unusable; the caller retires it). Each
+        worker has its own transfer group, so one failing does not hold up the others.
+        """
+        ranks = list(self.rollout_workers)
+        send = self.source_shard.send_weights.options(concurrency_group=SEND_GROUP)
+        outcomes = await asyncio.gather(
+            *(send.remote(published.version, rank) for rank in ranks), return_exceptions=True)
+        release = self.source_shard.release_weights.options(concurrency_group=SEND_GROUP)
+        await release.remote(published.version)
+        timings = [msgspec.structs.replace(t, publish_s=published.publish_s)
+                   for t in outcomes if isinstance(t, BroadcastTiming)]
+        failed = [rank for rank, t in zip(ranks, outcomes, strict=True)
+                  if isinstance(t, BaseException)]
+        return timings, failed

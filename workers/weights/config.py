@@ -1,0 +1,48 @@
+"""The weights section: how versioned weights travel from the trainer to the engines.
+
+Owns: ``WeightsConfig``, the update modes (``UpdateMode``) and ``check_transport``, the one
+weights rule that needs to know the hardware. Knows nothing about TOML or the other
+sections.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+from buffers.config import ConfigError, Positive, PositiveFloat
+
+UpdateMode = Literal["in_flight", "drain"]
+"""in_flight: pause (keep requests), load, resume; drain: finish running requests first."""
+
+
+class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """Versioned weight broadcast from the trainer to the rollout workers."""
+
+    sync_every: Positive = 1
+    """Publish new weights every this many optimizer steps."""
+    update_mode: UpdateMode = "in_flight"
+    """in_flight: pause (keep requests), load, resume; drain: finish running requests first."""
+    transport: Literal["gloo", "nccl", "ipc"] = "gloo"
+    """How the weights travel from trainer shard 0 to each rollout engine, through vLLM's
+    weight-transfer API, one group per rollout worker. gloo: a torch.distributed gloo
+    group over TCP, on any hardware (the CPU default). nccl: vLLM's NCCL engine (CUDA).
+    ipc: vLLM's CUDA IPC engine, for a rollout engine on the trainer's own GPU (needs
+    run.colocate, one rollout worker and one trainer shard)."""
+    bucket_mb: Positive = 16
+    """Largest message of a transfer, in MiB: tensors are packed into buckets of at most
+    this size (gloo cuts larger tensors into pieces; nccl and ipc pack per buffer). On
+    gloo 8-16 measured best here (bench/weight_broadcast.py): larger receive buffers come
+    fresh from the kernel at every update, smaller ones cost more messages."""
+    timeout_s: PositiveFloat = 300.0
+    """Longest a weight update waits on one rollout worker for any one step (its pause,
+    including a drain, a message, the load) before that worker counts as failed."""
+
+
+def check_transport(weights: WeightsConfig, *, cuda: bool) -> None:
+    """Refuses a CUDA-only ``weights.transport`` when the workers have no GPU (the one
+    rule that needs to know the hardware: called once the cluster is known)."""
+    if weights.transport != "gloo" and not cuda:
+        raise ConfigError(f"config error: weights.transport = {weights.transport!r}: needs "
+                          'CUDA GPUs, and the workers have none; use "gloo" on CPU')
