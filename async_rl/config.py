@@ -69,17 +69,7 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     colocate: bool = False
     """Rollout worker i and trainer shard i share devices (one STRICT_PACK placement
     group, both roles on the same cores at full width); default is disaggregated, each
-    role on its own devices. Only with layout = "split"."""
-    layout: Literal["split", "shared", "auto"] = "split"
-    """How disaggregated roles use the CPU cores (workers/core_share.py).
-    split: each role only its own cores (rollout first, then trainer).
-    shared: the rollout engine keeps its cores; a trainer shard uses its own cores plus
-    the rollout workers' while no rollout worker has requests in flight (torch threads
-    and affinity change before each forward, backward and optimizer phase), and only its
-    own while one does. Helps when training is the bottleneck.
-    auto: starts split and measures training vs generation busy time over steps 2-4;
-    if training is the bottleneck it tries shared for steps 5-7 and keeps it only if
-    those steps were faster. Prints one line saying what it picked and why."""
+    role on its own devices."""
     progress: bool = True
     """Show a progress bar."""
     record_spans: bool = True
@@ -154,10 +144,6 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                            "needs run.colocate = true, rollout.num_workers = 1 and "
                            "trainer.num_shards = 1 (CUDA IPC shares the trainer's own GPU "
                            'with one engine); use "nccl" otherwise')
-        if self.run.colocate and self.run.layout != "split":
-            raise invalid("run.layout", self.run.layout,
-                           'must be "split" when run.colocate = true (co-located roles '
-                           "already share every core)")
         if self.trainer.micro_batch_tokens < self.rollout.max_new_tokens:
             raise invalid(
                 "trainer.micro_batch_tokens",

@@ -1,7 +1,7 @@
 """Benchmark: CPU an idle rollout worker burns, and how fast it answers after idling.
 
 Starts a ``RolloutWorker`` (no Ray; the tiny model, or ``--model``) on one core, twice:
-once with vLLM's idle spin left alone (``ASYNC_RL_KEEP_VLLM_IDLE_SPIN=1``: the engine's
+once with vLLM's idle spin left alone (``rollout.quiet_idle = false``: the engine's
 worker process spins for a second after every queue read) and once as the worker runs by
 default (it tells the engine to block once nothing is in flight). For each it repeats:
 generate a group, stay idle ``--idle`` seconds, generate a group. It reports
@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import tempfile
 import time
@@ -30,7 +29,8 @@ from pathlib import Path
 import msgspec
 from quiet_stdout import stdout_to_stderr
 
-MODES = {"vllm_spin": "1", "quiet_when_idle": "0"}
+MODES = {"vllm_spin": False, "quiet_when_idle": True}
+"""Each mode's rollout.quiet_idle."""
 
 
 class IdleFigures(msgspec.Struct, frozen=True, kw_only=True):
@@ -50,17 +50,16 @@ async def measure(mode: str, model_dir: Path, idle_s: float,
     from buffers.records import Prompt
     from workers.model_config import ModelConfig
     from workers.rollout.config import RolloutConfig
-    from workers.rollout.engine import KEEP_IDLE_SPIN_ENV
     from workers.rollout.worker import RolloutWorker
     from workers.usage import UsageMeter
     from workers.weights.config import WeightsConfig
 
-    os.environ[KEEP_IDLE_SPIN_ENV] = MODES[mode]  # read by start()
     # The CPU default's rollout shape: groups of 8, 6 new tokens.
     worker = RolloutWorker(0, ModelConfig(path=str(model_dir)),
-                           RolloutConfig(group_size=8, max_new_tokens=6),
-                           WeightsConfig(), zero_reward,
-                           cpu_ids=(core,), kv_cache_gib=1, ignore_eos=True)
+                           RolloutConfig(group_size=8, max_new_tokens=6, prefix_caching=True,
+                                         kv_cache_gib=1, ignore_eos=True,
+                                         quiet_idle=MODES[mode]),
+                           WeightsConfig(), zero_reward, cpu_ids=(core,))
     await worker.start()
     meter = UsageMeter()
     prompts = [Prompt(prompt_id=f"p{i}", text=f"{i}+{i + 7}=", answer=str(2 * i + 7))

@@ -130,12 +130,11 @@ def main() -> None:
         torch.manual_seed(0)
         model = Qwen2ForCausalLM(size_config(MODEL_SIZES[args.size]))
         model.save_pretrained(Path(root))
-        trainer = TrainerConfig(micro_batch_tokens=args.cap)
         shards = {}
         for layout in ("padded", "packed"):
+            trainer = TrainerConfig(micro_batch_tokens=args.cap, packed=layout == "packed")
             shard = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=root),
-                                 trainer=trainer, seed=0, record_spans=False,
-                                 packed=layout == "packed")
+                                 trainer=trainer, seed=0, record_spans=False)
             shard.setup()
             shard.train_step(batch, tokens)  # warm-up: first-call allocations
             shards[layout] = shard

@@ -7,7 +7,7 @@ in a fresh process, in ABBA order (twice over with ``--rounds 2``). ``--compare`
   vLLM's DELTA outputs: what the worker did before) against ``final`` (one output per
   finished request, FINAL_ONLY: the default);
 - ``worker-process``: ``worker-process`` (vLLM's model runner in a process of its own,
-  ``ASYNC_RL_VLLM_WORKER_PROCESS=1``: what the worker did before) against ``in-core``
+  ``rollout.model_in_engine_core = false``: what the worker did before) against ``in-core``
   (the model runs inside the engine core process: the default on a one-core CPU worker).
 
 Each run generates ``--groups`` groups of the task's prompts with
@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
-import os
 import statistics
 import time
 from concurrent.futures import ProcessPoolExecutor
@@ -48,15 +47,15 @@ async def measure(config_path: str, overrides: list[str], mode: str, groups: int
                   core: int) -> OutputFigures:
     from async_rl.config_io import load_config
     from async_rl.shell.launch import build_task
-    from workers.rollout.engine import WORKER_PROCESS_ENV
     from workers.rollout.worker import RolloutWorker
 
-    os.environ[WORKER_PROCESS_ENV] = "1" if mode == "worker-process" else "0"
     config = load_config(config_path, overrides)
     source, reward_fn, _ = build_task(config)
-    worker = RolloutWorker(0, config.model, config.rollout, config.weights, reward_fn,
-                           cpu_ids=(core,), kv_cache_gib=1,
-                           stream_tokens=mode == "streamed")
+    rollout = msgspec.structs.replace(
+        config.rollout, prefix_caching=True, kv_cache_gib=1,
+        stream_tokens=mode == "streamed", model_in_engine_core=mode != "worker-process")
+    worker = RolloutWorker(0, config.model, rollout, config.weights, reward_fn,
+                           cpu_ids=(core,))
     await worker.start()
     admission = asyncio.Semaphore(config.rollout.max_inflight_prompts)
     tokens = 0

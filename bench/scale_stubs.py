@@ -218,9 +218,6 @@ class StubRollout(ObservedStub):
     def version(self) -> int:
         return self.current_version
 
-    def busy_seconds(self) -> float:
-        return 0.0
-
     def shutdown(self) -> None:
         pass
 
@@ -258,9 +255,6 @@ class StubTrainer(ObservedStub):
                            is_weight_max=1.0, kl_sum=0.0),
             forward_s=seconds, backward_s=0.0, optimizer_s=0.0, barrier_s=0.0,
             input_tokens=prompt + completion, computed_positions=prompt + completion)
-
-    def set_sharing(self, enabled: bool) -> None:
-        pass
 
     def mean_cores(self) -> float:
         return 1.0

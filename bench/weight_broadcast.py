@@ -243,9 +243,9 @@ async def run(model_dir: Path, updates: int, bucket_mb: int, mode: str
     insecure = {"env_vars": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}}
     rollout = ray.remote(bench_rollout_class()).options(
         num_cpus=1, max_concurrency=16, runtime_env=insecure).remote(
-        rank=0, model=model, rollout=RolloutConfig(group_size=2, max_inflight_prompts=1),
-        weights=weights, reward_fn=lambda prompt, text: 0.0, cpu_ids=(0,), kv_cache_gib=1,
-        prefix_caching=False)
+        rank=0, model=model,
+        rollout=RolloutConfig(group_size=2, max_inflight_prompts=1, kv_cache_gib=1),
+        weights=weights, reward_fn=lambda prompt, text: 0.0, cpu_ids=(0,))
     await asyncio.gather(trainer.setup.remote(), rollout.start.remote())
     await trainer.connect_rollout.remote(0, rollout)
     broadcast = WeightBroadcast(trainer, {0: rollout})

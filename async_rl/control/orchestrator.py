@@ -29,7 +29,6 @@ import anyio
 
 from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.config import Config
-from async_rl.control.auto_layout import AutoLayout
 from async_rl.control.batching import shard_batches
 from async_rl.control.checkpoint import RunState, write_checkpoint
 from async_rl.control.evaluation import EvalLog
@@ -119,9 +118,6 @@ class Orchestrator:
                                             source=self.trainers[0])
         self.timings: list[BroadcastTiming] = []
         """Broadcast timings completed since the last metrics row."""
-        self.auto_layout = (AutoLayout(self.rollout, self.trainers, workers.can_share)
-                            if config.run.layout == "auto" else None)
-        """run.layout auto's probe, until it has picked."""
         record = config.run.record_spans
         # The orchestrator's own tracks: what it waits on explains the workers' idle time.
         self.admission = SpanRecorder(worker=ROLLOUT_TRACK, role="controller", rank=0,
@@ -305,8 +301,6 @@ class Orchestrator:
                                     tokens=self.totals.tokens_trained)
                 await self.evaluations.version_trained(self.version)
                 bar.update(row)
-                if self.auto_layout is not None and not self.auto_layout.choice:
-                    await self.auto_layout.after_step(step, results)
                 every = cfg.run.checkpoint_every
                 if every and step % every == 0 and step < cfg.run.num_steps:
                     await self.checkpoint(time.perf_counter() - self.evals.started)

@@ -81,10 +81,6 @@ class RolloutClient(ObservedWorker, Protocol):
         """Policy version of the weights the engine runs."""
         ...
 
-    async def busy_seconds(self) -> float:
-        """Seconds the engine had requests in flight or loaded weights (run.layout auto)."""
-        ...
-
 
 class TrainerClient(ObservedWorker, Protocol):
     """One data-parallel trainer shard; every shard takes part in every step."""
@@ -92,10 +88,6 @@ class TrainerClient(ObservedWorker, Protocol):
     async def train(self, batch: ShardBatch) -> ShardStepResult:
         """One training step (its optimizer updates); the shard resolves ``batch.groups``
         itself."""
-        ...
-
-    async def set_sharing(self, enabled: bool) -> None:
-        """run.layout: may the shard borrow idle rollout cores from its next phase on."""
         ...
 
     async def mean_cores(self) -> float:
@@ -221,8 +213,6 @@ class Workers:
     weights: WeightPath
     evaluator: Evaluator | None = None
     """Where evaluations run with run.eval_on = "idle_cpu"; None: on rollout workers."""
-    can_share: bool = False
-    """Trainers can borrow rollout cores (run.layout shared/auto on CPU)."""
     restart_rollout: Callable[[int, str, int], Awaitable[RolloutClient]] | None = None
     """Starts a new rollout worker for a rank from a model folder labelled with a
     version; None: lost workers are not replaced."""

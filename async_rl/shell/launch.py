@@ -2,9 +2,8 @@
 
 Owns: choosing the prompt source, reward and held-out prompts from ``task`` config
 (``build_task``), and creating and starting the rollout and trainer actors on their
-cores or GPUs (``launch_workers``), with the shared-memory board that ``run.layout``
-uses, the weight-transfer groups between trainer shard 0 and each rollout worker, and
-the idle-CPU evaluator of run.eval_on.
+cores or GPUs (``launch_workers``), the weight-transfer groups between trainer shard 0
+and each rollout worker, and the idle-CPU evaluator of run.eval_on.
 Part of the Ray shell: knows nothing about the run's loops, which
 ``async_rl.control.orchestrator`` drives through the adapters of ``async_rl.shell.ray_shell``.
 """
@@ -13,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -28,7 +26,6 @@ from async_rl.tasks.rewards import arithmetic_reward, gsm8k_reward, remainder_re
 from async_rl.tasks.sources import ArithmeticTask, JsonlPromptSource, PromptSource
 from buffers.records import Prompt
 from workers.actors import RolloutActor, TrainerActor
-from workers.core_share import BOARD_DIR, create_board
 from workers.eval.evaluator import IdleCpuEvaluator
 from workers.model_config import ModelConfig
 from workers.placement import WorkerIdentity, assign_cpus, gpus_per_worker, in_bundle
@@ -73,8 +70,6 @@ class StartedWorkers:
     rollout: dict[int, Any] = field(default_factory=dict)
     trainers: list[Any] = field(default_factory=list)
     identities: list[WorkerIdentity] = field(default_factory=list)
-    board_path: str = ""
-    """The run.layout board in shared memory ("" when trainers never borrow cores)."""
     placement_groups: list[PlacementGroup] = field(default_factory=list)
     evaluator: Any = None
     """The run.eval_on = "idle_cpu" evaluator (None: evaluations run on rollout workers)."""
@@ -114,13 +109,6 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
     groups = make_placement_groups(
         layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus)
     started = StartedWorkers(placement_groups=list({id(g): g for g in groups.values()}.values()))
-    # run.layout: who is busy goes on a shared-memory board; trainers may borrow the
-    # rollout cores ("shared" from the start, "auto" once it has measured).
-    board = ""
-    if cfg.run.layout != "split" and not gpus:
-        board = create_board(BOARD_DIR, cfg.rollout.num_workers, uuid.uuid4().hex[:8])
-        started.board_path = board
-    rollout_cores = tuple(sorted({c for i in layout.rollout for c in i.devices}))
     rollout_cls = ray.remote(RolloutActor)
 
     def new_rollout(rank: int, model: ModelConfig, version: int, name: str = "") -> Any:
@@ -134,7 +122,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
             rank=ident.rank, model=model, rollout=cfg.rollout, weights=cfg.weights,
             reward_fn=reward_fn, seed=cfg.run.seed + ident.rank,
             cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
-            prefix_caching=cfg.rollout.prefix_caching, core_board=board, version=version,
+            version=version,
         )
 
     started.new_rollout = new_rollout
@@ -150,9 +138,6 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
         trainer_cls.options(
             name=ident.name,
             num_cpus=cfg.trainer.cpus_per_shard, num_gpus=gpus,
-            # A sharing trainer's OpenMP threads must sleep, not spin, when it
-            # narrows or waits: a spinning pool thread on a rollout core steals it.
-            runtime_env={"env_vars": {"OMP_WAIT_POLICY": "PASSIVE"}} if board else None,
             scheduling_strategy=in_bundle(groups["trainer"], ident.rank),
         ).remote(
             rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
@@ -161,13 +146,10 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
             max_new_tokens=cfg.rollout.max_new_tokens,
             cpu_ids=ident.devices,
             master_addr=master_addr, master_port=port, record_spans=cfg.run.record_spans,
-            share_cores=rollout_cores if board else (), core_board=board,
         )
         for ident in layout.trainer
     ]
     trainer_pids = await asyncio.gather(*(t.setup.remote() for t in started.trainers))
-    if board and cfg.run.layout == "shared":
-        await asyncio.gather(*(t.set_sharing.remote(True) for t in started.trainers))
     rollout_pids = await asyncio.gather(*(w.start.remote() for w in started.rollout.values()))
     if cfg.run.eval_on == "idle_cpu":
         # No cores of its own (num_cpus=0): it runs at idle priority on whichever core

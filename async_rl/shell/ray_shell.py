@@ -123,10 +123,6 @@ class RayRollout(_Actor):
         version: int = await self._answer("version")
         return version
 
-    async def busy_seconds(self) -> float:
-        seconds: float = await self._answer("busy_seconds")
-        return seconds
-
     async def _call(self, seconds: float, key: str, method: str, *args: Any) -> Any:
         try:
             with anyio.move_on_after(seconds):
@@ -165,9 +161,6 @@ class RayTrainer(_Actor):
         # Stuck (in a collective whose peer died, say): it cannot save either.
         raise TrainerFailed(self.rank, f"no answer to step {batch.step} after {seconds:g} s "
                             "(trainer.step_timeout_s)", dead=True, timed_out=True)
-
-    async def set_sharing(self, enabled: bool) -> None:
-        await self._answer("set_sharing", enabled)
 
     async def mean_cores(self) -> float:
         cores: float = await self._answer("mean_cores")
@@ -252,7 +245,6 @@ def adapt(started: StartedWorkers, config: Config) -> Workers:
         weights=weights,
         evaluator=(RayEvaluator(started.evaluator, config)
                    if started.evaluator is not None else None),
-        can_share=bool(started.board_path),
         restart_rollout=restart,
     )
 
@@ -268,9 +260,6 @@ async def _shutdown(started: StartedWorkers) -> None:
         ray.kill(started.evaluator)
     for group in started.placement_groups:
         remove_placement_group(group)
-    if started.board_path:
-        with contextlib.suppress(OSError):
-            os.unlink(started.board_path)
 
 
 class RunInterrupted(Exception):

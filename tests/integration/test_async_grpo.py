@@ -143,23 +143,3 @@ def test_staleness_zero_is_synchronous(
     _, reward_fn, prompts = build_task(config)
     assert rows[-1].accuracy == evaluate_accuracy(final, tokenizer, prompts, reward_fn,
                                                   max_new_tokens=6)
-
-
-def test_layout_auto_picks_after_probing_and_keeps_the_contract(
-    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None,
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    # auto measures steps 2-4 (and may try shared for 5-7), then prints its choice;
-    # either way the run's contract
-    # (steps, ledger, spans adding up, CPU-time check present) holds.
-    config = small_config(tiny_model_dir, tmp_path / "run", max_staleness=2,
-                          run={"layout": "auto", "num_steps": 8})
-    summary = run_training(config)
-    lines = [ln for ln in capsys.readouterr().out.splitlines() if "run.layout auto ->" in ln]
-    assert len(lines) == 1 and ("after step 4" in lines[0] or "after step 7" in lines[0])
-    assert summary.steps == 8 and summary.groups_trained == 8 * 4
-    check_ledger(tmp_path / "run", summary.groups_trained)
-    idle = build_report(tmp_path / "run")
-    for role in idle.roles:
-        assert role.busy_s + role.idle_s == pytest.approx(role.wall_s, rel=0.01)
-    assert set(idle.cross_check) == {"rollout-0", "trainer-0"}

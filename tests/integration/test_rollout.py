@@ -117,14 +117,14 @@ def make_worker(model_dir: Path) -> Any:
     actor = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=64).remote(
         rank=0,
         model=ModelConfig(path=str(model_dir)),
-        rollout=RolloutConfig(group_size=GROUP_SIZE, max_new_tokens=LONG, temperature=1.0),
+        rollout=RolloutConfig(group_size=GROUP_SIZE, max_new_tokens=LONG, temperature=1.0,
+                              prefix_caching=True, kv_cache_gib=1, ignore_eos=True,
+                              # wait_until_generating reads tokens_in_flight
+                              stream_tokens=True),
         weights=WEIGHTS,
         reward_fn=starts_with_digit,
         seed=0,
         cpu_ids=(0,),
-        kv_cache_gib=1,
-        ignore_eos=True,
-        stream_tokens=True,  # wait_until_generating reads tokens_in_flight
     )
     pid = ray.get(actor.start.remote(), timeout=300)
     assert isinstance(pid, int) and pid > 0

@@ -76,9 +76,6 @@ class FakeRollout:
     async def version(self) -> int:
         return self.version_now
 
-    async def busy_seconds(self) -> float:
-        return 0.0
-
     async def usage(self) -> UsageReading:
         return UsageReading(wall=0.0, cpu_s=0.0)
 
@@ -110,9 +107,6 @@ class FakeTrainer:
                                               is_weight_max=1.0, kl_sum=0.0),
                                forward_s=0.0, backward_s=0.0, optimizer_s=0.0,
                                barrier_s=0.0, samples_lost=lost)
-
-    async def set_sharing(self, enabled: bool) -> None:
-        pass
 
     async def mean_cores(self) -> float:
         return 1.0

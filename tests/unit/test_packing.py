@@ -239,11 +239,11 @@ def model_dir(reference: Qwen2ForCausalLM, tmp_path_factory: pytest.TempPathFact
 
 def shard(model_dir: Path, packed: bool, compute_dtype: str = "float32",
           **trainer: Any) -> TrainerShard:
-    config = msgspec.convert({"max_grad_norm": 1e9, "compute_dtype": compute_dtype, **trainer},
-                             TrainerConfig)
+    config = msgspec.convert({"max_grad_norm": 1e9, "compute_dtype": compute_dtype,
+                              "packed": packed, **trainer}, TrainerConfig)
     trainer = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
                            trainer=config, seed=0,
-                           temperature=TEMPERATURE, record_spans=False, packed=packed)
+                           temperature=TEMPERATURE, record_spans=False)
     trainer.setup()
     return trainer
 

@@ -50,3 +50,23 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """vLLM prefix caching. With it, an in-flight update clears the cache, so running
     requests recompute their KV under the new weights; without it they keep the old KV
     (PipelineRL's choice) and an update pauses the engine for less time."""
+    kv_cache_gib: NonNegative = 0
+    """KV-cache size in GiB on the CPU build (vLLM's ``VLLM_CPU_KVCACHE_SPACE``); 0 sizes it
+    from memory_fraction."""
+    ignore_eos: bool = False
+    """Every sampled completion runs to max_new_tokens (fixed-length rollouts, for
+    benchmarks and tests); greedy evaluation always stops at EOS."""
+    stream_tokens: bool = False
+    """Tokens reach the worker every engine step (vLLM's DELTA outputs) instead of once per
+    finished request, so its in-flight token count moves as they come (tests time a
+    weight update mid-generation by it). Costs generation time on a busy core: see
+    docs/benchmarks.md, rollout speed."""
+    model_in_engine_core: bool = True
+    """On a CPU rollout worker with exactly one core, run the model inside vLLM's engine
+    core process (the "uni" executor) instead of a third process that every engine step
+    crosses a shared-memory queue to reach; false keeps that process (for before/after
+    figures). Workers with several cores and GPU workers always use vLLM's default."""
+    quiet_idle: bool = True
+    """Let an idle CPU engine's worker process block instead of spinning on its message
+    queue while the rollout worker has no requests; false leaves vLLM's idle spin (for
+    before/after figures)."""

@@ -29,16 +29,10 @@ IDLE_RECHECK_MS = 20
 dropped vLLM notification (rare: none in 100 idle-to-busy switches measured) can cost the
 first step after idle, against vLLM's own 5 s; 50 wake-ups a second while idle, about 1%
 of a core here."""
-KEEP_IDLE_SPIN_ENV = "ASYNC_RL_KEEP_VLLM_IDLE_SPIN"
-"""Set to 1 to leave vLLM spinning while the worker is idle (for before/after figures)."""
 
 
-WORKER_PROCESS_ENV = "ASYNC_RL_VLLM_WORKER_PROCESS"
-"""Set to 1 to keep vLLM's model runner in a process of its own on a one-core CPU
-worker (for before/after figures: ``bench/rollout_outputs.py --compare worker-process``)."""
-
-
-def model_in_engine_core(cpu_ids: tuple[int, ...], *, cuda: bool) -> bool:
+def model_in_engine_core(rollout: RolloutConfig, cpu_ids: tuple[int, ...], *,
+                         cuda: bool) -> bool:
     """Whether the model runs inside vLLM's engine core process ("uni" executor).
 
     On the CPU build vLLM otherwise runs it in a third process (after the rollout
@@ -49,8 +43,7 @@ def model_in_engine_core(cpu_ids: tuple[int, ...], *, cuda: bool) -> bool:
     vLLM's CPU platform wants its multiprocess executor to set up the OpenMP threads,
     so it keeps it.
     """
-    return (not cuda and len(cpu_ids) == 1
-            and os.environ.get(WORKER_PROCESS_ENV, "0") != "1")
+    return not cuda and len(cpu_ids) == 1 and rollout.model_in_engine_core
 
 
 def bind_cpus(rank: int, cpu_ids: tuple[int, ...]) -> None:
@@ -70,8 +63,7 @@ def bind_cpus(rank: int, cpu_ids: tuple[int, ...]) -> None:
 
 def build_engine(
     model: ModelConfig, rollout: RolloutConfig, *, rank: int, seed: int,
-    cpu_ids: tuple[int, ...], kv_cache_gib: int | None, prefix_caching: bool,
-    transport: str,
+    cpu_ids: tuple[int, ...], transport: str,
 ) -> AsyncLLM:
     """The engine (tens of seconds on a CPU); ``cpu_ids`` bind it on the CPU build only.
 
@@ -82,11 +74,11 @@ def build_engine(
 
     if cpu_ids and not torch.cuda.is_available():
         bind_cpus(rank, cpu_ids)
-    if kv_cache_gib is not None:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
+    if rollout.kv_cache_gib:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(rollout.kv_cache_gib)
 
     cuda = torch.cuda.is_available()
-    in_core = model_in_engine_core(cpu_ids, cuda=cuda)
+    in_core = model_in_engine_core(rollout, cpu_ids, cuda=cuda)
     if not cuda:
         # vLLM's CPU platform turns "uni" back into "mp" unless V1 multiprocessing is
         # off; AsyncLLM still runs its engine core in a process of its own either way.
@@ -102,7 +94,7 @@ def build_engine(
             seed=seed,
             enforce_eager=True,
             gpu_memory_utilization=rollout.memory_fraction,
-            enable_prefix_caching=prefix_caching,
+            enable_prefix_caching=rollout.prefix_caching,
             worker_extension_cls=EXTENSION_CLS,
             weight_transfer_config=WeightTransferConfig(backend=transport),
             # Logprobs of the distribution actually sampled (after temperature and
@@ -114,11 +106,10 @@ def build_engine(
     )
 
 
-def sampling_params(rollout: RolloutConfig, *, ignore_eos: bool, stream_tokens: bool
-                    ) -> dict[str, SamplingParams]:
+def sampling_params(rollout: RolloutConfig) -> dict[str, SamplingParams]:
     """``"sample"`` (the behaviour policy) and ``"greedy"`` (evaluation) requests.
 
-    ``stream_tokens``: every engine step's new tokens reach the rollout worker as they
+    ``rollout.stream_tokens``: every engine step's new tokens reach the rollout worker as they
     are made (vLLM's DELTA outputs); otherwise a request's tokens arrive once, when it
     finishes (FINAL_ONLY). Streaming costs generation time on a busy core: one output
     and one coroutine wake-up per request per step; without it long-tail generation on
@@ -130,18 +121,18 @@ def sampling_params(rollout: RolloutConfig, *, ignore_eos: bool, stream_tokens: 
 
     # No incremental detokenising in the engine: the text is decoded once, at the end,
     # from exactly the token ids the trainer sees (and it saves engine-side work).
-    kind = RequestOutputKind.DELTA if stream_tokens else RequestOutputKind.FINAL_ONLY
+    kind = RequestOutputKind.DELTA if rollout.stream_tokens else RequestOutputKind.FINAL_ONLY
     common: dict[str, Any] = dict(
         max_tokens=rollout.max_new_tokens, logprobs=0, output_kind=kind, detokenize=False,
     )
     return {
-        "sample": SamplingParams(temperature=rollout.temperature, ignore_eos=ignore_eos,
-                                 **common),
+        "sample": SamplingParams(temperature=rollout.temperature,
+                                 ignore_eos=rollout.ignore_eos, **common),
         "greedy": SamplingParams(temperature=0.0, **common),
     }
 
 
-async def quiet_idle_reads(engine: AsyncLLM) -> bool:
+async def quiet_idle_reads(engine: AsyncLLM, rollout: RolloutConfig) -> bool:
     """Lets the engine's worker process block when idle (see ``stop_spinning`` in
     ``workers.weights.vllm_extension``); True when the rollout worker must ask it to.
 
@@ -149,7 +140,7 @@ async def quiet_idle_reads(engine: AsyncLLM) -> bool:
     engine core process, "uni") has a queue whose reader spins.
     """
     executor = engine.vllm_config.parallel_config.distributed_executor_backend
-    if executor != "mp" or os.environ.get(KEEP_IDLE_SPIN_ENV, "0") == "1":
+    if executor != "mp" or not rollout.quiet_idle:
         return False
     # Raises (engine start fails) if vLLM's internals it relies on changed.
     await engine.collective_rpc("watch_idle_reads", args=(IDLE_RECHECK_MS,))

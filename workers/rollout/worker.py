@@ -35,7 +35,6 @@ from buffers.records import (
     UsageReading,
     make_group,
 )
-from workers.core_share import BusyFlag
 from workers.errors import RolloutWorkerError
 from workers.model_config import ModelConfig
 from workers.reward import RewardFn, guarded_reward
@@ -78,12 +77,7 @@ class RolloutWorker:
         *,
         seed: int = 0,
         cpu_ids: tuple[int, ...] = (),
-        kv_cache_gib: int | None = None,
-        prefix_caching: bool = True,
-        ignore_eos: bool = False,
-        stream_tokens: bool = False,
         record_spans: bool = True,
-        core_board: str = "",
         version: int = 0,
     ) -> None:
         """Cheap: records the arguments; ``start()`` builds the engine.
@@ -92,39 +86,22 @@ class RolloutWorker:
             The engine's OpenMP threads are bound to them and the actor process, with
             the engine processes it spawns, is pinned to them. Empty: vLLM's automatic
             binding, no pinning.
-        kv_cache_gib: KV-cache size on the CPU build (``VLLM_CPU_KVCACHE_SPACE``); None
-            sizes it from ``rollout.memory_fraction``.
-        prefix_caching: a group's samples share the prompt's KV; see
-            ``WeightReceiver.start`` for what it costs at a weight update.
-        ignore_eos: every sample runs to ``max_new_tokens`` (fixed-length rollouts for
-            benchmarks and tests); greedy evaluation always stops at EOS.
-        stream_tokens: tokens reach this process every engine step instead of once per
-            finished request, so ``statistics().tokens_in_flight`` counts them as they
-            come (tests time a weight update mid-generation by it); slower, see
-            ``workers.rollout.engine.sampling_params``.
-        core_board: the run.layout busy board (``workers.core_share``): this worker's
-            byte says when its engine is busy, so a sharing trainer keeps off its cores.
         version: policy version of the weights at ``model.path`` (a resumed run starts
             its engines from the checkpoint of that version).
         """
         self._rank, self._model, self._rollout = rank, model, rollout
         self._transport, self._reward_fn, self._seed = weights.transport, reward_fn, seed
         self._cpu_ids = tuple(cpu_ids)
-        self._kv_cache_gib = kv_cache_gib
-        self._prefix_caching = prefix_caching
-        self._ignore_eos = ignore_eos
-        self._stream_tokens = stream_tokens
         device = "cpu:" + ",".join(map(str, self._cpu_ids)) if self._cpu_ids else "cpu"
         self._spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
                                    device=device, enabled=record_spans)
-        self._busy = BusyFlag(core_board, rank)
 
         self._engine: AsyncLLM | None = None
         self._tokenizer: Any = None  # the model's tokenizer, from start()
         self._usage = UsageMeter()
         self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
         self._failed: str | None = None
-        self._receiver = WeightReceiver(rank, weights, clear_cache=prefix_caching,
+        self._receiver = WeightReceiver(rank, weights, clear_cache=rollout.prefix_caching,
                                         on_change=self._weights_changed, version=version)
         self._request_ids = itertools.count()
         self._in_flight: dict[str, int] = {}  # request id -> tokens generated so far
@@ -145,18 +122,15 @@ class RolloutWorker:
         began = time.perf_counter()
         self._engine = build_engine(self._model, self._rollout, rank=self._rank,
                                     seed=self._seed, cpu_ids=self._cpu_ids,
-                                    kv_cache_gib=self._kv_cache_gib,
-                                    prefix_caching=self._prefix_caching,
                                     transport=self._transport)
         # The engine labels every step's tokens with this: the version of model.path.
         await self._engine.update_weight_version(str(self._receiver.version))
-        self._quiet_idle = await quiet_idle_reads(self._engine)
+        self._quiet_idle = await quiet_idle_reads(self._engine, self._rollout)
         cfg = self._rollout
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(self._model.path)
-        self._params = sampling_params(cfg, ignore_eos=self._ignore_eos,
-                                       stream_tokens=self._stream_tokens)
+        self._params = sampling_params(cfg)
         # Warm-up: the CPU build's first steps at each new batch shape are many times
         # slower than later ones (a run's first 16 groups took 2.1 s to generate cold
         # against 0.18 s warm), which would otherwise land in the first training step as
@@ -194,7 +168,6 @@ class RolloutWorker:
         # the controller, which knows why nothing was submitted. A span has one cause:
         # generation wins, so "evaluate" is time the engine ran nothing but evaluation.
         version = self._receiver.version
-        self._busy.set(self._receiver.updating or bool(self._in_flight))
         if self._receiver.updating:
             self._spans.switch("weight_sync", version)
         elif len(self._in_flight) > self._evaluating:
@@ -205,10 +178,6 @@ class RolloutWorker:
     async def drain_spans(self) -> list[Span]:
         """Closed spans since the last call (the current one is closed at now first)."""
         return self._spans.flush()
-
-    async def busy_seconds(self) -> float:
-        """Seconds the engine had requests in flight or loaded weights (run.layout auto)."""
-        return self._busy.busy_seconds()
 
     async def clock(self) -> float:
         """This process's wall clock, for aligning span times across nodes."""
@@ -279,7 +248,7 @@ class RolloutWorker:
                         raise RolloutWorkerError(f"{request_id}: no logprob for token {tok}")
                     logprobs.append(float(entry[tok].logprob))
                 tokens.extend(new)
-                arrival_versions.extend([self._receiver.version if self._stream_tokens
+                arrival_versions.extend([self._receiver.version if self._rollout.stream_tokens
                                          else started_version] * len(new))
                 self._in_flight[request_id] = len(tokens)
                 if completion.finish_reason is not None:

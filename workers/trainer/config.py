@@ -90,6 +90,11 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     a CPU step with AVX-512 bf16 about 1.5-2x faster, at the price of logprobs that
     differ from the engine's by bf16 rounding (the truncated IS weight absorbs it)."""
 
+    packed: bool = True
+    """One padding-free row per micro-batch, attention kept per sequence
+    (``workers.trainer.packing``); false runs the padded reference layout, slower, for
+    comparisons (bench/packing.py)."""
+
     def __post_init__(self) -> None:
         if self.groups_per_step % self.num_shards:
             raise invalid(

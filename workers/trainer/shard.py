@@ -33,7 +33,6 @@ from buffers.records import (
     ShardStepResult,
     UsageReading,
 )
-from workers.core_share import CoreShare
 from workers.model_config import ModelConfig
 from workers.rollout.config import RolloutConfig
 from workers.spans import UNRESOLVED, Span, SpanRecorder
@@ -96,9 +95,6 @@ class TrainerShard:
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
         record_spans: bool = True,
-        packed: bool = True,
-        share_cores: tuple[int, ...] = (),
-        core_board: str = "",
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -115,18 +111,9 @@ class TrainerShard:
         self.cpu_ids = cpu_ids
         self.master_addr = master_addr
         self.master_port = master_port
-        self.packed = packed
-        self.share_cores = share_cores
-        """Rollout cores this shard may borrow while no rollout worker is busy (run.layout
-        "shared"; ``core_board`` says who is busy); used once ``set_sharing(True)``."""
-        self.core_board = core_board
-        """One padding-free row per micro-batch (``workers.trainer.packing``); False runs the
-        padded reference layout (for comparisons)."""
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         label = (f"cuda:{torch.cuda.current_device()}" if self.device.type == "cuda"
                  else "cpu:" + ",".join(map(str, cpu_ids)))
-        if share_cores and self.device.type == "cpu":
-            label += "(+" + ",".join(map(str, share_cores)) + ")"  # borrowed while idle
         self.spans = SpanRecorder(worker=f"trainer-{rank}", role="trainer", rank=rank,
                                   device=label, enabled=record_spans)
 
@@ -138,10 +125,7 @@ class TrainerShard:
         # run later rotates away (run.keep_checkpoints).
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.path)
 
-        # Before pinning: the cores it may borrow are outside its own.
-        self.cores = CoreShare(self.cpu_ids, self.share_cores, self.core_board)
         pin_to_cpus(self.cpu_ids)
-        self.cores.apply()
         self.usage_meter = UsageMeter(gpu_index=0 if self.device.type == "cuda" else None)
         torch.manual_seed(self.seed)
         if self.world_size > 1:
@@ -157,7 +141,7 @@ class TrainerShard:
         )
         module.to(self.device)
         module.train()
-        if self.packed:
+        if self.config.packed:
             use_packed_attention(module)
         self.module = module
         self.model: torch.nn.Module = (
@@ -171,7 +155,7 @@ class TrainerShard:
         )
         self.losses = StepLoss(config=self.config, model=self.model, module=module,
                                device=self.device, world_size=self.world_size,
-                               packed=self.packed, temperature=self.temperature,
+                               packed=self.config.packed, temperature=self.temperature,
                                max_response_tokens=self.max_new_tokens)
         return os.getpid()
 
@@ -196,7 +180,6 @@ class TrainerShard:
                                    grad_norm=0.0, forward_s=0.0, backward_s=0.0,
                                    optimizer_s=0.0, barrier_s=0.0, samples_lost=True)
         self.spans.switch("forward")
-        self.cores.apply()
         t0 = time.perf_counter()
         # The proximal policy is the one this step starts from; with a single update it
         # is the current policy itself, so no extra forward pass is needed (nor in the
@@ -217,7 +200,6 @@ class TrainerShard:
                     break  # the rest of the step would build on a diverged update
             if not math.isfinite(norms_seen[-1]):
                 break
-        self.cores.idle()
         self.spans.switch(UNRESOLVED, batch.step)
         return ShardStepResult(
             rank=self.rank,
@@ -248,7 +230,6 @@ class TrainerShard:
         last = len(micro_batches) - 1
         for index, (micro_batch, prox) in enumerate(zip(micro_batches, proximal, strict=True)):
             self.spans.switch("forward")
-            self.cores.apply()
             t0 = time.perf_counter()
             loss, stats, computed = self.losses.micro_batch(micro_batch, norm, prox)
             positions += computed
@@ -264,7 +245,6 @@ class TrainerShard:
                 times.barrier_s += time.perf_counter() - t1
                 t1 = time.perf_counter()
             self.spans.switch("backward")
-            self.cores.apply()
             if index != last and isinstance(self.model, DistributedDataParallel):
                 with self.model.no_sync():
                     torch.autograd.backward(loss)
@@ -273,7 +253,6 @@ class TrainerShard:
             times.backward_s += time.perf_counter() - t1
             parts.append(stats)
         self.spans.switch("optimizer")
-        self.cores.apply()
         t2 = time.perf_counter()
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
@@ -286,13 +265,9 @@ class TrainerShard:
         times.optimizer_s += time.perf_counter() - t2
         return positions, grad_norm
 
-    def set_sharing(self, enabled: bool) -> None:
-        """run.layout "shared" (True) or "split" (False) from the next phase on."""
-        self.cores.enabled = enabled
-
     def mean_cores(self) -> float:
-        """Threads used, averaged over compute time: the cores the CPU-time check uses."""
-        return self.cores.mean_cores()
+        """Threads this shard computes with: the cores the CPU-time check divides by."""
+        return float(torch.get_num_threads())
 
     def drain_spans(self) -> list[Span]:
         """Closed spans since the last call (the current one is closed at now first)."""

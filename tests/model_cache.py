@@ -1,0 +1,192 @@
+"""The test tiers' model cache: each model a test needs is built once, then reused by every
+later fixture, tier and pytest session of the same checkout until its builder changes.
+
+Owns: ``cached_model(**kwargs)``, which returns the directory of
+``async_rl.models.tiny_model.make_model(dir, **kwargs)`` built under a key that hashes
+the builder's source (``tiny_model.py`` and every project module it imports, followed
+transitively), the versions of the libraries whose numerics it depends on, and the
+keyword arguments. Editing the builder, anything it calls, or the arguments gives a new
+key, so a stale model is never reused. Builds go to a temporary directory renamed into
+place, under an ``fcntl`` lock, so concurrent sessions neither collide nor see a
+half-written model; a manifest of file hashes, checked on every reuse, makes a model that
+a test modified be rebuilt rather than trusted.
+
+Where: ``$ASYNC_RL_TEST_CACHE`` if set, else ``<repo>/runs/.test-models`` (``runs/`` is
+git-ignored; ``make clean`` removes it). Knows nothing about pytest.
+"""
+
+from __future__ import annotations
+
+import ast
+import fcntl
+import hashlib
+import json
+import os
+import platform
+import shutil
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from async_rl.models.tiny_model import MadeModel
+
+REPO = Path(__file__).resolve().parents[1]
+BUILDER = "async_rl.models.tiny_model"
+"""The module whose ``make_model`` builds every test model."""
+PROJECT_PACKAGES = ("async_rl", "workers", "buffers")
+LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "msgspec")
+"""Whose versions join the key: their kernels and serialisation decide the weights."""
+CACHE_ENV = "ASYNC_RL_TEST_CACHE"
+MANIFEST = ".test-cache-manifest.json"
+FORMAT = 1
+"""Bumped when this module changes how it lays out or keys the cache."""
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get(CACHE_ENV) or REPO / "runs" / ".test-models")
+
+
+def _module_file(name: str) -> Path | None:
+    """The project file that ``import name`` runs last (a package's ``__init__``)."""
+    if name.split(".")[0] not in PROJECT_PACKAGES:
+        return None
+    base = REPO.joinpath(*name.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def _imported(path: Path, name: str) -> set[str]:
+    """Project modules named by the imports anywhere in one module (including imports
+    inside functions: more than is imported at run time, never less)."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")
+                anchor = ".".join(parts[: len(parts) - node.level + 1])
+                module = f"{anchor}.{node.module}" if node.module else anchor
+            else:
+                module = node.module or ""
+            found.add(module)
+            # ``from pkg import mod`` imports the submodule pkg.mod when there is one.
+            found.update(f"{module}.{alias.name}" for alias in node.names)
+    return {m for m in found if _module_file(m) is not None}
+
+
+def builder_sources(root: str = BUILDER) -> dict[str, Path]:
+    """``root`` and every project module reachable from it through imports."""
+    seen: dict[str, Path] = {}
+    todo = [root]
+    while todo:
+        name = todo.pop()
+        path = _module_file(name)
+        if name in seen or path is None:
+            continue
+        seen[name] = path
+        todo.extend(_imported(path, name))
+    return dict(sorted(seen.items()))
+
+
+def _canonical(value: Any) -> Any:
+    """Keyword arguments as JSON (msgspec structs such as ``ModelSize`` as their fields)."""
+    import msgspec
+
+    return msgspec.to_builtins(value, order="sorted")
+
+
+def cache_key(kwargs: dict[str, Any]) -> str:
+    digest = hashlib.sha256()
+    for name, path in builder_sources().items():
+        digest.update(f"{name}\0".encode())
+        digest.update(path.read_bytes())
+    versions = {lib: metadata.version(lib) for lib in LIBRARIES}
+    digest.update(json.dumps({
+        "format": FORMAT,
+        "python": sys.version_info[:2],
+        "machine": platform.machine(),
+        "libraries": versions,
+        "kwargs": _canonical(kwargs),
+    }, sort_keys=True).encode())
+    return digest.hexdigest()[:20]
+
+
+def _file_hashes(directory: Path) -> dict[str, str]:
+    return {
+        str(p.relative_to(directory)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(directory.rglob("*"))
+        if p.is_file() and p.name != MANIFEST
+    }
+
+
+def _intact(directory: Path) -> bool:
+    try:
+        recorded = json.loads((directory / MANIFEST).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(recorded, dict) and recorded == _file_hashes(directory)
+
+
+@contextmanager
+def _locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def _label(kwargs: dict[str, Any]) -> str:
+    size = getattr(kwargs.get("size"), "name", "tiny")
+    task = getattr(kwargs.get("task"), "name", "arithmetic")
+    return f"{task}-{size}"
+
+
+def cached_model(**kwargs: Any) -> Path:
+    """The directory of ``make_model(<dir>, **kwargs)`` (``log`` is always ``None``),
+    built now unless an intact build under the same key exists. Its ``made_model.json``
+    is the build's record, ``path`` naming this directory."""
+    if "log" in kwargs or "out_dir" in kwargs:
+        raise TypeError("cached_model chooses out_dir and log itself")
+    root = cache_root()
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / f"{_label(kwargs)}-{cache_key(kwargs)}"
+    with _locked(root / f"{final.name}.lock"):
+        if final.is_dir():
+            if _intact(final):
+                return final
+            shutil.rmtree(final)  # modified by a test or cut short: never trust it
+        import msgspec
+
+        from async_rl.models.tiny_model import MADE_MODEL_FILE, make_model
+
+        staging = root / f"{final.name}.tmp-{os.getpid()}"
+        shutil.rmtree(staging, ignore_errors=True)
+        try:
+            made = make_model(staging, **kwargs, log=None)
+            record = msgspec.structs.replace(made, path=str(final))
+            (staging / MADE_MODEL_FILE).write_bytes(
+                msgspec.json.format(msgspec.json.encode(record)))
+            (staging / MANIFEST).write_text(json.dumps(_file_hashes(staging), indent=1))
+            os.rename(staging, final)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def made_record(directory: Path) -> MadeModel:
+    """The ``MadeModel`` record of a model directory."""
+    import msgspec
+
+    from async_rl.models.tiny_model import MADE_MODEL_FILE, MadeModel
+
+    return msgspec.json.decode((directory / MADE_MODEL_FILE).read_bytes(), type=MadeModel)
