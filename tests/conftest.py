@@ -6,7 +6,8 @@ must see RL learn) and ``longtail_model_dir`` (a tiny model warm-started on the 
 task). Each is built by ``async_rl.models.tiny_model.make_model`` through
 ``model_cache.cached_model``: once, into a cache keyed by the builder's code and
 arguments, then reused by later sessions until the builder changes (nothing is
-downloaded). Tests must treat these directories as read-only; a modified one is rebuilt.
+downloaded). The builder is imported only by the fixtures, so collecting a tier that
+needs no model stays light. Tests must treat these directories as read-only; a modified one is rebuilt.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ from pathlib import Path
 
 import pytest
 from model_cache import cache_root, cached_model, made_record
-
-from async_rl.models.tiny_model import LONGTAIL, SMALL, TINY
 
 TINY_MODEL_SFT_STEPS = 20
 """Enough warm start that greedy completions look like numbers; a few seconds here."""
@@ -41,6 +40,8 @@ def learnable_model_dir() -> Path:
     """The CPU default's small model (base greedy accuracy about 0.2): the tiny fixture
     has too little capacity for RL to lift its accuracy within a test's steps. Its full
     warm start takes about two minutes on two idle cores, once per checkout."""
+    from async_rl.models.tiny_model import SMALL
+
     out = cached_model(size=SMALL, seed=0, eval_size=64, num_threads=2)
     assert made_record(out).base_accuracy < 0.5
     return out
@@ -49,6 +50,8 @@ def learnable_model_dir() -> Path:
 @pytest.fixture(scope="session")
 def longtail_model_dir() -> Path:
     """A tiny model warm-started on the long-tail (remainder) task."""
+    from async_rl.models.tiny_model import LONGTAIL, TINY
+
     out = cached_model(size=TINY, task=LONGTAIL, seed=0, sft_steps=LONGTAIL_SFT_STEPS,
                        batch_size=LONGTAIL_SFT_BATCH, eval_size=4)
     assert made_record(out).task == "longtail"

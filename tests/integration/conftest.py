@@ -1,31 +1,17 @@
 """Shared fixtures of the integration tests (marker ``ray``): real Ray, real vLLM CPU build.
 
-Owns: ``tiny_model_dir``, the project's tiny model built once per session into a temp
-dir (nothing is downloaded), and ``ray_cluster``, a local Ray started per test module
-and always shut down afterwards, so no Ray context leaks from one module into the next.
-Knows nothing about the actors the tests start.
+Owns: ``ray_cluster``, a local Ray started per test module and always shut down
+afterwards, so no Ray context leaks from one module into the next, and ``ray_shutdown``.
+The models the tests load (``tiny_model_dir`` and the rest) come from ``tests/conftest.py``,
+built once per checkout. Knows nothing about the actors the tests start.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import ray
-
-from async_rl.models.tiny_model import make_model
-
-TINY_MODEL_SFT_STEPS = 20
-"""Enough warm start that greedy completions look like numbers; a few seconds here."""
-
-
-@pytest.fixture(scope="session")
-def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Directory of the tiny Qwen2 model and its tokenizer, built once per session."""
-    out = tmp_path_factory.mktemp("tiny-model")
-    make_model(out, seed=0, sft_steps=TINY_MODEL_SFT_STEPS, eval_size=16, log=None)
-    return out
 
 
 @pytest.fixture(scope="module")
