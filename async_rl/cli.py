@@ -8,6 +8,7 @@ late so that `async-rl config show` does not pay for importing torch, Ray or vLL
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shutil
 import sys
@@ -181,8 +182,29 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+class ConsoleLines(logging.Handler):
+    """The library's log records as the plain lines the command prints (``sys.stdout``
+    looked up at each line, so the progress bar's redirection of it applies)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            print(self.format(record), flush=True)
+        except Exception:
+            self.handleError(record)
+
+
+def console_logging() -> None:
+    """The ``async_rl`` loggers' INFO and above on the console, as plain lines."""
+    logger = logging.getLogger("async_rl")
+    if not any(isinstance(h, ConsoleLines) for h in logger.handlers):
+        logger.addHandler(ConsoleLines())
+    logger.setLevel(logging.INFO)
+    logger.propagate = False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    console_logging()
     try:
         if args.command == "config":
             print(to_toml(load_config(args.config, args.overrides)), end="")

@@ -12,6 +12,7 @@ costs only that row. Knows nothing about when evaluations fall due
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 
 import anyio
@@ -29,6 +30,8 @@ from async_rl.control.run_health import RunHealth
 from async_rl.run.run_dir import RunWriter
 from async_rl.run.summary import EvalPoint
 from buffers.records import EvalResult, Prompt
+
+log = logging.getLogger(__name__)
 
 
 class EvaluationRunner:
@@ -88,7 +91,7 @@ class EvaluationRunner:
             try:
                 result = await self.evaluator.evaluate(self.prompts, weights)
             except EvaluationFailed as failed:
-                print(f"evaluation at step {step} failed: {failed}")
+                log.warning("evaluation at step %d failed: %s", step, failed)
                 return None
         elif (found := await self._on_rollout(step)) is not None:
             result = found
@@ -96,14 +99,13 @@ class EvaluationRunner:
             return None
         point = self.evals.record(step, result)
         self.out.eval(point)
-        print(describe(point))
+        log.info("%s", describe(point))
         return point
 
     async def _on_rollout(self, step: int) -> EvalResult | None:
         """Greedy held-out accuracy on a live rollout worker; None if it failed."""
         for attempt in (1, 2):
-            rank = await self.pool.any_live()
-            worker = self.pool.workers[rank]
+            rank, worker = await self.pool.any_live()
             try:
                 return await worker.evaluate(self.prompts)
             except RolloutFailed as failed:
@@ -111,6 +113,6 @@ class EvaluationRunner:
                 if failed.worker_gone:
                     self.pool.retire(rank, worker, failed.reason)
                 if not failed.worker_gone or attempt == 2:
-                    print(f"evaluation at step {step} failed: {failed.reason}")
+                    log.warning("evaluation at step %d failed: %s", step, failed.reason)
                     return None
         return None

@@ -21,11 +21,15 @@ rules of the gate, queue and plan (buffers/), nor when evaluations fall due
 
 from __future__ import annotations
 
+import functools
+import logging
+import math
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import TypeVar
 
 import anyio
+import anyio.abc
 
 from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.config import Config
@@ -58,6 +62,7 @@ from buffers.staleness import AdmissionGate
 from workers.spans import SpanRecorder
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 async def each(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
@@ -79,7 +84,7 @@ class Orchestrator:
     def __init__(self, config: Config, out: RunWriter, source: PromptSource,
                  eval_prompts: Sequence[Prompt], workers: Workers) -> None:
         self.config, self.out, self.source = config, out, source
-        self.rollout, self.trainers = workers.rollout, workers.trainers
+        self.trainers = workers.trainers
         self.totals = StepTotals(bucket_edges=config.queue.bucket_edges)
         self.pool = RolloutPool(
             workers.rollout, limit=config.rollout.max_inflight_prompts,
@@ -110,7 +115,9 @@ class Orchestrator:
         self.step_lock = anyio.Lock()
         """Held while shards train and the version moves on: holding it, the trainer's
         weights are exactly ``self.version`` (a restarted engine starts from them)."""
-        self.health = RunHealth(config, self.totals)
+        self.health = RunHealth(self.totals,
+                                max_nonfinite_steps=config.trainer.max_nonfinite_steps,
+                                stall_timeout_s=config.rollout.stall_timeout_s)
         self.prompts = PromptLedger(out, lambda: self.version)
         self.evals = EvalLog(every=config.run.eval_every, num_steps=config.run.num_steps)
         self.evaluations = EvaluationRunner(eval_prompts, self.evals, self.pool,
@@ -131,8 +138,8 @@ class Orchestrator:
         """The whole run; worker restarts and evaluations due run beside it. A failure
         stops it with a checkpoint and a summary, as ``RunFailed`` with one line."""
         try:
-            async with anyio.create_task_group() as self.pool.background:
-                summary = await self._run()
+            async with self.pool.replacing(), anyio.create_task_group() as background:
+                summary = await self._run(background)
         except BaseExceptionGroup as group:
             failure = first_error(group)
             if failure is None and (error := first_error(group, (Exception,))) is not None:
@@ -144,7 +151,7 @@ class Orchestrator:
             raise RunFailed(message) from None
         return summary
 
-    async def _run(self) -> RunSummary:
+    async def _run(self, background: anyio.abc.TaskGroup) -> RunSummary:
         start = (await self.evaluations.evaluate(step=0, version=self.version)
                  if self.first_step == 1 else None)
         started = time.perf_counter() - self.wall_offset
@@ -158,9 +165,8 @@ class Orchestrator:
         self.admission.flush()
         self.training.flush()
         usage_first = await self.read_usage()
-        assert self.pool.background is not None
-        self.pool.background.start_soon(self.evaluations.due_loop)
-        self.pool.background.start_soon(self.health.stall_watch, lambda: len(self.rollout))
+        background.start_soon(self.evaluations.due_loop)
+        background.start_soon(self.health.stall_watch, lambda: len(self.pool))
         with RunProgress(self.config.run.num_steps, enabled=self.config.run.progress) as bar:
             async with anyio.create_task_group() as loops:
                 loops.start_soon(self.rollout_loop)
@@ -169,14 +175,13 @@ class Orchestrator:
         self.health.watching = False
         wall_s = time.perf_counter() - started
         self.evals.training_ended()
-        rollout_versions = [await w.version() for w in list(self.rollout.values())]
+        rollout_versions = [v for _, v in await self._from_rollout(lambda w: w.version())]
         self.prompts.close()
         self.admission.switch("no_work")
         self.training.switch("no_work")
         usage_last = await self.read_usage()
         await self.write_spans()
-        # A sharing trainer used a varying number of cores: the CPU-time check
-        # divides by its thread count averaged over compute.
+        # The CPU-time check divides by the cores each shard computes with.
         cores = {t.name: await t.mean_cores() for t in self.trainers}
         self.out.usage({name: {"first": usage_first[name], "last": reading,
                                "cores": cores.get(name, 1.0)}
@@ -253,10 +258,13 @@ class Orchestrator:
         prompts run again and the step is taken anew.
         """
         cfg = self.config
-        delivered = anyio.Event()
-        delivered.set()
         step = self.first_step
-        async with anyio.create_task_group() as deliveries:
+        # Published versions go to the rollout workers one at a time, in version order,
+        # beside the next steps; leaving the block waits for the last delivery.
+        to_deliver, published_versions = anyio.create_memory_object_stream[PublishedWeights](
+            math.inf)
+        async with anyio.create_task_group() as deliveries, to_deliver:
+            deliveries.start_soon(self.delivery_loop, published_versions)
             while step <= cfg.run.num_steps and not self.stop_reason:
                 self.training.switch("wait_data", self.version)
                 t0 = time.perf_counter()
@@ -268,7 +276,7 @@ class Orchestrator:
                 batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step)
                 async with self.step_lock:
                     results = await each([
-                        lambda shard=shard, batch=batch: shard.train(batch)  # type: ignore[misc]
+                        functools.partial(shard.train, batch)
                         for shard, batch in zip(self.trainers, batches, strict=True)
                     ])
                     untrained = self.health.untrained(step, results)
@@ -285,9 +293,7 @@ class Orchestrator:
                     self.prompts.trained(group.prompt, version=self.version - 1)
                 if self.version % cfg.weights.sync_every == 0:
                     self.training.switch("weight_publish", self.version)
-                    published = await self.weights.publish(self.version)
-                    previous, delivered = delivered, anyio.Event()
-                    deliveries.start_soon(self.deliver, published, previous, delivered)
+                    to_deliver.send_nowait(await self.weights.publish(self.version))
                 timings, self.timings = self.timings, []
                 row = step_row(
                     step=step, version=self.version, groups=groups, results=results,
@@ -307,20 +313,21 @@ class Orchestrator:
                 step += 1
             self.training.switch("weight_publish")  # the last delivery, awaited on exit
 
-    async def deliver(self, published: PublishedWeights, previous: anyio.Event,
-                      done: anyio.Event) -> None:
-        """Loads a published version into every rollout worker, in version order."""
-        await previous.wait()
-        targets = dict(self.rollout)
-        timings, failed = await self.weights.deliver(published, list(targets))
-        self.timings.extend(timings)
-        for rank in failed:
-            self.pool.retire(rank, targets[rank],
-                             f"weight load of version {published.version} failed")
-        self.gate.on_version(published.version)
-        done.set()
-        # On the rollout engines: evaluated once delivered, so they run (at least) it.
-        self.evaluations.version_delivered(published.version)
+    async def delivery_loop(self, published_versions: anyio.abc.ObjectReceiveStream[
+            PublishedWeights]) -> None:
+        """Loads each published version into every live rollout worker, in version order,
+        until training ends."""
+        async with published_versions:
+            async for published in published_versions:
+                targets = self.pool.workers
+                timings, failed = await self.weights.deliver(published, list(targets))
+                self.timings.extend(timings)
+                for rank in failed:
+                    self.pool.retire(rank, targets[rank],
+                                     f"weight load of version {published.version} failed")
+                self.gate.on_version(published.version)
+                # On the rollout engines: evaluated once delivered, so they run it.
+                self.evaluations.version_delivered(published.version)
 
     # ---- stopping, checkpoints, resuming ------------------------------------------------
 
@@ -328,7 +335,7 @@ class Orchestrator:
         """Ends the run cleanly after the step in progress: no new step starts."""
         if not self.stop_reason:
             self.stop_reason = reason
-            print(f"{reason}: stopping after the current step (again to stop at once)")
+            log.info("%s: stopping after the current step (again to stop at once)", reason)
 
     async def checkpoint(self, wall_s: float, shard: TrainerClient | None = None) -> None:
         """A checkpoint of the last completed step: prompts admitted but not trained
@@ -384,20 +391,37 @@ class Orchestrator:
 
     # ---- observation -------------------------------------------------------------------
 
-    def _observed(self) -> list[ObservedWorker]:
-        return [*self.rollout.values(), *self.trainers]
+    async def _from_rollout(self, call: Callable[[RolloutClient], Awaitable[T]]
+                            ) -> list[tuple[RolloutClient, T]]:
+        """``call`` on every live rollout worker; a worker found lost is retired and left
+        out (its figures go with it), as during training."""
+        found: list[tuple[RolloutClient, T]] = []
+        for rank, worker in self.pool.workers.items():
+            try:
+                found.append((worker, await call(worker)))
+            except RolloutFailed as failed:
+                self.health.rollout_failed(failed)
+                if failed.worker_gone:
+                    self.pool.retire(rank, worker, failed.reason)
+        return found
+
+    async def _from_every(self, call: Callable[[ObservedWorker], Awaitable[T]]
+                          ) -> dict[str, T]:
+        """``call`` on every live rollout worker and every trainer shard, by name."""
+        rollout = {w.name: value for w, value in await self._from_rollout(call)}
+        return rollout | {t.name: await call(t) for t in self.trainers}
 
     async def read_usage(self) -> dict[str, UsageReading]:
         """Each live worker's CPU-time (and NVML) counters, keyed by worker name."""
-        return {w.name: await w.usage() for w in self._observed()}
+        return await self._from_every(lambda w: w.usage())
 
     async def write_spans(self) -> None:
         """Gathers the orchestrator's and every worker's spans and stores them."""
         if not self.config.run.record_spans:
             return
         spans = self.admission.flush() + self.training.flush()
-        for worker in self._observed():
-            spans += await worker.spans()
+        for worker_spans in (await self._from_every(lambda w: w.spans())).values():
+            spans += worker_spans
         self.out.spans(spans)
 
     # ---- workers lost, prompts re-queued -------------------------------------------------

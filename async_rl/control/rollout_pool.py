@@ -1,17 +1,21 @@
 """RolloutPool: the live rollout workers, which one takes the next prompt, and replacing
 the ones that are lost.
 
-Owns: rank -> live worker, prompts in flight on each, and the restart policy: a dead,
-broken or stuck worker is retired and a new one started in its place from the trainer's
-current policy, up to ``rollout.max_restarts`` in all (counted in the run's totals, so a
-resumed run keeps its count); past that, once no worker is left, the run fails. Knows
-nothing about prompts, versions or the queue: the orchestrator passes in how to get the
-current policy as a model folder.
+Owns: the one map of live rollout workers (rank -> worker: only the pool changes it;
+others get copies), prompts in flight on each, and the restart policy: a dead, broken or
+stuck worker is retired and a new one started in its place from the trainer's current
+policy, up to ``rollout.max_restarts`` in all (counted in the run's totals, so a resumed
+run keeps its count); past that, once no worker is left, the run fails. Restarts run in
+the pool's own task group, open while ``replacing()`` is. Knows nothing about prompts,
+versions or the queue: the orchestrator passes in how to get the current policy as a
+model folder.
 """
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
 
 import anyio
 import anyio.abc
@@ -24,31 +28,52 @@ Restart = Callable[[int, str, int], Awaitable[RolloutClient]]
 CurrentPolicy = Callable[[int], Awaitable[tuple[str, int]]]
 """rank -> (model folder, version) of the trainer's policy, written for that rank."""
 
+log = logging.getLogger(__name__)
+
 
 class RolloutPool:
-    """See the module docstring. ``workers`` is shared, not copied: others read it."""
+    """See the module docstring."""
 
-    def __init__(self, workers: dict[int, RolloutClient], *, limit: int, max_restarts: int,
+    def __init__(self, workers: Mapping[int, RolloutClient], *, limit: int, max_restarts: int,
                  totals: StepTotals, restart: Restart | None,
                  current_policy: CurrentPolicy) -> None:
-        self.workers = workers
+        self._workers = dict(workers)
         self.limit = limit
         """Prompts one worker generates at once (rollout.max_inflight_prompts)."""
         self.max_restarts = max_restarts
         self.totals = totals
         self.restart = restart
         self.current_policy = current_policy
-        self.background: anyio.abc.TaskGroup | None = None
-        """Where restarts run; None (before and after training): lost workers stay lost."""
+        self._restarts: anyio.abc.TaskGroup | None = None
+        """Where restarts run, while ``replacing()`` is open; None: lost workers stay lost."""
         # Kept across restarts: calls on a dead worker give their slot back as they fail.
         self.busy = {rank: 0 for rank in workers}
         self._restarting = 0
         self._changed = anyio.Condition()
         """Notified when a worker frees a slot or a new one starts."""
 
+    @property
+    def workers(self) -> dict[int, RolloutClient]:
+        """The live workers, rank -> worker: a copy (only the pool changes the map)."""
+        return dict(self._workers)
+
+    def __len__(self) -> int:
+        return len(self._workers)
+
+    @asynccontextmanager
+    async def replacing(self) -> AsyncIterator[None]:
+        """While open, a lost worker is replaced (restarts left permitting); on exit it
+        waits for restarts under way. Outside it, lost workers stay lost."""
+        async with anyio.create_task_group() as restarts:
+            self._restarts = restarts
+            try:
+                yield
+            finally:
+                self._restarts = None
+
     def full(self) -> bool:
         """No live worker can take another prompt now."""
-        return not self.workers or min(self.busy[r] for r in self.workers) >= self.limit
+        return not self._workers or min(self.busy[r] for r in self._workers) >= self.limit
 
     async def acquire(self, waiting: Callable[[], None]) -> tuple[int, RolloutClient]:
         """The least-busy live worker and its rank, with one of its slots taken (it may be
@@ -58,9 +83,9 @@ class RolloutPool:
             while self.full():
                 waiting()
                 await self._changed.wait()
-            rank = min(self.workers, key=lambda r: self.busy[r])
+            rank = min(self._workers, key=lambda r: self.busy[r])
             self.busy[rank] += 1
-            return rank, self.workers[rank]
+            return rank, self._workers[rank]
 
     async def release(self, rank: int) -> None:
         """Gives back a slot taken by ``acquire``."""
@@ -68,45 +93,47 @@ class RolloutPool:
             self.busy[rank] -= 1
             self._changed.notify_all()
 
-    async def any_live(self) -> int:
-        """The lowest live rank, waiting for a restart if none is live now."""
+    async def any_live(self) -> tuple[int, RolloutClient]:
+        """The live worker of lowest rank, and its rank, waiting for a restart if none is
+        live now."""
         async with self._changed:
-            while not self.workers:
+            while not self._workers:
                 if not self._restarting:
                     raise RunFailed("every rollout worker is gone "
                                     f"({self.totals.restarts} of {self.max_restarts} "
                                     "restarts used)")
                 await self._changed.wait()
-            return min(self.workers)
+            rank = min(self._workers)
+            return rank, self._workers[rank]
 
     def retire(self, rank: int, worker: RolloutClient, why: str) -> None:
         """Stops using a lost worker and starts a new one in its place while restarts are
         left; the run goes on with the others meanwhile."""
-        if self.workers.get(rank) is not worker:
+        if self._workers.get(rank) is not worker:
             return  # retired by another of its calls already (and maybe replaced)
-        del self.workers[rank]
+        del self._workers[rank]
         self.totals.retired_workers += 1
-        if (self.restart is not None and self.background is not None
+        if (self.restart is not None and self._restarts is not None
                 and self.totals.restarts < self.max_restarts):
             self.totals.restarts += 1
-            print(f"rollout-{rank} lost ({why}): restarting it "
-                  f"({self.totals.restarts} of {self.max_restarts} restarts)")
+            log.info("rollout-%d lost (%s): restarting it (%d of %d restarts)",
+                     rank, why, self.totals.restarts, self.max_restarts)
             self._restarting += 1
-            self.background.start_soon(self._restart, rank)
-        elif not self.workers and not self._restarting:
+            self._restarts.start_soon(self._replace, rank)
+        elif not self._workers and not self._restarting:
             raise RunFailed(f"every rollout worker is gone (last: rollout-{rank}: {why}; "
                             f"{self.totals.restarts} of {self.max_restarts} restarts used)")
         else:
-            print(f"rollout-{rank} retired: {why}")
+            log.info("rollout-%d retired: %s", rank, why)
 
-    async def _restart(self, rank: int) -> None:
+    async def _replace(self, rank: int) -> None:
         """A new engine for ``rank`` from the trainer's current policy and version."""
         try:
             model_dir, version = await self.current_policy(rank)
             assert self.restart is not None  # retire starts no restart without one
             worker = await self.restart(rank, model_dir, version)
-            self.workers[rank] = worker
-            print(f"rollout-{rank} restarted at version {version}")
+            self._workers[rank] = worker
+            log.info("rollout-%d restarted at version %d", rank, version)
         finally:
             self._restarting -= 1
             async with self._changed:  # admission or an evaluation may wait for it

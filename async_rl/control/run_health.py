@@ -9,6 +9,7 @@ user gets. Knows nothing about workers beyond the protocols' errors, nor about q
 
 from __future__ import annotations
 
+import logging
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -16,7 +17,6 @@ from pathlib import Path
 
 import anyio
 
-from async_rl.config import Config
 from async_rl.control.protocols import (
     RolloutFailed,
     RunFailed,
@@ -32,11 +32,18 @@ ERROR_LOG = "error.log"
 """The traceback of an unexpected error that stopped the run, in the run directory."""
 
 
+log = logging.getLogger(__name__)
+
 class RunHealth:
     """See the module docstring."""
 
-    def __init__(self, config: Config, totals: StepTotals) -> None:
-        self.config, self.totals = config, totals
+    def __init__(self, totals: StepTotals, *, max_nonfinite_steps: int,
+                 stall_timeout_s: float) -> None:
+        self.totals = totals
+        self.max_nonfinite_steps = max_nonfinite_steps
+        """trainer.max_nonfinite_steps."""
+        self.stall_timeout_s = stall_timeout_s
+        """rollout.stall_timeout_s."""
         self.last_progress = time.perf_counter()
         """When a group was last generated or a step last trained (the stall watch's)."""
         self.watching = True
@@ -64,10 +71,10 @@ class RunHealth:
             return ""
         self.totals.nonfinite_steps += 1
         self.totals.nonfinite_in_a_row += 1
-        limit = self.config.trainer.max_nonfinite_steps
-        print(f"step {step}: non-finite gradient (norm {results[0].grad_norm}): nothing "
-              f"trained, its prompts run again ({self.totals.nonfinite_in_a_row} in a row "
-              f"of trainer.max_nonfinite_steps = {limit})")
+        limit = self.max_nonfinite_steps
+        log.warning("step %d: non-finite gradient (norm %s): nothing trained, its prompts "
+                    "run again (%d in a row of trainer.max_nonfinite_steps = %d)", step,
+                    results[0].grad_norm, self.totals.nonfinite_in_a_row, limit)
         if self.totals.nonfinite_in_a_row >= limit:
             raise RunFailed(f"{limit} steps in a row had a non-finite gradient "
                             "(trainer.max_nonfinite_steps): the policy diverged")
@@ -77,7 +84,7 @@ class RunHealth:
         """Raises ``RunFailed`` (a rollout stall) once nothing progressed for
         rollout.stall_timeout_s, instead of letting the run hang; returns once
         ``watching`` is cleared."""
-        limit = self.config.rollout.stall_timeout_s
+        limit = self.stall_timeout_s
         while self.watching:
             await anyio.sleep(min(limit / 4, 1.0))
             quiet = time.perf_counter() - self.last_progress

@@ -1,10 +1,9 @@
 """The Ray shell: starts Ray and the workers, adapts actor handles to the protocols, runs.
 
-Owns: everything Ray in the control plane — ``ray.init`` (or joining a cluster), creating
-the actors (through ``async_rl.shell.launch``), one small adapter per protocol of
-``async_rl.control.protocols`` that turns ``handle.method.remote(...)`` into awaitable calls and
-Ray's errors into the protocols' errors, aligning worker span clocks with the driver's,
-and shutting everything down. The run's logic is ``async_rl.control.orchestrator``'s; nothing
+Owns: ``ray.init`` (or joining a cluster), creating the actors (through
+``async_rl.shell.launch``) and handing them to the orchestrator as its protocols
+(``async_rl.shell.adapters``), resuming from a checkpoint, stop signals, and shutting
+everything down. The run's logic is ``async_rl.control.orchestrator``'s; nothing
 here decides anything about it.
 """
 
@@ -12,14 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import os
 import signal
 import threading
-import time
-from collections.abc import Sequence
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import anyio
 import msgspec
@@ -30,223 +26,21 @@ from async_rl.config import Config
 from async_rl.control.checkpoint import TRAINER, CheckpointError, latest_checkpoint
 from async_rl.control.orchestrator import Orchestrator
 from async_rl.control.protocols import (
-    EvaluationFailed,
-    PolicyWeights,
-    PublishedWeights,
-    RolloutFailed,
     RunFailed,
-    TrainerFailed,
-    WaitTimedOut,
-    Workers,
     first_error,
 )
 from async_rl.run.run_dir import WORKERS_LOG, RunWriter
 from async_rl.run.summary import RunSummary
-from async_rl.shell.launch import StartedWorkers, build_task, launch_workers, restart_rollout
+from async_rl.shell.adapters import adapt
+from async_rl.shell.launch import StartedWorkers, build_task, launch_workers
 from async_rl.shell.worker_logs import ray_options
 from buffers.config import ConfigError
-from buffers.records import (
-    BroadcastTiming,
-    EvalResult,
-    Group,
-    Prompt,
-    ShardBatch,
-    ShardStepResult,
-    UsageReading,
-)
-from workers.errors import RolloutWorkerError
 from workers.placement import registry_table
-from workers.spans import Span
-from workers.weights.broadcast import Published, WeightBroadcast
+
+log = logging.getLogger(__name__)
 
 NAMESPACE = "async-rl"
 """Ray namespace of a run's named actors ("rollout-0", "trainer-1", ...)."""
-
-
-def _out_of_memory(err: BaseException) -> bool:
-    """Ray's memory monitor killed the worker, or the call itself ran out of memory."""
-    cause = getattr(err, "cause", None)
-    return (isinstance(err, ray.exceptions.OutOfMemoryError)
-            or isinstance(cause, MemoryError)
-            or type(cause).__name__ == "OutOfMemoryError"  # torch's, CPU or CUDA
-            or "out of memory" in str(err).lower())
-
-
-class _Actor:
-    """What every worker adapter shares: its name, OS usage and clock-aligned spans, and
-    a deadline on every call (``run.call_timeout_s`` unless the call has its own)."""
-
-    def __init__(self, name: str, handle: Any, config: Config) -> None:
-        self._name, self.handle, self.config = name, handle, config
-
-    @property
-    def name(self) -> str:
-        return self._name
-
-    async def _answer(self, method: str, *args: Any) -> Any:
-        """``handle.method.remote(*args)``, or ``WaitTimedOut`` past run.call_timeout_s."""
-        seconds = self.config.run.call_timeout_s
-        with anyio.move_on_after(seconds):
-            return await getattr(self.handle, method).remote(*args)
-        raise WaitTimedOut(f"{self._name}.{method}", seconds, "run.call_timeout_s")
-
-    async def usage(self) -> UsageReading:
-        reading: UsageReading = await self._answer("usage")
-        return reading
-
-    async def spans(self) -> list[Span]:
-        """The worker's spans shifted onto this process's clock (workers may sit on other
-        nodes): the offset is the remote clock minus ours at the call's midpoint."""
-        sent = time.time()
-        remote_now: float = await self._answer("clock")
-        offset = remote_now - (sent + time.time()) / 2
-        spans: list[Span] = await self._answer("drain_spans")
-        return [msgspec.structs.replace(s, start=s.start - offset, end=s.end - offset)
-                for s in spans]
-
-
-class RayRollout(_Actor):
-    """A ``RolloutClient`` over a ``workers.actors.RolloutActor`` handle."""
-
-    async def generate(self, prompt: Prompt) -> Group:
-        group: Group = await self._call(self.config.rollout.generate_timeout_s,
-                                        "rollout.generate_timeout_s",
-                                        "generate_group_ref", prompt)
-        return group
-
-    async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
-        result: EvalResult = await self._call(self.config.run.call_timeout_s,
-                                              "run.call_timeout_s", "evaluate", list(prompts))
-        return result
-
-    async def version(self) -> int:
-        version: int = await self._answer("version")
-        return version
-
-    async def _call(self, seconds: float, key: str, method: str, *args: Any) -> Any:
-        try:
-            with anyio.move_on_after(seconds):
-                return await getattr(self.handle, method).remote(*args)
-        except ray.exceptions.RayError as err:
-            # Dead (the actor is gone) or broken (it refuses work after a failed weight
-            # load): either way it gets no more prompts. Anything else fails this call.
-            broken = isinstance(getattr(err, "cause", None), RolloutWorkerError)
-            gone = broken or isinstance(err, ray.exceptions.RayActorError)
-            raise RolloutFailed(type(err).__name__, worker_gone=gone,
-                                out_of_memory=_out_of_memory(err)) from err
-        # A stuck engine: it is replaced like a dead one.
-        raise RolloutFailed(f"no answer to {method} after {seconds:g} s ({key})",
-                            worker_gone=True, timed_out=True)
-
-
-class RayTrainer(_Actor):
-    """A ``TrainerClient`` over a ``workers.actors.TrainerActor`` handle."""
-
-    def __init__(self, rank: int, handle: Any, config: Config) -> None:
-        super().__init__(f"trainer-{rank}", handle, config)
-        self.rank = rank
-
-    async def train(self, batch: ShardBatch) -> ShardStepResult:
-        seconds = self.config.trainer.step_timeout_s
-        try:
-            with anyio.move_on_after(seconds):
-                result: ShardStepResult = await self.handle.train_step_by_ref.remote(batch)
-                return result
-        except ray.exceptions.RayError as err:
-            cause = getattr(err, "cause", None)
-            reason = type(err).__name__ if cause is None else f"{type(cause).__name__}: {cause}"
-            raise TrainerFailed(self.rank, f"step {batch.step}: {reason.splitlines()[0]}",
-                                dead=isinstance(err, ray.exceptions.RayActorError),
-                                out_of_memory=_out_of_memory(err)) from err
-        # Stuck (in a collective whose peer died, say): it cannot save either.
-        raise TrainerFailed(self.rank, f"no answer to step {batch.step} after {seconds:g} s "
-                            "(trainer.step_timeout_s)", dead=True, timed_out=True)
-
-    async def mean_cores(self) -> float:
-        cores: float = await self._answer("mean_cores")
-        return cores
-
-    async def policy_weights(self, version: int) -> RayPolicyWeights:
-        # Not awaited: submitted before the next step's call, the copy runs in order with
-        # training calls, and the evaluator fetches it from the object store itself.
-        return RayPolicyWeights(version=version, state=self.handle.policy_state.remote())
-
-    async def save(self, out_dir: str) -> None:
-        await self._answer("save", out_dir)
-
-    async def save_policy(self, out_dir: str) -> None:
-        await self._answer("save_policy", out_dir)
-
-    async def save_checkpoint(self, out_dir: str) -> None:
-        await self._answer("save_checkpoint", out_dir)
-
-
-@dataclass(frozen=True)
-class RayPolicyWeights:
-    """A ``PolicyWeights``: a reference to trainer shard 0's copy of one version."""
-
-    version: int
-    state: ray.ObjectRef[Any]
-
-
-class RayEvaluator:
-    """An ``Evaluator`` over a ``workers.eval.evaluator.IdleCpuEvaluator`` actor."""
-
-    def __init__(self, handle: Any, config: Config) -> None:
-        self.handle, self.config = handle, config
-
-    async def evaluate(self, prompts: Sequence[Prompt], weights: PolicyWeights) -> EvalResult:
-        assert isinstance(weights, RayPolicyWeights)
-        seconds = self.config.run.call_timeout_s
-        try:
-            with anyio.move_on_after(seconds):
-                # A reference as an argument: Ray hands the actor the weights themselves.
-                result: EvalResult = await self.handle.evaluate.remote(
-                    list(prompts), weights.state, weights.version)
-                return result
-        except ray.exceptions.RayError as err:
-            raise EvaluationFailed(f"{type(err).__name__}: {str(err).splitlines()[0]}") from err
-        raise EvaluationFailed(f"no answer after {seconds:g} s (run.call_timeout_s)")
-
-
-class RayWeights:
-    """A ``WeightPath`` over ``workers.weights.broadcast.WeightBroadcast`` and the rollout
-    handles."""
-
-    def __init__(self, source_shard: Any, rollout: dict[int, Any]) -> None:
-        self._rollout = rollout
-        self._broadcast = WeightBroadcast(source_shard, dict(rollout))
-
-    async def publish(self, version: int) -> Published:
-        return await self._broadcast.publish(version)
-
-    async def deliver(self, published: PublishedWeights, ranks: Sequence[int]
-                      ) -> tuple[list[BroadcastTiming], list[int]]:
-        assert isinstance(published, Published)
-        self._broadcast.rollout_workers = {r: self._rollout[r] for r in ranks}
-        return await self._broadcast.deliver(published)
-
-
-def adapt(started: StartedWorkers, config: Config) -> Workers:
-    """The started actors as the orchestrator's protocols."""
-    weights = RayWeights(started.trainers[0], started.rollout)
-
-    async def restart(rank: int, model_dir: str, version: int) -> RayRollout:
-        model = msgspec.structs.replace(config.model, path=model_dir)
-        # Also updates started.rollout, the map later deliveries read.
-        handle = await restart_rollout(started, rank, model, version)
-        return RayRollout(f"rollout-{rank}", handle, config)
-
-    return Workers(
-        rollout={rank: RayRollout(f"rollout-{rank}", handle, config)
-                 for rank, handle in started.rollout.items()},
-        trainers=[RayTrainer(rank, handle, config)
-                  for rank, handle in enumerate(started.trainers)],
-        weights=weights,
-        evaluator=(RayEvaluator(started.evaluator, config)
-                   if started.evaluator is not None else None),
-        restart_rollout=restart,
-    )
 
 
 async def _shutdown(started: StartedWorkers) -> None:
@@ -321,13 +115,13 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False
 
     def warn(line: str) -> None:
         refused.append(line)
-        print(line)
+        log.warning("%s", line)
 
     checkpoint = latest_checkpoint(Path(config.run.output_dir), warn) if resume else None
     workers_config = config
     if checkpoint is not None:
-        print(f"resuming {config.run.output_dir} from {checkpoint[0].name} "
-              f"(version {checkpoint[1].version})")
+        log.info("resuming %s from %s (version %d)", config.run.output_dir,
+                 checkpoint[0].name, checkpoint[1].version)
         model = msgspec.structs.replace(config.model, path=str(checkpoint[0] / TRAINER))
         workers_config = msgspec.structs.replace(config, model=model)
     started_ray = not ray.is_initialized()
@@ -348,7 +142,7 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False
                     started = await launch_workers(
                         workers_config, reward_fn,
                         version=checkpoint[1].version if checkpoint else 0)
-                    print(registry_table(started.identities))
+                    log.info("%s", registry_table(started.identities))
                     out.workers(started.identities)
                     orchestrator = Orchestrator(config, out, source, eval_prompts,
                                                 adapt(started, config))

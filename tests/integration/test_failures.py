@@ -18,7 +18,8 @@ from async_rl.config_io import decode_config
 from async_rl.control.evaluation_runner import EvaluationRunner
 from async_rl.run.run_dir import FINAL_MODEL, METRICS, read_ledger
 from async_rl.run.summary import RunSummary
-from async_rl.shell.ray_shell import NAMESPACE, RayRollout, run_training
+from async_rl.shell.adapters import RayRollout
+from async_rl.shell.ray_shell import NAMESPACE, run_training
 from buffers.records import EvalResult
 
 pytestmark = pytest.mark.ray

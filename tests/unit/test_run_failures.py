@@ -24,7 +24,7 @@ from orchestrator_fakes import (
 from async_rl.config import Config
 from async_rl.control.checkpoint import latest_checkpoint
 from async_rl.control.protocols import RolloutFailed, RunFailed, TrainerFailed, WaitTimedOut
-from async_rl.shell.ray_shell import RayRollout, RayTrainer
+from async_rl.shell.adapters import RayRollout, RayTrainer
 from buffers.records import EvalResult, Prompt, ShardBatch, ShardStepResult
 
 

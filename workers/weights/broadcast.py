@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -33,13 +34,11 @@ class Published(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class WeightBroadcast:
-    """Publishes the source shard's weights to a set of rollout worker actors."""
+    """Publishes the source shard's weights to the rollout workers it is connected to
+    (``connect_rollout``, at start-up and when a worker is replaced), by rank."""
 
-    def __init__(self, source_shard: Any, rollout_workers: dict[int, Any]) -> None:
+    def __init__(self, source_shard: Any) -> None:
         self.source_shard = source_shard
-        self.rollout_workers = rollout_workers
-        """rank -> actor handle; the controller removes dead workers from it. The source
-        shard was connected to each at start-up (``launch_workers``)."""
 
     async def publish(self, version: int) -> Published:
         """Snapshots the source shard's weights as ``version``.
@@ -51,14 +50,15 @@ class WeightBroadcast:
         await self.source_shard.snapshot_weights.remote(version)
         return Published(version=version, publish_s=time.perf_counter() - started)
 
-    async def deliver(self, published: Published) -> tuple[list[BroadcastTiming], list[int]]:
-        """Makes the published version the policy of every live rollout worker.
+    async def deliver(self, published: Published, ranks: Sequence[int]
+                      ) -> tuple[list[BroadcastTiming], list[int]]:
+        """Makes the published version the policy of the rollout workers ``ranks`` (the
+        live ones: the controller knows which).
 
         Returns the timings of the workers that loaded it and the ranks of those that
         failed (a failed load leaves a worker unusable; the caller retires it). Each
         worker has its own transfer group, so one failing does not hold up the others.
         """
-        ranks = list(self.rollout_workers)
         send = self.source_shard.send_weights.options(concurrency_group=SEND_GROUP)
         outcomes = await asyncio.gather(
             *(send.remote(published.version, rank) for rank in ranks), return_exceptions=True)

@@ -1,0 +1,252 @@
+"""The shell's adapters: Ray actor handles as the orchestrator's protocols.
+
+Owns: one adapter per protocol of ``async_rl.control.protocols`` (``RayRollout``,
+``RayTrainer``, ``RayEvaluator``, ``RayWeights``) and the one way every one of them calls
+its actor (``_Adapter._call``): with a deadline (``run.call_timeout_s`` unless the call
+has its own), Ray's errors turned into the adapter's protocol error, and a missed
+deadline into the error the call names (``WaitTimedOut`` by default). Also aligning a
+worker's span clock with the driver's. Knows nothing about the run's logic.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import msgspec
+import ray
+
+from async_rl.config import Config
+from async_rl.control.protocols import (
+    EvaluationFailed,
+    PolicyWeights,
+    PublishedWeights,
+    RolloutFailed,
+    TrainerFailed,
+    WaitTimedOut,
+    Workers,
+)
+from async_rl.shell.launch import StartedWorkers, restart_rollout
+from buffers.records import (
+    BroadcastTiming,
+    EvalResult,
+    Group,
+    Prompt,
+    ShardBatch,
+    ShardStepResult,
+    UsageReading,
+)
+from workers.errors import RolloutWorkerError
+from workers.spans import Span
+from workers.weights.broadcast import Published, WeightBroadcast
+
+OnTimeout = Callable[[str], Exception]
+"""What a missed deadline raises, given "after N s (key)"."""
+
+
+def _out_of_memory(err: BaseException) -> bool:
+    """Ray's memory monitor killed the worker, or the call itself ran out of memory."""
+    cause = getattr(err, "cause", None)
+    return (isinstance(err, ray.exceptions.OutOfMemoryError)
+            or isinstance(cause, MemoryError)
+            or type(cause).__name__ == "OutOfMemoryError"  # torch's, CPU or CUDA
+            or "out of memory" in str(err).lower())
+
+
+def _reason(err: ray.exceptions.RayError) -> str:
+    """The error's type, and its cause's type and first line when the actor raised."""
+    cause = getattr(err, "cause", None)
+    if cause is None:
+        return type(err).__name__
+    return f"{type(cause).__name__}: {_first_line(cause)}"
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).splitlines() or [""])[0]
+
+
+class _Adapter:
+    """An actor handle and the one way to call it; subclasses say what Ray's errors
+    mean for their protocol (``_failed``)."""
+
+    def __init__(self, name: str, handle: Any, config: Config) -> None:
+        self._name, self.handle, self.config = name, handle, config
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:
+        raise NotImplementedError
+
+    async def _call(self, method: str, *args: Any, seconds: float | None = None,
+                    key: str = "run.call_timeout_s", what: str = "",
+                    on_timeout: OnTimeout | None = None) -> Any:
+        """``handle.method.remote(*args)`` within ``seconds`` (default
+        run.call_timeout_s, named by ``key``). Ray's errors raise ``_failed(err, what)``
+        (``what`` defaults to the method); a missed deadline raises ``on_timeout`` of
+        the wait, or ``WaitTimedOut`` naming the call."""
+        seconds = self.config.run.call_timeout_s if seconds is None else seconds
+        try:
+            with anyio.move_on_after(seconds):
+                return await getattr(self.handle, method).remote(*args)
+        except ray.exceptions.RayError as err:
+            raise self._failed(err, what or method) from err
+        if on_timeout is None:
+            raise WaitTimedOut(f"{self._name}.{method}", seconds, key)
+        raise on_timeout(f"after {seconds:g} s ({key})")
+
+
+class _Worker(_Adapter):
+    """What every worker adapter reports: OS usage and clock-aligned spans."""
+
+    async def usage(self) -> UsageReading:
+        reading: UsageReading = await self._call("usage")
+        return reading
+
+    async def spans(self) -> list[Span]:
+        """The worker's spans shifted onto this process's clock (workers may sit on other
+        nodes): the offset is the remote clock minus ours at the call's midpoint."""
+        sent = time.time()
+        remote_now: float = await self._call("clock")
+        offset = remote_now - (sent + time.time()) / 2
+        spans: list[Span] = await self._call("drain_spans")
+        return [msgspec.structs.replace(s, start=s.start - offset, end=s.end - offset)
+                for s in spans]
+
+
+class RayRollout(_Worker):
+    """A ``RolloutClient`` over a ``workers.actors.RolloutActor`` handle."""
+
+    def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:
+        # Dead (the actor is gone) or broken (it refuses work after a failed weight
+        # load): either way it gets no more prompts. Anything else fails this call.
+        broken = isinstance(getattr(err, "cause", None), RolloutWorkerError)
+        gone = broken or isinstance(err, ray.exceptions.RayActorError)
+        return RolloutFailed(type(err).__name__, worker_gone=gone,
+                             out_of_memory=_out_of_memory(err))
+
+    @staticmethod
+    def _stuck(method: str) -> OnTimeout:
+        # A stuck engine: it is replaced like a dead one.
+        return lambda waited: RolloutFailed(f"no answer to {method} {waited}",
+                                            worker_gone=True, timed_out=True)
+
+    async def generate(self, prompt: Prompt) -> Group:
+        group: Group = await self._call(
+            "generate_group_ref", prompt, seconds=self.config.rollout.generate_timeout_s,
+            key="rollout.generate_timeout_s", on_timeout=self._stuck("generate_group_ref"))
+        return group
+
+    async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
+        result: EvalResult = await self._call("evaluate", list(prompts),
+                                              on_timeout=self._stuck("evaluate"))
+        return result
+
+    async def version(self) -> int:
+        version: int = await self._call("version")
+        return version
+
+
+class RayTrainer(_Worker):
+    """A ``TrainerClient`` over a ``workers.actors.TrainerActor`` handle."""
+
+    def __init__(self, rank: int, handle: Any, config: Config) -> None:
+        super().__init__(f"trainer-{rank}", handle, config)
+        self.rank = rank
+
+    def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:
+        return TrainerFailed(self.rank, f"{what}: {_reason(err)}",
+                             dead=isinstance(err, ray.exceptions.RayActorError),
+                             out_of_memory=_out_of_memory(err))
+
+    async def train(self, batch: ShardBatch) -> ShardStepResult:
+        # Stuck (in a collective whose peer died, say): it cannot save either.
+        def stuck(waited: str) -> Exception:
+            return TrainerFailed(self.rank, f"no answer to step {batch.step} {waited}",
+                                 dead=True, timed_out=True)
+
+        result: ShardStepResult = await self._call(
+            "train_step_by_ref", batch, seconds=self.config.trainer.step_timeout_s,
+            key="trainer.step_timeout_s", what=f"step {batch.step}", on_timeout=stuck)
+        return result
+
+    async def mean_cores(self) -> float:
+        cores: float = await self._call("mean_cores")
+        return cores
+
+    async def policy_weights(self, version: int) -> RayPolicyWeights:
+        # Not awaited: submitted before the next step's call, the copy runs in order with
+        # training calls, and the evaluator fetches it from the object store itself.
+        return RayPolicyWeights(version=version, state=self.handle.policy_state.remote())
+
+    async def save(self, out_dir: str) -> None:
+        await self._call("save", out_dir)
+
+    async def save_policy(self, out_dir: str) -> None:
+        await self._call("save_policy", out_dir)
+
+    async def save_checkpoint(self, out_dir: str) -> None:
+        await self._call("save_checkpoint", out_dir)
+
+
+@dataclass(frozen=True)
+class RayPolicyWeights:
+    """A ``PolicyWeights``: a reference to trainer shard 0's copy of one version."""
+
+    version: int
+    state: ray.ObjectRef[Any]
+
+
+class RayEvaluator(_Adapter):
+    """An ``Evaluator`` over a ``workers.eval.evaluator.IdleCpuEvaluator`` actor."""
+
+    def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:
+        return EvaluationFailed(f"{type(err).__name__}: {_first_line(err)}")
+
+    async def evaluate(self, prompts: Sequence[Prompt], weights: PolicyWeights) -> EvalResult:
+        assert isinstance(weights, RayPolicyWeights)
+        # A reference as an argument: Ray hands the actor the weights themselves.
+        result: EvalResult = await self._call(
+            "evaluate", list(prompts), weights.state, weights.version,
+            on_timeout=lambda waited: EvaluationFailed(f"no answer {waited}"))
+        return result
+
+
+class RayWeights:
+    """A ``WeightPath`` over ``workers.weights.broadcast.WeightBroadcast``: trainer shard 0
+    sends to each rollout worker it was connected to, by rank."""
+
+    def __init__(self, source_shard: Any) -> None:
+        self._broadcast = WeightBroadcast(source_shard)
+
+    async def publish(self, version: int) -> Published:
+        return await self._broadcast.publish(version)
+
+    async def deliver(self, published: PublishedWeights, ranks: Sequence[int]
+                      ) -> tuple[list[BroadcastTiming], list[int]]:
+        assert isinstance(published, Published)
+        return await self._broadcast.deliver(published, ranks)
+
+
+def adapt(started: StartedWorkers, config: Config) -> Workers:
+    """The started actors as the orchestrator's protocols."""
+
+    async def restart(rank: int, model_dir: str, version: int) -> RayRollout:
+        model = msgspec.structs.replace(config.model, path=model_dir)
+        handle = await restart_rollout(started, rank, model, version)
+        return RayRollout(f"rollout-{rank}", handle, config)
+
+    return Workers(
+        rollout={rank: RayRollout(f"rollout-{rank}", handle, config)
+                 for rank, handle in started.rollout.items()},
+        trainers=[RayTrainer(rank, handle, config)
+                  for rank, handle in enumerate(started.trainers)],
+        weights=RayWeights(started.trainers[0]),
+        evaluator=(RayEvaluator("evaluator", started.evaluator, config)
+                   if started.evaluator is not None else None),
+        restart_rollout=restart,
+    )
