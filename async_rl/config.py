@@ -26,6 +26,7 @@ from buffers.config import (
     invalid,
 )
 from workers.model_config import ModelConfig
+from workers.reward_spec import RewardSpec
 from workers.rollout.config import RolloutConfig
 from workers.trainer.config import TrainerConfig
 from workers.weights.config import WeightsConfig
@@ -47,6 +48,22 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     eval_size: NonNegative = 200
     """Held-out prompts scored greedily at the start and end of a run, and every
     run.eval_every steps (0 = no evaluation)."""
+    rewards: tuple[RewardSpec, ...] = ()
+    """Your own reward functions (``[[task.rewards]]`` entries: function, weight, name,
+    style), in TRL, verl or per-sample style, sync or async; summed by weight, each one's
+    mean logged per step as reward/<name>. They replace the task's built-in reward, in
+    training and in evaluations. Empty: the built-in reward."""
+    reward_timeout_s: PositiveFloat = 30.0
+    """Longest one reward call may take; past it the samples it scores get 0 and are
+    counted (reward_timeouts), and the call's process is replaced."""
+    reward_workers: Positive = 2
+    """Processes (or threads) per rollout worker that run the sync rewards of
+    task.rewards, off the engine's event loop; async rewards run on an event loop of
+    their own."""
+    reward_threads: bool = False
+    """Run sync rewards in threads instead of processes (no pickling, shared memory; a
+    CPU-bound Python reward then holds the engine process's GIL, and a call past the
+    timeout cannot be stopped)."""
 
     def __post_init__(self) -> None:
         if self.kind == "jsonl" and not self.jsonl_path:

@@ -9,7 +9,7 @@ stage that changes one makes a new record with ``msgspec.structs.replace``.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -105,7 +105,12 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     finish_reasons: tuple[str, ...]
     """Why each sample stopped: "stop", "length" (hit max_new_tokens) or "abort"."""
     reward_failures: int = 0
-    """Samples whose reward function raised or returned a non-finite value (reward 0)."""
+    """Scores lost to a reward call that raised or returned a non-finite value (they
+    count 0)."""
+    reward_timeouts: int = 0
+    """Scores lost to a reward call past task.reward_timeout_s (they count 0)."""
+    reward_means: dict[str, float] = {}
+    """Per reward of the task's own (task.rewards): its mean over the group, unweighted."""
     min_version: int
     """Oldest policy version of any token in the group (staleness is measured from it)."""
     max_version: int
@@ -140,9 +145,13 @@ def make_group(
     *,
     rollout_rank: int = 0,
     finished_at: float = 0.0,
+    reward_failures: int | None = None,
+    reward_timeouts: int = 0,
+    reward_means: Mapping[str, float] | None = None,
 ) -> Group:
     """A Group holding its own ``GroupTokens`` (the rollout actor swaps in a reference),
-    with its version range, lengths and token count derived from the samples."""
+    with its version range, lengths and token count derived from the samples
+    (``reward_failures``: by default the samples flagged ``reward_failed``)."""
     if not samples:
         raise ValueError(f"group for prompt {prompt.prompt_id!r} has no samples")
     lengths = tuple(len(s.token_ids) for s in samples)
@@ -162,7 +171,10 @@ def make_group(
         completion_lengths=lengths,
         rewards=tuple(s.reward for s in samples),
         finish_reasons=tuple(s.finish_reason for s in samples),
-        reward_failures=sum(s.reward_failed for s in samples),
+        reward_failures=(sum(s.reward_failed for s in samples) if reward_failures is None
+                         else reward_failures),
+        reward_timeouts=reward_timeouts,
+        reward_means=dict(reward_means or {}),
         min_version=min(s.min_version for s in samples),
         max_version=max(s.max_version for s in samples),
         num_tokens=sum(lengths) + len(prompt_token_ids) * len(samples),

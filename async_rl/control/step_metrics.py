@@ -42,6 +42,7 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     restore_failures: int = 0
     timeouts: int = 0
     stale_drops_by_length: tuple[BucketDrops, ...] = ()
+    reward_timeouts: int = 0
 
 
 class StepTotals:
@@ -63,6 +64,7 @@ class StepTotals:
         self.rollout_stalls = 0
         self.restore_failures = 0
         self.timeouts = 0
+        self.reward_timeouts = 0
         self.nonfinite_in_a_row = 0
         """Non-finite steps since the last good one (trainer.max_nonfinite_steps)."""
         self.staleness: Counter[int] = Counter()
@@ -73,6 +75,7 @@ class StepTotals:
     def generated(self, group: Group) -> None:
         """A group came back from a rollout worker (before it is queued)."""
         self.reward_failures += group.reward_failures
+        self.reward_timeouts += group.reward_timeouts
         self.generated_by_bucket[bucket_index(self.bucket_edges, group.num_tokens)] += 1
 
     def dropped(self, group: Group) -> None:
@@ -97,7 +100,8 @@ class StepTotals:
             lost_steps=self.lost_steps, restarts=self.restarts,
             staleness=dict(self.staleness), out_of_memory=self.out_of_memory,
             rollout_stalls=self.rollout_stalls, restore_failures=self.restore_failures,
-            timeouts=self.timeouts, stale_drops_by_length=self.by_length())
+            timeouts=self.timeouts, stale_drops_by_length=self.by_length(),
+            reward_timeouts=self.reward_timeouts)
 
     def restore(self, counters: Counters) -> None:
         for name in Counters.__struct_fields__:
@@ -123,6 +127,7 @@ class StepTotals:
             "nonfinite_steps": self.nonfinite_steps,
             "lost_steps": self.lost_steps,
             "reward_errors": self.reward_failures,
+            "reward_timeouts": self.reward_timeouts,
             "stale_drops": self.dropped_stale,
         }
 
@@ -194,11 +199,17 @@ def step_row(
     histogram = Counter(staleness)
     step_s = wait_s + train_s + sync_s
     lengths = sorted(n for g in groups for n in g.completion_lengths)
+    by_reward: dict[str, list[float]] = {}
+    for group in groups:
+        for name, mean in group.reward_means.items():
+            by_reward.setdefault(name, []).append(mean)
     return {
         "step": step,
         "version": version,
         "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
         "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else 0.0,
+        # Each of the task's own rewards (task.rewards), unweighted: reward/<name>.
+        **{f"reward/{name}": sum(v) / len(v) for name, v in by_reward.items()},
         **summarise(merge_stats([r.loss for r in results])),
         "grad_norm": results[0].grad_norm if results else 0.0,
         # Cumulative counts of the failure classes so far (the progress line shows them).

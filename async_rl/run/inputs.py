@@ -1,7 +1,8 @@
 """A run's inputs checked before anything starts: what would otherwise fail in a worker.
 
 Owns: ``check_inputs`` (the model directory is a Hugging Face model, the prompt file
-reads, the optional loggers are installed), raising ``ConfigError`` with one line. Used
+reads, the task's own reward functions import and can take a completion, the optional
+loggers are installed), raising ``ConfigError`` with one line. Used
 by ``async-rl train`` and by each trial of ``async-rl sweep`` before it is launched.
 """
 
@@ -13,6 +14,7 @@ from pathlib import Path
 from async_rl.config import Config
 from async_rl.run.loggers import check_installed
 from buffers.config import ConfigError
+from workers.reward_spec import load_reward
 
 
 def check_inputs(config: Config) -> None:
@@ -33,6 +35,8 @@ def check_inputs(config: Config) -> None:
             f"config error: model.path = {config.model.path!r}: its config.json is not a "
             f"Hugging Face model config (no model_type)"
         )
+    for index, spec in enumerate(config.task.rewards):
+        load_reward(spec, index=index)  # ConfigError naming task.rewards[i]
     if config.task.kind == "jsonl":
         from async_rl.tasks.sources import PromptFileError, read_prompt_file
 

@@ -93,7 +93,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     failures: dict[str, int] = {}
     """Count of each failure class (``StepTotals.failures``): out_of_memory,
     rollout_stall, worker_restarts, rollout_errors, timeouts, restore_failures,
-    nonfinite_steps, lost_steps, reward_errors, stale_drops."""
+    nonfinite_steps, lost_steps, reward_errors, reward_timeouts, stale_drops."""
     max_staleness: int
     # Defaults: summaries written before periodic evaluation existed still read.
     samples_trained: int = 0

@@ -20,7 +20,7 @@ import msgspec
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 
-from async_rl.config import Config
+from async_rl.config import Config, TaskConfig
 from async_rl.tasks.longtail import RemainderTask
 from async_rl.tasks.rewards import arithmetic_reward, gsm8k_reward, remainder_reward
 from async_rl.tasks.sources import ArithmeticTask, JsonlPromptSource, PromptSource
@@ -31,6 +31,8 @@ from workers.model_config import ModelConfig
 from workers.placement import WorkerIdentity, assign_cpus, gpus_per_worker, in_bundle
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.reward import RewardFn
+from workers.reward_runner import UserRewards
+from workers.reward_spec import absolute_spec
 from workers.weights.broadcast import SEND_GROUP
 from workers.weights.config import check_transport
 
@@ -47,6 +49,15 @@ def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ..
         return longtail, remainder_reward, longtail.eval_prompts(task.eval_size)
     arithmetic = ArithmeticTask(seed=task.seed)
     return arithmetic, arithmetic_reward, arithmetic.eval_prompts(task.eval_size)
+
+
+def user_rewards_of(task: TaskConfig) -> UserRewards | None:
+    """The task's own rewards as workers run them (None: the built-in reward)."""
+    if not task.rewards:
+        return None
+    return UserRewards(specs=tuple(absolute_spec(s) for s in task.rewards),
+                       timeout_s=task.reward_timeout_s, workers=task.reward_workers,
+                       threads=task.reward_threads)
 
 
 def free_port() -> int:
@@ -109,6 +120,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
     groups = make_placement_groups(
         layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus)
     started = StartedWorkers(placement_groups=list({id(g): g for g in groups.values()}.values()))
+    user_rewards = user_rewards_of(cfg.task)
     rollout_cls = ray.remote(RolloutActor)
 
     def new_rollout(rank: int, model: ModelConfig, version: int, name: str = "") -> Any:
@@ -122,7 +134,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
             rank=ident.rank, model=model, rollout=cfg.rollout, weights=cfg.weights,
             reward_fn=reward_fn, seed=cfg.run.seed + ident.rank,
             cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
-            version=version,
+            version=version, user_rewards=user_rewards,
         )
 
     started.new_rollout = new_rollout
@@ -156,7 +168,8 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
         # its workers leave idle.
         started.evaluator = ray.remote(IdleCpuEvaluator).options(
             name="evaluator", num_cpus=0).remote(
-            model=cfg.model, reward_fn=reward_fn, max_new_tokens=cfg.rollout.max_new_tokens)
+            model=cfg.model, reward_fn=reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
+            user_rewards=user_rewards)
         await started.evaluator.setup.remote()
     # Weight broadcasts go from shard 0 to each rollout worker over a group of its own.
     for rank, worker in started.rollout.items():

@@ -15,16 +15,19 @@ Knows nothing about Ray, when evaluations fall due or the run's clock.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections.abc import Mapping, Sequence
 
 import torch
 
-from buffers.records import EvalResult, Prompt
+from buffers.records import EvalResult, Prompt, Sample
 from workers.eval.greedy import greedy_completions
 from workers.model_config import ModelConfig
-from workers.reward import RewardFn, guarded_reward
+from workers.reward import RewardFn
+from workers.reward_runner import UserRewards
+from workers.rollout.scoring import Scorer
 
 EVALUATOR_RANK = -1
 """``EvalResult.rollout_rank`` of this evaluator's results (no rollout worker ran them)."""
@@ -39,10 +42,12 @@ def idle_priority() -> None:
 class IdleCpuEvaluator:
     """See the module docstring. ``setup`` once, then ``evaluate`` per version."""
 
-    def __init__(self, *, model: ModelConfig, reward_fn: RewardFn, max_new_tokens: int) -> None:
-        self.model_config, self.reward_fn = model, reward_fn
+    def __init__(self, *, model: ModelConfig, reward_fn: RewardFn, max_new_tokens: int,
+                 user_rewards: UserRewards | None = None) -> None:
+        self.model_config = model
+        self.scorer = Scorer(reward_fn, user_rewards)
+        """Scores as a rollout worker does (the task's own rewards when it has them)."""
         self.max_new_tokens = max_new_tokens
-        self.reward_failures = 0
 
     def setup(self) -> int:
         """Loads the model and tokenizer from ``model.path``; returns the pid."""
@@ -52,6 +57,7 @@ class IdleCpuEvaluator:
         # One thread: a second one would wait at every operation's barrier whenever its
         # core is taken, and a single thread can still run on whichever core is free.
         torch.set_num_threads(1)
+        self.scorer.start()
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.path)
         self.model = AutoModelForCausalLM.from_pretrained(
             self.model_config.path, dtype=getattr(torch, self.model_config.dtype))
@@ -68,16 +74,23 @@ class IdleCpuEvaluator:
         self.model.load_state_dict(state)
         texts = greedy_completions(self.model, self.tokenizer, [p.text for p in prompts],
                                    max_new_tokens=self.max_new_tokens)
-        rewards = [self._reward(p, t) for p, t in zip(prompts, texts, strict=True)]
+        rewards = asyncio.run(self._rewards(prompts, texts))
         return EvalResult(
             accuracy=sum(rewards) / len(rewards), version_min=version, version_max=version,
             num_prompts=len(rewards), rollout_rank=EVALUATOR_RANK,
             seconds=time.perf_counter() - began,
         )
 
-    def _reward(self, prompt: Prompt, text: str) -> float:
+    @property
+    def reward_failures(self) -> int:
+        """Scores lost so far to a reward that raised, was not finite or timed out."""
+        return self.scorer.failures
+
+    async def _rewards(self, prompts: Sequence[Prompt], texts: Sequence[str]) -> list[float]:
         """As a rollout worker scores: a reward that raises or is not finite counts 0."""
-        reward = guarded_reward(self.reward_fn, prompt, text)
-        if reward is None:
-            self.reward_failures += 1
-        return reward or 0.0
+        rewards = []
+        for prompt, text in zip(prompts, texts, strict=True):
+            sample = Sample(token_ids=(), logprobs=(), versions=(), finish_reason="stop",
+                            text=text)
+            rewards.append((await self.scorer.score(prompt, [sample])).samples[0].reward)
+        return rewards

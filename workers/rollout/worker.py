@@ -23,8 +23,6 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-import msgspec
-
 from buffers.records import (
     BroadcastTiming,
     EvalResult,
@@ -37,7 +35,8 @@ from buffers.records import (
 )
 from workers.errors import RolloutWorkerError
 from workers.model_config import ModelConfig
-from workers.reward import RewardFn, guarded_reward
+from workers.reward import RewardFn
+from workers.reward_runner import UserRewards
 from workers.rollout.config import RolloutConfig
 from workers.rollout.engine import (
     build_engine,
@@ -45,6 +44,7 @@ from workers.rollout.engine import (
     sampling_params,
     versions_from_spans,
 )
+from workers.rollout.scoring import Scorer
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 from workers.usage import UsageMeter
 from workers.weights.config import UpdateMode, WeightsConfig
@@ -79,6 +79,7 @@ class RolloutWorker:
         cpu_ids: tuple[int, ...] = (),
         record_spans: bool = True,
         version: int = 0,
+        user_rewards: UserRewards | None = None,
     ) -> None:
         """Cheap: records the arguments; ``start()`` builds the engine.
 
@@ -88,9 +89,12 @@ class RolloutWorker:
             binding, no pinning.
         version: policy version of the weights at ``model.path`` (a resumed run starts
             its engines from the checkpoint of that version).
+        user_rewards: the task's own rewards (task.rewards), which replace ``reward_fn``;
+            they run off the engine's event loop (``workers.rollout.scoring``).
         """
         self._rank, self._model, self._rollout = rank, model, rollout
-        self._transport, self._reward_fn, self._seed = weights.transport, reward_fn, seed
+        self._transport, self._seed = weights.transport, seed
+        self._scorer = Scorer(reward_fn, user_rewards)
         self._cpu_ids = tuple(cpu_ids)
         device = "cpu:" + ",".join(map(str, self._cpu_ids)) if self._cpu_ids else "cpu"
         self._spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
@@ -110,7 +114,6 @@ class RolloutWorker:
         self._quiet_tasks: set[asyncio.Task[None]] = set()
 
         self._groups = self._samples = self._tokens = 0
-        self._reward_failures = 0
         self._engine_start_s = self._warmup_s = 0.0
 
     # ---------------------------------------------------------------- lifecycle
@@ -120,6 +123,7 @@ class RolloutWorker:
         if self._engine is not None:
             return os.getpid()
         began = time.perf_counter()
+        self._scorer.start()  # the reward processes load while the engine starts
         self._engine = build_engine(self._model, self._rollout, rank=self._rank,
                                     seed=self._seed, cpu_ids=self._cpu_ids,
                                     transport=self._transport)
@@ -150,6 +154,7 @@ class RolloutWorker:
         self._failed = self._failed or "shut down"
         for task in self._quiet_tasks:
             task.cancel()
+        self._scorer.close()
         if engine is not None:
             engine.shutdown()
 
@@ -289,13 +294,6 @@ class RolloutWorker:
         self._ready()  # a failed weight load aborted the requests: their output is void
         return [task.result() for task in running]
 
-    def _score(self, prompt: Prompt, sample: Sample) -> Sample:
-        reward = guarded_reward(self._reward_fn, prompt, sample.text)
-        if reward is None:  # score 0, flag it, count it
-            self._reward_failures += 1
-        return msgspec.structs.replace(sample, reward=reward or 0.0,
-                                       reward_failed=reward is None)
-
     async def generate_group(self, prompt: Prompt) -> Group:
         """Generates and scores ``group_size`` samples of ``prompt``.
 
@@ -305,17 +303,21 @@ class RolloutWorker:
         size, seed = self._rollout.group_size, self._rollout.sampling_seed
         seeds = [request_seed(seed, prompt, k) for k in range(size)] if seed >= 0 else []
         streams = await self._stream_all([prompt.text] * size, "sample", seeds)
-        samples = tuple(self._score(prompt, sample) for _, sample in streams)
+        scored = await self._scorer.score(prompt, [sample for _, sample in streams])
+        samples = scored.samples
         self._groups += 1
         self._samples += len(samples)
         self._tokens += sum(len(s.token_ids) for s in samples)
         return make_group(prompt, streams[0][0], samples,
-                          rollout_rank=self._rank, finished_at=time.time())
+                          rollout_rank=self._rank, finished_at=time.time(),
+                          reward_failures=scored.errors, reward_timeouts=scored.timeouts,
+                          reward_means=scored.means)
 
     async def generate_greedy(self, prompts: Sequence[Prompt]) -> list[Sample]:
         """One scored greedy (temperature 0) completion per prompt, stopping at EOS."""
         streams = await self._stream_all([p.text for p in prompts], "greedy")
-        return [self._score(p, s) for p, (_, s) in zip(prompts, streams, strict=True)]
+        return [(await self._scorer.score(p, [s])).samples[0]
+                for p, (_, s) in zip(prompts, streams, strict=True)]
 
     async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
         """Greedy accuracy (the mean reward of one greedy completion per prompt) and the
@@ -381,7 +383,7 @@ class RolloutWorker:
         return RolloutStatistics(
             rank=self._rank, version=self._receiver.version, groups_generated=self._groups,
             samples_generated=self._samples, tokens_generated=self._tokens,
-            reward_failures=self._reward_failures, weight_updates=self._receiver.updates,
+            reward_failures=self._scorer.failures, weight_updates=self._receiver.updates,
             requests_running=len(self._in_flight),
             tokens_in_flight=sum(self._in_flight.values()),
             engine_start_s=self._engine_start_s, warmup_s=self._warmup_s,

@@ -1,0 +1,102 @@
+"""One reward call that never raises: the guarded calls, and the process workers' side.
+
+Owns: ``CallFailed`` (a call that gave no values: why, and whether it timed out),
+``guarded`` and ``guarded_async`` (one ``score_group`` call, its exception or, for async
+rewards, its timeout turned into a ``CallFailed``), ``describe`` (an exception as one
+line) and what a reward process runs: ``child_init`` (pebble's initializer: load the
+rewards once) and ``child_score`` (one call there). Pickled by reference into those
+processes, so it stays light: no pool, no event loop of its own
+(``workers.reward_runner``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import pickle
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from workers.reward_calls import RewardValues, score_group, score_group_async
+from workers.reward_spec import RewardSpec, Style, import_reward, import_reward_file
+
+
+class CallFailed(msgspec.Struct, frozen=True):
+    """A reward call that gave no values: why, and whether it ran out of time."""
+
+    message: str
+    timed_out: bool = False
+
+
+def describe(err: BaseException) -> str:
+    """One line: the exception, its first line of text and where in user code it rose."""
+    lines = str(err).strip().splitlines()
+    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    frames = traceback.extract_tb(err.__traceback__)
+    return f"{text} (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" \
+        if frames else text
+
+
+def guarded(fn: Callable[..., Any], style: Style,
+            inputs: Mapping[str, Any]) -> RewardValues | CallFailed:
+    """``score_group(fn, style, **inputs)``, or why it failed."""
+    try:
+        return score_group(fn, style, **inputs)
+    except Exception as err:
+        return CallFailed(describe(err))
+
+
+async def guarded_async(fn: Callable[..., Any], style: Style, inputs: Mapping[str, Any],
+                        timeout_s: float) -> RewardValues | CallFailed:
+    """``score_group_async(fn, style, **inputs)`` within ``timeout_s``, or why not (a
+    ``TimeoutError`` the reward raises itself is an error, not a timeout)."""
+    scope = asyncio.timeout(timeout_s)
+    try:
+        async with scope:
+            return await score_group_async(fn, style, **inputs)
+    except TimeoutError as err:
+        if scope.expired():
+            return CallFailed(f"ran past {timeout_s} s", timed_out=True)
+        return CallFailed(describe(err))
+    except Exception as err:
+        return CallFailed(describe(err))
+
+
+# A process worker's rewards, loaded once by child_init when pebble starts it.
+_child_fns: list[Callable[..., Any]] = []
+_child_error = ""
+
+
+def child_init(entries: Sequence[RewardSpec | bytes], files: Sequence[str]) -> None:
+    """Loads the sync rewards in a process worker, after the reward files the parent had
+    loaded (so that pickled functions of theirs resolve by reference). Never raises (a
+    failed initializer would break the pool): each call then reports the error."""
+    global _child_error
+    try:
+        for file in files:
+            import_reward_file(Path(file))
+        _child_fns[:] = [import_reward(e) if isinstance(e, RewardSpec) else pickle.loads(e)
+                         for e in entries]
+    except BaseException as err:
+        _child_error = f"the reward process could not load the rewards: {describe(err)}"
+
+
+def child_score(slot: int, style: Style, inputs: Mapping[str, Any]
+                ) -> RewardValues | CallFailed:
+    """One call, in a process worker, of its ``slot``-th sync reward."""
+    if _child_error:
+        return CallFailed(_child_error)
+    return guarded(_child_fns[slot], style, inputs)
+
+
+def dumps(fn: Callable[..., Any]) -> bytes:
+    """``fn`` pickled for ``child_init``: with cloudpickle where installed, else pickle."""
+    try:
+        import cloudpickle  # ray ships it: functions of __main__, closures and lambdas too
+    except ImportError:
+        return pickle.dumps(fn)
+    return bytes(cloudpickle.dumps(fn))

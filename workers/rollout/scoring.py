@@ -1,0 +1,74 @@
+"""Scoring a group's completions: the task's built-in reward, or the task's own rewards.
+
+Owns: ``Scorer``, which the rollout worker and the idle-CPU evaluator score with. With no
+``UserRewards`` it calls the built-in task reward per sample, in the caller's event loop
+(those are pure and take microseconds), a raising or non-finite one scoring 0 and
+flagged. With ``UserRewards`` (task.rewards) it scores through a
+``workers.reward_runner.RewardRunner``: off the caller's event loop, every call bounded
+by task.reward_timeout_s, failures and timeouts counted, each reward's group mean kept
+for the metrics. Knows nothing about engines or groups' tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import msgspec
+
+from buffers.records import Prompt, Sample
+from workers.reward import RewardFn, guarded_reward
+from workers.reward_runner import RewardRunner, UserRewards
+
+
+class Scored(msgspec.Struct, frozen=True, kw_only=True):
+    """A group's samples with their rewards, and what scoring them cost."""
+
+    samples: tuple[Sample, ...]
+    errors: int = 0
+    """Scores lost to a reward that raised or was not finite."""
+    timeouts: int = 0
+    """Scores lost to a reward call past its deadline."""
+    means: dict[str, float] = {}
+    """Per reward of task.rewards: its mean over the group."""
+
+
+class Scorer:
+    """See the module docstring; ``start`` in the process that scores, ``close`` at the
+    end."""
+
+    def __init__(self, reward_fn: RewardFn, user: UserRewards | None = None) -> None:
+        self._reward_fn, self._user = reward_fn, user
+        self._runner: RewardRunner | None = None
+        self.failures = 0
+        """Scores lost so far (errors and timeouts)."""
+
+    def start(self) -> None:
+        """Loads the task's own rewards and starts their pool (none without them)."""
+        if self._user is not None and self._runner is None:
+            self._runner = self._user.runner()
+
+    def close(self) -> None:
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+
+    async def score(self, prompt: Prompt, samples: Sequence[Sample]) -> Scored:
+        """``samples`` (completions of ``prompt``) with their rewards set."""
+        if self._user is None:
+            rewards = [guarded_reward(self._reward_fn, prompt, s.text) for s in samples]
+            lost = sum(r is None for r in rewards)
+            self.failures += lost
+            return Scored(samples=tuple(
+                msgspec.structs.replace(s, reward=r or 0.0, reward_failed=r is None)
+                for s, r in zip(samples, rewards, strict=True)), errors=lost)
+        if self._runner is None:
+            raise RuntimeError("Scorer.start() was not called")
+        got = await self._runner.score(
+            prompts=[prompt.text] * len(samples), completions=[s.text for s in samples],
+            completion_ids=[s.token_ids for s in samples], columns={"answer": prompt.answer})
+        self.failures += got.errors + got.timeouts
+        return Scored(
+            samples=tuple(msgspec.structs.replace(s, reward=total, reward_failed=failed)
+                          for s, total, failed in zip(samples, got.total, got.failed,
+                                                      strict=True)),
+            errors=got.errors, timeouts=got.timeouts, means=got.per_reward | got.extra)
