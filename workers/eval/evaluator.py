@@ -19,6 +19,7 @@ import asyncio
 import os
 import time
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -74,7 +75,10 @@ class IdleCpuEvaluator:
         self.model.load_state_dict(state)
         texts = greedy_completions(self.model, self.tokenizer, [p.text for p in prompts],
                                    max_new_tokens=self.max_new_tokens)
-        rewards = asyncio.run(self._rewards(prompts, texts))
+        # A loop of its own, in a thread of its own: the actor's thread may already run
+        # one (Ray's), and asyncio.run refuses to nest.
+        with ThreadPoolExecutor(max_workers=1) as scoring:
+            rewards = scoring.submit(asyncio.run, self._rewards(prompts, texts)).result()
         return EvalResult(
             accuracy=sum(rewards) / len(rewards), version_min=version, version_max=version,
             num_prompts=len(rewards), rollout_rank=EVALUATOR_RANK,
