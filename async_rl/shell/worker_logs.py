@@ -6,7 +6,8 @@ it spawns (vLLM's engine core and engine worker) write to stdout and stderr: vLL
 logs, C++ warnings, Python warnings, progress bars, prints, tracebacks. Every line goes
 to RUN_DIR/workers.log; warnings and errors (each distinct message once per worker) and
 tracebacks go on to the worker's original stderr, which Ray prints on the driver's
-console. With ``verbose`` every line goes on. Knows nothing about what the workers do.
+console, except the known-benign warnings of ``BENIGN_WARNINGS``. With ``verbose`` every
+line goes on. Knows nothing about what the workers do.
 
 The relay is a process of its own, not a thread, so that what a dying worker writes
 last (a fatal error, a traceback) still reaches the log and the console.
@@ -21,7 +22,7 @@ import signal
 import subprocess
 import sys
 from pathlib import Path
-from typing import IO, Any
+from typing import IO, Any, NamedTuple
 
 LOG_ENV = "ASYNC_RL_WORKERS_LOG"
 """Absolute path of the run's workers.log, set in the workers' environment."""
@@ -31,6 +32,30 @@ VERBOSE_ENV = "ASYNC_RL_WORKERS_VERBOSE"
 RAY_MARKERS = (":actor_name:", ":task_name:", ":job_id:")
 """Lines Ray's log monitor reads to name a worker's output ("(RolloutActor pid=...)")
 and never prints (ray/_private/ray_constants.py LOG_PREFIX_*): always passed on."""
+
+
+class Benign(NamedTuple):
+    """A warning that reads like a failure but is not one: workers.log only."""
+
+    pattern: re.Pattern[str]
+    why: str
+
+
+BENIGN_WARNINGS = (
+    Benign(re.compile(r"\b(RotaryEmbedding|ParallelLMHead): Failed to load weights\s*$"),
+           "vLLM's layerwise reload (model_loader/reload/layerwise.py) warns for every "
+           "module that got no tensor from a weight update. These two never get one: "
+           "the rotary embedding's cos/sin cache is computed, not a weight, and a tied "
+           "LM head is the embedding matrix, loaded as embed_tokens (an untied head gets "
+           "lm_head.weight in every update). Any other module failing to load still "
+           "reaches the console."),
+    Benign(re.compile(r"\blib(tcmalloc|iomp) is not found in LD_PRELOAD\b"),
+           "vLLM's CPU worker (v1/worker/cpu_worker.py) asks for tcmalloc and Intel's "
+           "OpenMP for speed, not correctness. workers.rollout.engine.preload_cpu_libs "
+           "preloads them where they are installed; docs/operations.md says how to get "
+           "them."),
+)
+"""The one place that keeps warnings off the console, each with why it is benign."""
 
 _LEVEL = re.compile(r"\b(DEBUG|INFO|WARNING|ERROR|CRITICAL)\b")
 _PROBLEM = re.compile(r"\w*(Warning|Error|Exception)\b")  # FutureWarning:, ValueError:, glog
@@ -95,6 +120,8 @@ class LineRouter:
         if level is None and not _PROBLEM.search(line):
             return False
         if level is not None and level.group(1) in ("DEBUG", "INFO"):
+            return False
+        if any(benign.pattern.search(line) for benign in BENIGN_WARNINGS):
             return False
         # The same warning every weight update is shown once; workers.log has them all.
         key = re.sub(r"\d+", "#", _ORIGIN.sub("", line))

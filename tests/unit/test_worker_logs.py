@@ -7,9 +7,17 @@ import os
 import subprocess
 import sys
 import textwrap
+from io import BytesIO
 from pathlib import Path
 
-from async_rl.shell.worker_logs import LOG_ENV, VERBOSE_ENV, LineRouter, ray_options
+from async_rl.shell.worker_logs import (
+    BENIGN_WARNINGS,
+    LOG_ENV,
+    VERBOSE_ENV,
+    LineRouter,
+    ray_options,
+    relay,
+)
 
 VLLM_INFO = "(EngineCore pid=12) INFO 11-30 18:51:33 [core.py:133] Initializing a V1 LLM engine"
 VLLM_WARNING = "(Worker pid=13) WARNING 11-30 18:51:48 [layerwise.py:266] RotaryEmbedding: Failed"
@@ -41,6 +49,38 @@ def test_router_shows_a_whole_traceback() -> None:
 def test_verbose_shows_everything() -> None:
     router = LineRouter(verbose=True)
     assert router.for_console(VLLM_INFO) and router.for_console(VLLM_INFO)
+
+
+BENIGN = [
+    "(EngineCore pid=12) WARNING 12-01 21:16:32 [layerwise.py:266] RotaryEmbedding: Failed "
+    "to load weights",
+    "(EngineCore pid=12) WARNING 12-01 21:16:32 [layerwise.py:266] ParallelLMHead: Failed "
+    "to load weights",
+    "(EngineCore pid=12) WARNING 12-01 21:16:19 [cpu_worker.py:114] libtcmalloc is not "
+    "found in LD_PRELOAD. For best performance, please follow the section `set LD_PRELOAD`",
+    "(EngineCore pid=12) WARNING 12-01 21:16:19 [cpu_worker.py:114] libiomp is not found "
+    "in LD_PRELOAD. For best performance, please follow the section `set LD_PRELOAD`",
+]
+
+
+def test_benign_warnings_stay_off_the_console() -> None:
+    router = LineRouter(verbose=False)
+    assert [router.for_console(line) for line in BENIGN] == [False] * 4
+    # A module that really failed to load is not benign; nor is any other warning.
+    assert router.for_console(BENIGN[0].replace("RotaryEmbedding", "QKVParallelLinear"))
+    assert router.for_console("(EngineCore pid=12) WARNING [x.py:1] libfoo is not found")
+    assert all(benign.why for benign in BENIGN_WARNINGS)
+    assert all(LineRouter(verbose=True).for_console(line) for line in BENIGN)
+
+
+def test_benign_warnings_reach_the_log_only() -> None:
+    real = "(EngineCore pid=12) WARNING 12-01 21:16:40 [core.py:9] KV cache is nearly full"
+    source = BytesIO("".join(f"{line}\n" for line in [*BENIGN, real]).encode())
+    log, console = BytesIO(), BytesIO()
+    relay(source, log, console, "12", LineRouter(verbose=False))
+    assert console.getvalue().decode().splitlines() == [real]
+    assert log.getvalue().decode().splitlines() == [f"(pid=12) {line}"
+                                                    for line in [*BENIGN, real]]
 
 
 def test_ray_options_start_an_empty_log(tmp_path: Path) -> None:

