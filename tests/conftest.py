@@ -7,7 +7,8 @@ task). Each is built by ``async_rl.models.tiny_model.make_model`` through
 ``model_cache.cached_model``: once, into a cache keyed by the builder's code and
 arguments, then reused by later sessions until the builder changes (nothing is
 downloaded). The builder is imported only by the fixtures, so collecting a tier that
-needs no model stays light. Tests must treat these directories as read-only; a modified one is rebuilt.
+needs no model stays light. Tests must treat these directories as read-only; one found
+modified is rebuilt.
 """
 
 from __future__ import annotations

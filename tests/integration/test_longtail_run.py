@@ -14,30 +14,16 @@ from pathlib import Path
 import pytest
 
 from async_rl.config_io import decode_config
-from async_rl.models.tiny_model import LONGTAIL, TINY, make_model
 from async_rl.run.run_dir import FINAL_MODEL, read_evals, read_ledger, read_metrics, read_summary
 from async_rl.shell.ray_shell import run_training
 from async_rl.tasks.longtail import MAX_NEW_TOKENS, RemainderTask
 
 pytestmark = pytest.mark.ray
 
-SFT_STEPS = 20
-"""Enough warm start that sampled traces end in EOS at many lengths (a model that never
-stopped would make every completion max_new_tokens long); a few seconds."""
-SFT_BATCH = 32
 GROUP_SIZE = 4
 GROUPS_PER_STEP = 4
 STEPS = 3
 EVAL_SIZE = 8
-
-
-@pytest.fixture(scope="module")
-def longtail_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("longtail-model")
-    made = make_model(out, size=TINY, task=LONGTAIL, seed=0, sft_steps=SFT_STEPS,
-                      batch_size=SFT_BATCH, eval_size=4, log=None)
-    assert made.task == "longtail"
-    return out
 
 
 def test_longtail_run_trains_varied_lengths_packed(

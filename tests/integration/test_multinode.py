@@ -3,7 +3,9 @@
 ``ray.cluster_utils.Cluster`` starts a head node and a second node, each a separate
 raylet with one CPU, so the rollout placement group and the trainer placement group
 cannot share a node. The run joins the cluster through ``run.ray_address``, as a user
-would point it at a real one, and must complete, keep its contracts and learn.
+would point it at a real one, and must complete, keep its contracts and learn. Its model,
+``learnable_model_dir`` (tests/conftest.py), is the CPU default's small model, built once
+per checkout.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import ray
 from ray.cluster_utils import Cluster
 
 from async_rl.config_io import decode_config
-from async_rl.models.tiny_model import SMALL, make_model
 from async_rl.run.run_dir import WORKERS, read_metrics
 from async_rl.shell.ray_shell import run_training
 
@@ -25,16 +26,6 @@ pytestmark = pytest.mark.ray
 
 
 STEPS = 20
-
-
-@pytest.fixture(scope="module")
-def learnable_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The CPU default's small model (base greedy accuracy about 0.2): the tiny fixture
-    has too little capacity for RL to lift its accuracy within a test's steps."""
-    out = tmp_path_factory.mktemp("learnable-model")
-    made = make_model(out, size=SMALL, seed=0, eval_size=64, num_threads=2, log=None)
-    assert made.base_accuracy < 0.5
-    return out
 
 
 @pytest.fixture
