@@ -24,13 +24,13 @@ import asyncio
 import multiprocessing
 import os
 import statistics
-import time
 from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import msgspec
 import psutil
 from quiet_stdout import stdout_to_stderr
+from rollout_load import generate_groups
 
 BEFORE, AFTER = "off", "on"
 
@@ -88,21 +88,11 @@ async def measure(config_path: str, overrides: list[str], mode: str, groups: int
                            cpu_ids=(core,))
     await worker.start()
     ld_preload = os.environ.get("LD_PRELOAD", "")
-    admission = asyncio.Semaphore(config.rollout.max_inflight_prompts)
-    tokens = 0
-
-    async def one(index: int) -> None:
-        nonlocal tokens
-        async with admission:
-            group = await worker.generate_group(source.prompt_at(index))
-            tokens += sum(group.completion_lengths)
-
     try:
-        began, cpu_began = time.perf_counter(), cpu_seconds()
-        async with asyncio.TaskGroup() as running:
-            for index in range(groups):
-                running.create_task(one(index))
-        seconds, cpu = time.perf_counter() - began, cpu_seconds() - cpu_began
+        cpu_began = cpu_seconds()
+        seconds, tokens = await generate_groups(worker, source, groups,
+                                                config.rollout.max_inflight_prompts)
+        cpu = cpu_seconds() - cpu_began
         peak_mib = engine_peak_rss_mib()
     finally:
         await worker.shutdown()

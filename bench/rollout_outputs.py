@@ -25,11 +25,11 @@ import argparse
 import asyncio
 import multiprocessing
 import statistics
-import time
 from concurrent.futures import ProcessPoolExecutor
 
 import msgspec
 from quiet_stdout import stdout_to_stderr
+from rollout_load import generate_groups
 
 MODES = {"outputs": ("streamed", "final"), "worker-process": ("worker-process", "in-core")}
 """--compare -> (A, the set-up before; B, the default now)."""
@@ -57,21 +57,9 @@ async def measure(config_path: str, overrides: list[str], mode: str, groups: int
     worker = RolloutWorker(0, config.model, rollout, config.weights, reward_fn,
                            cpu_ids=(core,))
     await worker.start()
-    admission = asyncio.Semaphore(config.rollout.max_inflight_prompts)
-    tokens = 0
-
-    async def one(index: int) -> None:
-        nonlocal tokens
-        async with admission:
-            group = await worker.generate_group(source.prompt_at(index))
-            tokens += sum(group.completion_lengths)
-
     try:
-        began = time.perf_counter()
-        async with asyncio.TaskGroup() as running:
-            for index in range(groups):
-                running.create_task(one(index))
-        seconds = time.perf_counter() - began
+        seconds, tokens = await generate_groups(worker, source, groups,
+                                                config.rollout.max_inflight_prompts)
     finally:
         await worker.shutdown()
     return OutputFigures(mode=mode, groups=groups, seconds=seconds,
