@@ -13,7 +13,8 @@ concurrent sessions neither collide nor see a half-written model. A manifest of 
 hashes, checked on every reuse, gets a model that a test modified rebuilt, not trusted.
 
 Where: ``$ASYNC_RL_TEST_CACHE`` if set, else ``<repo>/runs/.test-models`` (``runs/`` is
-git-ignored; ``make clean`` removes it). Knows nothing about pytest.
+git-ignored; ``make clean`` removes it). Builds no session used for two weeks are removed
+when another is built. Knows nothing about pytest.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import platform
 import shutil
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import metadata
@@ -45,6 +47,8 @@ LIBRARIES = ("torch", "transformers", "tokenizers", "safetensors", "msgspec")
 """Whose versions join the key: their kernels and serialisation decide the weights."""
 CACHE_ENV = "ASYNC_RL_TEST_CACHE"
 MANIFEST = ".test-cache-manifest.json"
+STALE_S = 14 * 24 * 3600
+"""A build no session asked for in this long is removed after the next build."""
 FORMAT = 1
 """Bumped when this module changes how it lays out or keys the cache."""
 
@@ -163,7 +167,9 @@ def cached_model(**kwargs: Any) -> Path:
     root = cache_root()
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"{_label(kwargs)}-{cache_key(kwargs)}"
-    with _locked(root / f"{final.name}.lock"):
+    lock = root / f"{final.name}.lock"
+    with _locked(lock):
+        os.utime(lock)  # when this key was last used (see _prune)
         if final.is_dir():
             if _intact(final):
                 return final
@@ -184,7 +190,25 @@ def cached_model(**kwargs: Any) -> Path:
             os.rename(staging, final)
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+    _prune(root, keep=final)
     return final
+
+
+def _prune(root: Path, keep: Path) -> None:
+    """Removes the builds of other keys unused for ``STALE_S`` (the models of builder
+    versions long edited away), each under its lock and only when no one holds it."""
+    now = time.time()
+    for lock in root.glob("*.lock"):
+        directory = lock.with_suffix("")
+        if directory == keep or now - lock.stat().st_mtime < STALE_S:
+            continue
+        with open(lock, "a") as handle:
+            try:
+                fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # in use right now
+            shutil.rmtree(directory, ignore_errors=True)
+            lock.unlink(missing_ok=True)
 
 
 def _build(out: Path, kwargs: dict[str, Any]) -> None:
