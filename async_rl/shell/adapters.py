@@ -10,6 +10,7 @@ worker's span clock with the driver's. Knows nothing about the run's logic.
 
 from __future__ import annotations
 
+import abc
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -68,7 +69,7 @@ def _first_line(err: BaseException) -> str:
     return (str(err).splitlines() or [""])[0]
 
 
-class _Adapter:
+class _Adapter(abc.ABC):
     """An actor handle and the one way to call it; subclasses say what Ray's errors
     mean for their protocol (``_failed``)."""
 
@@ -79,8 +80,9 @@ class _Adapter:
     def name(self) -> str:
         return self._name
 
+    @abc.abstractmethod
     def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:
-        raise NotImplementedError
+        """The protocol's error for ``err``, raised by the call to ``what``."""
 
     async def _call(self, method: str, *args: Any, seconds: float | None = None,
                     key: str = "run.call_timeout_s", what: str = "",
