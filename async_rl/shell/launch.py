@@ -161,8 +161,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
         )
         for ident in layout.trainer
     ]
-    trainer_pids = await asyncio.gather(*(t.setup.remote() for t in started.trainers))
-    rollout_pids = await asyncio.gather(*(w.start.remote() for w in started.rollout.values()))
+    evaluator_setup = []
     if cfg.run.eval_on == "idle_cpu":
         # No cores of its own (num_cpus=0): it runs at idle priority on whichever core
         # its workers leave idle.
@@ -170,7 +169,14 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
             name="evaluator", num_cpus=0).remote(
             model=cfg.model, reward_fn=reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
             user_rewards=user_rewards)
-        await started.evaluator.setup.remote()
+        evaluator_setup.append(started.evaluator.setup.remote())
+    # Shards, engines and the evaluator start side by side: each on cores of its own,
+    # none waits for another, and each takes seconds to tens of seconds on a CPU.
+    pids: list[int] = await asyncio.gather(
+        *(t.setup.remote() for t in started.trainers),
+        *(w.start.remote() for w in started.rollout.values()), *evaluator_setup)
+    trainer_pids = pids[:len(started.trainers)]
+    rollout_pids = pids[len(started.trainers):len(started.trainers) + len(started.rollout)]
     # Weight broadcasts go from shard 0 to each rollout worker over a group of its own.
     for rank, worker in started.rollout.items():
         await started.trainers[0].connect_rollout.remote(rank, worker)

@@ -10,7 +10,6 @@ here decides anything about it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import os
 import signal
@@ -46,9 +45,11 @@ NAMESPACE = "async-rl"
 async def _shutdown(started: StartedWorkers) -> None:
     """Stops the engines and process groups, then the actors and their placement groups:
     on a cluster the shell joined, nothing of the run is left behind."""
-    for actor in [*started.rollout.values(), *started.trainers]:
-        with contextlib.suppress(ray.exceptions.RayError):
-            await actor.shutdown.remote()
+    actors = [*started.rollout.values(), *started.trainers]
+    # Side by side: an engine takes seconds to stop its processes.
+    await asyncio.gather(*(actor.shutdown.remote() for actor in actors),
+                         return_exceptions=True)  # a RayError: that actor had nothing left
+    for actor in actors:
         ray.kill(actor)
     if started.evaluator is not None:
         ray.kill(started.evaluator)

@@ -415,3 +415,21 @@ async def test_callables_travel_to_the_processes_pickled(rewards_py: Path) -> No
     assert result.total == (2.5, 1.5) and result.errors == 0
     with pytest.raises(TypeError, match="takes no parameters"):
         RewardRunner([lambda: 1.0])
+
+
+def test_the_examples_rewards_load_and_score_in_their_styles() -> None:
+    """examples/verl_reward.toml's entry and examples/own_reward.py's TRL-style function."""
+    root = Path(__file__).parents[2]
+    toml = msgspec.toml.decode((root / "examples" / "verl_reward.toml").read_bytes())
+    (entry,) = toml["task"]["rewards"]
+    verl = load_reward(msgspec.convert(entry, RewardSpec), base_dir=root)
+    assert reward_style(verl) == "verl"
+    three = {**GROUP, "prompts": ["2+2="] * 3, "completion_ids": [[1], [2], [3]]}
+    values = score_group(verl, "verl", completions=["4", " 5 apples", "four"], **three)
+    assert values.scores == (1.0, 0.0, 0.0)
+    assert values.extra == {"formatted": (1.0, 1.0, 0.0)}
+    own = load_reward(RewardSpec(function=f"{root / 'examples' / 'own_reward.py'}:correctness"))
+    assert reward_style(own) == "trl"
+    completions = [[{"role": "assistant", "content": c}] for c in ("4", "5", "x")]
+    scored = score_group(own, "trl", completions=completions, **three)
+    assert scored.scores == (1.0, 0.0, 0.0)
