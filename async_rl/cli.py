@@ -133,27 +133,33 @@ def _train_config(args: argparse.Namespace) -> Config:
 
 def _train(args: argparse.Namespace) -> int:
     config = _train_config(args)
-    from async_rl.analysis.report import print_report
-    from async_rl.control.checkpoint import CheckpointError
-    from async_rl.control.protocols import RunFailed
-    from async_rl.shell.ray_shell import RunInterrupted
-
     out = config.run.output_dir
     try:
         summary = train(config, overwrite=args.overwrite, resume=bool(args.resume),
                         verbose=args.verbose)
-    except CheckpointError as err:
-        print(f"resume error: {err}", file=sys.stderr)
-        return 2
-    except RunFailed as failed:
-        print(f"run failed: {failed}; async-rl train --resume {out} continues from the "
-              f"last checkpoint", file=sys.stderr)
-        return 1
-    except RunInterrupted as stop:
-        print(f"stopped at once by {stop}: no checkpoint of the step in progress; "
-              f"async-rl train --resume {out} continues from the last one, if any",
-              file=sys.stderr)
-        return STOP_EXIT.get(str(stop), 1)
+    except ConfigError:
+        raise
+    except Exception as err:
+        # Imported only now: train checks its inputs before it imports torch, Ray or vLLM.
+        from async_rl.control.checkpoint import CheckpointError
+        from async_rl.control.protocols import RunFailed
+        from async_rl.shell.ray_shell import RunInterrupted
+
+        if isinstance(err, CheckpointError):
+            print(f"resume error: {err}", file=sys.stderr)
+            return 2
+        if isinstance(err, RunFailed):
+            print(f"run failed: {err}; async-rl train --resume {out} continues from the "
+                  f"last checkpoint", file=sys.stderr)
+            return 1
+        if isinstance(err, RunInterrupted):
+            print(f"stopped at once by {err}: no checkpoint of the step in progress; "
+                  f"async-rl train --resume {out} continues from the last one, if any",
+                  file=sys.stderr)
+            return STOP_EXIT.get(str(err), 1)
+        raise
+    from async_rl.analysis.report import print_report
+
     if config.run.record_spans:
         print_report(out)
     print(f"accuracy {summary.accuracy_start} -> {summary.accuracy_end}; run directory {out}")

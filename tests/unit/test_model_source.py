@@ -119,3 +119,20 @@ def test_the_environment_picks_the_cache_and_offline_mode(tmp_path: Path) -> Non
     assert len(lines) == 2
     assert lines[0] == str(snapshot)
     assert f"not in the hub cache at {tmp_path / 'home' / 'hub'}" in lines[1]
+
+
+def test_async_rl_train_stops_on_a_missing_model_before_loading_torch(tmp_path: Path) -> None:
+    config = tmp_path / "config.toml"
+    config.write_text(f'[model]\npath = "org/missing"\n[run]\noutput_dir = "{tmp_path}/run"\n')
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    env |= {"HF_HUB_CACHE": str(tmp_path / "hub"), "HF_HUB_OFFLINE": "1"}
+    script = ("import sys\nfrom async_rl.cli import main\n"
+              f"status = main(['train', {str(config)!r}])\n"
+              "print(status, sorted(m for m in ('ray', 'torch', 'vllm') if m in sys.modules))\n")
+    done = subprocess.run([sys.executable, "-c", script], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=60, check=True)
+    assert done.stdout.strip() == "2 []"
+    err = done.stderr.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("config error: model.path = 'org/missing': not a local directory")
+    assert not (tmp_path / "run").exists()
