@@ -1,8 +1,9 @@
 """The `async-rl` command line: config show, make-model, train, report, sweep.
 
 Owns: argument parsing and turning user errors into exit status 2 with one line. Knows
-nothing about how a run works; each command calls one function of the library, imported
-late so that `async-rl config show` does not pay for importing torch, Ray or vLLM.
+nothing about how a run works; each command calls one function of the library (`train`
+is the Python API's ``async_rl.api.train``), imported late so that `async-rl config
+show` does not pay for importing torch, Ray or vLLM.
 """
 
 from __future__ import annotations
@@ -10,14 +11,13 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from async_rl.api import train
 from async_rl.config import Config
 from async_rl.config_io import load_config, to_toml
-from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import CONFIG, SPANS
 from buffers.config import ConfigError
 
@@ -131,47 +131,35 @@ def _train_config(args: argparse.Namespace) -> Config:
     return load_config(args.config, args.overrides)
 
 
-def _prepare_run_dir(config: Config, overwrite: bool) -> None:
-    """A new run's directory: refuses to mix with an earlier run's unless told to."""
-    out = Path(config.run.output_dir)
-    if (out / CONFIG).exists() and not overwrite:
-        raise ConfigError(
-            f"run.output_dir = {str(out)!r} already holds a run: continue it with "
-            f"--resume {out}, replace it with --overwrite, or choose another directory")
-    if overwrite and out.exists():
-        shutil.rmtree(out)
-    try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as err:
-        raise ConfigError(f"config error: run.output_dir = {str(out)!r}: cannot create it "
-                          f"({err.strerror})") from None
-
-
 def _train(args: argparse.Namespace) -> int:
     config = _train_config(args)
-    check_inputs(config)
-    if not args.resume:
-        _prepare_run_dir(config, args.overwrite)
-    from async_rl.analysis.report import print_report
-    from async_rl.control.checkpoint import CheckpointError
-    from async_rl.control.protocols import RunFailed
-    from async_rl.shell.ray_shell import RunInterrupted, run_training
-
     out = config.run.output_dir
     try:
-        summary = run_training(config, resume=bool(args.resume), verbose=args.verbose)
-    except CheckpointError as err:
-        print(f"resume error: {err}", file=sys.stderr)
-        return 2
-    except RunFailed as failed:
-        print(f"run failed: {failed}; async-rl train --resume {out} continues from the "
-              f"last checkpoint", file=sys.stderr)
-        return 1
-    except RunInterrupted as stop:
-        print(f"stopped at once by {stop}: no checkpoint of the step in progress; "
-              f"async-rl train --resume {out} continues from the last one, if any",
-              file=sys.stderr)
-        return STOP_EXIT.get(str(stop), 1)
+        summary = train(config, overwrite=args.overwrite, resume=bool(args.resume),
+                        verbose=args.verbose)
+    except ConfigError:
+        raise
+    except Exception as err:
+        # Imported only now: train checks its inputs before it imports torch, Ray or vLLM.
+        from async_rl.control.checkpoint import CheckpointError
+        from async_rl.control.protocols import RunFailed
+        from async_rl.shell.ray_shell import RunInterrupted
+
+        if isinstance(err, CheckpointError):
+            print(f"resume error: {err}", file=sys.stderr)
+            return 2
+        if isinstance(err, RunFailed):
+            print(f"run failed: {err}; async-rl train --resume {out} continues from the "
+                  f"last checkpoint", file=sys.stderr)
+            return 1
+        if isinstance(err, RunInterrupted):
+            print(f"stopped at once by {err}: no checkpoint of the step in progress; "
+                  f"async-rl train --resume {out} continues from the last one, if any",
+                  file=sys.stderr)
+            return STOP_EXIT.get(str(err), 1)
+        raise
+    from async_rl.analysis.report import print_report
+
     if config.run.record_spans:
         print_report(out)
     print(f"accuracy {summary.accuracy_start} -> {summary.accuracy_end}; run directory {out}")

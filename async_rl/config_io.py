@@ -1,6 +1,7 @@
 """Reading and writing run configurations: TOML -> ``--set`` overrides -> ``Config``.
 
-Owns: ``load_config`` (a TOML file plus ``--set section.key=value`` overrides),
+Owns: ``load_config`` (a TOML file plus ``--set section.key=value`` overrides, or a
+mapping of ``section.key`` to a value),
 ``decode_config`` (a plain dict), turning any decoding error into one line that names
 the key, the value and what is allowed (``ConfigError``), and ``to_toml`` (the resolved
 config a run directory keeps). The knobs themselves are ``async_rl.config``'s.
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import re
 import tomllib
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, get_args
 
@@ -74,31 +76,49 @@ def _parse_value(text: str) -> Any:
         return text
 
 
-def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
-    """Returns a copy of ``raw`` with each ``section.key=value`` override applied."""
+Overrides = Sequence[str] | Mapping[str, Any]
+"""``--set`` items (``"section.key=value"``, the value a TOML value or a bare word), or a
+mapping of ``"section.key"`` to a Python value (``async_rl.load_config``'s)."""
+
+
+def _override_items(overrides: Overrides) -> list[tuple[str, Any, str, str]]:
+    """(key, value, the value as shown in an error, the override as given) of each."""
+    if isinstance(overrides, Mapping):
+        return [(str(key).strip(), value, repr(value), f"{key!r}: expected 'section.key'")
+                for key, value in overrides.items()]
+    items = []
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        given = f"{item!r}: expected section.key=value"
+        if not sep:
+            raise ConfigError(f"config error: override {given}")
+        items.append((key.strip(), _parse_value(text.strip()), repr(text), given))
+    return items
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Overrides) -> dict[str, Any]:
+    """Returns a copy of ``raw`` with each ``section.key`` override applied."""
     merged: dict[str, Any] = {name: dict(section) if isinstance(section, dict) else section
                               for name, section in raw.items()}
     known = {field.encode_name: field.type for field in msgspec.structs.fields(Config)}
-    for item in overrides:
-        key, sep, text = item.partition("=")
-        key = key.strip()
+    for key, value, shown, given in _override_items(overrides):
         parts = key.split(".")
-        if not sep or len(parts) != 2 or not all(parts):
-            raise ConfigError(f"config error: override {item!r}: expected section.key=value")
+        if len(parts) != 2 or not all(parts):
+            raise ConfigError(f"config error: override {given}")
         section, name = parts
         if section not in known:
             raise ConfigError(
-                f"config error: {key} = {text!r}: unknown section {section!r}"
+                f"config error: {key} = {shown}: unknown section {section!r}"
                 f" (one of {', '.join(known)})"
             )
         section_type = known[section]
         names = {f.encode_name for f in msgspec.structs.fields(section_type)}
         if name not in names:
-            raise ConfigError(f"config error: {key} = {text!r}: unknown key")
+            raise ConfigError(f"config error: {key} = {shown}: unknown key")
         target = merged.setdefault(section, {})
         if not isinstance(target, dict):
             raise ConfigError(f"config error: {section} = {target!r}: expected a table")
-        target[name] = _parse_value(text.strip())
+        target[name] = value
     return merged
 
 
@@ -110,8 +130,9 @@ def decode_config(raw: dict[str, Any]) -> Config:
         raise ConfigError(_one_line(err, raw)) from None
 
 
-def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
-    """Reads a TOML file, applies ``--set`` overrides and validates the result."""
+def load_config(path: str | Path, overrides: Overrides | None = None) -> Config:
+    """Reads a TOML file, applies the overrides (``--set`` items, or a mapping of
+    ``"section.key"`` to a value) and validates the result."""
     path = Path(path)
     try:
         raw = tomllib.loads(path.read_text())
@@ -119,7 +140,7 @@ def load_config(path: str | Path, overrides: list[str] | None = None) -> Config:
         raise ConfigError(f"config error: {path}: file not found") from None
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"config error: {path}: not valid TOML ({err})") from None
-    return decode_config(apply_overrides(raw, overrides or []))
+    return decode_config(apply_overrides(raw, overrides or ()))
 
 
 def to_toml(config: Config) -> str:

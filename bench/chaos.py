@@ -46,6 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from async_rl.config_io import load_config
+from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import METRICS, WORKERS, read_ledger, read_summary
 from buffers.config import ConfigError
 from buffers.records import LedgerEntry
@@ -285,7 +286,7 @@ def main() -> int:
     try:
         schedule = plan_kills(args.seed, args.steps, args.kills, args.trainer_kill,
                               args.checkpoint_every)
-        config = load_config(args.config, args.overrides)
+        config = check_inputs(load_config(args.config, args.overrides))
     except (ValueError, ConfigError) as err:
         print(f"chaos: {err}", file=sys.stderr)
         return 2

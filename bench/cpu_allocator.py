@@ -30,7 +30,7 @@ from pathlib import Path
 import msgspec
 import psutil
 from quiet_stdout import stdout_to_stderr
-from rollout_load import generate_groups
+from rollout_load import checked_overrides, generate_groups
 
 BEFORE, AFTER = "off", "on"
 
@@ -121,10 +121,11 @@ def main() -> None:
     args = parser.parse_args()
 
     order = [BEFORE, AFTER] * (2 * args.rounds)
+    overrides = checked_overrides(args.config, args.overrides)
     runs = []
     for mode in order:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            runs.append(pool.submit(measure_in_a_process, args.config, args.overrides, mode,
+            runs.append(pool.submit(measure_in_a_process, args.config, overrides, mode,
                                     args.groups, args.core).result())
     def ratio(field: str) -> float:
         median = {mode: statistics.median(getattr(r, field) for r in runs if r.mode == mode)

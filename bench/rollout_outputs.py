@@ -29,7 +29,7 @@ from concurrent.futures import ProcessPoolExecutor
 
 import msgspec
 from quiet_stdout import stdout_to_stderr
-from rollout_load import generate_groups
+from rollout_load import checked_overrides, generate_groups
 
 MODES = {"outputs": ("streamed", "final"), "worker-process": ("worker-process", "in-core")}
 """--compare -> (A, the set-up before; B, the default now)."""
@@ -87,10 +87,11 @@ def main() -> None:
 
     before, after = MODES[args.compare]
     order = [before, after, after, before] * args.rounds
+    overrides = checked_overrides(args.config, args.overrides)
     runs = []
     for mode in order:
         with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            runs.append(pool.submit(measure_in_a_process, args.config, args.overrides, mode,
+            runs.append(pool.submit(measure_in_a_process, args.config, overrides, mode,
                                     args.groups, args.core).result())
     median = {mode: statistics.median(r.tokens_per_s for r in runs if r.mode == mode)
               for mode in (before, after)}

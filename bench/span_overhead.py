@@ -28,7 +28,9 @@ from rich.table import Table
 
 from async_rl.analysis.report import read_spans
 from async_rl.config_io import load_config
+from async_rl.run.inputs import check_inputs
 from async_rl.shell.ray_shell import run_training
+from buffers.config import ConfigError
 from workers.spans import SpanRecorder
 
 
@@ -45,10 +47,10 @@ def switch_cost_s(n: int = 200_000) -> float:
 
 
 def run(config_path: str, steps: int, record: bool, out: Path) -> dict[str, Any]:
-    config = load_config(config_path, [
+    config = check_inputs(load_config(config_path, [
         f"run.num_steps={steps}", f"run.record_spans={'true' if record else 'false'}",
         f'run.output_dir="{out}"', "run.progress=false", "task.eval_size=0",
-    ])
+    ]))
     # The controller prints its worker registry; keep stdout for the JSON object.
     with contextlib.redirect_stdout(sys.stderr):
         summary = run_training(config)
@@ -73,8 +75,13 @@ def main() -> None:
         base = Path(args.out_dir)
         # ABBA order, so warm-up and drift hit both arms alike; medians per arm.
         order = [True, False, False, True] * args.repeat
-        runs = [run(args.config, args.steps, record, base / f"run{i}-{'on' if record else 'off'}")
-                for i, record in enumerate(order)]
+        try:
+            runs = [run(args.config, args.steps, record,
+                        base / f"run{i}-{'on' if record else 'off'}")
+                    for i, record in enumerate(order)]
+        except ConfigError as err:  # e.g. no model yet: the line says how to build it
+            print(str(err), file=sys.stderr)
+            sys.exit(2)
         on = [r for r in runs if r["record_spans"]]
         off = [r for r in runs if not r["record_spans"]]
         spans = read_spans(on[0]["run_dir"])

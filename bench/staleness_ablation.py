@@ -60,8 +60,11 @@ from rich.console import Console
 from rich.table import Table
 
 from async_rl.analysis.sweep import Trial, describe, run_trial
+from async_rl.config_io import load_config
+from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import METRICS, SUMMARY, read_summary
 from async_rl.run.summary import RunSummary
+from buffers.config import ConfigError
 
 LOSSES = {"decoupled": "2.0", "plain": "0.0"}
 """Loss form -> trainer.tis_cap."""
@@ -409,6 +412,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     overrides = [*SHARED, f"run.eval_every={eval_every}", *args.overrides]
+    try:  # once, not per trial: e.g. no model yet (the line says how to build it)
+        check_inputs(load_config(args.config, overrides))
+    except ConfigError as err:
+        print(str(err), file=sys.stderr)
+        return 2
 
     order = plan(staleness, seeds)
     done: list[TrialFigures] = []

@@ -49,6 +49,7 @@ from async_rl.analysis.idle import Breakdown
 from async_rl.analysis.report import RunIdle, idle_of, read_spans
 from async_rl.config import Config
 from async_rl.config_io import decode_config, load_config
+from async_rl.run.inputs import check_inputs
 from async_rl.run.summary import RunSummary
 from buffers.config import ConfigError
 from workers.spans import IDLE
@@ -262,7 +263,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     # stderr during the runs, so that stdout carries the one JSON object only.
     with stdout_to_stderr(args.json):
         try:
-            base = load_config(args.config, args.overrides)
+            base = check_inputs(load_config(args.config, args.overrides))
             configs = [run_config(base, eta, args.steps, Path(args.out_dir))
                        for eta in args.staleness]
         except ConfigError as err:

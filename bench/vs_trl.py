@@ -109,6 +109,7 @@ from rich.table import Table
 
 from async_rl.config import Config
 from async_rl.config_io import decode_config, load_config
+from async_rl.run.inputs import check_inputs
 from async_rl.tasks.sources import IndexedSource, PromptSource
 from buffers.config import ConfigError
 from buffers.records import Prompt
@@ -564,7 +565,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     config_path = args.config or CONFIGS[args.task]
     with stdout_to_stderr(args.json):
         try:
-            base = load_config(config_path, args.overrides)
+            model_set = [f"model.path={msgspec.json.encode(args.model).decode()}"] \
+                if args.model else []
+            # The model resolved (a hub id too) or one line saying how to build it.
+            base = check_inputs(load_config(config_path, [*args.overrides, *model_set]))
         except ConfigError as err:
             print(str(err), file=sys.stderr)
             return 2
@@ -578,7 +582,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         steps = args.steps or base.run.num_steps
         eval_every = args.eval_every or base.run.eval_every or DEFAULT_EVAL_EVERY
         target = args.target if args.target is not None else base.run.target_accuracy
-        model = args.model or base.model.path
+        model = base.model.path
         out = Path(args.out_dir) / args.task
         try:
             common = dict(steps=steps, eval_every=eval_every, target=target, model=model,

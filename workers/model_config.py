@@ -1,7 +1,8 @@
 """The model section: which policy the rollout engines and the trainer shards run.
 
-Owns: ``ModelConfig`` (the policy's directory and dtype). Knows nothing about how either
-role loads it.
+Owns: ``ModelConfig`` (the policy's directory, or hub id, and dtype). Knows nothing about
+how either role loads it (a hub id is resolved to its directory before the workers see
+it: ``async_rl.run.model_source``).
 """
 
 from __future__ import annotations
@@ -15,6 +16,10 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Which policy to train."""
 
     path: str
-    """Directory of a Hugging Face-format causal LM and its tokenizer (`async-rl make-model`)."""
+    """A Hugging Face-format causal LM and its tokenizer: a local directory (`async-rl
+    make-model` builds one), or a hub id such as "Qwen/Qwen2.5-0.5B-Instruct", found in
+    the Hugging Face cache (HF_HOME, HF_HUB_CACHE) before Ray starts and downloaded into
+    it first unless HF_HUB_OFFLINE is set; the run then uses, and its config.toml
+    records, the snapshot directory. A path whose parent directory exists here is local."""
     dtype: Literal["float32", "bfloat16"] = "float32"
     """Parameter dtype in the rollout engine and the trainer."""

@@ -91,12 +91,3 @@ def child_score(slot: int, style: Style, inputs: Mapping[str, Any]
     if _child_error:
         return CallFailed(_child_error)
     return guarded(_child_fns[slot], style, inputs)
-
-
-def dumps(fn: Callable[..., Any]) -> bytes:
-    """``fn`` pickled for ``child_init``: with cloudpickle where installed, else pickle."""
-    try:
-        import cloudpickle  # ray ships it: functions of __main__, closures and lambdas too
-    except ImportError:
-        return pickle.dumps(fn)
-    return bytes(cloudpickle.dumps(fn))

@@ -33,13 +33,13 @@ import pebble
 
 from buffers.config import ConfigError
 from workers import reward_guard
+from workers.reward_callable import Reward, dumps
 from workers.reward_calls import RewardValues, chat_messages, is_async_reward
 from workers.reward_guard import (
     CallFailed,
     child_init,
     child_score,
     describe,
-    dumps,
     guarded,
     guarded_async,
 )
@@ -58,8 +58,9 @@ from workers.reward_spec import (
 
 log = logging.getLogger("async_rl.rewards")
 
-RewardLike = RewardSpec | Callable[..., Any]
-"""A reward as the runner takes it: a config entry, or the function itself."""
+RewardLike = RewardSpec | Reward | Callable[..., Any]
+"""A reward as the runner takes it: a config entry, a script's ``Reward``, or the
+function itself."""
 _GRACE_S = 1.0  # an async reward that blocks its event loop is given up this much later
 _LOGGED_FAILURES = 3  # per reward, at WARNING; the rest at DEBUG
 
@@ -116,15 +117,16 @@ def _load_all(rewards: Sequence[RewardLike], styles: Sequence[str], columns: Col
             fn = load_reward(spec, index=i, columns=columns)
             loaded.append(_Loaded(fn, spec, spec.weight, spec.name,
                                   reward_style(fn, spec.style)))
-        elif callable(reward):
-            style = reward_style(reward, forced)
-            why = check_reward(reward, style, columns)
+        elif isinstance(reward, Reward) or callable(reward):
+            given = reward if isinstance(reward, Reward) else Reward(fn=reward)
+            style = reward_style(given.fn, forced or given.style)
+            why = check_reward(given.fn, style, columns)
             if why:
-                raise TypeError(f"reward {i} ({reward_name(reward)}): {why}")
-            loaded.append(_Loaded(reward, None, 1.0, "", style))
+                raise TypeError(f"reward {i} ({reward_name(given.fn)}): {why}")
+            loaded.append(_Loaded(given.fn, None, given.weight, given.name, style))
         else:
             raise TypeError(f"reward {i} is a {type(reward).__name__}: expected a "
-                            "RewardSpec or a callable")
+                            "RewardSpec, a Reward or a callable")
     return loaded
 
 
@@ -403,8 +405,9 @@ class UserRewards(msgspec.Struct, frozen=True, kw_only=True):
     """A task's own rewards (task.rewards and its knobs) as a rollout worker or the
     evaluator runs them: sent to the actor, turned into a ``RewardRunner`` there."""
 
-    specs: tuple[RewardSpec, ...]
-    """The entries, with file paths made absolute (actors may run elsewhere)."""
+    specs: tuple[RewardSpec | Reward, ...]
+    """The entries, with file paths made absolute (actors may run elsewhere), then the
+    callables a script passed (pickled with the actor's arguments)."""
     timeout_s: float = 30.0
     workers: int = 2
     threads: bool = False

@@ -123,8 +123,7 @@ def run_trial(config_path: str, trial: Trial, run_dir: Path, overrides: Sequence
     if steps is not None:
         sets.append(f"run.num_steps={steps}")
     try:
-        config = load_config(config_path, sets)
-        check_inputs(config)
+        config = check_inputs(load_config(config_path, sets))  # model.path as the run has it
     except ConfigError as err:
         return TrialResult(trial=trial, run_dir=run_dir, status="failed", error=str(err))
     if finished(run_dir, config):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,6 +31,7 @@ from workers.model_config import ModelConfig
 from workers.placement import WorkerIdentity, assign_cpus, gpus_per_worker, in_bundle
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.reward import RewardFn
+from workers.reward_callable import Reward
 from workers.reward_runner import UserRewards
 from workers.reward_spec import absolute_spec
 from workers.weights.broadcast import SEND_GROUP
@@ -51,11 +52,12 @@ def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ..
     return arithmetic, arithmetic_reward, arithmetic.eval_prompts(task.eval_size)
 
 
-def user_rewards_of(task: TaskConfig) -> UserRewards | None:
-    """The task's own rewards as workers run them (None: the built-in reward)."""
-    if not task.rewards:
+def user_rewards_of(task: TaskConfig, rewards: Sequence[Reward] = ()) -> UserRewards | None:
+    """The task's own rewards as workers run them: task.rewards, then a script's
+    callables (None: neither, the built-in reward)."""
+    if not task.rewards and not rewards:
         return None
-    return UserRewards(specs=tuple(absolute_spec(s) for s in task.rewards),
+    return UserRewards(specs=(*(absolute_spec(s) for s in task.rewards), *rewards),
                        timeout_s=task.reward_timeout_s, workers=task.reward_workers,
                        threads=task.reward_threads)
 
@@ -104,12 +106,13 @@ async def restart_rollout(started: StartedWorkers, rank: int, model: ModelConfig
     return worker
 
 
-async def launch_workers(cfg: Config, reward_fn: RewardFn,
-                         version: int = 0) -> StartedWorkers:
+async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
+                         rewards: Sequence[Reward] = ()) -> StartedWorkers:
     """Creates every rollout worker and trainer shard, starts them, and says where.
 
     ``version``: the policy version of the weights at ``cfg.model.path`` (a checkpoint's,
     when resuming): rollout engines label their tokens with it from the start.
+    ``rewards``: a script's reward callables, besides task.rewards.
     """
     layout = assign_cpus(
         cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
@@ -120,7 +123,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn,
     groups = make_placement_groups(
         layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus)
     started = StartedWorkers(placement_groups=list({id(g): g for g in groups.values()}.values()))
-    user_rewards = user_rewards_of(cfg.task)
+    user_rewards = user_rewards_of(cfg.task, rewards)
     rollout_cls = ray.remote(RolloutActor)
 
     def new_rollout(rank: int, model: ModelConfig, version: int, name: str = "") -> Any:

@@ -14,6 +14,7 @@ import logging
 import os
 import signal
 import threading
+from collections.abc import Sequence
 from pathlib import Path
 
 import anyio
@@ -35,6 +36,7 @@ from async_rl.shell.launch import StartedWorkers, build_task, launch_workers
 from async_rl.shell.worker_logs import ray_options
 from buffers.config import ConfigError
 from workers.placement import registry_table
+from workers.reward_callable import Reward
 
 log = logging.getLogger(__name__)
 
@@ -101,9 +103,12 @@ def _start_ray(config: Config, verbose: bool) -> None:
                  **console)
 
 
-def run_training(config: Config, *, resume: bool = False, verbose: bool = False
-                 ) -> RunSummary:
+def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
+                 rewards: Sequence[Reward] = ()) -> RunSummary:
     """Starts (or joins) Ray, runs the job, and always shuts Ray down if it started it.
+
+    ``rewards``: a script's reward callables, scored besides task.rewards (checked by
+    ``async_rl.run.inputs.check_inputs`` before this is called).
 
     Workers' output goes to RUN_DIR/workers.log, only their warnings and errors to the
     console, unless ``verbose``.
@@ -142,7 +147,7 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False
                         signals.start_soon(stops.watch)  # signals reach the main thread only
                     started = await launch_workers(
                         workers_config, reward_fn,
-                        version=checkpoint[1].version if checkpoint else 0)
+                        version=checkpoint[1].version if checkpoint else 0, rewards=rewards)
                     log.info("%s", registry_table(started.identities))
                     out.workers(started.identities)
                     orchestrator = Orchestrator(config, out, source, eval_prompts,

@@ -8,10 +8,20 @@ from pathlib import Path
 
 import msgspec
 import pytest
+from hub_cache import add_to_hub_cache
+from huggingface_hub import constants
 
 from async_rl.analysis.idle import Breakdown
 from async_rl.analysis.report import IDLE_JSON, RunIdle
-from async_rl.analysis.sweep import SWEEP_CSV, SWEEP_PNG, finished, parse_grid, split_values, trials
+from async_rl.analysis.sweep import (
+    SWEEP_CSV,
+    SWEEP_PNG,
+    finished,
+    parse_grid,
+    run_trial,
+    split_values,
+    trials,
+)
 from async_rl.cli import main
 from async_rl.config_io import load_config, to_toml
 from async_rl.control.step_metrics import StepTotals
@@ -118,6 +128,24 @@ def test_sweep_records_a_failed_trial_and_skips_a_finished_one(
     assert "25% wait_data" in printed and "20.00" in printed and "not reached" in printed
     assert "failed: staleness.max_staleness=-1: config error: " in printed
     assert (out / SWEEP_PNG).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_a_trial_on_a_hub_id_is_skipped_once_it_finished(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its run directory records the snapshot directory, the config it was run from a
+    hub id: the trial compares them resolved."""
+    hub = tmp_path / "hub"
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    snapshot = add_to_hub_cache(hub, "org/tiny", files={"config.json": '{"model_type": "x"}'})
+    config_path = tmp_path / "c.toml"
+    config_path.write_text('[model]\npath = "org/tiny"\n')
+    run_dir = tmp_path / "sweep" / "run.seed=1"
+    fake_finished_run(run_dir, config_path, [f'model.path="{snapshot}"', "run.seed=1"])
+    trial = trials(parse_grid(["run.seed=1"]), repeat=1)[0]
+    result = run_trial(str(config_path), trial, run_dir, [], steps=None)
+    assert result.status == "finished_earlier"
 
 
 def test_sweep_default_out_is_next_to_the_run_dir(
