@@ -1,8 +1,10 @@
 """A run's inputs checked before anything starts: what would otherwise fail in a worker.
 
-Owns: ``check_inputs`` (the model directory is a Hugging Face model, the prompt file
-reads, the task's own reward functions import and can take a completion, the optional
-loggers are installed), raising ``ConfigError`` with one line. Used
+Owns: ``check_inputs`` (the model directory is a Hugging Face model, the prompt file or
+dataset reads and has the columns the task names, the tokenizer has the chat template
+the task asks for, the task's own reward functions import and can take a completion on
+those columns, task.eval_reward names one, the optional loggers are installed), raising
+``ConfigError`` with one line. Used
 by ``async-rl train`` and by each trial of ``async-rl sweep`` before it is launched.
 """
 
@@ -14,7 +16,7 @@ from pathlib import Path
 from async_rl.config import Config
 from async_rl.run.loggers import check_installed
 from buffers.config import ConfigError
-from workers.reward_spec import load_reward
+from workers.reward_spec import DEFAULT_COLUMNS, load_reward, reward_name, unique_names
 
 
 def check_inputs(config: Config) -> None:
@@ -35,8 +37,10 @@ def check_inputs(config: Config) -> None:
             f"config error: model.path = {config.model.path!r}: its config.json is not a "
             f"Hugging Face model config (no model_type)"
         )
-    for index, spec in enumerate(config.task.rewards):
-        load_reward(spec, index=index)  # ConfigError naming task.rewards[i]
+    columns = check_dataset(config)
+    if config.task.chat_template:
+        check_chat_template(config)
+    check_rewards(config, columns)
     if config.task.kind == "jsonl":
         from async_rl.tasks.sources import PromptFileError, read_prompt_file
 
@@ -48,3 +52,46 @@ def check_inputs(config: Config) -> None:
             read_prompt_file(config.task.jsonl_path)
         except PromptFileError as err:
             raise ConfigError(f"prompt file error: {err}") from None
+
+
+def check_dataset(config: Config) -> tuple[str, ...]:
+    """task.path (and task.eval_path) read and have the task's columns; returns the
+    columns every row gives the rewards."""
+    if config.task.kind != "dataset":
+        return DEFAULT_COLUMNS
+    from async_rl.tasks.dataset import open_dataset
+
+    rows, held = open_dataset(config.task)
+    for data in (rows, held):  # the first row tells a wrong kind of prompt column
+        if data is not None:
+            data.prompt(0, "check")
+    return ("answer", *(c for c in rows.columns if c != "answer"))
+
+
+def check_chat_template(config: Config) -> None:
+    """task.chat_template = true needs a tokenizer with a chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"config error: task.chat_template = true: the tokenizer of model.path = "
+            f"{config.model.path!r} has no chat template (set task.chat_template = false)")
+
+
+def check_rewards(config: Config, columns: tuple[str, ...]) -> None:
+    """Each of task.rewards imports and takes a completion on rows with ``columns``;
+    task.eval_reward names one of them."""
+    specs = config.task.rewards
+    # ConfigError naming task.rewards[i]
+    functions = [load_reward(spec, index=i, columns=columns) for i, spec in enumerate(specs)]
+    wanted = config.task.eval_reward
+    if not wanted:
+        return
+    try:
+        names = unique_names([reward_name(f) for f in functions], [s.name for s in specs])
+    except ValueError:
+        return  # clashing names: the run's reward runner says so, naming both
+    if wanted not in names:
+        raise ConfigError(f"config error: task.eval_reward = {wanted!r}: not one of "
+                          f"task.rewards (their names: {', '.join(names)})")
