@@ -261,9 +261,9 @@ def open_dataset(task: TaskConfig) -> tuple[DatasetRows, DatasetRows | None]:
     keys; ``ConfigError`` naming the key on any problem."""
     name = Path(task.path).stem or Path(task.path).name
     rows = DatasetRows(read_dataset(task.path, "task.path"), task, key="task.path", name=name)
-    if task.eval_fraction and len(rows) < 2:
+    if not split_rows(len(rows), task.eval_fraction, name=name, seed=task.seed)[0]:
         raise _error("task.eval_fraction", task.eval_fraction,
-                     f"task.path has {len(rows)} row: nothing left to train on")
+                     f"holds out all {len(rows)} rows of task.path: none left to train on")
     held = None
     if task.eval_path:
         held = DatasetRows(read_dataset(task.eval_path, "task.eval_path"), task,
