@@ -53,6 +53,8 @@ def read_dataset(path: str, key: str) -> Dataset:
     """The rows of ``path`` (``key`` is the config key that names it, for errors)."""
     import datasets
 
+    # The driver reads it before a run starts: no progress bars or info lines from the
+    # library there (a bad input must stay one line).
     datasets.disable_progress_bars()
     datasets.utils.logging.set_verbosity_error()
     where = Path(path)
@@ -113,13 +115,15 @@ class DatasetRows:
     """A dataset checked against the task's prompt and answer keys; row ``i`` as a
     ``Prompt`` (``prompt``)."""
 
-    def __init__(self, dataset: Dataset, task: TaskConfig, *, key: str, name: str) -> None:
-        """``key``: the config key naming the file (task.path or task.eval_path);
-        ``name``: the dataset's name (ids, and verl's default data_source)."""
+    def __init__(self, dataset: Dataset, task: TaskConfig, *, key: str, path: str,
+                 name: str) -> None:
+        """``key``, ``path``: the config key naming the file (task.path or
+        task.eval_path) and its value; ``name``: the dataset's name (ids, and verl's
+        default data_source)."""
         self._dataset, self._name = dataset, name
         self._prompt_key, self._answer_key = task.prompt_key, task.answer_key
         self._chat = task.chat_template
-        self._where = f"in {key} = {getattr(task, key.split('.')[-1])!r}"
+        self._where = f"in {key} = {path!r}"
         columns = list(dataset.column_names)
         for option, column in (("task.prompt_key", task.prompt_key),
                                ("task.answer_key", task.answer_key)):
@@ -260,14 +264,15 @@ def open_dataset(task: TaskConfig) -> tuple[DatasetRows, DatasetRows | None]:
     """task.path's rows, and task.eval_path's (None without one), checked against the
     keys; ``ConfigError`` naming the key on any problem."""
     name = Path(task.path).stem or Path(task.path).name
-    rows = DatasetRows(read_dataset(task.path, "task.path"), task, key="task.path", name=name)
+    rows = DatasetRows(read_dataset(task.path, "task.path"), task, key="task.path",
+                       path=task.path, name=name)
     if not split_rows(len(rows), task.eval_fraction, name=name, seed=task.seed)[0]:
         raise _error("task.eval_fraction", task.eval_fraction,
                      f"holds out all {len(rows)} rows of task.path: none left to train on")
     held = None
     if task.eval_path:
         held = DatasetRows(read_dataset(task.eval_path, "task.eval_path"), task,
-                           key="task.eval_path", name=name)
+                           key="task.eval_path", path=task.eval_path, name=name)
     return rows, held
 
 

@@ -302,13 +302,15 @@ def bad(tmp_path: Path) -> dict[str, tuple[dict[str, Any], str, str]]:
                           "eval_path": str(write(tmp_path, "csv", [{"q": "1", "a": "2"}],
                                                  name="held"))},
                          "task.prompt_key", "in task.eval_path"),
+        "all held out": ({"path": good, "prompt_key": "question", "answer_key": "solution",
+                          "eval_fraction": 0.99}, "task.eval_fraction", "none left to train"),
         "not text": ({"path": str(write(tmp_path, "jsonl", [{"prompt": 5, "answer": 1}],
                                         name="ints"))}, "task.prompt_key", "row 0"),
     }
 
 
 CASES = ["missing file", "unsupported", "unreadable", "not a saved dir", "empty",
-         "prompt_key", "answer_key", "eval_path", "eval columns", "not text"]
+         "prompt_key", "answer_key", "eval_path", "eval columns", "all held out", "not text"]
 
 
 @pytest.mark.parametrize("case", CASES)

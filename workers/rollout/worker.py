@@ -324,7 +324,8 @@ class RolloutWorker:
                           reward_means=scored.means)
 
     async def generate_greedy(self, prompts: Sequence[Prompt]) -> list[Sample]:
-        """One scored greedy (temperature 0) completion per prompt, stopping at EOS."""
+        """One greedy (temperature 0) completion per prompt, stopping at EOS, scored as
+        evaluations are (``Scorer.score_greedy``)."""
         streams = await self._stream_all(
             [render(self._tokenizer, p, self._format) for p in prompts], "greedy")
         return [await self._scorer.score_greedy(p, s)
