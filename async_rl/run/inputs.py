@@ -65,7 +65,7 @@ def check_dataset(config: Config) -> tuple[str, ...]:
     for data in (rows, held):  # the first row tells a wrong kind of prompt column
         if data is not None:
             data.prompt(0, "check")
-    return ("answer", *(c for c in rows.columns if c != "answer"))
+    return rows.reward_columns
 
 
 def check_chat_template(config: Config) -> None:

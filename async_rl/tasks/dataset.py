@@ -134,6 +134,11 @@ class DatasetRows:
         self.columns = tuple(c for c in columns if c not in (task.prompt_key, task.answer_key))
         """The columns besides the prompt and the answer: the rewards get them by name."""
 
+    @property
+    def reward_columns(self) -> tuple[str, ...]:
+        """The columns every prompt gives its rewards (``answer`` first)."""
+        return ("answer", *(c for c in self.columns if c != "answer"))
+
     def __len__(self) -> int:
         return len(self._dataset)
 
@@ -188,7 +193,7 @@ class DatasetPromptSource(IndexedSource):
     @property
     def columns(self) -> tuple[str, ...]:
         """The columns every prompt gives its rewards (``answer`` first)."""
-        return ("answer", *(c for c in self._rows.columns if c != "answer"))
+        return self._rows.reward_columns
 
     def __len__(self) -> int:
         """Training rows (one pass)."""
