@@ -11,7 +11,7 @@ back, is ``async_rl.config_io``'s. Knows nothing about what the knobs drive.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -37,12 +37,38 @@ __all__ = ["Config", "ConfigError", "RunConfig", "TaskConfig"]
 class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where prompts come from and how completions are scored."""
 
-    kind: Literal["arithmetic", "longtail", "jsonl"] = "arithmetic"
+    kind: Literal["arithmetic", "longtail", "jsonl", "dataset"] = "arithmetic"
     """Built-in seeded arithmetic task (answers of a few tokens), the built-in long-tail
-    reasoning task (remainders by repeated subtraction: traces of 20 to 300 tokens), or a
-    JSONL file of {"prompt", "answer"} lines."""
+    reasoning task (remainders by repeated subtraction: traces of 20 to 300 tokens), a
+    JSONL file of {"prompt", "answer"} lines, or your own dataset (task.path, read with
+    the datasets library; see docs/datasets.md)."""
     jsonl_path: str = ""
     """The JSONL prompt file; required when kind = "jsonl"."""
+    path: str = ""
+    """The dataset of kind = "dataset" (required there): a .jsonl, .json, .parquet or .csv
+    file, or a directory written by datasets' save_to_disk. Its rows are shuffled anew
+    (seeded by task.seed) every pass."""
+    prompt_key: str = "prompt"
+    """The dataset's prompt column: strings, or chat messages ([{"role", "content"},
+    ...], which need task.chat_template = true)."""
+    answer_key: str = "answer"
+    """The dataset's answer column, handed to rewards as ``answer`` (and as verl's
+    ``ground_truth``); "" for a dataset without one (task.rewards then score it). Every
+    other column reaches the rewards under its own name."""
+    eval_path: str = ""
+    """A held-out dataset (same formats and columns) whose first task.eval_size rows are
+    the evaluation prompts. Without it or task.eval_fraction, the first task.eval_size
+    training rows are (and are trained on too)."""
+    eval_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+    """Hold out this fraction of task.path's rows (a split seeded by task.seed) for
+    evaluation; they are never trained on. 0 = no split."""
+    chat_template: bool = False
+    """Render every prompt with the tokenizer's chat template (add_generation_prompt),
+    once, on the rollout side, the same for training and evaluation; the model's
+    tokenizer must have one. Off: prompts go to the model as raw text."""
+    system_prompt: str = ""
+    """Prepended to every prompt as a system message (needs task.chat_template = true;
+    a prompt whose messages start with a system message keeps its own)."""
     seed: NonNegative = 0
     """Seed of the prompt stream (the arithmetic task is a pure function of seed and index)."""
     eval_size: NonNegative = 200
@@ -64,10 +90,37 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Run sync rewards in threads instead of processes (no pickling, shared memory; a
     CPU-bound Python reward then holds the engine process's GIL, and a call past the
     timeout cannot be stopped)."""
+    eval_reward: str = ""
+    """The name of one of task.rewards whose mean over greedy completions is the
+    evaluations' accuracy; "" = the weighted sum of all of them (or the built-in
+    reward)."""
 
     def __post_init__(self) -> None:
         if self.kind == "jsonl" and not self.jsonl_path:
             raise invalid("task.jsonl_path", self.jsonl_path, 'required when task.kind = "jsonl"')
+        if self.kind == "dataset" and not self.path:
+            raise invalid("task.path", self.path, 'required when task.kind = "dataset"')
+        if self.kind != "dataset":
+            for key, value, unset in (("path", self.path, ""),
+                                      ("eval_path", self.eval_path, ""),
+                                      ("eval_fraction", self.eval_fraction, 0.0)):
+                if value != unset:
+                    raise invalid(f"task.{key}", value, 'only for task.kind = "dataset"')
+        if not self.prompt_key:
+            raise invalid("task.prompt_key", self.prompt_key, "must name a column")
+        if self.eval_path and self.eval_fraction:
+            raise invalid("task.eval_fraction", self.eval_fraction,
+                          "give task.eval_path or task.eval_fraction, not both")
+        if self.system_prompt and not self.chat_template:
+            raise invalid("task.system_prompt", self.system_prompt,
+                          "needs task.chat_template = true (it is a system message)")
+        if self.eval_reward and not self.rewards:
+            raise invalid("task.eval_reward", self.eval_reward,
+                          "names one of task.rewards, and there are none")
+        if self.kind == "dataset" and not self.answer_key and not self.rewards:
+            raise invalid("task.answer_key", self.answer_key,
+                          "the built-in reward checks the answer: name the answer column, "
+                          "or score with task.rewards")
 
 
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

@@ -30,6 +30,14 @@ class Prompt(msgspec.Struct, frozen=True, kw_only=True):
     """Reference answer, as text; the reward function parses it."""
     attempt: int = 0
     """How many times this prompt was re-queued after a staleness drop or a failure."""
+    messages: tuple[dict[str, str], ...] = ()
+    """The prompt as chat messages (``{"role", "content"}``) when its dataset column holds
+    a conversation; empty for a text prompt (``text`` is then the whole prompt)."""
+    columns: dict[str, Any] = {}
+    """The row's other dataset columns (JSON-able values), handed to the task's own
+    rewards beside ``answer``; empty for the built-in tasks."""
+    data_source: str = ""
+    """verl's ``data_source`` for a row without that column (the dataset's name)."""
 
 
 class Sample(msgspec.Struct, frozen=True, kw_only=True):

@@ -34,7 +34,7 @@ import pebble
 from buffers.config import ConfigError
 from workers import reward_guard
 from workers.reward_callable import Reward, dumps
-from workers.reward_calls import RewardValues, chat_messages, is_async_reward
+from workers.reward_calls import Message, RewardValues, chat_messages, is_async_reward
 from workers.reward_guard import (
     CallFailed,
     child_init,
@@ -236,12 +236,14 @@ class RewardRunner:
                                   initargs=(self._entries, loaded_reward_files()),
                                   context=self._mp_context)
 
-    async def score(self, *, prompts: Sequence[str], completions: Sequence[str],
+    async def score(self, *, prompts: Sequence[str | list[Message]],
+                    completions: Sequence[str],
                     completion_ids: Sequence[Sequence[int]],
                     columns: Mapping[str, Any] | None = None,
                     data_source: str = "") -> GroupRewards:
-        """Scores one group: sample i is ``prompts[i]`` (one prompt repeated, for GRPO)
-        completed by ``completions[i]`` (text), whose tokens are ``completion_ids[i]``.
+        """Scores one group: sample i is ``prompts[i]`` (one prompt repeated, for GRPO:
+        its text, or its chat messages) completed by ``completions[i]`` (text), whose
+        tokens are ``completion_ids[i]``.
         ``columns``: the row's dataset columns besides the prompt (``answer``, ...);
         ``data_source``: verl's name for rows without a ``data_source`` column."""
         if self._closed:
@@ -411,8 +413,16 @@ class UserRewards(msgspec.Struct, frozen=True, kw_only=True):
     timeout_s: float = 30.0
     workers: int = 2
     threads: bool = False
+    chat: bool = False
+    """Chat templates are on: TRL-style rewards get prompts and completions as messages."""
+    columns: tuple[str, ...] = DEFAULT_COLUMNS
+    """The dataset columns every row has (a reward may require any of them)."""
+    eval_reward: str = ""
+    """The reward whose mean over greedy completions is an evaluation's accuracy (a
+    metric name; "" = the weighted sum)."""
 
     def runner(self) -> RewardRunner:
         """Loads the rewards and starts their pool (in the calling process)."""
         return RewardRunner(list(self.specs), timeout_s=self.timeout_s,
-                            workers=self.workers, threads=self.threads)
+                            workers=self.workers, threads=self.threads, chat=self.chat,
+                            columns=self.columns)

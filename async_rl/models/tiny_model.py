@@ -46,6 +46,14 @@ BYTE_OFFSET: Final = 3
 """Token id of byte ``b`` is ``BYTE_OFFSET + b``; ids 0-2 are the specials."""
 VOCAB_SIZE: Final = 264
 """3 specials + 256 bytes + 5 reserved tokens: a multiple of 8 (tidy matmul shapes)."""
+CHAT_TEMPLATE: Final = (
+    "{% for m in messages %}{{ '<|' + m['role'] + '|>' + m['content'] }}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|assistant|>' }}{% endif %}"
+)
+"""The tokenizer's chat template (Jinja): ``<|role|>content`` lines, then
+``<|assistant|>`` for the generation prompt. Short, since the model's context is short;
+the role markers are plain bytes, so the warm start (on raw prompts) is unchanged."""
 
 
 def _byte_symbols() -> list[str]:
@@ -157,7 +165,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
     ``AutoTokenizer`` (and so vLLM) loads a qwen2 model directory's tokenizer through that
     class whatever ``tokenizer_config.json`` says: a plain character WordLevel tokenizer
     would silently lose every space and newline there. ``decode(encode(s)) == s`` for any
-    NFC-normalised string.
+    NFC-normalised string. It carries a small chat template (``CHAT_TEMPLATE``), so
+    ``task.chat_template = true`` runs on these models too.
     """
     symbols = _byte_symbols()
     reserved = [f"<reserved_{i}>" for i in range(VOCAB_SIZE - BYTE_OFFSET - len(symbols))]
@@ -179,6 +188,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         additional_special_tokens=reserved,
         clean_up_tokenization_spaces=False,
         model_max_length=1024,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

@@ -1,11 +1,13 @@
 """A run's inputs checked before anything starts: what would otherwise fail in a worker.
 
 Owns: ``check_inputs`` (the model is a Hugging Face model, in a local directory or the
-hub cache: ``async_rl.run.model_source``; the prompt file reads; the task's own reward
-functions, named in task.rewards or passed as callables, import and can take a
-completion; the optional loggers are installed), raising ``ConfigError`` with one line.
-Used by ``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl
-sweep`` before it is launched.
+hub cache: ``async_rl.run.model_source``; the prompt file or dataset reads and has the
+columns the task names; the tokenizer has the chat template the task asks for; the
+task's own reward functions, named in task.rewards or passed as callables, import and
+can take a completion on those columns; task.eval_reward names one; the optional
+loggers are installed), raising ``ConfigError`` with one line. Used by
+``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl sweep``
+before it is launched.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from async_rl.run.loggers import check_installed
 from async_rl.run.model_source import resolve_model_path
 from buffers.config import ConfigError
 from workers.reward_callable import Reward, check_function
-from workers.reward_spec import load_reward
+from workers.reward_spec import DEFAULT_COLUMNS, load_reward, reward_name, unique_names
 
 
 def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
@@ -34,10 +36,12 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
     path = resolve_model_path(config.model.path, task_kind=config.task.kind)
     config = msgspec.structs.replace(
         config, model=msgspec.structs.replace(config.model, path=path))
-    for index, spec in enumerate(config.task.rewards):
-        load_reward(spec, index=index)  # ConfigError naming task.rewards[i]
+    columns = check_dataset(config)
+    if config.task.chat_template:
+        check_chat_template(config)
+    check_rewards(config, columns)
     for index, reward in enumerate(rewards):
-        check_function(reward, index=index)  # ConfigError naming rewards[i]
+        check_function(reward, index=index, columns=columns)  # naming rewards[i]
     if config.task.kind == "jsonl":
         from async_rl.tasks.sources import PromptFileError, read_prompt_file
 
@@ -50,3 +54,46 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
         except PromptFileError as err:
             raise ConfigError(f"prompt file error: {err}") from None
     return config
+
+
+def check_dataset(config: Config) -> tuple[str, ...]:
+    """task.path (and task.eval_path) read and have the task's columns; returns the
+    columns every row gives the rewards."""
+    if config.task.kind != "dataset":
+        return DEFAULT_COLUMNS
+    from async_rl.tasks.dataset import open_dataset
+
+    rows, held = open_dataset(config.task)
+    for data in (rows, held):  # the first row tells a wrong kind of prompt column
+        if data is not None:
+            data.prompt(0, "check")
+    return rows.reward_columns
+
+
+def check_chat_template(config: Config) -> None:
+    """task.chat_template = true needs a tokenizer with a chat template."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ConfigError(
+            f"config error: task.chat_template = true: the tokenizer of model.path = "
+            f"{config.model.path!r} has no chat template (set task.chat_template = false)")
+
+
+def check_rewards(config: Config, columns: tuple[str, ...]) -> None:
+    """Each of task.rewards imports and takes a completion on rows with ``columns``;
+    task.eval_reward names one of them."""
+    specs = config.task.rewards
+    # ConfigError naming task.rewards[i]
+    functions = [load_reward(spec, index=i, columns=columns) for i, spec in enumerate(specs)]
+    wanted = config.task.eval_reward
+    if not wanted:
+        return
+    try:
+        names = unique_names([reward_name(f) for f in functions], [s.name for s in specs])
+    except ValueError:
+        return  # clashing names: the run's reward runner says so, naming both
+    if wanted not in names:
+        raise ConfigError(f"config error: task.eval_reward = {wanted!r}: not one of "
+                          f"task.rewards (their names: {', '.join(names)})")

@@ -1,9 +1,11 @@
 """What a run starts: its task, and its workers as Ray actors.
 
 Owns: choosing the prompt source, reward and held-out prompts from ``task`` config
-(``build_task``), and creating and starting the rollout and trainer actors on their
-cores or GPUs (``launch_workers``), the weight-transfer groups between trainer shard 0
-and each rollout worker, and the idle-CPU evaluator of run.eval_on.
+(``build_task``; a dataset's too-long prompts are refused there, in the driver), the
+task knobs the workers get (``user_rewards_of``, ``prompt_format_of``), and creating
+and starting the rollout and trainer actors on their cores or GPUs
+(``launch_workers``), the weight-transfer groups between trainer shard 0 and each
+rollout worker, and the idle-CPU evaluator of run.eval_on.
 Part of the Ray shell: knows nothing about the run's loops, which
 ``async_rl.control.orchestrator`` drives through the adapters of ``async_rl.shell.ray_shell``.
 """
@@ -21,6 +23,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 
 from async_rl.config import Config, TaskConfig
+from async_rl.tasks.dataset import DatasetPromptSource, load_dataset_task, model_fit
 from async_rl.tasks.longtail import RemainderTask
 from async_rl.tasks.rewards import arithmetic_reward, gsm8k_reward, remainder_reward
 from async_rl.tasks.sources import ArithmeticTask, JsonlPromptSource, PromptSource
@@ -33,7 +36,8 @@ from workers.placement import role_placement_groups as make_placement_groups
 from workers.reward import RewardFn
 from workers.reward_callable import Reward
 from workers.reward_runner import UserRewards
-from workers.reward_spec import absolute_spec
+from workers.reward_spec import DEFAULT_COLUMNS, absolute_spec
+from workers.rollout.prompts import PromptFormat
 from workers.weights.broadcast import SEND_GROUP
 from workers.weights.config import check_transport
 
@@ -41,6 +45,10 @@ from workers.weights.config import check_transport
 def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ...]]:
     """The prompt source, its reward function and the held-out evaluation prompts."""
     task = config.task
+    if task.kind == "dataset":
+        fits = model_fit(config.model.path, task, config.rollout.max_new_tokens)
+        data = load_dataset_task(task, fits)
+        return data.source, gsm8k_reward, data.eval_prompts
     if task.kind == "jsonl":
         source = JsonlPromptSource(task.jsonl_path, seed=task.seed)
         held_out = tuple(source.prompt_at(i) for i in range(min(task.eval_size, len(source))))
@@ -52,14 +60,27 @@ def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ..
     return arithmetic, arithmetic_reward, arithmetic.eval_prompts(task.eval_size)
 
 
-def user_rewards_of(task: TaskConfig, rewards: Sequence[Reward] = ()) -> UserRewards | None:
+def reward_columns(source: PromptSource) -> tuple[str, ...]:
+    """The dataset columns every prompt of ``source`` gives the rewards."""
+    return source.columns if isinstance(source, DatasetPromptSource) else DEFAULT_COLUMNS
+
+
+def user_rewards_of(task: TaskConfig, rewards: Sequence[Reward] = (),
+                    columns: tuple[str, ...] = DEFAULT_COLUMNS) -> UserRewards | None:
     """The task's own rewards as workers run them: task.rewards, then a script's
-    callables (None: neither, the built-in reward)."""
+    callables (None: neither, the built-in reward); ``columns``: what every row gives
+    them (``reward_columns``)."""
     if not task.rewards and not rewards:
         return None
     return UserRewards(specs=(*(absolute_spec(s) for s in task.rewards), *rewards),
                        timeout_s=task.reward_timeout_s, workers=task.reward_workers,
-                       threads=task.reward_threads)
+                       threads=task.reward_threads, chat=task.chat_template,
+                       columns=columns, eval_reward=task.eval_reward)
+
+
+def prompt_format_of(task: TaskConfig) -> PromptFormat:
+    """How the rollout workers and the evaluator render the task's prompts."""
+    return PromptFormat(chat_template=task.chat_template, system_prompt=task.system_prompt)
 
 
 def free_port() -> int:
@@ -107,12 +128,14 @@ async def restart_rollout(started: StartedWorkers, rank: int, model: ModelConfig
 
 
 async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
-                         rewards: Sequence[Reward] = ()) -> StartedWorkers:
+                         rewards: Sequence[Reward] = (),
+                         columns: tuple[str, ...] = DEFAULT_COLUMNS) -> StartedWorkers:
     """Creates every rollout worker and trainer shard, starts them, and says where.
 
     ``version``: the policy version of the weights at ``cfg.model.path`` (a checkpoint's,
     when resuming): rollout engines label their tokens with it from the start.
-    ``rewards``: a script's reward callables, besides task.rewards.
+    ``rewards``: a script's reward callables, besides task.rewards. ``columns``: the
+    dataset columns every prompt gives the rewards (``reward_columns``).
     """
     layout = assign_cpus(
         cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
@@ -123,7 +146,8 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
     groups = make_placement_groups(
         layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus)
     started = StartedWorkers(placement_groups=list({id(g): g for g in groups.values()}.values()))
-    user_rewards = user_rewards_of(cfg.task, rewards)
+    user_rewards = user_rewards_of(cfg.task, rewards, columns)
+    prompt_format = prompt_format_of(cfg.task)
     rollout_cls = ray.remote(RolloutActor)
 
     def new_rollout(rank: int, model: ModelConfig, version: int, name: str = "") -> Any:
@@ -137,7 +161,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
             rank=ident.rank, model=model, rollout=cfg.rollout, weights=cfg.weights,
             reward_fn=reward_fn, seed=cfg.run.seed + ident.rank,
             cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
-            version=version, user_rewards=user_rewards,
+            version=version, user_rewards=user_rewards, prompt_format=prompt_format,
         )
 
     started.new_rollout = new_rollout
@@ -171,7 +195,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
         started.evaluator = ray.remote(IdleCpuEvaluator).options(
             name="evaluator", num_cpus=0).remote(
             model=cfg.model, reward_fn=reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
-            user_rewards=user_rewards)
+            user_rewards=user_rewards, prompt_format=prompt_format)
         evaluator_setup.append(started.evaluator.setup.remote())
     # Shards, engines and the evaluator start side by side: each on cores of its own,
     # none waits for another, and each takes seconds to tens of seconds on a CPU.

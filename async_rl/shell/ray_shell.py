@@ -32,7 +32,12 @@ from async_rl.control.protocols import (
 from async_rl.run.run_dir import WORKERS_LOG, RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.shell.adapters import adapt
-from async_rl.shell.launch import StartedWorkers, build_task, launch_workers
+from async_rl.shell.launch import (
+    StartedWorkers,
+    build_task,
+    launch_workers,
+    reward_columns,
+)
 from async_rl.shell.worker_logs import ray_options
 from buffers.config import ConfigError
 from workers.placement import registry_table
@@ -130,12 +135,13 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                  checkpoint[0].name, checkpoint[1].version)
         model = msgspec.structs.replace(config.model, path=str(checkpoint[0] / TRAINER))
         workers_config = msgspec.structs.replace(config, model=model)
+    # Before Ray: a dataset's rows are read and measured here (a bad one is a ConfigError).
+    source, reward_fn, eval_prompts = build_task(config)
     started_ray = not ray.is_initialized()
     if started_ray:
         _start_ray(config, verbose)
     out = RunWriter(config.run.output_dir, config,
                     positions=checkpoint[1].files if checkpoint else None)
-    source, reward_fn, eval_prompts = build_task(config)
     stops = StopSignals()
 
     async def main() -> RunSummary | None:
@@ -147,7 +153,8 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                         signals.start_soon(stops.watch)  # signals reach the main thread only
                     started = await launch_workers(
                         workers_config, reward_fn,
-                        version=checkpoint[1].version if checkpoint else 0, rewards=rewards)
+                        version=checkpoint[1].version if checkpoint else 0, rewards=rewards,
+                        columns=reward_columns(source))
                     log.info("%s", registry_table(started.identities))
                     out.workers(started.identities)
                     orchestrator = Orchestrator(config, out, source, eval_prompts,

@@ -4,7 +4,9 @@ CPU build and the tiny local model.
 A TRL-style and a verl-style reward from a file outside the package score every group,
 each one's mean is logged per step as reward/<name>, and a reward that never returns
 on some calls costs those scores only: the run finishes every step, the timeouts are
-counted, and the ledger shows no prompt lost or trained twice.
+counted, and the ledger shows no prompt lost or trained twice. The same rewards score a
+Parquet dataset with columns of its own names, rendered by the tokenizer's chat template
+(the prompt token ids the engine saw are the template's).
 """
 
 from __future__ import annotations
@@ -13,13 +15,24 @@ import os
 import signal
 from pathlib import Path
 
+import pandas as pd
 import pytest
+import ray
 from test_async_grpo import check_ledger, small_config
 from test_stop_resume import signal_after_rows, trained
+from transformers import AutoTokenizer
 
 from async_rl.cli import main
-from async_rl.run.run_dir import read_metrics
+from async_rl.run.run_dir import read_evals, read_ledger, read_metrics
 from async_rl.shell.ray_shell import run_training
+from buffers.records import Prompt
+from workers.model_config import ModelConfig
+from workers.reward_runner import UserRewards
+from workers.reward_spec import RewardSpec
+from workers.rollout.config import RolloutConfig
+from workers.rollout.prompts import PromptFormat, conversation
+from workers.rollout.worker import RolloutWorker
+from workers.weights.config import WeightsConfig
 
 pytestmark = pytest.mark.ray
 
@@ -141,3 +154,82 @@ def test_a_reward_hanging_on_one_call_in_50_across_ctrl_c_and_resume(
     assert len(counts) == 6 * 4 and set(counts.values()) == {1}
     check_ledger(out, 6 * 4)
     assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))
+CHAT_REWARDS = '''
+def correctness(prompts, completions, answer, **kwargs):
+    """TRL style, chat templates on: message lists, and the dataset's columns as lists."""
+    assert prompts[0][0] == {"role": "system", "content": "Answer with a number."}
+    assert prompts[0][-1]["role"] == "user" and len(kwargs["level"]) == len(completions)
+    return [1.0 if c[0]["content"].strip().startswith(a) else 0.0
+            for c, a in zip(completions, answer)]
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    """verl style: the row's data_source column, the answer as ground_truth."""
+    assert data_source == "sums" and isinstance(extra_info["level"], int)
+    return {"score": 1.0 if solution_str.strip().startswith(ground_truth) else 0.0,
+            "length": float(len(solution_str))}
+'''
+SYSTEM = "Answer with a number."
+
+
+def sums_parquet(tmp_path: Path) -> Path:
+    """A GSM8K-like file: the prompt and answer under other names, two more columns."""
+    path = tmp_path / "sums.parquet"
+    pd.DataFrame([{"question": f"{a}+{b}=", "solution": str(a + b), "level": a % 3,
+                   "data_source": "sums"} for a in range(10) for b in range(3)]
+                 ).to_parquet(path)
+    return path
+
+
+def test_a_parquet_dataset_with_a_chat_template_runs_with_trl_and_verl_rewards(
+    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None,
+) -> None:
+    rewards = tmp_path / "chat_rewards.py"
+    rewards.write_text(CHAT_REWARDS)
+    out = tmp_path / "run"
+    config = small_config(tiny_model_dir, out, max_staleness=1, task={
+        "kind": "dataset", "path": str(sums_parquet(tmp_path)), "prompt_key": "question",
+        "answer_key": "solution", "eval_fraction": 0.1, "eval_size": 3,
+        "chat_template": True, "system_prompt": SYSTEM, "eval_reward": "compute_score",
+        "rewards": [{"function": f"{rewards}:correctness", "weight": 1.0},
+                    {"function": f"{rewards}:compute_score", "weight": 0.5}]},
+        run={"num_steps": 3, "eval_on": "idle_cpu"})
+    summary = run_training(config)
+    assert summary.steps == 3 and summary.groups_trained == 3 * 4
+    # The rewards assert what they are handed: an error would count here.
+    assert summary.failures.get("reward_errors", 0) == 0 and summary.reward_failures == 0
+    check_ledger(out, summary.groups_trained)
+    assert all(e.prompt_id.startswith("sums-") for e in read_ledger(out))
+    rows = read_metrics(out)
+    assert len(rows) == 3
+    for row in rows:
+        assert 0.0 <= row["reward/correctness"] <= 1.0
+        assert row["reward/compute_score/length"] > 0.0
+    evals = read_evals(out)
+    assert len(evals) == 2 and all(r.num_prompts == 3 for r in evals)
+    assert all(0.0 <= r.accuracy <= 1.0 for r in evals)
+
+
+def test_the_engine_sees_the_chat_templates_prompt_token_ids(
+    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None,
+) -> None:
+    rewards = tmp_path / "chat_rewards.py"
+    rewards.write_text(CHAT_REWARDS)
+    fmt = PromptFormat(chat_template=True, system_prompt=SYSTEM)
+    ray.init(num_cpus=1, include_dashboard=False, address="local")
+    worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16).remote(
+        rank=0, model=ModelConfig(path=str(tiny_model_dir)),
+        rollout=RolloutConfig(group_size=2, max_new_tokens=4, max_inflight_prompts=1),
+        weights=WeightsConfig(transport="gloo"), reward_fn=lambda p, c: 0.0, cpu_ids=(0,),
+        user_rewards=UserRewards(specs=(RewardSpec(function=f"{rewards}:compute_score"),),
+                                 threads=True, chat=True, columns=("answer", "level")),
+        prompt_format=fmt)
+    ray.get(worker.start.remote(), timeout=300)
+    prompt = Prompt(prompt_id="sums-0", text="3+4=", answer="7", columns={"level": 1},
+                    data_source="sums")
+    group = ray.get(worker.generate_group.remote(prompt), timeout=120)
+    expected = AutoTokenizer.from_pretrained(tiny_model_dir).apply_chat_template(
+        conversation(prompt, SYSTEM), add_generation_prompt=True, return_dict=False)
+    assert group.tokens.prompt_token_ids.tolist() == list(expected)
+    assert group.prompt_length == len(expected) and group.reward_failures == 0
+    ray.get(worker.shutdown.remote(), timeout=60)

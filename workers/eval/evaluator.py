@@ -28,6 +28,7 @@ from workers.eval.greedy import greedy_completions
 from workers.model_config import ModelConfig
 from workers.reward import RewardFn
 from workers.reward_runner import UserRewards
+from workers.rollout.prompts import PromptFormat, render
 from workers.rollout.scoring import Scorer
 
 EVALUATOR_RANK = -1
@@ -44,9 +45,12 @@ class IdleCpuEvaluator:
     """See the module docstring. ``setup`` once, then ``evaluate`` per version."""
 
     def __init__(self, *, model: ModelConfig, reward_fn: RewardFn, max_new_tokens: int,
-                 user_rewards: UserRewards | None = None) -> None:
+                 user_rewards: UserRewards | None = None,
+                 prompt_format: PromptFormat | None = None) -> None:
         self.model_config = model
-        self.scorer = Scorer(reward_fn, user_rewards)
+        self.prompt_format = prompt_format or PromptFormat()
+        """Renders prompts as a rollout worker does (``workers.rollout.prompts``)."""
+        self.scorer = Scorer(reward_fn, user_rewards, self.prompt_format)
         """Scores as a rollout worker does (the task's own rewards when it has them)."""
         self.max_new_tokens = max_new_tokens
 
@@ -73,7 +77,8 @@ class IdleCpuEvaluator:
         idle_priority()  # the thread Ray runs this call on may not be the one set up
         began = time.perf_counter()
         self.model.load_state_dict(state)
-        texts = greedy_completions(self.model, self.tokenizer, [p.text for p in prompts],
+        rendered = [render(self.tokenizer, p, self.prompt_format) for p in prompts]
+        texts = greedy_completions(self.model, self.tokenizer, rendered,
                                    max_new_tokens=self.max_new_tokens)
         # A loop of its own, in a thread of its own: the actor's thread may already run
         # one (Ray's), and asyncio.run refuses to nest.
@@ -96,5 +101,5 @@ class IdleCpuEvaluator:
         for prompt, text in zip(prompts, texts, strict=True):
             sample = Sample(token_ids=(), logprobs=(), versions=(), finish_reason="stop",
                             text=text)
-            rewards.append((await self.scorer.score(prompt, [sample])).samples[0].reward)
+            rewards.append((await self.scorer.score_greedy(prompt, sample)).reward)
         return rewards

@@ -22,11 +22,14 @@ from workers.reward import RewardFn
 def greedy_completions(
     model: PreTrainedModel,
     tokenizer: PreTrainedTokenizerBase,
-    texts: Sequence[str],
+    texts: Sequence[str | Sequence[int]],
     *,
     max_new_tokens: int = 8,
 ) -> list[str]:
     """Greedy completions (EOS and everything after it removed), batched by prompt length.
+
+    Each prompt is a text (encoded here) or its token ids, as given (a chat template's,
+    from ``workers.rollout.prompts.render``).
 
     Prompts of equal token length share a batch, so there is no padding, no attention
     mask and no position shift: exactly what an engine computes for each prompt alone.
@@ -40,7 +43,7 @@ def greedy_completions(
         raise ValueError("greedy_completions needs a tokenizer with EOS and UNK tokens")
     was_training = model.training
     model.eval()
-    encoded = [tokenizer.encode(t) for t in texts]
+    encoded = [tokenizer.encode(t) if isinstance(t, str) else list(t) for t in texts]
     by_len: dict[int, list[int]] = defaultdict(list)
     for i, ids in enumerate(encoded):
         by_len[len(ids)].append(i)

@@ -6,7 +6,9 @@ Owns: ``Scorer``, which the rollout worker and the idle-CPU evaluator score with
 flagged. With ``UserRewards`` (task.rewards) it scores through a
 ``workers.reward_runner.RewardRunner``: off the caller's event loop, every call bounded
 by task.reward_timeout_s, failures and timeouts counted, each reward's group mean kept
-for the metrics. Knows nothing about engines or groups' tokens.
+for the metrics; the rewards get the row's dataset columns (``answer`` among them) and
+its ``data_source``, and, with the chat template on, the prompt as messages. Knows
+nothing about engines or groups' tokens.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import msgspec
 from buffers.records import Prompt, Sample
 from workers.reward import RewardFn, guarded_reward
 from workers.reward_runner import RewardRunner, UserRewards
+from workers.rollout.prompts import PromptFormat, reward_prompt
 
 
 class Scored(msgspec.Struct, frozen=True, kw_only=True):
@@ -36,8 +39,12 @@ class Scorer:
     """See the module docstring; ``start`` in the process that scores, ``close`` at the
     end."""
 
-    def __init__(self, reward_fn: RewardFn, user: UserRewards | None = None) -> None:
+    def __init__(self, reward_fn: RewardFn, user: UserRewards | None = None,
+                 prompt_format: PromptFormat | None = None) -> None:
+        """``prompt_format``: how prompts reach the model; with the chat template on, the
+        task's own rewards get prompts (and TRL-style ones completions) as messages."""
         self._reward_fn, self._user = reward_fn, user
+        self._format = prompt_format or PromptFormat()
         self._runner: RewardRunner | None = None
         self.failures = 0
         """Scores lost so far (errors and timeouts)."""
@@ -64,11 +71,24 @@ class Scorer:
         if self._runner is None:
             raise RuntimeError("Scorer.start() was not called")
         got = await self._runner.score(
-            prompts=[prompt.text] * len(samples), completions=[s.text for s in samples],
-            completion_ids=[s.token_ids for s in samples], columns={"answer": prompt.answer})
+            prompts=[reward_prompt(prompt, self._format)] * len(samples),
+            completions=[s.text for s in samples],
+            completion_ids=[s.token_ids for s in samples],
+            columns={**prompt.columns, "answer": prompt.answer},
+            data_source=prompt.data_source)
         self.failures += got.errors + got.timeouts
         return Scored(
             samples=tuple(msgspec.structs.replace(s, reward=total, reward_failed=failed)
                           for s, total, failed in zip(samples, got.total, got.failed,
                                                       strict=True)),
             errors=got.errors, timeouts=got.timeouts, means=got.per_reward | got.extra)
+
+    async def score_greedy(self, prompt: Prompt, sample: Sample) -> Sample:
+        """An evaluation's greedy ``sample`` of ``prompt``, its reward what accuracy
+        averages: the reward named by task.eval_reward when there is one, else the
+        weighted sum training uses."""
+        scored = await self.score(prompt, [sample])
+        name = self._user.eval_reward if self._user is not None else ""
+        if not name:
+            return scored.samples[0]
+        return msgspec.structs.replace(scored.samples[0], reward=scored.means[name])

@@ -44,6 +44,7 @@ from workers.rollout.engine import (
     sampling_params,
     versions_from_spans,
 )
+from workers.rollout.prompts import PromptFormat, render
 from workers.rollout.scoring import Scorer
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 from workers.usage import UsageMeter
@@ -52,6 +53,7 @@ from workers.weights.receiver import WeightReceiver
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
+    from vllm.inputs import TextPrompt, TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
 WARMUP_TEXT = "warm up"
@@ -80,6 +82,7 @@ class RolloutWorker:
         record_spans: bool = True,
         version: int = 0,
         user_rewards: UserRewards | None = None,
+        prompt_format: PromptFormat | None = None,
     ) -> None:
         """Cheap: records the arguments; ``start()`` builds the engine.
 
@@ -91,10 +94,13 @@ class RolloutWorker:
             its engines from the checkpoint of that version).
         user_rewards: the task's own rewards (task.rewards), which replace ``reward_fn``;
             they run off the engine's event loop (``workers.rollout.scoring``).
+        prompt_format: raw text or the chat template (``workers.rollout.prompts``), the
+            same for generation and greedy evaluation.
         """
         self._rank, self._model, self._rollout = rank, model, rollout
         self._transport, self._seed = weights.transport, seed
-        self._scorer = Scorer(reward_fn, user_rewards)
+        self._format = prompt_format or PromptFormat()
+        self._scorer = Scorer(reward_fn, user_rewards, self._format)
         self._cpu_ids = tuple(cpu_ids)
         device = "cpu:" + ",".join(map(str, self._cpu_ids)) if self._cpu_ids else "cpu"
         self._spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
@@ -220,9 +226,10 @@ class RolloutWorker:
 
     # ---------------------------------------------------------------- generation
 
-    async def _stream(self, text: str, params: SamplingParams, *, evaluation: bool = False
-                      ) -> tuple[tuple[int, ...], Sample]:
-        """One engine request: the prompt ids vLLM used and the unscored sample."""
+    async def _stream(self, prompt: str | list[int], params: SamplingParams, *,
+                      evaluation: bool = False) -> tuple[tuple[int, ...], Sample]:
+        """One engine request (a text, or token ids from ``render``): the prompt ids vLLM
+        used and the unscored sample."""
         engine = self._ready()
         request_id = f"rollout{self._rank}-{next(self._request_ids)}"
         prompt_ids: tuple[int, ...] = ()
@@ -238,9 +245,11 @@ class RolloutWorker:
         self._evaluating += evaluation
         self._switch_span()
         try:
-            # A text prompt: vLLM tokenises it itself, and the ids it really used come
-            # back on the outputs (the trainer must see exactly those).
-            async for out in engine.generate({"prompt": text}, params, request_id):
+            # A text prompt: vLLM tokenises it itself. Either way the ids it really used
+            # come back on the outputs (the trainer must see exactly those).
+            request: TextPrompt | TokensPrompt = {"prompt": prompt} \
+                if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+            async for out in engine.generate(request, params, request_id):
                 prompt_ids = prompt_ids or tuple(out.prompt_token_ids or ())
                 completion = out.outputs[0]
                 new = list(completion.token_ids)
@@ -274,9 +283,9 @@ class RolloutWorker:
                                   text=text)
 
     async def _stream_all(
-        self, texts: Sequence[str], kind: str, seeds: Sequence[int] = ()
+        self, texts: Sequence[str | list[int]], kind: str, seeds: Sequence[int] = ()
     ) -> list[tuple[tuple[int, ...], Sample]]:
-        """One request per text; ``seeds``, when given, one per text (see
+        """One request per text (or token ids); ``seeds``, when given, one per text (see
         ``rollout.sampling_seed``)."""
         self._ready()
         params = [self._params[kind]] * len(texts)
@@ -302,7 +311,8 @@ class RolloutWorker:
         """
         size, seed = self._rollout.group_size, self._rollout.sampling_seed
         seeds = [request_seed(seed, prompt, k) for k in range(size)] if seed >= 0 else []
-        streams = await self._stream_all([prompt.text] * size, "sample", seeds)
+        rendered = render(self._tokenizer, prompt, self._format)
+        streams = await self._stream_all([rendered] * size, "sample", seeds)
         scored = await self._scorer.score(prompt, [sample for _, sample in streams])
         samples = scored.samples
         self._groups += 1
@@ -314,9 +324,11 @@ class RolloutWorker:
                           reward_means=scored.means)
 
     async def generate_greedy(self, prompts: Sequence[Prompt]) -> list[Sample]:
-        """One scored greedy (temperature 0) completion per prompt, stopping at EOS."""
-        streams = await self._stream_all([p.text for p in prompts], "greedy")
-        return [(await self._scorer.score(p, [s])).samples[0]
+        """One greedy (temperature 0) completion per prompt, stopping at EOS, scored as
+        evaluations are (``Scorer.score_greedy``)."""
+        streams = await self._stream_all(
+            [render(self._tokenizer, p, self._format) for p in prompts], "greedy")
+        return [await self._scorer.score_greedy(p, s)
                 for p, (_, s) in zip(prompts, streams, strict=True)]
 
     async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:

@@ -1,0 +1,65 @@
+"""How a prompt reaches the model: its raw text, or rendered by the tokenizer's chat template.
+
+Owns: ``PromptFormat`` (task.chat_template and task.system_prompt: the only task knobs
+the rollout workers and the evaluator need), ``conversation`` (a prompt as the messages
+the template renders, the system prompt first) and ``render`` (what an engine or the
+evaluator is given: the text, or the template's token ids with the generation prompt).
+Training, evaluation on a rollout engine and the idle-CPU evaluator all call ``render``,
+so the three see the same tokens, and the driver measures prompt lengths with it too
+(too-long prompts are refused before they reach an engine). Knows nothing about engines.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from buffers.records import Prompt
+
+Message = dict[str, str]
+
+
+class PromptFormat(msgspec.Struct, frozen=True, kw_only=True):
+    """How prompts are rendered (from task.chat_template and task.system_prompt)."""
+
+    chat_template: bool = False
+    """Render with the tokenizer's chat template (add_generation_prompt); else raw text."""
+    system_prompt: str = ""
+    """Prepended as a system message when the template is on ("" = none)."""
+
+
+def conversation(prompt: Prompt, system_prompt: str = "") -> list[Message]:
+    """``prompt`` as chat messages: its own, or its text as one user message; with
+    ``system_prompt`` first unless the prompt's messages already start with a system
+    message of their own."""
+    messages = [dict(m) for m in prompt.messages] or [{"role": "user", "content": prompt.text}]
+    if system_prompt and messages[0].get("role") != "system":
+        messages.insert(0, {"role": "system", "content": system_prompt})
+    return messages
+
+
+def render(tokenizer: Any, prompt: Prompt, fmt: PromptFormat) -> str | list[int]:
+    """What the model is given for ``prompt``: its text (the engine tokenises it, as the
+    tokenizer's ``encode`` does), or, with the chat template on, the template's token ids
+    (``apply_chat_template(..., add_generation_prompt=True)``), which engines take as
+    they are."""
+    if not fmt.chat_template:
+        return prompt.text
+    ids = tokenizer.apply_chat_template(conversation(prompt, fmt.system_prompt),
+                                        add_generation_prompt=True, tokenize=True,
+                                        return_dict=False)
+    return [int(i) for i in ids]
+
+
+def prompt_tokens(tokenizer: Any, prompt: Prompt, fmt: PromptFormat) -> int:
+    """How many tokens the model sees for ``prompt`` (``render``'s, tokenised)."""
+    rendered = render(tokenizer, prompt, fmt)
+    return len(rendered) if isinstance(rendered, list) else len(tokenizer.encode(rendered))
+
+
+def reward_prompt(prompt: Prompt, fmt: PromptFormat) -> str | list[Message]:
+    """The prompt as the task's own rewards get it: its text, or, with the chat template
+    on, its conversation (system prompt included), as TRL passes conversational
+    prompts."""
+    return conversation(prompt, fmt.system_prompt) if fmt.chat_template else prompt.text
