@@ -304,9 +304,10 @@ def test_a_policy_that_scores_everything_alike_stops_the_run_instead_of_spinning
     with pytest.raises(RunFailed, match="20 groups in a row had rewards all equal"):
         run(cfg, {0: DullRollout(0, lambda p: True)}, [FakeTrainer(0)])
     summary = read_summary(tmp_path)
-    assert summary.filtered_groups == 20 and summary.groups_trained == 0
+    # Groups already back when the run stopped were judged too: 20 or a few more.
+    assert summary.filtered_groups >= 20 and summary.groups_trained == 0
     assert "rollout.max_filtered_in_a_row" in summary.stopped
     events = ledger(tmp_path)
     drops = [e for h in events.values() for e in h if e["reason"] == "filtered"]
-    assert len(drops) == 20 and not any(e["event"] == "trained" for h in events.values()
-                                        for e in h)
+    assert len(drops) == summary.filtered_groups
+    assert not any(e["event"] == "trained" for h in events.values() for e in h)
