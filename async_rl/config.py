@@ -220,3 +220,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 self.trainer.micro_batch_tokens,
                 f"must be >= rollout.max_new_tokens ({self.rollout.max_new_tokens})",
             )
+        buffer, limit = self.trainer.overlong_buffer, self.rollout.max_new_tokens
+        if buffer >= limit:
+            raise invalid("trainer.overlong_buffer", buffer,
+                          f"must be below rollout.max_new_tokens ({limit})")
+        if self.trainer.overlong == "penalty" and buffer == 0:
+            raise invalid("trainer.overlong_buffer", buffer,
+                          f'required with trainer.overlong = "penalty": 1 to {limit - 1} '
+                          "tokens (below rollout.max_new_tokens)")

@@ -46,6 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from async_rl.config_io import load_config
+from async_rl.control.prompt_ledger import FILTERED
 from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import METRICS, WORKERS, read_ledger, read_summary
 from buffers.config import ConfigError
@@ -100,13 +101,14 @@ class LedgerFigures(NamedTuple):
 
 
 def ledger_figures(entries: Iterable[LedgerEntry]) -> LedgerFigures:
-    """Lost: admitted, and its last event is neither trained nor unfinished.
-    Trained twice: more than one trained event."""
+    """Lost: admitted, and its last event is neither trained, unfinished nor a drop as
+    filtered (rollout.filter_groups: final). Trained twice: more than one trained event."""
     last: dict[str, str] = {}
     admitted: set[str] = set()
     trained: Counter[str] = Counter()
     for entry in entries:
-        last[entry.prompt_id] = entry.event
+        last[entry.prompt_id] = (FILTERED if (entry.event, entry.reason) == ("dropped", FILTERED)
+                                 else entry.event)
         if entry.event == "admitted":
             admitted.add(entry.prompt_id)
         elif entry.event == "trained":
@@ -114,7 +116,7 @@ def ledger_figures(entries: Iterable[LedgerEntry]) -> LedgerFigures:
     return LedgerFigures(
         admitted=len(admitted), trained=sum(trained.values()),
         unfinished=sum(1 for p in admitted if last[p] == "unfinished"),
-        lost=sorted(p for p in admitted if last[p] not in ("trained", "unfinished")),
+        lost=sorted(p for p in admitted if last[p] not in ("trained", "unfinished", FILTERED)),
         trained_twice=sorted(p for p, n in trained.items() if n > 1))
 
 

@@ -233,13 +233,16 @@ class LedgerEntry(msgspec.Struct, frozen=True, kw_only=True):
 
     prompt_id: str
     event: str
-    """admitted | generated | trained | dropped | requeued | failed"""
+    """admitted | generated | trained | dropped | requeued | failed | unfinished"""
     version: int
     """Policy version current when the event happened."""
     attempt: int = 0
     reason: str = ""
-    """Why a prompt was dropped or failed (e.g. "stale", "rollout_error")."""
+    """Why a prompt was dropped or failed (e.g. "stale", "rollout_error"); a drop with
+    reason "filtered" (rollout.filter_groups) is final: the prompt is not run again."""
     time: float = 0.0
+    rewards: tuple[float, ...] = ()
+    """The group's sample rewards, on its trained and filtered events."""
 
 
 class TrainSequence(msgspec.Struct, frozen=True, kw_only=True):

@@ -208,6 +208,9 @@ def print_report(run_dir: str | Path, console: Console | None = None) -> RunIdle
             f"{s.tokens_per_s:.0f} tokens/s; accuracy {s.accuracy_start} -> {s.accuracy_end}; "
             f"staleness histogram {list(s.staleness_histogram)}"
         )
+        if s.filtered_groups:
+            console.print(f"filtered (rollout.filter_groups, no signal): {s.filtered_groups} "
+                          f"of {s.groups_generated} groups generated")
         if s.stale_drops_by_length:  # summaries written before it have none
             console.print(drops_by_length(s.stale_drops_by_length))
         if s.evals:

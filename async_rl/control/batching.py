@@ -1,6 +1,10 @@
 """From a step's groups to per-shard work: advantages and the plan, made from metadata.
 
-Owns: giving every sample its group-normalised advantage, cutting the step into
+Owns: the rewards advantages are computed from (``training_rewards``: the samples'
+rewards, plus DAPO's over-long penalty with trainer.overlong = "penalty"; the group
+filter of rollout.filter_groups judges the same ones), which samples are trained
+(``trained_sample``: trainer.overlong = "mask" leaves out completions cut at
+max_new_tokens), giving every sample its group-normalised advantage, cutting the step into
 ``trainer.mini_batches`` mini-batches of whole groups (one optimizer update each), and
 laying the samples out as the balancing plan says, as slots (group, sample, advantage)
 into each shard's list of group references. Knows nothing about Ray or torch and never
@@ -14,37 +18,64 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from buffers.advantages import group_advantages
+from buffers.advantages import group_advantages, overlong_penalty
 from buffers.balance import StepPlan, plan_step
 from buffers.records import Group, SequenceSlot, ShardBatch
 from workers.trainer.config import TrainerConfig
 
 
-def shard_batches(
-    groups: Sequence[Group], num_shards: int, trainer: TrainerConfig, step: int
-) -> tuple[list[ShardBatch], StepPlan]:
-    """The per-shard batches of one optimizer step and the plan that laid them out.
+def training_rewards(group: Group, trainer: TrainerConfig,
+                     max_new_tokens: int | None = None) -> list[float]:
+    """The rewards the group's advantages are computed from: its samples' rewards, each
+    plus ``overlong_penalty`` with trainer.overlong = "penalty" (``max_new_tokens``,
+    rollout.max_new_tokens, is needed then)."""
+    if trainer.overlong != "penalty":
+        return list(group.rewards)
+    if max_new_tokens is None:
+        raise ValueError('trainer.overlong = "penalty" needs rollout.max_new_tokens')
+    return [reward + overlong_penalty(length, max_new_tokens, trainer.overlong_buffer)
+            for reward, length in zip(group.rewards, group.completion_lengths, strict=True)]
 
-    A shard's batch lists only the groups it trains on, in first-use order.
+
+def trained_sample(group: Group, sample: int, trainer: TrainerConfig) -> bool:
+    """Whether the sample gets a loss: not with trainer.overlong = "mask" when it was cut
+    at max_new_tokens (finish reason "length")."""
+    return trainer.overlong != "mask" or group.finish_reasons[sample] != "length"
+
+
+def shard_batches(
+    groups: Sequence[Group], num_shards: int, trainer: TrainerConfig, step: int,
+    *, max_new_tokens: int | None = None,
+) -> tuple[list[ShardBatch], StepPlan]:
+    """The per-shard batches of one optimizer step and the plan that laid them out
+    (``max_new_tokens``: rollout.max_new_tokens, for trainer.overlong = "penalty").
+
+    A shard's batch lists only the groups it trains on, in first-use order. A sample
+    ``trained_sample`` leaves out is in no batch (its reward still counted in its
+    group's advantages); a step may then train fewer samples, or none.
     """
-    # Every sample in group order: (group index, sample index, advantage, length).
+    # Every trained sample in group order: (group index, sample index, advantage, length).
     samples = [
         (g, k, advantage, length)
         for g, group in enumerate(groups)
         for k, (advantage, length) in enumerate(
-            zip(group_advantages(group.rewards, trainer.advantage_std),
+            zip(group_advantages(training_rewards(group, trainer, max_new_tokens),
+                                 trainer.advantage_std),
                 group.sequence_lengths, strict=True))
+        if trained_sample(group, k, trainer)
     ]
     # Mini-batches: consecutive runs of whole groups, one optimizer update each.
     chunks = np.array_split(np.arange(len(groups)),
                             max(1, min(trainer.mini_batches, len(groups))))
+    trained = [sum(trained_sample(group, k, trainer) for k in range(group.num_samples))
+               for group in groups]
     plan = plan_step(
         [length for *_, length in samples],
         num_shards=num_shards,
         cap=trainer.micro_batch_tokens,
         cost_a=trainer.cost_a,
         cost_b=trainer.cost_b,
-        updates=[sum(groups[int(g)].num_samples for g in chunk) for chunk in chunks],
+        updates=[sum(trained[int(g)] for g in chunk) for chunk in chunks],
     )
     batches = []
     for shard in plan.shards:

@@ -11,7 +11,8 @@ with the evaluations due every ``run.eval_every`` steps running beside them
 worker takes a prompt, and replacing lost ones, is ``async_rl.control.rollout_pool``'s;
 which failures stop the run, ``async_rl.control.run_health``'s (a failed run still ends
 with a checkpoint and a summary). It also keeps the prompt ledger: every admitted
-prompt ends trained exactly once, or dropped/failed and re-queued with a reason. It sees
+prompt ends trained exactly once, dropped as filtered (rollout.filter_groups: its group had
+no signal), or dropped/failed and re-queued with a reason. It sees
 workers only through ``async_rl.control.protocols`` and groups only as metadata (the
 tokens stay with the workers). Knows nothing about Ray (``async_rl.shell.ray_shell``
 starts the workers and hands them in), how engines generate or shards compute, the
@@ -33,7 +34,7 @@ import anyio.abc
 
 from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.config import Config
-from async_rl.control.batching import shard_batches
+from async_rl.control.batching import shard_batches, training_rewards
 from async_rl.control.checkpoint import RunState, write_checkpoint
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.evaluation_runner import EvaluationRunner
@@ -55,6 +56,7 @@ from async_rl.run.progress import RunProgress
 from async_rl.run.run_dir import FINAL_MODEL, RunWriter
 from async_rl.run.summary import EvalPoint, RunSummary
 from async_rl.tasks.sources import PromptSource
+from buffers.advantages import has_signal
 from buffers.queue_records import Dropped
 from buffers.records import BroadcastTiming, Group, Prompt, UsageReading
 from buffers.replay_queue import ReplayQueue
@@ -117,7 +119,8 @@ class Orchestrator:
         weights are exactly ``self.version`` (a restarted engine starts from them)."""
         self.health = RunHealth(self.totals,
                                 max_nonfinite_steps=config.trainer.max_nonfinite_steps,
-                                stall_timeout_s=config.rollout.stall_timeout_s)
+                                stall_timeout_s=config.rollout.stall_timeout_s,
+                                max_filtered_in_a_row=config.rollout.max_filtered_in_a_row)
         self.prompts = PromptLedger(out, lambda: self.version)
         self.evals = EvalLog(every=config.run.eval_every, num_steps=config.run.num_steps)
         self.evaluations = EvaluationRunner(eval_prompts, self.evals, self.pool,
@@ -238,6 +241,8 @@ class Orchestrator:
                 group = await worker.generate(prompt)
             self.totals.generated(group)
             self.prompts.write(prompt, "generated")
+            if self._filtered(group):
+                return
             # The worker's slot stays taken until the queue has room: backpressure.
             await self.queue.put(group)
             self.health.progressed()
@@ -273,7 +278,8 @@ class Orchestrator:
                                                homogeneous=cfg.queue.homogeneous_take)
                 self.training.switch("training")
                 t1 = time.perf_counter()
-                batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step)
+                batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step,
+                                              max_new_tokens=cfg.rollout.max_new_tokens)
                 async with self.step_lock:
                     results = await each([
                         functools.partial(shard.train, batch)
@@ -290,7 +296,8 @@ class Orchestrator:
                 t2 = time.perf_counter()
                 staleness = [self.version - 1 - g.min_version for g in groups]
                 for group in groups:
-                    self.prompts.trained(group.prompt, version=self.version - 1)
+                    self.prompts.trained(group.prompt, version=self.version - 1,
+                                         rewards=group.rewards)
                 if self.version % cfg.weights.sync_every == 0:
                     self.training.switch("weight_publish", self.version)
                     to_deliver.send_nowait(await self.weights.publish(self.version))
@@ -433,6 +440,22 @@ class Orchestrator:
             model_dir = self.out.path / "restarts" / f"rollout-{rank}-v{self.version}"
             await self.trainers[0].save_policy(str(model_dir))
             return str(model_dir), self.version
+
+    def _filtered(self, group: Group) -> bool:
+        """rollout.filter_groups (DAPO's dynamic sampling): a group whose rewards, as its
+        advantages see them, are all equal is dropped before the queue, for good (the
+        ledger accounts it; it is not run again), and its admission slot goes to a fresh
+        prompt. Too many in a row stop the run (``RunHealth.judged``)."""
+        cfg = self.config
+        if cfg.rollout.filter_groups == "none":
+            return False
+        informative = has_signal(training_rewards(group, cfg.trainer,
+                                                  cfg.rollout.max_new_tokens))
+        if not informative:
+            self.gate.release()
+            self.prompts.filtered(group.prompt, group.rewards)
+        self.health.judged(informative)
+        return not informative
 
     def _on_drop(self, dropped: Dropped[Group]) -> None:
         self.totals.dropped(dropped.item)

@@ -1,10 +1,13 @@
 """The prompt ledger: every admitted prompt's life, and the prompts still owed a training.
 
 Owns: writing each event of a prompt to ``ledger.jsonl`` (admitted, generated, trained,
-dropped or failed and re-queued with a reason, unfinished at the end) and the two sets
+dropped or failed and re-queued with a reason, dropped for good as filtered, unfinished at
+the end) and the two sets
 behind the run's "nothing lost, nothing trained twice": the prompts admitted and not yet
 trained (``open``) and those waiting to run again (``requeued``, handed out before new
-ones). Knows nothing about the gate, the queue or workers: the orchestrator says what
+ones). A filtered prompt (its group had no GRPO signal, rollout.filter_groups) is
+accounted, not owed: it leaves ``open`` and is not re-queued, as DAPO samples more
+instead. Knows nothing about the gate, the queue or workers: the orchestrator says what
 happened.
 """
 
@@ -20,6 +23,9 @@ from async_rl.run.run_dir import RunWriter
 from async_rl.tasks.sources import PromptSource
 from buffers.records import LedgerEntry, Prompt
 
+FILTERED = "filtered"
+"""The reason of a final drop: rollout.filter_groups found the group without signal."""
+
 
 class PromptLedger:
     """A run's prompts in flight, owed, and their events; ``version`` labels each event."""
@@ -31,11 +37,11 @@ class PromptLedger:
         """Admitted and not yet trained or re-queued: in flight or in the queue."""
 
     def write(self, prompt: Prompt, event: str, *, reason: str = "",
-              version: int | None = None) -> None:
+              version: int | None = None, rewards: tuple[float, ...] = ()) -> None:
         self._out.ledger(LedgerEntry(
             prompt_id=prompt.prompt_id, event=event,
             version=self._version() if version is None else version,
-            attempt=prompt.attempt, reason=reason, time=time.time(),
+            attempt=prompt.attempt, reason=reason, time=time.time(), rewards=rewards,
         ))
 
     def admit(self, source: PromptSource) -> Prompt:
@@ -45,9 +51,14 @@ class PromptLedger:
         self.open[prompt.prompt_id] = prompt
         return prompt
 
-    def trained(self, prompt: Prompt, version: int) -> None:
+    def trained(self, prompt: Prompt, version: int, rewards: tuple[float, ...]) -> None:
         self.open.pop(prompt.prompt_id, None)
-        self.write(prompt, "trained", version=version)
+        self.write(prompt, "trained", version=version, rewards=rewards)
+
+    def filtered(self, prompt: Prompt, rewards: tuple[float, ...]) -> None:
+        """Its group had no signal: dropped (reason filtered) and done, not run again."""
+        self.open.pop(prompt.prompt_id, None)
+        self.write(prompt, "dropped", reason=FILTERED, rewards=rewards)
 
     def requeue(self, prompt: Prompt, event: str, reason: str) -> None:
         """``event`` (dropped, failed) and the prompt runs again, as its next attempt."""

@@ -2,7 +2,8 @@
 
 Owns: the failure classes' counting (``StepTotals.failures`` holds the counts), the rules
 that turn repeated or silent trouble into a named stop — trainer.max_nonfinite_steps
-non-finite steps in a row, no progress for rollout.stall_timeout_s — and, once a run
+non-finite steps in a row, rollout.max_filtered_in_a_row groups filtered in a row (no
+signal: rollout.filter_groups), no progress for rollout.stall_timeout_s — and, once a run
 fails, which trainer shards are still alive to write its checkpoint and the one line the
 user gets. Knows nothing about workers beyond the protocols' errors, nor about queues.
 """
@@ -38,10 +39,14 @@ class RunHealth:
     """See the module docstring."""
 
     def __init__(self, totals: StepTotals, *, max_nonfinite_steps: int,
-                 stall_timeout_s: float) -> None:
+                 stall_timeout_s: float, max_filtered_in_a_row: int) -> None:
         self.totals = totals
         self.max_nonfinite_steps = max_nonfinite_steps
         """trainer.max_nonfinite_steps."""
+        self.max_filtered_in_a_row = max_filtered_in_a_row
+        """rollout.max_filtered_in_a_row."""
+        self.filtered_in_a_row = 0
+        """Groups filtered since the last informative one."""
         self.stall_timeout_s = stall_timeout_s
         """rollout.stall_timeout_s."""
         self.last_progress = time.perf_counter()
@@ -52,6 +57,23 @@ class RunHealth:
     def progressed(self) -> None:
         """A group was generated or a step trained."""
         self.last_progress = time.perf_counter()
+
+    def judged(self, informative: bool) -> None:
+        """A group came back and rollout.filter_groups judged it: an uninformative one is
+        counted (filtered_groups). Raises ``RunFailed`` at rollout.max_filtered_in_a_row
+        in a row: a policy that scores every sample alike would otherwise generate
+        forever and never fill a step."""
+        self.progressed()
+        if informative:
+            self.filtered_in_a_row = 0
+            return
+        self.totals.filtered_groups += 1
+        self.filtered_in_a_row += 1
+        limit = self.max_filtered_in_a_row
+        if self.filtered_in_a_row >= limit:
+            raise RunFailed(f"{limit} groups in a row had rewards all equal and were "
+                            "filtered (rollout.filter_groups, rollout.max_filtered_in_a_row): "
+                            "the policy scores every sample alike, so no step can fill")
 
     def rollout_failed(self, failed: RolloutFailed) -> None:
         self.totals.rollout_failures += 1

@@ -43,6 +43,8 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     timeouts: int = 0
     stale_drops_by_length: tuple[BucketDrops, ...] = ()
     reward_timeouts: int = 0
+    groups_generated: int = 0
+    filtered_groups: int = 0
 
 
 class StepTotals:
@@ -65,6 +67,11 @@ class StepTotals:
         self.restore_failures = 0
         self.timeouts = 0
         self.reward_timeouts = 0
+        self.groups_generated = 0
+        self.filtered_groups = 0
+        """Groups dropped by rollout.filter_groups (no signal): done, not trained."""
+        self.row_mark = (0, 0)
+        """(groups_generated, filtered_groups) at the last metrics row."""
         self.nonfinite_in_a_row = 0
         """Non-finite steps since the last good one (trainer.max_nonfinite_steps)."""
         self.staleness: Counter[int] = Counter()
@@ -76,6 +83,7 @@ class StepTotals:
         """A group came back from a rollout worker (before it is queued)."""
         self.reward_failures += group.reward_failures
         self.reward_timeouts += group.reward_timeouts
+        self.groups_generated += 1
         self.generated_by_bucket[bucket_index(self.bucket_edges, group.num_tokens)] += 1
 
     def dropped(self, group: Group) -> None:
@@ -101,18 +109,27 @@ class StepTotals:
             staleness=dict(self.staleness), out_of_memory=self.out_of_memory,
             rollout_stalls=self.rollout_stalls, restore_failures=self.restore_failures,
             timeouts=self.timeouts, stale_drops_by_length=self.by_length(),
-            reward_timeouts=self.reward_timeouts)
+            reward_timeouts=self.reward_timeouts, groups_generated=self.groups_generated,
+            filtered_groups=self.filtered_groups)
 
     def restore(self, counters: Counters) -> None:
         for name in Counters.__struct_fields__:
             if name not in ("staleness", "stale_drops_by_length"):
                 setattr(self, name, getattr(counters, name))
         self.staleness = Counter(counters.staleness)
+        self.row_mark = (self.groups_generated, self.filtered_groups)
         saved = counters.stale_drops_by_length
         # Counts by other bucket edges (changed on resume) would be mislabelled here.
         if [(b.low, b.high) for b in saved] == [(b.low, b.high) for b in self.by_length()]:
             self.generated_by_bucket = [b.groups for b in saved]
             self.dropped_by_bucket = [b.dropped for b in saved]
+
+    def filtered_since_row(self) -> float:
+        """Filtered / generated groups since the last call (the last metrics row)."""
+        generated = self.groups_generated - self.row_mark[0]
+        filtered = self.filtered_groups - self.row_mark[1]
+        self.row_mark = (self.groups_generated, self.filtered_groups)
+        return filtered / generated if generated else 0.0
 
     def failures(self) -> dict[str, int]:
         """Every failure class with its count, as summary.json, the progress line and
@@ -165,6 +182,8 @@ class StepTotals:
             samples_to_target=reached.samples_trained if reached else None,
             evals=tuple(evals),
             stale_drops_by_length=self.by_length(),
+            groups_generated=self.groups_generated,
+            filtered_groups=self.filtered_groups,
         )
 
 
@@ -191,6 +210,7 @@ def step_row(
 ) -> dict[str, Any]:
     """One metrics row; also folds the step into ``totals``."""
     rewards = [r for g in groups for r in g.rewards]
+    finishes = [f for g in groups for f in g.finish_reasons]
     tokens = sum(g.num_tokens for g in groups)
     totals.groups_trained += len(groups)
     totals.samples_trained += sum(g.num_samples for g in groups)
@@ -214,6 +234,11 @@ def step_row(
         "grad_norm": results[0].grad_norm if results else 0.0,
         # Cumulative counts of the failure classes so far (the progress line shows them).
         "failures": {k: v for k, v in totals.failures().items() if v},
+        # DAPO's dynamic sampling (rollout.filter_groups): groups dropped for want of
+        # signal / groups generated since the last row.
+        "filtered_fraction": totals.filtered_since_row(),
+        # Completions cut at rollout.max_new_tokens (what trainer.overlong acts on).
+        "truncated_fraction": finishes.count("length") / len(finishes) if finishes else 0.0,
         "staleness_histogram": [histogram[s] for s in range(max(histogram, default=0) + 1)],
         "staleness_max": max(staleness, default=0),
         "groups": len(groups),

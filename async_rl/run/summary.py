@@ -108,4 +108,10 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     stale_drops_by_length: tuple[BucketDrops, ...] = ()
     """``dropped_stale`` split by token-length bucket, beside the groups generated there:
     drops fall on the slowest groups, which are the longest."""
+    groups_generated: int = 0
+    """Groups that came back from the rollout workers (a prompt that ran again counts
+    again), trained or not."""
+    filtered_groups: int = 0
+    """Of those, dropped by rollout.filter_groups (rewards all equal: no GRPO signal);
+    their prompts are done, neither trained nor run again."""
 

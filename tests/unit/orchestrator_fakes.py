@@ -245,10 +245,13 @@ def ledger(path: Path) -> dict[str, list[dict[str, object]]]:
 
 
 def trained_once_or_unfinished(events: dict[str, list[dict[str, object]]]) -> Counter[str]:
-    """Every prompt's last event is trained or unfinished, and none is trained twice."""
+    """Every prompt's last event is trained, unfinished or a drop as filtered (final:
+    rollout.filter_groups), and none is trained twice."""
     assert events
     for prompt_id, history in events.items():
         kinds = [e["event"] for e in history]
         assert kinds.count("trained") <= 1, prompt_id
-        assert kinds[-1] in ("trained", "unfinished"), (prompt_id, kinds)
+        last = history[-1]
+        assert (last["event"] in ("trained", "unfinished")
+                or (last["event"], last["reason"]) == ("dropped", "filtered")), (prompt_id, kinds)
     return Counter(str(e["event"]) for h in events.values() for e in h)

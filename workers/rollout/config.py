@@ -6,7 +6,7 @@ sections (``async_rl.config`` checks the rules that tie sections together).
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -46,6 +46,18 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     stall_timeout_s: PositiveFloat = 900.0
     """Longest the run may go with no group generated and no step trained: past it the
     run stops as a rollout stall (checkpoint, one line, exit 1) instead of hanging."""
+    filter_groups: Literal["none", "zero_variance"] = "none"
+    """DAPO's dynamic sampling. zero_variance: a group whose rewards (as its advantages
+    see them, after trainer.overlong's penalty) are all equal has no GRPO signal; it is
+    dropped before the queue and a fresh prompt is admitted in its place, so every step
+    trains informative groups only. The dropped prompt is done, not run again (ledger:
+    dropped, reason filtered), counted in summary.json (filtered_groups) and per step
+    (filtered_fraction in metrics.jsonl). none: every group is trained."""
+    max_filtered_in_a_row: Positive = 512
+    """With filter_groups = "zero_variance": this many groups filtered in a row, with no
+    informative one between, stop the run (checkpoint, one line, exit 1) instead of
+    generating forever: the policy scores every sample alike (a task it always solves,
+    or never does)."""
     prefix_caching: bool = False
     """vLLM prefix caching. With it, an in-flight update clears the cache, so running
     requests recompute their KV under the new weights; without it they keep the old KV

@@ -12,9 +12,10 @@ from typing import Annotated, Literal
 import msgspec
 
 from buffers.advantages import AdvantageStd
-from buffers.config import Positive, PositiveFloat, invalid
+from buffers.config import NonNegative, Positive, PositiveFloat, invalid
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
+Overlong = Literal["keep", "mask", "penalty"]
 
 
 class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -72,6 +73,19 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     averaged over sequences (the original GRPO). seq_mean_token_sum_norm: each sequence's
     token sum / rollout.max_new_tokens, averaged over sequences (Dr. GRPO). Every count
     is global: all micro-batches and all shards of the update."""
+    overlong: Overlong = "keep"
+    """Completions cut at rollout.max_new_tokens (finish_reason "length"). keep: trained
+    like any other. mask: DAPO's overlong filtering: no loss on them (they are left out
+    of the step's micro-batches, so their tokens are neither trained nor counted in the
+    loss normaliser), though their rewards still count in their group's advantages.
+    penalty: DAPO's soft overlong punishment, added to every completion's reward before
+    advantages (and before rollout.filter_groups looks at them): 0 up to
+    max_new_tokens - overlong_buffer tokens, then falling linearly to -1 at
+    max_new_tokens."""
+    overlong_buffer: NonNegative = 0
+    """DAPO's L_cache: the last this many tokens before rollout.max_new_tokens over which
+    trainer.overlong = "penalty" falls from 0 to -1; required there (1 to max_new_tokens
+    - 1), unused otherwise."""
     cost_a: Annotated[float, msgspec.Meta(ge=0)] = 1.0
     """Balancing cost per token (cost = a*L + b*L^2)."""
     cost_b: Annotated[float, msgspec.Meta(ge=0)] = 0.0
