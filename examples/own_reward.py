@@ -1,11 +1,15 @@
 """Your own job from a script: a dataset file, a TRL-style reward, the Python API.
 
 Writes a small Parquet file of arithmetic questions with its own column names
-(``question``, ``answer``), then runs async GRPO on it with the CPU default's settings,
-the small local model's chat template and a reward written as for TRL's GRPOTrainer.
+(``question``, ``answer``), then runs async GRPO on it with the CPU default's settings
+and a reward written as for TRL's GRPOTrainer.
 
     async-rl make-model --size small --out runs/small-model   # once (or: make demo)
-    python examples/own_reward.py [--steps 20]
+    python examples/own_reward.py [--steps 20] [--chat-template]
+
+``--chat-template`` renders the prompts with the tokenizer's chat template (the reward
+then gets completions as message lists, as TRL passes them). The small local model was
+warm-started on raw prompts, so it starts from a lower accuracy with the template.
 
 The ``if __name__ == "__main__":`` guard is required: sync rewards run in a pool of
 processes, which import this file again.
@@ -27,8 +31,8 @@ DATA = Path("runs/own-reward-data/train.parquet")
 
 def correctness(prompts: list[object], completions: list[object], answer: list[str],
                 **kwargs: object) -> list[float]:
-    """TRL style: one call per group; completions are message lists with chat templates
-    on (``[{"role": "assistant", "content": ...}]``), as TRL passes them."""
+    """TRL style: one call per group; completions are text, or message lists with chat
+    templates on (``[{"role": "assistant", "content": ...}]``), as TRL passes them."""
     scores = []
     for completion, expected in zip(completions, answer, strict=True):
         text = completion[0]["content"] if isinstance(completion, list) else str(completion)
@@ -59,12 +63,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="runs/own-reward")
+    parser.add_argument("--chat-template", action="store_true")
     args = parser.parse_args()
     data = write_dataset(DATA)
     config = async_rl.load_config("examples/cpu_default.toml", overrides={
         "task.kind": "dataset", "task.path": str(data), "task.prompt_key": "question",
         "task.answer_key": "answer", "task.eval_fraction": 0.05, "task.eval_size": 64,
-        "task.chat_template": True,
+        "task.chat_template": args.chat_template,
         "run.num_steps": args.steps, "run.eval_every": 0, "run.output_dir": args.out,
     })
     summary = async_rl.train(config, rewards=[correctness], overwrite=True)
