@@ -6,6 +6,7 @@ and a reward written as for TRL's GRPOTrainer.
 
     async-rl make-model --size small --out runs/small-model   # once (or: make demo)
     python examples/own_reward.py [--steps 20] [--chat-template]
+    python examples/own_reward.py --data-only   # then: async-rl train examples/own_dataset.toml
 
 ``--chat-template`` renders the prompts with the tokenizer's chat template (the reward
 then gets completions as message lists, as TRL passes them). The small local model was
@@ -64,8 +65,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="runs/own-reward")
     parser.add_argument("--chat-template", action="store_true")
+    parser.add_argument("--data-only", action="store_true",
+                        help="write the Parquet file (for examples/own_dataset.toml) and stop")
     args = parser.parse_args()
     data = write_dataset(DATA)
+    if args.data_only:
+        print(f"wrote {data}")
+        return
     config = async_rl.load_config("examples/cpu_default.toml", overrides={
         "task.kind": "dataset", "task.path": str(data), "task.prompt_key": "question",
         "task.answer_key": "answer", "task.eval_fraction": 0.05, "task.eval_size": 64,
