@@ -65,6 +65,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--out", default="runs/own-reward")
     parser.add_argument("--chat-template", action="store_true")
+    parser.add_argument("--model", default="runs/small-model", help="directory or hub id")
     parser.add_argument("--data-only", action="store_true",
                         help="write the Parquet file (for examples/own_dataset.toml) and stop")
     args = parser.parse_args()
@@ -75,7 +76,7 @@ def main() -> None:
     config = async_rl.load_config("examples/cpu_default.toml", overrides={
         "task.kind": "dataset", "task.path": str(data), "task.prompt_key": "question",
         "task.answer_key": "answer", "task.eval_fraction": 0.05, "task.eval_size": 64,
-        "task.chat_template": args.chat_template,
+        "task.chat_template": args.chat_template, "model.path": args.model,
         "run.num_steps": args.steps, "run.eval_every": 0, "run.output_dir": args.out,
     })
     summary = async_rl.train(config, rewards=[correctness], overwrite=True)

@@ -54,6 +54,10 @@ BENIGN_WARNINGS = (
            "OpenMP for speed, not correctness. workers.rollout.engine.preload_cpu_libs "
            "preloads them where they are installed; docs/operations.md says how to get "
            "them."),
+    Benign(re.compile(r"\[shutdown\] Process manager: force killing remaining process"),
+           "At the end of a run the rollout worker stops its engine and is then killed "
+           "itself: an engine core still tearing down when vLLM's shutdown wait ends is "
+           "killed a moment early, with nothing left to lose."),
 )
 """The one place that keeps warnings off the console, each with why it is benign."""
 
