@@ -10,7 +10,8 @@ with the evaluations due every ``run.eval_every`` steps running beside them
 (``async_rl.control.evaluation_runner``), then save and evaluate again. Which rollout
 worker takes a prompt, and replacing lost ones, is ``async_rl.control.rollout_pool``'s;
 which failures stop the run, ``async_rl.control.run_health``'s (a failed run still ends
-with a checkpoint and a summary). It also keeps the prompt ledger: every admitted
+with a checkpoint and a summary); reading the workers' usage and spans,
+``async_rl.control.worker_readings``'. It also keeps the prompt ledger: every admitted
 prompt ends trained exactly once, dropped as filtered (rollout.filter_groups: its group had
 no signal), or dropped/failed and re-queued with a reason. It sees
 workers only through ``async_rl.control.protocols`` and groups only as metadata (the
@@ -40,7 +41,6 @@ from async_rl.control.evaluation import EvalLog
 from async_rl.control.evaluation_runner import EvaluationRunner
 from async_rl.control.prompt_ledger import PromptLedger
 from async_rl.control.protocols import (
-    ObservedWorker,
     PublishedWeights,
     RolloutClient,
     RolloutFailed,
@@ -52,13 +52,14 @@ from async_rl.control.protocols import (
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.run_health import RunHealth
 from async_rl.control.step_metrics import StepTotals, step_row
+from async_rl.control.worker_readings import WorkerReadings
 from async_rl.run.progress import RunProgress
 from async_rl.run.run_dir import FINAL_MODEL, RunWriter
 from async_rl.run.summary import EvalPoint, RunSummary
 from async_rl.tasks.sources import PromptSource
 from buffers.advantages import has_signal
 from buffers.queue_records import Dropped
-from buffers.records import BroadcastTiming, Group, Prompt, UsageReading
+from buffers.records import BroadcastTiming, Group, Prompt
 from buffers.replay_queue import ReplayQueue
 from buffers.staleness import AdmissionGate
 from workers.spans import SpanRecorder
@@ -126,6 +127,7 @@ class Orchestrator:
         self.evaluations = EvaluationRunner(eval_prompts, self.evals, self.pool,
                                             self.health, out, evaluator=workers.evaluator,
                                             source=self.trainers[0])
+        self.readings = WorkerReadings(self.pool, self.trainers, self.health)
         self.timings: list[BroadcastTiming] = []
         """Broadcast timings completed since the last metrics row."""
         record = config.run.record_spans
@@ -167,7 +169,7 @@ class Orchestrator:
         # Idle accounting covers the training window only: drop setup and evaluation.
         self.admission.flush()
         self.training.flush()
-        usage_first = await self.read_usage()
+        usage_first = await self.readings.usage()
         background.start_soon(self.evaluations.due_loop)
         background.start_soon(self.health.stall_watch, lambda: len(self.pool))
         with RunProgress(self.config.run.num_steps, enabled=self.config.run.progress) as bar:
@@ -178,17 +180,14 @@ class Orchestrator:
         self.health.watching = False
         wall_s = time.perf_counter() - started
         self.evals.training_ended()
-        rollout_versions = [v for _, v in await self._from_rollout(lambda w: w.version())]
+        rollout_versions = await self.readings.rollout_versions()
         self.prompts.close()
         self.admission.switch("no_work")
         self.training.switch("no_work")
-        usage_last = await self.read_usage()
-        await self.write_spans()
-        # The CPU-time check divides by the cores each shard computes with.
-        cores = {t.name: await t.mean_cores() for t in self.trainers}
-        self.out.usage({name: {"first": usage_first[name], "last": reading,
-                               "cores": cores.get(name, 1.0)}
-                        for name, reading in usage_last.items() if name in usage_first})
+        self.out.usage(await self.readings.usage_since(usage_first))
+        if self.config.run.record_spans:
+            self.out.spans(self.admission.flush() + self.training.flush()
+                           + await self.readings.spans())
         # Evaluations still due finish (after the training window was recorded).
         await self.evaluations.over.wait()
         await self.checkpoint(wall_s)
@@ -395,41 +394,6 @@ class Orchestrator:
         self.totals.restore_failures += refused
         self.evals.points.extend(state.evals)
         self.prompts.reissue(state.reissue)
-
-    # ---- observation -------------------------------------------------------------------
-
-    async def _from_rollout(self, call: Callable[[RolloutClient], Awaitable[T]]
-                            ) -> list[tuple[RolloutClient, T]]:
-        """``call`` on every live rollout worker; a worker found lost is retired and left
-        out (its figures go with it), as during training."""
-        found: list[tuple[RolloutClient, T]] = []
-        for rank, worker in self.pool.workers.items():
-            try:
-                found.append((worker, await call(worker)))
-            except RolloutFailed as failed:
-                self.health.rollout_failed(failed)
-                if failed.worker_gone:
-                    self.pool.retire(rank, worker, failed.reason)
-        return found
-
-    async def _from_every(self, call: Callable[[ObservedWorker], Awaitable[T]]
-                          ) -> dict[str, T]:
-        """``call`` on every live rollout worker and every trainer shard, by name."""
-        rollout = {w.name: value for w, value in await self._from_rollout(call)}
-        return rollout | {t.name: await call(t) for t in self.trainers}
-
-    async def read_usage(self) -> dict[str, UsageReading]:
-        """Each live worker's CPU-time (and NVML) counters, keyed by worker name."""
-        return await self._from_every(lambda w: w.usage())
-
-    async def write_spans(self) -> None:
-        """Gathers the orchestrator's and every worker's spans and stores them."""
-        if not self.config.run.record_spans:
-            return
-        spans = self.admission.flush() + self.training.flush()
-        for worker_spans in (await self._from_every(lambda w: w.spans())).values():
-            spans += worker_spans
-        self.out.spans(spans)
 
     # ---- workers lost, prompts re-queued -------------------------------------------------
 

@@ -1,0 +1,70 @@
+"""Reading what the live workers measured: usage counters, spans, engine versions.
+
+Owns: ``WorkerReadings``, the orchestrator's reads of every live worker at the edges of
+the training window (CPU-time and NVML counters for the cross-check, spans for idle
+accounting, the versions the engines end on). A rollout worker found lost while being
+read is retired and left out, its figures with it, as during training; trainer shards
+are read as they are (a lost shard has already failed the run). Knows nothing about the
+run's loops or what the readings mean.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+from async_rl.control.protocols import ObservedWorker, RolloutClient, RolloutFailed, TrainerClient
+from async_rl.control.rollout_pool import RolloutPool
+from async_rl.control.run_health import RunHealth
+from buffers.records import UsageReading
+from workers.spans import Span
+
+T = TypeVar("T")
+
+
+class WorkerReadings:
+    """See the module docstring."""
+
+    def __init__(self, pool: RolloutPool, trainers: Sequence[TrainerClient],
+                 health: RunHealth) -> None:
+        self._pool, self._trainers, self._health = pool, trainers, health
+
+    async def from_rollout(self, call: Callable[[RolloutClient], Awaitable[T]]
+                           ) -> list[tuple[RolloutClient, T]]:
+        """``call`` on every live rollout worker, with the worker it came from."""
+        found: list[tuple[RolloutClient, T]] = []
+        for rank, worker in self._pool.workers.items():
+            try:
+                found.append((worker, await call(worker)))
+            except RolloutFailed as failed:
+                self._health.rollout_failed(failed)
+                if failed.worker_gone:
+                    self._pool.retire(rank, worker, failed.reason)
+        return found
+
+    async def from_every(self, call: Callable[[ObservedWorker], Awaitable[T]]
+                         ) -> dict[str, T]:
+        """``call`` on every live rollout worker and every trainer shard, by name."""
+        rollout = {w.name: value for w, value in await self.from_rollout(call)}
+        return rollout | {t.name: await call(t) for t in self._trainers}
+
+    async def usage(self) -> dict[str, UsageReading]:
+        """Each live worker's CPU-time (and NVML) counters, keyed by worker name."""
+        return await self.from_every(lambda w: w.usage())
+
+    async def usage_since(self, first: dict[str, UsageReading]) -> dict[str, Any]:
+        """usage.json: each worker read at both ends of the window, with the cores a
+        trainer shard computes with (the CPU-time check divides by them)."""
+        last = await self.usage()
+        cores = {t.name: await t.mean_cores() for t in self._trainers}
+        return {name: {"first": first[name], "last": reading, "cores": cores.get(name, 1.0)}
+                for name, reading in last.items() if name in first}
+
+    async def spans(self) -> list[Span]:
+        """Every live worker's recorded spans."""
+        return [span for spans in (await self.from_every(lambda w: w.spans())).values()
+                for span in spans]
+
+    async def rollout_versions(self) -> list[int]:
+        """The policy version each live rollout engine runs."""
+        return [version for _, version in await self.from_rollout(lambda w: w.version())]
