@@ -27,12 +27,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
-from quiet_stdout import stdout_to_stderr
+from quiet_stdout import add_run_options, show, stdout_to_stderr
 from rich.console import Console
 from rich.table import Table
 
 from async_rl.config import Config
 from async_rl.config_io import decode_config, load_config
+from async_rl.run.inputs import check_inputs
 from async_rl.run.summary import RunSummary
 from buffers.config import ConfigError
 
@@ -117,21 +118,17 @@ def print_result(result: Result, console: Console) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
-    parser.add_argument("--config", default="examples/cpu_longtail.toml")
-    parser.add_argument("--steps", type=int, default=30, help="optimizer steps per run")
+    add_run_options(parser, config="examples/cpu_longtail.toml", steps=30,
+                    out_dir="runs/bench-filter-groups")
     parser.add_argument("--repeats", type=int, default=1,
                         help="runs of each arm, alternating (2: ABAB)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="SECTION.KEY=VALUE", help="config override (repeatable)")
-    parser.add_argument("--out-dir", default="runs/bench-filter-groups")
-    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
 
     from async_rl.shell.ray_shell import run_training
 
     with stdout_to_stderr(args.json):
         try:
-            base = load_config(args.config, args.overrides)
+            base = check_inputs(load_config(args.config, args.overrides))
             plan = [(run_config(base, arm, repeat, args.steps, Path(args.out_dir)), repeat)
                     for repeat in range(1, args.repeats + 1) for arm in ARMS]
         except ConfigError as err:
@@ -141,11 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result = Result(config=args.config, steps=args.steps, overrides=tuple(args.overrides),
                     runs=runs, accuracy_ratio=ratio(runs, "accuracy_end"),
                     groups_per_s_ratio=ratio(runs, "groups_per_s"))
-    if args.json:
-        print(msgspec.json.encode(result).decode())
-    else:
-        console = Console()
-        print_result(result, console if console.is_terminal else Console(width=160))
+    show(result, args.json, print_result)
     return 0
 
 

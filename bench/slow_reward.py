@@ -24,13 +24,14 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
-from quiet_stdout import stdout_to_stderr
+from quiet_stdout import add_run_options, show, stdout_to_stderr
 from rich.console import Console
 from rich.table import Table
 from sync_vs_async import RoleFigures, measure, role_figures
 
 from async_rl.config import Config
 from async_rl.config_io import decode_config, load_config
+from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import USAGE
 from buffers.config import ConfigError
 from workers.spans import IDLE
@@ -120,30 +121,22 @@ def print_figures(figures: Sequence[RunFigures], console: Console) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
-    parser.add_argument("--config", default="examples/cpu_default.toml")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
+    add_run_options(parser, config="examples/cpu_default.toml", steps=20,
+                    out_dir="runs/bench-slow-reward")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 2])
     parser.add_argument("--rewards", nargs="+", default=list(REWARDS), choices=REWARDS,
                         help="in this order at each bound; instant is the baseline")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="SECTION.KEY=VALUE", help="config override (repeatable)")
-    parser.add_argument("--out-dir", default="runs/bench-slow-reward")
-    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     with stdout_to_stderr(args.json):
         try:
-            base = load_config(args.config, args.overrides)
+            base = check_inputs(load_config(args.config, args.overrides))
             for eta in args.staleness:  # every config is checked before the first run
                 run_config(base, args.rewards[0], eta, args.steps, Path(args.out_dir))
         except ConfigError as err:
             print(str(err), file=sys.stderr)
             return 2
         figures = run_all(base, args.rewards, args.staleness, args.steps, Path(args.out_dir))
-    if args.json:
-        print(msgspec.json.encode(figures).decode())
-    else:
-        console = Console()
-        print_figures(figures, console if console.is_terminal else Console(width=160))
+    show(figures, args.json, print_figures)
     return 0
 
 

@@ -41,7 +41,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
-from quiet_stdout import stdout_to_stderr
+from quiet_stdout import add_run_options, show, stdout_to_stderr
 from rich.console import Console
 from rich.table import Table
 
@@ -249,14 +249,10 @@ def print_result(result: Result, console: Console) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
-    parser.add_argument("--config", default="examples/cpu_default.toml")
-    parser.add_argument("--steps", type=int, default=20, help="optimizer steps per run")
+    add_run_options(parser, config="examples/cpu_default.toml", steps=20,
+                    out_dir="runs/bench-sync-vs-async")
     parser.add_argument("--staleness", type=int, nargs="+", default=[0, 1, 2],
                         help="max_staleness values, one run each, in this order")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="SECTION.KEY=VALUE", help="config override (repeatable)")
-    parser.add_argument("--out-dir", default="runs/bench-sync-vs-async")
-    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
 
     # Workers' logs and the controller's tables go to stdout: with --json they go to
@@ -271,12 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         measured = [(config, *measure(config)) for config in configs]
         result = analyse(measured, args.config, args.steps, args.overrides)
-    if args.json:
-        print(msgspec.json.encode(result).decode())
-    else:
-        console = Console()
-        # Piped to a file rich assumes 80 columns, which folds the table: widen it.
-        print_result(result, console if console.is_terminal else Console(width=160))
+    show(result, args.json, print_result)
     return 0
 
 if __name__ == "__main__":
