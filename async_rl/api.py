@@ -21,7 +21,7 @@ Example (``my_job.py``)::
         config = async_rl.load_config("examples/cpu_default.toml",
                                       overrides={"run.num_steps": 3})
         summary = async_rl.train(config, rewards=[correctness, (short, 0.2)])
-        print(summary.accuracy_start, summary.accuracy_end)
+        # summary.accuracy_start, summary.accuracy_end: held-out accuracy before, after
 """
 
 from __future__ import annotations
