@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from async_rl.config import TaskConfig
-from async_rl.tasks.sources import IndexedSource
+from async_rl.tasks.sources import IndexedSource, PassOrder
 from buffers.config import ConfigError
 from buffers.records import Prompt
 from workers.rollout.prompts import PromptFormat, prompt_tokens
@@ -178,11 +178,10 @@ class DatasetPromptSource(IndexedSource):
         if not train:
             raise ValueError("a dataset source needs at least one training row")
         self._rows, self._train = rows, tuple(train)
-        self._name, self._seed = name, seed
+        self._name = name
         self._fingerprint = fingerprint
         self._next_index = 0
-        self._order_pass = -1
-        self._order: list[int] = []
+        self._order = PassOrder(len(self._train), name=name, seed=seed)
         self.refused_too_long = refused_too_long
         """Rows (training and held-out) refused: their prompt cannot fit the context."""
 
@@ -199,19 +198,11 @@ class DatasetPromptSource(IndexedSource):
         """Training rows (one pass)."""
         return len(self._train)
 
-    def _row(self, index: int) -> int:
-        epoch, offset = divmod(index, len(self._train))
-        if epoch != self._order_pass:
-            self._order = list(range(len(self._train)))
-            random.Random(f"{self._name}/{self._seed}/{epoch}").shuffle(self._order)
-            self._order_pass = epoch
-        return self._train[self._order[offset]]
-
     def prompt_at(self, index: int) -> Prompt:
         """The prompt at ``index``, without moving the cursor."""
         if index < 0:
             raise ValueError(f"prompt index must be >= 0, got {index}")
-        return self._rows.prompt(self._row(index), f"{self._name}-{index}")
+        return self._rows.prompt(self._train[self._order.row(index)], f"{self._name}-{index}")
 
 
 @dataclass(frozen=True)

@@ -87,6 +87,27 @@ class IndexedSource:
         self._next_index = state.next_index
 
 
+class PassOrder:
+    """Which of ``size`` rows prompt ``i`` is, cycling through them pass after pass: in
+    order, or (``shuffle``) each pass ``p`` in a permutation drawn from
+    ``random.Random("<name>/<seed>/<p>")``, the current pass's kept."""
+
+    def __init__(self, size: int, *, name: str, seed: int, shuffle: bool = True) -> None:
+        self._size, self._name, self._seed, self._shuffle = size, name, seed, shuffle
+        self._pass = -1
+        self._order: list[int] = []
+
+    def row(self, index: int) -> int:
+        epoch, offset = divmod(index, self._size)
+        if not self._shuffle:
+            return offset
+        if epoch != self._pass:
+            self._order = list(range(self._size))
+            random.Random(f"{self._name}/{self._seed}/{epoch}").shuffle(self._order)
+            self._pass = epoch
+        return self._order[offset]
+
+
 # ---------------------------------------------------------------------------------------
 # Arithmetic
 
@@ -276,11 +297,8 @@ class JsonlPromptSource(IndexedSource):
         self._path = Path(path)
         self._rows = read_prompt_file(self._path)
         self._name = name if name is not None else self._path.stem
-        self._shuffle = shuffle
-        self._seed = seed
+        self._order = PassOrder(len(self._rows), name=self._name, seed=seed, shuffle=shuffle)
         self._next_index = 0
-        self._order_pass = -1
-        self._order: list[int] = []
         digest = hashlib.sha256(self._path.read_bytes()).hexdigest()[:16]
         self._fingerprint = (
             f"jsonl:name={self._name}:file={self._path.name}:sha256={digest}"
@@ -295,20 +313,10 @@ class JsonlPromptSource(IndexedSource):
         """Records in the file (one pass)."""
         return len(self._rows)
 
-    def _row_index(self, index: int) -> int:
-        epoch, offset = divmod(index, len(self._rows))
-        if not self._shuffle:
-            return offset
-        if epoch != self._order_pass:
-            self._order = list(range(len(self._rows)))
-            random.Random(f"{self._name}/{self._seed}/{epoch}").shuffle(self._order)
-            self._order_pass = epoch
-        return self._order[offset]
-
     def prompt_at(self, index: int) -> Prompt:
         """The prompt at ``index``, without moving the cursor."""
         if index < 0:
             raise ValueError(f"prompt index must be >= 0, got {index}")
-        text, answer = self._rows[self._row_index(index)]
+        text, answer = self._rows[self._order.row(index)]
         return Prompt(prompt_id=f"{self._name}-{index}", text=text, answer=answer)
 
