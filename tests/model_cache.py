@@ -12,8 +12,10 @@ new key, so a stale model is never reused. A build runs in a child process (see
 concurrent sessions neither collide nor see a half-written model. A manifest of file
 hashes, checked on every reuse, gets a model that a test modified rebuilt, not trusted.
 
-Where: ``$ASYNC_RL_TEST_CACHE`` if set, else ``<repo>/runs/.test-models`` (``runs/`` is
-git-ignored; ``make clean`` removes it). Builds no session used for two weeks are removed
+Where: ``$ASYNC_RL_TEST_CACHE`` if set, else ``$XDG_CACHE_HOME/async-rl/test-models``
+(``~/.cache`` when unset): outside the checkout, so a fresh clone reuses the models an
+earlier clone of the same builder code made, as a hub cache would (the key, not the
+path, decides reuse). Builds no session used for two weeks are removed
 when another is built. Knows nothing about pytest.
 """
 
@@ -54,7 +56,10 @@ FORMAT = 1
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or REPO / "runs" / ".test-models")
+    if os.environ.get(CACHE_ENV):
+        return Path(os.environ[CACHE_ENV])
+    user_cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(user_cache) / "async-rl" / "test-models"
 
 
 def _module_file(name: str) -> Path | None:
