@@ -4,8 +4,9 @@ Owns: ``check_inputs`` (the model is a Hugging Face model, in a local directory 
 hub cache: ``async_rl.run.model_source``; the prompt file or dataset reads and has the
 columns the task names; the tokenizer has the chat template the task asks for; the
 task's own reward functions, named in task.rewards or passed as callables, import and
-can take a completion on those columns; task.eval_reward names one; the optional
-loggers are installed), raising ``ConfigError`` with one line. Used by
+can take a completion on those columns; task.eval_reward names one; the environment
+class of task.environment imports and has its methods; the optional loggers are
+installed), raising ``ConfigError`` with one line. Used by
 ``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl sweep``
 before it is launched.
 """
@@ -21,6 +22,7 @@ from async_rl.config import Config
 from async_rl.run.loggers import check_installed
 from async_rl.run.model_source import resolve_model_path
 from buffers.config import ConfigError
+from workers.environment import environment_class
 from workers.reward_callable import Reward, check_function
 from workers.reward_spec import DEFAULT_COLUMNS, load_reward, reward_name, unique_names
 
@@ -40,6 +42,8 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
     if config.task.chat_template:
         check_chat_template(config)
     check_rewards(config, columns)
+    if config.task.environment.enabled:
+        environment_class(config.task.environment)  # ConfigError naming its class
     for index, reward in enumerate(rewards):
         check_function(reward, index=index, columns=columns)  # naming rewards[i]
     if config.task.kind == "jsonl":
