@@ -6,9 +6,9 @@ class of ``workers.environment``), ``import_reward`` (the callable a spec names)
 ``load_reward`` (that, checked: it must be able to take a completion), ``reward_style``
 (the calling convention, TRL, verl or per-sample, guessed from the parameters unless
 forced), ``Parameters`` (what a callable accepts, for binding its arguments) and the
-metric names of several rewards (``unique_names``). A bad spec is a ``ConfigError`` of one line naming the key. Knows
-nothing about how rewards are called or where they run (``workers.reward_calls``,
-``workers.reward_runner``).
+metric names of several rewards (``unique_names``). A bad spec is a ``ConfigError`` of
+one line naming the key. Knows nothing about how rewards are called or where they run
+(``workers.reward_calls``, ``workers.reward_runner``).
 """
 
 from __future__ import annotations
