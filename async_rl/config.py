@@ -225,6 +225,10 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 f"must be >= rollout.max_new_tokens ({self.rollout.max_new_tokens})",
             )
         env = self.task.environment
+        if env.enabled and self.run.eval_on == "idle_cpu":
+            raise invalid("run.eval_on", self.run.eval_on,
+                          'the idle-CPU evaluator generates single-turn: use "rollout" '
+                          "with task.environment")
         if env.enabled and env.max_trajectory_tokens > self.trainer.micro_batch_tokens:
             raise invalid("task.environment.max_trajectory_tokens", env.max_trajectory_tokens,
                           f"must be <= trainer.micro_batch_tokens "

@@ -139,6 +139,11 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     """Scores lost to a reward call past task.reward_timeout_s (they count 0)."""
     reward_means: dict[str, float] = {}
     """Per reward of the task's own (task.rewards): its mean over the group, unweighted."""
+    env_timeouts: int = 0
+    """Multi-turn trajectories ended by an environment call past
+    task.environment.turn_timeout_s (they score 0)."""
+    env_errors: int = 0
+    """Multi-turn trajectories ended by an environment that raised (they score 0)."""
     min_version: int
     """Oldest policy version of any token in the group (staleness is measured from it)."""
     max_version: int
@@ -184,6 +189,7 @@ def make_group(
         raise ValueError(f"group for prompt {prompt.prompt_id!r} has no samples")
     lengths = tuple(len(s.token_ids) for s in samples)
     masked = any(s.loss_mask for s in samples)
+    versioned = [s for s in samples if any(v != NO_VERSION for v in s.versions)] or samples
     tokens = GroupTokens(
         prompt_token_ids=np.asarray(prompt_token_ids, dtype=np.int32),
         completion_token_ids=np.fromiter(
@@ -207,8 +213,11 @@ def make_group(
                          else reward_failures),
         reward_timeouts=reward_timeouts,
         reward_means=dict(reward_means or {}),
-        min_version=min(s.min_version for s in samples),
-        max_version=max(s.max_version for s in samples),
+        # A sample without a policy token (a trajectory whose reset failed) has no version.
+        min_version=min(s.min_version for s in versioned),
+        max_version=max(s.max_version for s in versioned),
+        env_timeouts=sum(s.env_outcome == "timeout" for s in samples),
+        env_errors=sum(s.env_outcome == "error" for s in samples),
         num_tokens=sum(lengths) + len(prompt_token_ids) * len(samples),
         rollout_rank=rollout_rank,
         finished_at=finished_at,
