@@ -45,6 +45,7 @@ def test_the_environment_table_round_trips_and_takes_three_part_overrides(
     ('stop = [""]', "task.environment.stop"),
     ("max_trajectory_tokens = 5000", "task.environment.max_trajectory_tokens"),
     ('on_timeout = "retry"', "task.environment.on_timeout"),
+    ('[run]\neval_on = "idle_cpu"', "run.eval_on"),
 ])
 def test_a_bad_environment_key_is_one_line_naming_it(tmp_path: Path, line: str,
                                                      key: str) -> None:

@@ -204,3 +204,38 @@ def test_a_group_s_environments_run_side_by_side() -> None:
     _, samples = play(turns, FakeEngine(), size=8)
     assert [s.reward for s in samples] == [1.0] * 8
     assert time.perf_counter() - began < 8 * 0.3 / 2
+
+
+def test_with_the_chat_template_an_observation_is_a_tool_turn() -> None:
+    from async_rl.models.tiny_model import build_tokenizer
+    from workers.rollout.prompts import observation_ids
+
+    tokenizer = build_tokenizer()
+    chat = PromptFormat(chat_template=True)
+    turn = tokenizer.decode(observation_ids(tokenizer, "<result>14</result>", chat))
+    assert turn == "</s>\n<|tool|><result>14</result>\n<|assistant|>"
+    after_eos = observation_ids(tokenizer, "<result>14</result>", chat, after_eos=True)
+    assert tokenizer.decode(after_eos) == "\n<|tool|><result>14</result>\n<|assistant|>"
+    assert tokenizer.decode(observation_ids(tokenizer, "+1;", PromptFormat())) == "+1;"
+
+
+def test_the_task_s_own_rewards_add_to_the_environment_s() -> None:
+    from workers.reward_runner import UserRewards
+    from workers.rollout.scoring import Scorer
+
+    def digits(prompt: str, completion: str) -> float:
+        return 1.0 if any(c.isdigit() for c in completion) else 0.0
+
+    played = [Sample(token_ids=(1,), logprobs=(-0.1,), versions=(0,), finish_reason="stop",
+                     text=text, reward=0.5, env_outcome="done") for text in ("7", "x")]
+    alone = Scorer(lambda prompt, text: 9.0)  # the built-in reward does not apply
+    assert [s.reward for s in asyncio.run(alone.score_trajectories(PROMPT, played)).samples
+            ] == [0.5, 0.5]
+    scorer = Scorer(lambda prompt, text: 9.0,
+                    UserRewards(specs=(async_rl.Reward(fn=digits),), threads=True))
+    scorer.start()
+    try:
+        scored = asyncio.run(scorer.score_trajectories(PROMPT, played))
+    finally:
+        scorer.close()
+    assert [s.reward for s in scored.samples] == [1.5, 0.5]
