@@ -13,6 +13,7 @@ before it is launched.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -43,7 +44,7 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
         check_chat_template(config)
     check_rewards(config, columns)
     if config.task.environment.enabled:
-        environment_class(config.task.environment)  # ConfigError naming its class
+        check_environment(config)
     for index, reward in enumerate(rewards):
         check_function(reward, index=index, columns=columns)  # naming rewards[i]
     if config.task.kind == "jsonl":
@@ -101,3 +102,20 @@ def check_rewards(config: Config, columns: tuple[str, ...]) -> None:
     if wanted not in names:
         raise ConfigError(f"config error: task.eval_reward = {wanted!r}: not one of "
                           f"task.rewards (their names: {', '.join(names)})")
+
+
+def check_environment(config: Config) -> None:
+    """task.environment's class imports and has its methods; a trajectory fits the
+    model's context (``max_position_embeddings``, what vLLM sizes the engine by)."""
+    env = config.task.environment
+    environment_class(env)  # ConfigError naming task.environment.class
+    try:
+        model = json.loads((Path(config.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # resolve_model_path has judged the folder already
+    context = model.get("max_position_embeddings", 0)
+    if isinstance(context, int) and 0 < context < env.max_trajectory_tokens:
+        raise ConfigError(
+            f"config error: task.environment.max_trajectory_tokens = "
+            f"{env.max_trajectory_tokens}: longer than the model's context ({context} "
+            f"tokens, max_position_embeddings of {config.model.path})")

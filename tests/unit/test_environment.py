@@ -87,3 +87,11 @@ def test_check_inputs_names_the_class_before_anything_starts(tmp_path: Path) -> 
                          {"model.path": str(model)})
     with pytest.raises(ConfigError, match=r"task\.environment\.class"):
         check_inputs(config)
+    (model / "config.json").write_text(json.dumps({"model_type": "qwen2",
+                                                   "max_position_embeddings": 2048}))
+    fits = load_config(write_config(tmp_path, f'class = "{ADDER}"'), {"model.path": str(model)})
+    assert check_inputs(fits).task.environment.class_ == ADDER
+    long = load_config(write_config(tmp_path, f'class = "{ADDER}"\nmax_trajectory_tokens = 3000'),
+                       {"model.path": str(model)})
+    with pytest.raises(ConfigError, match=r"max_trajectory_tokens = 3000: longer than"):
+        check_inputs(long)
