@@ -11,7 +11,9 @@ The Python API (``async_rl.api``)::
 
 ``load_config`` and ``train`` are those of ``async_rl.api``; ``Reward`` gives a reward
 callable its weight, metric name or style; ``Config``, ``ConfigError`` and
-``RunSummary`` are what they take, raise and return. Each is imported on first use:
+``RunSummary`` are what they take, raise and return; ``EnvStep`` is what a multi-turn
+environment's ``step`` returns, and ``Environment`` the protocol it implements
+(docs/environments.md). Each is imported on first use:
 ``import async_rl`` loads none of Ray, torch or vLLM.
 """
 
@@ -25,13 +27,16 @@ if TYPE_CHECKING:
     from async_rl.config import Config
     from async_rl.run.summary import RunSummary
     from buffers.config import ConfigError
+    from workers.environment import Environment, EnvStep
     from workers.reward_callable import Reward
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "Reward", "RunSummary", "load_config", "train"]
+__all__ = ["Config", "ConfigError", "EnvStep", "Environment", "Reward", "RunSummary",
+           "load_config", "train"]
 
 _HOMES = {"load_config": "async_rl.api", "train": "async_rl.api", "Config": "async_rl.config",
           "ConfigError": "buffers.config", "Reward": "workers.reward_callable",
+          "EnvStep": "workers.environment", "Environment": "workers.environment",
           "RunSummary": "async_rl.run.summary"}
 
 

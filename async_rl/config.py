@@ -25,6 +25,7 @@ from buffers.config import (
     StalenessConfig,
     invalid,
 )
+from workers.environment import EnvironmentConfig
 from workers.model_config import ModelConfig
 from workers.reward_spec import RewardSpec
 from workers.rollout.config import RolloutConfig
@@ -94,6 +95,9 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """The name of one of task.rewards whose mean over greedy completions is the
     evaluations' accuracy; "" = the weighted sum of all of them (or the built-in
     reward)."""
+    environment: EnvironmentConfig = msgspec.field(default_factory=EnvironmentConfig)
+    """Multi-turn rollouts with an environment (``[task.environment]``, below): the
+    prompt source's rows go to its reset, and every turn's completion to its step."""
 
     def __post_init__(self) -> None:
         if self.kind == "jsonl" and not self.jsonl_path:
@@ -220,6 +224,16 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 self.trainer.micro_batch_tokens,
                 f"must be >= rollout.max_new_tokens ({self.rollout.max_new_tokens})",
             )
+        env = self.task.environment
+        if env.enabled and self.run.eval_on == "idle_cpu":
+            raise invalid("run.eval_on", self.run.eval_on,
+                          'the idle-CPU evaluator generates single-turn: use "rollout" '
+                          "with task.environment")
+        if env.enabled and env.max_trajectory_tokens > self.trainer.micro_batch_tokens:
+            raise invalid("task.environment.max_trajectory_tokens", env.max_trajectory_tokens,
+                          f"must be <= trainer.micro_batch_tokens "
+                          f"({self.trainer.micro_batch_tokens}): a trajectory is one "
+                          "training sequence")
         buffer, limit = self.trainer.overlong_buffer, self.rollout.max_new_tokens
         if buffer >= limit:
             raise invalid("trainer.overlong_buffer", buffer,

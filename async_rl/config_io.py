@@ -60,11 +60,11 @@ def _one_line(err: msgspec.ValidationError, raw: dict[str, Any]) -> str:
 def _literal_choices(key: str) -> str:
     """The allowed values of a Literal-typed field such as ``weights.update_mode``, or of
     an item of a tuple of them (``run.loggers[1]``)."""
-    section, _, name = key.partition(".")
-    name, _, index = name.partition("[")
-    fields = {f.name: f.type for f in msgspec.structs.fields(Config)}
-    inner = {f.name: f.type for f in msgspec.structs.fields(fields[section])}
-    field = get_args(inner[name])[0] if index else inner[name]
+    path, _, index = key.partition("[")
+    field: Any = Config
+    for name in path.split("."):  # a section, a table inside it (task.environment), a key
+        field = {f.encode_name: f.type for f in msgspec.structs.fields(field)}[name]
+    field = get_args(field)[0] if index else field
     return ", ".join(repr(choice) for choice in get_args(field))
 
 
@@ -103,23 +103,35 @@ def apply_overrides(raw: dict[str, Any], overrides: Overrides) -> dict[str, Any]
     known = {field.encode_name: field.type for field in msgspec.structs.fields(Config)}
     for key, value, shown, given in _override_items(overrides):
         parts = key.split(".")
-        if len(parts) != 2 or not all(parts):
+        if len(parts) not in (2, 3) or not all(parts):
             raise ConfigError(f"config error: override {given}")
-        section, name = parts
+        section, name, *inner = parts
         if section not in known:
             raise ConfigError(
                 f"config error: {key} = {shown}: unknown section {section!r}"
                 f" (one of {', '.join(known)})"
             )
-        section_type = known[section]
-        names = {f.encode_name for f in msgspec.structs.fields(section_type)}
-        if name not in names:
+        fields = {f.encode_name: f.type for f in msgspec.structs.fields(known[section])}
+        table = fields.get(name)
+        if name not in fields or (inner and not _is_table(table)):
             raise ConfigError(f"config error: {key} = {shown}: unknown key")
+        if inner:  # a key of a table inside the section: task.environment.max_turns
+            assert isinstance(table, type)
+            if inner[0] not in {f.encode_name for f in msgspec.structs.fields(table)}:
+                raise ConfigError(f"config error: {key} = {shown}: unknown key")
         target = merged.setdefault(section, {})
         if not isinstance(target, dict):
             raise ConfigError(f"config error: {section} = {target!r}: expected a table")
-        target[name] = value
+        if inner:
+            nested = target[name] = dict(target.get(name) or {})
+            nested[inner[0]] = value
+        else:
+            target[name] = value
     return merged
+
+
+def _is_table(hint: object) -> bool:
+    return isinstance(hint, type) and issubclass(hint, msgspec.Struct)
 
 
 def decode_config(raw: dict[str, Any]) -> Config:
@@ -161,4 +173,7 @@ def _toml_value(value: Any) -> str:
         return msgspec.json.encode(value).decode()
     if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):  # a table inside a section (task.environment), inline
+        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}"
+                               for k, v in value.items()) + "}"
     return repr(value)

@@ -18,6 +18,11 @@ from numpy.typing import NDArray
 
 T = TypeVar("T")
 
+NO_VERSION = -1
+"""The version of a token no policy wrote (an environment's observation, a chat
+template's turn markers): it has loss mask 0 and no behaviour logprob, and version
+ranges and staleness skip it."""
+
 
 class Prompt(msgspec.Struct, frozen=True, kw_only=True):
     """One task prompt with the reference answer its reward function checks against."""
@@ -48,7 +53,8 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: tuple[float, ...]
     """Behaviour log-probability of each completion token, from the rollout engine."""
     versions: tuple[int, ...]
-    """Policy version that produced each completion token (in-flight updates mix them)."""
+    """Policy version that produced each completion token (in-flight updates mix them);
+    ``NO_VERSION`` for a token the policy did not write."""
     finish_reason: str
     """Why generation stopped: "stop", "length" or "abort"."""
     text: str
@@ -57,14 +63,23 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     """Scalar reward of this completion."""
     reward_failed: bool = False
     """True when the reward function raised; the reward is then 0."""
+    loss_mask: tuple[int, ...] = ()
+    """Per completion token: 1 written by the policy (trained), 0 not (a multi-turn
+    trajectory's observation and template tokens, whose logprob is 0 and version
+    ``NO_VERSION``). Empty: every token is the policy's (a single-turn sample)."""
+    env_outcome: str = ""
+    """How a multi-turn trajectory ended: "done", "max_turns", "max_tokens", "timeout"
+    (an environment call past task.environment.turn_timeout_s) or "error" (the
+    environment raised); "" for a single-turn sample."""
 
     @property
     def min_version(self) -> int:
-        return min(self.versions) if self.versions else 0
+        """Oldest version of a policy-written token (0 when there is none)."""
+        return min((v for v in self.versions if v != NO_VERSION), default=0)
 
     @property
     def max_version(self) -> int:
-        return max(self.versions) if self.versions else 0
+        return max((v for v in self.versions if v != NO_VERSION), default=0)
 
 
 class GroupTokens(msgspec.Struct, frozen=True, kw_only=True):
@@ -82,16 +97,21 @@ class GroupTokens(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: NDArray[np.float32]
     """Behaviour log-probability of each completion token, aligned with the ids."""
     versions: NDArray[np.int32]
-    """Policy version that produced each completion token."""
+    """Policy version that produced each completion token (``NO_VERSION``: none did)."""
     offsets: NDArray[np.int64]
     """``num_samples + 1`` cumulative completion lengths, starting at 0."""
+    loss_mask: NDArray[np.int8] | None = None
+    """Per completion token, aligned with the ids: 1 trained (the policy wrote it), 0
+    context only (an observation or template token). None: every token is trained."""
 
     def sequence(self, sample: int, advantage: float) -> TrainSequence:
         """Sample ``sample`` as the trainer sees it (views, not copies)."""
         span = slice(int(self.offsets[sample]), int(self.offsets[sample + 1]))
+        mask = None if self.loss_mask is None else self.loss_mask[span]
         return TrainSequence(prompt_token_ids=self.prompt_token_ids,
                              completion_token_ids=self.completion_token_ids[span],
-                             behaviour_logprobs=self.logprobs[span], advantage=advantage)
+                             behaviour_logprobs=self.logprobs[span], advantage=advantage,
+                             loss_mask=None if mask is None or mask.all() else mask)
 
 
 class Group(msgspec.Struct, frozen=True, kw_only=True):
@@ -119,6 +139,11 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     """Scores lost to a reward call past task.reward_timeout_s (they count 0)."""
     reward_means: dict[str, float] = {}
     """Per reward of the task's own (task.rewards): its mean over the group, unweighted."""
+    env_timeouts: int = 0
+    """Multi-turn trajectories ended by an environment call past
+    task.environment.turn_timeout_s (they score 0)."""
+    env_errors: int = 0
+    """Multi-turn trajectories ended by an environment that raised (they score 0)."""
     min_version: int
     """Oldest policy version of any token in the group (staleness is measured from it)."""
     max_version: int
@@ -163,6 +188,8 @@ def make_group(
     if not samples:
         raise ValueError(f"group for prompt {prompt.prompt_id!r} has no samples")
     lengths = tuple(len(s.token_ids) for s in samples)
+    masked = any(s.loss_mask for s in samples)
+    versioned = [s for s in samples if any(v != NO_VERSION for v in s.versions)] or samples
     tokens = GroupTokens(
         prompt_token_ids=np.asarray(prompt_token_ids, dtype=np.int32),
         completion_token_ids=np.fromiter(
@@ -172,6 +199,9 @@ def make_group(
         versions=np.fromiter(itertools.chain.from_iterable(s.versions for s in samples),
                              np.int32),
         offsets=np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)]),
+        loss_mask=np.fromiter(itertools.chain.from_iterable(
+            s.loss_mask or (1,) * len(s.token_ids) for s in samples), np.int8)
+        if masked else None,
     )
     return Group(
         prompt=prompt,
@@ -183,8 +213,11 @@ def make_group(
                          else reward_failures),
         reward_timeouts=reward_timeouts,
         reward_means=dict(reward_means or {}),
-        min_version=min(s.min_version for s in samples),
-        max_version=max(s.max_version for s in samples),
+        # A sample without a policy token (a trajectory whose reset failed) has no version.
+        min_version=min(s.min_version for s in versioned),
+        max_version=max(s.max_version for s in versioned),
+        env_timeouts=sum(s.env_outcome == "timeout" for s in samples),
+        env_errors=sum(s.env_outcome == "error" for s in samples),
         num_tokens=sum(lengths) + len(prompt_token_ids) * len(samples),
         rollout_rank=rollout_rank,
         finished_at=finished_at,
@@ -255,6 +288,17 @@ class TrainSequence(msgspec.Struct, frozen=True, kw_only=True):
     completion_token_ids: NDArray[np.int32]
     behaviour_logprobs: NDArray[np.float32]
     advantage: float
+    loss_mask: NDArray[np.int8] | None = None
+    """1 per trained completion token, 0 per context-only one (an observation); None:
+    all trained. Only trained tokens get a loss term, a statistic and a normaliser count;
+    the others are context (``workers.trainer.packing``)."""
+
+    @property
+    def trained_tokens(self) -> int:
+        """Completion tokens with a loss term."""
+        if self.loss_mask is None:
+            return len(self.completion_token_ids)
+        return int(np.count_nonzero(self.loss_mask))
 
 
 class SequenceSlot(msgspec.Struct, frozen=True, kw_only=True, array_like=True):

@@ -171,16 +171,23 @@ def sections(config: type[msgspec.Struct] | None = None) -> Iterator[Section]:
         section_type = section_field.type
         if not isinstance(section_type, msgspec.inspect.StructType):
             raise TypeError(f"{config.__name__}.{section_field.name} is not a section Struct")
-        cls = section_type.cls
-        docs = field_docs(cls)
-        hints = typing.get_type_hints(cls, include_extras=True)
-        keys = tuple(
-            Key(section=section_field.encode_name, name=field.encode_name,
-                type=render_type(hints[field.name]), default=_default(field),
-                doc=docs.get(field.name, ""))
-            for field in section_type.fields
-        )
-        yield Section(section_field.encode_name, inspect.cleandoc(cls.__doc__ or ""), keys)
+        yield from _section(section_field.encode_name, section_type)
+
+
+def _section(name: str, section_type: msgspec.inspect.StructType) -> Iterator[Section]:
+    """The section ``name`` and, after it, each table nested in it (``[task.environment]``)."""
+    cls = section_type.cls
+    docs = field_docs(cls)
+    hints = typing.get_type_hints(cls, include_extras=True)
+    keys = tuple(
+        Key(section=name, name=field.encode_name, type=render_type(hints[field.name]),
+            default=_default(field), doc=docs.get(field.name, ""))
+        for field in section_type.fields
+    )
+    yield Section(name, inspect.cleandoc(cls.__doc__ or ""), keys)
+    for field in section_type.fields:
+        if isinstance(field.type, msgspec.inspect.StructType):
+            yield from _section(f"{name}.{field.encode_name}", field.type)
 
 
 _CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.DOTALL)

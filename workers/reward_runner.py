@@ -5,10 +5,11 @@ Owns: ``RewardRunner`` (scores a group with every reward and sums them by weight
 workers load the rewards once when they start (specs by the same file path or module;
 callables passed directly travel pickled, by value with cloudpickle where it is
 installed), or, with ``threads=True``, in a thread pool. ``async def`` rewards run on an
-event loop of their own, in its own thread. Every call is bounded by ``timeout_s``: a
-call that raises, returns the wrong shape or a non-finite score, or times out scores 0
-for the samples it covers (one for per-sample styles, the group for TRL) and is counted,
-per sample, in ``errors`` or ``timeouts``; the other samples' calls go on. A timed-out
+event loop of their own, in its own thread (``workers.loop_thread``). Every call is
+bounded by ``timeout_s``: a call that raises, returns the wrong shape or a non-finite
+score, or times out scores 0 for the samples it covers (one for per-sample styles, the
+group for TRL) and is counted, per sample, in ``errors`` or ``timeouts``; the other
+samples' calls go on. A timed-out
 process is killed and replaced (pebble); a timed-out thread cannot be killed and runs on
 in its pool. The processes start by forkserver (spawn where there is none; never fork, as
 the caller has threads), so, as with any multiprocessing, a script that makes a runner
@@ -22,7 +23,6 @@ import asyncio
 import logging
 import math
 import multiprocessing
-import threading
 import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
@@ -33,6 +33,7 @@ import pebble
 
 from buffers.config import ConfigError
 from workers import reward_guard
+from workers.loop_thread import LoopThread
 from workers.reward_callable import Reward, dumps
 from workers.reward_calls import Message, RewardValues, chat_messages, is_async_reward
 from workers.reward_guard import (
@@ -199,13 +200,8 @@ class RewardRunner:
             if threads and has_sync else None
         self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = \
             weakref.WeakKeyDictionary()
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._loop_thread: threading.Thread | None = None
-        if any(r.is_async for r in self._rewards):
-            self._loop = asyncio.new_event_loop()
-            self._loop_thread = threading.Thread(target=self._loop.run_forever, daemon=True,
-                                                 name="async-rl-rewards")
-            self._loop_thread.start()
+        self._loop = (LoopThread("async-rl-rewards")
+                      if any(r.is_async for r in self._rewards) else None)
         self._failures: dict[str, int] = {}
         self._closed = False
 
@@ -322,10 +318,10 @@ class RewardRunner:
         timeout_s = self._timeout_s
         if reward.is_async:
             assert self._loop is not None
-            future = asyncio.run_coroutine_threadsafe(
-                guarded_async(reward.fn, reward.style, inputs, timeout_s), self._loop)
             try:
-                return await asyncio.wait_for(asyncio.wrap_future(future), timeout_s + _GRACE_S)
+                return await self._loop.run(
+                    guarded_async(reward.fn, reward.style, inputs, timeout_s),
+                    timeout_s + _GRACE_S)
             except TimeoutError:  # the reward blocks its event loop
                 return CallFailed(f"ran past {timeout_s} s (blocking its event loop)", True)
         if self._thread_pool is not None:
@@ -379,22 +375,8 @@ class RewardRunner:
             self._pool.join()
         if self._thread_pool is not None:  # a hung thread would block a join: none here
             self._thread_pool.stop()
-        if self._loop is not None and self._loop_thread is not None:
-            loop = self._loop
-
-            async def cancel_all() -> None:
-                for task in asyncio.all_tasks():
-                    if task is not asyncio.current_task():
-                        task.cancel()
-
-            try:
-                asyncio.run_coroutine_threadsafe(cancel_all(), loop).result(timeout=2)
-            except Exception:
-                log.debug("could not cancel the async rewards' tasks", exc_info=True)
-            loop.call_soon_threadsafe(loop.stop)
-            self._loop_thread.join(timeout=5)
-            if not self._loop_thread.is_alive():
-                loop.close()
+        if self._loop is not None:
+            self._loop.close()
 
     def __enter__(self) -> RewardRunner:
         return self

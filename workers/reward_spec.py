@@ -1,13 +1,14 @@
 """Reward functions from user code: naming one in a config, loading it, reading its shape.
 
-Owns: ``RewardSpec`` (one ``[[task.rewards]]`` entry), ``import_reward`` (the callable a
-spec names, from a file path or a dotted module path), ``load_reward`` (that, checked:
-it must be able to take a completion), ``reward_style`` (the calling convention, TRL,
-verl or per-sample, guessed from the parameters unless forced), ``Parameters`` (what a
-callable accepts, for binding its arguments) and the metric names of several rewards
-(``unique_names``). A bad spec is a ``ConfigError`` of one line naming the key. Knows
-nothing about how rewards are called or where they run (``workers.reward_calls``,
-``workers.reward_runner``).
+Owns: ``RewardSpec`` (one ``[[task.rewards]]`` entry), ``import_object`` (what a
+``"file.py:name"`` or ``"package.module:name"`` names: rewards, and the environment
+class of ``workers.environment``), ``import_reward`` (the callable a spec names),
+``load_reward`` (that, checked: it must be able to take a completion), ``reward_style``
+(the calling convention, TRL, verl or per-sample, guessed from the parameters unless
+forced), ``Parameters`` (what a callable accepts, for binding its arguments) and the
+metric names of several rewards (``unique_names``). A bad spec is a ``ConfigError`` of
+one line naming the key. Knows nothing about how rewards are called or where they run
+(``workers.reward_calls``, ``workers.reward_runner``).
 """
 
 from __future__ import annotations
@@ -91,16 +92,22 @@ def loaded_reward_files() -> list[str]:
             if name.startswith(_MODULE_PREFIX) and getattr(module, "__file__", None)]
 
 
-def absolute_spec(spec: RewardSpec, base_dir: str | Path | None = None) -> RewardSpec:
-    """``spec`` with a relative file path made absolute against ``base_dir`` (default: the
-    working directory), so that another process loads the very same file."""
-    target, sep, attr = spec.function.rpartition(":")
+def absolute_target(where: str, base_dir: str | Path | None = None) -> str:
+    """``"file.py:name"`` with a relative file path made absolute against ``base_dir``
+    (default: the working directory), so that another process loads the very same file;
+    a module path as it is."""
+    target, sep, attr = where.rpartition(":")
     if not sep or not _is_file_target(target):
-        return spec
+        return where
     path = Path(target).expanduser()
     if not path.is_absolute():
         path = Path(base_dir or os.getcwd()) / path
-    return msgspec.structs.replace(spec, function=f"{path.resolve()}:{attr}")
+    return f"{path.resolve()}:{attr}"
+
+
+def absolute_spec(spec: RewardSpec, base_dir: str | Path | None = None) -> RewardSpec:
+    """``spec`` with its file path made absolute (``absolute_target``)."""
+    return msgspec.structs.replace(spec, function=absolute_target(spec.function, base_dir))
 
 
 def import_reward_file(path: Path) -> Any:
@@ -122,18 +129,22 @@ def import_reward_file(path: Path) -> Any:
     return module
 
 
-def import_reward(spec: RewardSpec, *, index: int = 0,
-                  base_dir: str | Path | None = None) -> Callable[..., Any]:
-    """The callable ``spec.function`` names, unchecked (a class there instantiated);
-    raises ``ConfigError`` naming ``task.rewards[index].function``."""
-    target, sep, attr = absolute_spec(spec, base_dir).function.rpartition(":")
+def import_object(where: str, key: str, *, base_dir: str | Path | None = None,
+                  kind: str = "function") -> Any:
+    """The object ``where`` names (``"path/to/file.py:name"`` or
+    ``"package.module:name"``, a dotted name inside allowed), unchecked; raises
+    ``ConfigError`` naming ``key`` (``kind`` says what the name should be)."""
+
+    def fail(why: str) -> ConfigError:
+        return ConfigError(f"config error: {key} = {where!r}: {why}")
+
+    target, sep, attr = absolute_target(where, base_dir).rpartition(":")
     if not sep or not target or not attr:
-        raise _fail(index, spec, "expected 'path/to/file.py:function' or "
-                                 "'package.module:function'")
+        raise fail(f"expected 'path/to/file.py:{kind}' or 'package.module:{kind}'")
     if _is_file_target(target):
         path = Path(target)
         if not path.is_file():
-            raise _fail(index, spec, f"file not found: {path}")
+            raise fail(f"file not found: {path}")
         loader: Callable[[], Any] = functools.partial(import_reward_file, path)
     else:
         loader = functools.partial(importlib.import_module, target)
@@ -142,12 +153,21 @@ def import_reward(spec: RewardSpec, *, index: int = 0,
     except BaseException as err:  # SystemExit too: the user's module must not end the run
         if isinstance(err, KeyboardInterrupt):
             raise
-        raise _fail(index, spec, f"cannot import it: {_first_line(err)}") from None
+        raise fail(f"cannot import it: {_first_line(err)}") from None
     obj: Any = module
     for part in attr.split("."):
         if not hasattr(obj, part):
-            raise _fail(index, spec, f"no {part!r} in {target}")
+            raise fail(f"no {part!r} in {target}")
         obj = getattr(obj, part)
+    return obj
+
+
+def import_reward(spec: RewardSpec, *, index: int = 0,
+                  base_dir: str | Path | None = None) -> Callable[..., Any]:
+    """The callable ``spec.function`` names, unchecked (a class there instantiated);
+    raises ``ConfigError`` naming ``task.rewards[index].function``."""
+    obj = import_object(spec.function, f"task.rewards[{index}].function", base_dir=base_dir)
+    attr = spec.function.rpartition(":")[2]
     if inspect.isclass(obj):
         try:
             obj = obj()

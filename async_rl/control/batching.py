@@ -9,7 +9,9 @@ max_new_tokens), giving every sample its group-normalised advantage, cutting the
 laying the samples out as the balancing plan says, as slots (group, sample, advantage)
 into each shard's list of group references. Knows nothing about Ray or torch and never
 sees a token: lengths and rewards are on the ``Group`` metadata; the shards resolve the
-references themselves. The plan comes from ``buffers.balance``.
+references themselves. The plan comes from ``buffers.balance``; its costs and token cap
+count a multi-turn trajectory's every token, observations included, as the forward pass
+computes them all (only the loss skips the tokens the policy did not write).
 """
 
 from __future__ import annotations

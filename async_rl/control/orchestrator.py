@@ -13,7 +13,8 @@ which failures stop the run, ``async_rl.control.run_health``'s (a failed run sti
 with a checkpoint and a summary); reading the workers' usage and spans,
 ``async_rl.control.worker_readings``'. It also keeps the prompt ledger: every admitted
 prompt ends trained exactly once, dropped as filtered (rollout.filter_groups: its group had
-no signal), or dropped/failed and re-queued with a reason. It sees
+no signal), or dropped/failed and re-queued with a reason (a group with a timed-out
+environment call too, with task.environment.on_timeout = "requeue"). It sees
 workers only through ``async_rl.control.protocols`` and groups only as metadata (the
 tokens stay with the workers). Knows nothing about Ray (``async_rl.shell.ray_shell``
 starts the workers and hands them in), how engines generate or shards compute, the
@@ -240,6 +241,9 @@ class Orchestrator:
                 group = await worker.generate(prompt)
             self.totals.generated(group)
             self.prompts.write(prompt, "generated")
+            if group.env_timeouts and self.config.task.environment.on_timeout == "requeue":
+                self._requeue(prompt, "dropped", "env_timeout")  # the group runs again
+                return
             if self._filtered(group):
                 return
             # The worker's slot stays taken until the queue has room: backpressure.

@@ -45,6 +45,8 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     reward_timeouts: int = 0
     groups_generated: int = 0
     filtered_groups: int = 0
+    env_timeouts: int = 0
+    env_errors: int = 0
 
 
 class StepTotals:
@@ -70,6 +72,10 @@ class StepTotals:
         self.groups_generated = 0
         self.filtered_groups = 0
         """Groups dropped by rollout.filter_groups (no signal): done, not trained."""
+        self.env_timeouts = 0
+        """Trajectories ended by an environment call past task.environment.turn_timeout_s."""
+        self.env_errors = 0
+        """Trajectories ended by an environment that raised."""
         self.row_mark = (0, 0)
         """(groups_generated, filtered_groups) at the last metrics row."""
         self.nonfinite_in_a_row = 0
@@ -83,6 +89,8 @@ class StepTotals:
         """A group came back from a rollout worker (before it is queued)."""
         self.reward_failures += group.reward_failures
         self.reward_timeouts += group.reward_timeouts
+        self.env_timeouts += group.env_timeouts
+        self.env_errors += group.env_errors
         self.groups_generated += 1
         self.generated_by_bucket[bucket_index(self.bucket_edges, group.num_tokens)] += 1
 
@@ -110,7 +118,8 @@ class StepTotals:
             rollout_stalls=self.rollout_stalls, restore_failures=self.restore_failures,
             timeouts=self.timeouts, stale_drops_by_length=self.by_length(),
             reward_timeouts=self.reward_timeouts, groups_generated=self.groups_generated,
-            filtered_groups=self.filtered_groups)
+            filtered_groups=self.filtered_groups, env_timeouts=self.env_timeouts,
+            env_errors=self.env_errors)
 
     def restore(self, counters: Counters) -> None:
         for name in Counters.__struct_fields__:
@@ -145,6 +154,8 @@ class StepTotals:
             "lost_steps": self.lost_steps,
             "reward_errors": self.reward_failures,
             "reward_timeouts": self.reward_timeouts,
+            "env_timeouts": self.env_timeouts,
+            "env_errors": self.env_errors,
             "stale_drops": self.dropped_stale,
         }
 

@@ -4,14 +4,16 @@ Owns: ``check_inputs`` (the model is a Hugging Face model, in a local directory 
 hub cache: ``async_rl.run.model_source``; the prompt file or dataset reads and has the
 columns the task names; the tokenizer has the chat template the task asks for; the
 task's own reward functions, named in task.rewards or passed as callables, import and
-can take a completion on those columns; task.eval_reward names one; the optional
-loggers are installed), raising ``ConfigError`` with one line. Used by
+can take a completion on those columns; task.eval_reward names one; the environment
+class of task.environment imports and has its methods; the optional loggers are
+installed), raising ``ConfigError`` with one line. Used by
 ``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl sweep``
 before it is launched.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from async_rl.config import Config
 from async_rl.run.loggers import check_installed
 from async_rl.run.model_source import resolve_model_path
 from buffers.config import ConfigError
+from workers.environment import environment_class
 from workers.reward_callable import Reward, check_function
 from workers.reward_spec import DEFAULT_COLUMNS, load_reward, reward_name, unique_names
 
@@ -40,6 +43,8 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
     if config.task.chat_template:
         check_chat_template(config)
     check_rewards(config, columns)
+    if config.task.environment.enabled:
+        check_environment(config)
     for index, reward in enumerate(rewards):
         check_function(reward, index=index, columns=columns)  # naming rewards[i]
     if config.task.kind == "jsonl":
@@ -97,3 +102,20 @@ def check_rewards(config: Config, columns: tuple[str, ...]) -> None:
     if wanted not in names:
         raise ConfigError(f"config error: task.eval_reward = {wanted!r}: not one of "
                           f"task.rewards (their names: {', '.join(names)})")
+
+
+def check_environment(config: Config) -> None:
+    """task.environment's class imports and has its methods; a trajectory fits the
+    model's context (``max_position_embeddings``, what vLLM sizes the engine by)."""
+    env = config.task.environment
+    environment_class(env)  # ConfigError naming task.environment.class
+    try:
+        model = json.loads((Path(config.model.path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # resolve_model_path has judged the folder already
+    context = model.get("max_position_embeddings", 0)
+    if isinstance(context, int) and 0 < context < env.max_trajectory_tokens:
+        raise ConfigError(
+            f"config error: task.environment.max_trajectory_tokens = "
+            f"{env.max_trajectory_tokens}: longer than the model's context ({context} "
+            f"tokens, max_position_embeddings of {config.model.path})")

@@ -93,7 +93,9 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     failures: dict[str, int] = {}
     """Count of each failure class (``StepTotals.failures``): out_of_memory,
     rollout_stall, worker_restarts, rollout_errors, timeouts, restore_failures,
-    nonfinite_steps, lost_steps, reward_errors, reward_timeouts, stale_drops."""
+    nonfinite_steps, lost_steps, reward_errors, reward_timeouts, env_timeouts (multi-turn
+    trajectories ended by an environment call past task.environment.turn_timeout_s),
+    env_errors (ended by an environment that raised), stale_drops."""
     max_staleness: int
     # Defaults: summaries written before periodic evaluation existed still read.
     samples_trained: int = 0

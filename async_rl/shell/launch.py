@@ -2,7 +2,8 @@
 
 Owns: choosing the prompt source, reward and held-out prompts from ``task`` config
 (``build_task``; a dataset's too-long prompts are refused there, in the driver), the
-task knobs the workers get (``user_rewards_of``, ``prompt_format_of``), and creating
+task knobs the workers get (``user_rewards_of``, ``prompt_format_of``,
+``environment_of``), and creating
 and starting the rollout and trainer actors on their cores or GPUs
 (``launch_workers``), the weight-transfer groups between trainer shard 0 and each
 rollout worker, and the idle-CPU evaluator of run.eval_on.
@@ -29,6 +30,7 @@ from async_rl.tasks.rewards import arithmetic_reward, gsm8k_reward, remainder_re
 from async_rl.tasks.sources import ArithmeticTask, JsonlPromptSource, PromptSource
 from buffers.records import Prompt
 from workers.actors import RolloutActor, TrainerActor
+from workers.environment import EnvironmentConfig
 from workers.eval.evaluator import IdleCpuEvaluator
 from workers.model_config import ModelConfig
 from workers.placement import WorkerIdentity, assign_cpus, gpus_per_worker, in_bundle
@@ -76,6 +78,13 @@ def user_rewards_of(task: TaskConfig, rewards: Sequence[Reward] = (),
                        timeout_s=task.reward_timeout_s, workers=task.reward_workers,
                        threads=task.reward_threads, chat=task.chat_template,
                        columns=columns, eval_reward=task.eval_reward)
+
+
+def environment_of(task: TaskConfig) -> EnvironmentConfig | None:
+    """The environment the rollout workers play every sample with (task.environment, its
+    file path made absolute), or None: single-turn generation."""
+    env = task.environment
+    return env.absolute() if env.enabled else None
 
 
 def prompt_format_of(task: TaskConfig) -> PromptFormat:
@@ -162,6 +171,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
             reward_fn=reward_fn, seed=cfg.run.seed + ident.rank,
             cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
             version=version, user_rewards=user_rewards, prompt_format=prompt_format,
+            environment=environment_of(cfg.task),
         )
 
     started.new_rollout = new_rollout

@@ -2,8 +2,10 @@
 
 Owns: ``PromptFormat`` (task.chat_template and task.system_prompt: the only task knobs
 the rollout workers and the evaluator need), ``conversation`` (a prompt as the messages
-the template renders, the system prompt first) and ``render`` (what an engine or the
-evaluator is given: the text, or the template's token ids with the generation prompt).
+the template renders, the system prompt first), ``render`` (what an engine or the
+evaluator is given: the text, or the template's token ids with the generation prompt) and
+``observation_ids`` (the tokens a multi-turn environment's observation adds: its text,
+or the template's tool turn).
 Training, evaluation on a rollout engine and the idle-CPU evaluator all call ``render``,
 so the three see the same tokens, and the driver measures prompt lengths with it too
 (too-long prompts are refused before they reach an engine). Knows nothing about engines.
@@ -50,6 +52,37 @@ def render(tokenizer: Any, prompt: Prompt, fmt: PromptFormat) -> str | list[int]
                                         add_generation_prompt=True, tokenize=True,
                                         return_dict=False)
     return [int(i) for i in ids]
+
+
+_MARK = "\u2063async-rl-turn\u2063"
+"""A placeholder assistant message: what the template writes after it is the tool turn."""
+
+
+def observation_ids(tokenizer: Any, observation: str, fmt: PromptFormat,
+                    after_eos: bool = False) -> list[int]:
+    """The tokens an environment's observation adds to a trajectory: its text as the
+    tokenizer's ``encode`` gives it; with the chat template on, the template's end of
+    the assistant turn, a tool turn holding it (a user turn where the template has no
+    tool role) and the next generation prompt. ``after_eos``: the policy's turn ended
+    with the EOS token, which then is not written again."""
+    if not fmt.chat_template:
+        return [int(i) for i in tokenizer.encode(observation, add_special_tokens=False)]
+    head = [{"role": "user", "content": "."}, {"role": "assistant", "content": _MARK}]
+    text = ""
+    for role in ("tool", "user"):
+        try:
+            text = str(tokenizer.apply_chat_template(
+                [*head, {"role": role, "content": observation}],
+                add_generation_prompt=True, tokenize=False))
+        except Exception:  # a template that refuses the tool role
+            continue
+        if observation in text:
+            break
+    turn = text[text.index(_MARK) + len(_MARK):] if _MARK in text else observation
+    eos = getattr(tokenizer, "eos_token", None)
+    if after_eos and eos and turn.startswith(eos):
+        turn = turn[len(eos):]
+    return [int(i) for i in tokenizer.encode(turn, add_special_tokens=False)]
 
 
 def prompt_tokens(tokenizer: Any, prompt: Prompt, fmt: PromptFormat) -> int:

@@ -7,8 +7,9 @@ flagged. With ``UserRewards`` (task.rewards) it scores through a
 ``workers.reward_runner.RewardRunner``: off the caller's event loop, every call bounded
 by task.reward_timeout_s, failures and timeouts counted, each reward's group mean kept
 for the metrics; the rewards get the row's dataset columns (``answer`` among them) and
-its ``data_source``, and, with the chat template on, the prompt as messages. Knows
-nothing about engines or groups' tokens.
+its ``data_source``, and, with the chat template on, the prompt as messages. Multi-turn
+trajectories keep their environment's reward, plus the task's own rewards' when there
+are any (``score_trajectories``). Knows nothing about engines or groups' tokens.
 """
 
 from __future__ import annotations
@@ -82,6 +83,21 @@ class Scorer:
                           for s, total, failed in zip(samples, got.total, got.failed,
                                                       strict=True)),
             errors=got.errors, timeouts=got.timeouts, means=got.per_reward | got.extra)
+
+    async def score_trajectories(self, prompt: Prompt, samples: Sequence[Sample],
+                                 greedy: bool = False) -> Scored:
+        """Multi-turn trajectories (``workers.rollout.turns``), each with its environment
+        reward: that alone, or plus the task's own rewards on the final text when there
+        are any (the built-in task reward does not apply). ``greedy``: an evaluation's,
+        scored by task.eval_reward alone when it names one."""
+        if self._user is None:
+            return Scored(samples=tuple(samples))
+        scored = await self.score(prompt, samples)
+        name = self._user.eval_reward if greedy else ""
+        return msgspec.structs.replace(scored, samples=tuple(
+            msgspec.structs.replace(s, reward=scored.means[name] if name
+                                    else s.reward + played.reward)
+            for s, played in zip(scored.samples, samples, strict=True)))
 
     async def score_greedy(self, prompt: Prompt, sample: Sample) -> Sample:
         """An evaluation's greedy ``sample`` of ``prompt``, its reward what accuracy

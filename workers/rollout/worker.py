@@ -2,7 +2,8 @@
 
 Owns: starting and warming up the engine (built by ``workers.rollout.engine``), generating
 a prompt's ``group_size`` samples with behaviour logprobs and a policy version per
-token, scoring them, greedy evaluation, its counters and its spans, and the actor calls
+token (multi-turn trajectories with an environment: ``workers.rollout.turns``), scoring
+them, greedy evaluation, its counters and its spans, and the actor calls
 through which the trainer's weight-transfer engine updates its weights (the update
 itself is ``workers.weights.receiver``'s). A plain class; every method is async, so one
 actor serves many concurrent ``generate_group`` calls and a weight update between them
@@ -33,6 +34,7 @@ from buffers.records import (
     UsageReading,
     make_group,
 )
+from workers.environment import EnvironmentConfig
 from workers.errors import RolloutWorkerError
 from workers.model_config import ModelConfig
 from workers.reward import RewardFn
@@ -46,6 +48,7 @@ from workers.rollout.engine import (
 )
 from workers.rollout.prompts import PromptFormat, render
 from workers.rollout.scoring import Scorer
+from workers.rollout.turns import TurnRunner
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 from workers.usage import UsageMeter
 from workers.weights.config import UpdateMode, WeightsConfig
@@ -83,6 +86,7 @@ class RolloutWorker:
         version: int = 0,
         user_rewards: UserRewards | None = None,
         prompt_format: PromptFormat | None = None,
+        environment: EnvironmentConfig | None = None,
     ) -> None:
         """Cheap: records the arguments; ``start()`` builds the engine.
 
@@ -96,6 +100,8 @@ class RolloutWorker:
             they run off the engine's event loop (``workers.rollout.scoring``).
         prompt_format: raw text or the chat template (``workers.rollout.prompts``), the
             same for generation and greedy evaluation.
+        environment: task.environment; with a class named, every sample (and greedy
+            evaluation) is a multi-turn trajectory (``workers.rollout.turns``).
         """
         self._rank, self._model, self._rollout = rank, model, rollout
         self._transport, self._seed = weights.transport, seed
@@ -108,6 +114,8 @@ class RolloutWorker:
 
         self._engine: AsyncLLM | None = None
         self._tokenizer: Any = None  # the model's tokenizer, from start()
+        self._environment = environment if environment and environment.enabled else None
+        self._turns: TurnRunner | None = None  # from start(), with an environment
         self._usage = UsageMeter()
         self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
         self._failed: str | None = None
@@ -141,6 +149,9 @@ class RolloutWorker:
 
         self._tokenizer = AutoTokenizer.from_pretrained(self._model.path)
         self._params = sampling_params(cfg)
+        if self._environment is not None:
+            self._turns = TurnRunner(self._environment, self._tokenizer, self._format,
+                                     cfg.max_new_tokens)
         # Warm-up: the CPU build's first steps at each new batch shape are many times
         # slower than later ones (a run's first 16 groups took 2.1 s to generate cold
         # against 0.18 s warm), which would otherwise land in the first training step as
@@ -161,6 +172,8 @@ class RolloutWorker:
         for task in self._quiet_tasks:
             task.cancel()
         self._scorer.close()
+        if self._turns is not None:
+            self._turns.close()
         if engine is not None:
             engine.shutdown()
 
@@ -303,6 +316,19 @@ class RolloutWorker:
         self._ready()  # a failed weight load aborted the requests: their output is void
         return [task.result() for task in running]
 
+    async def _play(self, prompt: Prompt, size: int, kind: str,
+                    seeds: Sequence[int] = ()) -> tuple[list[int], list[Sample]]:
+        """``size`` multi-turn trajectories of ``prompt`` (``TurnRunner.group``)."""
+        assert self._turns is not None
+        greedy = kind == "greedy"
+
+        async def stream(context: list[int], params: SamplingParams) -> Sample:
+            return (await self._stream(context, params, evaluation=greedy))[1]
+
+        played = await self._turns.group(prompt, size, stream, self._params[kind], seeds)
+        self._ready()  # a failed weight load aborted the requests: their output is void
+        return played
+
     async def generate_group(self, prompt: Prompt) -> Group:
         """Generates and scores ``group_size`` samples of ``prompt``.
 
@@ -311,21 +337,31 @@ class RolloutWorker:
         """
         size, seed = self._rollout.group_size, self._rollout.sampling_seed
         seeds = [request_seed(seed, prompt, k) for k in range(size)] if seed >= 0 else []
-        rendered = render(self._tokenizer, prompt, self._format)
-        streams = await self._stream_all([rendered] * size, "sample", seeds)
-        scored = await self._scorer.score(prompt, [sample for _, sample in streams])
+        if self._turns is not None:  # multi-turn: an environment answers every turn
+            prompt_ids, played = await self._play(prompt, size, "sample", seeds)
+            scored = await self._scorer.score_trajectories(prompt, played)
+        else:
+            rendered = render(self._tokenizer, prompt, self._format)
+            streams = await self._stream_all([rendered] * size, "sample", seeds)
+            prompt_ids = list(streams[0][0])
+            scored = await self._scorer.score(prompt, [sample for _, sample in streams])
         samples = scored.samples
         self._groups += 1
         self._samples += len(samples)
         self._tokens += sum(len(s.token_ids) for s in samples)
-        return make_group(prompt, streams[0][0], samples,
+        return make_group(prompt, prompt_ids, samples,
                           rollout_rank=self._rank, finished_at=time.time(),
                           reward_failures=scored.errors, reward_timeouts=scored.timeouts,
                           reward_means=scored.means)
 
     async def generate_greedy(self, prompts: Sequence[Prompt]) -> list[Sample]:
         """One greedy (temperature 0) completion per prompt, stopping at EOS, scored as
-        evaluations are (``Scorer.score_greedy``)."""
+        evaluations are (``Scorer.score_greedy``); with an environment, one greedy
+        trajectory each."""
+        if self._turns is not None:
+            played = await asyncio.gather(*(self._play(p, 1, "greedy") for p in prompts))
+            return [(await self._scorer.score_trajectories(p, s, greedy=True)).samples[0]
+                    for p, (_, s) in zip(prompts, played, strict=True)]
         streams = await self._stream_all(
             [render(self._tokenizer, p, self._format) for p in prompts], "greedy")
         return [await self._scorer.score_greedy(p, s)

@@ -1,6 +1,7 @@
 """Padding-free micro-batches: one packed row per micro-batch, attention kept per sequence.
 
-Owns: laying a micro-batch's sequences end to end in one row (``pack``), the attention
+Owns: laying a micro-batch's sequences end to end in one row (``pack``; only trained
+completion tokens, loss mask 1, are predicted: ``trained_positions``), the attention
 function that keeps each sequence to itself inside that row (``packed_attention``), and
 the completion-token logits and logprobs of a packed forward (``packed_logits``,
 ``packed_logprobs``) and their entropy (``token_entropy``). The padded layout the
@@ -53,14 +54,30 @@ class PackedBatch:
     advantages: torch.Tensor
     """``(N,)`` float32: each completion token's sequence advantage."""
 
+    # N counts the trained completion tokens only: a token with loss mask 0 (an
+    # observation) is in ``input_ids`` as context, but nothing predicts it.
+
     @property
     def num_tokens(self) -> int:
         """Real tokens in the row (= positions the model computes: no padding)."""
         return int(self.input_ids.shape[1])
 
 
+def trained_positions(sequences: Sequence[TrainSequence]) -> torch.Tensor | None:
+    """Which of the sequences' completion tokens (end to end) are trained, as a bool
+    tensor; None when all are (no sequence has a loss mask)."""
+    if all(s.loss_mask is None for s in sequences):
+        return None
+    return torch.from_numpy(np.concatenate([
+        np.ones(len(s.completion_token_ids), bool) if s.loss_mask is None
+        else s.loss_mask.astype(bool) for s in sequences]))
+
+
 def pack(sequences: Sequence[TrainSequence], device: torch.device | str = "cpu") -> PackedBatch:
-    """Lays ``sequences`` end to end; every tensor is built whole, no per-token loop."""
+    """Lays ``sequences`` end to end; every tensor is built whole, no per-token loop.
+
+    Only trained completion tokens (loss mask 1) are predicted: the others stay in the
+    row as context for the tokens after them."""
     if not sequences:
         raise ValueError("cannot pack an empty micro-batch")
     if any(len(s.prompt_token_ids) == 0 for s in sequences):
@@ -87,6 +104,9 @@ def pack(sequences: Sequence[TrainSequence], device: torch.device | str = "cpu")
         raise ValueError(f"{behaviour.numel()} behaviour logprobs for {n} completion tokens")
     advantages = torch.repeat_interleave(
         torch.tensor([s.advantage for s in sequences], dtype=torch.float32), completion)
+    keep = trained_positions(sequences)
+    if keep is not None:
+        predict_at, behaviour, advantages = predict_at[keep], behaviour[keep], advantages[keep]
     return PackedBatch(
         input_ids=ids.unsqueeze(0).to(device),
         position_ids=positions.unsqueeze(0).to(device),
@@ -220,7 +240,7 @@ def padded_logits(
     device: torch.device | str = "cpu",
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The padded reference: one right-padded row per sequence; (``(N, V)`` logits
-    predicting each completion token, the N targets, positions computed).
+    predicting each trained completion token, the N targets, positions computed).
 
     Same values as ``packed_logits`` on a model with standard attention; positions
     computed are rows x longest row.
@@ -241,6 +261,10 @@ def padded_logits(
     picked = torch.cat([logits[row, span] for row, span in enumerate(spans)])
     targets = torch.cat([ids[row, span.start + 1 : span.stop + 1]
                          for row, span in enumerate(spans)])
+    keep = trained_positions(sequences)
+    if keep is not None:
+        keep = keep.to(picked.device)
+        picked, targets = picked[keep], targets[keep]
     return picked, targets, ids.numel()
 
 

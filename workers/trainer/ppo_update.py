@@ -4,8 +4,10 @@ Owns: what every optimizer update of a step divides its loss by (the per-update 
 and sequence counts of all shards, agreed in one all-reduce: ``StepLoss.agree``), the
 proximal logprobs (one no-grad forward over the step's micro-batches before any update,
 only when the step makes more than one update: ``StepLoss.proximal``), and each
-micro-batch's forward pass and loss (``StepLoss.micro_batch``). Knows nothing about the
-optimizer, DDP's gradient sync, spans or cores: ``workers.trainer.shard`` runs the updates.
+micro-batch's forward pass and loss (``StepLoss.micro_batch``), all over trained tokens
+only (loss mask 1: an observation's tokens are context, never counted or trained).
+Knows nothing about the optimizer, DDP's gradient sync, spans or cores:
+``workers.trainer.shard`` runs the updates.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from workers.trainer.packing import (
     packed_logits,
     padded_logits,
     token_entropy,
+    trained_positions,
 )
 
 MicroBatch = tuple[TrainSequence, ...]
@@ -44,7 +47,9 @@ class _Forward:
 
 
 def _lengths(sequences: Sequence[TrainSequence]) -> list[int]:
-    return [len(s.completion_token_ids) for s in sequences]
+    """Trained completion tokens per sequence (loss mask 1): what every count, the
+    normaliser's and seq_mean's, counts."""
+    return [s.trained_tokens for s in sequences]
 
 
 class StepLoss:
@@ -104,7 +109,10 @@ class StepLoss:
             np.concatenate([s.behaviour_logprobs for s in sequences]).astype(np.float32))
         advantages = torch.repeat_interleave(
             torch.tensor([s.advantage for s in sequences], dtype=torch.float32),
-            torch.tensor(_lengths(sequences)))
+            torch.tensor([len(s.completion_token_ids) for s in sequences]))
+        keep = trained_positions(sequences)
+        if keep is not None:
+            behaviour, advantages = behaviour[keep], advantages[keep]
         return _Forward(logits=logits, targets=targets, behaviour=behaviour.to(self.device),
                         advantages=advantages.to(self.device), positions=positions)
 
