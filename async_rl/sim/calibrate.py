@@ -122,9 +122,11 @@ def _fit_weights(rows: Sequence[dict[str, object]], base: Hardware,
         weight_load_s=median("load_s") + median("pause_s"))
 
 
-def calibrate(run_dir: str | Path, out: str | Path, overrides: Sequence[str] = ()) -> Fit:
+def calibrate(run_dir: str | Path, out: str | Path, overrides: Sequence[str] = (), *,
+              mfus: Sequence[float] = DECODE_MFUS, bisections: int = BISECTIONS) -> Fit:
     """Fits the hardware file to the real run in ``run_dir`` (its config, with
-    ``overrides``: simulate.hardware names the base file) and writes it to ``out``."""
+    ``overrides``: simulate.hardware names the base file) and writes it to ``out``;
+    ``mfus``, ``bisections``: the search's grid of decode MFUs and its steps on each."""
     path = Path(run_dir)
     has_lengths = any(e.lengths for e in read_ledger(path) if e.event == "generated")
     lengths = [f"simulate.lengths={msgspec.json.encode(str(path)).decode()}"] if has_lengths else []
@@ -151,10 +153,10 @@ def calibrate(run_dir: str | Path, out: str | Path, overrides: Sequence[str] = (
         return measure(scratch)
 
     best: tuple[float, Hardware, Measured] | None = None
-    for mfu in DECODE_MFUS:
+    for mfu in mfus:
         low, high = 0.0, 0.1  # seconds per engine step
         trial = msgspec.structs.replace(hardware, decode_mfu=mfu)
-        for _ in range(BISECTIONS):
+        for _ in range(bisections):
             step = (low + high) / 2
             trial = msgspec.structs.replace(trial, decode_step_s=step)
             got = run(trial)

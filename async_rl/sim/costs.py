@@ -122,6 +122,8 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
     kv_heads = c.get("num_key_value_heads", heads)
     head_dim = c.get("head_dim") or hidden // heads
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    if c.get("attention_bias", c.get("model_type") == "qwen2"):  # Qwen2: q, k, v biases
+        attention += head_dim * (heads + 2 * kv_heads)
     mlp = 3 * hidden * c["intermediate_size"]
     embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
     counted = layers * (attention + mlp + 2 * hidden) + embeddings + hidden
