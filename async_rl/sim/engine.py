@@ -151,29 +151,40 @@ class SimEngine:
 
     def _time_to(self, target: int) -> float:
         """Seconds of the decode steps from now to step ``target``."""
-        seconds, step, running, offset = 0.0, self.step, self._running, self._offset
-        for end, seq_offset in self._ends:
-            if end > target:
-                break
-            if end > step:
-                seconds += self.costs.decode_steps(end - step, running, offset + running * step)
-                step = end
-            running -= 1
-            offset -= seq_offset
-        if target > step:
-            seconds += self.costs.decode_steps(target - step, running, offset + running * step)
-        return seconds
+        return self._walk(target, math.inf)[1]
 
     def _steps_within(self, seconds: float) -> int:
         """The first step boundary at or after ``seconds`` of decoding from now."""
-        low, high = self.step, self._requests[0][0]
-        while low < high:
-            mid = (low + high) // 2
-            if self._time_to(mid) >= seconds:
-                high = mid
-            else:
-                low = mid + 1
-        return low
+        return self._walk(self._requests[0][0], seconds)[0]
+
+    def _walk(self, target: int, budget: float) -> tuple[int, float]:
+        """Decodes from now towards step ``target``, stretch by stretch between
+        sequences' ends, until the first step boundary at or past ``budget`` seconds;
+        returns that step (or ``target``) and its seconds."""
+        seconds, step, running, offset = 0.0, self.step, self._running, self._offset
+        if budget <= 0:  # still in the prefill: the next step starts after it
+            return step, seconds
+        cost = self.costs.decode_steps
+        i, ends = 0, self._ends
+        while step < target:
+            while i < len(ends) and ends[i][0] <= step:  # ended: out of the batch
+                running -= 1
+                offset -= ends[i][1]
+                i += 1
+            stop = min(ends[i][0], target) if i < len(ends) else target
+            stretch = cost(stop - step, running, offset + running * step)
+            if seconds + stretch >= budget:  # inside this stretch: its first step past
+                low, high = 1, stop - step
+                while low < high:
+                    mid = (low + high) // 2
+                    if seconds + cost(mid, running, offset + running * step) >= budget:
+                        high = mid
+                    else:
+                        low = mid + 1
+                return step + low, seconds + cost(low, running, offset + running * step)
+            seconds += stretch
+            step = stop
+        return step, seconds
 
     def _advance(self, step: int) -> None:
         ended = bisect.bisect_right(self._ends, (step, math.inf))
