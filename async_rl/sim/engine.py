@@ -40,6 +40,22 @@ class Request:
         self.min_version = self.max_version = -1
 
 
+class Load:
+    """A weight update asked of an engine: when it was asked and when it was done."""
+
+    __slots__ = ("asked", "done", "done_at", "pause_s", "version")
+
+    def __init__(self, version: int, pause_s: float, asked: float) -> None:
+        self.version, self.pause_s, self.asked = version, pause_s, asked
+        self.done = anyio.Event()
+        self.done_at = asked
+
+    @property
+    def waited(self) -> float:
+        """Seconds from the ask to the pause."""
+        return self.done_at - self.asked - self.pause_s
+
+
 class SimEngine:
     """See the module docstring. ``drain``: weights.update_mode = "drain"."""
 
@@ -53,7 +69,7 @@ class SimEngine:
                                   device=f"sim:{rank}", clock=clock, enabled=record_spans)
         self.step = 0
         self._waiting: list[Request] = []
-        self._loads: list[tuple[int, float, anyio.Event]] = []
+        self._loads: list[Load] = []
         self._ends: list[tuple[int, int]] = []
         """(step a sequence ends at, its context offset = prompt tokens - step it joined),
         sorted."""
@@ -78,15 +94,13 @@ class SimEngine:
         await request.done.wait()
         return request
 
-    async def load(self, version: int, pause_s: float) -> float:
-        """Pauses for ``pause_s`` at the next step boundary (drain: once nothing runs) and
-        runs ``version`` from then on; returns how long it waited to pause."""
-        loaded = anyio.Event()
-        asked = self.clock()
-        self._loads.append((version, pause_s, loaded))
+    def load(self, version: int, pause_s: float) -> Load:
+        """Asks for a pause of ``pause_s`` at the next step boundary (drain: once nothing
+        runs), after which the engine runs ``version``; ``Load.done`` is set then."""
+        load = Load(version, pause_s, self.clock())
+        self._loads.append(load)
         self._wake.set()
-        await loaded.wait()
-        return self.clock() - asked - pause_s
+        return load
 
     def drain_spans(self) -> list[Span]:
         return self.spans.flush()
@@ -127,13 +141,14 @@ class SimEngine:
 
     async def _apply_loads(self) -> None:
         loads, self._loads = self._loads, []
-        self.spans.switch("weight_sync", loads[-1][0])
-        pause = sum(p for _, p, _ in loads)
+        self.spans.switch("weight_sync", loads[-1].version)
+        pause = sum(load.pause_s for load in loads)
         await anyio.sleep(pause)
         self.busy_s += pause
-        self.version = loads[-1][0]
-        for _, _, loaded in loads:
-            loaded.set()
+        self.version = loads[-1].version
+        for load in loads:
+            load.done_at = self.clock()
+            load.done.set()
 
     def _admit(self) -> None:
         for request in self._waiting:

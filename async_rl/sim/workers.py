@@ -279,19 +279,15 @@ class SimWeights:
                       ) -> tuple[list[BroadcastTiming], list[int]]:
         assert isinstance(published, SimPublished)
         transfer, load = self.costs.transfer(), self.costs.hardware.weight_load_s
-        timings: list[BroadcastTiming] = []
-
-        async def one(rank: int) -> None:
-            paused = await self.engines[rank].load(published.version, transfer + load)
-            timings.append(BroadcastTiming(version=published.version, rollout_rank=rank,
-                                           publish_s=published.publish_s,
-                                           transfer_s=transfer, pause_s=paused,
-                                           load_s=load))
-
-        async with anyio.create_task_group() as group:
-            for rank in ranks:
-                group.start_soon(one, rank)
-        return sorted(timings, key=lambda t: t.rollout_rank), []
+        asked = {rank: self.engines[rank].load(published.version, transfer + load)
+                 for rank in ranks}  # every engine at once: a broadcast
+        timings = []
+        for rank, loading in asked.items():
+            await loading.done.wait()
+            timings.append(BroadcastTiming(
+                version=published.version, rollout_rank=rank, publish_s=published.publish_s,
+                transfer_s=transfer, pause_s=loading.waited, load_s=load))
+        return timings, []
 
 
 class SimEvaluator:
