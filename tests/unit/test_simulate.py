@@ -148,3 +148,18 @@ def test_calibration_recovers_the_throughput_of_the_hardware_it_was_simulated_on
     assert fit.simulated.groups_per_s == pytest.approx(fit.real.groups_per_s, rel=0.1)
     assert fit.simulated.rollout_busy_per_group == pytest.approx(
         fit.real.rollout_busy_per_group, rel=0.1)
+
+
+def test_a_simulated_sweep_runs_each_trial_with_async_rl_simulate(tmp_path: Path) -> None:
+    cfg = tmp_path / "job.toml"
+    cfg.write_text('[model]\npath = "not-needed"\n[task]\nkind = "longtail"\neval_size = 4\n'
+                   '[run]\nprogress = false\n[simulate]\nparameters = 5e5\n'
+                   'kv_bytes_per_token = 1024\n')
+    out = tmp_path / "sweep"
+    assert main(["sweep", str(cfg), "--simulate", "--grid", "staleness.max_staleness=0",
+                 "--steps", "3", "--out", str(out)]) == 0
+    trial = out / "staleness.max_staleness=0"
+    record = read_record(trial)
+    assert record is not None and record.simulated == "cpu"
+    assert read_summary(trial).steps == 3
+    assert (out / "sweep.csv").read_text().count("\n") == 2  # header and the one trial
