@@ -2,18 +2,20 @@
 others, and the table says by how much it misses.
 
 For each built-in CPU task (``examples/cpu_default.toml``, ``examples/cpu_longtail.toml``)
-the real runs are short (40 steps, no evaluations during training): max_staleness 2
-with one rollout worker is the calibration run (``async-rl simulate --calibrate``, which
-writes ``RUN_DIR/hardware.toml``); max_staleness 0, 1 and 2 with one and two rollout
-workers are predicted with that file and the calibration run's own generated lengths
-(its ledger, when it records them; else the task's reference lengths). A real run
-already in ``--out`` with a summary is reused; a missing one is trained first, each under
-``flock --lock`` when given (real runs need the machine to themselves). Printed, per
+the real runs are short (40 steps, no evaluations during training). One is the
+calibration run (``async-rl simulate --calibrate``, which writes ``RUN_DIR/hardware.toml``:
+max_staleness 2 with one rollout worker on the default task, max_staleness 1 with one on
+the long-tail task); the other settings of max_staleness 0, 1 and 2 with one and two
+rollout workers are predicted with that file and the calibration run's own generated
+lengths (its ledger, when it records them; else the task's reference lengths). A real
+run already in ``--out`` with a summary is reused; a missing one is trained first, each
+under ``flock --lock`` when given (real runs need the machine to themselves), or left
+out with ``--existing``. Printed, per
 predicted run: groups/s measured and predicted with the error, and each role's idle
 fraction, in total and by cause, measured vs predicted, with the difference in points.
 
     python bench/sim_vs_real.py --lock /tmp/heavy.lock
-    python bench/sim_vs_real.py --tasks longtail --json
+    python bench/sim_vs_real.py --existing --tasks longtail --json
 """
 
 from __future__ import annotations
@@ -36,9 +38,9 @@ from async_rl.sim.calibrate import calibrate
 from async_rl.sim.run import simulate
 
 TASKS = {"default": "examples/cpu_default.toml", "longtail": "examples/cpu_longtail.toml"}
-CALIBRATION = (2, 1)
+CALIBRATION = {"default": (2, 1), "longtail": (1, 1)}
 """(max_staleness, rollout workers) of the run each task is calibrated on."""
-PREDICTED = ((0, 1), (1, 1), (2, 2), (1, 2), (0, 2))
+SETTINGS = ((0, 1), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2))
 REAL = ("run.num_steps=40", "run.eval_every=0", "task.eval_size=50", "run.progress=false")
 """What every real run overrides of its task's example config."""
 
@@ -47,11 +49,15 @@ def _string(text: str) -> str:
     return json.dumps(text)
 
 
-def real_run(task: str, staleness: int, workers: int, out: Path, lock: str) -> Path:
-    """The real run's directory, trained first when it has no summary."""
+def real_run(task: str, staleness: int, workers: int, out: Path, lock: str | None
+             ) -> Path | None:
+    """The real run's directory, trained first when it has no summary (``lock`` None:
+    left out instead)."""
     run_dir = out / f"{task}-s{staleness}-w{workers}"
     if (run_dir / "summary.json").exists():
         return run_dir
+    if lock is None:
+        return None
     sets = [*REAL, f"staleness.max_staleness={staleness}", f"rollout.num_workers={workers}",
             f"run.output_dir={_string(str(run_dir))}"]
     command = [sys.executable, "-m", "async_rl.cli", "train", TASKS[task], "--overwrite",
@@ -80,16 +86,21 @@ def predict(real_dir: Path, hardware: Path, lengths: str, out: Path) -> Path:
     return sim_dir
 
 
-def compare(task: str, out: Path, lock: str) -> list[dict[str, Any]]:
-    calibration = real_run(task, *CALIBRATION, out, lock)
-    reals = [real_run(task, s, w, out, lock) for s, w in PREDICTED]
+def compare(task: str, out: Path, lock: str | None) -> list[dict[str, Any]]:
+    calibration = real_run(task, *CALIBRATION[task], out, lock)
+    if calibration is None:
+        return []
+    predicted = [setting for setting in SETTINGS if setting != CALIBRATION[task]]
+    reals = [real_run(task, s, w, out, lock) for s, w in predicted]
     hardware = calibration / "hardware.toml"
     fit = calibrate(calibration, hardware)
     print(f"{task}: calibrated on {calibration}:\n{fit.describe()}", flush=True)
     replay = any(e.lengths for e in read_ledger(calibration) if e.event == "generated")
     lengths = _string(str(calibration)) if replay else '"task"'
     rows = []
-    for (staleness, workers), real_dir in zip(PREDICTED, reals, strict=True):
+    for (staleness, workers), real_dir in zip(predicted, reals, strict=True):
+        if real_dir is None:
+            continue
         sim_dir = predict(real_dir, hardware, lengths, out)
         rows.append({"task": task, "max_staleness": staleness, "workers": workers,
                      "real": figures(real_dir), "sim": figures(sim_dir)})
@@ -134,12 +145,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--tasks", default="default,longtail")
     parser.add_argument("--out", default="runs/sim-vs-real", help="real and simulated runs")
     parser.add_argument("--lock", default="", help="run each real run under flock FILE")
+    parser.add_argument("--existing", action="store_true",
+                        help="only the real runs already in --out: train none")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     logging.getLogger("async_rl").setLevel(logging.WARNING)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    rows = [row for task in args.tasks.split(",") for row in compare(task, out, args.lock)]
+    lock = None if args.existing else args.lock
+    rows = [row for task in args.tasks.split(",") for row in compare(task, out, lock)]
     if args.json:
         print(json.dumps(msgspec.to_builtins(rows)))
     else:
