@@ -204,7 +204,7 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     length_values: tuple[Annotated[int, msgspec.Meta(ge=1)], ...] = ()
     """The completion lengths lengths = "empirical" draws from."""
     prompt_tokens: NonNegative = 0
-    """Tokens of every prompt; 0 = each prompt's own text length plus one (the byte-level
+    """Tokens of every prompt; 0 = each prompt's text length in bytes (the byte-level
     tokenizer of the built-in models)."""
     parameters: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Model parameters; 0 = counted from model.path's config.json."""

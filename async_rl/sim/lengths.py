@@ -119,5 +119,6 @@ def length_law(config: Config) -> LengthLaw:
 
 
 def prompt_tokens(config: Config, prompt: Prompt) -> int:
-    """The prompt's tokens: simulate.prompt_tokens, else its text's bytes plus one."""
-    return config.simulate.prompt_tokens or len(prompt.text.encode()) + 1
+    """The prompt's tokens: simulate.prompt_tokens, else its text's bytes (the byte-level
+    tokenizer of the built-in models adds no BOS)."""
+    return config.simulate.prompt_tokens or len(prompt.text.encode())
