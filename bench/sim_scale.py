@@ -4,7 +4,7 @@ Simulates a 7B-parameter model on H100s (the shipped h100 hardware file), half t
 devices rollout engines of one GPU, half trainer shards, with long-tailed responses
 (log-normal, median 1,000 tokens, cut at 8,192) and one group per rollout engine per
 step at max_staleness 1, for every devices x steps point, and prints the wall seconds of
-each simulation (the orchestrator, the simulated workers and the run directory; the
+each simulation and its CPU time (the orchestrator, the simulated workers and the run directory; the
 report is not built) with the simulated run's groups/s beside them.
 
     python bench/sim_scale.py
@@ -23,6 +23,7 @@ from pathlib import Path
 import msgspec
 
 from async_rl.config import Config
+from async_rl.run.run_record import package_versions
 from async_rl.sim.costs import Costs
 from async_rl.sim.run import simulate, simulation_costs
 
@@ -68,18 +69,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=_ints, default=[25, 50, 100])
     args = parser.parse_args(argv)
     logging.getLogger("async_rl").setLevel(logging.WARNING)
-    print("| devices (rollout + trainer) | steps | wall s | wall ms per device-step "
+    package_versions()  # once per process: not a simulation's cost
+    print("| devices (rollout + trainer) | steps | wall s | CPU s | CPU ms per device-step "
           "| simulated groups/s |")
-    print("| --- | --- | --- | --- | --- |")
+    print("| --- | --- | --- | --- | --- | --- |")
     for devices in args.devices:
         for steps in args.steps:
             with tempfile.TemporaryDirectory() as out:
                 config = scale_config(devices, steps, Path(out))
-                began = time.perf_counter()
+                began, cpu = time.perf_counter(), time.process_time()
                 summary = simulate(config, costs(config))
-                wall = time.perf_counter() - began
+                wall, cpu = time.perf_counter() - began, time.process_time() - cpu
             print(f"| {devices} ({devices // 2} + {devices // 2}) | {steps} | {wall:.2f} "
-                  f"| {1e3 * wall / (devices * steps):.3f} | {summary.groups_per_s:.1f} |",
+                  f"| {cpu:.2f} | {1e3 * cpu / (devices * steps):.3f} "
+                  f"| {summary.groups_per_s:.1f} |",
                   flush=True)
     return 0
 

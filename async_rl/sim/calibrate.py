@@ -172,6 +172,6 @@ def calibrate(run_dir: str | Path, out: str | Path, overrides: Sequence[str] = (
     fitted = msgspec.structs.replace(best[1], sources=(
         f"calibrated by async-rl simulate --calibrate {path} on "
         f"{read_summary(path).steps} steps of {config.task.kind}",
-        *base.sources))
+        *(s for s in base.sources if not s.startswith("calibrated by"))))
     Path(out).write_text(hardware_toml(fitted))
     return Fit(hardware=fitted, real=real, simulated=best[2])
