@@ -12,7 +12,9 @@ run already in ``--out`` with a summary is reused; a missing one is trained firs
 under ``flock --lock`` when given (real runs need the machine to themselves), or left
 out with ``--existing``. Printed, per
 predicted run: groups/s measured and predicted with the error, and each role's idle
-fraction, in total and by cause, measured vs predicted, with the difference in points.
+fraction, in total and by cause, measured vs predicted, with the difference in points;
+and the median seconds of a training step, measured and predicted: the same work takes
+as long in every simulated run, while on a shared machine it does not in real ones.
 
     python bench/sim_vs_real.py --lock /tmp/heavy.lock
     python bench/sim_vs_real.py --existing --tasks longtail --json
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -33,7 +36,7 @@ import msgspec
 
 from async_rl.analysis.report import idle_of, read_spans
 from async_rl.config_io import load_config
-from async_rl.run.run_dir import CONFIG, read_ledger, read_summary
+from async_rl.run.run_dir import CONFIG, read_ledger, read_metrics, read_summary
 from async_rl.sim.calibrate import calibrate
 from async_rl.sim.run import simulate
 
@@ -70,12 +73,15 @@ def real_run(task: str, staleness: int, workers: int, out: Path, lock: str | Non
 
 
 def figures(run_dir: Path) -> dict[str, Any]:
-    """groups/s and each role's idle fraction, in total and by cause."""
+    """groups/s, the median train_s of a step, and each role's idle fraction, in total
+    and by cause."""
     idle, _ = idle_of(read_spans(run_dir))
     roles = {r.role: {"idle": r.idle_fraction,
                       **{c: s / r.wall_s for c, s in r.idle_by_cause.items() if r.wall_s}}
              for r in idle.roles}
-    return {"groups_per_s": read_summary(run_dir).groups_per_s, "roles": roles}
+    train_s = statistics.median(row["train_s"] for row in read_metrics(run_dir))
+    return {"groups_per_s": read_summary(run_dir).groups_per_s, "train_s": train_s,
+            "roles": roles}
 
 
 def predict(real_dir: Path, hardware: Path, lengths: str, out: Path) -> Path:
@@ -108,14 +114,17 @@ def compare(task: str, out: Path, lock: str | None) -> list[dict[str, Any]]:
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
-    lines = ["| task | max_staleness | workers | groups/s real | sim | error "
+    lines = ["| task | max_staleness | workers | step train_s real | sim "
+             "| groups/s real | sim | error "
              "| rollout idle real | sim | diff | trainer idle real | sim | diff "
              "| idle by cause, real/sim (points) |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+             "| --- | --- |"]
     for row in rows:
         real, sim = row["real"], row["sim"]
         error = sim["groups_per_s"] / real["groups_per_s"] - 1
         cells = [row["task"], str(row["max_staleness"]), str(row["workers"]),
+                 f"{real['train_s']:.2f}", f"{sim['train_s']:.2f}",
                  f"{real['groups_per_s']:.2f}", f"{sim['groups_per_s']:.2f}", f"{error:+.0%}"]
         causes = []
         for role in ("rollout", "trainer"):
