@@ -15,6 +15,7 @@ about prompts, groups or the orchestrator.
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 import heapq
 import itertools
@@ -81,7 +82,9 @@ class SimEngine:
         self._offset = 0
         """Context of the running sequences = _offset + _running * step."""
         self._prefill = 0.0
-        self._wake = anyio.Event()
+        self._woken: asyncio.Future[bool] | None = None
+        """What the engine waits on: a timer or ``_wake`` settles it (asyncio's own, the
+        cheapest wait there is: the simulation runs on asyncio's loop)."""
 
     # ---- what the rollout worker asks ---------------------------------------------------
 
@@ -90,7 +93,7 @@ class SimEngine:
         """Runs the sequences; returns their request once the last has ended."""
         request = Request(prompt_tokens, lengths, evaluate)
         self._waiting.append(request)
-        self._wake.set()
+        self._wake()
         await request.done.wait()
         return request
 
@@ -99,7 +102,7 @@ class SimEngine:
         runs), after which the engine runs ``version``; ``Load.done`` is set then."""
         load = Load(version, pause_s, self.clock())
         self._loads.append(load)
-        self._wake.set()
+        self._wake()
         return load
 
     def drain_spans(self) -> list[Span]:
@@ -115,23 +118,36 @@ class SimEngine:
                 self._admit()
             if not self._requests:
                 self._switch()
-                self._wake = anyio.Event()
-                await self._wake.wait()
+                await self._sleep(None)
                 continue
             self._switch()
             target = self._requests[0][0]
             planned = self._prefill + self._time_to(target)
             began = self.clock()
-            self._wake = anyio.Event()
-            with anyio.move_on_after(planned):
-                await self._wake.wait()
-            elapsed = self.clock() - began
-            if elapsed < planned:  # woken: the step in progress ends first
+            if await self._sleep(planned):  # woken: the step in progress ends first
+                elapsed = self.clock() - began
                 target = self._steps_within(elapsed - self._prefill)
                 await anyio.sleep(max(self._prefill + self._time_to(target) - elapsed, 0.0))
             self.busy_s += self.clock() - began
             self._prefill = 0.0
             self._advance(target)
+
+    def _wake(self) -> None:
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(True)
+
+    async def _sleep(self, seconds: float | None) -> bool:
+        """Sleeps ``seconds`` (None: until woken); True if ``_wake`` ended it early."""
+        loop = asyncio.get_running_loop()
+        self._woken = woken = loop.create_future()
+        timer = (None if seconds is None else
+                 loop.call_later(seconds, lambda: woken.done() or woken.set_result(False)))
+        try:
+            return await woken
+        finally:
+            self._woken = None
+            if timer is not None:
+                timer.cancel()
 
     def _switch(self) -> None:
         if self._running > self._evaluating:
