@@ -140,8 +140,12 @@ class SimEngine:
         """Sleeps ``seconds`` (None: until woken); True if ``_wake`` ended it early."""
         loop = asyncio.get_running_loop()
         self._woken = woken = loop.create_future()
-        timer = (None if seconds is None else
-                 loop.call_later(seconds, lambda: woken.done() or woken.set_result(False)))
+
+        def expire() -> None:
+            if not woken.done():
+                woken.set_result(False)
+
+        timer = None if seconds is None else loop.call_later(seconds, expire)
         try:
             return await woken
         finally:
