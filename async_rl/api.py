@@ -2,7 +2,8 @@
 
 Owns: ``load_config`` (a TOML file and overrides, as ``async-rl train --set`` reads
 them), ``train`` (the job ``async-rl train`` runs: inputs checked, the run directory
-made, the workers started; with reward callables besides ``task.rewards``) and the
+made, the workers started; with reward callables besides ``task.rewards``), ``simulate``
+(the same job on simulated workers, ``async-rl simulate``) and the
 forms a reward callable may be given in (``RewardArg``). ``async-rl train`` is a thin
 layer over these. Importing this module is light: Ray, torch and vLLM load when
 ``train`` starts a run.
@@ -133,3 +134,16 @@ def train(config: Config, rewards: RewardArg | Iterable[RewardArg] = (), *,
     from async_rl.shell.ray_shell import run_training
 
     return run_training(config, resume=resume, verbose=verbose, rewards=checked)
+
+
+def simulate(config: Config, *, overwrite: bool = False) -> RunSummary:
+    """Simulates the run ``config`` describes, as ``async-rl simulate`` does: the real
+    orchestrator with simulated workers on a virtual clock, costed by the hardware file
+    of ``simulate.hardware`` (docs/simulator.md). Writes a run directory in
+    ``run.output_dir`` (marked simulated in run.json) and returns its summary; a model
+    that is not there is fine when ``simulate.parameters`` and
+    ``simulate.kv_bytes_per_token`` give its size. Light: no Ray, torch or vLLM."""
+    _new_run_dir(config, overwrite)
+    from async_rl.sim.run import simulate as simulate_run
+
+    return simulate_run(config)

@@ -1,4 +1,4 @@
-"""The `async-rl` command line: config show, make-model, train, report, sweep.
+"""The `async-rl` command line: config show, make-model, train, simulate, report, sweep.
 
 Owns: argument parsing and turning user errors into exit status 2 with one line. Knows
 nothing about how a run works; each command calls one function of the library (`train`
@@ -69,6 +69,26 @@ def _parser() -> argparse.ArgumentParser:
     existing.add_argument("--overwrite", action="store_true",
                           help="replace an existing run directory")
 
+    simulate = commands.add_parser(
+        "simulate", help="the run a config describes, on simulated workers and a virtual "
+                         "clock (seconds for a cluster), written as a run directory; or "
+                         "--calibrate a hardware file from a real run")
+    simulate.add_argument("config", nargs="?", help="TOML config file (not with --calibrate)")
+    _add_overrides(simulate)
+    simulate.add_argument("--hardware", metavar="FILE",
+                          help="hardware file or shipped name (simulate.hardware)")
+    simulate.add_argument("--lengths", metavar="SOURCE",
+                          help="task, lognormal, empirical or a run directory "
+                               "(simulate.lengths)")
+    simulate.add_argument("--overwrite", action="store_true",
+                          help="replace an existing run directory")
+    simulate.add_argument("--calibrate", metavar="RUN_DIR",
+                          help="fit this machine's hardware file to a real run's spans and "
+                               "metrics (its config is the one simulated)")
+    simulate.add_argument("--out", metavar="FILE",
+                          help="where --calibrate writes the hardware file "
+                               "(default RUN_DIR/hardware.toml)")
+
     report = commands.add_parser(
         "report", help="a run's record (run.json), idle table, trace and timeline; for two "
                        "runs what differs in config and record, then their figures side by side"
@@ -88,6 +108,8 @@ def _parser() -> argparse.ArgumentParser:
                        help="run.num_steps of every trial")
     sweep.add_argument("--repeat", type=_positive_int, default=1,
                        help="runs of each grid point (to see timing noise)")
+    sweep.add_argument("--simulate", action="store_true",
+                       help="simulate each trial (async-rl simulate) instead of training it")
     sweep.add_argument("--out", default=None,
                        help="sweep directory, one run directory per trial "
                             "(default: the config's run.output_dir + '-sweep')")
@@ -170,6 +192,41 @@ def _train(args: argparse.Namespace) -> int:
     return 0
 
 
+def _simulate(args: argparse.Namespace) -> int:
+    from async_rl.sim.calibrate import calibrate
+
+    sets = [*args.overrides, *([f"simulate.hardware={_toml_string(args.hardware)}"]
+                               if args.hardware else []),
+            *([f"simulate.lengths={_toml_string(args.lengths)}"] if args.lengths else [])]
+    if args.calibrate:
+        if args.config:
+            raise ConfigError("usage error: give a config file or --calibrate RUN_DIR, not both")
+        out = args.out or str(Path(args.calibrate) / "hardware.toml")
+        fit = calibrate(args.calibrate, out, sets)
+        print(fit.describe())
+        print(f"hardware file written: {out}")
+        return 0
+    if not args.config:
+        raise ConfigError("usage error: async-rl simulate needs a config file or --calibrate")
+    from async_rl.analysis.report import print_report
+    from async_rl.api import simulate
+
+    config = load_config(args.config, sets)
+    summary = simulate(config, overwrite=args.overwrite)
+    if config.run.record_spans:
+        print_report(config.run.output_dir)
+    print(f"simulated on {config.simulate.hardware}: accuracy is not simulated; "
+          f"run directory {config.run.output_dir}")
+    return 0 if not summary.stopped else 1
+
+
+def _toml_string(text: str) -> str:
+    """A path or name as a TOML string value of ``--set``."""
+    import json
+
+    return json.dumps(text)
+
+
 class ConsoleLines(logging.Handler):
     """The library's log records as the plain lines the command prints (``sys.stdout``
     looked up at each line, so the progress bar's redirection of it applies)."""
@@ -212,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "train":
             return _train(args)
+        if args.command == "simulate":
+            return _simulate(args)
         if args.command == "report":
             from async_rl.analysis.report import compare, print_record, print_report
 
@@ -232,7 +291,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = load_config(args.config, args.overrides)
             out = args.out or f"{config.run.output_dir}-sweep"
             run_sweep(args.config, parse_grid(args.grid), out=out, steps=args.steps,
-                      repeat=args.repeat, overrides=args.overrides)
+                      repeat=args.repeat, overrides=args.overrides, simulate=args.simulate)
             return 0
     except ConfigError as err:
         print(str(err), file=sys.stderr)

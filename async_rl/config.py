@@ -32,7 +32,7 @@ from workers.rollout.config import RolloutConfig
 from workers.trainer.config import TrainerConfig
 from workers.weights.config import WeightsConfig
 
-__all__ = ["Config", "ConfigError", "RunConfig", "TaskConfig"]
+__all__ = ["Config", "ConfigError", "RunConfig", "SimulateConfig", "TaskConfig"]
 
 
 class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -184,6 +184,45 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                            "and no logger twice")
 
 
+class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What ``async-rl simulate`` needs besides the run's own sections: the hardware,
+    the lengths and the model's size (``async-rl train`` ignores this section)."""
+
+    hardware: str = "cpu"
+    """A hardware file (TOML: devices per worker, peak FLOP/s, memory bandwidth, MFUs,
+    interconnect bandwidth, fixed overheads; docs/simulator.md), or a shipped one by name:
+    cpu (this project's 2-core test machine, calibrated), h100, h200, a100, h20."""
+    lengths: str = "task"
+    """Where completion lengths come from: "task" (the built-in task's reference
+    completions: arithmetic, longtail), "lognormal" (simulate.length_median and
+    length_sigma), "empirical" (drawn from simulate.length_values), or a run directory,
+    whose ledger's generated lengths are replayed prompt by prompt. All are capped at
+    rollout.max_new_tokens."""
+    length_median: PositiveFloat = 200.0
+    """Median completion tokens of lengths = "lognormal"."""
+    length_sigma: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    """Standard deviation of log(length) of lengths = "lognormal"."""
+    group_spread: Annotated[float, msgspec.Meta(ge=0)] = 0.3
+    """lognormal: the part of length_sigma shared by a group's samples is the rest; this
+    is the standard deviation of log(length) between samples of one prompt."""
+    length_values: tuple[Annotated[int, msgspec.Meta(ge=1)], ...] = ()
+    """The completion lengths lengths = "empirical" draws from."""
+    prompt_tokens: NonNegative = 0
+    """Tokens of every prompt; 0 = each prompt's text length in bytes (the byte-level
+    tokenizer of the built-in models)."""
+    parameters: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Model parameters; 0 = counted from model.path's config.json."""
+    kv_bytes_per_token: NonNegative = 0
+    """KV-cache bytes one token of context holds (2 x layers x kv heads x head dim x
+    bytes); 0 = from model.path's config.json."""
+    reward_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Reward (or tool) latency of a group after its last sample; the engine goes on
+    generating meanwhile."""
+    reward_p: Fraction = 0.5
+    """Chance that a sample scores 1. Learning is not simulated: held-out accuracy stays
+    at this value."""
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole run configuration."""
 
@@ -195,6 +234,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
     run: RunConfig = msgspec.field(default_factory=RunConfig)
+    simulate: SimulateConfig = msgspec.field(default_factory=SimulateConfig)
 
     def __post_init__(self) -> None:
         if self.queue.max_groups < self.trainer.groups_per_step:

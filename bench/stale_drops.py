@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import selectors
 import statistics
 from collections import deque
 from collections.abc import Sequence
@@ -42,6 +41,7 @@ from typing import Any
 import anyio
 import msgspec
 
+from async_rl.sim.clock import run_virtual
 from async_rl.tasks.longtail import (
     MAX_NEW_TOKENS,
     RemainderTask,
@@ -82,31 +82,6 @@ class SimGroup(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def prompt_id(self) -> str:
         return self.prompt.prompt_id
-
-
-class _JumpSelector(selectors.DefaultSelector):
-    """Instead of sleeping until the next timer, moves the loop's clock to it."""
-
-    def __init__(self, loop: VirtualClockLoop) -> None:
-        super().__init__()
-        self._loop = loop
-
-    def select(self, timeout: float | None = None) -> list[Any]:
-        if timeout is None:
-            raise RuntimeError("simulation deadlocked: nothing is scheduled")
-        self._loop.now += timeout
-        return super().select(0)
-
-
-class VirtualClockLoop(asyncio.SelectorEventLoop):
-    """An asyncio loop on simulated time: runs take no wall time and are deterministic."""
-
-    def __init__(self) -> None:
-        self.now = 0.0
-        super().__init__(_JumpSelector(self))
-
-    def time(self) -> float:
-        return self.now
 
 
 class _Request:
@@ -267,8 +242,7 @@ def run(**kwargs: Any) -> dict[str, Any]:
     async def main() -> dict[str, Any]:
         return await simulate(**kwargs)
 
-    return anyio.run(main, backend="asyncio",
-                     backend_options={"loop_factory": VirtualClockLoop})
+    return run_virtual(main)
 
 
 def _rate(dropped: int, generated: int) -> str:

@@ -276,6 +276,9 @@ class LedgerEntry(msgspec.Struct, frozen=True, kw_only=True):
     time: float = 0.0
     rewards: tuple[float, ...] = ()
     """The group's sample rewards, on its trained and filtered events."""
+    lengths: tuple[int, ...] = ()
+    """Completion tokens of each sample, on its generated events (what
+    ``async-rl simulate --lengths RUN_DIR`` replays)."""
 
 
 class TrainSequence(msgspec.Struct, frozen=True, kw_only=True):

@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic
 
 import anyio
@@ -60,7 +60,8 @@ class ReplayQueue(Generic[T]):
     ``bucket_edges`` are increasing token counts: edges ``(1024, 4096)`` make buckets
     ``[0, 1024)``, ``[1024, 4096)`` and ``[4096, inf)``. A group that could never fit
     (more than ``max_tokens``) is refused with ``ValueError`` rather than waiting forever.
-    ``wait_for_expiring``: see ``take``.
+    ``wait_for_expiring``: see ``take``. ``clock``: what waits are timed with (a
+    simulation passes its virtual clock).
     """
 
     def __init__(
@@ -72,6 +73,7 @@ class ReplayQueue(Generic[T]):
         bucket_edges: Sequence[int] = (),
         on_drop: DropHandler[T] | None = None,
         wait_for_expiring: bool = True,
+        clock: Callable[[], float] = time.perf_counter,
     ) -> None:
         if max_groups < 1 or max_tokens < 1:
             raise ValueError(f"max_groups={max_groups}, max_tokens={max_tokens}: both must be >= 1")
@@ -85,6 +87,7 @@ class ReplayQueue(Generic[T]):
         self.max_staleness = max_staleness
         self.bucket_edges = edges
         self.wait_for_expiring = wait_for_expiring
+        self._clock = clock
         self._drops: DropAccounting[T] = DropAccounting(edges, on_drop)
         self._store: BucketedStore[T] = BucketedStore(edges)
         self._in_flight = InFlight(max_staleness)
@@ -130,7 +133,7 @@ class ReplayQueue(Generic[T]):
         waiter = _Waiter(item.num_tokens)
         self._putters.append(waiter)
         self._put_waits += 1
-        started = time.perf_counter()
+        started = self._clock()
         try:
             while True:
                 self._wake_starved_taker()
@@ -145,7 +148,7 @@ class ReplayQueue(Generic[T]):
                 waiter.event = anyio.Event()
         finally:
             self._putters.remove(waiter)
-            self._put_wait_s += time.perf_counter() - started
+            self._put_wait_s += self._clock() - started
             self._wake_putter()
 
     # -- take ------------------------------------------------------------------------
@@ -187,7 +190,7 @@ class ReplayQueue(Generic[T]):
         waiter = _Waiter(n_groups, at_version)
         self._takers.append(waiter)
         self._take_waits += 1
-        started = time.perf_counter()
+        started = self._clock()
         try:
             while True:
                 self._check_starved(waiter)
@@ -199,7 +202,7 @@ class ReplayQueue(Generic[T]):
                 waiter.event = anyio.Event()
         finally:
             self._takers.remove(waiter)
-            self._take_wait_s += time.perf_counter() - started
+            self._take_wait_s += self._clock() - started
             self._wake_taker()
 
     @contextlib.contextmanager

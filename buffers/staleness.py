@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 
 import anyio
 import msgspec
@@ -66,7 +67,9 @@ class AdmissionGate:
     queue, ``acquire`` does not yield to the event loop when a slot is open.
     """
 
-    def __init__(self, *, groups_per_step: int, max_staleness: int, version: int = 0) -> None:
+    def __init__(self, *, groups_per_step: int, max_staleness: int, version: int = 0,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
+        """``clock``: what waits are timed with (a simulation passes its virtual clock)."""
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step={groups_per_step}: must be >= 1")
         if max_staleness < 0:
@@ -75,6 +78,7 @@ class AdmissionGate:
             raise ValueError(f"version={version}: must be >= 0")
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
+        self._clock = clock
         self._version = version
         self._started = 0
         self._admitted = 0
@@ -114,7 +118,7 @@ class AdmissionGate:
         waiter = _GateWaiter()
         self._waiters.append(waiter)
         self._waits += 1
-        started = time.perf_counter()
+        started = self._clock()
         try:
             await waiter.event.wait()
         except BaseException:
@@ -124,7 +128,7 @@ class AdmissionGate:
                 self._waiters.remove(waiter)
             raise
         finally:
-            self._wait_s += time.perf_counter() - started
+            self._wait_s += self._clock() - started
         if not waiter.granted:
             raise GateShutDown
 

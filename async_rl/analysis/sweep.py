@@ -3,10 +3,11 @@
 Owns: parsing ``--grid section.key=v1,v2`` into trials (every combination of the keys'
 values, each ``--repeat`` times), naming each trial's run directory, running each trial
 as its own ``async-rl train`` process (a fresh Ray each: nothing leaks from one trial
-into the next), recording a failed trial's one-line error and going on, and skipping
-trials that an earlier sweep finished with the same resolved config. The figures,
-sweep.csv, the table and sweep.png come from ``async_rl.analysis.sweep_report``. Knows nothing
-about training.
+into the next), or with ``simulate`` its own ``async-rl simulate`` process (seconds
+each), recording a failed trial's one-line error and going on, and skipping trials that
+an earlier sweep finished with the same resolved config. The figures, sweep.csv, the
+table and sweep.png come from ``async_rl.analysis.sweep_report``. Knows nothing about
+training.
 """
 
 from __future__ import annotations
@@ -115,22 +116,26 @@ def last_line(path: Path) -> str:
 
 
 def run_trial(config_path: str, trial: Trial, run_dir: Path, overrides: Sequence[str],
-              steps: int | None) -> TrialResult:
-    """Runs one trial in its own `async-rl train` process, unless it finished before."""
+              steps: int | None, simulate: bool = False) -> TrialResult:
+    """Runs one trial in its own `async-rl train` (``simulate``: `async-rl simulate`)
+    process, unless it finished before."""
     sets = [*overrides, *(f"{key}={value}" for key, value in trial.values),
             # JSON strings are TOML strings: any path survives the override's parsing.
             f"run.output_dir={msgspec.json.encode(str(run_dir)).decode()}"]
     if steps is not None:
         sets.append(f"run.num_steps={steps}")
     try:
-        config = check_inputs(load_config(config_path, sets))  # model.path as the run has it
+        config = load_config(config_path, sets)
+        if not simulate:  # a simulated model need not be there
+            config = check_inputs(config)  # model.path as the run has it
     except ConfigError as err:
         return TrialResult(trial=trial, run_dir=run_dir, status="failed", error=str(err))
     if finished(run_dir, config):
         return TrialResult(trial=trial, run_dir=run_dir, status="finished_earlier")
     shutil.rmtree(run_dir, ignore_errors=True)  # an unfinished earlier attempt
     run_dir.mkdir(parents=True)
-    command = [sys.executable, "-m", "async_rl.cli", "train", config_path]
+    command = [sys.executable, "-m", "async_rl.cli", "simulate" if simulate else "train",
+               config_path]
     command += [arg for item in sets for arg in ("--set", item)]
     began = time.perf_counter()
     with open(run_dir / CONSOLE_LOG, "wb") as log:
@@ -151,7 +156,8 @@ def describe(result: TrialResult) -> str:
 
 
 def run_sweep(config_path: str, grid: Grid, *, out: str | Path, steps: int | None = None,
-              repeat: int = 1, overrides: Sequence[str] = ()) -> list[TrialResult]:
+              repeat: int = 1, overrides: Sequence[str] = (),
+              simulate: bool = False) -> list[TrialResult]:
     """Runs every trial one after another, then writes sweep.csv and sweep.png and prints
     the table. sweep.csv is rewritten after each trial, so an interrupted sweep keeps
     what it measured."""
@@ -163,7 +169,7 @@ def run_sweep(config_path: str, grid: Grid, *, out: str | Path, steps: int | Non
         label = ", ".join(f"{key} = {value}" for key, value in trial.values)
         label += f" (repeat {trial.repeat})" if trial.repeat else ""
         print(f"[{number}/{len(planned)}] {label}: ", end="", flush=True)
-        result = run_trial(config_path, trial, out / trial.name, overrides, steps)
+        result = run_trial(config_path, trial, out / trial.name, overrides, steps, simulate)
         print(describe(result), flush=True)
         results.append(result)
         rows = [trial_row(r.run_dir, dict(r.trial.values), repeat=r.trial.repeat,

@@ -86,8 +86,15 @@ class Orchestrator:
     """Runs one async GRPO job on started workers; see the module docstring."""
 
     def __init__(self, config: Config, out: RunWriter, source: PromptSource,
-                 eval_prompts: Sequence[Prompt], workers: Workers) -> None:
+                 eval_prompts: Sequence[Prompt], workers: Workers,
+                 clock: Callable[[], float] | None = None) -> None:
+        """``clock``: the one time source of the run (durations, spans, the ledger, the
+        queue's and gate's waits); None: the system's (``time.perf_counter`` for
+        durations, ``time.time`` for spans and the ledger). ``async-rl simulate`` passes
+        its virtual clock, which its event loop's timers also run on."""
         self.config, self.out, self.source = config, out, source
+        self.clock = clock or time.perf_counter
+        wall = clock or time.time
         self.trainers = workers.trainers
         self.totals = StepTotals(bucket_edges=config.queue.bucket_edges)
         self.pool = RolloutPool(
@@ -97,7 +104,7 @@ class Orchestrator:
         self.weights = workers.weights
         self.gate = AdmissionGate(
             groups_per_step=config.trainer.groups_per_step,
-            max_staleness=config.staleness.max_staleness,
+            max_staleness=config.staleness.max_staleness, clock=self.clock,
         )
         self.queue: ReplayQueue[Group] = ReplayQueue(
             max_groups=config.queue.max_groups,
@@ -107,7 +114,7 @@ class Orchestrator:
             # Called the moment a group goes stale, even while a take waits: the slot must
             # come back at once or the gate could stay shut while training waits.
             on_drop=self._on_drop,
-            wait_for_expiring=config.queue.wait_for_expiring,
+            wait_for_expiring=config.queue.wait_for_expiring, clock=self.clock,
         )
         self.version = 0
         self.first_step = 1
@@ -122,8 +129,9 @@ class Orchestrator:
         self.health = RunHealth(self.totals,
                                 max_nonfinite_steps=config.trainer.max_nonfinite_steps,
                                 stall_timeout_s=config.rollout.stall_timeout_s,
-                                max_filtered_in_a_row=config.rollout.max_filtered_in_a_row)
-        self.prompts = PromptLedger(out, lambda: self.version)
+                                max_filtered_in_a_row=config.rollout.max_filtered_in_a_row,
+                                clock=self.clock)
+        self.prompts = PromptLedger(out, lambda: self.version, clock=wall)
         self.evals = EvalLog(every=config.run.eval_every, num_steps=config.run.num_steps)
         self.evaluations = EvaluationRunner(eval_prompts, self.evals, self.pool,
                                             self.health, out, evaluator=workers.evaluator,
@@ -134,9 +142,11 @@ class Orchestrator:
         record = config.run.record_spans
         # The orchestrator's own tracks: what it waits on explains the workers' idle time.
         self.admission = SpanRecorder(worker=ROLLOUT_TRACK, role="controller", rank=0,
-                                      device="driver", cause="no_work", enabled=record)
+                                      device="driver", cause="no_work", enabled=record,
+                                      clock=wall)
         self.training = SpanRecorder(worker=TRAINER_TRACK, role="controller", rank=0,
-                                     device="driver", cause="no_work", enabled=record)
+                                     device="driver", cause="no_work", enabled=record,
+                                     clock=wall)
 
     # ---- the run, top to bottom --------------------------------------------------------
 
@@ -160,7 +170,7 @@ class Orchestrator:
     async def _run(self, background: anyio.abc.TaskGroup) -> RunSummary:
         start = (await self.evaluations.evaluate(step=0, version=self.version)
                  if self.first_step == 1 else None)
-        started = time.perf_counter() - self.wall_offset
+        started = self.clock() - self.wall_offset
         self.evals.start(started)
         if self.first_step > 1:  # what the resumed version was charged with
             self.evals.produced(self.version, started + self.wall_offset,
@@ -179,7 +189,7 @@ class Orchestrator:
                 await self.training_loop(bar)
                 loops.cancel_scope.cancel()
         self.health.watching = False
-        wall_s = time.perf_counter() - started
+        wall_s = self.clock() - started
         self.evals.training_ended()
         rollout_versions = await self.readings.rollout_versions()
         self.prompts.close()
@@ -240,7 +250,7 @@ class Orchestrator:
             with self.queue.expecting(self.gate.version):
                 group = await worker.generate(prompt)
             self.totals.generated(group)
-            self.prompts.write(prompt, "generated")
+            self.prompts.write(prompt, "generated", lengths=group.completion_lengths)
             if group.env_timeouts and self.config.task.environment.on_timeout == "requeue":
                 self._requeue(prompt, "dropped", "env_timeout")  # the group runs again
                 return
@@ -275,12 +285,12 @@ class Orchestrator:
             deliveries.start_soon(self.delivery_loop, published_versions)
             while step <= cfg.run.num_steps and not self.stop_reason:
                 self.training.switch("wait_data", self.version)
-                t0 = time.perf_counter()
+                t0 = self.clock()
                 groups = await self.queue.take(cfg.trainer.groups_per_step,
                                                at_version=self.version,
                                                homogeneous=cfg.queue.homogeneous_take)
                 self.training.switch("training")
-                t1 = time.perf_counter()
+                t1 = self.clock()
                 batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step,
                                               max_new_tokens=cfg.rollout.max_new_tokens)
                 async with self.step_lock:
@@ -296,7 +306,7 @@ class Orchestrator:
                     for group in groups:
                         self._requeue(group.prompt, "failed", untrained)
                     continue
-                t2 = time.perf_counter()
+                t2 = self.clock()
                 staleness = [self.version - 1 - g.min_version for g in groups]
                 for group in groups:
                     self.prompts.trained(group.prompt, version=self.version - 1,
@@ -308,7 +318,7 @@ class Orchestrator:
                 row = step_row(
                     step=step, version=self.version, groups=groups, results=results,
                     plan=plan, staleness=staleness, wait_s=t1 - t0, train_s=t2 - t1,
-                    sync_s=time.perf_counter() - t2, timings=timings,
+                    sync_s=self.clock() - t2, timings=timings,
                     queue=self.queue.statistics(), totals=self.totals,
                 )
                 self.out.metrics(row)
@@ -319,7 +329,7 @@ class Orchestrator:
                 bar.update(row)
                 every = cfg.run.checkpoint_every
                 if every and step % every == 0 and step < cfg.run.num_steps:
-                    await self.checkpoint(time.perf_counter() - self.evals.started)
+                    await self.checkpoint(self.clock() - self.evals.started)
                 step += 1
             self.training.switch("weight_publish")  # the last delivery, awaited on exit
 
@@ -371,7 +381,7 @@ class Orchestrator:
         returns the one line the user gets."""
         dead = self.health.failed(failure, group)
         live = [shard for rank, shard in enumerate(self.trainers) if rank not in dead]
-        wall_s = time.perf_counter() - self.evals.started
+        wall_s = self.clock() - self.evals.started
         saved = "no live trainer shard to write a checkpoint from"
         if live:
             try:

@@ -30,18 +30,21 @@ FILTERED = "filtered"
 class PromptLedger:
     """A run's prompts in flight, owed, and their events; ``version`` labels each event."""
 
-    def __init__(self, out: RunWriter, version: Callable[[], int]) -> None:
-        self._out, self._version = out, version
+    def __init__(self, out: RunWriter, version: Callable[[], int],
+                 clock: Callable[[], float] = time.time) -> None:
+        self._out, self._version, self._clock = out, version, clock
         self.requeued: deque[Prompt] = deque()
         self.open: dict[str, Prompt] = {}
         """Admitted and not yet trained or re-queued: in flight or in the queue."""
 
     def write(self, prompt: Prompt, event: str, *, reason: str = "",
-              version: int | None = None, rewards: tuple[float, ...] = ()) -> None:
+              version: int | None = None, rewards: tuple[float, ...] = (),
+              lengths: tuple[int, ...] = ()) -> None:
         self._out.ledger(LedgerEntry(
             prompt_id=prompt.prompt_id, event=event,
             version=self._version() if version is None else version,
-            attempt=prompt.attempt, reason=reason, time=time.time(), rewards=rewards,
+            attempt=prompt.attempt, reason=reason, time=self._clock(), rewards=rewards,
+            lengths=lengths,
         ))
 
     def admit(self, source: PromptSource) -> Prompt:

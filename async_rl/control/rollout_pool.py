@@ -73,7 +73,7 @@ class RolloutPool:
 
     def full(self) -> bool:
         """No live worker can take another prompt now."""
-        return not self._workers or min(self.busy[r] for r in self._workers) >= self.limit
+        return not self._workers or min(map(self.busy.__getitem__, self._workers)) >= self.limit
 
     async def acquire(self, waiting: Callable[[], None]) -> tuple[int, RolloutClient]:
         """The least-busy live worker and its rank, with one of its slots taken (it may be
@@ -83,7 +83,7 @@ class RolloutPool:
             while self.full():
                 waiting()
                 await self._changed.wait()
-            rank = min(self._workers, key=lambda r: self.busy[r])
+            rank = min(self._workers, key=self.busy.__getitem__)
             self.busy[rank] += 1
             return rank, self._workers[rank]
 

@@ -39,8 +39,11 @@ class RunHealth:
     """See the module docstring."""
 
     def __init__(self, totals: StepTotals, *, max_nonfinite_steps: int,
-                 stall_timeout_s: float, max_filtered_in_a_row: int) -> None:
+                 stall_timeout_s: float, max_filtered_in_a_row: int,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         self.totals = totals
+        self.clock = clock
+        """What the stall watch reads (a simulation's virtual clock)."""
         self.max_nonfinite_steps = max_nonfinite_steps
         """trainer.max_nonfinite_steps."""
         self.max_filtered_in_a_row = max_filtered_in_a_row
@@ -49,14 +52,14 @@ class RunHealth:
         """Groups filtered since the last informative one."""
         self.stall_timeout_s = stall_timeout_s
         """rollout.stall_timeout_s."""
-        self.last_progress = time.perf_counter()
+        self.last_progress = self.clock()
         """When a group was last generated or a step last trained (the stall watch's)."""
         self.watching = True
         """The stall watch runs while this holds (the training window)."""
 
     def progressed(self) -> None:
         """A group was generated or a step trained."""
-        self.last_progress = time.perf_counter()
+        self.last_progress = self.clock()
 
     def judged(self, informative: bool) -> None:
         """A group came back and rollout.filter_groups judged it: an uninformative one is
@@ -109,7 +112,7 @@ class RunHealth:
         limit = self.stall_timeout_s
         while self.watching:
             await anyio.sleep(min(limit / 4, 1.0))
-            quiet = time.perf_counter() - self.last_progress
+            quiet = self.clock() - self.last_progress
             if quiet > limit and self.watching:
                 self.totals.rollout_stalls += 1
                 raise RunFailed(f"rollout stall: no group generated and no step trained for "

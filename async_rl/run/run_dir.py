@@ -52,14 +52,15 @@ class RunWriter:
     """
 
     def __init__(self, out_dir: str | Path, config: Config,
-                 positions: FilePositions | None = None) -> None:
+                 positions: FilePositions | None = None, simulated: str = "") -> None:
         """A new run directory, or with ``positions`` an existing one continued from a
-        checkpoint: each JSONL file cut back to the lines it had then, appended after."""
+        checkpoint: each JSONL file cut back to the lines it had then, appended after.
+        ``simulated``: the hardware of a simulated run, recorded in run.json."""
         self.path = Path(out_dir)
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / CONFIG).write_text(to_toml(config))
         self._encoder = msgspec.json.Encoder()
-        self.record = collect(config)
+        self.record = msgspec.structs.replace(collect(config), simulated=simulated)
         self._write_record()
         start = positions or FilePositions(metrics=0, ledger=0, evals=0)
         # Lines written to each JSONL file so far: plain counters on the per-event path.

@@ -9,6 +9,7 @@ record when a run starts and again, with its end time, when it ends.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import platform
@@ -74,6 +75,9 @@ class RunRecord(msgspec.Struct, frozen=True, kw_only=True):
     """ISO 8601 local time with its UTC offset."""
     ended: str | None = None
     """Set when the run wrote its summary; None while it runs or if it crashed."""
+    simulated: str = ""
+    """The hardware a simulated run (``async-rl simulate``) was simulated on; empty for a
+    real run (its hardware is ``hardware``)."""
 
 
 def now() -> str:
@@ -103,6 +107,7 @@ def source_state(checkout: Path) -> tuple[str | None, bool | None]:
     return commit, (bool(status) if status is not None else None)
 
 
+@functools.cache  # a process's packages do not change (simulations make many records)
 def package_versions(names: Sequence[str] = PACKAGES) -> dict[str, str]:
     """Installed version of each import name, keyed by the distribution that provides it."""
     providers = importlib.metadata.packages_distributions()
@@ -182,4 +187,6 @@ def describe(record: RunRecord) -> list[str]:
         f"{hw.memory_gib} GiB; {gpu}; host {record.hostname}",
         "seeds: " + ", ".join(f"{k} = {v}" for k, v in record.seeds.items())
         + f"; started {record.started}, ended {record.ended or '-'}",
+        *([f"SIMULATED on {record.simulated} (async-rl simulate): no worker ran"]
+          if record.simulated else []),
     ]

@@ -1,0 +1,177 @@
+"""Calibration: fitting a machine's hardware file to one real run's spans and metrics.
+
+Owns: ``calibrate`` (``async-rl simulate --calibrate RUN_DIR``) and what it measures of a
+real run (``Measured``). The physical figures (peak FLOP/s, memory bandwidth) stay those
+of the base hardware file; fitted are
+
+- the trainer: each step's ``train_s`` against its tokens (least squares: a fixed part
+  per update, the rest per token, which gives the training MFU);
+- the weight path: the median snapshot, transfer and load times of its broadcasts
+  (the interconnect bandwidth is the weights' bytes over the transfer time);
+- rollout: the engine's fixed seconds per step and its decode MFU, by simulating the
+  run's own config (its own generated lengths, from its ledger) until the simulated
+  engine is busy as long per group as the real one was and a group takes as long from
+  admission to its return: for each decode MFU on a grid, bisection on the step time,
+  then the MFU whose group latency is closest.
+
+Knows nothing about the orchestrator: it runs ``async_rl.sim.run.simulate``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import statistics
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+import numpy as np
+
+from async_rl.analysis.report import idle_of, read_spans
+from async_rl.config import Config
+from async_rl.config_io import load_config
+from async_rl.run.run_dir import CONFIG, read_ledger, read_metrics, read_summary
+from async_rl.sim.costs import Costs, Hardware, hardware_toml, load_hardware, model_shape
+from async_rl.sim.run import simulate
+
+DECODE_MFUS = (0.01, 0.03, 0.1, 0.3, 1.0)
+"""The decode MFUs tried (a CPU engine's small batches are far from peak)."""
+BISECTIONS = 8
+
+
+class Measured(msgspec.Struct, frozen=True, kw_only=True):
+    """What a run shows of its rollout engines (real or simulated)."""
+
+    groups_per_s: float
+    rollout_busy_per_group: float
+    """Generating seconds of all engines per group generated."""
+    group_latency_s: float
+    """Mean seconds from a prompt's admission to its group's return."""
+
+
+def measure(run_dir: str | Path) -> Measured:
+    path = Path(run_dir)
+    summary = read_summary(path)
+    idle, _ = idle_of(read_spans(path))
+    rollout = next(r for r in idle.roles if r.role == "rollout")
+    admitted: dict[tuple[str, int], float] = {}
+    latencies = []
+    for entry in read_ledger(path):
+        key = (entry.prompt_id, entry.attempt)
+        if entry.event == "admitted":
+            admitted[key] = entry.time
+        elif entry.event == "generated" and key in admitted:
+            latencies.append(entry.time - admitted.pop(key))
+    generated = summary.groups_generated or summary.groups_trained
+    return Measured(groups_per_s=summary.groups_per_s,
+                    rollout_busy_per_group=rollout.busy_s / max(generated, 1),
+                    group_latency_s=statistics.fmean(latencies) if latencies else 0.0)
+
+
+class Fit(msgspec.Struct, frozen=True, kw_only=True):
+    hardware: Hardware
+    real: Measured
+    simulated: Measured
+
+    def describe(self) -> str:
+        h, real, sim = self.hardware, self.real, self.simulated
+        return "\n".join([
+            f"trainer: {h.update_s * 1e3:.1f} ms per update + tokens at train_mfu "
+            f"{h.train_mfu:.4f} of {h.peak_flops:.3g} FLOP/s",
+            f"weights: publish {h.publish_s * 1e3:.1f} ms, interconnect "
+            f"{h.interconnect_bandwidth:.3g} B/s, load pause {h.weight_load_s * 1e3:.1f} ms",
+            f"rollout: {h.decode_step_s * 1e3:.2f} ms per engine step, decode_mfu "
+            f"{h.decode_mfu:.4f}",
+            f"real vs simulated: groups/s {real.groups_per_s:.2f} vs {sim.groups_per_s:.2f}; "
+            f"rollout busy per group {real.rollout_busy_per_group * 1e3:.1f} vs "
+            f"{sim.rollout_busy_per_group * 1e3:.1f} ms; group latency "
+            f"{real.group_latency_s:.3f} vs {sim.group_latency_s:.3f} s",
+        ])
+
+
+def _fit_trainer(config: Config, rows: Sequence[dict[str, object]], base: Hardware,
+                 parameters: float) -> Hardware:
+    steps = rows[2:] if len(rows) > 4 else rows  # the first steps run cold
+    train = np.array([float(r["train_s"]) for r in steps])  # type: ignore[arg-type]
+    tokens = np.array([float(r["tokens"]) for r in steps])  # type: ignore[arg-type]
+    updates = config.trainer.mini_batches * config.trainer.epochs
+    per_token, fixed = float(np.median(train / tokens)), 0.0
+    if tokens.std() > 0.1 * tokens.mean():  # enough spread to split fixed from per-token
+        slope, intercept = np.polyfit(tokens, train, 1)
+        if slope > 0 and intercept >= 0:
+            per_token, fixed = float(slope), float(intercept)
+    mfu = 6 * parameters / (per_token * base.peak_flops * base.devices_per_trainer_shard)
+    return msgspec.structs.replace(base, train_mfu=mfu, micro_batch_s=0.0,
+                                   update_s=max(fixed / updates - base.call_s, 0.0))
+
+
+def _fit_weights(rows: Sequence[dict[str, object]], base: Hardware,
+                 weight_bytes: float) -> Hardware:
+    timings = [t for r in rows for t in r["broadcast"]]  # type: ignore[attr-defined]
+    if not timings:
+        return base
+    def median(key: str) -> float:
+        return statistics.median(float(t[key]) for t in timings)
+
+    copy = weight_bytes / (base.memory_bandwidth * base.memory_efficiency)
+    return msgspec.structs.replace(
+        base, publish_s=max(median("publish_s") - copy, 0.0),
+        interconnect_bandwidth=weight_bytes / max(median("transfer_s"), 1e-6),
+        weight_load_s=median("load_s") + median("pause_s"))
+
+
+def calibrate(run_dir: str | Path, out: str | Path, overrides: Sequence[str] = (), *,
+              mfus: Sequence[float] = DECODE_MFUS, bisections: int = BISECTIONS) -> Fit:
+    """Fits the hardware file to the real run in ``run_dir`` (its config, with
+    ``overrides``: simulate.hardware names the base file) and writes it to ``out``;
+    ``mfus``, ``bisections``: the search's grid of decode MFUs and its steps on each."""
+    path = Path(run_dir)
+    has_lengths = any(e.lengths for e in read_ledger(path) if e.event == "generated")
+    lengths = [f"simulate.lengths={msgspec.json.encode(str(path)).decode()}"] if has_lengths else []
+    scratch = tempfile.mkdtemp(prefix="calibrate-")
+    config = load_config(path / CONFIG, [*lengths, *overrides, "run.progress=false",
+                                         f"run.output_dir={msgspec.json.encode(scratch).decode()}"])
+    base = load_hardware(config.simulate.hardware)
+    shape = model_shape(config.model.path, config.model.dtype,
+                        parameters=config.simulate.parameters,
+                        kv_bytes_per_token=config.simulate.kv_bytes_per_token)
+    rows = read_metrics(path)
+    hardware = _fit_trainer(config, rows, base, shape.parameters)
+    hardware = _fit_weights(rows, hardware, Costs(hardware, shape).weight_bytes)
+    real = measure(path)
+
+    def run(candidate: Hardware) -> Measured:
+        quiet = logging.getLogger("async_rl.control")
+        level = quiet.level
+        quiet.setLevel(logging.WARNING)  # each trial's evaluation lines
+        try:
+            simulate(config, Costs(candidate, shape))
+        finally:
+            quiet.setLevel(level)
+        return measure(scratch)
+
+    best: tuple[float, Hardware, Measured] | None = None
+    for mfu in mfus:
+        low, high = 0.0, 0.1  # seconds per engine step
+        trial = msgspec.structs.replace(hardware, decode_mfu=mfu)
+        for _ in range(bisections):
+            step = (low + high) / 2
+            trial = msgspec.structs.replace(trial, decode_step_s=step)
+            got = run(trial)
+            if got.rollout_busy_per_group > real.rollout_busy_per_group:
+                high = step
+            else:
+                low = step
+        got = run(trial)
+        miss = abs(math.log(max(got.group_latency_s, 1e-9) / max(real.group_latency_s, 1e-9)))
+        if best is None or miss < best[0]:
+            best = (miss, trial, got)
+    assert best is not None
+    fitted = msgspec.structs.replace(best[1], sources=(
+        f"calibrated by async-rl simulate --calibrate {path} on "
+        f"{read_summary(path).steps} steps of {config.task.kind}",
+        *(s for s in base.sources if not s.startswith("calibrated by"))))
+    Path(out).write_text(hardware_toml(fitted))
+    return Fit(hardware=fitted, real=real, simulated=best[2])

@@ -1,0 +1,190 @@
+"""The simulator's cost model: a hardware file's few physical parameters, and the seconds
+each piece of work takes on it.
+
+Owns: ``Hardware`` (one TOML file: devices per worker, peak FLOP/s, memory bandwidth,
+MFUs, interconnect bandwidth, fixed overheads; the shipped ones are in
+``async_rl/sim/hardware/``), the model's size as the costs need it (``ModelShape``: from
+model.path's config.json, or the simulate section), and ``Costs``, which turns them into
+seconds:
+
+- a decode step of ``n`` running sequences holding ``context`` tokens: a fixed overhead
+  plus the larger of the compute (2·N FLOPs per sequence at the decode MFU) and the
+  memory traffic (the weights once, plus every context token's KV entries, at the
+  achieved bandwidth); a prefill of ``tokens`` is compute-bound;
+- a training micro-batch of ``tokens``: 6·N·tokens at the training MFU, plus a fixed
+  overhead; an optimizer update: a fixed overhead plus the gradient all-reduce between
+  shards (ring: 2·(S-1)/S of the gradient's bytes over the interconnect);
+- a weight version: its snapshot (bytes at the memory bandwidth, plus a fixed part) and
+  its delivery (bytes over the interconnect, plus a fixed engine pause).
+
+Knows nothing about the orchestrator or the event loop.
+"""
+
+from __future__ import annotations
+
+import json
+import tomllib
+from pathlib import Path
+
+import msgspec
+
+from buffers.config import ConfigError
+
+SHIPPED = Path(__file__).parent / "hardware"
+"""The shipped hardware files: cpu.toml (calibrated here), h100, h200, a100, h20."""
+
+
+class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """One accelerator type and how well the stack uses it (all per device)."""
+
+    name: str
+    devices_per_rollout_worker: int = 1
+    """Devices one rollout engine spans (tensor parallel): its FLOP/s and bandwidth add."""
+    devices_per_trainer_shard: int = 1
+    """Devices one data-parallel trainer shard spans."""
+    peak_flops: float
+    """Dense FLOP/s of one device at the compute dtype."""
+    memory_bandwidth: float
+    """Bytes/s of one device's memory."""
+    interconnect_bandwidth: float
+    """Bytes/s between a trainer and a rollout engine, and between trainer shards."""
+    train_mfu: float
+    """Achieved / peak FLOP/s in training."""
+    decode_mfu: float
+    """Achieved / peak FLOP/s in decode and prefill."""
+    memory_efficiency: float = 0.8
+    """Achieved / peak memory bandwidth in decode."""
+    decode_step_s: float = 0.0
+    """Fixed seconds per engine step (scheduling, sampling, launches)."""
+    micro_batch_s: float = 0.0
+    """Fixed seconds per training micro-batch."""
+    update_s: float = 0.0
+    """Fixed seconds per optimizer update (the optimizer step, the step's calls)."""
+    publish_s: float = 0.0
+    """Fixed seconds of a weight snapshot on trainer shard 0."""
+    weight_load_s: float = 0.0
+    """Fixed seconds an engine stands paused for a weight update."""
+    call_s: float = 0.0
+    """Fixed seconds of every call to a worker (the driver's round trip)."""
+    sources: tuple[str, ...] = ()
+    """Where the figures come from (data sheets, papers, a calibration run)."""
+
+
+def load_hardware(name_or_path: str) -> Hardware:
+    """A hardware file by path, or a shipped one by name (``cpu``, ``h100``, ...)."""
+    path = Path(name_or_path)
+    if not path.suffix and not path.exists():
+        path = SHIPPED / f"{name_or_path}.toml"
+    if not path.is_file():
+        shipped = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.toml")))
+        raise ConfigError(f"config error: simulate.hardware = {name_or_path!r}: no such file "
+                          f"(shipped: {shipped})")
+    try:
+        return msgspec.convert(tomllib.loads(path.read_text()), Hardware)
+    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as err:
+        raise ConfigError(f"config error: simulate.hardware = {name_or_path!r}: {err}") from None
+
+
+def hardware_toml(hardware: Hardware) -> str:
+    """The file ``load_hardware`` reads back."""
+    lines = []
+    for name in Hardware.__struct_fields__:
+        value = getattr(hardware, name)
+        lines.append(f"{name} = {json.dumps(list(value) if isinstance(value, tuple) else value)}")
+    return "\n".join(lines) + "\n"
+
+
+class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
+    """What the costs need of the model."""
+
+    parameters: float
+    kv_bytes_per_token: float
+    bytes_per_parameter: float
+    """Of the weights as rollout and training hold them (model.dtype)."""
+
+
+def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
+                kv_bytes_per_token: float = 0.0) -> ModelShape:
+    """The model's size: given figures win, the rest is counted from its config.json (a
+    Qwen2/Llama-style decoder)."""
+    width = 2.0 if dtype in ("bfloat16", "float16", "auto") else 4.0
+    if parameters and kv_bytes_per_token:
+        return ModelShape(parameters=parameters, kv_bytes_per_token=kv_bytes_per_token,
+                          bytes_per_parameter=width)
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"config error: simulate.parameters = {parameters:g}: model.path "
+                          f"{model_path!r} has no config.json to count them from: give "
+                          "simulate.parameters and simulate.kv_bytes_per_token")
+    c = json.loads(path.read_text())
+    hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
+    heads = c["num_attention_heads"]
+    kv_heads = c.get("num_key_value_heads", heads)
+    head_dim = c.get("head_dim") or hidden // heads
+    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
+    if c.get("attention_bias", c.get("model_type") == "qwen2"):  # Qwen2: q, k, v biases
+        attention += head_dim * (heads + 2 * kv_heads)
+    mlp = 3 * hidden * c["intermediate_size"]
+    embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
+    counted = layers * (attention + mlp + 2 * hidden) + embeddings + hidden
+    return ModelShape(parameters=parameters or float(counted),
+                      kv_bytes_per_token=kv_bytes_per_token
+                      or float(2 * layers * kv_heads * head_dim * width),
+                      bytes_per_parameter=width)
+
+
+class Costs:
+    """Seconds of each piece of work of ``model`` on ``hardware``."""
+
+    def __init__(self, hardware: Hardware, model: ModelShape) -> None:
+        self.hardware, self.model = hardware, model
+        h, n = hardware, model.parameters
+        rollout, trainer = h.devices_per_rollout_worker, h.devices_per_trainer_shard
+        self.weight_bytes = n * model.bytes_per_parameter
+        self._decode_flop_s = 2 * n / (h.peak_flops * rollout * h.decode_mfu)
+        """Seconds of compute per sequence per decode step (and per prefill token)."""
+        bandwidth = h.memory_bandwidth * rollout * h.memory_efficiency
+        self._weights_read_s = self.weight_bytes / bandwidth
+        self._kv_read_s = model.kv_bytes_per_token / bandwidth
+        self._train_token_s = 6 * n / (h.peak_flops * trainer * h.train_mfu)
+
+    def decode_step(self, running: int, context: float) -> float:
+        """One engine step of ``running`` sequences holding ``context`` tokens in all."""
+        compute = self._decode_flop_s * running
+        memory = self._weights_read_s + self._kv_read_s * context
+        return self.hardware.decode_step_s + max(compute, memory)
+
+    def decode_steps(self, steps: int, running: int, context: float) -> float:
+        """``steps`` steps of ``running`` sequences from ``context`` tokens (each step adds
+        ``running``): the sum of ``decode_step``, in closed form."""
+        if steps <= 0:
+            return 0.0
+        a = self._decode_flop_s * running  # compute: the same every step
+        b = self._weights_read_s + self._kv_read_s * context  # memory at step 0 ...
+        c = self._kv_read_s * running  # ... grows by c a step
+        # Steps before the memory term overtakes compute run at a; the rest at b + c*s.
+        first = steps if c <= 0 and b < a else max(0, min(steps, _ceil_div(a - b, c)))
+        memory = (steps - first) * b + c * (steps * (steps - 1) - first * (first - 1)) / 2
+        return steps * self.hardware.decode_step_s + first * a + memory
+
+    def prefill(self, tokens: int) -> float:
+        return self._decode_flop_s * tokens
+
+    def micro_batch(self, tokens: int) -> float:
+        return self.hardware.micro_batch_s + self._train_token_s * tokens
+
+    def update(self, shards: int) -> float:
+        """An optimizer update's fixed part, with the all-reduce of fp32 gradients."""
+        ring = 2 * (shards - 1) / shards * self.model.parameters * 4 if shards > 1 else 0.0
+        return self.hardware.update_s + ring / self.hardware.interconnect_bandwidth
+
+    def publish(self) -> float:
+        h = self.hardware
+        return h.publish_s + self.weight_bytes / (h.memory_bandwidth * h.memory_efficiency)
+
+    def transfer(self) -> float:
+        return self.weight_bytes / self.hardware.interconnect_bandwidth
+
+
+def _ceil_div(num: float, den: float) -> int:
+    return int(-(-num // den)) if den > 0 else 0

@@ -1,0 +1,236 @@
+"""A simulated continuously batching engine (vLLM's scheduling, the cost model's time).
+
+Owns: ``SimEngine``, one rollout worker's engine on the virtual clock. Requests join at
+the next step boundary (their prefill adds to that step), every step emits one token per
+running sequence and costs ``Costs.decode_step`` of the running sequences and their
+context, a sequence leaves after its length, a request completes with its last
+sequence. A weight update pauses the engine at a step boundary (in-flight: requests kept;
+drain: once the running ones finish), and every token after it carries the new version.
+The engine wakes only when a request completes, one arrives or a load is asked for:
+between those, time is summed in closed form (``Costs.decode_steps``) over the stretches
+between sequences' ends, so a run costs events per request, not per token. Spans as a
+real rollout worker records them (generate, evaluate, weight_sync, idle). Knows nothing
+about prompts, groups or the orchestrator.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import bisect
+import heapq
+import itertools
+import math
+from collections.abc import Callable
+
+import anyio
+
+from async_rl.sim.costs import Costs
+from workers.spans import UNRESOLVED, Span, SpanRecorder
+
+
+class Request:
+    """One call's sequences (a group's samples, or one evaluation prompt)."""
+
+    __slots__ = ("done", "evaluate", "finish", "lengths", "max_version", "min_version",
+                 "prompt_tokens")
+
+    def __init__(self, prompt_tokens: int, lengths: tuple[int, ...], evaluate: bool) -> None:
+        self.prompt_tokens, self.lengths, self.evaluate = prompt_tokens, lengths, evaluate
+        self.done = anyio.Event()
+        self.finish = 0
+        self.min_version = self.max_version = -1
+
+
+class Load:
+    """A weight update asked of an engine: when it was asked and when it was done."""
+
+    __slots__ = ("asked", "done", "done_at", "pause_s", "version")
+
+    def __init__(self, version: int, pause_s: float, asked: float) -> None:
+        self.version, self.pause_s, self.asked = version, pause_s, asked
+        self.done = anyio.Event()
+        self.done_at = asked
+
+    @property
+    def waited(self) -> float:
+        """Seconds from the ask to the pause."""
+        return self.done_at - self.asked - self.pause_s
+
+
+class SimEngine:
+    """See the module docstring. ``drain``: weights.update_mode = "drain"."""
+
+    def __init__(self, rank: int, costs: Costs, clock: Callable[[], float], *,
+                 version: int = 0, drain: bool = False, record_spans: bool = True) -> None:
+        self.costs, self.clock, self.drain = costs, clock, drain
+        self.version = version
+        self.busy_s = 0.0
+        """Seconds generating or loading weights (the usage the CPU cross-check reads)."""
+        self.spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
+                                  device=f"sim:{rank}", clock=clock, enabled=record_spans)
+        self.step = 0
+        self._waiting: list[Request] = []
+        self._loads: list[Load] = []
+        self._ends: list[tuple[int, int]] = []
+        """(step a sequence ends at, its context offset = prompt tokens - step it joined),
+        sorted."""
+        self._requests: list[tuple[int, int, Request]] = []
+        """Heap of (step the request completes at, order, request)."""
+        self._order = itertools.count()
+        self._running = 0
+        self._evaluating = 0
+        self._offset = 0
+        """Context of the running sequences = _offset + _running * step."""
+        self._prefill = 0.0
+        self._woken: asyncio.Future[bool] | None = None
+        """What the engine waits on: a timer or ``_wake`` settles it (asyncio's own, the
+        cheapest wait there is: the simulation runs on asyncio's loop)."""
+
+    # ---- what the rollout worker asks ---------------------------------------------------
+
+    async def generate(self, prompt_tokens: int, lengths: tuple[int, ...], *,
+                       evaluate: bool = False) -> Request:
+        """Runs the sequences; returns their request once the last has ended."""
+        request = Request(prompt_tokens, lengths, evaluate)
+        self._waiting.append(request)
+        self._wake()
+        await request.done.wait()
+        return request
+
+    def load(self, version: int, pause_s: float) -> Load:
+        """Asks for a pause of ``pause_s`` at the next step boundary (drain: once nothing
+        runs), after which the engine runs ``version``; ``Load.done`` is set then."""
+        load = Load(version, pause_s, self.clock())
+        self._loads.append(load)
+        self._wake()
+        return load
+
+    def drain_spans(self) -> list[Span]:
+        return self.spans.flush()
+
+    # ---- the engine loop ----------------------------------------------------------------
+
+    async def run(self) -> None:
+        while True:
+            if self._loads and not (self.drain and self._requests):
+                await self._apply_loads()
+            if not (self._loads and self.drain):
+                self._admit()
+            if not self._requests:
+                self._switch()
+                await self._sleep(None)
+                continue
+            self._switch()
+            target = self._requests[0][0]
+            planned = self._prefill + self._time_to(target)
+            began = self.clock()
+            if await self._sleep(planned):  # woken: the step in progress ends first
+                elapsed = self.clock() - began
+                target = self._steps_within(elapsed - self._prefill)
+                await anyio.sleep(max(self._prefill + self._time_to(target) - elapsed, 0.0))
+            self.busy_s += self.clock() - began
+            self._prefill = 0.0
+            self._advance(target)
+
+    def _wake(self) -> None:
+        if self._woken is not None and not self._woken.done():
+            self._woken.set_result(True)
+
+    async def _sleep(self, seconds: float | None) -> bool:
+        """Sleeps ``seconds`` (None: until woken); True if ``_wake`` ended it early."""
+        loop = asyncio.get_running_loop()
+        self._woken = woken = loop.create_future()
+
+        def expire() -> None:
+            if not woken.done():
+                woken.set_result(False)
+
+        timer = None if seconds is None else loop.call_later(seconds, expire)
+        try:
+            return await woken
+        finally:
+            self._woken = None
+            if timer is not None:
+                timer.cancel()
+
+    def _switch(self) -> None:
+        if self._running > self._evaluating:
+            self.spans.switch("generate", self.version)
+        else:
+            self.spans.switch("evaluate" if self._running else UNRESOLVED, self.version)
+
+    async def _apply_loads(self) -> None:
+        loads, self._loads = self._loads, []
+        self.spans.switch("weight_sync", loads[-1].version)
+        pause = sum(load.pause_s for load in loads)
+        await anyio.sleep(pause)
+        self.busy_s += pause
+        self.version = loads[-1].version
+        for load in loads:
+            load.done_at = self.clock()
+            load.done.set()
+
+    def _admit(self) -> None:
+        for request in self._waiting:
+            request.min_version = self.version
+            request.finish = self.step + max(request.lengths)
+            offset = request.prompt_tokens - self.step
+            for length in request.lengths:
+                bisect.insort(self._ends, (self.step + length, offset))
+            self._running += len(request.lengths)
+            self._evaluating += len(request.lengths) if request.evaluate else 0
+            self._offset += offset * len(request.lengths)
+            self._prefill += self.costs.prefill(request.prompt_tokens * len(request.lengths))
+            heapq.heappush(self._requests, (request.finish, next(self._order), request))
+        self._waiting = []
+
+    def _time_to(self, target: int) -> float:
+        """Seconds of the decode steps from now to step ``target``."""
+        return self._walk(target, math.inf)[1]
+
+    def _steps_within(self, seconds: float) -> int:
+        """The first step boundary at or after ``seconds`` of decoding from now."""
+        return self._walk(self._requests[0][0], seconds)[0]
+
+    def _walk(self, target: int, budget: float) -> tuple[int, float]:
+        """Decodes from now towards step ``target``, stretch by stretch between
+        sequences' ends, until the first step boundary at or past ``budget`` seconds;
+        returns that step (or ``target``) and its seconds."""
+        seconds, step, running, offset = 0.0, self.step, self._running, self._offset
+        if budget <= 0:  # still in the prefill: the next step starts after it
+            return step, seconds
+        cost = self.costs.decode_steps
+        i, ends = 0, self._ends
+        while step < target:
+            while i < len(ends) and ends[i][0] <= step:  # ended: out of the batch
+                running -= 1
+                offset -= ends[i][1]
+                i += 1
+            stop = min(ends[i][0], target) if i < len(ends) else target
+            stretch = cost(stop - step, running, offset + running * step)
+            if seconds + stretch >= budget:  # inside this stretch: its first step past
+                low, high = 1, stop - step
+                while low < high:
+                    mid = (low + high) // 2
+                    if seconds + cost(mid, running, offset + running * step) >= budget:
+                        high = mid
+                    else:
+                        low = mid + 1
+                return step + low, seconds + cost(low, running, offset + running * step)
+            seconds += stretch
+            step = stop
+        return step, seconds
+
+    def _advance(self, step: int) -> None:
+        ended = bisect.bisect_right(self._ends, (step, math.inf))
+        for _, offset in self._ends[:ended]:
+            self._offset -= offset
+        self._running -= ended
+        del self._ends[:ended]
+        self.step = step
+        while self._requests and self._requests[0][0] <= step:
+            request = heapq.heappop(self._requests)[2]
+            if request.evaluate:
+                self._evaluating -= len(request.lengths)
+            request.max_version = self.version
+            request.done.set()

@@ -1,0 +1,96 @@
+"""One simulated run: the real ``Orchestrator`` with simulated workers on a virtual clock.
+
+Owns: ``simulate`` (the hardware file, the model's size, the length law and the task's
+prompts; the simulated engines, trainer shards and weight path handed to the real
+orchestrator as its protocols; the run directory it writes, marked simulated in run.json)
+and ``simulation_costs``. Checkpoints are off (run.checkpoint_every = 0: the end of the
+run still writes one, of no weights). Admission, the queue, the staleness rules, the
+balancing plan, the ledger and the evaluation schedule are the real ones. Knows nothing
+about how the costs are computed (``async_rl.sim.costs``) or what the workers do inside.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import anyio
+import msgspec
+
+from async_rl.config import Config
+from async_rl.control.orchestrator import Orchestrator
+from async_rl.control.protocols import RolloutClient, TrainerClient, Workers
+from async_rl.run.run_dir import USAGE, RunWriter
+from async_rl.run.summary import RunSummary
+from async_rl.sim.clock import run_virtual, virtual_now
+from async_rl.sim.costs import Costs, load_hardware, model_shape
+from async_rl.sim.engine import SimEngine
+from async_rl.sim.lengths import length_law
+from async_rl.sim.workers import SimEvaluator, SimRollout, SimTrainer, SimTraining, SimWeights
+from async_rl.tasks.longtail import RemainderTask
+from async_rl.tasks.sources import ArithmeticTask, PromptSource
+from buffers.config import ConfigError
+from buffers.records import Prompt
+
+
+def simulation_costs(config: Config) -> Costs:
+    """The cost model of ``config``'s simulate.hardware and model."""
+    sim = config.simulate
+    shape = model_shape(config.model.path, config.model.dtype, parameters=sim.parameters,
+                        kv_bytes_per_token=sim.kv_bytes_per_token)
+    return Costs(load_hardware(sim.hardware), shape)
+
+
+def _task(config: Config) -> tuple[PromptSource, Sequence[Prompt]]:
+    task = config.task
+    if task.kind == "longtail":
+        longtail = RemainderTask(seed=task.seed)
+        return longtail, longtail.eval_prompts(task.eval_size)
+    if task.kind == "arithmetic":
+        arithmetic = ArithmeticTask(seed=task.seed)
+        return arithmetic, arithmetic.eval_prompts(task.eval_size)
+    # Other tasks' prompts matter only through their lengths: arithmetic's ids and texts.
+    if not config.simulate.prompt_tokens:
+        raise ConfigError(f'config error: simulate.prompt_tokens = 0: task.kind = '
+                          f'"{task.kind}" is simulated with prompts of a given length: set it')
+    arithmetic = ArithmeticTask(seed=task.seed)
+    return arithmetic, arithmetic.eval_prompts(task.eval_size)
+
+
+def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
+    """Simulates ``config`` into its run.output_dir (which must be ready to write);
+    ``costs``: instead of simulate.hardware's (a calibration tries its own)."""
+    costs = costs or simulation_costs(config)
+    lengths = length_law(config)
+    config = msgspec.structs.replace(
+        config, run=msgspec.structs.replace(config.run, checkpoint_every=0))
+    source, eval_prompts = _task(config)
+    out = RunWriter(config.run.output_dir, config, simulated=costs.hardware.name)
+
+    async def main() -> RunSummary:
+        clock = virtual_now
+        engines = {rank: SimEngine(rank, costs, clock,
+                                   drain=config.weights.update_mode == "drain",
+                                   record_spans=config.run.record_spans)
+                   for rank in range(config.rollout.num_workers)}
+        training = SimTraining(config, costs, clock)
+        rollout: dict[int, RolloutClient] = {
+            rank: SimRollout(rank, engine, config, lengths, clock)
+            for rank, engine in engines.items()}
+        trainers: list[TrainerClient] = [SimTrainer(rank, training)
+                                         for rank in range(config.trainer.num_shards)]
+        evaluator = (SimEvaluator(config.simulate.reward_p)
+                     if config.run.eval_on == "idle_cpu" else None)
+        workers = Workers(rollout=rollout, trainers=trainers,
+                          weights=SimWeights(engines, costs), evaluator=evaluator)
+        orchestrator = Orchestrator(config, out, source, eval_prompts, workers, clock=clock)
+        async with anyio.create_task_group() as running:
+            for engine in engines.values():
+                running.start_soon(engine.run)
+            summary = await orchestrator.run()
+            running.cancel_scope.cancel()
+        return summary
+
+    summary = run_virtual(main)
+    # No OS measured a simulated worker: no CPU-time cross-check for the report to show.
+    (out.path / USAGE).unlink(missing_ok=True)
+    return summary

@@ -1,0 +1,302 @@
+"""Simulated workers behind the orchestrator's protocols (``async_rl.control.protocols``).
+
+Owns: ``SimRollout`` (a ``RolloutClient`` over a ``SimEngine``: a group's lengths from the
+length law, its rewards drawn with ``simulate.reward_p``, the reward latency after its
+last sample), ``SimTraining`` and its ``SimTrainer`` shards (``TrainerClient``: a step
+costs what the plan the orchestrator made says, micro-batch by micro-batch, every update
+waiting for the slowest shard before its all-reduce, as DDP does), ``SimWeights`` (the
+``WeightPath``: snapshot on shard 0, then delivery into every engine, which pauses for
+it) and ``SimEvaluator`` (run.eval_on = "idle_cpu": it takes only idle cores, so it costs
+the run nothing). Every span and timing is on the virtual clock. Knows nothing about the
+orchestrator's rules: they are the real ones.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import anyio
+import msgspec
+
+from async_rl.config import Config
+from async_rl.control.protocols import PublishedWeights
+from async_rl.sim.costs import Costs
+from async_rl.sim.engine import SimEngine
+from async_rl.sim.lengths import LengthLaw, prompt_tokens
+from buffers.records import (
+    BroadcastTiming,
+    EvalResult,
+    Group,
+    LossStats,
+    Prompt,
+    ShardBatch,
+    ShardStepResult,
+    UsageReading,
+)
+from workers.spans import UNRESOLVED, Span, SpanRecorder
+
+Clock = Callable[[], float]
+
+
+class SimTokens(msgspec.Struct, frozen=True, kw_only=True):
+    """What a simulated group's token reference holds: its lengths (all a shard costs)."""
+
+    prompt_length: int
+    completion_lengths: tuple[int, ...]
+
+
+class SimRollout:
+    """One rollout worker: see the module docstring."""
+
+    def __init__(self, rank: int, engine: SimEngine, config: Config, lengths: LengthLaw,
+                 clock: Clock) -> None:
+        self.rank, self.engine, self.config, self.lengths = rank, engine, config, lengths
+        self.clock = clock
+        self._call_s = engine.costs.hardware.call_s
+
+    @property
+    def name(self) -> str:
+        return f"rollout-{self.rank}"
+
+    def _completions(self, prompt: Prompt, samples: int) -> tuple[int, ...]:
+        cap = self.config.rollout.max_new_tokens
+        return tuple(min(n, cap) for n in self.lengths.completions(prompt, samples))
+
+    async def generate(self, prompt: Prompt) -> Group:
+        cfg = self.config
+        completions = self._completions(prompt, cfg.rollout.group_size)
+        length = prompt_tokens(cfg, prompt)
+        request = await self.engine.generate(length, completions)
+        await anyio.sleep(cfg.simulate.reward_s + self._call_s)
+        rng = random.Random(zlib.crc32(f"reward:{prompt.prompt_id}:{prompt.attempt}".encode()))
+        cap = cfg.rollout.max_new_tokens
+        return Group(
+            prompt=prompt, prompt_length=length, completion_lengths=completions,
+            rewards=tuple(float(rng.random() < cfg.simulate.reward_p) for _ in completions),
+            finish_reasons=tuple("length" if n >= cap else "stop" for n in completions),
+            min_version=request.min_version, max_version=request.max_version,
+            num_tokens=sum(length + n for n in completions), rollout_rank=self.rank,
+            finished_at=self.clock(),
+            tokens=SimTokens(prompt_length=length, completion_lengths=completions))
+
+    async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
+        began = self.clock()
+        requests: list[object] = []
+
+        async def one(prompt: Prompt) -> None:
+            requests.append(await self.engine.generate(
+                prompt_tokens(self.config, prompt), self._completions(prompt, 1),
+                evaluate=True))
+
+        version = self.engine.version
+        async with anyio.create_task_group() as group:
+            for prompt in prompts:
+                group.start_soon(one, prompt)
+        return EvalResult(accuracy=self.config.simulate.reward_p, version_min=version,
+                          version_max=self.engine.version, num_prompts=len(prompts),
+                          rollout_rank=self.rank, seconds=self.clock() - began)
+
+    async def version(self) -> int:
+        return self.engine.version
+
+    async def usage(self) -> UsageReading:
+        return UsageReading(wall=self.clock(), cpu_s=self.engine.busy_s)
+
+    async def spans(self) -> list[Span]:
+        return self.engine.drain_spans()
+
+
+class _Cursor:
+    """A clock a span recorder reads that the trainer moves: spans at computed times."""
+
+    def __init__(self) -> None:
+        self.at = 0.0
+
+    def __call__(self) -> float:
+        return self.at
+
+
+class SimTraining:
+    """The trainer shards of one run, stepping together: see the module docstring."""
+
+    def __init__(self, config: Config, costs: Costs, clock: Clock) -> None:
+        self.config, self.costs, self.clock = config, costs, clock
+        self.shards = config.trainer.num_shards
+        self._batches: dict[int, ShardBatch] = {}
+        self._results: dict[int, ShardStepResult] = {}
+        self._stepped = anyio.Event()
+        self.cursor = _Cursor()
+        self.busy_s = [0.0] * self.shards
+        self.recorders = [SpanRecorder(worker=f"trainer-{r}", role="trainer", rank=r,
+                                       device=f"sim:{r}", clock=self.cursor,
+                                       enabled=config.run.record_spans)
+                          for r in range(self.shards)]
+
+    async def train(self, rank: int, batch: ShardBatch) -> ShardStepResult:
+        """Every shard calls with its batch; the step runs once all have."""
+        self._batches[rank] = batch
+        stepped = self._stepped
+        if len(self._batches) < self.shards:
+            await stepped.wait()
+            return self._results.pop(rank)
+        batches, self._batches = self._batches, {}
+        self._stepped = anyio.Event()
+        await anyio.sleep(self._step([batches[r] for r in range(self.shards)]))
+        stepped.set()
+        return self._results.pop(rank)
+
+    def _step(self, batches: list[ShardBatch]) -> float:
+        """Lays out every shard's spans of the step; returns its seconds."""
+        cfg, costs = self.config.trainer, self.costs
+        tokens = [[sum(_sequence(batch, slot) for slot in mb) for mb in batch.micro_batches]
+                  for batch in batches]
+        updates = batches[0].updates
+        proximal = len(updates) * cfg.epochs > 1 and cfg.tis_cap > 0
+        start = self.clock() + costs.hardware.call_s
+        now = start
+        forward = [0.0] * self.shards
+        backward = [0.0] * self.shards
+        waited = [0.0] * self.shards
+        # The proximal pass (several updates a step): one more forward over the step.
+        extra = ([sum(costs.micro_batch(n) for n in per) / 3 for per in tokens] if proximal
+                 else [0.0] * self.shards)
+        for _ in range(cfg.epochs):
+            first = 0
+            for count in updates:
+                work = [sum(costs.micro_batch(n) for n in per[first:first + count])
+                        for per in tokens]
+                first += count
+                now = self._update(now, work, extra, forward, backward, waited)
+                extra = [0.0] * self.shards
+        self.cursor.at = now
+        step = batches[0].step
+        for rank, (recorder, batch) in enumerate(zip(self.recorders, batches, strict=True)):
+            recorder.switch(UNRESOLVED, step)
+            completion = sum(_sequence(batch, s, completion=True)
+                             for mb in batch.micro_batches for s in mb)
+            real = sum(tokens[rank])
+            self.busy_s[rank] += now - start - waited[rank]
+            self._results[rank] = ShardStepResult(
+                rank=rank, step=step, grad_norm=1.0,
+                loss=LossStats(tokens=completion, loss_sum=0.0, clipped=0,
+                               is_weight_sum=float(completion),
+                               is_weight_sq_sum=float(completion), is_weight_max=1.0,
+                               kl_sum=0.0),
+                forward_s=forward[rank], backward_s=backward[rank],
+                optimizer_s=len(updates) * cfg.epochs * costs.update(self.shards),
+                barrier_s=waited[rank], input_tokens=real, computed_positions=real)
+        return now - self.clock()
+
+    def _update(self, now: float, work: list[float], extra: list[float],
+                forward: list[float], backward: list[float], waited: list[float]) -> float:
+        """One optimizer update from ``now``: each shard's forward (a third of ``work``,
+        plus ``extra``) and backward, the quick ones waiting for the slowest before the
+        all-reduce, then the optimizer. Returns when it ends."""
+        total = [w + e for w, e in zip(work, extra, strict=True)]
+        slowest = max(total)
+        for rank, recorder in enumerate(self.recorders):
+            ahead = work[rank] / 3 + extra[rank]
+            for cause, at in (("forward", now), ("backward", now + ahead),
+                              ("barrier", now + total[rank])):
+                self.cursor.at = at
+                recorder.switch(cause)
+            forward[rank] += ahead
+            backward[rank] += total[rank] - ahead
+            waited[rank] += slowest - total[rank]
+        self.cursor.at = now + slowest
+        for recorder in self.recorders:
+            recorder.switch("optimizer")
+        return now + slowest + self.costs.update(self.shards)
+
+
+def _sequence(batch: ShardBatch, slot: object, *, completion: bool = False) -> int:
+    tokens = batch.groups[slot.group]  # type: ignore[attr-defined]
+    assert isinstance(tokens, SimTokens)
+    length = tokens.completion_lengths[slot.sample]  # type: ignore[attr-defined]
+    return length if completion else tokens.prompt_length + length
+
+
+class SimPolicyWeights(msgspec.Struct, frozen=True, kw_only=True):
+    version: int
+
+
+class SimTrainer:
+    """One trainer shard: its share of ``SimTraining``'s steps."""
+
+    def __init__(self, rank: int, training: SimTraining) -> None:
+        self.rank, self.training = rank, training
+
+    @property
+    def name(self) -> str:
+        return f"trainer-{self.rank}"
+
+    async def train(self, batch: ShardBatch) -> ShardStepResult:
+        return await self.training.train(self.rank, batch)
+
+    async def mean_cores(self) -> float:
+        return 1.0
+
+    async def policy_weights(self, version: int) -> SimPolicyWeights:
+        return SimPolicyWeights(version=version)
+
+    async def save(self, out_dir: str) -> None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+
+    async def save_policy(self, out_dir: str) -> None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+
+    async def save_checkpoint(self, out_dir: str) -> None:
+        Path(out_dir).mkdir(parents=True, exist_ok=True)
+
+    async def usage(self) -> UsageReading:
+        return UsageReading(wall=self.training.clock(), cpu_s=self.training.busy_s[self.rank])
+
+    async def spans(self) -> list[Span]:
+        self.training.cursor.at = self.training.clock()
+        return self.training.recorders[self.rank].flush()
+
+
+class SimPublished(msgspec.Struct, frozen=True, kw_only=True):
+    version: int
+    publish_s: float
+
+
+class SimWeights:
+    """The weight path: snapshot, then every engine loads the version side by side."""
+
+    def __init__(self, engines: dict[int, SimEngine], costs: Costs) -> None:
+        self.engines, self.costs = engines, costs
+
+    async def publish(self, version: int) -> SimPublished:
+        seconds = self.costs.publish()
+        await anyio.sleep(seconds)
+        return SimPublished(version=version, publish_s=seconds)
+
+    async def deliver(self, published: PublishedWeights, ranks: Sequence[int]
+                      ) -> tuple[list[BroadcastTiming], list[int]]:
+        assert isinstance(published, SimPublished)
+        transfer, load = self.costs.transfer(), self.costs.hardware.weight_load_s
+        asked = {rank: self.engines[rank].load(published.version, transfer + load)
+                 for rank in ranks}  # every engine at once: a broadcast
+        timings = []
+        for rank, loading in asked.items():
+            await loading.done.wait()
+            timings.append(BroadcastTiming(
+                version=published.version, rollout_rank=rank, publish_s=published.publish_s,
+                transfer_s=transfer, pause_s=loading.waited, load_s=load))
+        return timings, []
+
+
+class SimEvaluator:
+    """run.eval_on = "idle_cpu": scores on cores the workers leave idle (no cost here)."""
+
+    def __init__(self, reward_p: float) -> None:
+        self.reward_p = reward_p
+
+    async def evaluate(self, prompts: Sequence[Prompt], weights: object) -> EvalResult:
+        version = weights.version  # type: ignore[attr-defined]
+        return EvalResult(accuracy=self.reward_p, version_min=version, version_max=version,
+                          num_prompts=len(prompts), rollout_rank=-1, seconds=0.0)

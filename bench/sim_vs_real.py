@@ -1,0 +1,175 @@
+"""The simulator against real runs: calibrated on one real run per task, it predicts the
+others, and the table says by how much it misses.
+
+For each built-in CPU task (``examples/cpu_default.toml``, ``examples/cpu_longtail.toml``)
+the real runs are short (40 steps, no evaluations during training). One is the
+calibration run (``async-rl simulate --calibrate``, which writes ``RUN_DIR/hardware.toml``:
+max_staleness 2 with one rollout worker on the default task, max_staleness 1 with one on
+the long-tail task); the other settings of max_staleness 0, 1 and 2 with one and two
+rollout workers are predicted with that file and the calibration run's own generated
+lengths (its ledger, when it records them; else the task's reference lengths). A real
+run already in ``--out`` with a summary is reused; a missing one is trained first, each
+under ``flock --lock`` when given (real runs need the machine to themselves), or left
+out with ``--existing``. Printed, per
+predicted run: groups/s measured and predicted with the error, and each role's idle
+fraction, in total and by cause, measured vs predicted, with the difference in points;
+and the median seconds of a training step, measured and predicted: the same work takes
+as long in every simulated run, while on a shared machine it does not in real ones.
+
+    python bench/sim_vs_real.py --lock /tmp/heavy.lock
+    python bench/sim_vs_real.py --existing --tasks longtail --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from async_rl.analysis.report import idle_of, read_spans
+from async_rl.config_io import load_config
+from async_rl.run.run_dir import CONFIG, read_ledger, read_metrics, read_summary
+from async_rl.sim.calibrate import calibrate
+from async_rl.sim.run import simulate
+
+TASKS = {"default": "examples/cpu_default.toml", "longtail": "examples/cpu_longtail.toml"}
+CALIBRATION = {"default": (2, 1), "longtail": (1, 1)}
+"""(max_staleness, rollout workers) of the run each task is calibrated on."""
+SETTINGS = ((0, 1), (1, 1), (2, 1), (0, 2), (1, 2), (2, 2))
+REAL = ("run.num_steps=40", "run.eval_every=0", "task.eval_size=50", "run.progress=false")
+"""What every real run overrides of its task's example config."""
+
+
+def _string(text: str) -> str:
+    return json.dumps(text)
+
+
+def real_run(task: str, staleness: int, workers: int, out: Path, lock: str | None
+             ) -> Path | None:
+    """The real run's directory, trained first when it has no summary (``lock`` None:
+    left out instead)."""
+    run_dir = out / f"{task}-s{staleness}-w{workers}"
+    if (run_dir / "summary.json").exists():
+        return run_dir
+    if lock is None:
+        return None
+    sets = [*REAL, f"staleness.max_staleness={staleness}", f"rollout.num_workers={workers}",
+            f"run.output_dir={_string(str(run_dir))}"]
+    command = [sys.executable, "-m", "async_rl.cli", "train", TASKS[task], "--overwrite",
+               *(arg for item in sets for arg in ("--set", item))]
+    print(f"training {run_dir} ...", flush=True)
+    with open(out / f"{run_dir.name}.log", "wb") as log:
+        subprocess.run((["flock", lock] if lock else []) + command, stdout=log,
+                       stderr=subprocess.STDOUT, check=True)
+    return run_dir
+
+
+def figures(run_dir: Path) -> dict[str, Any]:
+    """groups/s, the median train_s of a step, and each role's idle fraction, in total
+    and by cause."""
+    idle, _ = idle_of(read_spans(run_dir))
+    roles = {r.role: {"idle": r.idle_fraction,
+                      **{c: s / r.wall_s for c, s in r.idle_by_cause.items() if r.wall_s}}
+             for r in idle.roles}
+    train_s = statistics.median(row["train_s"] for row in read_metrics(run_dir))
+    return {"groups_per_s": read_summary(run_dir).groups_per_s, "train_s": train_s,
+            "roles": roles}
+
+
+def predict(real_dir: Path, hardware: Path, lengths: str, out: Path) -> Path:
+    sim_dir = out / f"sim-{real_dir.name}"
+    sets = [f"simulate.hardware={_string(str(hardware))}", f"simulate.lengths={lengths}",
+            f"run.output_dir={_string(str(sim_dir))}", "run.progress=false"]
+    simulate(load_config(real_dir / CONFIG, sets))
+    return sim_dir
+
+
+def compare(task: str, out: Path, lock: str | None) -> list[dict[str, Any]]:
+    calibration = real_run(task, *CALIBRATION[task], out, lock)
+    if calibration is None:
+        return []
+    predicted = [setting for setting in SETTINGS if setting != CALIBRATION[task]]
+    reals = [real_run(task, s, w, out, lock) for s, w in predicted]
+    hardware = calibration / "hardware.toml"
+    fit = calibrate(calibration, hardware)
+    print(f"{task}: calibrated on {calibration}:\n{fit.describe()}", flush=True)
+    replay = any(e.lengths for e in read_ledger(calibration) if e.event == "generated")
+    lengths = _string(str(calibration)) if replay else '"task"'
+    rows = []
+    for (staleness, workers), real_dir in zip(predicted, reals, strict=True):
+        if real_dir is None:
+            continue
+        sim_dir = predict(real_dir, hardware, lengths, out)
+        rows.append({"task": task, "max_staleness": staleness, "workers": workers,
+                     "real": figures(real_dir), "sim": figures(sim_dir)})
+    return rows
+
+
+def table(rows: Sequence[dict[str, Any]]) -> str:
+    lines = ["| task | max_staleness | workers | step train_s real | sim "
+             "| groups/s real | sim | error "
+             "| rollout idle real | sim | diff | trainer idle real | sim | diff "
+             "| idle by cause, real/sim (points) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
+             "| --- | --- |"]
+    for row in rows:
+        real, sim = row["real"], row["sim"]
+        error = sim["groups_per_s"] / real["groups_per_s"] - 1
+        cells = [row["task"], str(row["max_staleness"]), str(row["workers"]),
+                 f"{real['train_s']:.2f}", f"{sim['train_s']:.2f}",
+                 f"{real['groups_per_s']:.2f}", f"{sim['groups_per_s']:.2f}", f"{error:+.0%}"]
+        causes = []
+        for role in ("rollout", "trainer"):
+            r, s = real["roles"][role], sim["roles"][role]
+            cells += [f"{r['idle']:.0%}", f"{s['idle']:.0%}",
+                      f"{100 * (s['idle'] - r['idle']):+.0f}"]
+            causes += [f"{role[0]}.{c} {100 * r[c]:.0f}/{100 * s.get(c, 0):.0f}"
+                       for c in r if c != "idle" and max(r[c], s.get(c, 0)) >= 0.01]
+        lines.append("| " + " | ".join([*cells, ", ".join(causes)]) + " |")
+    return "\n".join(lines)
+
+
+def summary_line(rows: Sequence[dict[str, Any]]) -> str:
+    ok = 0
+    for row in rows:
+        real, sim = row["real"], row["sim"]
+        good = abs(sim["groups_per_s"] / real["groups_per_s"] - 1) <= 0.15 and all(
+            abs(sim["roles"][role]["idle"] - real["roles"][role]["idle"]) <= 0.10
+            for role in ("rollout", "trainer"))
+        ok += good
+    return (f"{ok} of {len(rows)} predicted runs within 15% on groups/s and 10 points on "
+            "both roles' idle fractions")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
+    parser.add_argument("--tasks", default="default,longtail")
+    parser.add_argument("--out", default="runs/sim-vs-real", help="real and simulated runs")
+    parser.add_argument("--lock", default="", help="run each real run under flock FILE")
+    parser.add_argument("--existing", action="store_true",
+                        help="only the real runs already in --out: train none")
+    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    args = parser.parse_args(argv)
+    logging.getLogger("async_rl").setLevel(logging.WARNING)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    lock = None if args.existing else args.lock
+    rows = [row for task in args.tasks.split(",") for row in compare(task, out, lock)]
+    if args.json:
+        print(json.dumps(msgspec.to_builtins(rows)))
+    else:
+        print(table(rows))
+        print(summary_line(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
