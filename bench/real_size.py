@@ -3,9 +3,10 @@ machine, to see what each stage costs at 358M parameters instead of 4M.
 
 The model is ``async-rl make-model --size 0.5b`` (random weights: the figures are speed
 and memory, not learning). The engine runs bf16 (``rollout.dtype``), the trainer keeps
-float32 master weights and AdamW state and computes in bf16 autocast
-(``trainer.compute_dtype``), so every publish casts the weights to bf16. Per step it
-prints:
+float32 master weights and AdamW state, so every publish casts the weights to bf16. The
+trainer computes in float32 unless ``--compute-dtype bfloat16`` (bf16 autocast): on this
+machine's CPU that made the first step's backward take 597 s for 588 tokens
+(docs/benchmarks.md, Real-size model). Per step it prints:
 
 - completion tokens per second of the step's wall time (rollout bounds it here);
 - train time (the trainer's forward, backward and optimizer);
@@ -18,7 +19,8 @@ then the newest checkpoint's read time (what ``--resume`` costs the trainer: the
 weights and the optimizer state) and the peak RSS of each worker's process tree (a
 rollout worker's includes its vLLM engine processes), sampled every 0.5 s.
 
-    python bench/real_size.py [--steps 5] [--model runs/model-0.5b] [--json]
+    PYTHONPATH=. python bench/real_size.py [--steps 5] [--model runs/model-0.5b]
+        [--compute-dtype float32|bfloat16] [--json]
 
 Not in CI: it takes several minutes and about 12 GB of memory.
 """
@@ -118,7 +120,7 @@ class RssSampler:
         return {name: rss / 1e9 for name, rss in sorted(self.peak.items())}
 
 
-def config_for(model: str, steps: int, out_dir: str) -> Config:
+def config_for(model: str, steps: int, out_dir: str, compute_dtype: str) -> Config:
     return decode_config({
         "model": {"path": model, "dtype": "float32"},
         "task": {"kind": "arithmetic", "eval_size": 0},
@@ -127,13 +129,13 @@ def config_for(model: str, steps: int, out_dir: str) -> Config:
                     "kv_cache_gib": 2},
         "staleness": {"max_staleness": 1},
         "trainer": {"groups_per_step": 4, "micro_batch_tokens": 1024, "lr": 1e-5,
-                    "compute_dtype": "bfloat16"},
+                    "compute_dtype": compute_dtype},
         "run": {"num_steps": steps, "output_dir": out_dir, "progress": False,
                 "checkpoint_every": 2, "keep_checkpoints": 1},
     })
 
 
-def run(model: Path, steps: int, out_dir: Path) -> Result:
+def run(model: Path, steps: int, out_dir: Path, compute_dtype: str) -> Result:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -145,7 +147,7 @@ def run(model: Path, steps: int, out_dir: Path) -> Result:
 
     if not (model / "config.json").is_file():
         make_random_model(model)
-    config = config_for(str(model), steps, str(out_dir))
+    config = config_for(str(model), steps, str(out_dir), compute_dtype)
     shutil.rmtree(out_dir, ignore_errors=True)  # the sampler must not find an old run's pids
     memcpy = memcpy_gb_per_s()
     writes: dict[int, float] = {}
@@ -224,10 +226,12 @@ def main() -> None:
     parser.add_argument("--model", default="runs/model-0.5b")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--out-dir", default="runs/bench-real-size")
+    parser.add_argument("--compute-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="trainer.compute_dtype (the master weights stay float32)")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args()
     with stdout_to_stderr(args.json):
-        result = run(Path(args.model), args.steps, Path(args.out_dir))
+        result = run(Path(args.model), args.steps, Path(args.out_dir), args.compute_dtype)
     show(result, args.json, tables)
 
 
