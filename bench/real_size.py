@@ -177,7 +177,8 @@ def run(model: Path, steps: int, out_dir: Path, compute_dtype: str) -> Result:
     torch.load(newest / TRAINING_STATE, weights_only=True)
     read_s = time.perf_counter() - t0
     parameters = sum(p.numel() for p in loaded.parameters())
-    update_bytes = sum(t.numel() * 2 for t in loaded.state_dict().values())  # sent in bf16
+    # What a publish sends: the parameters (tied ones once), in bf16.
+    update_bytes = sum(p.numel() * 2 for p in loaded.parameters())
     size = sum(f.stat().st_size for f in newest.iterdir()) / 1e9
 
     rows = []
