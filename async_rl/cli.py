@@ -34,11 +34,13 @@ def _parser() -> argparse.ArgumentParser:
     show.add_argument("config", help="TOML config file")
     _add_overrides(show)
 
-    make = commands.add_parser("make-model", help="build a small local model (no hub)")
+    make = commands.add_parser("make-model", help="build a local model (no hub)")
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument(
-        "--size", choices=["tiny", "small"], default=None,
-        help="small: 4M parameters (arithmetic's default); tiny: 0.5M (longtail's default)",
+        "--size", choices=["tiny", "small", "0.5b"], default=None,
+        help="small: 4M parameters (arithmetic's default); tiny: 0.5M (longtail's default); "
+             "0.5b: Qwen2.5-0.5B's shape, 358M, randomly initialised (no warm start: for "
+             "speed and memory figures, not learning)",
     )
     make.add_argument(
         "--task", choices=["arithmetic", "longtail"], default="arithmetic",
@@ -133,6 +135,20 @@ def _add_overrides(parser: argparse.ArgumentParser) -> None:
         metavar="SECTION.KEY=VALUE",
         help="override one config value (repeatable)",
     )
+
+
+def _make_real_size(args: argparse.Namespace) -> int:
+    from async_rl.models.real_size import REAL_SIZES, make_random_model
+
+    threads = args.threads or min(2, os.cpu_count() or 1)
+    if args.sft_steps:
+        raise ConfigError(f"usage error: --size {args.size} is randomly initialised: "
+                          "it takes no --sft-steps")
+    made = make_random_model(args.out, size=REAL_SIZES[args.size], seed=args.seed,
+                             num_threads=threads)
+    print(f"model written to {made.path}: {made.num_parameters:,} parameters, "
+          f"random weights, {made.seconds:.1f}s")
+    return 0
 
 
 STOP_EXIT = {"SIGINT": 130, "SIGTERM": 143}
@@ -255,6 +271,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(to_toml(load_config(args.config, args.overrides)), end="")
             return 0
         if args.command == "make-model":
+            if args.size == "0.5b":
+                return _make_real_size(args)
             from async_rl.models.tiny_model import MODEL_SIZES, TASK_RECIPES, make_model
 
             recipe = TASK_RECIPES[args.task]

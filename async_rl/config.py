@@ -168,7 +168,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     checkpoint is then all that is left to resume from."""
     call_timeout_s: PositiveFloat = 300.0
     """Longest any other call to a worker may take (evaluation, saving, usage and span
-    reads): past it the run stops, naming the call and the wait, instead of hanging."""
+    reads): past it the run stops, naming the call and the wait, instead of hanging. The
+    workers' placement groups wait as long for the cluster to place them (past it: one
+    line naming what was asked and what the cluster has, exit status 2)."""
     keep_checkpoints: Positive = 2
     """Checkpoints kept; older ones are removed once a new one is complete."""
     loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
@@ -258,6 +260,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                            "needs run.colocate = true, rollout.num_workers = 1 and "
                            "trainer.num_shards = 1 (CUDA IPC shares the trainer's own GPU "
                            'with one engine); use "nccl" otherwise')
+        if self.weights.transport == "nccl" and self.run.colocate:
+            raise invalid("weights.transport", self.weights.transport,
+                          "not with run.colocate = true: rollout worker i and trainer shard "
+                          "i share one GPU, and NCCL refuses two ranks on one GPU "
+                          '("Duplicate GPU detected"); use "ipc" (one pair) or "gloo"')
         if self.trainer.micro_batch_tokens < self.rollout.max_new_tokens:
             raise invalid(
                 "trainer.micro_batch_tokens",

@@ -11,6 +11,8 @@ from typing import Literal
 
 import msgspec
 
+Dtype = Literal["float32", "bfloat16"]
+
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Which policy to train."""
@@ -21,5 +23,6 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     the Hugging Face cache (HF_HOME, HF_HUB_CACHE) before Ray starts and downloaded into
     it first unless HF_HUB_OFFLINE is set; the run then uses, and its config.toml
     records, the snapshot directory. A path whose parent directory exists here is local."""
-    dtype: Literal["float32", "bfloat16"] = "float32"
-    """Parameter dtype in the rollout engine and the trainer."""
+    dtype: Dtype = "float32"
+    """Parameter dtype of the trainer (its master weights, gradients and optimizer
+    state) and of the rollout engine unless rollout.dtype says otherwise."""

@@ -3,8 +3,11 @@
 Owns: the explicit identity of every worker (role, rank, node, devices), the registry the
 shell prints, and the Ray placement groups of the two roles, either disaggregated
 (the default: rollout and trainer on their own devices) or co-located (both roles share
-one STRICT_PACK group). On CPU it also hands each worker its own cores, so that rollout
-and training behave like separate accelerators. Knows nothing about what workers do.
+one STRICT_PACK group), and refusing, in one line, a layout the cluster cannot hold: too
+few GPUs for the layout (``check_gpus``, before any group is asked for) or a group that
+is still unplaced at its deadline (``role_placement_groups``). On CPU it also hands each
+worker its own cores, so that rollout and training behave like separate accelerators.
+Knows nothing about what workers do.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from typing import Literal
 
 import msgspec
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group
+from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from buffers.config import ConfigError
 
 Role = Literal["rollout", "trainer"]
 
@@ -94,6 +99,30 @@ def gpus_per_worker(cluster_gpus: float, colocated: bool) -> float:
     return 0.5 if colocated else 1.0
 
 
+def check_gpus(layout: Layout, cluster_gpus: float) -> None:
+    """Refuses a layout that needs more GPUs than the cluster has (none: the CPU path).
+
+    Disaggregated, every rollout worker and every trainer shard needs a GPU of its own;
+    co-located, pair i shares GPU i. Without this, Ray would wait forever for bundles no
+    node can hold (one GPU and the default split layout is the common case).
+    """
+    if not cluster_gpus:
+        return
+    pairs = max(len(layout.rollout), len(layout.trainer))
+    needed = pairs if layout.colocated else len(layout.rollout) + len(layout.trainer)
+    if needed <= cluster_gpus:
+        return
+    workers = (f"{len(layout.rollout)} rollout worker(s) and {len(layout.trainer)} trainer "
+               f"shard(s)")
+    if layout.colocated:
+        raise ConfigError(f"config error: run.colocate = true: {workers} need {needed} GPU(s) "
+                          f"(pair i shares GPU i), and the cluster has {cluster_gpus:g}")
+    hint = ("; set run.colocate = true (rollout worker i and trainer shard i share GPU i)"
+            if pairs <= cluster_gpus else "")
+    raise ConfigError(f"config error: run.colocate = false: {workers} need {needed} GPUs "
+                      f"(one each), and the cluster has {cluster_gpus:g}{hint}")
+
+
 def role_bundles(layout: Layout, cpus_per_rollout: int, cpus_per_trainer: int,
                  gpus: float = 0.0) -> dict[Role, list[dict[str, float]]]:
     """The resource bundles of each role's placement group (``gpus`` per actor).
@@ -116,18 +145,37 @@ def role_bundles(layout: Layout, cpus_per_rollout: int, cpus_per_trainer: int,
             "trainer": bundles(len(layout.trainer), cpus_per_trainer, per_bundle=1)}
 
 
+def _resources(resources: dict[str, float]) -> str:
+    return ", ".join(f"{name} {resources.get(name, 0.0):g}" for name in ("CPU", "GPU"))
+
+
 def role_placement_groups(layout: Layout, cpus_per_rollout: int, cpus_per_trainer: int,
-                          gpus: float = 0.0) -> dict[Role, PlacementGroup]:
-    """One placement group per role (or one shared STRICT_PACK group when co-located)."""
+                          gpus: float = 0.0, *, timeout_s: float) -> dict[Role, PlacementGroup]:
+    """One placement group per role (or one shared STRICT_PACK group when co-located).
+
+    Raises ``ConfigError`` (one line: the bundles asked for and what the cluster has)
+    when a group is not placed within ``timeout_s`` (run.call_timeout_s);
+    the groups already asked for are removed first.
+    """
     specs = role_bundles(layout, cpus_per_rollout, cpus_per_trainer, gpus)
+    groups: dict[Role, PlacementGroup]
     if layout.colocated:
         shared = placement_group(specs["rollout"], strategy="STRICT_PACK")
-        ray.get(shared.ready())
-        return {"rollout": shared, "trainer": shared}
-    groups: dict[Role, PlacementGroup] = {
-        role: placement_group(bundles, "PACK") for role, bundles in specs.items()
-    }
-    ray.get([g.ready() for g in groups.values()])
+        groups = {"rollout": shared, "trainer": shared}
+    else:
+        groups = {role: placement_group(bundles, "PACK") for role, bundles in specs.items()}
+    unique = {id(g): g for g in groups.values()}
+    try:
+        ray.get([g.ready() for g in unique.values()], timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        for group in unique.values():
+            remove_placement_group(group)
+        asked = "; ".join(f"{role}: {len(bundles)} x {{{_resources(bundles[0])}}}"
+                          for role, bundles in specs.items() if bundles
+                          and not (layout.colocated and role == "trainer"))
+        raise ConfigError(
+            f"placement error: no placement within {timeout_s:g}s (run.call_timeout_s) for "
+            f"{asked}; the cluster has {_resources(ray.cluster_resources())} in all") from None
     return groups
 
 

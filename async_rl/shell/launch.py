@@ -33,12 +33,19 @@ from workers.actors import RolloutActor, TrainerActor
 from workers.environment import EnvironmentConfig
 from workers.eval.evaluator import IdleCpuEvaluator
 from workers.model_config import ModelConfig
-from workers.placement import WorkerIdentity, assign_cpus, gpus_per_worker, in_bundle
+from workers.placement import (
+    WorkerIdentity,
+    assign_cpus,
+    check_gpus,
+    gpus_per_worker,
+    in_bundle,
+)
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.reward import RewardFn
 from workers.reward_callable import Reward
 from workers.reward_runner import UserRewards
 from workers.reward_spec import DEFAULT_COLUMNS, absolute_spec
+from workers.rollout.config import engine_dtype
 from workers.rollout.prompts import PromptFormat
 from workers.weights.broadcast import SEND_GROUP
 from workers.weights.config import check_transport
@@ -150,10 +157,13 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
         cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
         cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate,
     )
-    gpus = gpus_per_worker(ray.cluster_resources().get("GPU", 0), cfg.run.colocate)
+    cluster_gpus = ray.cluster_resources().get("GPU", 0)
+    gpus = gpus_per_worker(cluster_gpus, cfg.run.colocate)
     check_transport(cfg.weights, cuda=bool(gpus))
+    check_gpus(layout, cluster_gpus)
     groups = make_placement_groups(
-        layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus)
+        layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus,
+        timeout_s=cfg.run.call_timeout_s)
     started = StartedWorkers(placement_groups=list({id(g): g for g in groups.values()}.values()))
     user_rewards = user_rewards_of(cfg.task, rewards, columns)
     prompt_format = prompt_format_of(cfg.task)
@@ -193,6 +203,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
             trainer=cfg.trainer, seed=cfg.run.seed, weights=cfg.weights,
             temperature=cfg.rollout.temperature,
             max_new_tokens=cfg.rollout.max_new_tokens,
+            rollout_dtype=engine_dtype(cfg.rollout, cfg.model),
             cpu_ids=ident.devices,
             master_addr=master_addr, master_port=port, record_spans=cfg.run.record_spans,
         )

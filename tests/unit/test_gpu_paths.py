@@ -3,25 +3,38 @@
 What can go wrong there without any GPU test noticing: a collective's tensor left on the
 CPU (NCCL accepts only CUDA tensors: the first multi-shard step would fail), the wrong
 process-group backend for a device, placement bundles that ask for no GPU (or for two
-per GPU when co-located).
+per GPU when co-located), a layout needing more GPUs than the cluster has (Ray would
+wait forever), the IPC transport's serialisation switch, NVML sampling a GPU by index
+(the wrong one under CUDA_VISIBLE_DEVICES), phase times read before the device is done,
+the engine's dtype split from the trainer's, and an NCCL send with no deadline.
 """
 
 from __future__ import annotations
 
+import sys
+import threading
+import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any
+from uuid import UUID
 
 import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
 
+from buffers.config import ConfigError
 from buffers.records import TrainSequence
 from workers.model_config import ModelConfig
-from workers.placement import assign_cpus, gpus_per_worker, role_bundles
+from workers.placement import assign_cpus, check_gpus, gpus_per_worker, role_bundles
+from workers.rollout.config import RolloutConfig, engine_dtype
+from workers.rollout.engine import transport_environment
 from workers.trainer.config import TrainerConfig
 from workers.trainer.ppo_update import StepLoss
 from workers.trainer.shard import TrainerShard, process_group_backend
+from workers.usage import UsageMeter, cuda_uuid
+from workers.weights.config import WeightsConfig
 
 
 def test_each_device_gets_the_backend_that_accepts_its_tensors() -> None:
@@ -87,3 +100,110 @@ def test_colocated_bundles_share_one_gpu_between_the_two_roles() -> None:
     # ...and a bundle holds rollout worker i and trainer shard i: one whole GPU.
     assert bundles["rollout"] is bundles["trainer"]
     assert bundles["rollout"] == [{"CPU": 2.0, "GPU": 1.0}] * 2
+
+
+def test_too_few_gpus_for_the_layout_is_a_config_error_before_placement() -> None:
+    split = assign_cpus(1, 1, 1, 1, available=(0, 1))
+    check_gpus(split, 0)  # the CPU path asks for no GPU
+    check_gpus(split, 2)
+    with pytest.raises(ConfigError) as info:
+        check_gpus(split, 1)
+    assert str(info.value) == (
+        "config error: run.colocate = false: 1 rollout worker(s) and 1 trainer shard(s) "
+        "need 2 GPUs (one each), and the cluster has 1; set run.colocate = true (rollout "
+        "worker i and trainer shard i share GPU i)")
+    check_gpus(assign_cpus(1, 1, 1, 1, available=(0, 1), colocated=True), 1)
+    with pytest.raises(ConfigError) as info:
+        check_gpus(assign_cpus(2, 1, 2, 1, available=(0, 1), colocated=True), 1)
+    assert str(info.value).endswith("need 2 GPU(s) (pair i shares GPU i), and the cluster has 1")
+
+
+def test_only_the_ipc_transport_allows_vllm_insecure_serialization() -> None:
+    assert transport_environment("ipc") == {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}
+    assert transport_environment("nccl") == {} and transport_environment("gloo") == {}
+
+
+def test_nvml_samples_the_gpu_cuda_names_by_uuid(monkeypatch: pytest.MonkeyPatch) -> None:
+    uuid = UUID("12345678-1234-5678-1234-567812345678")
+    asked: list[int] = []
+
+    def properties(ordinal: int) -> SimpleNamespace:
+        asked.append(ordinal)
+        return SimpleNamespace(uuid=uuid)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    assert cuda_uuid(1) == f"GPU-{uuid}" and asked == [1]
+    looked_up: list[str] = []
+    sampled = threading.Event()
+
+    def handle_by_uuid(name: str) -> str:
+        looked_up.append(name)
+        return "handle"
+
+    def utilization(handle: str) -> SimpleNamespace:
+        sampled.set()
+        return SimpleNamespace(gpu=40)
+
+    fake = SimpleNamespace(
+        nvmlInit=lambda: None, nvmlDeviceGetHandleByUUID=handle_by_uuid,
+        nvmlDeviceGetHandleByIndex=lambda i: pytest.fail("looked up by index"),
+        nvmlDeviceGetUtilizationRates=utilization)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    meter = UsageMeter(gpu_uuid=cuda_uuid(0), period_s=0.01)
+    assert sampled.wait(5)
+    meter.close()
+    assert looked_up == [f"GPU-{uuid}"]
+    assert meter.read().gpu_samples >= 1
+
+
+def test_phase_times_wait_for_the_device_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
+    synced: list[torch.device] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
+    shard = TrainerShard(rank=0, world_size=1, model=ModelConfig(path="unused"),
+                         trainer=TrainerConfig(), seed=0, record_spans=False)
+    assert not shard.sync_phases  # a CPU shard: nothing runs asynchronously
+    shard._now()
+    assert synced == []
+    shard.device, shard.sync_phases = torch.device("cuda", 0), True
+    shard._now()
+    assert synced == [torch.device("cuda", 0)]
+
+
+def test_the_engine_dtype_defaults_to_the_model_and_published_weights_are_cast_to_it(
+) -> None:
+    model = ModelConfig(path="unused", dtype="float32")
+    assert engine_dtype(RolloutConfig(), model) == "float32"
+    assert engine_dtype(RolloutConfig(dtype="bfloat16"), model) == "bfloat16"
+    shard = TrainerShard(rank=0, world_size=1, model=model, trainer=TrainerConfig(), seed=0,
+                         record_spans=False, rollout_dtype="bfloat16")
+    assert shard.rollout_dtype == "bfloat16"
+    from workers.weights.sender import WeightSender
+
+    sender = WeightSender(WeightsConfig(), address="127.0.0.1", device=torch.device("cpu"),
+                          dtype=torch.bfloat16)
+    master = torch.randn(4, 8)
+    assert sender.snapshot(1, [("w", master)]) == master.numel() * 2  # half the bytes
+    ((name, sent),) = sender._snapshots[1]
+    assert name == "w" and sent.dtype == torch.bfloat16
+    torch.testing.assert_close(sent, master.to(torch.bfloat16), rtol=0, atol=0)
+
+
+def test_an_nccl_send_that_hangs_fails_at_its_deadline() -> None:
+    from workers.weights.sender import EngineClient, PairSource, WeightSender, _Pair
+
+    abandoned: list[str] = []
+    actor = SimpleNamespace(abandon_weight_update=SimpleNamespace(remote=abandoned.append))
+    stuck = threading.Event()
+    engine = SimpleNamespace(send_weights=lambda: stuck.wait(30), shutdown=lambda: pytest.fail(
+        "a stuck engine is not shut down (that could block too)"))
+    sender = WeightSender(WeightsConfig(transport="nccl", timeout_s=0.2),
+                          address="127.0.0.1", device=torch.device("cpu"))
+    sender._pairs[0] = _Pair(EngineClient(actor, 0.2), PairSource(), engine)  # type: ignore[arg-type]
+    sender.snapshot(1, [("w", torch.zeros(2))])
+    began = time.monotonic()
+    with pytest.raises(TimeoutError, match="weight send to rollout worker 0 over nccl took "
+                                           r"longer than weights.timeout_s \(0.2s\)"):
+        sender.send(1, 0)
+    assert time.monotonic() - began < 5
+    stuck.set()
+    assert len(abandoned) == 1 and 0 not in sender._pairs

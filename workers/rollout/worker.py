@@ -50,7 +50,7 @@ from workers.rollout.prompts import PromptFormat, render
 from workers.rollout.scoring import Scorer
 from workers.rollout.turns import TurnRunner
 from workers.spans import UNRESOLVED, Span, SpanRecorder
-from workers.usage import UsageMeter
+from workers.usage import UsageMeter, cuda_uuid
 from workers.weights.config import UpdateMode, WeightsConfig
 from workers.weights.receiver import WeightReceiver
 
@@ -141,6 +141,11 @@ class RolloutWorker:
         self._engine = build_engine(self._model, self._rollout, rank=self._rank,
                                     seed=self._seed, cpu_ids=self._cpu_ids,
                                     transport=self._transport)
+        import torch
+
+        if torch.cuda.is_available():  # the NVML cross-check samples the engine's GPU
+            self._usage.close()
+            self._usage = UsageMeter(gpu_uuid=cuda_uuid(0))
         # The engine labels every step's tokens with this: the version of model.path.
         await self._engine.update_weight_version(str(self._receiver.version))
         self._quiet_idle = await quiet_idle_reads(self._engine, self._rollout)

@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from buffers.records import TrainSequence
 
@@ -182,10 +183,14 @@ def use_packed_attention(model: torch.nn.Module) -> bool:
     return getattr(model.config, "_attn_implementation", None) == PACKED_ATTENTION
 
 
-def completion_logprobs(
-    logits: torch.Tensor, targets: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """``log softmax(logits / temperature)[target]`` per row of ``(N, V)`` logits."""
+ROWS_AT_ONCE = 1024
+"""Rows of logits ``completion_logprobs`` and ``token_entropy`` work on at once: their
+float32 temporaries are ``ROWS_AT_ONCE x V``, not ``N x V`` (at 16k completion tokens
+and a 150k vocabulary that would be 10 GB a micro-batch)."""
+
+
+def _rows_logprobs(logits: torch.Tensor, targets: torch.Tensor,
+                   temperature: float) -> torch.Tensor:
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
@@ -193,9 +198,22 @@ def completion_logprobs(
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-ENTROPY_ROWS = 1024
-"""Rows of logits ``token_entropy`` works on at once: its float32 temporaries are
-``ENTROPY_ROWS x V``, not ``N x V`` (gigabytes for a micro-batch on a real vocabulary)."""
+def completion_logprobs(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float,
+    rows: int = ROWS_AT_ONCE,
+) -> torch.Tensor:
+    """``log softmax(logits / temperature)[target]`` per row of ``(N, V)`` logits.
+
+    Computed ``rows`` at a time. With gradient each chunk is checkpointed: backward
+    recomputes its float32 softmax instead of keeping one for every row, so no float32
+    copy of the whole micro-batch's logits is ever held (the logits themselves are the
+    LM head's output, in its dtype: bf16 under trainer.compute_dtype = "bfloat16").
+    """
+    chunks = zip(logits.split(rows), targets.split(rows), strict=True)
+    if not (torch.is_grad_enabled() and logits.requires_grad):
+        return torch.cat([_rows_logprobs(x, t, temperature) for x, t in chunks])
+    return torch.cat([checkpoint(_rows_logprobs, x, t, temperature, use_reentrant=False)
+                      for x, t in chunks])
 
 
 def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
@@ -203,7 +221,7 @@ def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
     gradient (a statistic: the graph keeps nothing vocabulary-sized for it)."""
     with torch.no_grad():
         parts = []
-        for rows in logits.split(ENTROPY_ROWS):
+        for rows in logits.split(ROWS_AT_ONCE):
             rows = rows.float()
             if temperature != 1.0:
                 rows = rows / temperature

@@ -41,7 +41,7 @@ from workers.trainer.loss import Normaliser
 from workers.trainer.loss_stats import merge_stats
 from workers.trainer.packing import use_packed_attention
 from workers.trainer.ppo_update import MicroBatch, StepLoss
-from workers.usage import UsageMeter
+from workers.usage import UsageMeter, cuda_uuid
 from workers.weights.config import UpdateMode, WeightsConfig
 
 if TYPE_CHECKING:
@@ -95,6 +95,7 @@ class TrainerShard:
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
         record_spans: bool = True,
+        rollout_dtype: str | None = None,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -108,6 +109,8 @@ class TrainerShard:
         """Rollout's sampling temperature: behaviour logprobs are of logits / temperature."""
         self.max_new_tokens = max_new_tokens
         """Rollout's completion cap: loss_agg seq_mean_token_sum_norm divides by it."""
+        self.rollout_dtype = rollout_dtype or model.dtype
+        """The engines' dtype (rollout.dtype): published weights are cast to it."""
         self.cpu_ids = cpu_ids
         self.master_addr = master_addr
         self.master_port = master_port
@@ -116,6 +119,10 @@ class TrainerShard:
                  else "cpu:" + ",".join(map(str, cpu_ids)))
         self.spans = SpanRecorder(worker=f"trainer-{rank}", role="trainer", rank=rank,
                                   device=label, enabled=record_spans)
+        self.sync_phases = self.device.type == "cuda"
+        """Wait for the device at each phase boundary (``_now``): CUDA kernels run
+        asynchronously, so otherwise a phase's time and span land in the next one's
+        (backward under "optimizer", where the gradient norm's host read waits)."""
 
     def setup(self) -> int:
         """Joins the process group, loads the model and builds the optimizer; returns pid."""
@@ -126,7 +133,8 @@ class TrainerShard:
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.path)
 
         pin_to_cpus(self.cpu_ids)
-        self.usage_meter = UsageMeter(gpu_index=0 if self.device.type == "cuda" else None)
+        self.usage_meter = UsageMeter(gpu_uuid=cuda_uuid(torch.cuda.current_device())
+                                      if self.device.type == "cuda" else None)
         torch.manual_seed(self.seed)
         if self.world_size > 1:
             dist.init_process_group(
@@ -180,14 +188,14 @@ class TrainerShard:
                                    grad_norm=0.0, forward_s=0.0, backward_s=0.0,
                                    optimizer_s=0.0, barrier_s=0.0, samples_lost=True)
         self.spans.switch("forward")
-        t0 = time.perf_counter()
+        t0 = self._now()
         # The proximal policy is the one this step starts from; with a single update it
         # is the current policy itself, so no extra forward pass is needed (nor in the
         # plain form, tis_cap = 0, which has no proximal policy).
         several = len(updates) * self.config.epochs > 1 and self.config.tis_cap > 0
         proximal = batch.per_update(self.losses.proximal(sequences) if several
                                     else [None] * len(sequences))
-        times = _Times(forward_s=time.perf_counter() - t0)
+        times = _Times(forward_s=self._now() - t0)
         parts: list[LossStats] = []
         norms_seen: list[float] = []
         positions = 0
@@ -230,30 +238,30 @@ class TrainerShard:
         last = len(micro_batches) - 1
         for index, (micro_batch, prox) in enumerate(zip(micro_batches, proximal, strict=True)):
             self.spans.switch("forward")
-            t0 = time.perf_counter()
+            t0 = self._now()
             loss, stats, computed = self.losses.micro_batch(micro_batch, norm, prox)
             positions += computed
             # DDP averages gradients over shards; the loss is already a share of the
             # global normaliser, so scale back up to make the all-reduce a plain sum.
             loss = loss * self.world_size
-            t1 = time.perf_counter()
+            t1 = self._now()
             times.forward_s += t1 - t0
             if index == last and self.world_size > 1:
                 # Time spent here is waiting on slower shards, not communication.
                 self.spans.switch("barrier")
                 dist.barrier()
-                times.barrier_s += time.perf_counter() - t1
-                t1 = time.perf_counter()
+                t1, barrier_began = self._now(), t1
+                times.barrier_s += t1 - barrier_began
             self.spans.switch("backward")
             if index != last and isinstance(self.model, DistributedDataParallel):
                 with self.model.no_sync():
                     torch.autograd.backward(loss)
             else:
                 torch.autograd.backward(loss)
-            times.backward_s += time.perf_counter() - t1
+            times.backward_s += self._now() - t1
             parts.append(stats)
         self.spans.switch("optimizer")
-        t2 = time.perf_counter()
+        t2 = self._now()
         grad_norm = float(
             torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
         )
@@ -262,8 +270,15 @@ class TrainerShard:
             self.optimizer.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
-        times.optimizer_s += time.perf_counter() - t2
+        times.optimizer_s += self._now() - t2
         return positions, grad_norm
+
+    def _now(self) -> float:
+        """``time.perf_counter()`` once the device has run what was queued (on CUDA:
+        ``sync_phases``)."""
+        if self.sync_phases:
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
 
     def mean_cores(self) -> float:
         """Threads this shard computes with: the cores the CPU-time check divides by."""
@@ -290,7 +305,8 @@ class TrainerShard:
             from workers.weights.sender import WeightSender
 
             self.sender = WeightSender(self.weights, address=self.master_addr,
-                                       device=self.device)
+                                       device=self.device,
+                                       dtype=_DTYPES[self.rollout_dtype])
         self.sender.connect(rank, actor)
 
     def _connected(self) -> WeightSender:

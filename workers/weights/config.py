@@ -37,7 +37,9 @@ class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     fresh from the kernel at every update, smaller ones cost more messages."""
     timeout_s: PositiveFloat = 300.0
     """Longest a weight update waits on one rollout worker for any one step (its pause,
-    including a drain, a message, the load) before that worker counts as failed."""
+    including a drain, a message, the load) before that worker counts as failed. With
+    transport "nccl" or "ipc" also the longest a whole send may take on the trainer's
+    side (their collectives have no deadline of their own)."""
 
 
 def check_transport(weights: WeightsConfig, *, cuda: bool) -> None:

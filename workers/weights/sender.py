@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterable, Iterator
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -115,11 +116,13 @@ class WeightSender:
     version); ``send`` and ``release`` run beside later training steps.
     """
 
-    def __init__(self, weights: WeightsConfig, *, address: str, device: torch.device) -> None:
+    def __init__(self, weights: WeightsConfig, *, address: str, device: torch.device,
+                 dtype: torch.dtype | None = None) -> None:
         """address: where this process's pair endpoints listen (gloo, nccl). device: the
         trainer's device; gloo snapshots go to the CPU (gloo sends CPU tensors), the
-        others stay on the device."""
-        self._weights, self._address = weights, address
+        others stay on the device. dtype: the engines' (rollout.dtype); snapshots are
+        cast to it (None: each tensor keeps its own)."""
+        self._weights, self._address, self._dtype = weights, address, dtype
         self._device = torch.device("cpu") if weights.transport == "gloo" else device
         self._snapshots: dict[int, Snapshot] = {}
         self._spare: Snapshot = ()
@@ -152,14 +155,18 @@ class WeightSender:
     def snapshot(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copies ``named`` tensors as ``version``'s weights; returns their bytes."""
         sources = [(name, tensor.detach()) for name, tensor in named]
+        wanted = [(n, t.shape, self._dtype or t.dtype) for n, t in sources]
         with self._lock:
             spare, self._spare = self._spare, ()
-        if [(n, t.shape, t.dtype) for n, t in spare] != [(n, t.shape, t.dtype)
-                                                         for n, t in sources]:
-            spare = tuple((name, torch.empty(t.shape, dtype=t.dtype, device=self._device))
-                          for name, t in sources)
+        if [(n, t.shape, t.dtype) for n, t in spare] != wanted:
+            spare = tuple((name, torch.empty(shape, dtype=dtype, device=self._device))
+                          for name, shape, dtype in wanted)
         for (_, held), (_, tensor) in zip(spare, sources, strict=True):
-            held.copy_(tensor)
+            held.copy_(tensor)  # casts to the engines' dtype
+        if self._device.type == "cuda":
+            # The copies run on this stream, after the optimizer step's kernels; the
+            # transfer engines read the snapshot from streams of their own.
+            torch.cuda.current_stream(self._device).synchronize()
         with self._lock:
             self._snapshots[version] = spare
         return sum(t.numel() * t.element_size() for _, t in spare)
@@ -179,16 +186,44 @@ class WeightSender:
             pair.source.snapshot = self._snapshots[version]
         pair.client.prepare(version, mode)
         try:
-            pair.engine.send_weights()
+            self._send_within_deadline(pair, rank)
         except BaseException as err:
             if not pair.client.refused:
                 pair.client.abandon(repr(err))
-                self.disconnect(rank)
+                if isinstance(err, TimeoutError):
+                    # Its engine is stuck mid-collective: shutting it down could block too.
+                    self._pairs.pop(rank, None)
+                else:
+                    self.disconnect(rank)
             raise
         finally:
             pair.source.snapshot = ()
         assert pair.client.timing is not None  # set by finish_weight_update
         return pair.client.timing
+
+    def _send_within_deadline(self, pair: _Pair, rank: int) -> None:
+        """``send_weights``, given up after ``weights.timeout_s`` on the NCCL and IPC
+        transports: their collectives have no deadline of their own, so a dead or stuck
+        engine would hold this sender forever (gloo's group times out each operation)."""
+        if self._weights.transport == "gloo":
+            pair.engine.send_weights()
+            return
+        outcome: Future[None] = Future()
+
+        def send() -> None:
+            try:
+                pair.engine.send_weights()
+                outcome.set_result(None)
+            except BaseException as err:
+                outcome.set_exception(err)
+
+        threading.Thread(target=send, name=f"weight-send-{rank}", daemon=True).start()
+        try:
+            outcome.result(timeout=self._weights.timeout_s)
+        except TimeoutError:
+            raise TimeoutError(
+                f"weight send to rollout worker {rank} over {self._weights.transport} took "
+                f"longer than weights.timeout_s ({self._weights.timeout_s:g}s)") from None
 
     def release(self, version: int) -> None:
         """Frees ``version``'s snapshot once every send of it is done."""

@@ -1,0 +1,257 @@
+"""GPU check: the trainer-side CUDA paths that no GPU had run, on one GPU, in one table.
+
+Runs with only torch, transformers and the wheels ``scripts/gpu-check.sh`` carries
+(msgspec, nvidia-ml-py): nothing here imports ray or vllm (checked before anything runs).
+Without CUDA it prints one line and exits 0. On CUDA, on a randomly initialised
+Qwen2.5-0.5B-shaped model (``async_rl.models.real_size``):
+
+- a ``TrainerShard`` step on a packed long-tail batch (completions of 20 to 300 tokens),
+  float32 and bf16 compute: the packed logprobs against the padded reference path, the
+  step's synchronised phase times, and the host synchronisations one step makes
+  (``torch.cuda.set_sync_debug_mode``, with the phase-timing syncs switched off);
+- the trainer's tokens/s and MFU (model FLOPs: 6 N per token plus causal attention,
+  against the GPU's dense bf16 peak where known);
+- NVML's view of each visible GPU, found by the UUID CUDA reports
+  (``workers.usage.cuda_uuid``), beside what an index lookup would have sampled;
+- FSDP2 at world size 1: ``fully_shard`` per decoder layer and the root with a pinned
+  ``CPUOffloadPolicy`` and bf16 ``MixedPrecisionPolicy``, one AdamW step.
+
+    scripts/gpu-check.sh            (or: PYTHONPATH=. python bench/gpu_check.py)
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import tempfile
+import time
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from async_rl.models.real_size import QWEN25_05B, make_random_model
+from buffers.records import GroupTokens, SequenceSlot, ShardBatch, TrainSequence
+from workers.model_config import ModelConfig
+from workers.trainer.config import TrainerConfig
+from workers.trainer.packing import pack, packed_logprobs, padded_logprobs
+from workers.trainer.shard import TrainerShard
+from workers.usage import cuda_uuid
+
+FORBIDDEN = ("ray", "vllm")
+"""Not on the GPU machine: importing either would fail there."""
+PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0}
+"""Dense bf16 tensor-core peaks by device name (no sparsity)."""
+SEQUENCES = 48
+"""Sequences of the long-tail batch: about 9k tokens."""
+
+Row = tuple[str, str, str]
+"""(check, result, figures)."""
+
+
+def long_tail(n: int = SEQUENCES, seed: int = 0) -> list[TrainSequence]:
+    """Prompts of 20-40 tokens, completions of 20-300 (a long tail: most are short)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        prompt, completion = int(rng.integers(20, 41)), int(min(300, 20 + rng.pareto(1.2) * 30))
+        ids = rng.integers(3, 259, prompt + completion).astype(np.int32)
+        out.append(TrainSequence(prompt_token_ids=ids[:prompt], completion_token_ids=ids[prompt:],
+                                 behaviour_logprobs=-rng.random(completion).astype(np.float32),
+                                 advantage=float(i % 2) - 0.5))
+    return out
+
+
+def shard_batch(seqs: list[TrainSequence], micro_batches: int = 2
+                ) -> tuple[ShardBatch, list[GroupTokens]]:
+    """``seqs`` as one update of ``micro_batches`` micro-batches of single-sample groups."""
+    tokens = [GroupTokens(prompt_token_ids=s.prompt_token_ids,
+                          completion_token_ids=s.completion_token_ids,
+                          logprobs=s.behaviour_logprobs,
+                          versions=np.zeros(len(s.completion_token_ids), np.int32),
+                          offsets=np.array([0, len(s.completion_token_ids)], np.int64))
+              for s in seqs]
+    slots = [SequenceSlot(group=i, sample=0, advantage=s.advantage) for i, s in enumerate(seqs)]
+    cut = math.ceil(len(slots) / micro_batches)
+    rows = tuple(tuple(slots[i:i + cut]) for i in range(0, len(slots), cut))
+    return ShardBatch(step=1, groups=tuple(tokens), micro_batches=rows,
+                      updates=(len(rows),)), tokens
+
+
+def count_syncs(fn: Callable[[], Any]) -> int:
+    """Host synchronisations ``fn`` makes (each one a CUDA sync-debug warning)."""
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            fn()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    return sum("synchroniz" in str(w.message) for w in caught)
+
+
+def model_flops(seqs: list[TrainSequence], params: int) -> float:
+    """Training FLOPs of one pass: 6 N per token plus causal attention (6 L d per
+    token-pair half: forward 2, backward 4)."""
+    c = QWEN25_05B
+    lengths = [len(s.prompt_token_ids) + len(s.completion_token_ids) for s in seqs]
+    return 6.0 * params * sum(lengths) + 6.0 * c.num_layers * c.hidden_size * sum(
+        n * n for n in lengths)
+
+
+def trainer_checks(model_dir: Path) -> list[Row]:
+    rows: list[Row] = []
+    seqs = long_tail()
+    batch, tokens = shard_batch(seqs)
+    name = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_BF16_TFLOPS.items() if k in name), None)
+    for dtype in ("float32", "bfloat16"):
+        def make(packed: bool, dtype: str = dtype) -> TrainerShard:
+            config = TrainerConfig(compute_dtype=dtype, packed=packed,
+                                   micro_batch_tokens=16384)
+            shard = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
+                                 trainer=config, seed=0, record_spans=False)
+            shard.setup()
+            return shard
+
+        packed, padded = make(True), make(False)
+        with torch.no_grad(), packed.losses._autocast():
+            a = packed_logprobs(packed.module, pack(seqs, packed.device), 1.0)
+            b, _ = padded_logprobs(padded.module, seqs, 1.0, padded.device)
+        diff = float((a - b).abs().max())
+        tolerance = 1e-3 if dtype == "float32" else 0.1
+        rows.append((f"packed = padded logprobs ({dtype})",
+                     "ok" if diff <= tolerance else "MISMATCH",
+                     f"max |diff| {diff:.2e} (tolerance {tolerance:g}), {a.numel()} tokens"))
+        del padded
+        packed.train_step(batch, tokens)  # warm-up: allocator, kernels
+        times = []
+        for _ in range(3):
+            began = time.perf_counter()
+            result = packed.train_step(batch, tokens)
+            torch.cuda.synchronize()
+            times.append(time.perf_counter() - began)
+        step_s = sorted(times)[1]
+        packed.sync_phases = False
+        syncs = count_syncs(lambda shard=packed: shard.train_step(batch, tokens))
+        params = sum(p.numel() for p in packed.module.parameters())
+        tps = result.input_tokens / step_s
+        mfu = (f", MFU {model_flops(seqs, params) / step_s / (peak * 1e12):.1%} of "
+               f"{peak:g} TFLOPS" if peak and dtype == "bfloat16" else "")
+        rows.append((f"TrainerShard step ({dtype})",
+                     "ok" if math.isfinite(result.grad_norm) else "NON-FINITE",
+                     f"{step_s * 1e3:.0f} ms (fwd {result.forward_s * 1e3:.0f}, bwd "
+                     f"{result.backward_s * 1e3:.0f}, opt {result.optimizer_s * 1e3:.0f}), "
+                     f"{tps:,.0f} tokens/s{mfu}, {syncs} host syncs/step"))
+        del packed
+        torch.cuda.empty_cache()
+    return rows
+
+
+def nvml_check() -> list[Row]:
+    try:
+        import pynvml
+    except ImportError:
+        return [("NVML by UUID", "skipped", "no pynvml (nvidia-ml-py)")]
+    pynvml.nvmlInit()
+    rows = []
+    for ordinal in range(torch.cuda.device_count()):
+        uuid = cuda_uuid(ordinal)
+        handle = pynvml.nvmlDeviceGetHandleByUUID(uuid)
+        index = pynvml.nvmlDeviceGetIndex(handle)
+        by_index = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(ordinal))
+        same = "same device" if by_index == uuid else f"index {ordinal} is another GPU"
+        util = pynvml.nvmlDeviceGetUtilizationRates(handle).gpu
+        rows.append((f"NVML by UUID (cuda:{ordinal})", "ok" if
+                     pynvml.nvmlDeviceGetUUID(handle) == uuid else "MISMATCH",
+                     f"{uuid} = NVML index {index}; NVML index {ordinal}: {same}; "
+                     f"util {util}%; CUDA_VISIBLE_DEVICES="
+                     f"{os.environ.get('CUDA_VISIBLE_DEVICES', '(unset)')}"))
+    pynvml.nvmlShutdown()
+    return rows
+
+
+def fsdp2_check(model_dir: Path) -> list[Row]:
+    import torch.distributed as dist
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+    from transformers import AutoModelForCausalLM
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29512")
+    dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        policy: dict[str, Any] = dict(
+            offload_policy=CPUOffloadPolicy(pin_memory=True),
+            mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                           reduce_dtype=torch.float32))
+        for layer in model.model.layers:
+            fully_shard(layer, **policy)
+        fully_shard(model, **policy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+        ids = torch.randint(3, 259, (4, 512), device="cuda")
+        torch.cuda.reset_peak_memory_stats()
+        began = time.perf_counter()
+        for _ in range(2):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        step_s = (time.perf_counter() - began) / 2
+        local = next(iter(model.parameters())).to_local()
+        where = f"{local.device}, pinned {local.is_pinned()}"
+        return [("FSDP2 + pinned CPUOffloadPolicy (1 rank)",
+                 "ok" if math.isfinite(float(loss)) else "NON-FINITE",
+                 f"{step_s * 1e3:.0f} ms/step (4 x 512), loss {float(loss):.3f}, shards on "
+                 f"{where}, GPU peak {torch.cuda.max_memory_allocated() / 2**30:.2f} GiB")]
+    finally:
+        dist.destroy_process_group()
+
+
+def run_check(name: str, check: Callable[[], list[Row]]) -> list[Row]:
+    """A check's rows, or one row saying how it failed (the others still run)."""
+    try:
+        return check()
+    except Exception as err:  # reported in the table, not raised: one bad path is a row
+        return [(name, "FAILED", f"{type(err).__name__}: {str(err).splitlines()[0][:150]}")]
+
+
+def table(rows: list[Row]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(2)]
+    return "\n".join(f"{a.ljust(widths[0])}  {b.ljust(widths[1])}  {c}" for a, b, c in rows)
+
+
+def main() -> int:
+    leaked = [m for m in FORBIDDEN if m in sys.modules]
+    if leaked:
+        print(f"gpu check error: importing the trainer pulled in {', '.join(leaked)}")
+        return 1
+    if not torch.cuda.is_available():
+        print(f"gpu check skipped: no CUDA device (torch {torch.__version__}; imports "
+              f"checked, no {' or '.join(FORBIDDEN)})")
+        return 0
+    began = time.perf_counter()
+    rows: list[Row] = [("check", "result", "figures"),
+                       ("device", torch.cuda.get_device_name(),
+                        f"torch {torch.__version__}, CUDA {torch.version.cuda}, msgspec "
+                        f"{msgspec.__version__}")]
+    with tempfile.TemporaryDirectory(prefix="async-rl-gpu-check-") as root:
+        model_dir = Path(root) / "model-0.5b"
+        make_random_model(model_dir, log=None)
+        rows += run_check("TrainerShard", lambda: trainer_checks(model_dir))
+        rows += run_check("NVML by UUID", nvml_check)
+        rows += run_check("FSDP2 + pinned CPUOffloadPolicy", lambda: fsdp2_check(model_dir))
+    rows.append(("total", "", f"{time.perf_counter() - began:.0f} s"))
+    print(table(rows))
+    return 0 if all(r[1] not in ("FAILED", "MISMATCH", "NON-FINITE") for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
