@@ -38,10 +38,11 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument(
         "--size", choices=["tiny", "small"], default=None,
-        help="small: 4M parameters (arithmetic's default); tiny: 0.5M (longtail's default)",
+        help="small: 4M parameters (arithmetic's default); tiny: 0.5M (longtail's and "
+             "calculator's default)",
     )
     make.add_argument(
-        "--task", choices=["arithmetic", "longtail"], default="arithmetic",
+        "--task", choices=["arithmetic", "longtail", "calculator"], default="arithmetic",
         help="built-in task of the warm start and base accuracy (the RL config's task.kind)",
     )
     make.add_argument(

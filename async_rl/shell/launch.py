@@ -23,6 +23,7 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 
 from async_rl.config import Config, TaskConfig
+from async_rl.tasks.calculator import CalculatorTask, calculator_reward
 from async_rl.tasks.dataset import DatasetPromptSource, load_dataset_task, model_fit
 from async_rl.tasks.longtail import RemainderTask
 from async_rl.tasks.rewards import arithmetic_reward, gsm8k_reward, remainder_reward
@@ -56,6 +57,9 @@ def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ..
     if task.kind == "longtail":
         longtail = RemainderTask(seed=task.seed)
         return longtail, remainder_reward, longtail.eval_prompts(task.eval_size)
+    if task.kind == "calculator":
+        calculator = CalculatorTask(seed=task.seed)
+        return calculator, calculator_reward, calculator.eval_prompts(task.eval_size)
     arithmetic = ArithmeticTask(seed=task.seed)
     return arithmetic, arithmetic_reward, arithmetic.eval_prompts(task.eval_size)
 
