@@ -14,8 +14,8 @@ from collections.abc import Callable, Sequence
 import anyio
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from buffers.environment import Environment
 from buffers.records import Prompt
+from workers.environment import Environment
 from workers.eval.greedy import greedy_completions
 
 
