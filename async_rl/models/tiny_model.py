@@ -159,11 +159,15 @@ core (base greedy accuracy about 0.23), where the small model would need several
 longer; on long traces generation, not training, is then the slower stage."""
 CALCULATOR: Final = TaskRecipe(name="calculator", max_positions=256,
                                eval_max_new_tokens=TURN_MAX_NEW_TOKENS,
-                               sft_steps={"tiny": 600, "small": 400}, teacher_accuracy=0.3,
+                               sft_steps={"tiny": 800, "small": 800}, teacher_accuracy=0.3,
                                default_size="tiny")
 """The teacher calls the tool on every two-term expression and on 30% of the longer
-ones (see ``CalculatorTask.teacher_completion``); its base accuracy is measured with the
-tool in the loop (``evaluate_with_environment``), a turn per call."""
+ones (see ``CalculatorTask.teacher_completion``); base accuracy is measured with the
+tool in the loop (``evaluate_with_environment``). Tuned on tiny: copying the expression
+into the call and the result into the answer is learnt between steps 160 and 320
+(loss 0.87 -> 0.26); after 800 steps greedy accuracy is 0.385 on the 200 held-out
+prompts, and sampling calls the tool on 35-42% of the longer ones and copies almost
+always right. 300 steps are too few (accuracy 0). Small is untuned."""
 TASK_RECIPES: Final = {recipe.name: recipe
                        for recipe in (ARITHMETIC, LONGTAIL, CALCULATOR)}
 
