@@ -171,7 +171,7 @@ def test_environment_sleeps_the_drawn_latency_and_factory_shares_one_stream() ->
     took = anyio.run(two_calls)
     assert len(took) == 2
     for seconds, drawn in zip(took, (first, second), strict=True):
-        assert drawn <= seconds < drawn + 0.05
+        assert drawn <= seconds < drawn + 0.5  # a loaded machine wakes late, never early
 
 
 def test_config_takes_the_calculator_and_its_latency() -> None:
