@@ -38,12 +38,12 @@ def _parser() -> argparse.ArgumentParser:
     make.add_argument("--out", required=True, help="output directory")
     make.add_argument(
         "--size", choices=["tiny", "small", "0.5b"], default=None,
-        help="small: 4M parameters (arithmetic's default); tiny: 0.5M (longtail's default); "
-             "0.5b: Qwen2.5-0.5B's shape, 358M, randomly initialised (no warm start: for "
-             "speed and memory figures, not learning)",
+        help="small: 4M parameters (arithmetic's default); tiny: 0.5M (longtail's and "
+             "calculator's default); 0.5b: Qwen2.5-0.5B's shape, 358M, randomly "
+             "initialised (no warm start: for speed and memory figures, not learning)",
     )
     make.add_argument(
-        "--task", choices=["arithmetic", "longtail"], default="arithmetic",
+        "--task", choices=["arithmetic", "longtail", "calculator"], default="arithmetic",
         help="built-in task of the warm start and base accuracy (the RL config's task.kind)",
     )
     make.add_argument(

@@ -38,11 +38,13 @@ __all__ = ["Config", "ConfigError", "RunConfig", "SimulateConfig", "TaskConfig"]
 class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """Where prompts come from and how completions are scored."""
 
-    kind: Literal["arithmetic", "longtail", "jsonl", "dataset"] = "arithmetic"
+    kind: Literal["arithmetic", "longtail", "calculator", "jsonl", "dataset"] = "arithmetic"
     """Built-in seeded arithmetic task (answers of a few tokens), the built-in long-tail
-    reasoning task (remainders by repeated subtraction: traces of 20 to 300 tokens), a
-    JSONL file of {"prompt", "answer"} lines, or your own dataset (task.path, read with
-    the datasets library; see docs/datasets.md)."""
+    reasoning task (remainders by repeated subtraction: traces of 20 to 300 tokens), the
+    built-in calculator tool task (expressions of 2 to 4 terms, too long to do in one's
+    head, with a tool called as <call>expr</call>; see docs/calculator.md), a JSONL file
+    of {"prompt", "answer"} lines, or your own dataset (task.path, read with the
+    datasets library; see docs/datasets.md)."""
     jsonl_path: str = ""
     """The JSONL prompt file; required when kind = "jsonl"."""
     path: str = ""
@@ -70,6 +72,11 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     system_prompt: str = ""
     """Prepended to every prompt as a system message (needs task.chat_template = true;
     a prompt whose messages start with a system message keeps its own)."""
+    tool_latency_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    """Median latency of one calculator tool call, in milliseconds (task.kind =
+    "calculator"): each call sleeps a log-normal draw with this median and a heavy tail
+    (sigma 1: mean 1.65x the median, 99th percentile about 10x), seeded by task.seed, to
+    emulate a remote sandbox. 0 = the tool answers at once."""
     seed: NonNegative = 0
     """Seed of the prompt stream (the arithmetic task is a pure function of seed and index)."""
     eval_size: NonNegative = 200
@@ -110,6 +117,9 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
                                       ("eval_fraction", self.eval_fraction, 0.0)):
                 if value != unset:
                     raise invalid(f"task.{key}", value, 'only for task.kind = "dataset"')
+        if self.tool_latency_ms and self.kind != "calculator":
+            raise invalid("task.tool_latency_ms", self.tool_latency_ms,
+                          'only for task.kind = "calculator" (its tool)')
         if not self.prompt_key:
             raise invalid("task.prompt_key", self.prompt_key, "must name a column")
         if self.eval_path and self.eval_fraction:

@@ -1,8 +1,9 @@
 """The supervised warm start that makes a fresh local model a weak but useful base policy.
 
 Owns: teacher-forced training on ``prompt + teacher completion + EOS`` for any task that
-can write a teacher completion (``TeacherTask``), with batches cut into length-sorted
-chunks so long-tail tasks do not pay for padding. Knows nothing about model shapes,
+can write a teacher completion (``TeacherTask``), whose untrained spans (a tool's
+results) are context without loss, with batches cut into length-sorted chunks so
+long-tail tasks do not pay for padding. Knows nothing about model shapes,
 tokenizer construction, vLLM or RL: ``async_rl.models.tiny_model`` calls it while building a
 model.
 """
@@ -12,7 +13,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import Final, Protocol
+from typing import Final, Protocol, TypeAlias
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -20,7 +21,9 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from buffers.records import Prompt
 
 IGNORE: Final = -100
-"""Label of positions without loss (the prompt and padding)."""
+"""Label of positions without loss (the prompt, untrained spans and padding)."""
+Segments: TypeAlias = Sequence[tuple[str, bool]]
+"""A teacher completion as ``(text, trained)`` spans, in order."""
 
 
 class TeacherTask(Protocol):
@@ -28,9 +31,25 @@ class TeacherTask(Protocol):
 
     def next_prompt(self) -> Prompt: ...
 
-    def teacher_completion(self, prompt: Prompt, rng: random.Random, accuracy: float) -> str:
-        """The target text after the prompt (EOS is added by the warm start)."""
+    def teacher_completion(self, prompt: Prompt, rng: random.Random,
+                           accuracy: float) -> str | Segments:
+        """The target text after the prompt (EOS is added by the warm start), or its
+        ``(text, trained)`` spans when some of it is context rather than target."""
         ...
+
+
+def _example(tokenizer: PreTrainedTokenizerBase, prompt: Prompt, completion: str | Segments,
+             eos_id: int) -> tuple[list[int], list[int]]:
+    """Token ids and labels of ``prompt + completion + EOS``: the prompt's and untrained
+    spans' labels are ``IGNORE``."""
+    ids = tokenizer.encode(prompt.text)
+    labels = [IGNORE] * len(ids)
+    spans = [(completion, True)] if isinstance(completion, str) else completion
+    for text, trained in spans:
+        span = tokenizer.encode(text)
+        ids += span
+        labels += span if trained else [IGNORE] * len(span)
+    return [*ids, eos_id], [*labels, eos_id]
 
 
 def _chunks(
@@ -72,7 +91,7 @@ def supervised_warm_start(
     log: Callable[[str], None] | None = None,
 ) -> None:
     """Teacher-forced training on ``prompt + teacher completion + EOS``, loss on the
-    completion and EOS only, mean over the batch's target tokens.
+    completion's trained spans and EOS only, mean over the batch's target tokens.
 
     The teacher (``task.teacher_completion``) gets the final answer right with
     probability ``teacher_accuracy`` and otherwise one too high, drawn per example from
@@ -101,10 +120,8 @@ def supervised_warm_start(
         examples = []
         for _ in range(batch_size):
             prompt = task.next_prompt()
-            prompt_ids = tokenizer.encode(prompt.text)
-            target = [*tokenizer.encode(task.teacher_completion(prompt, teacher,
-                                                                teacher_accuracy)), eos_id]
-            examples.append((prompt_ids + target, [IGNORE] * len(prompt_ids) + target))
+            completion = task.teacher_completion(prompt, teacher, teacher_accuracy)
+            examples.append(_example(tokenizer, prompt, completion, eos_id))
         targets = sum(len(ids) - lab.count(IGNORE) for ids, lab in examples)
         opt.zero_grad(set_to_none=True)
         total = 0.0

@@ -85,7 +85,7 @@ def resolve_model_path(path: str, *, task_kind: str = "arithmetic") -> str:
     """The local directory of ``model.path``: ``path`` itself when it is a directory, else
     the hub cache's snapshot of the hub id ``path``. ``task_kind`` (task.kind) picks the
     ``async-rl make-model`` command the error suggests."""
-    task = " --task longtail" if task_kind == "longtail" else ""
+    task = f" --task {task_kind}" if task_kind in ("longtail", "calculator") else ""
     make = f"async-rl make-model --out {path}{task}"
     local = Path(path).expanduser()
     if local.exists() or not _is_hub_id(path):

@@ -24,6 +24,12 @@ import ray
 from ray.util.placement_group import PlacementGroup, placement_group_table
 
 from async_rl.config import Config, TaskConfig
+from async_rl.tasks.calculator import (
+    BUILT_IN_ENV,
+    CalculatorTask,
+    calculator_reward,
+    environment_factory,
+)
 from async_rl.tasks.dataset import DatasetPromptSource, load_dataset_task, model_fit
 from async_rl.tasks.longtail import RemainderTask
 from async_rl.tasks.rewards import arithmetic_reward, gsm8k_reward, remainder_reward
@@ -65,6 +71,9 @@ def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ..
     if task.kind == "longtail":
         longtail = RemainderTask(seed=task.seed)
         return longtail, remainder_reward, longtail.eval_prompts(task.eval_size)
+    if task.kind == "calculator":
+        calculator = CalculatorTask(seed=task.seed)
+        return calculator, calculator_reward, calculator.eval_prompts(task.eval_size)
     arithmetic = ArithmeticTask(seed=task.seed)
     return arithmetic, arithmetic_reward, arithmetic.eval_prompts(task.eval_size)
 
@@ -92,6 +101,15 @@ def environment_of(task: TaskConfig) -> EnvironmentConfig | None:
     file path made absolute), or None: single-turn generation."""
     env = task.environment
     return env.absolute() if env.enabled else None
+
+
+def environment_maker(task: TaskConfig, rank: int) -> Callable[[], Any] | None:
+    """How rollout worker ``rank`` builds each trajectory's environment when the task
+    has its own (the calculator's, with task.tool_latency_ms, seeded per worker); None:
+    the class task.environment names, called with no arguments."""
+    if task.kind == "calculator" and task.environment.class_ == BUILT_IN_ENV:
+        return environment_factory(task.tool_latency_ms, seed=task.seed + rank)
+    return None
 
 
 def prompt_format_of(task: TaskConfig) -> PromptFormat:
@@ -182,6 +200,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
             cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
             version=version, user_rewards=user_rewards, prompt_format=prompt_format,
             environment=environment_of(cfg.task),
+            make_environment=environment_maker(cfg.task, ident.rank),
         )
 
     started.new_rollout = new_rollout

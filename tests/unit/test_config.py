@@ -128,6 +128,9 @@ BAD: list[tuple[str, list[str], str, str]] = [
     (GOOD, ["trainer.loss_agg=seq_mean"], "trainer.loss_agg", "'seq_mean_token_sum_norm'"),
     (GOOD, ["trainer.tis_mode=clip"], "trainer.tis_mode", "'truncate', 'mask'"),
     (GOOD, ["trainer.tis_cap=-1"], "trainer.tis_cap", ">= 0"),
+    (GOOD, ["task.tool_latency_ms=50"], "task.tool_latency_ms", 'task.kind = "calculator"'),
+    (GOOD, ["task.kind=calculator", "task.tool_latency_ms=-1"], "task.tool_latency_ms",
+     ">= 0"),
 ]
 
 

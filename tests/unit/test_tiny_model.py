@@ -15,6 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenize
 
 from async_rl.models.tiny_model import (
     BYTE_OFFSET,
+    CALCULATOR,
     EOS_ID,
     LONGTAIL,
     MADE_MODEL_FILE,
@@ -30,6 +31,7 @@ from async_rl.models.tiny_model import (
     build_tokenizer,
     make_model,
 )
+from async_rl.tasks.calculator import MAX_TURNS, TURN_MAX_NEW_TOKENS, CalculatorTask
 from async_rl.tasks.longtail import MAX_DIVISOR, MAX_NEW_TOKENS, MAX_NUMBER, RemainderTask
 from async_rl.tasks.rewards import arithmetic_reward
 from async_rl.tasks.sources import ArithmeticTask
@@ -205,3 +207,16 @@ def test_longtail_model_fits_its_traces_and_cached_greedy_matches(
     cached = greedy_completions(model, tok, texts, max_new_tokens=8)
     assert cached == [greedy_without_cache(model, tok, t, 8) for t in texts]
     assert len(set(cached)) == len(texts) and all(len(set(c)) > 2 for c in cached), cached
+
+
+def test_calculator_model_is_measured_with_the_tool_and_fits_its_trajectories(
+    tmp_path: Path, one_thread: None
+) -> None:
+    assert TASK_RECIPES["calculator"] is CALCULATOR
+    made = make_model(tmp_path, task=CALCULATOR, size=TINY, sft_steps=2, eval_size=4, log=None)
+    assert (made.task, made.size, made.sft_steps, made.eval_size) == ("calculator", "tiny", 2, 4)
+    assert made.base_accuracy == 0.0  # two steps cannot call a tool, let alone answer
+    model = AutoModelForCausalLM.from_pretrained(made.path)
+    longest = max(len(p.text) for p in CalculatorTask().eval_prompts(500))
+    assert model.config.max_position_embeddings >= longest + MAX_TURNS * (
+        TURN_MAX_NEW_TOKENS + len("<result>-999999</result>"))

@@ -57,9 +57,12 @@ class TurnRunner:
     docstring. Made in the rollout worker's process (it imports the class there)."""
 
     def __init__(self, config: EnvironmentConfig, tokenizer: Any, fmt: PromptFormat,
-                 max_new_tokens: int) -> None:
+                 max_new_tokens: int, make_environment: Callable[[], Any] | None = None
+                 ) -> None:
         self.config = config
-        self._cls = environment_class(config)
+        # A task's own maker (its environments built with arguments, such as the
+        # calculator's tool latency) or the class the config names, called bare.
+        self._cls = make_environment or environment_class(config)
         self._tokenizer, self._format, self._max_new_tokens = tokenizer, fmt, max_new_tokens
         self._loop = LoopThread("async-rl-environments")
         self._failures = 0

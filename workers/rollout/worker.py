@@ -21,7 +21,7 @@ import hashlib
 import itertools
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from buffers.records import (
@@ -87,6 +87,7 @@ class RolloutWorker:
         user_rewards: UserRewards | None = None,
         prompt_format: PromptFormat | None = None,
         environment: EnvironmentConfig | None = None,
+        make_environment: Callable[[], Any] | None = None,
     ) -> None:
         """Cheap: records the arguments; ``start()`` builds the engine.
 
@@ -102,6 +103,8 @@ class RolloutWorker:
             same for generation and greedy evaluation.
         environment: task.environment; with a class named, every sample (and greedy
             evaluation) is a multi-turn trajectory (``workers.rollout.turns``).
+        make_environment: builds each trajectory's environment instead of calling the
+            named class bare (a built-in task's environments, made with its knobs).
         """
         self._rank, self._model, self._rollout = rank, model, rollout
         self._transport, self._seed = weights.transport, seed
@@ -115,6 +118,7 @@ class RolloutWorker:
         self._engine: AsyncLLM | None = None
         self._tokenizer: Any = None  # the model's tokenizer, from start()
         self._environment = environment if environment and environment.enabled else None
+        self._make_environment = make_environment
         self._turns: TurnRunner | None = None  # from start(), with an environment
         self._usage = UsageMeter()
         self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
@@ -156,7 +160,7 @@ class RolloutWorker:
         self._params = sampling_params(cfg)
         if self._environment is not None:
             self._turns = TurnRunner(self._environment, self._tokenizer, self._format,
-                                     cfg.max_new_tokens)
+                                     cfg.max_new_tokens, self._make_environment)
         # Warm-up: the CPU build's first steps at each new batch shape are many times
         # slower than later ones (a run's first 16 groups took 2.1 s to generate cold
         # against 0.18 s warm), which would otherwise land in the first training step as
