@@ -39,9 +39,14 @@ async def save_trainer(out_dir: str) -> None:
     (Path(out_dir) / "model.safetensors").write_bytes(b"weights" * 100)
 
 
+async def trainer_written() -> None:
+    pass
+
+
 def write(run_dir: Path, step: int, keep: int = 2) -> Path:
     async def main() -> Path:
-        return await write_checkpoint(run_dir, state(step), save_trainer, keep=keep)
+        return await write_checkpoint(run_dir, state(step), save_trainer, trainer_written,
+                                      keep=keep)
 
     return anyio.run(main)
 
