@@ -5,7 +5,8 @@ hub cache: ``async_rl.run.model_source``; the prompt file or dataset reads and h
 columns the task names; the tokenizer has the chat template the task asks for; the
 task's own reward functions, named in task.rewards or passed as callables, import and
 can take a completion on those columns; task.eval_reward names one; the optional
-loggers are installed), raising ``ConfigError`` with one line. Used by
+loggers are installed; trainer.backend = "fsdp2" finds the model's decoder layers),
+raising ``ConfigError`` with one line. Used by
 ``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl sweep``
 before it is launched.
 """
@@ -36,6 +37,8 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
     path = resolve_model_path(config.model.path, task_kind=config.task.kind)
     config = msgspec.structs.replace(
         config, model=msgspec.structs.replace(config.model, path=path))
+    if config.trainer.backend == "fsdp2":
+        check_shardable(config.model.path)
     columns = check_dataset(config)
     if config.task.chat_template:
         check_chat_template(config)
@@ -54,6 +57,18 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
         except PromptFileError as err:
             raise ConfigError(f"prompt file error: {err}") from None
     return config
+
+
+def check_shardable(model_path: str) -> None:
+    """trainer.backend = "fsdp2" shards the model per decoder layer: its Hugging Face
+    class must name them (``_no_split_modules``)."""
+    from workers.trainer.fsdp import layer_classes
+
+    if not layer_classes(model_path):
+        raise ConfigError(
+            f"config error: trainer.backend = 'fsdp2': the decoder layers of model.path = "
+            f"{model_path!r} cannot be found (its transformers class names none in "
+            "_no_split_modules); use trainer.backend = 'ddp'")
 
 
 def check_dataset(config: Config) -> tuple[str, ...]:
