@@ -107,13 +107,15 @@ def test_stop_and_resume_trains_what_a_straight_run_trains(
 
 
 def test_fsdp2_resumes_from_its_sharded_checkpoint_as_if_never_stopped(
-    learnable_model_dir: Path, tmp_path: Path, ray_shutdown: None
+    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
 ) -> None:
-    # The small model: its groups have mixed rewards, so every step has a gradient.
+    # DAPO's length penalty makes rewards differ within a group (the tiny model rarely
+    # answers right), so every step has a gradient.
     def sharded(out: Path, steps: int) -> Config:
-        base = config(learnable_model_dir, out, steps=steps)
+        base = config(tiny_model_dir, out, steps=steps)
         return msgspec.structs.replace(
-            base, trainer=msgspec.structs.replace(base.trainer, backend="fsdp2", num_shards=2),
+            base, trainer=msgspec.structs.replace(base.trainer, backend="fsdp2", num_shards=2,
+                                                  overlong="penalty", overlong_buffer=5),
             run=msgspec.structs.replace(base.run, checkpoint_every=1))
 
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
