@@ -10,7 +10,7 @@ prints the median step time, each shard's peak RSS (``ru_maxrss``) and its RSS a
 setup, the loss and gradient norm of every step, and the largest parameter difference
 to the first setup after the steps; ratios are to the first setup.
 
-    python bench/trainer_backends.py [--size small] [--shards 2] [--steps 3]
+    PYTHONPATH=. python bench/trainer_backends.py [--size small] [--shards 2] [--steps 3]
         [--setups ddp fsdp2 fsdp2-offload] [--hidden 512 --layers 8] [--json]
 """
 
