@@ -200,7 +200,7 @@ def main() -> None:
             "/".join(f"{m:.0f}" for m in r.rss_setup_mb),
             " ".join(f"{v:.5f}" for v in r.losses), " ".join(f"{v:.4f}" for v in r.grad_norms),
             f"{r.max_param_diff:.2g}")
-    Console().print(table)
+    Console(width=200).print(table)
 
 
 if __name__ == "__main__":
