@@ -22,13 +22,16 @@ ROLLOUT_BUSY = ("generate", "evaluate")
 both run)."""
 ROLLOUT_IDLE = ("weight_sync", "gate_closed", "queue_full", "no_work")
 TRAINER_BUSY = ("forward", "backward", "optimizer")
-TRAINER_IDLE = ("wait_data", "barrier", "weight_publish", "no_work")
+TRAINER_IDLE = ("wait_data", "barrier", "weight_publish", "checkpoint", "no_work")
+"""``checkpoint``: the shard snapshots its state for a checkpoint, or the run waits for
+an earlier checkpoint's background write to complete."""
 UNRESOLVED = "idle"
 """Recorded by a worker that cannot tell why it waits; resolved from controller spans."""
 
-COMPUTING_IDLE = ("weight_sync", "weight_publish")
+COMPUTING_IDLE = ("weight_sync", "weight_publish", "checkpoint")
 """Idle causes during which the worker's own cores still compute: a rollout engine loads
-weights, a trainer shard copies its snapshot. Not busy (no samples or gradients come of
+weights, a trainer shard copies its snapshot (of weights, or of a checkpoint's state,
+which its writer thread then serialises). Not busy (no samples or gradients come of
 it), but the OS CPU-time cross-check counts it as work."""
 
 BUSY = {"rollout": ROLLOUT_BUSY, "trainer": TRAINER_BUSY}

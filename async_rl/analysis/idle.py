@@ -21,7 +21,8 @@ from workers.spans import BUSY, IDLE, UNRESOLVED, Span
 ROLLOUT_TRACK = "controller-admission"
 """Controller track whose causes explain rollout idleness (gate_closed, queue_full)."""
 TRAINER_TRACK = "controller-training"
-"""Controller track whose causes explain trainer idleness (wait_data, weight_publish)."""
+"""Controller track whose causes explain trainer idleness (wait_data, weight_publish,
+checkpoint)."""
 
 
 def resolve(worker_spans: Sequence[Span], controller_spans: Sequence[Span]) -> list[Span]:
@@ -165,6 +166,8 @@ HINTS = {
     ("trainer", "weight_publish"): "trainer waits while its weights are published: "
                                    "raise weights.sync_every (loading them into rollout "
                                    "already overlaps the next step)",
+    ("trainer", "checkpoint"): "trainer waits for checkpoints: raise run.checkpoint_every "
+                               "(writing one already overlaps the next steps)",
     ("trainer", "barrier"): "trainer shards wait on each other: lower micro_batch_tokens "
                             "or add cost_b so the plan balances better",
     ("trainer", "no_work"): "trainer has nothing scheduled: the controller is the "

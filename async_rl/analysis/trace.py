@@ -28,6 +28,7 @@ COLOURS = {
     "optimizer": "#64b5f6",
     "weight_sync": "#8e24aa",
     "weight_publish": "#ab47bc",
+    "checkpoint": "#6d4c41",
     "gate_closed": "#e53935",
     "queue_full": "#fb8c00",
     "wait_data": "#f4511e",

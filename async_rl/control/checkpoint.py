@@ -3,8 +3,11 @@
 Owns: the ``RunState`` record (the orchestrator's side of a checkpoint: version, gate
 counters, prompt cursor, prompts to issue again, counters, file positions), the layout of
 ``RUN_DIR/checkpoints/step-NNNNNN/`` (``state.json``, the trainer's ``trainer/`` folder,
-and ``manifest.json`` with a SHA-256 per file), writing one (a temporary folder renamed
-into place, the oldest beyond ``keep`` removed) and finding the newest good one (a
+and ``manifest.json`` with a SHA-256 per file), writing one in two halves (``begin_checkpoint``:
+a temporary folder the trainer snapshots its state into; ``finish_checkpoint``, once the
+trainer's background write is complete: state, manifest, the rename into place, the
+oldest beyond ``keep`` removed), refusing a checkpoint of the other trainer backend
+(``check_backend``), and finding the newest good one (a
 missing or mismatching file refuses that checkpoint, in one line naming the file, and the
 one before it is tried). Knows nothing about Ray or what the trainer writes into its
 folder (``TrainerClient.save_checkpoint``).
@@ -55,6 +58,9 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     files: FilePositions
     """How far metrics, ledger and evaluations had been written: a resumed run cuts
     them back to here, so no step row or ledger event appears twice."""
+    trainer_backend: str = "ddp"
+    """trainer.backend of the run that wrote it: the trainer folder's layout differs
+    (a replica's state, or every shard's part), so the other backend refuses it."""
 
 
 def _sha256(path: Path) -> str:
@@ -69,19 +75,29 @@ def _files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*") if p.is_file() and p.name != MANIFEST)
 
 
-async def write_checkpoint(run_dir: Path, state: RunState,
-                           save_trainer: Callable[[str], Awaitable[None]], keep: int) -> Path:
-    """Writes checkpoint ``step-NNNNNN`` for ``state``; returns its folder.
-
-    Everything goes into a temporary folder first, the manifest last; the rename makes it
-    visible whole, so a crash leaves either the previous checkpoints or this one too.
-    """
-    root = run_dir / CHECKPOINTS
-    final = root / f"step-{state.step:06d}"
-    partial = root / f".{final.name}.partial"
+async def begin_checkpoint(run_dir: Path, step: int,
+                           save_trainer: Callable[[str], Awaitable[None]]) -> Path:
+    """Makes checkpoint ``step``'s temporary folder and has the trainer start writing
+    into its ``TRAINER`` folder (``save_trainer`` returns once the trainer holds its
+    snapshot); returns the temporary folder, for ``finish_checkpoint``."""
+    partial = run_dir / CHECKPOINTS / f".step-{step:06d}.partial"
     shutil.rmtree(partial, ignore_errors=True)
     partial.mkdir(parents=True)
     await save_trainer(str(partial / TRAINER))
+    return partial
+
+
+async def finish_checkpoint(run_dir: Path, partial: Path, state: RunState,
+                            trainer_written: Callable[[], Awaitable[None]], keep: int) -> Path:
+    """Once ``trainer_written`` returns (the trainer's write is complete), writes the
+    state and the manifest, last, and renames the folder into place; returns it.
+
+    The rename makes it visible whole, so a crash leaves either the previous checkpoints
+    or this one too.
+    """
+    await trainer_written()
+    root = run_dir / CHECKPOINTS
+    final = root / f"step-{state.step:06d}"
     (partial / STATE).write_bytes(msgspec.json.format(msgspec.json.encode(state)))
     manifest = {str(p.relative_to(partial)): _sha256(p) for p in _files(partial)}
     (partial / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
@@ -90,6 +106,25 @@ async def write_checkpoint(run_dir: Path, state: RunState,
     for old in sorted(root.glob("step-*"))[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+async def write_checkpoint(run_dir: Path, state: RunState,
+                           save_trainer: Callable[[str], Awaitable[None]],
+                           trainer_written: Callable[[], Awaitable[None]], keep: int) -> Path:
+    """Writes checkpoint ``step-NNNNNN`` for ``state`` and waits for it; returns its
+    folder (``begin_checkpoint`` then ``finish_checkpoint``)."""
+    partial = await begin_checkpoint(run_dir, state.step, save_trainer)
+    return await finish_checkpoint(run_dir, partial, state, trainer_written, keep)
+
+
+def check_backend(folder: Path, state: RunState, backend: str) -> None:
+    """``CheckpointError`` in one line when ``folder`` was written by another
+    trainer.backend than ``backend`` (its trainer folder would not load)."""
+    if state.trainer_backend != backend:
+        raise CheckpointError(
+            f"{folder}: written with trainer.backend = {state.trainer_backend!r}, this run "
+            f"has {backend!r}: resume with trainer.backend = {state.trainer_backend!r} "
+            "(sharded and replica checkpoints do not convert)")
 
 
 def _check(folder: Path) -> RunState:

@@ -37,7 +37,7 @@ import anyio.abc
 from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.config import Config
 from async_rl.control.batching import shard_batches, training_rewards
-from async_rl.control.checkpoint import RunState, write_checkpoint
+from async_rl.control.checkpoint import RunState, begin_checkpoint, finish_checkpoint
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.evaluation_runner import EvaluationRunner
 from async_rl.control.prompt_ledger import PromptLedger
@@ -137,6 +137,8 @@ class Orchestrator:
                                             self.health, out, evaluator=workers.evaluator,
                                             source=self.trainers[0])
         self.readings = WorkerReadings(self.pool, self.trainers, self.health)
+        self.written: anyio.Event | None = None
+        """Set when the last checkpoint started in the background is renamed into place."""
         self.timings: list[BroadcastTiming] = []
         """Broadcast timings completed since the last metrics row."""
         record = config.run.record_spans
@@ -329,8 +331,14 @@ class Orchestrator:
                 bar.update(row)
                 every = cfg.run.checkpoint_every
                 if every and step % every == 0 and step < cfg.run.num_steps:
-                    await self.checkpoint(self.clock() - self.evals.started)
+                    # The shards snapshot in order with training; the write runs beside
+                    # the next steps (deliveries' task group awaits it on exit).
+                    self.training.switch("checkpoint", self.version)
+                    await self.checkpoint(self.clock() - self.evals.started,
+                                          background=deliveries)
                 step += 1
+            self.training.switch("checkpoint")
+            await self.checkpoint_written()
             self.training.switch("weight_publish")  # the last delivery, awaited on exit
 
     async def delivery_loop(self, published_versions: anyio.abc.ObjectReceiveStream[
@@ -357,10 +365,18 @@ class Orchestrator:
             self.stop_reason = reason
             log.info("%s: stopping after the current step (again to stop at once)", reason)
 
-    async def checkpoint(self, wall_s: float, shard: TrainerClient | None = None) -> None:
+    async def checkpoint(self, wall_s: float, shard: TrainerClient | None = None, *,
+                         background: anyio.abc.TaskGroup | None = None) -> None:
         """A checkpoint of the last completed step: prompts admitted but not trained
-        (in flight, queued or re-queued) are saved to be issued again. The weights come
-        from ``shard`` (default shard 0: shards are replicas)."""
+        (in flight, queued or re-queued) are saved to be issued again. The trainer's
+        state comes from ``shard`` (default shard 0; with ddp the shards are replicas,
+        with fsdp2 shard 0's client gathers every shard's part).
+
+        ``background``: returns once the trainer holds its snapshot; the write, then the
+        rename, run in this task group (``checkpoint_written`` waits for them). An
+        earlier checkpoint's write is waited for first: they complete in step order.
+        """
+        await self.checkpoint_written()
         # Every admission slot not spent on a trained group goes back: those of open
         # prompts, and any the rollout loop held while it waited for a free worker.
         unspent = self.gate.statistics().started - self.totals.groups_trained
@@ -370,10 +386,30 @@ class Orchestrator:
             source=self.source.state(), reissue=self.prompts.owed(),
             counters=self.totals.counters(), evals=tuple(self.evals.points),
             wall_s=wall_s, files=self.out.positions,
+            trainer_backend=self.config.trainer.backend,
         )
         saver = shard or self.trainers[0]
-        await write_checkpoint(self.out.path, state, saver.save_checkpoint,
-                               keep=self.config.run.keep_checkpoints)
+        partial = await begin_checkpoint(self.out.path, state.step, saver.save_checkpoint)
+        finish = functools.partial(finish_checkpoint, self.out.path, partial, state,
+                                   saver.checkpoint_written, self.config.run.keep_checkpoints)
+        if background is None:
+            await finish()
+            return
+        written = self.written = anyio.Event()
+
+        async def write() -> None:
+            try:
+                await finish()
+            finally:
+                written.set()
+
+        background.start_soon(write)
+
+    async def checkpoint_written(self) -> None:
+        """Returns once the last background checkpoint is in place (or failed: its task
+        group raises the error)."""
+        if self.written is not None:
+            await self.written.wait()
 
     async def _stop_failed(self, failure: Exception,
                            group: BaseExceptionGroup[BaseException]) -> str:
@@ -383,7 +419,9 @@ class Orchestrator:
         live = [shard for rank, shard in enumerate(self.trainers) if rank not in dead]
         wall_s = self.clock() - self.evals.started
         saved = "no live trainer shard to write a checkpoint from"
-        if live:
+        if live and len(live) < len(self.trainers) and self.config.trainer.backend == "fsdp2":
+            saved = "no checkpoint: every fsdp2 shard holds a part of the state"
+        elif live:
             try:
                 await self.checkpoint(wall_s, live[0])
                 saved = f"checkpoint of step {self.version} written"

@@ -108,7 +108,14 @@ class TrainerClient(ObservedWorker, Protocol):
         ...
 
     async def save_checkpoint(self, out_dir: str) -> None:
-        """Writes the policy, its tokenizer and the optimizer and RNG state to resume."""
+        """Starts writing the policy, its tokenizer and the optimizer and RNG state to
+        resume from; returns once the state is snapshotted (in order with training
+        calls), while the write goes on in the background."""
+        ...
+
+    async def checkpoint_written(self) -> None:
+        """Returns once the last ``save_checkpoint`` is complete on disk (raises its
+        error); runs beside training calls."""
         ...
 
 

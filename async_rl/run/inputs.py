@@ -6,7 +6,8 @@ columns the task names; the tokenizer has the chat template the task asks for; t
 task's own reward functions, named in task.rewards or passed as callables, import and
 can take a completion on those columns; task.eval_reward names one; the environment
 class of task.environment imports and has its methods; the optional loggers are
-installed), raising ``ConfigError`` with one line. Used by
+installed; trainer.backend = "fsdp2" finds the model's decoder layers), raising
+``ConfigError`` with one line. Used by
 ``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl sweep``
 before it is launched.
 """
@@ -39,6 +40,8 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
     path = resolve_model_path(config.model.path, task_kind=config.task.kind)
     config = msgspec.structs.replace(
         config, model=msgspec.structs.replace(config.model, path=path))
+    if config.trainer.backend == "fsdp2":
+        check_shardable(config.model.path)
     columns = check_dataset(config)
     if config.task.chat_template:
         check_chat_template(config)
@@ -59,6 +62,18 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
         except PromptFileError as err:
             raise ConfigError(f"prompt file error: {err}") from None
     return config
+
+
+def check_shardable(model_path: str) -> None:
+    """trainer.backend = "fsdp2" shards the model per decoder layer: its Hugging Face
+    class must name them (``_no_split_modules``)."""
+    from workers.trainer.fsdp import layer_classes
+
+    if not layer_classes(model_path):
+        raise ConfigError(
+            f"config error: trainer.backend = 'fsdp2': the decoder layers of model.path = "
+            f"{model_path!r} cannot be found (its transformers class names none in "
+            "_no_split_modules); use trainer.backend = 'ddp'")
 
 
 def check_dataset(config: Config) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ worker's span clock with the driver's. Knows nothing about the run's logic.
 from __future__ import annotations
 
 import abc
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -42,6 +43,7 @@ from buffers.records import (
 )
 from workers.errors import RolloutWorkerError
 from workers.spans import Span
+from workers.trainer.checkpoints import WAIT_GROUP
 from workers.weights.broadcast import Published, WeightBroadcast
 
 OnTimeout = Callable[[str], Exception]
@@ -86,15 +88,20 @@ class _Adapter(abc.ABC):
 
     async def _call(self, method: str, *args: Any, seconds: float | None = None,
                     key: str = "run.call_timeout_s", what: str = "",
-                    on_timeout: OnTimeout | None = None) -> Any:
+                    on_timeout: OnTimeout | None = None,
+                    concurrency_group: str | None = None) -> Any:
         """``handle.method.remote(*args)`` within ``seconds`` (default
-        run.call_timeout_s, named by ``key``). Ray's errors raise ``_failed(err, what)``
-        (``what`` defaults to the method); a missed deadline raises ``on_timeout`` of
-        the wait, or ``WaitTimedOut`` naming the call."""
+        run.call_timeout_s, named by ``key``), in the actor's ``concurrency_group`` if
+        given. Ray's errors raise ``_failed(err, what)`` (``what`` defaults to the
+        method); a missed deadline raises ``on_timeout`` of the wait, or
+        ``WaitTimedOut`` naming the call."""
         seconds = self.config.run.call_timeout_s if seconds is None else seconds
+        call = getattr(self.handle, method)
+        if concurrency_group is not None:
+            call = call.options(concurrency_group=concurrency_group)
         try:
             with anyio.move_on_after(seconds):
-                return await getattr(self.handle, method).remote(*args)
+                return await call.remote(*args)
         except ray.exceptions.RayError as err:
             raise self._failed(err, what or method) from err
         if on_timeout is None:
@@ -159,6 +166,17 @@ class RayTrainer(_Worker):
     def __init__(self, rank: int, handle: Any, config: Config) -> None:
         super().__init__(f"trainer-{rank}", handle, config)
         self.rank = rank
+        self.peers: list[RayTrainer] = []
+        """The shards that take part in each of this one's calls that read the whole
+        policy or write a checkpoint (trainer.backend = "fsdp2", shard 0's client: the
+        others hold the rest of the state); empty with ddp, whose shards are replicas."""
+
+    async def _everywhere(self, method: str, *args: Any, **options: Any) -> Any:
+        """``method`` on this shard and its peers at once; this shard's answer."""
+        results = await asyncio.gather(self._call(method, *args, **options),
+                                       *(p._call(method, *args, **options)
+                                         for p in self.peers))
+        return results[0]
 
     def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:
         return TrainerFailed(self.rank, f"{what}: {_reason(err)}",
@@ -183,16 +201,24 @@ class RayTrainer(_Worker):
     async def policy_weights(self, version: int) -> RayPolicyWeights:
         # Not awaited: submitted before the next step's call, the copy runs in order with
         # training calls, and the evaluator fetches it from the object store itself.
+        # Peers join the gather (their answers are empty).
+        for peer in self.peers:
+            peer.handle.policy_state.remote()
         return RayPolicyWeights(version=version, state=self.handle.policy_state.remote())
 
     async def save(self, out_dir: str) -> None:
-        await self._call("save", out_dir)
+        await self._everywhere("save", out_dir)
 
     async def save_policy(self, out_dir: str) -> None:
-        await self._call("save_policy", out_dir)
+        await self._everywhere("save_policy", out_dir)
 
     async def save_checkpoint(self, out_dir: str) -> None:
-        await self._call("save_checkpoint", out_dir)
+        await self._everywhere("save_checkpoint", out_dir)
+
+    async def checkpoint_written(self) -> None:
+        # Beside training calls; a write takes about as long as a step may.
+        await self._everywhere("checkpoint_written", seconds=self.config.trainer.step_timeout_s,
+                               key="trainer.step_timeout_s", concurrency_group=WAIT_GROUP)
 
 
 @dataclass(frozen=True)
@@ -222,8 +248,8 @@ class RayWeights:
     """A ``WeightPath`` over ``workers.weights.broadcast.WeightBroadcast``: trainer shard 0
     sends to each rollout worker it was connected to, by rank."""
 
-    def __init__(self, source_shard: Any) -> None:
-        self._broadcast = WeightBroadcast(source_shard)
+    def __init__(self, source_shard: Any, gather_from: Sequence[Any] = ()) -> None:
+        self._broadcast = WeightBroadcast(source_shard, gather_from)
 
     async def publish(self, version: int) -> Published:
         return await self._broadcast.publish(version)
@@ -242,12 +268,16 @@ def adapt(started: StartedWorkers, config: Config) -> Workers:
         handle = await restart_rollout(started, rank, model, version)
         return RayRollout(f"rollout-{rank}", handle, config)
 
+    trainers = [RayTrainer(rank, handle, config)
+                for rank, handle in enumerate(started.trainers)]
+    # fsdp2: shard 0's client gathers the whole policy from every shard; ddp: replicas.
+    peers = started.trainers[1:] if config.trainer.backend == "fsdp2" else []
+    trainers[0].peers = trainers[1:] if peers else []
     return Workers(
         rollout={rank: RayRollout(f"rollout-{rank}", handle, config)
                  for rank, handle in started.rollout.items()},
-        trainers=[RayTrainer(rank, handle, config)
-                  for rank, handle in enumerate(started.trainers)],
-        weights=RayWeights(started.trainers[0]),
+        trainers=[*trainers],
+        weights=RayWeights(started.trainers[0], gather_from=peers),
         evaluator=(RayEvaluator("evaluator", started.evaluator, config)
                    if started.evaluator is not None else None),
         restart_rollout=restart,

@@ -53,6 +53,7 @@ from workers.reward_runner import UserRewards
 from workers.reward_spec import DEFAULT_COLUMNS, absolute_spec
 from workers.rollout.config import engine_dtype
 from workers.rollout.prompts import PromptFormat
+from workers.trainer.checkpoints import WAIT_GROUP
 from workers.weights.broadcast import SEND_GROUP
 from workers.weights.config import check_transport
 
@@ -208,8 +209,9 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
         started.rollout[ident.rank] = new_rollout(ident.rank, cfg.model, version, ident.name)
     # Weight sends run in their own threads, beside training calls (workers.weights.broadcast).
     # Ray's typed overloads of remote() omit concurrency_groups, which it accepts.
+    # Waiting for a background checkpoint write runs beside them too (WAIT_GROUP).
     trainer_cls = ray.remote(  # type: ignore[call-overload]
-        concurrency_groups={SEND_GROUP: cfg.rollout.num_workers})(TrainerActor)
+        concurrency_groups={SEND_GROUP: cfg.rollout.num_workers, WAIT_GROUP: 1})(TrainerActor)
     # The shards' rendezvous is on shard 0's node, which may not be the driver's.
     master_addr, port = bundle_node(groups["trainer"], 0)[1], free_port()
     started.trainers = [

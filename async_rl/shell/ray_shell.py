@@ -23,7 +23,12 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from async_rl.config import Config
-from async_rl.control.checkpoint import TRAINER, CheckpointError, latest_checkpoint
+from async_rl.control.checkpoint import (
+    TRAINER,
+    CheckpointError,
+    check_backend,
+    latest_checkpoint,
+)
 from async_rl.control.orchestrator import Orchestrator
 from async_rl.control.protocols import (
     RunFailed,
@@ -131,6 +136,7 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
     checkpoint = latest_checkpoint(Path(config.run.output_dir), warn) if resume else None
     workers_config = config
     if checkpoint is not None:
+        check_backend(*checkpoint, config.trainer.backend)
         log.info("resuming %s from %s (version %d)", config.run.output_dir,
                  checkpoint[0].name, checkpoint[1].version)
         model = msgspec.structs.replace(config.model, path=str(checkpoint[0] / TRAINER))

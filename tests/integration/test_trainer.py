@@ -171,3 +171,62 @@ def test_a_lost_group_voids_the_step_on_every_shard(
     for shard in shards:
         ray.get(shard.shutdown.remote())
         ray.kill(shard)
+
+
+def whole_policy(shards: list[Any]) -> dict[str, Any]:
+    """The policy gathered whole (fsdp2: every shard takes part; shard 0 holds it)."""
+    return ray.get([s.policy_state.remote() for s in shards])[0]
+
+
+def largest_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
+    assert a.keys() == b.keys() and len(a) > 0
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def test_fsdp2_trains_as_ddp_and_resumes_exactly_from_its_sharded_checkpoint(
+    tiny_model_dir: Path, ray_cluster: None, tmp_path: Path
+) -> None:
+    # Two updates a step (a proximal pass) and several micro-batches per update.
+    common: dict[str, Any] = {"num_shards": 2, "groups_per_step": 8, "micro_batch_tokens": 64,
+                              "max_grad_norm": 1e9, "mini_batches": 2}
+    ddp, fsdp = TrainerConfig(**common), TrainerConfig(backend="fsdp2", **common)
+    data, later = groups(8), groups(8, seed=1)
+    replicas = start_shards(tiny_model_dir, 2, ddp)
+    by_ddp = step(replicas, data, ddp)
+    ddp_weights = whole_policy(replicas)
+    for shard in replicas:
+        ray.get(shard.shutdown.remote())
+        ray.kill(shard)
+
+    sharded = start_shards(tiny_model_dir, 2, fsdp)
+    by_fsdp = step(sharded, data, fsdp)
+    assert len(by_fsdp) == len(by_ddp) == 2
+    for a, b in zip(by_ddp, by_fsdp, strict=True):
+        assert b.loss.tokens == a.loss.tokens > 0
+        assert b.loss.loss_sum == pytest.approx(a.loss.loss_sum, abs=1e-5)
+        assert b.grad_norm == pytest.approx(a.grad_norm, abs=1e-5)
+    worst = largest_difference(ddp_weights, whole_policy(sharded))
+    print(f"largest parameter difference, ddp vs fsdp2 after one step: {worst:.3g}")
+    assert worst < 1e-5
+
+    # Each shard writes its part in the background; a fresh pair resumes from it.
+    checkpoint = tmp_path / "trainer"
+    ray.get([s.save_checkpoint.remote(str(checkpoint)) for s in sharded])
+    ray.get([s.checkpoint_written.remote() for s in sharded])
+    assert (checkpoint / "sharded" / ".metadata").is_file()
+    assert len(list((checkpoint / "sharded").glob("*.distcp"))) == 2  # one per shard
+    assert (checkpoint / "model.safetensors").is_file()  # engines resume from it
+    straight = step(sharded, later, fsdp)
+    straight_weights = whole_policy(sharded)
+    for shard in sharded:
+        ray.get(shard.shutdown.remote())
+        ray.kill(shard)
+
+    resumed = start_shards(checkpoint, 2, fsdp)
+    ray.get([s.load_training_state.remote(str(checkpoint)) for s in resumed])
+    again = step(resumed, later, fsdp)
+    assert [r.loss.loss_sum for r in again] == [r.loss.loss_sum for r in straight]
+    assert largest_difference(straight_weights, whole_policy(resumed)) == 0.0
+    for shard in resumed:
+        ray.get(shard.shutdown.remote())
+        ray.kill(shard)

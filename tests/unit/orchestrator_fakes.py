@@ -124,6 +124,9 @@ class FakeTrainer:
         Path(out_dir).mkdir(parents=True)
         (Path(out_dir) / "steps.json").write_text(json.dumps(self.steps))
 
+    async def checkpoint_written(self) -> None:
+        pass
+
     async def usage(self) -> UsageReading:
         return UsageReading(wall=0.0, cpu_s=0.0)
 

@@ -12,6 +12,7 @@ from async_rl.control.checkpoint import (
     CHECKPOINTS,
     CheckpointError,
     RunState,
+    check_backend,
     latest_checkpoint,
     write_checkpoint,
 )
@@ -39,9 +40,14 @@ async def save_trainer(out_dir: str) -> None:
     (Path(out_dir) / "model.safetensors").write_bytes(b"weights" * 100)
 
 
+async def trainer_written() -> None:
+    pass
+
+
 def write(run_dir: Path, step: int, keep: int = 2) -> Path:
     async def main() -> Path:
-        return await write_checkpoint(run_dir, state(step), save_trainer, keep=keep)
+        return await write_checkpoint(run_dir, state(step), save_trainer, trainer_written,
+                                      keep=keep)
 
     return anyio.run(main)
 
@@ -92,3 +98,29 @@ def test_no_usable_checkpoint_is_one_clear_error(tmp_path: Path) -> None:
     (newest / "state.json").unlink()
     with pytest.raises(CheckpointError, match="no usable checkpoint"):
         latest_checkpoint(tmp_path, warn=lambda _: None)
+
+
+def test_a_checkpoint_of_the_other_trainer_backend_is_refused_in_one_line(
+    tmp_path: Path,
+) -> None:
+    folder = write(tmp_path, 1)
+    _, saved = latest_checkpoint(tmp_path)
+    check_backend(folder, saved, "ddp")  # the backend that wrote it
+    with pytest.raises(CheckpointError) as info:
+        check_backend(folder, saved, "fsdp2")
+    message = str(info.value)
+    assert "\n" not in message and "trainer.backend = 'ddp'" in message
+
+
+def test_the_trainer_folder_says_which_backend_wrote_it(tmp_path: Path) -> None:
+    import torch
+
+    from workers.trainer.checkpoints import SHARDED, BackendMismatch, load, written_by
+
+    assert written_by(tmp_path) is None
+    (tmp_path / SHARDED).mkdir()
+    assert written_by(tmp_path) == "fsdp2"
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(BackendMismatch, match=r"resume with trainer\.backend = 'fsdp2'"):
+        load(str(tmp_path), backend="ddp", module=model,
+             optimizer=torch.optim.AdamW(model.parameters()))

@@ -131,6 +131,12 @@ BAD: list[tuple[str, list[str], str, str]] = [
     (GOOD, ["task.tool_latency_ms=50"], "task.tool_latency_ms", 'task.kind = "calculator"'),
     (GOOD, ["task.kind=calculator", "task.tool_latency_ms=-1"], "task.tool_latency_ms",
      ">= 0"),
+    (GOOD, ["trainer.backend=fsdp"], "trainer.backend", "'ddp', 'fsdp2'"),
+    (GOOD, ["trainer.offload=true"], "trainer.offload", 'trainer.backend = "fsdp2"'),
+    (GOOD, ["trainer.param_dtype=bfloat16"], "trainer.param_dtype", '"fsdp2"'),
+    (GOOD, ["trainer.reduce_dtype=float32"], "trainer.reduce_dtype", '"fsdp2"'),
+    (GOOD, ["trainer.backend=fsdp2", "trainer.param_dtype=float16"], "trainer.param_dtype",
+     "'bfloat16'"),
 ]
 
 
@@ -262,6 +268,18 @@ def test_train_with_a_config_json_that_is_not_a_model_exits_2(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "model.path" in err and "model_type" in err
     assert not (tmp_path / "r").exists()  # nothing started, nothing written
+
+
+def test_fsdp2_with_a_model_whose_layers_cannot_be_found_exits_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    model = model_dir(tmp_path, '{"model_type": "qwen2", "architectures": ["MadeUpLM"]}')
+    path = write(tmp_path, f'[model]\npath = "{model}"\n[trainer]\nbackend = "fsdp2"\n'
+                           f'[run]\noutput_dir = "{tmp_path}/r"\n')
+    assert main(["train", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "trainer.backend" in err and "decoder layers" in err
+    assert not (tmp_path / "r").exists()
 
 
 def test_train_into_an_uncreatable_output_dir_exits_2(

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import anyio
 import msgspec
 import pytest
 from orchestrator_fakes import (
@@ -21,8 +22,8 @@ from orchestrator_fakes import (
 
 from async_rl.control.checkpoint import latest_checkpoint
 from async_rl.control.protocols import RunFailed
-from async_rl.run.run_dir import FINAL_MODEL
-from buffers.records import Group, Prompt
+from async_rl.run.run_dir import FINAL_MODEL, SPANS
+from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
 
 
 def test_a_run_trains_every_step_within_the_staleness_bound(tmp_path: Path) -> None:
@@ -207,3 +208,46 @@ def test_past_max_restarts_the_run_fails_with_a_checkpoint(tmp_path: Path) -> No
     _, state = latest_checkpoint(tmp_path)
     assert 1 <= state.version < 50
     assert state.counters.restarts == 1
+
+
+class SlowWriter(FakeTrainer):
+    """A shard whose checkpoint writes complete only once it has trained the next step
+    (or after a second: the run's last checkpoint has no next step)."""
+
+    def __init__(self, rank: int, run_dir: Path) -> None:
+        super().__init__(rank)
+        self.run_dir = run_dir
+        self.trained = anyio.Event()
+        self.renamed_before: dict[int, bool] = {}
+        """Per step trained: whether a checkpoint folder was in place by then."""
+
+    async def train(self, batch: ShardBatch) -> ShardStepResult:
+        done = bool(list((self.run_dir / "checkpoints").glob("step-*")))
+        self.renamed_before[batch.step] = done
+        result = await super().train(batch)
+        self.trained.set()
+        return result
+
+    async def save_checkpoint(self, out_dir: str) -> None:
+        self.trained = anyio.Event()
+        await super().save_checkpoint(out_dir)
+
+    async def checkpoint_written(self) -> None:
+        with anyio.move_on_after(1):
+            await self.trained.wait()
+
+
+def test_a_checkpoint_is_written_while_the_next_step_trains(tmp_path: Path) -> None:
+    cfg = config(tmp_path, steps=4)
+    cfg = msgspec.structs.replace(cfg, run=msgspec.structs.replace(cfg.run, checkpoint_every=2))
+    trainer = SlowWriter(0, tmp_path)
+    summary = run(cfg, {0: FakeRollout(0)}, [trainer])
+    assert summary.steps == 4
+    # Step 3 started before checkpoint 2 was in place: its write ran beside it.
+    assert trainer.renamed_before == {1: False, 2: False, 3: False, 4: True}
+    folder, state = latest_checkpoint(tmp_path)
+    assert folder.name == "step-000004" and state.trainer_backend == "ddp"
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == [
+        "step-000002", "step-000004"]  # no partial folder left
+    spans = [json.loads(line) for line in (tmp_path / SPANS).read_text().splitlines()]
+    assert any("checkpoint" in span for span in spans)  # the controller's wait is named

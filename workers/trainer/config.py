@@ -16,13 +16,35 @@ from buffers.config import NonNegative, Positive, PositiveFloat, invalid
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 Overlong = Literal["keep", "mask", "penalty"]
+Backend = Literal["ddp", "fsdp2"]
+FsdpDtype = Literal["model", "float32", "bfloat16"]
 
 
 class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The torch trainer shards and the GRPO loss."""
 
     num_shards: Positive = 1
-    """Data-parallel trainer shards (DDP; gloo on CPU)."""
+    """Data-parallel trainer shards (gloo on CPU, NCCL on CUDA)."""
+    backend: Backend = "ddp"
+    """How the shards hold the model. ddp: every shard a full replica (parameters,
+    gradients and AdamW state: 16 bytes a parameter in fp32), gradients all-reduced.
+    fsdp2: torch's FSDP2 (``fully_shard`` on every decoder layer and the root), each shard
+    holding 1/num_shards of them; the model is built on the meta device and loaded shard
+    by shard, so no shard ever holds the whole model (docs/fsdp.md says when to choose
+    which). Checkpoints of one backend do not resume with the other."""
+    param_dtype: FsdpDtype = "model"
+    """fsdp2 only: dtype of the gathered parameters forward and backward compute with
+    (FSDP2's MixedPrecisionPolicy); the sharded master weights and AdamW state stay in
+    model.dtype. model: no cast. bfloat16 with model.dtype float32 is mixed precision
+    (bf16 compute, fp32 master)."""
+    reduce_dtype: FsdpDtype = "model"
+    """fsdp2 only: dtype gradients are reduce-scattered in (MixedPrecisionPolicy). model:
+    param_dtype's (no cast); float32 keeps bf16 compute's gradient sums exact-ish."""
+    offload: bool = False
+    """fsdp2 only: keep the parameter shards, gradients and AdamW state in CPU memory
+    (FSDP2's CPUOffloadPolicy, pinned where an accelerator exists), copied to the
+    device layer by layer: less device memory, slower steps. On a CPU-only machine it
+    changes little."""
     groups_per_step: Positive = 8
     """Groups consumed by one training step (one policy version: mini_batches * epochs
     optimizer updates, one by default)."""
@@ -110,6 +132,13 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     comparisons (bench/packing.py)."""
 
     def __post_init__(self) -> None:
+        if self.backend != "fsdp2":
+            for key, value, default in (("offload", self.offload, False),
+                                        ("param_dtype", self.param_dtype, "model"),
+                                        ("reduce_dtype", self.reduce_dtype, "model")):
+                if value != default:
+                    raise invalid(f"trainer.{key}", value,
+                                  f'needs trainer.backend = "fsdp2" (it is {self.backend!r})')
         if self.groups_per_step % self.num_shards:
             raise invalid(
                 "trainer.groups_per_step",

@@ -57,18 +57,22 @@ class StepLoss:
 
     def __init__(self, *, config: TrainerConfig, model: torch.nn.Module,
                  module: torch.nn.Module, device: torch.device, world_size: int,
-                 packed: bool, temperature: float, max_response_tokens: int) -> None:
+                 packed: bool, temperature: float, max_response_tokens: int,
+                 sharded: bool = False) -> None:
         self.config = config
         self.model = model
         """What gradients flow through (DDP-wrapped on more than one shard)."""
         self.module = module
         """The bare model: the no-grad proximal pass runs here, outside DDP, so it
-        issues no collective."""
+        issues no collective (with FSDP2 it is the sharded model, whose forwards are)."""
         self.device = device
         self.world_size = world_size
         self.packed = packed
         self.temperature = temperature
         self.max_response_tokens = max_response_tokens
+        self.sharded = sharded
+        """FSDP2: every forward gathers parameters from all shards, so every shard runs
+        as many forwards as the others, pads included."""
 
     def agree(self, updates: Sequence[Sequence[MicroBatch]], lost: bool
               ) -> tuple[list[Normaliser], bool]:
@@ -116,6 +120,12 @@ class StepLoss:
         return _Forward(logits=logits, targets=targets, behaviour=behaviour.to(self.device),
                         advantages=advantages.to(self.device), positions=positions)
 
+    def _pad_logits(self, model: torch.nn.Module) -> torch.Tensor:
+        """The model run on one dummy position (a pad's forward)."""
+        dummy = torch.zeros((1, 1), dtype=torch.long, device=self.device)
+        logits: torch.Tensor = model(input_ids=dummy, use_cache=False).logits
+        return logits
+
     def proximal(self, micro_batches: Sequence[MicroBatch]) -> list[torch.Tensor | None]:
         """The step-start policy's logprobs of each micro-batch (None for a pad), without
         gradient: call before the step's first update."""
@@ -123,6 +133,8 @@ class StepLoss:
         with torch.no_grad(), self._autocast():
             for sequences in micro_batches:
                 if not sequences:
+                    if self.sharded:
+                        self._pad_logits(self.module)
                     out.append(None)
                     continue
                 run = self._forward(self.module, sequences)
@@ -141,9 +153,7 @@ class StepLoss:
         """
         if not sequences:
             # A pad still runs the model so DDP's gradient hooks fire on every shard.
-            dummy = torch.zeros((1, 1), dtype=torch.long, device=self.device)
-            logits = self.model(input_ids=dummy, use_cache=False).logits
-            return logits.sum() * 0.0, LossStats(), 0
+            return self._pad_logits(self.model).sum() * 0.0, LossStats(), 0
         with self._autocast():
             run = self._forward(self.model, sequences)
             logprobs = completion_logprobs(run.logits, run.targets, self.temperature)

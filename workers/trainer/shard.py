@@ -1,13 +1,16 @@
 """TrainerShard: one data-parallel shard of the policy, trained with the GRPO loss.
 
-Owns: the torch model replica, its optimizer, the process group (gloo on CPU, nccl on
-CUDA), executing a ShardBatch update by update (``trainer.epochs`` passes, one optimizer
-step per update, skipped when its gradient norm is not finite) and micro-batch by
-micro-batch (each one a padding-free packed row, ``workers.trainer.packing``; the losses and
-their normalisers are ``workers.trainer.ppo_update``'s), and, on the shard that is the source of
-weight broadcasts, the calls that snapshot and send its weights (``workers.weights.sender``
-does both). Knows nothing about Ray (``workers.actors`` wraps this class for Ray and
-resolves the batch's group references), queues, versions or how the plan was made.
+Owns: the torch model (a DDP replica, or with ``trainer.backend = "fsdp2"`` its FSDP2
+shard: ``workers.trainer.fsdp`` builds it and gathers it whole), its optimizer, the
+process group (gloo on CPU, nccl on CUDA), executing a ShardBatch update by update
+(``trainer.epochs`` passes, one optimizer step per update, skipped when its gradient norm
+is not finite) and micro-batch by micro-batch (each one a padding-free packed row,
+``workers.trainer.packing``; the losses and their normalisers are
+``workers.trainer.ppo_update``'s), on the shard that is the source of weight broadcasts,
+the calls that snapshot and send its weights (``workers.weights.sender`` does both), and
+the calls that write and read its part of a checkpoint (``workers.trainer.checkpoints``,
+in the background). Knows nothing about Ray (``workers.actors`` wraps this class for Ray
+and resolves the batch's group references), queues, versions or how the plan was made.
 """
 
 from __future__ import annotations
@@ -18,11 +21,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from buffers.records import (
@@ -36,7 +39,9 @@ from buffers.records import (
 from workers.model_config import ModelConfig
 from workers.rollout.config import RolloutConfig
 from workers.spans import UNRESOLVED, Span, SpanRecorder
+from workers.trainer.checkpoints import CheckpointWriter, load
 from workers.trainer.config import TrainerConfig
+from workers.trainer.fsdp import build_sharded, full_state
 from workers.trainer.loss import Normaliser
 from workers.trainer.loss_stats import merge_stats
 from workers.trainer.packing import use_packed_attention
@@ -48,8 +53,6 @@ if TYPE_CHECKING:
     from workers.weights.sender import WeightSender
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-TRAINING_STATE = "training_state.pt"
-"""Optimizer and RNG state, beside the model in a checkpoint's trainer folder."""
 
 
 @dataclass(kw_only=True, slots=True)
@@ -78,7 +81,8 @@ def process_group_backend(device: torch.device) -> str:
 
 
 class TrainerShard:
-    """A replica of the policy on one device; ``world_size`` of them form a DDP group."""
+    """The policy on one device, a replica (ddp) or a shard (fsdp2); ``world_size`` of
+    them form one data-parallel group."""
 
     def __init__(
         self,
@@ -136,7 +140,8 @@ class TrainerShard:
         self.usage_meter = UsageMeter(gpu_uuid=cuda_uuid(torch.cuda.current_device())
                                       if self.device.type == "cuda" else None)
         torch.manual_seed(self.seed)
-        if self.world_size > 1:
+        sharded = self.config.backend == "fsdp2"
+        if self.world_size > 1 or sharded:  # FSDP2's device mesh needs a group, even of one
             dist.init_process_group(
                 process_group_backend(self.device),
                 init_method=f"tcp://{self.master_addr}:{self.master_port}",
@@ -144,17 +149,24 @@ class TrainerShard:
                 world_size=self.world_size,
                 timeout=timedelta(minutes=5),
             )
-        module: torch.nn.Module = AutoModelForCausalLM.from_pretrained(
-            self.model_config.path, dtype=_DTYPES[self.model_config.dtype]
-        )
-        module.to(self.device)
+        dtype = _DTYPES[self.model_config.dtype]
+        module: torch.nn.Module
+        if sharded:
+            module = build_sharded(self.model_config.path, dtype=dtype, device=self.device,
+                                   trainer=self.config)
+        else:
+            module = AutoModelForCausalLM.from_pretrained(self.model_config.path, dtype=dtype)
+            module.to(self.device)  # type: ignore[arg-type]
         module.train()
         if self.config.packed:
             use_packed_attention(module)
         self.module = module
+        """The model itself (with fsdp2, sharded: every forward is a collective)."""
         self.model: torch.nn.Module = (
-            DistributedDataParallel(module) if self.world_size > 1 else module
+            DistributedDataParallel(module) if self.world_size > 1 and not sharded
+            else module
         )
+        self.checkpoints = CheckpointWriter(rank=self.rank, backend=self.config.backend)
         self.optimizer = torch.optim.AdamW(
             module.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay,
             # One fused kernel over every tensor: on CPU 3-5x faster than the default
@@ -164,7 +176,8 @@ class TrainerShard:
         self.losses = StepLoss(config=self.config, model=self.model, module=module,
                                device=self.device, world_size=self.world_size,
                                packed=self.config.packed, temperature=self.temperature,
-                               max_response_tokens=self.max_new_tokens)
+                               max_response_tokens=self.max_new_tokens,
+                               sharded=sharded)
         return os.getpid()
 
     def train_step(self, batch: ShardBatch,
@@ -257,14 +270,18 @@ class TrainerShard:
                 with self.model.no_sync():
                     torch.autograd.backward(loss)
             else:
+                if self.config.backend == "fsdp2":  # reduce-scatter at the last only
+                    self.module.set_requires_gradient_sync(  # type: ignore[operator]
+                        index == last)
                 torch.autograd.backward(loss)
             times.backward_s += self._now() - t1
             parts.append(stats)
         self.spans.switch("optimizer")
         t2 = self._now()
-        grad_norm = float(
-            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.config.max_grad_norm)
-        )
+        total = torch.nn.utils.clip_grad_norm_(self.module.parameters(),
+                                               self.config.max_grad_norm)
+        # FSDP2: each shard's norm is of its slice; the whole norm is one all-reduce away.
+        grad_norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
         # Every shard sees the same all-reduced gradient, so they all agree to skip.
         if math.isfinite(grad_norm):
             self.optimizer.step()
@@ -314,12 +331,24 @@ class TrainerShard:
             raise RuntimeError(f"trainer shard {self.rank}: no rollout worker connected")
         return self.sender
 
+    def _state(self) -> dict[str, torch.Tensor]:
+        """The policy's state dict, whole: ddp's replica itself; with fsdp2 gathered onto
+        rank 0 in CPU memory ({} on the other shards, which must call it too)."""
+        if self.config.backend == "fsdp2":
+            return full_state(self.module)
+        return {name: t.detach() for name, t in self.module.state_dict().items()}
+
     def snapshot_weights(self, version: int) -> int:
-        """Copies the weights as ``version`` for the sends to come; returns their bytes.
+        """Copies the weights as ``version`` for the sends to come; returns their bytes
+        (0 on an fsdp2 shard that only takes part in the gather).
 
         Called in order with training calls, so it captures exactly ``version``; the
         sends then run beside the next steps."""
-        return self._connected().snapshot(version, self.module.named_parameters())
+        state = self._state()
+        if not state:
+            return 0
+        return self._connected().snapshot(
+            version, ((name, state[name]) for name, _ in self.module.named_parameters()))
 
     def send_weights(self, version: int, rank: int, mode: UpdateMode | None = None
                      ) -> BroadcastTiming:
@@ -333,36 +362,48 @@ class TrainerShard:
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's weights (what the evaluator loads). Called in order with training
         calls, so they are exactly the version just trained; the actor's return value is
-        copied into the object store before its next call runs, so no clone is needed."""
-        return {name: t.detach() for name, t in self.module.state_dict().items()}
+        copied into the object store before its next call runs, so no clone is needed.
+        With fsdp2 every shard calls it; the others' are empty."""
+        return self._state()
 
-    def save(self, out_dir: str) -> None:
-        """Writes the current policy in Hugging Face format (model only)."""
-        self.module.save_pretrained(out_dir)  # type: ignore[operator]
+    def save(self, out_dir: str) -> bool:
+        """Writes the current policy in Hugging Face format (model only); False on an
+        fsdp2 shard that only took part in the gather (it writes nothing)."""
+        state = self._state()
+        if state:
+            self.module.save_pretrained(out_dir, state_dict=state)  # type: ignore[operator]
+        return bool(state)
 
     def save_policy(self, out_dir: str) -> None:
         """The policy as a Hugging Face model with its tokenizer: an engine can start
         from the folder (a restarted rollout worker, a resumed run)."""
-        self.save(out_dir)
-        self.tokenizer.save_pretrained(out_dir)
+        if self.save(out_dir):
+            self.tokenizer.save_pretrained(out_dir)
 
     def save_checkpoint(self, out_dir: str) -> None:
-        """``save_policy``, plus the optimizer and RNG state (``TRAINING_STATE``).
+        """Snapshots what a resumed run needs (``save_policy``'s folder, the optimizer
+        and RNG state; ``workers.trainer.checkpoints`` has the layout) and writes it in
+        the background: ``checkpoint_written`` waits for it.
 
-        Shards are replicas (DDP), so shard 0's copy is the checkpoint.
+        ddp: shards are replicas, so one shard's copy is the checkpoint; fsdp2: every
+        shard is called and writes its own part.
         """
-        self.save_policy(out_dir)
-        torch.save({"optimizer": self.optimizer.state_dict(), "rng": torch.get_rng_state()},
-                   Path(out_dir) / TRAINING_STATE)
+        self.checkpoints.start(out_dir, module=self.module, optimizer=self.optimizer,
+                               whole=self._state(), tokenizer=self.tokenizer)
+
+    def checkpoint_written(self) -> None:
+        """Returns once the last ``save_checkpoint`` is on disk; raises its error."""
+        self.checkpoints.wait()
 
     def load_training_state(self, checkpoint_dir: str) -> None:
-        """Restores the optimizer and RNG state saved by ``save_checkpoint`` (the weights
-        came with ``model.path`` pointing at the same folder)."""
-        state = torch.load(Path(checkpoint_dir) / TRAINING_STATE, weights_only=True)
-        self.optimizer.load_state_dict(state["optimizer"])
-        torch.set_rng_state(state["rng"])
+        """Restores the optimizer (fsdp2: and model shards) and RNG state saved by
+        ``save_checkpoint`` (the weights came with ``model.path`` pointing at the same
+        folder); raises ``BackendMismatch`` for the other backend's checkpoint."""
+        load(checkpoint_dir, backend=self.config.backend, module=self.module,
+             optimizer=self.optimizer)
 
     def shutdown(self) -> None:
+        self.checkpoints.close()
         if self.sender is not None:
             self.sender.shutdown()
         if dist.is_initialized():

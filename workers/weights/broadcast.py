@@ -37,8 +37,11 @@ class WeightBroadcast:
     """Publishes the source shard's weights to the rollout workers it is connected to
     (``connect_rollout``, at start-up and when a worker is replaced), by rank."""
 
-    def __init__(self, source_shard: Any) -> None:
+    def __init__(self, source_shard: Any, gather_from: Sequence[Any] = ()) -> None:
         self.source_shard = source_shard
+        self.gather_from = list(gather_from)
+        """The other shards, which take part in each snapshot (FSDP2: the source shard
+        gathers the whole weights from all of them); empty when shards are replicas."""
 
     async def publish(self, version: int) -> Published:
         """Snapshots the source shard's weights as ``version``.
@@ -47,7 +50,8 @@ class WeightBroadcast:
         captures exactly the weights of ``version`` even if training goes on meanwhile.
         """
         started = time.perf_counter()
-        await self.source_shard.snapshot_weights.remote(version)
+        await asyncio.gather(*(shard.snapshot_weights.remote(version)
+                               for shard in [self.source_shard, *self.gather_from]))
         return Published(version=version, publish_s=time.perf_counter() - started)
 
     async def deliver(self, published: Published, ranks: Sequence[int]

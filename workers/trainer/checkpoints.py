@@ -1,0 +1,148 @@
+"""The trainer's folder of a checkpoint: what each backend writes there, in the background,
+and reads back on resume.
+
+Owns: the folder's layout per ``trainer.backend`` — both: a Hugging Face model with its
+tokenizer (rollout engines of a resumed run start from it); ddp: ``TRAINING_STATE``
+(optimizer and RNG state, written by one shard: shards are replicas); fsdp2: ``SHARDED``,
+the sharded model and optimizer state through ``torch.distributed.checkpoint`` (each
+shard writes its own part), and ``RNG`` — and ``CheckpointWriter``, which snapshots that
+state (a copy, taken in order with training) and writes the copy in a thread of its own,
+so the next step trains meanwhile; ``wait`` blocks until the write is complete and
+re-raises its error. Knows nothing about the checkpoint's manifest, its atomic rename or
+the run's state (``async_rl.control.checkpoint``), nor about Ray.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
+
+from workers.trainer.config import Backend
+
+TRAINING_STATE = "training_state.pt"
+"""ddp: optimizer and RNG state, beside the model."""
+SHARDED = "sharded"
+"""fsdp2: the ``torch.distributed.checkpoint`` folder of model and optimizer shards."""
+RNG = "rng.pt"
+"""fsdp2: rank 0's RNG state (every shard starts from the same seed, as with ddp)."""
+
+
+WAIT_GROUP = "checkpoint"
+"""Ray concurrency group of ``checkpoint_written``: waiting for a write is not queued
+behind (nor holds up) the shard's training calls."""
+
+
+class BackendMismatch(Exception):
+    """The folder was written by the other backend: the message is one line."""
+
+
+def written_by(folder: Path) -> Backend | None:
+    """Which backend wrote the trainer folder (None: neither's state is there)."""
+    if (folder / SHARDED).is_dir():
+        return "fsdp2"
+    if (folder / TRAINING_STATE).is_file():
+        return "ddp"
+    return None
+
+
+def _copy(state: Any) -> Any:
+    """Every tensor in ``state`` copied (a DTensor keeps its shard on its device; a
+    plain tensor goes to CPU memory): training may change the originals meanwhile."""
+    return tree_map_only(
+        torch.Tensor,
+        lambda t: t.detach().clone() if isinstance(t, DTensor)
+        else t.detach().to("cpu", copy=True),
+        state)
+
+
+class CheckpointWriter:
+    """One shard's checkpoint writes, one at a time, each in a background thread."""
+
+    def __init__(self, *, rank: int, backend: Backend) -> None:
+        self.rank = rank
+        self.backend = backend
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="checkpoint")
+        self._pending: Future[None] | None = None
+        self._lock = threading.Lock()
+        self._group: Any = None
+        if backend == "fsdp2" and dist.is_initialized():
+            # The writes' collectives (DCP's plan exchange) run in the writer thread beside
+            # training's: a group of their own, gloo since DCP exchanges Python objects.
+            self._group = dist.new_group(backend="gloo")
+
+    def start(self, out_dir: str, *, module: torch.nn.Module,
+              optimizer: torch.optim.Optimizer, whole: dict[str, torch.Tensor],
+              tokenizer: Any) -> None:
+        """Snapshots the state to resume from and starts writing it into ``out_dir``.
+
+        ``whole``: the policy's state dict, whole, where this shard writes the Hugging
+        Face model (empty on fsdp2's other shards). Waits for an earlier write first.
+        """
+        self.wait()
+        out = Path(out_dir)
+        rng = torch.get_rng_state()
+        if self.backend == "fsdp2":
+            model_state, optim_state = get_state_dict(module, optimizer)
+            sharded = _copy({"model": model_state, "optim": optim_state})
+        else:
+            sharded = _copy({"optimizer": optimizer.state_dict(), "rng": rng})
+        whole = _copy(whole)
+
+        def write() -> None:
+            out.mkdir(parents=True, exist_ok=True)
+            if whole:
+                module.save_pretrained(out, state_dict=whole)  # type: ignore[operator]
+                tokenizer.save_pretrained(out)
+            if self.backend == "fsdp2":
+                dcp.save(sharded, checkpoint_id=out / SHARDED, process_group=self._group)
+                if self.rank == 0:
+                    torch.save(rng, out / RNG)
+            else:
+                torch.save(sharded, out / TRAINING_STATE)
+
+        with self._lock:
+            self._pending = self._pool.submit(write)
+
+    def wait(self) -> None:
+        """Returns once the last write started is complete; raises its error, once."""
+        with self._lock:
+            pending, self._pending = self._pending, None
+        if pending is not None:
+            pending.result()
+
+    def close(self) -> None:
+        self.wait()
+        self._pool.shutdown()
+
+
+def load(folder: str, *, backend: Backend, module: torch.nn.Module,
+         optimizer: torch.optim.Optimizer) -> None:
+    """Restores the optimizer (and with fsdp2 the model shards) and RNG state from a
+    trainer folder; ``BackendMismatch`` when the other backend wrote it."""
+    path = Path(folder)
+    found = written_by(path)
+    if found != backend:
+        raise BackendMismatch(
+            f"{path}: written by trainer.backend = {found!r}, this run has {backend!r}: "
+            f"resume with trainer.backend = {found!r}" if found else
+            f"{path}: no {SHARDED}/ or {TRAINING_STATE} (not a trainer checkpoint)")
+    if backend == "fsdp2":
+        model_state, optim_state = get_state_dict(module, optimizer)
+        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path / SHARDED)
+        # DCP loads in place: the dicts now hold the checkpoint's values.
+        set_state_dict(module, optimizer, model_state_dict=model_state,
+                       optim_state_dict=optim_state)
+        torch.set_rng_state(torch.load(path / RNG, weights_only=True))
+        return
+    state = torch.load(path / TRAINING_STATE, weights_only=True)
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])

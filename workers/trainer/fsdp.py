@@ -1,0 +1,139 @@
+"""FSDP2 for the trainer shards: the policy built sharded, and read back whole.
+
+Owns: finding a model's decoder layers (the classes its Hugging Face class names in
+``_no_split_modules``: ``layer_classes``), building the policy on the meta device,
+sharding it with ``fully_shard`` (every decoder layer, then the root) under
+``trainer.param_dtype`` / ``trainer.reduce_dtype`` (``MixedPrecisionPolicy``) and
+``trainer.offload`` (``CPUOffloadPolicy``), loading each parameter's own shard from the
+model's safetensors files one tensor at a time, so no shard ever holds the whole model
+(``build_sharded``), and gathering the whole weights onto rank 0 (``full_state``: for
+weight publishing, evaluation and Hugging Face saves). Knows nothing about the loss, the
+optimizer, checkpoints or Ray.
+"""
+
+from __future__ import annotations
+
+from contextlib import ExitStack
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import (
+    CPUOffloadPolicy,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+)
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from workers.trainer.config import FsdpDtype, TrainerConfig
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def layer_classes(model_path: str) -> tuple[str, ...]:
+    """The class names of the decoder layers FSDP2 shards one by one, from the model's
+    Hugging Face class (``_no_split_modules``); empty when it names none."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(model_path)
+    names: list[str] = []
+    for architecture in config.architectures or ():
+        cls = getattr(transformers, architecture, None)
+        names += getattr(cls, "_no_split_modules", None) or ()
+    return tuple(names)
+
+
+def _dtype(name: FsdpDtype) -> torch.dtype | None:
+    return None if name == "model" else _DTYPES[name]
+
+
+def _policies(trainer: TrainerConfig, device: torch.device
+              ) -> tuple[MixedPrecisionPolicy, OffloadPolicy]:
+    precision = MixedPrecisionPolicy(param_dtype=_dtype(trainer.param_dtype),
+                                     reduce_dtype=_dtype(trainer.reduce_dtype))
+    # Pinning needs an accelerator: on a CPU-only machine it fails inside fully_shard.
+    offload = (CPUOffloadPolicy(pin_memory=device.type != "cpu") if trainer.offload
+               else OffloadPolicy())
+    return precision, offload
+
+
+def build_sharded(model_path: str, *, dtype: torch.dtype, device: torch.device,
+                  trainer: TrainerConfig) -> torch.nn.Module:
+    """The policy, sharded over the default process group (which must be initialised).
+
+    Built on the meta device (no memory), sharded, then each shard's memory allocated
+    and filled from the safetensors files: a shard reads one whole tensor at a time
+    (memory-mapped) and keeps its own slice of it.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(model_path)
+    with torch.device("meta"):
+        module: torch.nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    wanted = set(getattr(module, "_no_split_modules", None) or ())
+    layers = [m for m in module.modules() if type(m).__name__ in wanted]
+    if not layers:
+        raise ValueError(f"{model_path}: no decoder layers to shard (none of the classes "
+                         f"{sorted(wanted)} in the model)")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    precision, offload = _policies(trainer, device)
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload)
+    fully_shard(module, mesh=mesh, mp_policy=precision, offload_policy=offload)
+    module.to_empty(device="cpu" if trainer.offload else device)
+    _init_buffers(module, device)
+    _load_shards(module, Path(model_path))
+    return module
+
+
+def _init_buffers(module: torch.nn.Module, device: torch.device) -> None:
+    """Computes the buffers ``to_empty`` left unset (rotary frequencies: not in the
+    weight files) with the model's own initialiser, on ``device``."""
+    init = getattr(module, "_init_weights", None)
+    with torch.no_grad():
+        for sub in module.modules():
+            if not sub._buffers:
+                continue
+            if init is not None:
+                init(sub)
+            for name, buffer in sub._buffers.items():
+                if buffer is not None:
+                    sub._buffers[name] = buffer.to(device)
+
+
+def _load_shards(module: torch.nn.Module, model_dir: Path) -> None:
+    """Copies every parameter's (and saved buffer's) own shard from the weight files."""
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to load shards from")
+    with ExitStack() as stack:
+        handles = [stack.enter_context(safe_open(str(f), framework="pt", device="cpu"))
+                   for f in files]
+        where = {key: handle for handle in handles for key in handle.keys()}  # noqa: SIM118
+        targets = [*module.named_parameters(), *module.named_buffers()]
+        with torch.no_grad():
+            for name, target in targets:
+                if name not in where:
+                    if isinstance(target, DTensor):
+                        raise KeyError(f"{model_dir}: no weights for {name}")
+                    continue  # a buffer computed at build (_init_buffers)
+                whole = where[name].get_tensor(name).to(target.dtype)
+                if isinstance(target, DTensor):
+                    # Every shard has the whole tensor: each keeps its slice, no message.
+                    whole = distribute_tensor(whole, target.device_mesh, target.placements,
+                                              src_data_rank=None)
+                target.copy_(whole)
+
+
+def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict whole, in CPU memory, on rank 0 ({} on the others). Collective:
+    every shard calls it."""
+    state = get_model_state_dict(
+        module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if not state:
+        return {}
+    return {name: t for name, t in state.items() if isinstance(t, torch.Tensor)}
