@@ -251,6 +251,9 @@ class SimTrainer:
     async def save_checkpoint(self, out_dir: str) -> None:
         Path(out_dir).mkdir(parents=True, exist_ok=True)
 
+    async def checkpoint_written(self) -> None:
+        """Simulated checkpoints are written at once (they cost nothing)."""
+
     async def usage(self) -> UsageReading:
         return UsageReading(wall=self.training.clock(), cpu_s=self.training.busy_s[self.rank])
 
