@@ -29,8 +29,9 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
+# Two pytest-xdist processes: the unit tier is mostly imports and short waits.
 unit: setup
-	$(BIN)/python -m pytest tests/unit -q
+	$(BIN)/python -m pytest tests/unit -q -n 2
 
 integration: setup
 	$(BIN)/python -m pytest tests/integration -q
@@ -39,7 +40,8 @@ test: setup
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports
-	$(BIN)/python -m pytest -q --durations=10
+	$(BIN)/python -m pytest tests/unit -q -n 2
+	$(BIN)/python -m pytest tests/integration tests/gpu -q --durations=10
 
 clean:
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache
