@@ -5,8 +5,9 @@ BIN := $(VENV)/bin
 MODEL ?= runs/small-model
 CONFIG ?= examples/cpu_default.toml
 LONGTAIL_MODEL ?= runs/longtail-model
+CALCULATOR_MODEL ?= runs/calculator-model
 
-.PHONY: setup demo demo-longtail test lint unit integration bench clean
+.PHONY: setup demo demo-longtail demo-tools test lint unit integration bench clean
 
 setup:
 	@scripts/setup-venv.sh
@@ -23,6 +24,13 @@ $(LONGTAIL_MODEL)/config.json: | setup
 # The long-tail reasoning workload (completions of 20 to 300 tokens).
 demo-longtail: setup $(LONGTAIL_MODEL)/config.json
 	$(BIN)/async-rl train examples/cpu_longtail.toml --overwrite
+
+$(CALCULATOR_MODEL)/config.json: | setup
+	$(BIN)/async-rl make-model --task calculator --out $(CALCULATOR_MODEL)
+
+# Multi-turn tool use: the calculator task, the tool answering each <call>.
+demo-tools: setup $(CALCULATOR_MODEL)/config.json
+	$(BIN)/async-rl train examples/cpu_tools.toml --overwrite
 
 lint: setup
 	$(BIN)/ruff check .

@@ -28,7 +28,7 @@ from async_rl.analysis.sweep_report import print_table, trial_row, write_csv, wr
 from async_rl.config import Config
 from async_rl.config_io import apply_overrides, load_config, to_toml
 from async_rl.run.inputs import check_inputs
-from async_rl.run.run_dir import CONFIG, SUMMARY
+from async_rl.run.run_dir import CONFIG, SUMMARY, read_summary
 from buffers.config import ConfigError
 
 CONSOLE_LOG = "console.log"
@@ -105,9 +105,11 @@ def trials(grid: Grid, repeat: int) -> list[Trial]:
 
 
 def finished(run_dir: Path, config: Config) -> bool:
-    """The run directory holds a finished run of exactly this resolved config."""
+    """The run directory holds a finished run of exactly this resolved config (a run
+    stopped by a signal or failed writes a summary too, saying so: it runs again)."""
     return ((run_dir / SUMMARY).exists() and (run_dir / CONFIG).exists()
-            and (run_dir / CONFIG).read_text() == to_toml(config))
+            and (run_dir / CONFIG).read_text() == to_toml(config)
+            and not read_summary(run_dir).stopped)
 
 
 def last_line(path: Path) -> str:

@@ -6,20 +6,18 @@ policy, then two loops side by side —
 - ``rollout_loop``: prompt source -> AdmissionGate -> a rollout worker -> ReplayQueue;
 - ``training_loop``: ReplayQueue -> plan -> trainer shards -> new version -> weights;
 
-with the evaluations due every ``run.eval_every`` steps running beside them
-(``async_rl.control.evaluation_runner``), then save and evaluate again. Which rollout
-worker takes a prompt, and replacing lost ones, is ``async_rl.control.rollout_pool``'s;
-which failures stop the run, ``async_rl.control.run_health``'s (a failed run still ends
-with a checkpoint and a summary); reading the workers' usage and spans,
-``async_rl.control.worker_readings``'. It also keeps the prompt ledger: every admitted
-prompt ends trained exactly once, dropped as filtered (rollout.filter_groups: its group had
-no signal), or dropped/failed and re-queued with a reason (a group with a timed-out
-environment call too, with task.environment.on_timeout = "requeue"). It sees
-workers only through ``async_rl.control.protocols`` and groups only as metadata (the
-tokens stay with the workers). Knows nothing about Ray (``async_rl.shell.ray_shell``
-starts the workers and hands them in), how engines generate or shards compute, the
-rules of the gate, queue and plan (buffers/), nor when evaluations fall due
-(``async_rl.control.evaluation``).
+with the evaluations due every ``run.eval_every`` steps beside them
+(``async_rl.control.evaluation_runner``), then save and evaluate again. Picking and
+replacing rollout workers is ``async_rl.control.rollout_pool``'s; which failures stop the
+run, ``async_rl.control.run_health``'s; what a checkpoint holds and the order of its
+writes, ``async_rl.control.run_checkpoints``'; reading the workers' usage and spans,
+``async_rl.control.worker_readings``'. It keeps the prompt ledger: every admitted prompt
+ends trained exactly once, dropped as filtered (rollout.filter_groups), or re-queued with
+a reason (a failure, a stale drop, an environment timeout with on_timeout = "requeue").
+It sees workers only through ``async_rl.control.protocols`` and groups only as metadata
+(the tokens stay with the workers). Knows nothing about Ray (``async_rl.shell.ray_shell``
+starts the workers and hands them in), how engines generate or shards compute, nor the
+rules of the gate, queue and plan (buffers/).
 """
 
 from __future__ import annotations
@@ -28,8 +26,7 @@ import functools
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import TypeVar
+from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.abc
@@ -37,7 +34,8 @@ import anyio.abc
 from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.config import Config
 from async_rl.control.batching import shard_batches, training_rewards
-from async_rl.control.checkpoint import RunState, begin_checkpoint, finish_checkpoint
+from async_rl.control.checkpoint import RunState
+from async_rl.control.concurrent_calls import each
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.evaluation_runner import EvaluationRunner
 from async_rl.control.prompt_ledger import PromptLedger
@@ -46,11 +44,11 @@ from async_rl.control.protocols import (
     RolloutClient,
     RolloutFailed,
     RunFailed,
-    TrainerClient,
     Workers,
     first_error,
 )
 from async_rl.control.rollout_pool import RolloutPool
+from async_rl.control.run_checkpoints import RunCheckpoints
 from async_rl.control.run_health import RunHealth
 from async_rl.control.step_metrics import StepTotals, step_row
 from async_rl.control.worker_readings import WorkerReadings
@@ -65,21 +63,7 @@ from buffers.replay_queue import ReplayQueue
 from buffers.staleness import AdmissionGate
 from workers.spans import SpanRecorder
 
-T = TypeVar("T")
 log = logging.getLogger(__name__)
-
-
-async def each(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
-    """Runs the calls concurrently; their results in order (the first error cancels)."""
-    results: list[T | None] = [None] * len(calls)
-
-    async def one(i: int) -> None:
-        results[i] = await calls[i]()
-
-    async with anyio.create_task_group() as group:
-        for i in range(len(calls)):
-            group.start_soon(one, i)
-    return results  # type: ignore[return-value]  # every slot was filled
 
 
 class Orchestrator:
@@ -137,18 +121,16 @@ class Orchestrator:
                                             self.health, out, evaluator=workers.evaluator,
                                             source=self.trainers[0])
         self.readings = WorkerReadings(self.pool, self.trainers, self.health)
-        self.written: anyio.Event | None = None
-        """Set when the last checkpoint started in the background is renamed into place."""
+        self.checkpoints = RunCheckpoints(out, self.gate, source, self.totals, self.prompts,
+                                          self.evals, backend=config.trainer.backend,
+                                          keep=config.run.keep_checkpoints)
         self.timings: list[BroadcastTiming] = []
         """Broadcast timings completed since the last metrics row."""
-        record = config.run.record_spans
         # The orchestrator's own tracks: what it waits on explains the workers' idle time.
-        self.admission = SpanRecorder(worker=ROLLOUT_TRACK, role="controller", rank=0,
-                                      device="driver", cause="no_work", enabled=record,
-                                      clock=wall)
-        self.training = SpanRecorder(worker=TRAINER_TRACK, role="controller", rank=0,
-                                     device="driver", cause="no_work", enabled=record,
-                                     clock=wall)
+        self.admission, self.training = (
+            SpanRecorder(worker=track, role="controller", rank=0, device="driver",
+                         cause="no_work", enabled=config.run.record_spans, clock=wall)
+            for track in (ROLLOUT_TRACK, TRAINER_TRACK))
 
     # ---- the run, top to bottom --------------------------------------------------------
 
@@ -203,7 +185,7 @@ class Orchestrator:
                            + await self.readings.spans())
         # Evaluations still due finish (after the training window was recorded).
         await self.evaluations.over.wait()
-        await self.checkpoint(wall_s)
+        await self.checkpoints.save(self.version, wall_s, self.trainers[0])
         await self.trainers[0].save(str(self.out.path / FINAL_MODEL))
         end = (None if self.stop_reason
                else await self.evaluations.evaluate(self.version, self.version))
@@ -334,11 +316,12 @@ class Orchestrator:
                     # The shards snapshot in order with training; the write runs beside
                     # the next steps (deliveries' task group awaits it on exit).
                     self.training.switch("checkpoint", self.version)
-                    await self.checkpoint(self.clock() - self.evals.started,
-                                          background=deliveries)
+                    await self.checkpoints.save(self.version,
+                                                self.clock() - self.evals.started,
+                                                self.trainers[0], background=deliveries)
                 step += 1
             self.training.switch("checkpoint")
-            await self.checkpoint_written()
+            await self.checkpoints.wait_written()
             self.training.switch("weight_publish")  # the last delivery, awaited on exit
 
     async def delivery_loop(self, published_versions: anyio.abc.ObjectReceiveStream[
@@ -357,7 +340,7 @@ class Orchestrator:
                 # On the rollout engines: evaluated once delivered, so they run it.
                 self.evaluations.version_delivered(published.version)
 
-    # ---- stopping, checkpoints, resuming ------------------------------------------------
+    # ---- stopping, failing, resuming ---------------------------------------------------
 
     def request_stop(self, reason: str) -> None:
         """Ends the run cleanly after the step in progress: no new step starts."""
@@ -365,68 +348,14 @@ class Orchestrator:
             self.stop_reason = reason
             log.info("%s: stopping after the current step (again to stop at once)", reason)
 
-    async def checkpoint(self, wall_s: float, shard: TrainerClient | None = None, *,
-                         background: anyio.abc.TaskGroup | None = None) -> None:
-        """A checkpoint of the last completed step: prompts admitted but not trained
-        (in flight, queued or re-queued) are saved to be issued again. The trainer's
-        state comes from ``shard`` (default shard 0; with ddp the shards are replicas,
-        with fsdp2 shard 0's client gathers every shard's part).
-
-        ``background``: returns once the trainer holds its snapshot; the write, then the
-        rename, run in this task group (``checkpoint_written`` waits for them). An
-        earlier checkpoint's write is waited for first: they complete in step order.
-        """
-        await self.checkpoint_written()
-        # Every admission slot not spent on a trained group goes back: those of open
-        # prompts, and any the rollout loop held while it waited for a free worker.
-        unspent = self.gate.statistics().started - self.totals.groups_trained
-        state = RunState(
-            step=self.version, version=self.version,
-            gate=self.gate.snapshot(in_flight=unspent),
-            source=self.source.state(), reissue=self.prompts.owed(),
-            counters=self.totals.counters(), evals=tuple(self.evals.points),
-            wall_s=wall_s, files=self.out.positions,
-            trainer_backend=self.config.trainer.backend,
-        )
-        saver = shard or self.trainers[0]
-        partial = await begin_checkpoint(self.out.path, state.step, saver.save_checkpoint)
-        finish = functools.partial(finish_checkpoint, self.out.path, partial, state,
-                                   saver.checkpoint_written, self.config.run.keep_checkpoints)
-        if background is None:
-            await finish()
-            return
-        written = self.written = anyio.Event()
-
-        async def write() -> None:
-            try:
-                await finish()
-            finally:
-                written.set()
-
-        background.start_soon(write)
-
-    async def checkpoint_written(self) -> None:
-        """Returns once the last background checkpoint is in place (or failed: its task
-        group raises the error)."""
-        if self.written is not None:
-            await self.written.wait()
-
     async def _stop_failed(self, failure: Exception,
                            group: BaseExceptionGroup[BaseException]) -> str:
         """After a failure: a checkpoint from a live trainer shard, a summary saying why;
         returns the one line the user gets."""
         dead = self.health.failed(failure, group)
-        live = [shard for rank, shard in enumerate(self.trainers) if rank not in dead]
         wall_s = self.clock() - self.evals.started
-        saved = "no live trainer shard to write a checkpoint from"
-        if live and len(live) < len(self.trainers) and self.config.trainer.backend == "fsdp2":
-            saved = "no checkpoint: every fsdp2 shard holds a part of the state"
-        elif live:
-            try:
-                await self.checkpoint(wall_s, live[0])
-                saved = f"checkpoint of step {self.version} written"
-            except Exception as err:  # the failure itself may be what breaks saving
-                saved = f"no checkpoint ({type(err).__name__}: {str(err).splitlines()[0]})"
+        saved = await self.checkpoints.save_after_failure(self.version, wall_s,
+                                                          self.trainers, dead)
         self.out.summary(self._summary(wall_s, None, None, (), f"failed: {failure}"))
         self.out.close()
         return self.health.message(failure, saved)
@@ -438,14 +367,7 @@ class Orchestrator:
         self.version = state.version
         self.first_step = state.step + 1
         self.wall_offset = state.wall_s
-        self.gate.restore(state.gate)
-        if state.gate.version < state.version:  # saved while its delivery still ran
-            self.gate.on_version(state.version)  # the engines start from this version
-        self.source.restore(state.source)
-        self.totals.restore(state.counters)
-        self.totals.restore_failures += refused
-        self.evals.points.extend(state.evals)
-        self.prompts.reissue(state.reissue)
+        self.checkpoints.restore(state, refused)
 
     # ---- workers lost, prompts re-queued -------------------------------------------------
 

@@ -68,7 +68,8 @@ def write_config(tmp_path: Path) -> Path:
     return path
 
 
-def fake_finished_run(run_dir: Path, config_path: Path, overrides: list[str]) -> None:
+def fake_finished_run(run_dir: Path, config_path: Path, overrides: list[str],
+                      stopped: str = "") -> None:
     """What `async-rl train` leaves: the resolved config, summary.json and idle.json."""
     run_dir.mkdir(parents=True)
     config = load_config(config_path, [*overrides, f'run.output_dir="{run_dir}"'])
@@ -78,7 +79,8 @@ def fake_finished_run(run_dir: Path, config_path: Path, overrides: list[str]) ->
     totals.staleness.update([0, 1, 1, 2])
     totals.dropped_stale = 3
     summary = totals.summary(wall_s=4.0, final_version=5, accuracy_start=0.25,
-                             accuracy_end=0.5, max_staleness=2, rollout_version=5)
+                             accuracy_end=0.5, max_staleness=2, rollout_version=5,
+                             stopped=stopped)
     (run_dir / SUMMARY).write_bytes(msgspec.json.encode(summary))
     roles = (Breakdown(name="trainer", role="trainer", device="1 device(s)", wall_s=4.0,
                        busy_s=3.0, idle_by_cause={"wait_data": 0.75, "no_work": 0.25}),
@@ -98,6 +100,15 @@ def test_finished_needs_the_same_resolved_config(tmp_path: Path) -> None:
         same.staleness, max_staleness=2)))
     (run_dir / SUMMARY).unlink()
     assert not finished(run_dir, same)  # crashed or interrupted: run again
+
+
+def test_a_trial_stopped_by_a_signal_or_failed_is_not_finished(tmp_path: Path) -> None:
+    config_path = write_config(tmp_path)
+    for stopped in ("SIGTERM", "failed: the trainer shard died"):
+        run_dir = tmp_path / stopped.split(":")[0]
+        fake_finished_run(run_dir, config_path, [], stopped=stopped)
+        assert (run_dir / SUMMARY).exists()
+        assert not finished(run_dir, load_config(config_path, [f'run.output_dir="{run_dir}"']))
 
 
 def test_sweep_records_a_failed_trial_and_skips_a_finished_one(

@@ -1,0 +1,27 @@
+"""Calls run side by side with their results in order: anyio's task groups return
+nothing, and the orchestrator needs every trainer shard's result of a step, by rank.
+
+Owns: ``each``. Knows nothing about what the calls do.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import TypeVar
+
+import anyio
+
+T = TypeVar("T")
+
+
+async def each(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
+    """Runs the calls concurrently; their results in order (the first error cancels)."""
+    results: list[T | None] = [None] * len(calls)
+
+    async def one(i: int) -> None:
+        results[i] = await calls[i]()
+
+    async with anyio.create_task_group() as group:
+        for i in range(len(calls)):
+            group.start_soon(one, i)
+    return results  # type: ignore[return-value]  # every slot was filled
