@@ -25,7 +25,7 @@ import msgspec
 from async_rl.config import Config
 from async_rl.config_io import apply_overrides, decode_config, load_config
 from async_rl.control.batching import shard_batches
-from async_rl.tasks.longtail import long_tail_groups
+from async_rl.tasks.synthetic import long_tail_groups
 from buffers.config import ConfigError
 from buffers.records import Group
 from workers.trainer.compare import ShardFigures, run_setup

@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from quiet_stdout import stdout_to_stderr
 
-from async_rl.tasks.longtail import long_tail_groups
+from async_rl.tasks.synthetic import long_tail_groups
 
 if TYPE_CHECKING:
     import torch

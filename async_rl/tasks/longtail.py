@@ -2,10 +2,8 @@
 
 Owns: the seeded prompt stream (``RemainderTask``), its reference reasoning traces, the
 length distribution that makes them heavy-tailed, its disjoint held-out eval set and the
-teacher completions of the supervised warm start, and ``long_tail_groups``: made-up
-rollout groups of its length shape (the fixed batch of benchmarks and ``async-rl
-compare``). Knows nothing about tokenizers, engines or training; its reward is
-``async_rl.tasks.rewards.remainder_reward``.
+teacher completions of the supervised warm start. Knows nothing about tokenizers,
+engines or training; its reward is ``async_rl.tasks.rewards.remainder_reward``.
 
 A prompt is ``"N%k="``; the completion writes every subtraction of ``k`` until the
 number is below ``k``, then the final answer after ``####``::
@@ -26,7 +24,7 @@ import random
 from collections.abc import Iterator
 
 from async_rl.tasks.sources import IndexedSource, stable_unit
-from buffers.records import Group, Prompt, Sample, make_group
+from buffers.records import Prompt
 
 MAX_NUMBER = 99
 """Largest ``N``: every step is a subtraction of two-digit numbers."""
@@ -151,25 +149,3 @@ class RemainderTask(IndexedSource):
         number, divisor = parse_prompt(prompt.text)
         wrong = rng.random() >= accuracy
         return reference_completion(number, divisor, number % divisor + 1 if wrong else None)
-
-
-def long_tail_groups(n: int, seed: int, group_size: int = 8) -> list[Group]:
-    """Groups of ``n`` sequences in all, shaped like this task's (random token ids in
-    3..258, random behaviour logprobs and 0/1 rewards; each sample as long as the
-    reference completion of a fresh prompt): the same ``seed``, the same groups."""
-    task, rng = RemainderTask(seed=seed), random.Random(seed)
-    out = []
-    for g in range(n // group_size):
-        prompt = task.prompt_at(g)
-        samples = []
-        for k in range(group_size):
-            number, divisor = parse_prompt(task.prompt_at(g * group_size + k).text)
-            completion = len(reference_completion(number, divisor)) + 1  # + EOS
-            samples.append(Sample(
-                token_ids=tuple(rng.randrange(3, 259) for _ in range(completion)),
-                logprobs=tuple(-rng.uniform(0.1, 3.0) for _ in range(completion)),
-                versions=(0,) * completion, finish_reason="stop", text="",
-                reward=float(rng.random() < 0.5)))
-        out.append(make_group(prompt, tuple(rng.randrange(3, 259) for _ in prompt.text),
-                              tuple(samples)))
-    return out

@@ -15,7 +15,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import queue
 import resource
-import socket
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,6 +24,7 @@ import msgspec
 
 from buffers.records import ShardBatch, ShardStepResult
 from workers.model_config import ModelConfig
+from workers.ports import free_port
 from workers.rollout.config import RolloutConfig
 from workers.trainer.config import TrainerConfig
 
@@ -104,13 +104,6 @@ def _shard(rank: int, world: int, port: int, model: ModelConfig, trainer: Traine
         parameters=parameters, max_param_diff=diff)))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port: int = s.getsockname()[1]
-        return port
-
-
 def run_setup(*, model: ModelConfig, trainer: TrainerConfig, rollout: RolloutConfig,
               seed: int, batches: Sequence[ShardBatch], steps: int, reference: Path,
               timeout_s: float) -> list[ShardFigures]:
@@ -121,7 +114,7 @@ def run_setup(*, model: ModelConfig, trainer: TrainerConfig, rollout: RolloutCon
     without reporting, or none reports within ``timeout_s``."""
     context = mp.get_context("spawn")
     out = context.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [context.Process(target=_shard, daemon=True, args=(
         rank, len(batches), port, model, trainer, rollout, seed, batch, steps,
         str(reference), out)) for rank, batch in enumerate(batches)]
