@@ -147,7 +147,7 @@ def run(model: Path, steps: int, out_dir: Path, compute_dtype: str) -> Result:
     from async_rl.api import train
     from async_rl.control.checkpoint import CHECKPOINTS, TRAINER
     from async_rl.models.real_size import make_random_model
-    from workers.trainer.shard import TRAINING_STATE
+    from workers.trainer.checkpoints import TRAINING_STATE
 
     if not (model / "config.json").is_file():
         make_random_model(model)
