@@ -1,4 +1,5 @@
-"""The `async-rl` command line: config show, make-model, train, simulate, report, sweep.
+"""The `async-rl` command line: config show, make-model, train, simulate, report, sweep,
+compare.
 
 Owns: argument parsing and turning user errors into exit status 2 with one line. Knows
 nothing about how a run works; each command calls one function of the library (`train`
@@ -14,12 +15,16 @@ import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from async_rl.api import train
 from async_rl.config import Config
 from async_rl.config_io import load_config, to_toml
 from async_rl.run.run_dir import CONFIG, SPANS
 from buffers.config import ConfigError
+
+if TYPE_CHECKING:
+    from async_rl.compare import Setup
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -116,6 +121,28 @@ def _parser() -> argparse.ArgumentParser:
                        help="sweep directory, one run directory per trial "
                             "(default: the config's run.output_dir + '-sweep')")
     _add_overrides(sweep)
+
+    compare = commands.add_parser(
+        "compare", allow_abbrev=False,
+        help="the same fixed batch through two or more trainer setups (--a KEY=V,KEY=V "
+             "--b KEY=V ...: config keys over the base config), one table: step time, "
+             "peak memory per shard, losses, grad norms, parameter difference, agreement",
+    )
+    compare.add_argument("config", nargs="?",
+                         help="TOML config file (default: the built-in defaults)")
+    _add_overrides(compare)
+    compare.add_argument("--model", metavar="PATH", help="model.path")
+    compare.add_argument("--shards", type=_positive_int, default=None,
+                         help="trainer.num_shards of every setup (default: the config's)")
+    compare.add_argument("--steps", type=_positive_int, default=3,
+                         help="timed steps per setup, after one warm-up step; the step "
+                              "time is their median")
+    compare.add_argument("--seed", type=int, default=0, help="seed of the batch and model")
+    compare.add_argument("--tolerance", type=float, default=1e-4,
+                         help="agreement: losses and grad norms within it (relative "
+                              "above 1), parameters within it")
+    compare.add_argument("--json", action="store_true",
+                         help="one JSON object on the last line of stdout")
     return parser
 
 
@@ -263,10 +290,53 @@ def console_logging() -> None:
     logger.propagate = False
 
 
+def _compare(args: argparse.Namespace, setups: list[Setup]) -> int:
+    from async_rl.compare import base_config, compare, print_table, to_json
+    from workers.trainer.compare import SetupFailed
+
+    sets = [*args.overrides, *([f"model.path={_toml_string(args.model)}"] if args.model
+                               else []),
+            *([f"trainer.num_shards={args.shards}"] if args.shards else [])]
+    base = base_config(args.config, sets)
+    try:
+        result = compare(base, setups, steps=args.steps, seed=args.seed,
+                         tolerance=args.tolerance)
+    except SetupFailed as err:
+        print(f"compare failed: {err}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(to_json(result))
+    else:
+        print_table(result, base.trainer.num_shards)
+    return 0
+
+
+def _option_strings(parser: argparse.ArgumentParser, command: str) -> set[str]:
+    """The option strings of one subcommand (``async-rl compare``'s: the rest of its
+    ``--NAME`` arguments are setups)."""
+    for action in parser._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            return {s for a in action.choices[command]._actions for s in a.option_strings}
+    raise AssertionError(f"no subcommand {command}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    try:
+        setups: list[Setup] = []
+        if argv[:1] == ["compare"]:
+            from async_rl.compare import split_setups
+
+            argv, setups = split_setups(argv, _option_strings(parser, "compare"))
+    except ConfigError as err:
+        print(str(err), file=sys.stderr)
+        return 2
+    args = parser.parse_args(argv)
     console_logging()
     try:
+        if args.command == "compare":
+            return _compare(args, setups)
         if args.command == "config":
             print(to_toml(load_config(args.config, args.overrides)), end="")
             return 0

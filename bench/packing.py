@@ -20,7 +20,6 @@ step over the model's parameters with the default per-tensor loop and ``fused=Tr
 from __future__ import annotations
 
 import argparse
-import random
 import statistics
 import tempfile
 import time
@@ -30,8 +29,7 @@ from typing import TYPE_CHECKING
 import msgspec
 from quiet_stdout import stdout_to_stderr
 
-from async_rl.tasks.longtail import RemainderTask, parse_prompt, reference_completion
-from buffers.records import Group, Sample, make_group
+from async_rl.tasks.synthetic import long_tail_groups
 
 if TYPE_CHECKING:
     import torch
@@ -63,27 +61,6 @@ class PackingFigures(msgspec.Struct, frozen=True, kw_only=True):
     """Padded step time / packed step time."""
     adamw_default_ms: float
     adamw_fused_ms: float
-
-
-def long_tail_groups(n: int, seed: int, group_size: int = 8) -> list[Group]:
-    """Groups of ``n`` sequences in all, shaped like the long-tail task's (random token
-    ids; each sample as long as the reference completion of a fresh prompt)."""
-    task, rng = RemainderTask(seed=seed), random.Random(seed)
-    out = []
-    for g in range(n // group_size):
-        prompt = task.prompt_at(g)
-        samples = []
-        for k in range(group_size):
-            number, divisor = parse_prompt(task.prompt_at(g * group_size + k).text)
-            completion = len(reference_completion(number, divisor)) + 1  # + EOS
-            samples.append(Sample(
-                token_ids=tuple(rng.randrange(3, 259) for _ in range(completion)),
-                logprobs=tuple(-rng.uniform(0.1, 3.0) for _ in range(completion)),
-                versions=(0,) * completion, finish_reason="stop", text="",
-                reward=float(rng.random() < 0.5)))
-        out.append(make_group(prompt, tuple(rng.randrange(3, 259) for _ in prompt.text),
-                              tuple(samples)))
-    return out
 
 
 def time_adamw(model: torch.nn.Module, fused: bool, repeats: int = 10) -> float:

@@ -13,7 +13,9 @@ machine's CPU that made the first step's backward take 597 s for 588 tokens
 - the weight update: publish (the trainer's snapshot), transfer (the bytes on the wire)
   and load, and the transfer's bandwidth against this machine's one-thread memcpy,
   measured here first;
-- the checkpoints' write time (each one: ``run.checkpoint_every = 2``);
+- what each checkpoint (``run.checkpoint_every = 2``) cost the trainer: the seconds of
+  its idle cause ``checkpoint`` (the shard snapshots its state; a thread writes the copy
+  beside the next steps), and that against the step's time;
 
 then the newest checkpoint's read time (what ``--resume`` costs the trainer: the
 weights and the optimizer state) and the peak RSS of each worker's process tree (a
@@ -32,7 +34,6 @@ import shutil
 import threading
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import psutil
@@ -58,7 +59,9 @@ class StepRow(msgspec.Struct, frozen=True, kw_only=True):
     load_s: float
     transfer_gb_per_s: float
     """Bytes of one update (the bf16 weights) over its transfer time."""
-    checkpoint_write_s: float | None
+    checkpoint_s: float | None
+    """Seconds the trainer spent on the checkpoint of this step (idle cause
+    ``checkpoint``: its snapshot; the write runs beside the next steps)."""
 
 
 class Result(msgspec.Struct, frozen=True, kw_only=True):
@@ -139,37 +142,31 @@ def run(model: Path, steps: int, out_dir: Path, compute_dtype: str) -> Result:
     import torch
     from transformers import AutoModelForCausalLM
 
-    import async_rl.control.orchestrator as orchestrator
+    from async_rl.analysis.idle import TRAINER_TRACK
+    from async_rl.analysis.report import read_spans
     from async_rl.api import train
     from async_rl.control.checkpoint import CHECKPOINTS, TRAINER
     from async_rl.models.real_size import make_random_model
-    from workers.trainer.shard import TRAINING_STATE
+    from workers.trainer.checkpoints import TRAINING_STATE
 
     if not (model / "config.json").is_file():
         make_random_model(model)
     config = config_for(str(model), steps, str(out_dir), compute_dtype)
     shutil.rmtree(out_dir, ignore_errors=True)  # the sampler must not find an old run's pids
     memcpy = memcpy_gb_per_s()
-    writes: dict[int, float] = {}
-    write_checkpoint = orchestrator.write_checkpoint
-
-    async def timed_write(run_dir: Path, state: Any, *args: Any, **kwargs: Any) -> Path:
-        began = time.perf_counter()
-        try:
-            return await write_checkpoint(run_dir, state, *args, **kwargs)
-        finally:
-            writes[state.step] = time.perf_counter() - began
-
-    # The orchestrator runs in this process: wrapping its checkpoint writer times each one.
-    orchestrator.write_checkpoint = timed_write
     sampler = RssSampler(out_dir)
     began = time.perf_counter()
     try:
         train(config)
     finally:
-        orchestrator.write_checkpoint = write_checkpoint
         peak = sampler.stop()
     wall = time.perf_counter() - began
+    # What a checkpoint costs the trainer: the training track's `checkpoint` spans (the
+    # shard taking its snapshot, and at the end waiting for the last write), by step.
+    waited: dict[int, float] = {}
+    for span in read_spans(out_dir):
+        if span.worker == TRAINER_TRACK and span.cause == "checkpoint":
+            waited[span.version] = waited.get(span.version, 0.0) + span.end - span.start
 
     newest = sorted((out_dir / CHECKPOINTS).glob("step-*"))[-1] / TRAINER
     t0 = time.perf_counter()
@@ -195,7 +192,7 @@ def run(model: Path, steps: int, out_dir: Path, compute_dtype: str) -> Result:
             train_s=m["train_s"], publish_s=sum(b["publish_s"] for b in sent),
             transfer_s=transfer, load_s=sum(b["load_s"] for b in sent),
             transfer_gb_per_s=len(sent) * update_bytes / transfer / 1e9 if transfer else 0.0,
-            checkpoint_write_s=writes.get(m["step"])))
+            checkpoint_s=waited.get(m["step"])))
     return Result(parameters=parameters, update_bytes=update_bytes, memcpy_gb_per_s=memcpy,
                   steps=rows, checkpoint_gb=size, checkpoint_read_s=read_s,
                   peak_rss_gb=peak, wall_s=wall)
@@ -206,7 +203,8 @@ def tables(result: Result, console: Console) -> None:
                         f"update {result.update_bytes / 1e9:.2f} GB (bf16), memcpy "
                         f"{result.memcpy_gb_per_s:.1f} GB/s (one thread)")
     for column in ("step", "compl. tokens", "step s", "compl. tok/s", "train s", "publish s",
-                   "transfer s", "load s", "GB/s", "x memcpy", "checkpoint write s"):
+                   "transfer s", "load s", "GB/s", "x memcpy", "checkpoint s",
+                   "x step"):
         table.add_column(column, justify="right")
     for r in result.steps:
         table.add_row(str(r.step), str(r.completion_tokens), f"{r.step_s:.1f}",
@@ -214,7 +212,8 @@ def tables(result: Result, console: Console) -> None:
                       f"{r.publish_s:.2f}", f"{r.transfer_s:.2f}", f"{r.load_s:.2f}",
                       f"{r.transfer_gb_per_s:.2f}",
                       f"{r.transfer_gb_per_s / result.memcpy_gb_per_s:.3f}",
-                      "-" if r.checkpoint_write_s is None else f"{r.checkpoint_write_s:.1f}")
+                      "-" if r.checkpoint_s is None else f"{r.checkpoint_s:.2f}",
+                      "-" if r.checkpoint_s is None else f"{r.checkpoint_s / r.step_s:.3f}")
     console.print(table)
     console.print(f"checkpoint: {result.checkpoint_gb:.2f} GB, read (weights + optimizer "
                   f"state) {result.checkpoint_read_s:.1f}s; peak RSS per worker tree: "

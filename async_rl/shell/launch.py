@@ -14,7 +14,6 @@ Part of the Ray shell: knows nothing about the run's loops, which
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -47,6 +46,7 @@ from workers.placement import (
     in_bundle,
 )
 from workers.placement import role_placement_groups as make_placement_groups
+from workers.ports import free_port
 from workers.reward import RewardFn
 from workers.reward_callable import Reward
 from workers.reward_runner import UserRewards
@@ -116,13 +116,6 @@ def environment_maker(task: TaskConfig, rank: int) -> Callable[[], Any] | None:
 def prompt_format_of(task: TaskConfig) -> PromptFormat:
     """How the rollout workers and the evaluator render the task's prompts."""
     return PromptFormat(chat_template=task.chat_template, system_prompt=task.system_prompt)
-
-
-def free_port() -> int:
-    """A free TCP port on the loopback, for the trainer shards' process group."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def bundle_node(group: PlacementGroup, index: int) -> tuple[str, str]:
