@@ -220,6 +220,9 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
             rollout_dtype=engine_dtype(cfg.rollout, cfg.model),
             cpu_ids=ident.devices,
             master_addr=master_addr, master_port=port, record_spans=cfg.run.record_spans,
+            # ddp's shards are replicas: shard 0's copy is the checkpoint.
+            writes_checkpoints=cfg.run.checkpoint_every > 0
+            and (cfg.trainer.backend == "fsdp2" or ident.rank == 0),
         )
         for ident in layout.trainer
     ]

@@ -60,7 +60,8 @@ def start_shards(model_dir: Path, world: int, trainer: TrainerConfig) -> list[An
     cls = ray.remote(TrainerActor).options(num_cpus=0.5)
     port = free_port()
     shards = [cls.remote(rank=r, world_size=world, model=ModelConfig(path=str(model_dir)),
-                         trainer=trainer, seed=0, master_port=port) for r in range(world)]
+                         trainer=trainer, seed=0, master_port=port,
+                         writes_checkpoints=True) for r in range(world)]
     ray.get([s.setup.remote() for s in shards])
     return shards
 

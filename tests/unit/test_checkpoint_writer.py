@@ -92,3 +92,56 @@ def test_sharded_state_on_cpu_is_refilled_in_place_too(tmp_path: Path) -> None:
         assert torch.equal(weight.to_local(), model.weight.to_local())  # type: ignore[operator]
     finally:
         dist.destroy_process_group()
+
+
+class _Folder(torch.nn.Module):
+    """A module that records what would be written as a Hugging Face model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inner = torch.nn.Linear(4, 3)
+        self.written: dict[str, torch.Tensor] = {}
+
+    def save_pretrained(self, out: Path, state_dict: dict[str, torch.Tensor]) -> None:
+        self.written = state_dict
+
+
+class _NoTokenizer:
+    def save_pretrained(self, out: Path) -> None:
+        pass
+
+
+def test_prepared_buffers_are_the_ones_the_first_checkpoint_fills(tmp_path: Path) -> None:
+    module = _Folder()
+    optimizer = torch.optim.AdamW(module.parameters(), lr=0.1)
+    module.inner(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    writer = CheckpointWriter(rank=0, backend="ddp")
+    assert not writer.prepared
+    writer.prepare(module=module, optimizer=optimizer, whole=dict(module.state_dict()))
+    writer.wait()
+    assert writer.prepared
+    sharded, whole = writer._copies
+    made = sharded["optimizer"]["state"][0]["exp_avg"]
+    made_weight = whole["inner.weight"]
+    # Made beforehand, written once (zeros), not yet the state's values.
+    assert float(made.abs().sum()) == 0.0 and float(made_weight.abs().sum()) == 0.0
+    with torch.no_grad():
+        module.inner.weight.add_(1.0)  # training moves on before the checkpoint
+    writer.start(str(tmp_path / "c"), module=module, optimizer=optimizer,
+                 whole=dict(module.state_dict()), tokenizer=_NoTokenizer())
+    writer.close()
+    assert module.written["inner.weight"] is made_weight
+    assert torch.equal(made_weight, module.inner.weight)
+    saved = torch.load(tmp_path / "c" / TRAINING_STATE, weights_only=True)
+    live = optimizer.state_dict()["state"][0]["exp_avg"]
+    assert torch.equal(saved["optimizer"]["state"][0]["exp_avg"], live)
+    assert sharded["optimizer"]["state"][0]["exp_avg"] is made
+
+
+def test_buffers_from_meta_shapes_are_allocated_on_cpu() -> None:
+    from workers.trainer.checkpoints import _allocate
+
+    made = _allocate({"w": torch.empty(3, 2, dtype=torch.bfloat16, device="meta"), "n": 7})
+    assert made["w"].device.type == "cpu" and made["w"].shape == (3, 2)
+    assert made["w"].dtype == torch.bfloat16 and made["n"] is None

@@ -32,7 +32,8 @@ from workers.rollout.config import RolloutConfig, engine_dtype
 from workers.rollout.engine import transport_environment
 from workers.trainer.config import TrainerConfig
 from workers.trainer.ppo_update import StepLoss
-from workers.trainer.shard import TrainerShard, process_group_backend
+from workers.trainer.process import process_group_backend
+from workers.trainer.shard import TrainerShard
 from workers.usage import UsageMeter, cuda_uuid
 from workers.weights.config import WeightsConfig
 

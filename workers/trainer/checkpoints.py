@@ -85,6 +85,24 @@ def _copy(state: Any, previous: Any = None) -> Any:
     return tree_unflatten(out, spec)
 
 
+def _allocate(state: Any) -> Any:
+    """CPU buffers shaped like ``state``'s tensors, every page written once (a DTensor
+    gets a local one like it; one on an accelerator gets none: its copy stays there).
+
+    Written, not just allocated: ``torch.zeros`` would map the zero page and leave the
+    page faults to the first snapshot, which is the cost this moves off the trainer."""
+    leaves, spec = tree_flatten(state)
+    out: list[Any] = []
+    for leaf in leaves:
+        if not isinstance(leaf, torch.Tensor) or leaf.device.type not in ("cpu", "meta"):
+            out.append(None)
+        elif isinstance(leaf, DTensor):
+            out.append(torch.empty_like(leaf).zero_())
+        else:
+            out.append(torch.empty(leaf.shape, dtype=leaf.dtype, device="cpu").zero_())
+    return tree_unflatten(out, spec)
+
+
 def _background_thread() -> None:
     """The writer thread's start: the lowest CPU priority, on any core, so that the
     shard's own compute (and, on CPU, the other roles') goes first and the write takes
@@ -110,6 +128,8 @@ class CheckpointWriter:
         self._copies: tuple[Any, Any] = (None, None)
         """The last snapshot (sharded or optimizer state, whole model): its CPU buffers
         are refilled by the next one."""
+        self.prepared = False
+        """``prepare`` has run: the snapshot buffers exist or are being made."""
         self._pending: Future[None] | None = None
         self._lock = threading.Lock()
         self._group: Any = None
@@ -117,6 +137,32 @@ class CheckpointWriter:
             # The writes' collectives (DCP's plan exchange) run in the writer thread beside
             # training's: a group of their own, gloo since DCP exchanges Python objects.
             self._group = dist.new_group(backend="gloo")
+
+    def prepare(self, *, module: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                whole: dict[str, torch.Tensor]) -> None:
+        """Allocates the first snapshot's buffers in the writer thread, beside training,
+        so that the first checkpoint costs the trainer only its copy, as later ones do.
+        Call once the optimizer has its state (after its first step).
+
+        ``whole``: tensors shaped like ``start``'s (meta tensors will do; empty where this
+        shard writes no Hugging Face model)."""
+        self.wait()
+        self.prepared = True
+        sharded = self._state(module, optimizer)
+
+        def allocate() -> None:
+            self._copies = (_allocate(sharded), _allocate(whole))
+
+        with self._lock:
+            self._pending = self._pool.submit(allocate)
+
+    def _state(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer) -> Any:
+        """What this backend's checkpoint holds besides the Hugging Face model (live
+        tensors, not copies)."""
+        if self.backend == "fsdp2":
+            model_state, optim_state = get_state_dict(module, optimizer)
+            return {"model": model_state, "optim": optim_state}
+        return {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
 
     def start(self, out_dir: str, *, module: torch.nn.Module,
               optimizer: torch.optim.Optimizer, whole: dict[str, torch.Tensor],
@@ -128,13 +174,9 @@ class CheckpointWriter:
         """
         self.wait()
         out = Path(out_dir)
-        rng = torch.get_rng_state()
+        rng = torch.get_rng_state()  # fsdp2 writes it beside DCP's folder
         last_sharded, last_whole = self._copies
-        if self.backend == "fsdp2":
-            model_state, optim_state = get_state_dict(module, optimizer)
-            sharded = _copy({"model": model_state, "optim": optim_state}, last_sharded)
-        else:
-            sharded = _copy({"optimizer": optimizer.state_dict(), "rng": rng}, last_sharded)
+        sharded = _copy(self._state(module, optimizer), last_sharded)
         whole = _copy(whole, last_whole)
         self._copies = (sharded, whole)
 

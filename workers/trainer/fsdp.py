@@ -137,3 +137,9 @@ def full_state(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     if not state:
         return {}
     return {name: t for name, t in state.items() if isinstance(t, torch.Tensor)}
+
+
+def full_shapes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Meta tensors shaped like ``full_state``'s (the global shapes): no gather."""
+    return {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
+            for name, t in module.state_dict().items() if isinstance(t, torch.Tensor)}

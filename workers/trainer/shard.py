@@ -20,7 +20,6 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -41,11 +40,12 @@ from workers.rollout.config import RolloutConfig
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 from workers.trainer.checkpoints import CheckpointWriter, load
 from workers.trainer.config import TrainerConfig
-from workers.trainer.fsdp import build_sharded, full_state
+from workers.trainer.fsdp import build_sharded, full_shapes, full_state
 from workers.trainer.loss import Normaliser
 from workers.trainer.loss_stats import merge_stats
 from workers.trainer.packing import use_packed_attention
 from workers.trainer.ppo_update import MicroBatch, StepLoss
+from workers.trainer.process import join_process_group, pin_to_cpus
 from workers.usage import UsageMeter, cuda_uuid
 from workers.weights.config import UpdateMode, WeightsConfig
 
@@ -63,21 +63,6 @@ class _Times:
     backward_s: float = 0.0
     optimizer_s: float = 0.0
     barrier_s: float = 0.0
-
-
-def pin_to_cpus(cpu_ids: tuple[int, ...]) -> None:
-    """Gives this process its own cores so roles behave like separate devices."""
-    if cpu_ids and hasattr(os, "sched_setaffinity"):
-        available = os.sched_getaffinity(0)
-        wanted = {c for c in cpu_ids if c in available} or available
-        os.sched_setaffinity(0, wanted)
-        torch.set_num_threads(len(wanted))
-
-
-def process_group_backend(device: torch.device) -> str:
-    """NCCL for CUDA tensors, gloo for CPU ones: each backend takes only its own, so
-    every collective's tensors must live on this device (``TrainerShard.device``)."""
-    return "nccl" if device.type == "cuda" else "gloo"
 
 
 class TrainerShard:
@@ -100,6 +85,7 @@ class TrainerShard:
         master_port: int = 29500,
         record_spans: bool = True,
         rollout_dtype: str | None = None,
+        writes_checkpoints: bool = False,
     ) -> None:
         self.rank = rank
         self.world_size = world_size
@@ -115,6 +101,8 @@ class TrainerShard:
         """Rollout's completion cap: loss_agg seq_mean_token_sum_norm divides by it."""
         self.rollout_dtype = rollout_dtype or model.dtype
         """The engines' dtype (rollout.dtype): published weights are cast to it."""
+        self.writes_checkpoints = writes_checkpoints
+        """``save_checkpoint`` will be called: make its buffers ahead (``prepare``)."""
         self.cpu_ids = cpu_ids
         self.master_addr = master_addr
         self.master_port = master_port
@@ -142,13 +130,9 @@ class TrainerShard:
         torch.manual_seed(self.seed)
         sharded = self.config.backend == "fsdp2"
         if self.world_size > 1 or sharded:  # FSDP2's device mesh needs a group, even of one
-            dist.init_process_group(
-                process_group_backend(self.device),
-                init_method=f"tcp://{self.master_addr}:{self.master_port}",
-                rank=self.rank,
-                world_size=self.world_size,
-                timeout=timedelta(minutes=5),
-            )
+            join_process_group(self.device, master_addr=self.master_addr,
+                               master_port=self.master_port, rank=self.rank,
+                               world_size=self.world_size)
         dtype = _DTYPES[self.model_config.dtype]
         module: torch.nn.Module
         if sharded:
@@ -221,6 +205,8 @@ class TrainerShard:
                     break  # the rest of the step would build on a diverged update
             if not math.isfinite(norms_seen[-1]):
                 break
+        if self.writes_checkpoints and not self.checkpoints.prepared and self.optimizer.state:
+            self._prepare_checkpoint()
         self.spans.switch(UNRESOLVED, batch.step)
         return ShardStepResult(
             rank=self.rank,
@@ -390,6 +376,12 @@ class TrainerShard:
         """
         self.checkpoints.start(out_dir, module=self.module, optimizer=self.optimizer,
                                whole=self._state(), tokenizer=self.tokenizer)
+
+    def _prepare_checkpoint(self) -> None:
+        """Starts making the snapshot buffers (``CheckpointWriter.prepare``)."""
+        whole = (self._state() if self.config.backend == "ddp"
+                 else full_shapes(self.module) if self.rank == 0 else {})
+        self.checkpoints.prepare(module=self.module, optimizer=self.optimizer, whole=whole)
 
     def checkpoint_written(self) -> None:
         """Returns once the last ``save_checkpoint`` is on disk; raises its error."""
