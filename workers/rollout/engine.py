@@ -4,7 +4,8 @@ Owns: binding the engine to its cores and the allocator and OpenMP runtime its p
 preload (CPU build), the engine arguments (worker extension, weight-transfer backend,
 behaviour logprobs, KV-cache size, which process runs the model), the sampling
 parameters of sampled and greedy requests, making an idle engine block instead of spin,
-and turning vLLM's per-token weight-version spans into versions. Knows nothing about
+and turning what a request returns into per-token versions (from vLLM's weight-version
+spans) and logprobs. Knows nothing about
 prompts, groups, rewards or weight updates: ``workers.rollout.worker.RolloutWorker``
 drives the engine. vLLM is imported inside the functions, so importing this module
 stays cheap.
@@ -220,3 +221,19 @@ def versions_from_spans(spans: Sequence[Any] | None, num_tokens: int) -> list[in
             return None
         versions.extend([label] * (span.end - span.start))
     return versions if spans and len(versions) == num_tokens else None
+
+
+def token_logprobs(request_id: str, token_ids: Sequence[int],
+                   entries: Sequence[Any] | None) -> list[float]:
+    """The sampled tokens' logprobs from one output's per-token entries (vLLM's
+    ``logprobs=0``: each entry holds the sampled token); raises if one is missing."""
+    entries = entries or []
+    if len(entries) != len(token_ids):
+        raise RolloutWorkerError(f"{request_id}: {len(entries)} logprobs for "
+                                 f"{len(token_ids)} tokens")
+    out = []
+    for entry, token in zip(entries, token_ids, strict=True):
+        if entry is None or token not in entry:
+            raise RolloutWorkerError(f"{request_id}: no logprob for token {token}")
+        out.append(float(entry[token].logprob))
+    return out

@@ -42,10 +42,11 @@ from workers.reward_runner import UserRewards
 from workers.rollout.config import RolloutConfig
 from workers.rollout.engine import (
     build_engine,
-    quiet_idle_reads,
     sampling_params,
+    token_logprobs,
     versions_from_spans,
 )
+from workers.rollout.idle_spin import IdleSpin
 from workers.rollout.prompts import PromptFormat, render
 from workers.rollout.scoring import Scorer
 from workers.rollout.turns import TurnRunner
@@ -128,8 +129,8 @@ class RolloutWorker:
         self._request_ids = itertools.count()
         self._in_flight: dict[str, int] = {}  # request id -> tokens generated so far
         self._evaluating = 0  # greedy (evaluation) requests among those in flight
-        self._quiet_idle = False  # stop the engine's idle spin (see _stop_spinning_soon)
-        self._quiet_tasks: set[asyncio.Task[None]] = set()
+        self._idle = IdleSpin(busy=lambda: bool(self._in_flight) or self._receiver.updating
+                              or self._failed is not None)
 
         self._groups = self._samples = self._tokens = 0
         self._engine_start_s = self._warmup_s = 0.0
@@ -152,7 +153,7 @@ class RolloutWorker:
             self._usage = UsageMeter(gpu_uuid=cuda_uuid(0))
         # The engine labels every step's tokens with this: the version of model.path.
         await self._engine.update_weight_version(str(self._receiver.version))
-        self._quiet_idle = await quiet_idle_reads(self._engine, self._rollout)
+        await self._idle.start(self._engine, self._rollout)
         cfg = self._rollout
         from transformers import AutoTokenizer
 
@@ -178,8 +179,7 @@ class RolloutWorker:
         """Stops the engine and its processes; the worker cannot generate afterwards."""
         engine, self._engine = self._engine, None
         self._failed = self._failed or "shut down"
-        for task in self._quiet_tasks:
-            task.cancel()
+        self._idle.close()
         self._scorer.close()
         if self._turns is not None:
             self._turns.close()
@@ -187,7 +187,7 @@ class RolloutWorker:
             engine.shutdown()
 
     def _ready(self) -> AsyncLLM:
-        failed = self._failed or self._receiver.failed
+        failed = self._failed or self._idle.failed or self._receiver.failed
         if failed is not None:
             raise RolloutWorkerError(f"rollout worker {self._rank}: {failed}")
         if self._engine is None:
@@ -220,32 +220,6 @@ class RolloutWorker:
         """CPU time of this actor and its engine processes, for the span cross-check."""
         return self._usage.read()
 
-    # ---------------------------------------------------------------- idle engine
-
-    def _stop_spinning_soon(self) -> None:
-        """Once nothing is in flight, tells the engine's worker process to block rather
-        than spin until work arrives (``WorkerExtension.stop_spinning`` says why).
-
-        Without it an idle worker used a full core: vLLM's queue reader spins for a
-        second after every read, and steps or weight loads come more often than that.
-        A task, so the request that finished last returns without waiting for the rpc.
-        """
-        if self._quiet_idle and not self._in_flight and not self._receiver.updating:
-            task = asyncio.get_running_loop().create_task(self._stop_spinning())
-            self._quiet_tasks.add(task)
-            task.add_done_callback(self._quiet_tasks.discard)
-
-    async def _stop_spinning(self) -> None:
-        await asyncio.sleep(0)  # work submitted in the same loop turn cancels it
-        engine = self._engine
-        if engine is None or self._failed or self._in_flight or self._receiver.updating:
-            return
-        try:
-            await engine.collective_rpc("stop_spinning")
-        except Exception as err:
-            if self._engine is not None and self._failed is None:  # not a shutdown race
-                self._failed = f"stopping the engine's idle spin failed: {err!r}"
-
     # ---------------------------------------------------------------- generation
 
     async def _stream(self, prompt: str | list[int], params: SamplingParams, *,
@@ -275,14 +249,7 @@ class RolloutWorker:
                 prompt_ids = prompt_ids or tuple(out.prompt_token_ids or ())
                 completion = out.outputs[0]
                 new = list(completion.token_ids)
-                entries = completion.logprobs or []
-                if len(entries) != len(new):
-                    raise RolloutWorkerError(f"{request_id}: {len(entries)} logprobs for "
-                                             f"{len(new)} tokens")
-                for entry, tok in zip(entries, new, strict=True):
-                    if entry is None or tok not in entry:
-                        raise RolloutWorkerError(f"{request_id}: no logprob for token {tok}")
-                    logprobs.append(float(entry[tok].logprob))
+                logprobs.extend(token_logprobs(request_id, new, completion.logprobs))
                 tokens.extend(new)
                 arrival_versions.extend([self._receiver.version if self._rollout.stream_tokens
                                          else started_version] * len(new))
@@ -294,7 +261,7 @@ class RolloutWorker:
             del self._in_flight[request_id]
             self._evaluating -= evaluation
             self._switch_span()
-            self._stop_spinning_soon()
+            self._idle.soon()
         # The engine labels each step's tokens with the label set while it was paused
         # for the load, so its spans are exact; a token sampled just before a pause may
         # reach this process only after the version changed.
@@ -428,7 +395,7 @@ class RolloutWorker:
 
     def _weights_changed(self) -> None:
         self._switch_span()
-        self._stop_spinning_soon()
+        self._idle.soon()
 
     # ---------------------------------------------------------------- state
 
