@@ -91,12 +91,14 @@ def _shard(rank: int, world: int, port: int, model: ModelConfig, trainer: Traine
     parameters = sum(p.numel() for p in shard.module.parameters())
     state = shard.policy_state()  # with fsdp2 every shard takes part; shard 0 holds it
     diff = None
-    if state:
+    if state and rank == 0:  # ddp's other replicas hold the same weights
         path = Path(reference)
         if path.is_file():
             diff = _max_diff(state, path)
-        else:  # the first setup: its weights are the reference
-            torch.save({k: v.clone() for k, v in state.items()}, path)
+        else:  # the first setup: its weights are the reference, renamed in once whole
+            partial = path.with_suffix(".partial")
+            torch.save({k: v.clone() for k, v in state.items()}, partial)
+            partial.replace(path)
     del state
     shard.shutdown()
     out.put(msgspec.json.encode(ShardFigures(
