@@ -45,7 +45,8 @@ class FilePositions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RunWriter:
-    """Appends a run's records to its directory as they happen (crash-safe: line-flushed).
+    """Appends a run's records to its directory as they happen (crash-safe: line-flushed,
+    unless ``line_flushed=False``).
 
     Writes run.json (the experiment record) when created and again, with the end time,
     when closed.
