@@ -13,6 +13,8 @@ model folder.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -48,8 +50,19 @@ class RolloutPool:
         """Where restarts run, while ``replacing()`` is open; None: lost workers stay lost."""
         # Kept across restarts: calls on a dead worker give their slot back as they fail.
         self.busy = {rank: 0 for rank in workers}
+        self._positions = itertools.count()
+        self._position: dict[int, int] = {}
+        """Each live worker's place in ``_workers``' order (a restarted one goes last)."""
+        self._by_busy: list[list[tuple[int, int]]] = [[] for _ in range(limit + 1)]
+        """Per count of slots taken, the live workers there as sorted (position, rank):
+        the least busy is the first of the first non-empty list, which is what min()
+        over ``_workers`` picks (ties to the earliest), without scanning every worker."""
+        for rank in self._workers:
+            self._place(rank)
         self._restarting = 0
-        self._changed = anyio.Condition()
+        # The fast lock takes a free lock without a trip through the event loop: this
+        # is taken twice per prompt, and nothing waits on it but the wait below.
+        self._changed = anyio.Condition(anyio.Lock(fast_acquire=True))
         """Notified when a worker frees a slot or a new one starts."""
 
     @property
@@ -73,7 +86,7 @@ class RolloutPool:
 
     def full(self) -> bool:
         """No live worker can take another prompt now."""
-        return not self._workers or min(map(self.busy.__getitem__, self._workers)) >= self.limit
+        return not any(self._by_busy[:self.limit])
 
     async def acquire(self, waiting: Callable[[], None]) -> tuple[int, RolloutClient]:
         """The least-busy live worker and its rank, with one of its slots taken (it may be
@@ -83,15 +96,37 @@ class RolloutPool:
             while self.full():
                 waiting()
                 await self._changed.wait()
-            rank = min(self._workers, key=self.busy.__getitem__)
-            self.busy[rank] += 1
+            rank = next(level[0][1] for level in self._by_busy if level)
+            self._move(rank, +1)
             return rank, self._workers[rank]
 
     async def release(self, rank: int) -> None:
         """Gives back a slot taken by ``acquire``."""
         async with self._changed:
-            self.busy[rank] -= 1
+            self._move(rank, -1)
             self._changed.notify_all()
+
+    def _place(self, rank: int, position: int | None = None) -> None:
+        """Files a live worker under its slots taken; a new one (no position) goes last."""
+        if position is None:
+            position = next(self._positions)
+        self._position[rank] = position
+        bisect.insort(self._by_busy[self.busy[rank]], (position, rank))
+
+    def _unplace(self, rank: int) -> int:
+        """Takes a live worker out of ``_by_busy``; returns its position."""
+        position = self._position.pop(rank)
+        level = self._by_busy[self.busy[rank]]
+        del level[bisect.bisect_left(level, (position, rank))]
+        return position
+
+    def _move(self, rank: int, by: int) -> None:
+        """Changes the slots taken on ``rank`` (live or not: calls on a lost worker give
+        theirs back too) by ``by``."""
+        position = self._unplace(rank) if rank in self._position else None
+        self.busy[rank] += by
+        if position is not None:
+            self._place(rank, position)
 
     async def any_live(self) -> tuple[int, RolloutClient]:
         """The live worker of lowest rank, and its rank, waiting for a restart if none is
@@ -112,6 +147,7 @@ class RolloutPool:
         if self._workers.get(rank) is not worker:
             return  # retired by another of its calls already (and maybe replaced)
         del self._workers[rank]
+        self._unplace(rank)
         self.totals.retired_workers += 1
         if (self.restart is not None and self._restarts is not None
                 and self.totals.restarts < self.max_restarts):
@@ -133,6 +169,7 @@ class RolloutPool:
             assert self.restart is not None  # retire starts no restart without one
             worker = await self.restart(rank, model_dir, version)
             self._workers[rank] = worker
+            self._place(rank)
             log.info("rollout-%d restarted at version %d", rank, version)
         finally:
             self._restarting -= 1

@@ -45,18 +45,24 @@ class FilePositions(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class RunWriter:
-    """Appends a run's records to its directory as they happen (crash-safe: line-flushed).
+    """Appends a run's records to its directory as they happen (crash-safe: line-flushed,
+    unless ``line_flushed=False``).
 
     Writes run.json (the experiment record) when created and again, with the end time,
     when closed.
     """
 
     def __init__(self, out_dir: str | Path, config: Config,
-                 positions: FilePositions | None = None, simulated: str = "") -> None:
+                 positions: FilePositions | None = None, simulated: str = "", *,
+                 line_flushed: bool = True) -> None:
         """A new run directory, or with ``positions`` an existing one continued from a
         checkpoint: each JSONL file cut back to the lines it had then, appended after.
-        ``simulated``: the hardware of a simulated run, recorded in run.json."""
+        ``simulated``: the hardware of a simulated run, recorded in run.json.
+        ``line_flushed=False``: the JSONL files are written in blocks, complete once
+        closed (a simulation: it is rerun rather than resumed, and a flush per ledger
+        event is a system call per event)."""
         self.path = Path(out_dir)
+        self._line_flushed = line_flushed
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / CONFIG).write_text(to_toml(config))
         self._encoder = msgspec.json.Encoder()
@@ -84,24 +90,24 @@ class RunWriter:
     def _write_record(self) -> None:
         (self.path / RUN_RECORD).write_bytes(msgspec.json.format(self._encoder.encode(self.record)))
 
+    def _append(self, file: IO[bytes], name: str, record: Any) -> None:
+        file.write(self._encoder.encode(record) + b"\n")
+        if self._line_flushed:
+            file.flush()
+        self._lines[name] += 1
+
     def metrics(self, row: dict[str, Any]) -> None:
-        self._metrics.write(self._encoder.encode(row) + b"\n")
-        self._metrics.flush()
-        self._lines["metrics"] += 1
+        self._append(self._metrics, "metrics", row)
         if self._loggers:
             values = scalars(row, "train")
             for logger in self._loggers:
                 logger.metrics(row["step"], values)
 
     def ledger(self, entry: LedgerEntry) -> None:
-        self._ledger.write(self._encoder.encode(entry) + b"\n")
-        self._ledger.flush()
-        self._lines["ledger"] += 1
+        self._append(self._ledger, "ledger", entry)
 
     def eval(self, point: EvalPoint) -> None:
-        self._evals.write(self._encoder.encode(point) + b"\n")
-        self._evals.flush()
-        self._lines["evals"] += 1
+        self._append(self._evals, "evals", point)
         for logger in self._loggers:
             logger.eval(point)
 

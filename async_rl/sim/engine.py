@@ -22,21 +22,23 @@ import itertools
 import math
 from collections.abc import Callable
 
-import anyio
-
 from async_rl.sim.costs import Costs
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 
 
 class Request:
-    """One call's sequences (a group's samples, or one evaluation prompt)."""
+    """One call's sequences (a group's samples, or one evaluation prompt); ``done`` is
+    settled ``after`` seconds past its last sequence's end (the reward's latency)."""
 
-    __slots__ = ("done", "evaluate", "finish", "lengths", "max_version", "min_version",
-                 "prompt_tokens")
+    __slots__ = ("after", "done", "evaluate", "finish", "lengths", "max_version",
+                 "min_version", "prompt_tokens")
 
-    def __init__(self, prompt_tokens: int, lengths: tuple[int, ...], evaluate: bool) -> None:
+    def __init__(self, prompt_tokens: int, lengths: tuple[int, ...], evaluate: bool,
+                 after: float) -> None:
         self.prompt_tokens, self.lengths, self.evaluate = prompt_tokens, lengths, evaluate
-        self.done = anyio.Event()
+        self.after = after
+        # asyncio's own future, not an anyio.Event: the cheapest wait, on asyncio's loop.
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.finish = 0
         self.min_version = self.max_version = -1
 
@@ -48,7 +50,9 @@ class Load:
 
     def __init__(self, version: int, pause_s: float, asked: float) -> None:
         self.version, self.pause_s, self.asked = version, pause_s, asked
-        self.done = anyio.Event()
+        # A settled future is awaited without a trip through the loop (an anyio.Event's
+        # wait yields even when set): a delivery awaits every engine's in turn.
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.done_at = asked
 
     @property
@@ -89,12 +93,13 @@ class SimEngine:
     # ---- what the rollout worker asks ---------------------------------------------------
 
     async def generate(self, prompt_tokens: int, lengths: tuple[int, ...], *,
-                       evaluate: bool = False) -> Request:
-        """Runs the sequences; returns their request once the last has ended."""
-        request = Request(prompt_tokens, lengths, evaluate)
+                       evaluate: bool = False, after: float = 0.0) -> Request:
+        """Runs the sequences; returns their request ``after`` seconds past the end of
+        the last (one timer instead of a sleep of the caller's: a task step less)."""
+        request = Request(prompt_tokens, lengths, evaluate, after)
         self._waiting.append(request)
         self._wake()
-        await request.done.wait()
+        await request.done
         return request
 
     def load(self, version: int, pause_s: float) -> Load:
@@ -127,7 +132,7 @@ class SimEngine:
             if await self._sleep(planned):  # woken: the step in progress ends first
                 elapsed = self.clock() - began
                 target = self._steps_within(elapsed - self._prefill)
-                await anyio.sleep(max(self._prefill + self._time_to(target) - elapsed, 0.0))
+                await asyncio.sleep(max(self._prefill + self._time_to(target) - elapsed, 0.0))
             self.busy_s += self.clock() - began
             self._prefill = 0.0
             self._advance(target)
@@ -163,12 +168,12 @@ class SimEngine:
         loads, self._loads = self._loads, []
         self.spans.switch("weight_sync", loads[-1].version)
         pause = sum(load.pause_s for load in loads)
-        await anyio.sleep(pause)
+        await asyncio.sleep(pause)
         self.busy_s += pause
         self.version = loads[-1].version
         for load in loads:
             load.done_at = self.clock()
-            load.done.set()
+            _settle(load.done)
 
     def _admit(self) -> None:
         for request in self._waiting:
@@ -233,4 +238,12 @@ class SimEngine:
             if request.evaluate:
                 self._evaluating -= len(request.lengths)
             request.max_version = self.version
-            request.done.set()
+            if request.after > 0:
+                asyncio.get_running_loop().call_later(request.after, _settle, request.done)
+            else:
+                _settle(request.done)
+
+
+def _settle(done: asyncio.Future[None]) -> None:
+    if not done.cancelled():  # its waiter was cancelled meanwhile
+        done.set_result(None)

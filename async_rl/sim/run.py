@@ -64,7 +64,8 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
     config = msgspec.structs.replace(
         config, run=msgspec.structs.replace(config.run, checkpoint_every=0))
     source, eval_prompts = _task(config)
-    out = RunWriter(config.run.output_dir, config, simulated=costs.hardware.name)
+    out = RunWriter(config.run.output_dir, config, simulated=costs.hardware.name,
+                    line_flushed=False)
 
     async def main() -> RunSummary:
         clock = virtual_now

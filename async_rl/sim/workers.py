@@ -56,6 +56,8 @@ class SimRollout:
         self.rank, self.engine, self.config, self.lengths = rank, engine, config, lengths
         self.clock = clock
         self._call_s = engine.costs.hardware.call_s
+        self._rng = random.Random()
+        """Reseeded per group (cheaper than a new one): its rewards' draws."""
 
     @property
     def name(self) -> str:
@@ -69,9 +71,10 @@ class SimRollout:
         cfg = self.config
         completions = self._completions(prompt, cfg.rollout.group_size)
         length = prompt_tokens(cfg, prompt)
-        request = await self.engine.generate(length, completions)
-        await anyio.sleep(cfg.simulate.reward_s + self._call_s)
-        rng = random.Random(zlib.crc32(f"reward:{prompt.prompt_id}:{prompt.attempt}".encode()))
+        request = await self.engine.generate(length, completions,
+                                             after=cfg.simulate.reward_s + self._call_s)
+        rng = self._rng
+        rng.seed(zlib.crc32(f"reward:{prompt.prompt_id}:{prompt.attempt}".encode()))
         cap = cfg.rollout.max_new_tokens
         return Group(
             prompt=prompt, prompt_length=length, completion_lengths=completions,
@@ -286,7 +289,7 @@ class SimWeights:
                  for rank in ranks}  # every engine at once: a broadcast
         timings = []
         for rank, loading in asked.items():
-            await loading.done.wait()
+            await loading.done
             timings.append(BroadcastTiming(
                 version=published.version, rollout_rank=rank, publish_s=published.publish_s,
                 transfer_s=transfer, pause_s=loading.waited, load_s=load))

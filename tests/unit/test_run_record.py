@@ -13,8 +13,9 @@ from test_report import write_run
 
 from async_rl.cli import main
 from async_rl.config_io import decode_config
-from async_rl.run.run_dir import RUN_RECORD, RunWriter, read_record
+from async_rl.run.run_dir import RUN_RECORD, RunWriter, read_ledger, read_record
 from async_rl.run.run_record import RunRecord, collect, source_state
+from buffers.records import LedgerEntry
 
 
 def test_run_json_holds_the_record_and_its_end_time(tmp_path: Path) -> None:
@@ -113,3 +114,18 @@ def test_compare_says_when_nothing_differs(tmp_path: Path,
     run_with_record(tmp_path / "b", 1)
     assert main(["report", str(tmp_path / "a"), str(tmp_path / "b")]) == 0
     assert "config and record: no differences" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("line_flushed", [True, False])
+def test_the_ledger_is_on_disk_per_line_or_once_closed(tmp_path: Path,
+                                                        line_flushed: bool) -> None:
+    config = decode_config({"model": {"path": "m"},
+                            "run": {"output_dir": str(tmp_path / "run")}})
+    writer = RunWriter(config.run.output_dir, config, line_flushed=line_flushed)
+    entry = LedgerEntry(prompt_id="p-0", event="admitted", version=0, attempt=0, time=0.0)
+    writer.ledger(entry)
+    on_disk = read_ledger(tmp_path / "run")
+    assert on_disk == ([entry] if line_flushed else [])  # a simulation's: in blocks
+    assert writer.positions.ledger == 1
+    writer.close()
+    assert read_ledger(tmp_path / "run") == [entry]
