@@ -231,3 +231,27 @@ def test_fsdp2_trains_as_ddp_and_resumes_exactly_from_its_sharded_checkpoint(
     for shard in resumed:
         ray.get(shard.shutdown.remote())
         ray.kill(shard)
+
+
+def test_hybrid_sharding_trains_as_ddp(tiny_model_dir: Path, ray_cluster: None) -> None:
+    """trainer.shard_group = 1 on two shards: a (2, 1) mesh, each group holding the whole
+    model and the groups replicating each other (HSDP's degenerate case here)."""
+    common: dict[str, Any] = {"num_shards": 2, "groups_per_step": 8, "micro_batch_tokens": 64,
+                              "max_grad_norm": 1e9}
+    ddp = TrainerConfig(**common)
+    hybrid = TrainerConfig(backend="fsdp2", shard_group=1, **common)
+    data = groups(8)
+    weights = []
+    for trainer in (ddp, hybrid):
+        shards = start_shards(tiny_model_dir, 2, trainer)
+        results = step(shards, data, trainer)
+        assert len(results) == 2 and all(r.loss.tokens > 0 for r in results)
+        weights.append((results, whole_policy(shards)))
+        for shard in shards:
+            ray.get(shard.shutdown.remote())
+            ray.kill(shard)
+    (by_ddp, ddp_weights), (by_hybrid, hybrid_weights) = weights
+    for a, b in zip(by_ddp, by_hybrid, strict=True):
+        assert b.loss.loss_sum == pytest.approx(a.loss.loss_sum, abs=1e-5)
+        assert b.grad_norm == pytest.approx(a.grad_norm, abs=1e-5)
+    assert largest_difference(ddp_weights, hybrid_weights) < 1e-5

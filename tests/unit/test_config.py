@@ -137,6 +137,9 @@ BAD: list[tuple[str, list[str], str, str]] = [
     (GOOD, ["trainer.reduce_dtype=float32"], "trainer.reduce_dtype", '"fsdp2"'),
     (GOOD, ["trainer.backend=fsdp2", "trainer.param_dtype=float16"], "trainer.param_dtype",
      "'bfloat16'"),
+    (GOOD, ["trainer.shard_group=1"], "trainer.shard_group", '"fsdp2"'),
+    (GOOD, ["trainer.backend=fsdp2", "trainer.num_shards=4", "trainer.groups_per_step=8",
+            "trainer.shard_group=3"], "trainer.shard_group", "must divide trainer.num_shards"),
 ]
 
 
@@ -325,3 +328,23 @@ EXAMPLES = sorted((Path(__file__).parents[2] / "examples").glob("*.toml"))
 @pytest.mark.parametrize("example", EXAMPLES, ids=lambda p: p.name)
 def test_example_configs_are_valid(example: Path) -> None:
     assert load_config(example).run.num_steps >= 1
+
+
+@pytest.mark.parametrize(("architecture", "shardable"),
+                         [("Qwen2ForCausalLM", True), ("NoSuchForCausalLM", False)])
+def test_fsdp2_needs_a_model_whose_decoder_layers_are_named(
+    tmp_path: Path, architecture: str, shardable: bool
+) -> None:
+    import json
+
+    from async_rl.run.inputs import check_shardable
+
+    (tmp_path / "config.json").write_text(json.dumps(
+        {"model_type": "qwen2", "architectures": [architecture]}))
+    if shardable:
+        check_shardable(str(tmp_path))
+        return
+    with pytest.raises(ConfigError) as info:
+        check_shardable(str(tmp_path))
+    message = str(info.value)
+    assert "\n" not in message and message.startswith("config error: trainer.backend")

@@ -32,6 +32,12 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     holding 1/num_shards of them; the model is built on the meta device and loaded shard
     by shard, so no shard ever holds the whole model (docs/fsdp.md says when to choose
     which). Checkpoints of one backend do not resume with the other."""
+    shard_group: NonNegative = 0
+    """fsdp2 only: shards per FSDP group. 0 (or num_shards): one group, every shard holds
+    1/num_shards of the model. Fewer: hybrid sharding (HSDP), num_shards / shard_group
+    groups that each hold the whole model in 1/shard_group slices and replicate each
+    other (gradients reduce-scattered within a group, all-reduced across groups): the
+    device mesh is (num_shards / shard_group, shard_group), so it must divide num_shards."""
     param_dtype: FsdpDtype = "model"
     """fsdp2 only: dtype of the gathered parameters forward and backward compute with
     (FSDP2's MixedPrecisionPolicy); the sharded master weights and AdamW state stay in
@@ -134,11 +140,16 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     def __post_init__(self) -> None:
         if self.backend != "fsdp2":
             for key, value, default in (("offload", self.offload, False),
+                                        ("shard_group", self.shard_group, 0),
                                         ("param_dtype", self.param_dtype, "model"),
                                         ("reduce_dtype", self.reduce_dtype, "model")):
                 if value != default:
                     raise invalid(f"trainer.{key}", value,
                                   f'needs trainer.backend = "fsdp2" (it is {self.backend!r})')
+        if self.shard_group and self.num_shards % self.shard_group:
+            raise invalid("trainer.shard_group", self.shard_group,
+                          f"must divide trainer.num_shards ({self.num_shards}): the mesh "
+                          "is (num_shards / shard_group, shard_group)")
         if self.groups_per_step % self.num_shards:
             raise invalid(
                 "trainer.groups_per_step",

@@ -79,7 +79,12 @@ def build_sharded(model_path: str, *, dtype: torch.dtype, device: torch.device,
     if not layers:
         raise ValueError(f"{model_path}: no decoder layers to shard (none of the classes "
                          f"{sorted(wanted)} in the model)")
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    world = dist.get_world_size()
+    group = trainer.shard_group or world
+    # 2-D: FSDP2 shards over the last dimension and replicates over the first (HSDP).
+    mesh = (init_device_mesh(device.type, (world,)) if group == world else
+            init_device_mesh(device.type, (world // group, group),
+                             mesh_dim_names=("replicate", "shard")))
     precision, offload = _policies(trainer, device)
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload)
