@@ -291,7 +291,7 @@ def console_logging() -> None:
 
 
 def _compare(args: argparse.Namespace, setups: list[Setup]) -> int:
-    from async_rl.compare import base_config, compare, print_table, to_json
+    from async_rl.compare import base_config, compare, comparison_table, to_json
     from workers.trainer.compare import SetupFailed
 
     sets = [*args.overrides, *([f"model.path={_toml_string(args.model)}"] if args.model
@@ -307,7 +307,12 @@ def _compare(args: argparse.Namespace, setups: list[Setup]) -> int:
     if args.json:
         print(to_json(result))
     else:
-        print_table(result, base.trainer.num_shards)
+        from rich.console import Console
+
+        console = Console()
+        (console if console.is_terminal else Console(width=200)).print(
+            comparison_table(result, base.trainer.num_shards))
+        print(f"agree: {'yes' if result.agree else 'no'}")
     return 0
 
 

@@ -18,7 +18,7 @@ import statistics
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
@@ -30,6 +30,9 @@ from buffers.config import ConfigError
 from buffers.records import Group
 from workers.trainer.compare import ShardFigures, run_setup
 from workers.trainer.loss_stats import merge_stats
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 SETUP_SECTIONS = ("trainer", "model")
 """Sections a setup may change; model.path is the same for every setup."""
@@ -196,9 +199,8 @@ def compare(base: Config, setups: Sequence[Setup], *, steps: int, seed: int,
                       steps=steps, setups=rows)
 
 
-def print_table(result: Comparison, shards: int) -> None:
-    """The comparison as one table, ratios to the first setup."""
-    from rich.console import Console
+def comparison_table(result: Comparison, shards: int) -> Table:
+    """The comparison as one table, ratios to the first setup (the CLI prints it)."""
     from rich.table import Table
 
     first = result.setups[0]
@@ -219,9 +221,7 @@ def print_table(result: Comparison, shards: int) -> None:
             "/".join(f"{m:.0f}" for m in r.rss_setup_mb),
             " ".join(f"{v:.6g}" for v in r.losses), " ".join(f"{v:.5g}" for v in r.grad_norms),
             f"{r.max_param_diff:.2g}", "yes" if r.agree else "NO")
-    console = Console()
-    (console if console.is_terminal else Console(width=200)).print(table)
-    print(f"agree: {'yes' if result.agree else 'no'}")
+    return table
 
 
 def to_json(result: Comparison) -> str:
