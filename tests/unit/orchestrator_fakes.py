@@ -22,6 +22,7 @@ from async_rl.control.orchestrator import Orchestrator
 from async_rl.control.protocols import EvaluationFailed, PolicyWeights, RolloutFailed, Workers
 from async_rl.run.run_dir import RunWriter
 from async_rl.run.summary import RunSummary
+from async_rl.sim.clock import run_virtual, virtual_now
 from async_rl.tasks.sources import ArithmeticTask
 from buffers.records import (
     BroadcastTiming,
@@ -198,10 +199,13 @@ def config(tmp_path: Path, *, steps: int = 6, max_staleness: int = 1, groups: in
 def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer],
         *, weights: FakeWeights | None = None, evaluator: FakeEvaluator | None = None,
         stop_after: int = 0,
-        resume: bool = False, restart: Callable[[int], FakeRollout] | None = None
-        ) -> RunSummary:
+        resume: bool = False, restart: Callable[[int], FakeRollout] | None = None,
+        virtual: bool = False) -> RunSummary:
     """One run on fresh fakes; ``stop_after``: request a clean stop once that many
-    steps have trained; ``resume``: continue the run directory's newest checkpoint."""
+    steps have trained; ``resume``: continue the run directory's newest checkpoint;
+    ``virtual``: on the simulator's virtual clock, so that the fakes' sleeps order the
+    run the same way however loaded the machine is (a test that needs groups to finish
+    out of order by a margin)."""
     task = ArithmeticTask(seed=0)
     async def restart_rollout(rank: int, model_dir: str, version: int) -> FakeRollout:
         assert restart is not None and Path(model_dir).is_dir()  # the trainer saved it
@@ -215,28 +219,32 @@ def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer
                       restart_rollout=restart_rollout if restart else None)
     state = latest_checkpoint(Path(cfg.run.output_dir))[1] if resume else None
     out = RunWriter(cfg.run.output_dir, cfg, positions=state.files if state else None)
-    orchestrator = Orchestrator(cfg, out, task, task.eval_prompts(cfg.task.eval_size),
-                                workers)
-    if state is not None:
-        orchestrator.restore(state)
-        for fake in rollout.values():
-            fake.version_now = state.version  # engines start from the checkpoint
-    if stop_after:
-        train = trainers[0].train
+    def build() -> Orchestrator:
+        # In the running loop: a virtual clock reads it from the start.
+        orchestrator = Orchestrator(cfg, out, task, task.eval_prompts(cfg.task.eval_size),
+                                    workers, clock=virtual_now if virtual else None)
+        if state is not None:
+            orchestrator.restore(state)
+            for fake in rollout.values():
+                fake.version_now = state.version  # engines start from the checkpoint
+        if stop_after:
+            train = trainers[0].train
 
-        async def train_then_stop(batch: ShardBatch) -> ShardStepResult:
-            result = await train(batch)
-            if batch.step == stop_after:
-                orchestrator.request_stop("SIGINT")
-            return result
+            async def train_then_stop(batch: ShardBatch) -> ShardStepResult:
+                result = await train(batch)
+                if batch.step == stop_after:
+                    orchestrator.request_stop("SIGINT")
+                return result
 
-        trainers[0].train = train_then_stop  # type: ignore[method-assign]
+            trainers[0].train = train_then_stop  # type: ignore[method-assign]
+        return orchestrator
 
     async def main() -> RunSummary:
+        orchestrator = build()
         with anyio.fail_after(20):
             return await orchestrator.run()
 
-    return anyio.run(main)
+    return run_virtual(main) if virtual else anyio.run(main)
 
 
 def ledger(path: Path) -> dict[str, list[dict[str, object]]]:

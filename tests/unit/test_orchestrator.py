@@ -88,7 +88,7 @@ def test_slow_groups_go_stale_are_requeued_and_training_goes_on(
     slot and deadlock the run)."""
     cfg = config(tmp_path, steps=6, max_staleness=max_staleness, groups=2,
                  wait_for_expiring=False)
-    summary = run(cfg, {0: FakeRollout(0, slow=SLOW)}, [FakeTrainer(0)])
+    summary = run(cfg, {0: FakeRollout(0, slow=SLOW)}, [FakeTrainer(0)], virtual=True)
     assert summary.steps == 6
     assert len(summary.staleness_histogram) <= max_staleness + 1  # the bound held
     events = ledger(tmp_path)
@@ -108,7 +108,7 @@ def test_slow_groups_are_waited_for_when_their_bound_is_near(
     """With queue.wait_for_expiring (the default) the step that is a slow group's last
     chance waits for it: trained within the bound, none dropped."""
     cfg = config(tmp_path, steps=6, max_staleness=max_staleness, groups=2)
-    summary = run(cfg, {0: FakeRollout(0, slow=SLOW)}, [FakeTrainer(0)])
+    summary = run(cfg, {0: FakeRollout(0, slow=SLOW)}, [FakeTrainer(0)], virtual=True)
     assert summary.steps == 6 and summary.dropped_stale == 0
     assert len(summary.staleness_histogram) <= max_staleness + 1
     events = ledger(tmp_path)
