@@ -29,6 +29,7 @@ from pathlib import Path
 import msgspec
 
 from buffers.config import ConfigError
+from workers.model_config import kv_bytes_per_token as kv_bytes
 
 SHIPPED = Path(__file__).parent / "hardware"
 """The shipped hardware files: cpu.toml (calibrated here), h100, h200, a100, h20."""
@@ -128,8 +129,7 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
     embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
     counted = layers * (attention + mlp + 2 * hidden) + embeddings + hidden
     return ModelShape(parameters=parameters or float(counted),
-                      kv_bytes_per_token=kv_bytes_per_token
-                      or float(2 * layers * kv_heads * head_dim * width),
+                      kv_bytes_per_token=kv_bytes_per_token or kv_bytes(c, width),
                       bytes_per_parameter=width)
 
 

@@ -70,8 +70,9 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     requests recompute their KV under the new weights; without it they keep the old KV
     (PipelineRL's choice) and an update pauses the engine for less time."""
     kv_cache_gib: NonNegative = 0
-    """KV-cache size in GiB on the CPU build (vLLM's ``VLLM_CPU_KVCACHE_SPACE``); 0 sizes it
-    from memory_fraction."""
+    """KV-cache size in GiB on the CPU build (vLLM's ``VLLM_CPU_KVCACHE_SPACE``). 0: 1 GiB
+    when the most sequences the engine runs, each at the model's longest context, fit
+    in it (small models: a faster engine start), else sized from memory_fraction."""
     ignore_eos: bool = False
     """Every sampled completion runs to max_new_tokens (fixed-length rollouts, for
     benchmarks and tests); greedy evaluation always stops at EOS."""

@@ -13,6 +13,7 @@ stays cheap.
 
 from __future__ import annotations
 
+import json
 import os
 import platform
 import sys
@@ -22,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from workers.errors import RolloutWorkerError
-from workers.model_config import ModelConfig
+from workers.model_config import ModelConfig, kv_bytes_per_token
 from workers.rollout.config import RolloutConfig, engine_dtype
 
 if TYPE_CHECKING:
@@ -113,6 +114,34 @@ def preload_cpu_libs(dirs: Sequence[Path] | None = None) -> list[str]:
     return added
 
 
+CPU_MOST_SEQUENCES = 1024
+"""More sequences than the CPU build's engine ever runs at once (vLLM's default
+max_num_seqs there is 256 per engine process)."""
+
+
+def cpu_kv_cache_gib(rollout: RolloutConfig, model: ModelConfig) -> int:
+    """The KV cache a CPU engine gets (``VLLM_CPU_KVCACHE_SPACE``; 0: vLLM sizes it).
+
+    ``rollout.kv_cache_gib`` when set. Otherwise 1 GiB when the KV of the most sequences
+    the engine could run, each at the model's longest context, fits in it (the small
+    models of tests and demos): vLLM would size it from memory_fraction instead and
+    write GiB the model never uses at every engine start (2.4 GiB here: 2-3 s of each
+    start). Else 0, as for a model whose config.json says nothing of its context.
+    """
+    if rollout.kv_cache_gib:
+        return int(rollout.kv_cache_gib)
+    path = Path(model.path, "config.json")
+    if not path.is_file():
+        return 0
+    hf_config = json.loads(path.read_text())
+    context = hf_config.get("max_position_embeddings")
+    if not context:
+        return 0
+    # Four bytes a value: no dtype the engine runs in takes more.
+    most = CPU_MOST_SEQUENCES * context * kv_bytes_per_token(hf_config, 4)
+    return 1 if most <= 2**30 else 0
+
+
 def transport_environment(transport: str) -> dict[str, str]:
     """What the engine's processes need in their environment for ``transport``.
 
@@ -137,8 +166,9 @@ def build_engine(
     cuda = torch.cuda.is_available()
     if cpu_ids and not cuda:
         bind_cpus(rank, cpu_ids)
-    if rollout.kv_cache_gib:
-        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(rollout.kv_cache_gib)
+    kv_cache_gib = 0 if cuda else cpu_kv_cache_gib(rollout, model)
+    if kv_cache_gib:
+        os.environ["VLLM_CPU_KVCACHE_SPACE"] = str(kv_cache_gib)
     if rollout.preload_cpu_libs and not cuda:
         preload_cpu_libs()
     os.environ.update(transport_environment(transport))
