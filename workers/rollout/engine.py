@@ -125,11 +125,11 @@ def cpu_kv_cache_gib(rollout: RolloutConfig, model: ModelConfig) -> int:
     ``rollout.kv_cache_gib`` when set. Otherwise 1 GiB when the KV of the most sequences
     the engine could run, each at the model's longest context, fits in it (the small
     models of tests and demos): vLLM would size it from memory_fraction instead and
-    write GiB the model never uses at every engine start (2.4 GiB here: 2-3 s of each
-    start). Else 0, as for a model whose config.json says nothing of its context.
+    write GiB the model never uses at every engine start (docs/benchmarks.md). Else 0,
+    as for a model whose config.json says nothing of its context.
     """
     if rollout.kv_cache_gib:
-        return int(rollout.kv_cache_gib)
+        return rollout.kv_cache_gib
     path = Path(model.path, "config.json")
     if not path.is_file():
         return 0
