@@ -1,94 +1,22 @@
-"""Placement: who runs where. Worker identities, per-role placement groups and CPU cores.
+"""Placement: where the layout's workers run on a Ray cluster.
 
-Owns: the explicit identity of every worker (role, rank, node, devices), the registry the
-shell prints, and the Ray placement groups of the two roles, either disaggregated
-(the default: rollout and trainer on their own devices) or co-located (both roles share
-one STRICT_PACK group), and refusing, in one line, a layout the cluster cannot hold: too
-few GPUs for the layout (``check_gpus``, before any group is asked for) or a group that
-is still unplaced at its deadline (``role_placement_groups``). On CPU it also hands each
-worker its own cores, so that rollout and training behave like separate accelerators.
-Knows nothing about what workers do.
+Owns: the registry of worker identities the shell prints, and the Ray placement groups
+of the two roles, either disaggregated (the default: rollout and trainer on their own
+devices) or co-located (both roles share one STRICT_PACK group), and refusing, in one
+line, a layout the cluster cannot hold: too few GPUs for the layout (``check_gpus``,
+before any group is asked for) or a group that is still unplaced at its deadline
+(``role_placement_groups``). The layout itself (who owns which cores) is
+``workers.layout``'s. Knows nothing about what workers do.
 """
 
 from __future__ import annotations
 
-import os
-from typing import Literal
-
-import msgspec
 import ray
 from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffers.config import ConfigError
-
-Role = Literal["rollout", "trainer"]
-
-
-class WorkerIdentity(msgspec.Struct, frozen=True, kw_only=True):
-    """Where one worker runs and which devices it owns."""
-
-    role: Role
-    rank: int
-    node: str = ""
-    """Node IP address (filled once the actor runs)."""
-    node_id: str = ""
-    """Ray node id: tells apart nodes that share an address (several on one machine)."""
-    device_kind: Literal["cpu", "cuda"] = "cpu"
-    devices: tuple[int, ...] = ()
-    """CPU core ids (device_kind cpu) or GPU ordinals (cuda) this worker owns."""
-    pid: int = 0
-
-    @property
-    def name(self) -> str:
-        return f"{self.role}-{self.rank}"
-
-    @property
-    def device_label(self) -> str:
-        ids = ",".join(str(d) for d in self.devices) or "-"
-        return f"{self.device_kind}:{ids}"
-
-
-class Layout(msgspec.Struct, frozen=True, kw_only=True):
-    """The planned identities of every worker, before any actor exists."""
-
-    rollout: tuple[WorkerIdentity, ...]
-    trainer: tuple[WorkerIdentity, ...]
-    colocated: bool
-
-
-def assign_cpus(
-    num_rollout: int, cpus_per_rollout: int, num_trainer: int, cpus_per_trainer: int,
-    *, available: tuple[int, ...] | None = None, colocated: bool = False,
-) -> Layout:
-    """Splits this node's cores between the roles, rollout first.
-
-    Disaggregated: each worker gets its own cores while there are enough; beyond that,
-    cores are reused round-robin within the role (contention then shows up as slower
-    compute, never as a failure). Co-located: both roles get the same cores.
-    """
-    cores = tuple(sorted(available if available is not None else os.sched_getaffinity(0)))
-
-    def take(start: int, count: int, width: int) -> list[tuple[int, ...]]:
-        return [
-            tuple(cores[(start + i * width + j) % len(cores)] for j in range(width))
-            for i in range(count)
-        ]
-
-    rollout_cores = take(0, num_rollout, cpus_per_rollout)
-    trainer_start = 0 if colocated else num_rollout * cpus_per_rollout
-    if not colocated and trainer_start >= len(cores):
-        trainer_start = len(cores) - 1  # too few cores: trainers share the last one(s)
-    trainer_cores = take(trainer_start, num_trainer, cpus_per_trainer)
-    return Layout(
-        rollout=tuple(
-            WorkerIdentity(role="rollout", rank=r, devices=c) for r, c in enumerate(rollout_cores)
-        ),
-        trainer=tuple(
-            WorkerIdentity(role="trainer", rank=r, devices=c) for r, c in enumerate(trainer_cores)
-        ),
-        colocated=colocated,
-    )
+from workers.layout import Layout, Role, WorkerIdentity
 
 
 def gpus_per_worker(cluster_gpus: float, colocated: bool) -> float:

@@ -37,14 +37,9 @@ from buffers.records import Prompt
 from workers.actors import RolloutActor, TrainerActor
 from workers.environment import EnvironmentConfig
 from workers.eval.evaluator import IdleCpuEvaluator
+from workers.layout import WorkerIdentity, assign_cpus
 from workers.model_config import ModelConfig
-from workers.placement import (
-    WorkerIdentity,
-    assign_cpus,
-    check_gpus,
-    gpus_per_worker,
-    in_bundle,
-)
+from workers.placement import check_gpus, gpus_per_worker, in_bundle
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.ports import free_port
 from workers.reward import RewardFn

@@ -26,8 +26,9 @@ import torch.distributed as dist
 
 from buffers.config import ConfigError
 from buffers.records import TrainSequence
+from workers.layout import assign_cpus
 from workers.model_config import ModelConfig
-from workers.placement import assign_cpus, check_gpus, gpus_per_worker, role_bundles
+from workers.placement import check_gpus, gpus_per_worker, role_bundles
 from workers.rollout.config import RolloutConfig, engine_dtype
 from workers.rollout.engine import transport_environment
 from workers.trainer.config import TrainerConfig

@@ -1,0 +1,83 @@
+"""The layout: which worker is which, and on CPU which cores each one owns.
+
+Owns: the explicit identity of every worker (``WorkerIdentity``: role, rank, node,
+devices), the planned identities of a run's workers before any actor exists (``Layout``)
+and ``assign_cpus``, which hands each worker its own cores so that rollout and training
+behave like separate accelerators. Plain Python: the simulator lays a CPU machine out as
+a real run would. Knows nothing about Ray or what workers do.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+import msgspec
+
+Role = Literal["rollout", "trainer"]
+
+
+class WorkerIdentity(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one worker runs and which devices it owns."""
+
+    role: Role
+    rank: int
+    node: str = ""
+    """Node IP address (filled once the actor runs)."""
+    node_id: str = ""
+    """Ray node id: tells apart nodes that share an address (several on one machine)."""
+    device_kind: Literal["cpu", "cuda"] = "cpu"
+    devices: tuple[int, ...] = ()
+    """CPU core ids (device_kind cpu) or GPU ordinals (cuda) this worker owns."""
+    pid: int = 0
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.rank}"
+
+    @property
+    def device_label(self) -> str:
+        ids = ",".join(str(d) for d in self.devices) or "-"
+        return f"{self.device_kind}:{ids}"
+
+
+class Layout(msgspec.Struct, frozen=True, kw_only=True):
+    """The planned identities of every worker, before any actor exists."""
+
+    rollout: tuple[WorkerIdentity, ...]
+    trainer: tuple[WorkerIdentity, ...]
+    colocated: bool
+
+
+def assign_cpus(
+    num_rollout: int, cpus_per_rollout: int, num_trainer: int, cpus_per_trainer: int,
+    *, available: tuple[int, ...] | None = None, colocated: bool = False,
+) -> Layout:
+    """Splits this node's cores between the roles, rollout first.
+
+    Disaggregated: each worker gets its own cores while there are enough; beyond that,
+    cores are reused round-robin within the role (contention then shows up as slower
+    compute, never as a failure). Co-located: both roles get the same cores.
+    """
+    cores = tuple(sorted(available if available is not None else os.sched_getaffinity(0)))
+
+    def take(start: int, count: int, width: int) -> list[tuple[int, ...]]:
+        return [
+            tuple(cores[(start + i * width + j) % len(cores)] for j in range(width))
+            for i in range(count)
+        ]
+
+    rollout_cores = take(0, num_rollout, cpus_per_rollout)
+    trainer_start = 0 if colocated else num_rollout * cpus_per_rollout
+    if not colocated and trainer_start >= len(cores):
+        trainer_start = len(cores) - 1  # too few cores: trainers share the last one(s)
+    trainer_cores = take(trainer_start, num_trainer, cpus_per_trainer)
+    return Layout(
+        rollout=tuple(
+            WorkerIdentity(role="rollout", rank=r, devices=c) for r, c in enumerate(rollout_cores)
+        ),
+        trainer=tuple(
+            WorkerIdentity(role="trainer", rank=r, devices=c) for r, c in enumerate(trainer_cores)
+        ),
+        colocated=colocated,
+    )
