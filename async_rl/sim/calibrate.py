@@ -4,8 +4,10 @@ Owns: ``calibrate`` (``async-rl simulate --calibrate RUN_DIR``) and what it meas
 real run (``Measured``). The physical figures (peak FLOP/s, memory bandwidth) stay those
 of the base hardware file; fitted are
 
-- the trainer: each step's ``train_s`` against its tokens (least squares: a fixed part
-  per update, the rest per token, which gives the training MFU);
+- the trainer: each step's ``train_s`` against its tokens and the rollout engines
+  generating beside it (least squares: a fixed part per update, the rest per token,
+  which gives the training MFU, and how much each busy engine slows it: the
+  contention; a CPU run's machine is laid out with this machine's cores);
 - the weight path: the median snapshot, transfer and load times of its broadcasts
   (the interconnect bandwidth is the weights' bytes over the transfer time);
 - rollout: the engine's fixed seconds per step and its decode MFU, by simulating the
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import statistics
 import tempfile
 from collections.abc import Sequence
@@ -35,6 +38,7 @@ from async_rl.config_io import load_config
 from async_rl.run.run_dir import CONFIG, read_ledger, read_metrics, read_summary
 from async_rl.sim.costs import Costs, Hardware, hardware_toml, load_hardware, model_shape
 from async_rl.sim.run import simulate
+from workers.spans import Span
 
 DECODE_MFUS = (0.01, 0.03, 0.1, 0.3, 1.0)
 """The decode MFUs tried (a CPU engine's small batches are far from peak)."""
@@ -79,7 +83,8 @@ class Fit(msgspec.Struct, frozen=True, kw_only=True):
         h, real, sim = self.hardware, self.real, self.simulated
         return "\n".join([
             f"trainer: {h.update_s * 1e3:.1f} ms per update + tokens at train_mfu "
-            f"{h.train_mfu:.4f} of {h.peak_flops:.3g} FLOP/s",
+            f"{h.train_mfu:.4f} of {h.peak_flops:.3g} FLOP/s, {h.contention:.2f} slower "
+            f"per engine busy beside it ({h.cores or 'no'} cores laid out)",
             f"weights: publish {h.publish_s * 1e3:.1f} ms, interconnect "
             f"{h.interconnect_bandwidth:.3g} B/s, load pause {h.weight_load_s * 1e3:.1f} ms",
             f"rollout: {h.decode_step_s * 1e3:.2f} ms per engine step, decode_mfu "
@@ -91,20 +96,54 @@ class Fit(msgspec.Struct, frozen=True, kw_only=True):
         ])
 
 
+def generating_beside(spans: Sequence[Span]) -> dict[int, float]:
+    """Per step, how many rollout engines were generating, on average, while trainer
+    shard 0 computed it (its forward and backward spans; a step's spans carry the
+    version it trains from, one less than the step)."""
+    computing: dict[int, list[tuple[float, float]]] = {}
+    for span in spans:
+        if span.worker == "trainer-0" and span.cause in ("forward", "backward"):
+            computing.setdefault(span.version + 1, []).append((span.start, span.end))
+    generating = [(s.start, s.end) for s in spans
+                  if s.role == "rollout" and s.cause == "generate"]
+    beside = {}
+    for step, stretches in computing.items():
+        busy = sum(end - start for start, end in stretches)
+        both = sum(max(0.0, min(end, g_end) - max(start, g_start))
+                   for start, end in stretches for g_start, g_end in generating)
+        beside[step] = both / busy if busy > 0 else 0.0
+    return beside
+
+
 def _fit_trainer(config: Config, rows: Sequence[dict[str, object]], base: Hardware,
-                 parameters: float) -> Hardware:
+                 parameters: float, beside: dict[int, float]) -> Hardware:
+    """Least squares of ``train_s`` on a fixed part (when the tokens vary enough to tell
+    it apart), tokens, and tokens times the engines generating beside (when some steps
+    had them and some did not: the contention)."""
     steps = rows[2:] if len(rows) > 4 else rows  # the first steps run cold
     train = np.array([float(r["train_s"]) for r in steps])  # type: ignore[arg-type]
     tokens = np.array([float(r["tokens"]) for r in steps])  # type: ignore[arg-type]
+    engines = np.array([beside.get(int(r["step"]), 0.0) for r in steps])  # type: ignore[call-overload]
     updates = config.trainer.mini_batches * config.trainer.epochs
-    per_token, fixed = float(np.median(train / tokens)), 0.0
+    per_token, fixed, contention = float(np.median(train / tokens)), 0.0, 0.0
+    columns = {"tokens": tokens}
     if tokens.std() > 0.1 * tokens.mean():  # enough spread to split fixed from per-token
-        slope, intercept = np.polyfit(tokens, train, 1)
-        if slope > 0 and intercept >= 0:
-            per_token, fixed = float(slope), float(intercept)
+        columns["fixed"] = np.ones_like(tokens)
+    if engines.std() > 0.1:
+        columns["beside"] = tokens * engines
+    while len(columns) > 1:
+        fit = dict(zip(columns, np.linalg.lstsq(np.column_stack(list(columns.values())),
+                                                train, rcond=None)[0], strict=True))
+        if fit["tokens"] > 0 and fit.get("fixed", 0.0) >= 0 and fit.get("beside", 0.0) >= 0:
+            per_token, fixed = float(fit["tokens"]), float(fit.get("fixed", 0.0))
+            contention = float(fit.get("beside", 0.0)) / per_token
+            break
+        # A negative part means the columns could not be told apart: one fewer.
+        columns.pop("fixed" if "fixed" in columns else "beside")
     mfu = 6 * parameters / (per_token * base.peak_flops * base.devices_per_trainer_shard)
     return msgspec.structs.replace(base, train_mfu=mfu, micro_batch_s=0.0,
-                                   update_s=max(fixed / updates - base.call_s, 0.0))
+                                   update_s=max(fixed / updates - base.call_s, 0.0),
+                                   contention=contention)
 
 
 def _fit_weights(rows: Sequence[dict[str, object]], base: Hardware,
@@ -138,7 +177,11 @@ def calibrate(run_dir: str | Path, out: str | Path, overrides: Sequence[str] = (
                         parameters=config.simulate.parameters,
                         kv_bytes_per_token=config.simulate.kv_bytes_per_token)
     rows = read_metrics(path)
-    hardware = _fit_trainer(config, rows, base, shape.parameters)
+    spans = read_spans(path)
+    if any(span.device.startswith("cpu:") for span in spans if span.role == "trainer"):
+        # Laid out on this machine's cores: the simulation lays them out the same way.
+        base = msgspec.structs.replace(base, cores=len(os.sched_getaffinity(0)))
+    hardware = _fit_trainer(config, rows, base, shape.parameters, generating_beside(spans))
     hardware = _fit_weights(rows, hardware, Costs(hardware, shape).weight_bytes)
     real = measure(path)
 

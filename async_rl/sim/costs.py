@@ -12,8 +12,10 @@ seconds:
   memory traffic (the weights once, plus every context token's KV entries, at the
   achieved bandwidth); a prefill of ``tokens`` is compute-bound;
 - a training micro-batch of ``tokens``: 6·N·tokens at the training MFU, plus a fixed
-  overhead; an optimizer update: a fixed overhead plus the gradient all-reduce between
-  shards (ring: 2·(S-1)/S of the gradient's bytes over the interconnect);
+  overhead, slower while rollout engines are busy on the same machine (``cores``,
+  ``contention``: CPU machines only); an optimizer update: a fixed overhead plus the
+  gradient all-reduce between shards (ring: 2·(S-1)/S of the gradient's bytes over the
+  interconnect);
 - a weight version: its snapshot (bytes at the memory bandwidth, plus a fixed part) and
   its delivery (bytes over the interconnect, plus a fixed engine pause).
 
@@ -67,6 +69,14 @@ class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """Fixed seconds an engine stands paused for a weight update."""
     call_s: float = 0.0
     """Fixed seconds of every call to a worker (the driver's round trip)."""
+    cores: int = 0
+    """A CPU machine's cores, handed out as a real run hands them out
+    (``workers.layout.assign_cpus``): a rollout engine and a trainer shard given the same
+    core take turns on it while both are busy. 0: every worker owns its devices."""
+    contention: float = 0.0
+    """How much slower a trainer shard computes for each rollout engine busy on other
+    cores of its machine (a shared memory bus and caches): 0.5 is 1.5x beside one busy
+    engine. 0 for accelerators, which own their memory."""
     sources: tuple[str, ...] = ()
     """Where the figures come from (data sheets, papers, a calibration run)."""
 
@@ -172,6 +182,12 @@ class Costs:
 
     def micro_batch(self, tokens: int) -> float:
         return self.hardware.micro_batch_s + self._train_token_s * tokens
+
+    def train_slowdown(self, sharing: float, beside: float) -> float:
+        """How many times longer a trainer shard's compute takes while ``sharing`` busy
+        engines run on its own cores (they take turns) and ``beside`` on other cores
+        (fractions: engines busy part of the time)."""
+        return (1 + sharing) * (1 + self.hardware.contention * beside)
 
     def update(self, shards: int) -> float:
         """An optimizer update's fixed part, with the all-reduce of fp32 gradients."""

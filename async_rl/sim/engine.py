@@ -9,7 +9,8 @@ drain: once the running ones finish), and every token after it carries the new v
 The engine wakes only when a request completes, one arrives or a load is asked for:
 between those, time is summed in closed form (``Costs.decode_steps``) over the stretches
 between sequences' ends, so a run costs events per request, not per token. Spans as a
-real rollout worker records them (generate, evaluate, weight_sync, idle). Knows nothing
+real rollout worker records them (generate, evaluate, weight_sync, idle). A trainer shard
+busy on the engine's cores slows its steps (``slow_down``). Knows nothing
 about prompts, groups or the orchestrator.
 """
 
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import bisect
+import functools
 import heapq
 import itertools
 import math
@@ -86,6 +88,9 @@ class SimEngine:
         self._offset = 0
         """Context of the running sequences = _offset + _running * step."""
         self._prefill = 0.0
+        self._slowdown = self._next_slowdown = 1.0
+        """Every step takes this many times its cost (a trainer shard busy on this
+        engine's cores); a change takes effect at the next step boundary."""
         self._woken: asyncio.Future[bool] | None = None
         """What the engine waits on: a timer or ``_wake`` settles it (asyncio's own, the
         cheapest wait there is: the simulation runs on asyncio's loop)."""
@@ -110,6 +115,17 @@ class SimEngine:
         self._wake()
         return load
 
+    def slow_down(self, factor: float) -> None:
+        """From the next step boundary on, steps take ``factor`` times their cost."""
+        if factor != self._next_slowdown:
+            self._next_slowdown = factor
+            self._wake()
+
+    @property
+    def busy(self) -> bool:
+        """Sequences are running (or a weight load holds the engine)."""
+        return bool(self._requests or self._loads)
+
     def drain_spans(self) -> list[Span]:
         return self.spans.flush()
 
@@ -117,6 +133,7 @@ class SimEngine:
 
     async def run(self) -> None:
         while True:
+            self._slowdown = self._next_slowdown
             if self._loads and not (self.drain and self._requests):
                 await self._apply_loads()
             if not (self._loads and self.drain):
@@ -185,7 +202,8 @@ class SimEngine:
             self._running += len(request.lengths)
             self._evaluating += len(request.lengths) if request.evaluate else 0
             self._offset += offset * len(request.lengths)
-            self._prefill += self.costs.prefill(request.prompt_tokens * len(request.lengths))
+            self._prefill += self._slowdown * self.costs.prefill(
+                request.prompt_tokens * len(request.lengths))
             heapq.heappush(self._requests, (request.finish, next(self._order), request))
         self._waiting = []
 
@@ -205,6 +223,8 @@ class SimEngine:
         if budget <= 0:  # still in the prefill: the next step starts after it
             return step, seconds
         cost = self.costs.decode_steps
+        if self._slowdown != 1.0:
+            cost = functools.partial(_slowed, self._slowdown, cost)
         i, ends = 0, self._ends
         while step < target:
             while i < len(ends) and ends[i][0] <= step:  # ended: out of the batch
@@ -242,6 +262,11 @@ class SimEngine:
                 asyncio.get_running_loop().call_later(request.after, _settle, request.done)
             else:
                 _settle(request.done)
+
+
+def _slowed(factor: float, cost: Callable[[int, int, float], float], steps: int,
+            running: int, context: float) -> float:
+    return factor * cost(steps, running, context)
 
 
 def _settle(done: asyncio.Future[None]) -> None:

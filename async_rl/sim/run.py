@@ -73,7 +73,7 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
                                    drain=config.weights.update_mode == "drain",
                                    record_spans=config.run.record_spans)
                    for rank in range(config.rollout.num_workers)}
-        training = SimTraining(config, costs, clock)
+        training = SimTraining(config, costs, clock, engines)
         rollout: dict[int, RolloutClient] = {
             rank: SimRollout(rank, engine, config, lengths, clock)
             for rank, engine in engines.items()}

@@ -4,11 +4,12 @@ Owns: ``SimRollout`` (a ``RolloutClient`` over a ``SimEngine``: a group's length
 length law, its rewards drawn with ``simulate.reward_p``, the reward latency after its
 last sample), ``SimTraining`` and its ``SimTrainer`` shards (``TrainerClient``: a step
 costs what the plan the orchestrator made says, micro-batch by micro-batch, every update
-waiting for the slowest shard before its all-reduce, as DDP does), ``SimWeights`` (the
-``WeightPath``: snapshot on shard 0, then delivery into every engine, which pauses for
-it) and ``SimEvaluator`` (run.eval_on = "idle_cpu": it takes only idle cores, so it costs
-the run nothing). Every span and timing is on the virtual clock. Knows nothing about the
-orchestrator's rules: they are the real ones.
+waiting for the slowest shard before its all-reduce, as DDP does; on a CPU machine
+laid out as a real run, busy engines slow a step, and one on a shard's cores takes turns
+with it), ``SimWeights`` (the ``WeightPath``: snapshot on shard 0, then delivery into
+every engine, which pauses for it) and ``SimEvaluator`` (run.eval_on = "idle_cpu": it
+takes only idle cores, so it costs the run nothing). Every span and timing is on the
+virtual clock. Knows nothing about the orchestrator's rules: they are the real ones.
 """
 
 from __future__ import annotations
@@ -36,9 +37,13 @@ from buffers.records import (
     ShardStepResult,
     UsageReading,
 )
+from workers.layout import assign_cpus
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 
 Clock = Callable[[], float]
+CONTENTION_SLICES = 8
+"""A step beside engines on its machine is run in this many slices, each as slowed as
+the engines busy as it starts make it."""
 
 
 class SimTokens(msgspec.Struct, frozen=True, kw_only=True):
@@ -125,9 +130,13 @@ class _Cursor:
 class SimTraining:
     """The trainer shards of one run, stepping together: see the module docstring."""
 
-    def __init__(self, config: Config, costs: Costs, clock: Clock) -> None:
-        self.config, self.costs, self.clock = config, costs, clock
+    def __init__(self, config: Config, costs: Costs, clock: Clock,
+                 engines: dict[int, SimEngine]) -> None:
+        self.config, self.costs, self.clock, self.engines = config, costs, clock, engines
         self.shards = config.trainer.num_shards
+        self.sharing = engines_on_trainer_cores(config, costs.hardware.cores)
+        """Per shard, the ranks of the engines on its cores (empty list: no CPU machine
+        laid out, no contention)."""
         self._batches: dict[int, ShardBatch] = {}
         self._results: dict[int, ShardStepResult] = {}
         self._stepped = anyio.Event()
@@ -147,30 +156,77 @@ class SimTraining:
             return self._results.pop(rank)
         batches, self._batches = self._batches, {}
         self._stepped = anyio.Event()
-        await anyio.sleep(self._step([batches[r] for r in range(self.shards)]))
+        ordered = [batches[r] for r in range(self.shards)]
+        if self.sharing:
+            began = self.clock()
+            slowdowns = await self._contended(self._solo_seconds(ordered))
+            seconds = self._step(ordered, slowdowns, start=began)
+            await anyio.sleep(max(began + seconds - self.clock(), 0.0))
+        else:
+            await anyio.sleep(self._step(ordered, [1.0] * self.shards, start=self.clock()))
         stepped.set()
         return self._results.pop(rank)
 
-    def _step(self, batches: list[ShardBatch]) -> float:
-        """Lays out every shard's spans of the step; returns its seconds."""
+    async def _contended(self, solo: float) -> list[float]:
+        """Runs a step of ``solo`` seconds on a machine the engines share, in
+        ``CONTENTION_SLICES`` slices, each slowed by the engines busy as it starts
+        (those on a shard's cores take turns with it: their steps slow too); returns
+        each shard's mean slowdown."""
+        slices = CONTENTION_SLICES
+        total = [0.0] * self.shards
+        self._share_cores(trainers_busy=True)
+        for _ in range(slices):
+            busy = {rank for rank, engine in self.engines.items() if engine.busy}
+            slowdowns = [self.costs.train_slowdown(len(busy & shared), len(busy - shared))
+                         for shared in self.sharing]
+            total = [t + s for t, s in zip(total, slowdowns, strict=True)]
+            await anyio.sleep(solo / slices * max(slowdowns))
+        self._share_cores(trainers_busy=False)
+        return [t / slices for t in total]
+
+    def _share_cores(self, *, trainers_busy: bool) -> None:
+        for rank, engine in self.engines.items():
+            shards = sum(rank in shared for shared in self.sharing) if trainers_busy else 0
+            engine.slow_down(1.0 + shards)
+
+    def _tokens(self, batches: list[ShardBatch]) -> list[list[int]]:
+        """Per shard, each micro-batch's tokens."""
+        return [[sum(_sequence(batch, slot) for slot in mb) for mb in batch.micro_batches]
+                for batch in batches]
+
+    def _solo_seconds(self, batches: list[ShardBatch]) -> float:
+        """The step's seconds with nothing beside it: the slowest shard's compute (and
+        its proximal pass), every update's fixed part, the call."""
         cfg, costs = self.config.trainer, self.costs
-        tokens = [[sum(_sequence(batch, slot) for slot in mb) for mb in batch.micro_batches]
-                  for batch in batches]
+        updates = len(batches[0].updates) * cfg.epochs
+        proximal = 4 / 3 if updates > 1 and cfg.tis_cap > 0 else 1.0
+        compute = max(sum(costs.micro_batch(n) for n in per) for per in self._tokens(batches))
+        return (costs.hardware.call_s + compute * (cfg.epochs + proximal - 1)
+                + updates * costs.update(self.shards))
+
+    def _step(self, batches: list[ShardBatch], slowdowns: list[float], *, start: float
+              ) -> float:
+        """Lays out every shard's spans of the step from ``start`` (its compute
+        ``slowdowns`` times its cost); returns its seconds."""
+        cfg, costs = self.config.trainer, self.costs
+        tokens = self._tokens(batches)
         updates = batches[0].updates
         proximal = len(updates) * cfg.epochs > 1 and cfg.tis_cap > 0
-        start = self.clock() + costs.hardware.call_s
+        began = start
+        start += costs.hardware.call_s
         now = start
         forward = [0.0] * self.shards
         backward = [0.0] * self.shards
         waited = [0.0] * self.shards
         # The proximal pass (several updates a step): one more forward over the step.
-        extra = ([sum(costs.micro_batch(n) for n in per) / 3 for per in tokens] if proximal
+        extra = ([slow * sum(costs.micro_batch(n) for n in per) / 3
+                  for slow, per in zip(slowdowns, tokens, strict=True)] if proximal
                  else [0.0] * self.shards)
         for _ in range(cfg.epochs):
             first = 0
             for count in updates:
-                work = [sum(costs.micro_batch(n) for n in per[first:first + count])
-                        for per in tokens]
+                work = [slow * sum(costs.micro_batch(n) for n in per[first:first + count])
+                        for slow, per in zip(slowdowns, tokens, strict=True)]
                 first += count
                 now = self._update(now, work, extra, forward, backward, waited)
                 extra = [0.0] * self.shards
@@ -191,7 +247,7 @@ class SimTraining:
                 forward_s=forward[rank], backward_s=backward[rank],
                 optimizer_s=len(updates) * cfg.epochs * costs.update(self.shards),
                 barrier_s=waited[rank], input_tokens=real, computed_positions=real)
-        return now - self.clock()
+        return now - began
 
     def _update(self, now: float, work: list[float], extra: list[float],
                 forward: list[float], backward: list[float], waited: list[float]) -> float:
@@ -213,6 +269,19 @@ class SimTraining:
         for recorder in self.recorders:
             recorder.switch("optimizer")
         return now + slowest + self.costs.update(self.shards)
+
+
+def engines_on_trainer_cores(config: Config, cores: int) -> list[frozenset[int]]:
+    """Per trainer shard, the engines a real run on ``cores`` cores would give some of its
+    cores (none laid out: ``cores`` 0)."""
+    if not cores:
+        return []
+    layout = assign_cpus(config.rollout.num_workers, config.rollout.cpus_per_worker,
+                         config.trainer.num_shards, config.trainer.cpus_per_shard,
+                         available=tuple(range(cores)), colocated=config.run.colocate)
+    return [frozenset(engine.rank for engine in layout.rollout
+                      if set(engine.devices) & set(shard.devices))
+            for shard in layout.trainer]
 
 
 def _sequence(batch: ShardBatch, slot: object, *, completion: bool = False) -> int:

@@ -5,6 +5,7 @@ the hardware it was simulated on (no Ray, no model: the model's size is given)."
 from __future__ import annotations
 
 import json
+import statistics
 import time
 from collections import Counter
 from pathlib import Path
@@ -17,10 +18,12 @@ from async_rl.api import simulate
 from async_rl.cli import main
 from async_rl.config import Config
 from async_rl.run.run_dir import read_metrics, read_record, read_summary
-from async_rl.sim.calibrate import calibrate
-from async_rl.sim.costs import Costs, load_hardware, model_shape
+from async_rl.sim.calibrate import calibrate, generating_beside
+from async_rl.sim.costs import Costs, hardware_toml, load_hardware, model_shape
 from async_rl.sim.lengths import LogNormal, Replayed
+from async_rl.sim.workers import engines_on_trainer_cores
 from buffers.records import Prompt
+from workers.spans import Span
 
 MODEL = {"path": "not-needed"}
 SIZE = {"parameters": 4.0e6, "kv_bytes_per_token": 4096, "lengths": "lognormal",
@@ -163,3 +166,55 @@ def test_a_simulated_sweep_runs_each_trial_with_async_rl_simulate(tmp_path: Path
     assert record is not None and record.simulated == "cpu"
     assert read_summary(trial).steps == 3
     assert (out / "sweep.csv").read_text().count("\n") == 2  # header and the one trial
+
+
+def _hardware(path: Path, **changes: object) -> str:
+    """The shipped cpu file with ``changes``, written to ``path``."""
+    path.write_text(hardware_toml(msgspec.structs.replace(load_hardware("cpu"), **changes)))
+    return str(path)
+
+
+def _median_train_s(run_dir: Path) -> float:
+    rows = read_metrics(run_dir)
+    assert len(rows) >= 10
+    return statistics.median(float(row["train_s"]) for row in rows)
+
+
+def test_on_a_laid_out_cpu_machine_an_engine_on_the_trainers_core_takes_turns_with_it(
+        tmp_path: Path) -> None:
+    two = config(tmp_path / "shared", workers=2, steps=16,
+                 hardware=_hardware(tmp_path / "two-cores.toml", cores=2))
+    # As a real run lays out two cores: rollout-0 on 0, rollout-1 and trainer-0 on 1.
+    assert engines_on_trainer_cores(two, 2) == [frozenset({1})]
+    assert engines_on_trainer_cores(config(tmp_path / "one", workers=1), 2) == [frozenset()]
+    assert engines_on_trainer_cores(two, 0) == []
+    simulate(two)
+    simulate(config(tmp_path / "own", workers=2, steps=16,
+                    hardware=_hardware(tmp_path / "own-devices.toml", cores=0)))
+    assert _median_train_s(tmp_path / "shared") > 1.3 * _median_train_s(tmp_path / "own")
+
+
+def test_contention_slows_training_beside_busy_engines_and_calibration_recovers_it(
+        tmp_path: Path) -> None:
+    real, quiet = tmp_path / "real", tmp_path / "quiet"
+    simulate(config(real, steps=20, hardware=_hardware(tmp_path / "bus.toml", cores=2,
+                                                        contention=0.5)))
+    simulate(config(quiet, steps=20, hardware=_hardware(tmp_path / "no-bus.toml", cores=2)))
+    assert _median_train_s(real) > 1.2 * _median_train_s(quiet)
+    fit = calibrate(real, tmp_path / "fitted.toml", mfus=(0.1,), bisections=3)
+    assert fit.hardware.cores == 2
+    assert fit.hardware.contention == pytest.approx(0.5, abs=0.15)
+
+
+def test_engines_generating_beside_a_step_are_counted_over_its_compute() -> None:
+    def span(worker: str, cause: str, start: float, end: float) -> Span:
+        role = worker.split("-")[0]
+        return Span(worker=worker, role=role, rank=0, device="cpu:0", cause=cause,
+                    start=start, end=end, version=0)
+
+    spans = [span("trainer-0", "forward", 0.0, 1.0), span("trainer-0", "backward", 1.0, 2.0),
+             span("trainer-0", "optimizer", 2.0, 4.0), span("rollout-0", "generate", 0.5, 3.0),
+             span("rollout-1", "generate", 1.5, 2.5), span("rollout-1", "idle", 0.0, 1.5)]
+    # Step 1 (trained from version 0) computes 0-2 s: rollout-0 generates 1.5 s of it,
+    # rollout-1 0.5 s; the optimizer's seconds are not compute the engines slow.
+    assert generating_beside(spans) == {1: pytest.approx(1.0)}
