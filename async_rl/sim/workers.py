@@ -157,13 +157,15 @@ class SimTraining:
         batches, self._batches = self._batches, {}
         self._stepped = anyio.Event()
         ordered = [batches[r] for r in range(self.shards)]
+        tokens = self._tokens(ordered)
         if self.sharing:
             began = self.clock()
-            slowdowns = await self._contended(self._solo_seconds(ordered))
-            seconds = self._step(ordered, slowdowns, start=began)
+            slowdowns = await self._contended(self._solo_seconds(ordered[0], tokens))
+            seconds = self._step(ordered, tokens, slowdowns, start=began)
             await anyio.sleep(max(began + seconds - self.clock(), 0.0))
         else:
-            await anyio.sleep(self._step(ordered, [1.0] * self.shards, start=self.clock()))
+            await anyio.sleep(self._step(ordered, tokens, [1.0] * self.shards,
+                                         start=self.clock()))
         stepped.set()
         return self._results.pop(rank)
 
@@ -194,22 +196,23 @@ class SimTraining:
         return [[sum(_sequence(batch, slot) for slot in mb) for mb in batch.micro_batches]
                 for batch in batches]
 
-    def _solo_seconds(self, batches: list[ShardBatch]) -> float:
-        """The step's seconds with nothing beside it: the slowest shard's compute (and
-        its proximal pass), every update's fixed part, the call."""
+    def _solo_seconds(self, batch: ShardBatch, tokens: list[list[int]]) -> float:
+        """About the step's seconds with nothing beside it (what its slices divide): the
+        slowest shard's compute (and its proximal pass), every update's fixed part, the
+        call."""
         cfg, costs = self.config.trainer, self.costs
-        updates = len(batches[0].updates) * cfg.epochs
+        updates = len(batch.updates) * cfg.epochs
         proximal = 4 / 3 if updates > 1 and cfg.tis_cap > 0 else 1.0
-        compute = max(sum(costs.micro_batch(n) for n in per) for per in self._tokens(batches))
+        compute = max(sum(costs.micro_batch(n) for n in per) for per in tokens)
         return (costs.hardware.call_s + compute * (cfg.epochs + proximal - 1)
                 + updates * costs.update(self.shards))
 
-    def _step(self, batches: list[ShardBatch], slowdowns: list[float], *, start: float
-              ) -> float:
+    def _step(self, batches: list[ShardBatch], tokens: list[list[int]],
+              slowdowns: list[float], *, start: float) -> float:
         """Lays out every shard's spans of the step from ``start`` (its compute
-        ``slowdowns`` times its cost); returns its seconds."""
+        ``slowdowns`` times its cost; ``tokens``: ``_tokens(batches)``); returns its
+        seconds."""
         cfg, costs = self.config.trainer, self.costs
-        tokens = self._tokens(batches)
         updates = batches[0].updates
         proximal = len(updates) * cfg.epochs > 1 and cfg.tis_cap > 0
         began = start
