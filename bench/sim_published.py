@@ -9,7 +9,7 @@ ppo_mini_batch_size 32, seconds per step and per phase of colocate sync on 32, 6
 32:32 and 64:64 (step 294.77, 189.26, 150.63; update_actor 313.81, 156.98, 113.16):
 2.68x, 1.93x and 2.37x. Simulated here with the shipped h20 file:
 
-- colocate sync on N GPUs as max_staleness 0 on N rollout engines and N training devices
+- colocate sync on N GPUs as max_staleness 0 with all N GPUs rolling out and all N training
   (the two phases take turns on the same GPUs, so a step costs what it costs
   disaggregated with nothing overlapping: the time is the same, the devices are N); its
   16 updates a step make the proximal forward pass, which is verl's old_log_prob;
@@ -17,9 +17,18 @@ ppo_mini_batch_size 32, seconds per step and per phase of colocate sync on 32, 6
   in-flight weight updates), the parameter sync every 512 prompts, and the rollout's log
   probabilities as the old policy's (trainer.tis_cap = 0: no proximal pass, as verl's
   fully async rows have no old_log_prob);
-- one engine per GPU (7B fits one H20); one trainer shard per GPU, since FSDP's data
-  parallelism gives every GPU its own micro-batches and makes it wait for the others at
-  each of the 16 optimizer updates a step (512 / 32); prompts of 256 tokens;
+- the parallelism of verl's scripts for these runs
+  (verl/experimental/fully_async_policy/shell/dapo_7b_math_fsdp2_*.sh: gen_tp=4,
+  sp_size=4, fsdp_size=8, ppo_max_token_len_per_gpu = 2 x (2K + 28K)): one engine per 4
+  GPUs (tensor parallel 4, ``devices_per_rollout_worker`` 4), one trainer shard per 4
+  GPUs (Ulysses sequence parallel 4: ``devices_per_trainer_shard`` 4; the shards wait
+  for each other at each of the 16 optimizer updates a step, 512 / 32), micro-batches of
+  at most 61,440 x 4 tokens a shard. The sync rows' script is not published; they are
+  assumed to use the same parallelism;
+- in flight: the sync run hands every engine its share of the 512 prompts at once; the
+  async rollouter keeps at most 16 prompts per engine in flight (verl's
+  fully_async_rollouter: max_concurrent_samples = 16 x the rollout servers), so
+  ``rollout.max_inflight_prompts`` is 16 there; prompts of 256 tokens;
 - responses log-normal with sigma 0.9 (``--sigma``; a group's samples share half of it),
   capped at 28,672.
 
@@ -31,6 +40,10 @@ async run's responses are than the sync run's, so that the async update_actor do
 (verl's async trainer spends about 0.55x the GPU-seconds of the sync one on each step's
 prompts at every scale, which the cost model can only read as fewer tokens: the README
 notes that streaming changed the response lengths). The other pairs are predictions.
+Fitted on the 32-GPU pair, the training MFU comes out near 0.93, which no FSDP run
+reaches: that pair's gen phase (357 s, 2.4x the 64-GPU one on half the GPUs) cannot be
+matched with the others' by one length law, so compare ``--fit-on 64`` and
+``--fit-on 128``, whose fitted figures are plausible.
 
 Printed: the fitted figures, then per pair the simulated and published seconds per step
 (the median over the steps after the pipeline filled) and phase times, the predicted
@@ -81,6 +94,17 @@ PUBLISHED = (
 )
 
 
+ROLLOUT_TP = 4
+"""GPUs per rollout engine (gen_tp in verl's scripts)."""
+SEQUENCE_PARALLEL = 4
+"""GPUs per trainer shard (sp_size: Ulysses sequence parallel)."""
+MICRO_BATCH_TOKENS = 61_440 * SEQUENCE_PARALLEL
+"""A shard's micro-batch cap: ppo_max_token_len_per_gpu x sp_size (verl's dynamic batch
+size counts the tokens of a sequence-parallel group)."""
+ASYNC_INFLIGHT = 16
+"""Prompts each engine of the async rollouter generates at once."""
+
+
 class Assumed(msgspec.Struct, frozen=True, kw_only=True):
     """The figures the README leaves out (fitted by ``fit``)."""
 
@@ -103,15 +127,18 @@ class Phases(msgspec.Struct, frozen=True, kw_only=True):
 
 def verl_config(rollout: int, trainer: int, max_staleness: int, steps: int, median: float,
                 sigma: float, out: Path) -> Config:
+    """``rollout`` engines and ``trainer`` shards; sync (max_staleness 0) hands out every
+    prompt at once, async keeps ``ASYNC_INFLIGHT`` per engine."""
+    inflight = 512 if max_staleness == 0 else ASYNC_INFLIGHT
     return msgspec.convert({
         "model": {"path": "Qwen/Qwen2.5-Math-7B", "dtype": "bfloat16"},
         "task": {"kind": "longtail", "eval_size": 0},
         "rollout": {"num_workers": rollout, "group_size": 16, "max_new_tokens": 28672,
-                    "max_inflight_prompts": 512, "stall_timeout_s": 86400.0},
+                    "max_inflight_prompts": inflight, "stall_timeout_s": 86400.0},
         "queue": {"max_groups": 1024, "max_tokens": 1 << 40, "bucket_edges": [65536]},
         "staleness": {"max_staleness": max_staleness},
         "trainer": {"num_shards": trainer, "groups_per_step": 512,
-                    "micro_batch_tokens": 32768, "mini_batches": 16,
+                    "micro_batch_tokens": MICRO_BATCH_TOKENS, "mini_batches": 16,
                     "tis_cap": 2.0 if max_staleness == 0 else 0.0},
         "run": {"num_steps": steps, "output_dir": str(out), "progress": False,
                 "record_spans": False, "eval_every": 0},
@@ -124,14 +151,15 @@ def verl_config(rollout: int, trainer: int, max_staleness: int, steps: int, medi
 def phases(gpus: int, synchronous: bool, assumed: Assumed, steps: int) -> Phases:
     """Simulates sync on ``gpus`` or async on half and half; the first two steps (the
     pipeline filling) are left out of the medians."""
-    rollout = gpus if synchronous else gpus // 2
+    role = gpus if synchronous else gpus // 2
     median = assumed.median * (1.0 if synchronous else assumed.async_lengths)
     with tempfile.TemporaryDirectory() as out:
-        config = verl_config(rollout, rollout, 0 if synchronous else 1, steps, median,
-                             assumed.sigma, Path(out))
+        config = verl_config(role // ROLLOUT_TP, role // SEQUENCE_PARALLEL,
+                             0 if synchronous else 1, steps, median, assumed.sigma, Path(out))
         shipped = simulation_costs(config)
-        hardware = msgspec.structs.replace(shipped.hardware, devices_per_trainer_shard=1,
-                                           train_mfu=assumed.train_mfu)
+        hardware = msgspec.structs.replace(
+            shipped.hardware, devices_per_rollout_worker=ROLLOUT_TP,
+            devices_per_trainer_shard=SEQUENCE_PARALLEL, train_mfu=assumed.train_mfu)
         simulate(config, Costs(hardware, shipped.model))
         rows = read_metrics(Path(out))[2:]
     assert rows, "simulate more than two steps"

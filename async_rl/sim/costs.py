@@ -14,8 +14,8 @@ seconds:
 - a training micro-batch of ``tokens``: 6·N·tokens at the training MFU, plus a fixed
   overhead, slower while rollout engines are busy on the same machine (``cores``,
   ``contention``: CPU machines only); an optimizer update: a fixed overhead plus the
-  gradient all-reduce between shards (ring: 2·(S-1)/S of the gradient's bytes over the
-  interconnect);
+  gradient all-reduce between shards (ring: 2·(S-1)/S of the gradient's bytes, each of
+  a shard's devices sending its own slice over its own link);
 - a weight version: its snapshot (bytes at the memory bandwidth, plus a fixed part) and
   its delivery (bytes over the interconnect, plus a fixed engine pause).
 
@@ -50,7 +50,8 @@ class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     memory_bandwidth: float
     """Bytes/s of one device's memory."""
     interconnect_bandwidth: float
-    """Bytes/s between a trainer and a rollout engine, and between trainer shards."""
+    """Bytes/s of one device's link: between a trainer and a rollout engine, and
+    between trainer shards."""
     train_mfu: float
     """Achieved / peak FLOP/s in training."""
     decode_mfu: float
@@ -190,9 +191,13 @@ class Costs:
         return (1 + sharing) * (1 + self.hardware.contention * beside)
 
     def update(self, shards: int) -> float:
-        """An optimizer update's fixed part, with the all-reduce of fp32 gradients."""
+        """An optimizer update's fixed part, with the all-reduce of fp32 gradients between
+        ``shards``. A shard's devices hold a slice each (sharded or tensor-parallel
+        weights), so each reduces its slice over its own link: the ring's bytes divide by
+        ``devices_per_trainer_shard``."""
+        h = self.hardware
         ring = 2 * (shards - 1) / shards * self.model.parameters * 4 if shards > 1 else 0.0
-        return self.hardware.update_s + ring / self.hardware.interconnect_bandwidth
+        return h.update_s + ring / (h.interconnect_bandwidth * h.devices_per_trainer_shard)
 
     def publish(self) -> float:
         h = self.hardware

@@ -218,3 +218,18 @@ def test_engines_generating_beside_a_step_are_counted_over_its_compute() -> None
     # Step 1 (trained from version 0) computes 0-2 s: rollout-0 generates 1.5 s of it,
     # rollout-1 0.5 s; the optimizer's seconds are not compute the engines slow.
     assert generating_beside(spans) == {1: pytest.approx(1.0)}
+
+
+def test_a_shards_devices_all_reduce_their_own_slices_of_the_gradients() -> None:
+    shape = model_shape("x", "bfloat16", parameters=7e9, kv_bytes_per_token=57344)
+    one = load_hardware("h20")
+    four = msgspec.structs.replace(one, devices_per_trainer_shard=4)
+    ring_one = Costs(one, shape).update(8) - one.update_s
+    ring_four = Costs(four, shape).update(8) - four.update_s
+    # 2·(S-1)/S of the fp32 gradients over one device's link, then over four of them.
+    assert ring_one == pytest.approx(2 * 7 / 8 * 7e9 * 4 / one.interconnect_bandwidth)
+    assert ring_four == pytest.approx(ring_one / 4)
+    assert Costs(four, shape).update(1) == four.update_s  # no ring without a second shard
+    cpu = load_hardware("cpu")  # one device a shard: the calibrated figures stand
+    assert Costs(cpu, shape).update(2) == pytest.approx(
+        cpu.update_s + 7e9 * 4 / cpu.interconnect_bandwidth)
