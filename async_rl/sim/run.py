@@ -11,6 +11,7 @@ about how the costs are computed (``async_rl.sim.costs``) or what the workers do
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import anyio
@@ -21,7 +22,7 @@ from async_rl.control.orchestrator import Orchestrator
 from async_rl.control.protocols import RolloutClient, TrainerClient, Workers
 from async_rl.run.run_dir import USAGE, RunWriter
 from async_rl.run.summary import RunSummary
-from async_rl.sim.clock import run_virtual, virtual_now
+from async_rl.sim.clock import run_virtual
 from async_rl.sim.costs import Costs, load_hardware, model_shape
 from async_rl.sim.engine import SimEngine
 from async_rl.sim.lengths import length_law
@@ -68,7 +69,8 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
                     line_flushed=False)
 
     async def main() -> RunSummary:
-        clock = virtual_now
+        # The loop's own time() (what virtual_now reads), without looking the loop up.
+        clock = asyncio.get_running_loop().time
         engines = {rank: SimEngine(rank, costs, clock,
                                    drain=config.weights.update_mode == "drain",
                                    record_spans=config.run.record_spans)

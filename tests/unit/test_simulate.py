@@ -4,6 +4,7 @@ the hardware it was simulated on (no Ray, no model: the model's size is given)."
 
 from __future__ import annotations
 
+import gc
 import json
 import statistics
 import time
@@ -19,6 +20,7 @@ from async_rl.cli import main
 from async_rl.config import Config
 from async_rl.run.run_dir import read_metrics, read_record, read_summary
 from async_rl.sim.calibrate import calibrate, generating_beside
+from async_rl.sim.clock import YOUNG_THRESHOLD, run_virtual
 from async_rl.sim.costs import Costs, hardware_toml, load_hardware, model_shape
 from async_rl.sim.lengths import LogNormal, Replayed
 from async_rl.sim.workers import engines_on_trainer_cores
@@ -233,3 +235,19 @@ def test_a_shards_devices_all_reduce_their_own_slices_of_the_gradients() -> None
     cpu = load_hardware("cpu")  # one device a shard: the calibrated figures stand
     assert Costs(cpu, shape).update(2) == pytest.approx(
         cpu.update_s + 7e9 * 4 / cpu.interconnect_bandwidth)
+
+
+def test_the_collector_is_held_back_during_a_simulation_and_put_back_after() -> None:
+    threshold, frozen = gc.get_threshold(), gc.get_freeze_count()
+    seen: list[tuple[tuple[int, int, int], int]] = []
+
+    async def main() -> None:
+        seen.append((gc.get_threshold(), gc.get_freeze_count()))
+        raise RuntimeError("a simulation that fails")
+
+    with pytest.raises(RuntimeError):
+        run_virtual(main)
+    assert len(seen) == 1
+    assert seen[0][0] == (YOUNG_THRESHOLD, *threshold[1:])
+    assert seen[0][1] > frozen  # what existed before the run is out of the scans
+    assert (gc.get_threshold(), gc.get_freeze_count()) == (threshold, frozen)
