@@ -70,15 +70,19 @@ def run_virtual(main: Callable[[], Awaitable[T]]) -> T:
 @contextmanager
 def _collector_held_back() -> Iterator[None]:
     """A simulation makes millions of short-lived objects (futures, handles, records)
-    and almost no cycles: with Python's defaults the collector ran about 2,400 times in
-    a 1,024-device simulation and took over a tenth of its CPU time. While it runs, what
-    already exists (the imported modules) is frozen out of the collector's scans and
-    the youngest generation is collected far less often; both are put back after."""
+    and almost no cycles, so Python's default collector spends a good part of its CPU
+    time scanning (docs/simulator.md, "Speed of the simulator"). While it runs, what
+    already exists (the imported modules) is frozen out of the collector's scans, unless
+    the caller froze something already (unfreezing would undo that too), and the
+    youngest generation is collected far less often; both are put back after."""
     threshold = gc.get_threshold()
-    gc.freeze()
+    freeze = gc.get_freeze_count() == 0
+    if freeze:
+        gc.freeze()
     gc.set_threshold(YOUNG_THRESHOLD, *threshold[1:])
     try:
         yield
     finally:
         gc.set_threshold(*threshold)
-        gc.unfreeze()
+        if freeze:
+            gc.unfreeze()
