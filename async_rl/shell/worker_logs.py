@@ -54,6 +54,25 @@ BENIGN_WARNINGS = (
            "OpenMP for speed, not correctness. workers.rollout.engine.preload_cpu_libs "
            "preloads them where they are installed; docs/operations.md says how to get "
            "them."),
+    Benign(re.compile(r"\bEnforce eager set, disabling torch\.compile|\bInductor compilation "
+                      r"was disabled by user settings"),
+           "workers.rollout.engine.build_engine asks for eager mode on purpose (no "
+           "torch.compile or CUDA graphs: an engine starts faster, and weight updates "
+           "land in the modules the engine runs); vLLM says so at every engine start."),
+    Benign(re.compile(r"\bTriton is not installed\. triton-cpu is expected\b|\bModel Runner "
+                      r"V2 requires Triton; using the V1 model runner\b"),
+           "vLLM's CPU build would use triton-cpu for a few kernels and its second model "
+           "runner; no registry ships triton-cpu for it, and vLLM falls back to its own "
+           "CPU kernels and the V1 runner, which every figure in docs/ was measured on."),
+    Benign(re.compile(r"\bReset SSM cache type to float32 for accelerated GDN mamba\b"),
+           "vLLM's CPU platform sets the state cache of Mamba-style layers at every start; "
+           "the models this project runs have none."),
+    Benign(re.compile(r"\bThe global random seed is set to \d+\. Since "
+                      r"VLLM_ENABLE_V1_MULTIPROCESSING is set to False\b"),
+           "vLLM seeds the rollout worker's global generators because the engine runs "
+           "with V1 multiprocessing off (rollout.model_in_engine_core). The worker draws "
+           "nothing from them: every sample request carries its own seed "
+           "(workers.rollout.worker.request_seed)."),
     Benign(re.compile(r"\[shutdown\] Process manager: force killing remaining process"),
            "At the end of a run the rollout worker stops its engine and is then killed "
            "itself: an engine core still tearing down when vLLM's shutdown wait ends is "

@@ -60,6 +60,18 @@ BENIGN = [
     "found in LD_PRELOAD. For best performance, please follow the section `set LD_PRELOAD`",
     "(EngineCore pid=12) WARNING 12-01 21:16:19 [cpu_worker.py:114] libiomp is not found "
     "in LD_PRELOAD. For best performance, please follow the section `set LD_PRELOAD`",
+    "(MainProcess pid=12) WARNING 12-04 00:16:22 [vllm.py:1703] Enforce eager set, "
+    "disabling torch.compile, CUDAGraphs, and JIT kernel warmup.",
+    "(MainProcess pid=12) WARNING 12-04 00:16:22 [vllm.py:1727] Inductor compilation was "
+    "disabled by user settings, optimizations settings that are only active during",
+    "(MainProcess pid=12) WARNING 12-04 00:16:22 [cpu.py:224] Triton is not installed. "
+    "triton-cpu is expected on x86 CPUs.",
+    "(MainProcess pid=12) WARNING 12-04 00:16:22 [vllm.py:725] Model Runner V2 requires "
+    "Triton; using the V1 model runner instead.",
+    "(MainProcess pid=12) WARNING 12-04 00:16:22 [cpu.py:317] Reset SSM cache type to "
+    "float32 for accelerated GDN mamba backend 'none'.",
+    "(MainProcess pid=12) WARNING 12-04 00:16:22 [arg_utils.py:1945] The global random seed "
+    "is set to 0. Since VLLM_ENABLE_V1_MULTIPROCESSING is set to False, this may affect",
     "(MainProcess pid=12) WARNING 12-02 02:39:13 [utils.py:648] [shutdown] Process "
     "manager: force killing remaining processes count=1",
     "(MainProcess pid=12) WARNING 12-02 02:39:13 [utils.py:653] [shutdown] Process "

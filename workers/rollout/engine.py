@@ -3,10 +3,11 @@
 Owns: binding the engine to its cores and the allocator and OpenMP runtime its processes
 preload (CPU build), the engine arguments (worker extension, weight-transfer backend,
 behaviour logprobs, KV-cache size, which process runs the model), the sampling
-parameters of sampled and greedy requests, making an idle engine block instead of spin,
-and turning what a request returns into per-token versions (from vLLM's weight-version
-spans) and logprobs. Knows nothing about
-prompts, groups, rewards or weight updates: ``workers.rollout.worker.RolloutWorker``
+parameters of sampled and greedy requests, the request vLLM's renderer makes of a text or
+token ids, making an idle engine block instead of spin, and turning what a request
+returns into per-token versions (from vLLM's weight-version spans) and logprobs. Knows
+nothing about prompts, groups, rewards or weight updates:
+``workers.rollout.worker.RolloutWorker``
 drives the engine. vLLM is imported inside the functions, so importing this module
 stays cheap.
 """
@@ -198,6 +199,19 @@ def build_engine(
             distributed_executor_backend="uni" if in_core else None,
         )
     )
+
+
+def engine_request(engine: AsyncLLM, prompt: str | list[int]) -> Any:
+    """``prompt`` (a text, or token ids) made into a request for ``engine.generate`` by
+    vLLM's renderer: what vLLM itself does with a raw prompt, a path it deprecates (and
+    warns about at every engine start)."""
+    from vllm.renderers.inputs.preprocess import parse_model_prompt
+
+    raw = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+    renderer = engine.renderer
+    (request,) = renderer.render_cmpl([parse_model_prompt(engine.model_config, raw)],
+                                      renderer.default_cmpl_tok_params)
+    return request
 
 
 def sampling_params(rollout: RolloutConfig) -> dict[str, SamplingParams]:

@@ -42,6 +42,7 @@ from workers.reward_runner import UserRewards
 from workers.rollout.config import RolloutConfig
 from workers.rollout.engine import (
     build_engine,
+    engine_request,
     sampling_params,
     token_logprobs,
     versions_from_spans,
@@ -57,7 +58,6 @@ from workers.weights.receiver import WeightReceiver
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
-    from vllm.inputs import TextPrompt, TokensPrompt
     from vllm.v1.engine.async_llm import AsyncLLM
 
 WARMUP_TEXT = "warm up"
@@ -243,9 +243,8 @@ class RolloutWorker:
         try:
             # A text prompt: vLLM tokenises it itself. Either way the ids it really used
             # come back on the outputs (the trainer must see exactly those).
-            request: TextPrompt | TokensPrompt = {"prompt": prompt} \
-                if isinstance(prompt, str) else {"prompt_token_ids": prompt}
-            async for out in engine.generate(request, params, request_id):
+            async for out in engine.generate(engine_request(engine, prompt), params,
+                                             request_id):
                 prompt_ids = prompt_ids or tuple(out.prompt_token_ids or ())
                 completion = out.outputs[0]
                 new = list(completion.token_ids)
