@@ -56,9 +56,9 @@ BENIGN_WARNINGS = (
            "them."),
     Benign(re.compile(r"\bEnforce eager set, disabling torch\.compile|\bInductor compilation "
                       r"was disabled by user settings"),
-           "workers.rollout.engine.build_engine asks for eager mode on purpose (no "
-           "torch.compile or CUDA graphs: an engine starts faster, and weight updates "
-           "land in the modules the engine runs); vLLM says so at every engine start."),
+           "workers.rollout.engine.build_engine sets enforce_eager on purpose (no "
+           "torch.compile, CUDA graphs or JIT warm-up when an engine starts); vLLM "
+           "restates that choice at every engine start."),
     Benign(re.compile(r"\bTriton is not installed\. triton-cpu is expected\b|\bModel Runner "
                       r"V2 requires Triton; using the V1 model runner\b"),
            "vLLM's CPU build would use triton-cpu for a few kernels and its second model "
