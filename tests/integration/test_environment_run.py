@@ -33,7 +33,7 @@ def test_a_hanging_environment_never_wedges_a_run_across_ctrl_c_and_resume(
     config = small_config(tiny_model_dir, out, max_staleness=1, task={
         "eval_size": 0,
         "environment": {"class": f"{FIXTURES / 'adder_env.py'}:HangingAdderEnv",
-                        "max_turns": 3, "stop": [";"], "turn_timeout_s": 1.0,
+                        "max_turns": 3, "stop": [";"], "turn_timeout_s": 0.3,
                         "max_trajectory_tokens": 96}},
         rollout={"prefix_caching": True})
     signal_after_rows(out, 3, signal.SIGINT, os.getpid())
