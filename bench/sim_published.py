@@ -3,11 +3,11 @@
 verl's fully async policy README (verl/experimental/fully_async_policy/README.md,
 "Asynchronous Training on 7B Model") reports, on H20s with Qwen2.5-Math-7B, DAPO on
 dapo-math-17k, max_response_length 28K, rollout.n 16, 512 prompts per step,
-ppo_mini_batch_size 32, seconds per step and per phase of colocate sync on 32, 64 and
-128 GPUs (step 790.10, 365.28, 356.30; gen 357.41, 150.72, 177.85; old_log_prob 107.71,
-70.26, 53.92; update_actor 269.80, 133.41, 113.81) against fully_async_policy on 16:16,
-32:32 and 64:64 (step 294.77, 189.26, 150.63; update_actor 313.81, 156.98, 113.16):
-2.68x, 1.93x and 2.37x. Simulated here with the shipped h20 file:
+ppo_mini_batch_size 32, colocate sync on 32, 64 and 128 GPUs against fully_async_policy
+on 16:16, 32:32 and 64:64 (``PAIRS``), and on 128 GPUs a "stream off policy pipeline"
+(``STREAM``): seconds per step and per phase, and the wall time after 100, 200, 300 and
+400 steps, whose ratios are verl's reported speedups (its headline, "2.35x-2.67x at 128
+GPUs", is the 128-GPU pair's four). Simulated here with the shipped h20 file:
 
 - colocate sync on N GPUs as max_staleness 0 with all N GPUs rolling out and all N training
   (the two phases take turns on the same GPUs, so a step costs what it costs
@@ -17,6 +17,11 @@ ppo_mini_batch_size 32, seconds per step and per phase of colocate sync on 32, 6
   in-flight weight updates), the parameter sync every 512 prompts, and the rollout's log
   probabilities as the old policy's (trainer.tis_cap = 0: no proximal pass, as verl's
   fully async rows have no old_log_prob);
+- the stream off policy pipeline on 64:64 (staleness_threshold 0, no partial rollout) as
+  the fully async run with max_staleness 0 (a step's rollouts are all made by its own
+  version) and drain weight updates. verl's trainer starts on each mini-batch of 32
+  prompts as it arrives; the simulated one waits for the step's 512, so this row
+  overlaps less than verl's;
 - the parallelism of verl's scripts for these runs
   (verl/experimental/fully_async_policy/shell/dapo_7b_math_fsdp2_*.sh: gen_tp=4,
   sp_size=4, fsdp_size=8, ppo_max_token_len_per_gpu = 2 x (2K + 28K)): one engine per 4
@@ -30,24 +35,28 @@ ppo_mini_batch_size 32, seconds per step and per phase of colocate sync on 32, 6
   fully_async_rollouter: max_concurrent_samples = 16 x the rollout servers), so
   ``rollout.max_inflight_prompts`` is 16 there; prompts of 256 tokens;
 - responses log-normal with sigma 0.9 (``--sigma``; a group's samples share half of it),
-  capped at 28,672.
+  capped at 28,672, the same at every step (verl's lengths drifted over its 400 steps).
 
-Three figures the README leaves out are fitted on one published pair (``--fit-on``, the
-32-GPU one by default) from its phase columns, never from its step times: the median
-response length, so that the simulated sync gen phase takes the published time; the
-trainer's MFU, so that the sync old_log_prob + update_actor do; and how much shorter the
-async run's responses are than the sync run's, so that the async update_actor does
-(verl's async trainer spends about 0.55x the GPU-seconds of the sync one on each step's
-prompts at every scale, which the cost model can only read as fewer tokens: the README
-notes that streaming changed the response lengths). The other pairs are predictions.
-Fitted on the 32-GPU pair, the training MFU comes out near 0.93, which no FSDP run
-reaches: that pair's gen phase (357 s, 2.4x the 64-GPU one on half the GPUs) cannot be
-matched with the others' by one length law, so compare ``--fit-on 64`` and
-``--fit-on 128``, whose fitted figures are plausible.
+Three figures the README leaves out are fitted from the pairs' phase columns, never
+from their step times: the median response length, from the sync gen phases; the
+trainer's MFU, from the sync old_log_prob + update_actor; and how much shorter the
+async runs' responses are than the sync runs', from the async update_actor (verl's
+async trainer spends about 0.55x the GPU-seconds of the sync one on each step's prompts
+at every scale, which the cost model can only read as fewer tokens: the README notes
+that streaming changed the response lengths). Each is fitted in that order (each depends
+on the ones before) so that the geometric mean of simulated / published over the pairs
+fitted on is 1: all three pairs by default (``--fit-on all``: no pair favoured), or one
+(``--fit-on 32``, 64 or 128: the other pairs are then predictions). The stream row is
+never fitted on.
 
-Printed: the fitted figures, then per pair the simulated and published seconds per step
-(the median over the steps after the pipeline filled) and phase times, the predicted
-and published speedups, and the error.
+verl's step column is 96-99% of its wall time after 400 steps / 400 on all seven rows:
+its columns are means over the 400 steps. The simulated figures are means too, over the
+steps after the pipeline filled (the first two; a 400-step run amortises its filling).
+
+Printed: the fitted figures; per run the simulated and published seconds per step and
+phase times; per comparison the predicted speedup (the ratio of the simulated mean
+seconds per step) against the published step ratio and verl's four total-time ratios,
+with the errors.
 
     python bench/sim_published.py
     python bench/sim_published.py --fit-on 64 --steps 8
@@ -56,7 +65,10 @@ and published speedups, and the error.
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
+import math
+import re
 import statistics
 import tempfile
 from collections.abc import Callable, Sequence
@@ -71,27 +83,51 @@ from async_rl.sim.run import simulate, simulation_costs
 
 
 class Published(msgspec.Struct, frozen=True, kw_only=True):
-    """One row pair of verl's table: colocate sync on ``gpus`` and fully async on half
-    and half; seconds per step and per phase."""
+    """One row of verl's tables: seconds per step and per phase, and wall time after
+    100, 200, 300 and 400 steps as the README writes it."""
+
+    step: float
+    gen: float
+    train: float
+    """old_log_prob + update_actor (sync), update_actor (async)."""
+    totals: tuple[str, str, str, str]
+
+    def seconds(self, column: int) -> float:
+        """``totals[column]`` ("1d3h43m") in seconds."""
+        match = re.fullmatch(r"(?:(\d+)d)?(?:(\d+)h)?(\d+)m", self.totals[column])
+        assert match, self.totals[column]
+        days, hours, minutes = (int(g or 0) for g in match.groups())
+        return ((days * 24 + hours) * 60 + minutes) * 60.0
+
+
+class Pair(msgspec.Struct, frozen=True, kw_only=True):
+    """Colocate sync on ``gpus`` and fully async on half and half."""
 
     gpus: int
-    sync_step: float
-    sync_gen: float
-    sync_train: float
-    """old_log_prob + update_actor."""
-    async_step: float
-    async_train: float
-    """update_actor."""
+    sync: Published
+    fully_async: Published
 
 
-PUBLISHED = (
-    Published(gpus=32, sync_step=790.10, sync_gen=357.41, sync_train=107.71 + 269.80,
-              async_step=294.77, async_train=313.81),
-    Published(gpus=64, sync_step=365.28, sync_gen=150.72, sync_train=70.26 + 133.41,
-              async_step=189.26, async_train=156.98),
-    Published(gpus=128, sync_step=356.30, sync_gen=177.85, sync_train=53.92 + 113.81,
-              async_step=150.63, async_train=113.16),
+PAIRS = (
+    Pair(gpus=32,
+         sync=Published(step=790.10, gen=357.41, train=107.71 + 269.80,
+                        totals=("13h44m", "1d3h43m", "2d9h22m", "3d17h5m")),
+         fully_async=Published(step=294.77, gen=21.26, train=313.81,
+                               totals=("7h58m", "16h21m", "1d0h53m", "1d9h26m"))),
+    Pair(gpus=64,
+         sync=Published(step=365.28, gen=150.72, train=70.26 + 133.41,
+                        totals=("10h22m", "20h45m", "1d7h6m", "1d17h32m")),
+         fully_async=Published(step=189.26, gen=28.46, train=156.98,
+                               totals=("4h57m", "10h14m", "16h58m", "21h40m"))),
+    Pair(gpus=128,
+         sync=Published(step=356.30, gen=177.85, train=53.92 + 113.81,
+                        totals=("8h36m", "17h56m", "1d5h6m", "1d16h48m")),
+         fully_async=Published(step=150.63, gen=33.14, train=113.16,
+                               totals=("3h13m", "6h46m", "10h53m", "17h22m"))),
 )
+STREAM = Published(step=231.34, gen=128.47, train=98.77,
+                   totals=("4h25m", "9h41m", "15h2m", "1d1h53m"))
+"""The stream off policy pipeline on 64:64, against the 128-GPU sync row."""
 
 
 ROLLOUT_TP = 4
@@ -101,8 +137,29 @@ SEQUENCE_PARALLEL = 4
 MICRO_BATCH_TOKENS = 61_440 * SEQUENCE_PARALLEL
 """A shard's micro-batch cap: ppo_max_token_len_per_gpu x sp_size (verl's dynamic batch
 size counts the tokens of a sequence-parallel group)."""
-ASYNC_INFLIGHT = 16
-"""Prompts each engine of the async rollouter generates at once."""
+
+
+class Mode(msgspec.Struct, frozen=True, kw_only=True):
+    """One of verl's training modes in this project's knobs."""
+
+    name: str
+    split: bool
+    """N/2 GPUs roll out and N/2 train (the fully async machinery); else N and N, taking
+    turns (colocated)."""
+    max_staleness: int
+    inflight: int
+    """rollout.max_inflight_prompts."""
+    tis_cap: float
+    """2.0: a proximal pass (old_log_prob); 0: the rollout's log probabilities."""
+    update_mode: str
+
+
+SYNC = Mode(name="colocate sync", split=False, max_staleness=0, inflight=512, tis_cap=2.0,
+            update_mode="in_flight")
+FULLY_ASYNC = Mode(name="fully async", split=True, max_staleness=1, inflight=16,
+                   tis_cap=0.0, update_mode="in_flight")
+STREAMING = Mode(name="stream off policy", split=True, max_staleness=0, inflight=16,
+                 tis_cap=0.0, update_mode="drain")
 
 
 class Assumed(msgspec.Struct, frozen=True, kw_only=True):
@@ -114,32 +171,32 @@ class Assumed(msgspec.Struct, frozen=True, kw_only=True):
     """Of log(response length); a group's samples share half of it."""
     train_mfu: float = 0.35
     async_lengths: float = 1.0
-    """The async run's response lengths as a fraction of the sync run's."""
+    """The fully async machinery's response lengths as a fraction of the sync run's."""
 
 
 class Phases(msgspec.Struct, frozen=True, kw_only=True):
-    """Median simulated seconds of a step, of its wait for rollouts, of its training."""
+    """Mean simulated seconds of a step, of its wait for rollouts, of its training."""
 
     step: float
     wait: float
     train: float
 
 
-def verl_config(rollout: int, trainer: int, max_staleness: int, steps: int, median: float,
-                sigma: float, out: Path) -> Config:
-    """``rollout`` engines and ``trainer`` shards; sync (max_staleness 0) hands out every
-    prompt at once, async keeps ``ASYNC_INFLIGHT`` per engine."""
-    inflight = 512 if max_staleness == 0 else ASYNC_INFLIGHT
+def verl_config(mode: Mode, role: int, steps: int, median: float, sigma: float,
+                out: Path) -> Config:
+    """``role`` GPUs rolling out and as many training, in ``mode``."""
     return msgspec.convert({
         "model": {"path": "Qwen/Qwen2.5-Math-7B", "dtype": "bfloat16"},
         "task": {"kind": "longtail", "eval_size": 0},
-        "rollout": {"num_workers": rollout, "group_size": 16, "max_new_tokens": 28672,
-                    "max_inflight_prompts": inflight, "stall_timeout_s": 86400.0},
+        "rollout": {"num_workers": role // ROLLOUT_TP, "group_size": 16,
+                    "max_new_tokens": 28672, "max_inflight_prompts": mode.inflight,
+                    "stall_timeout_s": 86400.0},
         "queue": {"max_groups": 1024, "max_tokens": 1 << 40, "bucket_edges": [65536]},
-        "staleness": {"max_staleness": max_staleness},
-        "trainer": {"num_shards": trainer, "groups_per_step": 512,
+        "staleness": {"max_staleness": mode.max_staleness},
+        "weights": {"update_mode": mode.update_mode},
+        "trainer": {"num_shards": role // SEQUENCE_PARALLEL, "groups_per_step": 512,
                     "micro_batch_tokens": MICRO_BATCH_TOKENS, "mini_batches": 16,
-                    "tis_cap": 2.0 if max_staleness == 0 else 0.0},
+                    "tis_cap": mode.tis_cap},
         "run": {"num_steps": steps, "output_dir": str(out), "progress": False,
                 "record_spans": False, "eval_every": 0},
         "simulate": {"hardware": "h20", "lengths": "lognormal", "length_median": median,
@@ -148,14 +205,14 @@ def verl_config(rollout: int, trainer: int, max_staleness: int, steps: int, medi
     }, Config)
 
 
-def phases(gpus: int, synchronous: bool, assumed: Assumed, steps: int) -> Phases:
-    """Simulates sync on ``gpus`` or async on half and half; the first two steps (the
-    pipeline filling) are left out of the medians."""
-    role = gpus if synchronous else gpus // 2
-    median = assumed.median * (1.0 if synchronous else assumed.async_lengths)
+@functools.cache
+def phases(gpus: int, mode: Mode, assumed: Assumed, steps: int) -> Phases:
+    """Simulates ``mode`` on ``gpus``; the first two steps (the pipeline filling) are
+    left out (each set of arguments is simulated once)."""
+    role = gpus // 2 if mode.split else gpus
+    median = assumed.median * (assumed.async_lengths if mode.split else 1.0)
     with tempfile.TemporaryDirectory() as out:
-        config = verl_config(role // ROLLOUT_TP, role // SEQUENCE_PARALLEL,
-                             0 if synchronous else 1, steps, median, assumed.sigma, Path(out))
+        config = verl_config(mode, role, steps, median, assumed.sigma, Path(out))
         shipped = simulation_costs(config)
         hardware = msgspec.structs.replace(
             shipped.hardware, devices_per_rollout_worker=ROLLOUT_TP,
@@ -163,70 +220,90 @@ def phases(gpus: int, synchronous: bool, assumed: Assumed, steps: int) -> Phases
         simulate(config, Costs(hardware, shipped.model))
         rows = read_metrics(Path(out))[2:]
     assert rows, "simulate more than two steps"
-    return Phases(step=statistics.median(r["wait_s"] + r["train_s"] + r["sync_s"]
-                                         for r in rows),
-                  wait=statistics.median(r["wait_s"] for r in rows),
-                  train=statistics.median(r["train_s"] for r in rows))
+    return Phases(step=statistics.fmean(r["wait_s"] + r["train_s"] + r["sync_s"] for r in rows),
+                  wait=statistics.fmean(r["wait_s"] for r in rows),
+                  train=statistics.fmean(r["train_s"] for r in rows))
 
 
-def _scale(value: float, target: float, measure: Callable[[float], float],
-           power: float) -> float:
-    """``value`` adjusted until ``measure(value)`` is within 1% of ``target``, assuming
-    the measure grows about as ``value ** power``."""
+def _scale(value: float, targets: Sequence[float],
+           measure: Callable[[float], Sequence[float]], power: float) -> float:
+    """``value`` adjusted until the geometric mean of ``measure(value)`` / ``targets`` is
+    within 1% of 1, assuming every measure grows about as ``value ** power`` (for one
+    target: that target met; for several, the least squares of the log ratios)."""
     for _ in range(8):
-        got = measure(value)
-        if abs(got / target - 1) < 0.01:
+        error = statistics.fmean(math.log(got / target)
+                                 for got, target in zip(measure(value), targets, strict=True))
+        if abs(error) < 0.01:
             break
-        value *= (target / got) ** (1 / power)
+        value *= math.exp(-error / power)
     return value
 
 
-def fit(row: Published, steps: int, sigma: float) -> Assumed:
-    """The median length from the sync gen phase, the MFU from the sync training, the
+def fit(pairs: Sequence[Pair], steps: int, sigma: float) -> Assumed:
+    """The median length from the sync gen phases, the MFU from the sync training, the
     async lengths from the async training, in that order (each depends on the ones
     before)."""
     assumed = Assumed(sigma=sigma)
-    median = _scale(assumed.median, row.sync_gen, lambda m: phases(
-        row.gpus, True, msgspec.structs.replace(assumed, median=m), steps).wait, 1.0)
+    median = _scale(assumed.median, [p.sync.gen for p in pairs], lambda m: [
+        phases(p.gpus, SYNC, msgspec.structs.replace(assumed, median=m), steps).wait
+        for p in pairs], 1.0)
     assumed = msgspec.structs.replace(assumed, median=median)
-    mfu = _scale(assumed.train_mfu, row.sync_train, lambda u: phases(
-        row.gpus, True, msgspec.structs.replace(assumed, train_mfu=u), steps).train, -1.0)
+    mfu = _scale(assumed.train_mfu, [p.sync.train for p in pairs], lambda u: [
+        phases(p.gpus, SYNC, msgspec.structs.replace(assumed, train_mfu=u), steps).train
+        for p in pairs], -1.0)
     assumed = msgspec.structs.replace(assumed, train_mfu=mfu)
-    shorter = _scale(1.0, row.async_train, lambda r: phases(
-        row.gpus, False, msgspec.structs.replace(assumed, async_lengths=r), steps).train,
-        1.0)
+    shorter = _scale(1.0, [p.fully_async.train for p in pairs], lambda r: [
+        phases(p.gpus, FULLY_ASYNC, msgspec.structs.replace(assumed, async_lengths=r),
+               steps).train for p in pairs], 1.0)
     return msgspec.structs.replace(assumed, async_lengths=shorter)
+
+
+def _versus(predicted: float, published: float) -> str:
+    return f"{published:.2f}x ({predicted / published - 1:+.0%})"
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
-    parser.add_argument("--steps", type=int, default=6)
-    parser.add_argument("--fit-on", type=int, default=32, choices=[p.gpus for p in PUBLISHED],
-                        help="the pair (sync GPUs) whose phase times fit the assumptions")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--fit-on", default="all",
+                        choices=["all", *(str(p.gpus) for p in PAIRS)],
+                        help="the pairs (sync GPUs) whose phase times fit the assumptions")
     parser.add_argument("--sigma", type=float, default=0.9,
                         help="assumed spread of log(response length)")
     args = parser.parse_args(argv)
     logging.getLogger("async_rl").setLevel(logging.WARNING)
-    assumed = fit(next(p for p in PUBLISHED if p.gpus == args.fit_on), args.steps, args.sigma)
-    print(f"fitted on the {args.fit_on}-GPU pair: median sync response "
-          f"{assumed.median:.0f} tokens (sigma {assumed.sigma}), "
+    fitted_on = [p for p in PAIRS if args.fit_on in ("all", str(p.gpus))]
+    assumed = fit(fitted_on, args.steps, args.sigma)
+    on = "all three pairs" if args.fit_on == "all" else f"the {args.fit_on}-GPU pair"
+    print(f"fitted on {on}: "
+          f"median sync response {assumed.median:.0f} tokens (sigma {assumed.sigma}), "
           f"train_mfu {assumed.train_mfu:.3f}, "
           f"async responses {assumed.async_lengths:.2f}x the sync ones\n")
-    print("| GPUs | sync s/step sim (published) | gen | train | async split "
-          "| async s/step sim (published) | train | speedup sim | published | error |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
-    for row in PUBLISHED:
-        sync = phases(row.gpus, True, assumed, args.steps)
-        fast = phases(row.gpus, False, assumed, args.steps)
-        predicted, published = sync.step / fast.step, row.sync_step / row.async_step
-        half = row.gpus // 2
-        fitted = " (fitted)" if row.gpus == args.fit_on else ""
-        print(f"| {row.gpus}{fitted} | {sync.step:.0f} ({row.sync_step:.0f}) "
-              f"| {sync.wait:.0f} ({row.sync_gen:.0f}) | {sync.train:.0f} "
-              f"({row.sync_train:.0f}) | {half}:{half} | {fast.step:.0f} "
-              f"({row.async_step:.0f}) | {fast.train:.0f} ({row.async_train:.0f}) "
-              f"| {predicted:.2f}x | {published:.2f}x | {predicted / published - 1:+.0%} |",
-              flush=True)
+    runs = [(p.gpus, SYNC, p.sync) for p in PAIRS]
+    runs += [(p.gpus, FULLY_ASYNC, p.fully_async) for p in PAIRS]
+    runs.append((PAIRS[-1].gpus, STREAMING, STREAM))
+    print("| run | GPUs | s/step sim (published) | gen | train |")
+    print("| --- | --- | --- | --- | --- |")
+    for gpus, mode, published in runs:
+        sim = phases(gpus, mode, assumed, args.steps)
+        split = f"{gpus // 2}:{gpus // 2}" if mode.split else str(gpus)
+        print(f"| {mode.name} | {split} | {sim.step:.0f} ({published.step:.0f}) "
+              f"| {sim.wait:.0f} ({published.gen:.0f}) "
+              f"| {sim.train:.0f} ({published.train:.0f}) |", flush=True)
+    print("\n| speedup | sim | published step ratio (error) | after 100 steps | 200 | 300 "
+          "| 400 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    comparisons = [(p, FULLY_ASYNC, p.fully_async) for p in PAIRS]
+    comparisons.append((PAIRS[-1], STREAMING, STREAM))
+    for pair, mode, published in comparisons:
+        sync = phases(pair.gpus, SYNC, assumed, args.steps)
+        fast = phases(pair.gpus, mode, assumed, args.steps)
+        predicted = sync.step / fast.step
+        totals = " | ".join(
+            _versus(predicted, pair.sync.seconds(c) / published.seconds(c)) for c in range(4))
+        half = pair.gpus // 2
+        print(f"| {mode.name} {half}:{half} over sync {pair.gpus} | {predicted:.2f}x "
+              f"| {_versus(predicted, pair.sync.step / published.step)} | {totals} |")
     return 0
 
 
