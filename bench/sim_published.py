@@ -217,13 +217,20 @@ def phases(gpus: int, mode: Mode, assumed: Assumed, steps: int) -> Phases:
     left out (each set of arguments is simulated once)."""
     role = gpus // 2 if mode.split else gpus
     median = assumed.median * (assumed.async_lengths if mode.split else 1.0)
+    return mean_phases(lambda out: verl_config(mode, role, steps, median, assumed.sigma, out),
+                       devices_per_rollout_worker=ROLLOUT_TP,
+                       devices_per_trainer_shard=SEQUENCE_PARALLEL,
+                       train_mfu=assumed.train_mfu)
+
+
+def mean_phases(config: Callable[[Path], Config], **hardware: float) -> Phases:
+    """Simulates ``config(run directory)`` on its hardware file with ``hardware``'s fields
+    replaced; the means over the steps after the first two (the pipeline filling)."""
     with tempfile.TemporaryDirectory() as out:
-        config = verl_config(mode, role, steps, median, assumed.sigma, Path(out))
-        shipped = simulation_costs(config)
-        hardware = msgspec.structs.replace(
-            shipped.hardware, devices_per_rollout_worker=ROLLOUT_TP,
-            devices_per_trainer_shard=SEQUENCE_PARALLEL, train_mfu=assumed.train_mfu)
-        simulate(config, Costs(hardware, shipped.model))
+        run = config(Path(out))
+        shipped = simulation_costs(run)
+        simulate(run, Costs(msgspec.structs.replace(shipped.hardware, **hardware),
+                            shipped.model))
         rows = read_metrics(Path(out))[2:]
     assert rows, "simulate more than two steps"
     return Phases(step=statistics.fmean(r["wait_s"] + r["train_s"] + r["sync_s"] for r in rows),
