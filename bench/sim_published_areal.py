@@ -13,6 +13,8 @@ start and the step that trains on it; eta = 0 is synchronous). Compared here
   unbounded, on the asynchronous system's 3:1 split; the speedup is each throughput over
   eta = 0's. The GPU count is not given; assumed 16 nodes (128 GPUs, 96:32), the 1.5B row
   of Table 1 (see below for why);
+- Table 7 (appendix C.3), 1.5B on 8 GPUs (6:2 assumed, the paper's 3:1 rule), 8K context
+  (7,168 generated tokens at most), 64 prompts a step: throughput at eta = 0 to 16;
 - Table 1, 1.5B and 7B on math, 250 PPO steps: the training hours of "Sync. AReaL" and of
   verl (both synchronous) over AReaL's (eta = 8), on 16 and 24 nodes. The synchronous
   runs are simulated colocated: every GPU generates, then every GPU trains (the
@@ -31,10 +33,12 @@ Assumed where the paper is silent:
   paper's own: Figure 5c's eta = 0 and eta = 8 throughputs (128.7k and 371.7k tokens/s)
   times Table 1's 1.5B hours (41.0 and 14.8) give 9,275 and 9,670 tokens per trajectory
   over 250 x 512 x 16 trajectories (close enough to read Figure 5c as the 1.5B row's
-  runs); their mean less a 256-token prompt is 9,217. Nothing gives the 7B lengths;
+  runs); their mean less a 256-token prompt is 9,217. Nothing gives the 7B lengths.
+  Table 7's: a mean of 4,500 (capped at 7,168), from DeepScaleR's 8K stage with the
+  same model, whose mean response fell from about 5,500 to 3,500 tokens;
 - the engines' concurrency: AReaL bounds submissions only by eta, so an engine holds what
   its KV cache fits: 0.7 of 80 GB less the fp16 weights, over 16 samples of the mean
-  trajectory (12 prompts an engine for 1.5B, 4 for 7B);
+  trajectory (12 prompts an engine for 1.5B, 4 for 7B; 24 in Table 7);
 - interruptible generation as in-flight weight updates, the decoupled objective's
   proximal policy as the proximal forward pass (``trainer.tis_cap`` 2), and the h100
   file's defaults (train_mfu 0.35, decode_mfu 0.5) for H800s, whose compute and memory
@@ -64,9 +68,6 @@ from async_rl.config import Config
 
 SIGMA = 0.9
 PROMPT_TOKENS = 256
-MAX_NEW_TOKENS = 27_648
-MEAN_RESPONSE = (128.7e3 * 41.0 + 371.7e3 * 14.8) * 3600 / (2 * 250 * 512 * 16) - PROMPT_TOKENS
-"""Tokens: Figure 5c's throughputs times Table 1's 1.5B hours, per trajectory."""
 DEVICE_BYTES = 80e9
 MEMORY_FRACTION = 0.7
 UNBOUNDED = 1_000_000
@@ -86,9 +87,25 @@ R1_1_5B = Model(name="1.5B", parameters=1.78e9, kv_bytes_per_token=28_672, pipel
 R1_7B = Model(name="7B", parameters=7.62e9, kv_bytes_per_token=57_344, pipeline=4)
 
 
+class Setup(msgspec.Struct, frozen=True, kw_only=True):
+    prompts: int
+    """A step's prompts (16 samples each)."""
+    max_new_tokens: int
+    mean_response: float
+    """Tokens, before the cap (the log-normal's median is set so the capped mean is this)."""
+
+
+LARGE = Setup(prompts=512, max_new_tokens=27_648, mean_response=(
+    128.7e3 * 41.0 + 371.7e3 * 14.8) * 3600 / (2 * 250 * 512 * 16) - PROMPT_TOKENS)
+"""Figure 5c's throughputs times Table 1's 1.5B hours, per trajectory, less the prompt."""
+SMALL = Setup(prompts=64, max_new_tokens=8192 - 1024, mean_response=4500.0)
+"""Table 7's 8K context; DeepScaleR's 8K stage responses (5,500 falling to 3,500)."""
+
+
 class Run(msgspec.Struct, frozen=True, kw_only=True):
     """One simulated run: colocated sync on all ``gpus``, or the 3:1 split with eta."""
 
+    setup: Setup = LARGE
     model: Model
     gpus: int
     eta: int | None
@@ -114,12 +131,13 @@ class Comparison(msgspec.Struct, frozen=True, kw_only=True):
     of a step (512 x 16 x (prompt + mean response)) over the throughput."""
 
 
-def _ablation(eta: int, throughput: float) -> Comparison:
-    tokens = 512 * 16 * (PROMPT_TOKENS + MEAN_RESPONSE) / 1e3
-    return Comparison(source="Fig. 5c", slow=Run(model=R1_1_5B, gpus=128, eta=0),
-                      fast=Run(model=R1_1_5B, gpus=128, eta=eta),
-                      published=throughput / 128.7, reported=f"{throughput}k / 128.7k tok/s",
-                      steps=(tokens / 128.7, tokens / throughput))
+def _ablation(source: str, setup: Setup, gpus: int, eta: int, throughput: float,
+              sync: float) -> Comparison:
+    tokens = setup.prompts * 16 * (PROMPT_TOKENS + setup.mean_response) / 1e3
+    return Comparison(source=source, slow=Run(setup=setup, model=R1_1_5B, gpus=gpus, eta=0),
+                      fast=Run(setup=setup, model=R1_1_5B, gpus=gpus, eta=eta),
+                      published=throughput / sync, reported=f"{throughput}k / {sync}k tok/s",
+                      steps=(tokens / sync, tokens / throughput))
 
 
 def _table(model: Model, gpus: int, baseline: str, hours: float, areal: float) -> Comparison:
@@ -130,8 +148,11 @@ def _table(model: Model, gpus: int, baseline: str, hours: float, areal: float) -
 
 
 COMPARISONS = (
-    *(_ablation(eta, t) for eta, t in ((1, 269.3), (2, 356.6), (4, 356.6), (8, 371.7),
-                                       (16, 382.4), (UNBOUNDED, 396.8))),
+    *(_ablation("Fig. 5c", LARGE, 128, eta, t, 128.7)
+      for eta, t in ((1, 269.3), (2, 356.6), (4, 356.6), (8, 371.7), (16, 382.4),
+                     (UNBOUNDED, 396.8))),
+    *(_ablation("Table 7", SMALL, 8, eta, t, 27.1)
+      for eta, t in ((1, 47.8), (2, 47.8), (4, 49.0), (8, 51.5), (16, 52.0))),
     _table(R1_1_5B, 128, "Sync. AReaL", 41.0, 14.8),
     _table(R1_1_5B, 128, "verl", 33.6, 14.8),
     _table(R1_7B, 192, "Sync. AReaL", 57.7, 25.4),
@@ -155,41 +176,48 @@ def median_for(mean: float, sigma: float, cap: float) -> float:
     return math.sqrt(low * high)
 
 
-def inflight_prompts(model: Model) -> int:
+def median(setup: Setup) -> float:
+    return median_for(setup.mean_response, SIGMA, setup.max_new_tokens)
+
+
+def inflight_prompts(run: Run) -> int:
     """Prompts an engine's KV cache holds at the mean trajectory length."""
-    free = DEVICE_BYTES * MEMORY_FRACTION - 2 * model.parameters
-    return int(free // (model.kv_bytes_per_token * 16 * (PROMPT_TOKENS + MEAN_RESPONSE)))
+    free = DEVICE_BYTES * MEMORY_FRACTION - 2 * run.model.parameters
+    trajectory = PROMPT_TOKENS + run.setup.mean_response
+    return int(free // (run.model.kv_bytes_per_token * 16 * trajectory))
 
 
 def roles(run: Run) -> tuple[int, int, int]:
     """Rollout engines, trainer shards and GPUs per shard: ``pipeline`` GPUs a shard, or
-    more where the shards would not divide the 512 prompts (the same GPUs training)."""
+    more where the shards would not divide a step's prompts (the same GPUs training)."""
     rollout = run.gpus if run.eta is None else run.gpus * 3 // 4
     train = run.gpus if run.eta is None else run.gpus // 4
-    shards = 2 ** int(math.log2(train // run.model.pipeline))
+    shards = max(2 ** int(math.log2(train // run.model.pipeline)), 1)
     return rollout, shards, train // shards
 
 
 def areal_config(run: Run, steps: int, out: Path) -> Config:
     rollout, shards, _ = roles(run)
+    setup = run.setup
     eta = 0 if run.eta is None else run.eta
     return msgspec.convert({
         "model": {"path": f"deepseek-ai/DeepSeek-R1-Distill-Qwen-{run.model.name}",
                   "dtype": "bfloat16"},
         "task": {"kind": "longtail", "eval_size": 0},
-        "rollout": {"num_workers": rollout, "group_size": 16, "max_new_tokens": MAX_NEW_TOKENS,
-                    "max_inflight_prompts": inflight_prompts(run.model),
+        "rollout": {"num_workers": rollout, "group_size": 16,
+                    "max_new_tokens": setup.max_new_tokens,
+                    "max_inflight_prompts": inflight_prompts(run),
                     "stall_timeout_s": 86400.0},
-        "queue": {"max_groups": 512 * (min(eta, 32) + 2), "max_tokens": 1 << 40,
+        "queue": {"max_groups": setup.prompts * (min(eta, 32) + 2), "max_tokens": 1 << 40,
                   "bucket_edges": [65536]},
         "staleness": {"max_staleness": eta},
         "weights": {"update_mode": "in_flight"},
-        "trainer": {"num_shards": shards, "groups_per_step": 512,
+        "trainer": {"num_shards": shards, "groups_per_step": setup.prompts,
                     "micro_batch_tokens": 32768, "mini_batches": 4, "tis_cap": 2.0},
         "run": {"num_steps": steps, "output_dir": str(out), "progress": False,
                 "record_spans": False, "eval_every": 0},
         "simulate": {"hardware": "h100", "lengths": "lognormal",
-                     "length_median": median_for(MEAN_RESPONSE, SIGMA, MAX_NEW_TOKENS),
+                     "length_median": median(setup),
                      "length_sigma": SIGMA, "group_spread": SIGMA / 2,
                      "prompt_tokens": PROMPT_TOKENS, "parameters": run.model.parameters,
                      "kv_bytes_per_token": run.model.kv_bytes_per_token},
@@ -207,10 +235,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=12)
     args = parser.parse_args(argv)
     logging.getLogger("async_rl").setLevel(logging.WARNING)
-    median = median_for(MEAN_RESPONSE, SIGMA, MAX_NEW_TOKENS)
-    print(f"responses: mean {MEAN_RESPONSE:.0f} tokens (median {median:.0f}, sigma {SIGMA}, "
-          f"cap {MAX_NEW_TOKENS}); in flight per engine: "
-          f"{inflight_prompts(R1_1_5B)} prompts (1.5B), {inflight_prompts(R1_7B)} (7B)\n")
+    for name, setup in (("Fig. 5c, Table 1", LARGE), ("Table 7", SMALL)):
+        print(f"{name}: responses of mean {setup.mean_response:.0f} tokens (median "
+              f"{median(setup):.0f}, sigma {SIGMA}, cap {setup.max_new_tokens}), in flight "
+              f"per engine " + ", ".join(
+                  f"{inflight_prompts(Run(setup=setup, model=m, gpus=8, eta=0))} prompts "
+                  f"({m.name})" for m in (R1_1_5B, R1_7B) if setup is LARGE or m is R1_1_5B))
+    print()
     print("| source | slower run | s/step sim (published) | faster run "
           "| s/step sim (published) | speedup sim | published | error |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
