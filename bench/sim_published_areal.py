@@ -42,13 +42,19 @@ Assumed where the paper is silent:
 - interruptible generation as in-flight weight updates, the decoupled objective's
   proximal policy as the proximal forward pass (``trainer.tis_cap`` 2), and the h100
   file's defaults (train_mfu 0.35, decode_mfu 0.5) for H800s, whose compute and memory
-  are an H100's (only NVLink is slower). Nothing is fitted.
+  are an H100's (only NVLink is slower). Nothing is fitted by default.
+
+With ``--calibrate``, one figure is fitted: the trainer's MFU (train_mfu), on one
+published step time, AReaL's own 1.5B eta = 8 run of Table 1 (14.8 h over 250 steps,
+213 s a step; Figure 5c's eta = 8 at the same setup), by ``_scale`` of sim_published.
+Every comparison, the 7B ones too, is then simulated at that MFU.
 
 Printed per comparison: the simulated mean seconds per step of each run (the steps after
 the first two), the predicted speedup, the published one and the error.
 
     python bench/sim_published_areal.py
     python bench/sim_published_areal.py --steps 8
+    python bench/sim_published_areal.py --calibrate
 """
 
 from __future__ import annotations
@@ -62,9 +68,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
-from sim_published import Phases, mean_phases
+from sim_published import Phases, _scale, mean_phases
 
 from async_rl.config import Config
+from async_rl.sim.costs import load_hardware
 
 SIGMA = 0.9
 PROMPT_TOKENS = 256
@@ -72,6 +79,7 @@ DEVICE_BYTES = 80e9
 MEMORY_FRACTION = 0.7
 UNBOUNDED = 1_000_000
 """eta = infinity."""
+HARDWARE = "h100"
 
 
 class Model(msgspec.Struct, frozen=True, kw_only=True):
@@ -216,7 +224,7 @@ def areal_config(run: Run, steps: int, out: Path) -> Config:
                     "micro_batch_tokens": 32768, "mini_batches": 4, "tis_cap": 2.0},
         "run": {"num_steps": steps, "output_dir": str(out), "progress": False,
                 "record_spans": False, "eval_every": 0},
-        "simulate": {"hardware": "h100", "lengths": "lognormal",
+        "simulate": {"hardware": HARDWARE, "lengths": "lognormal",
                      "length_median": median(setup),
                      "length_sigma": SIGMA, "group_spread": SIGMA / 2,
                      "prompt_tokens": PROMPT_TOKENS, "parameters": run.model.parameters,
@@ -225,16 +233,39 @@ def areal_config(run: Run, steps: int, out: Path) -> Config:
 
 
 @functools.cache
-def phases(run: Run, steps: int) -> Phases:
+def phases(run: Run, steps: int, train_mfu: float) -> Phases:
     return mean_phases(lambda out: areal_config(run, steps, out),
-                       devices_per_trainer_shard=roles(run)[2])
+                       devices_per_trainer_shard=roles(run)[2], train_mfu=train_mfu)
+
+
+CALIBRATION = Run(model=R1_1_5B, gpus=128, eta=8)
+CALIBRATION_STEP = 14.8 * 3600 / 250
+"""Table 1's AReaL 1.5B hours over its 250 steps: seconds a step."""
+
+
+def calibrate(steps: int) -> float:
+    """The train_mfu at which ``CALIBRATION`` takes ``CALIBRATION_STEP`` a step (a
+    trainer-bound step grows about as 1 / train_mfu)."""
+    return _scale(load_hardware(HARDWARE).train_mfu, [CALIBRATION_STEP],
+                  lambda mfu: [phases(CALIBRATION, steps, mfu).step], -1.0)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--calibrate", action="store_true",
+                        help=f"fit train_mfu on the step time of {CALIBRATION.name} "
+                             f"({CALIBRATION_STEP:.0f} s, Table 1) before predicting")
     args = parser.parse_args(argv)
     logging.getLogger("async_rl").setLevel(logging.WARNING)
+    if args.calibrate:
+        mfu = calibrate(args.steps)
+        print(f"train_mfu {mfu:.3f}, fitted: {CALIBRATION.name} at "
+              f"{phases(CALIBRATION, args.steps, mfu).step:.0f} s a step against "
+              f"{CALIBRATION_STEP:.0f} s")
+    else:
+        mfu = load_hardware(HARDWARE).train_mfu
+        print(f"train_mfu {mfu} (the {HARDWARE} file's)")
     for name, setup in (("Fig. 5c, Table 1", LARGE), ("Table 7", SMALL)):
         print(f"{name}: responses of mean {setup.mean_response:.0f} tokens (median "
               f"{median(setup):.0f}, sigma {SIGMA}, cap {setup.max_new_tokens}), in flight "
@@ -246,7 +277,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "| s/step sim (published) | speedup sim | published | error |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
     for c in COMPARISONS:
-        slow, fast = phases(c.slow, args.steps), phases(c.fast, args.steps)
+        slow, fast = phases(c.slow, args.steps, mfu), phases(c.fast, args.steps, mfu)
         predicted = slow.step / fast.step
         print(f"| {c.source} | {c.slow.name} | {slow.step:.0f} ({c.steps[0]:.0f}) "
               f"| {c.fast.name} | {fast.step:.0f} ({c.steps[1]:.0f}) "
