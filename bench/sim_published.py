@@ -238,7 +238,7 @@ def mean_phases(config: Callable[[Path], Config], **hardware: float) -> Phases:
                   train=statistics.fmean(r["train_s"] for r in rows))
 
 
-def _scale(value: float, targets: Sequence[float],
+def scale(value: float, targets: Sequence[float],
            measure: Callable[[float], Sequence[float]], power: float) -> float:
     """``value`` adjusted until the geometric mean of ``measure(value)`` / ``targets`` is
     within 1% of 1, assuming every measure grows about as ``value ** power`` (for one
@@ -260,7 +260,7 @@ def fit(pairs: Sequence[Pair], steps: int, sigma: float, each: bool) -> dict[int
     base = Assumed(sigma=sigma)
 
     def median(group: Sequence[Pair]) -> Assumed:
-        return msgspec.structs.replace(base, median=_scale(
+        return msgspec.structs.replace(base, median=scale(
             base.median, [p.sync.gen for p in group], lambda m: [
                 phases(p.gpus, SYNC, msgspec.structs.replace(base, median=m), steps).wait
                 for p in group], 1.0))
@@ -272,7 +272,7 @@ def fit(pairs: Sequence[Pair], steps: int, sigma: float, each: bool) -> dict[int
 
     def refit(field: str, mode: Mode, published: Callable[[Pair], Published],
               start: float, power: float) -> None:
-        value = _scale(start, [published(p).train for p in pairs], lambda v: [
+        value = scale(start, [published(p).train for p in pairs], lambda v: [
             phases(p.gpus, mode, msgspec.structs.replace(assumed[p.gpus], **{field: v}),
                    steps).train for p in pairs], power)
         for gpus, figures in assumed.items():

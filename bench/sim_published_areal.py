@@ -46,7 +46,7 @@ Assumed where the paper is silent:
 
 With ``--calibrate``, one figure is fitted: the trainer's MFU (train_mfu), on one
 published step time, AReaL's own 1.5B eta = 8 run of Table 1 (14.8 h over 250 steps,
-213 s a step; Figure 5c's eta = 8 at the same setup), by ``_scale`` of sim_published.
+213 s a step; Figure 5c's eta = 8 at the same setup), by ``scale`` of sim_published.
 Every comparison, the 7B ones too, is then simulated at that MFU.
 
 Printed per comparison: the simulated mean seconds per step of each run (the steps after
@@ -68,7 +68,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
-from sim_published import Phases, _scale, mean_phases
+from sim_published import Phases, mean_phases, scale
 
 from async_rl.config import Config
 from async_rl.sim.costs import load_hardware
@@ -246,7 +246,7 @@ CALIBRATION_STEP = 14.8 * 3600 / 250
 def calibrate(steps: int) -> float:
     """The train_mfu at which ``CALIBRATION`` takes ``CALIBRATION_STEP`` a step (a
     trainer-bound step grows about as 1 / train_mfu)."""
-    return _scale(load_hardware(HARDWARE).train_mfu, [CALIBRATION_STEP],
+    return scale(load_hardware(HARDWARE).train_mfu, [CALIBRATION_STEP],
                   lambda mfu: [phases(CALIBRATION, steps, mfu).step], -1.0)
 
 
