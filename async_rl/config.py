@@ -227,6 +227,10 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     kv_bytes_per_token: NonNegative = 0
     """KV-cache bytes one token of context holds (2 x layers x kv heads x head dim x
     bytes); 0 = from model.path's config.json."""
+    attention_width: NonNegative = 0
+    """Layers x query heads x head dim: training a sequence of T tokens costs 6 x this x
+    T^2 FLOPs of causal attention besides 6 x parameters x T; 0 = from model.path's
+    config.json, or not counted when it has none."""
     reward_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Reward (or tool) latency of a group after its last sample; the engine goes on
     generating meanwhile."""

@@ -207,7 +207,8 @@ def verl_config(mode: Mode, role: int, steps: int, median: float, sigma: float,
                 "record_spans": False, "eval_every": 0},
         "simulate": {"hardware": "h20", "lengths": "lognormal", "length_median": median,
                      "length_sigma": sigma, "group_spread": sigma / 2,
-                     "prompt_tokens": 256, "parameters": 7.6e9, "kv_bytes_per_token": 57344},
+                     "prompt_tokens": 256, "parameters": 7.6e9, "kv_bytes_per_token": 57344,
+                     "attention_width": 28 * 3584},
     }, Config)
 
 

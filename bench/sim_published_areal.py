@@ -87,12 +87,16 @@ class Model(msgspec.Struct, frozen=True, kw_only=True):
     parameters: float
     kv_bytes_per_token: int
     """2 x layers x KV heads x head dim x 2 bytes."""
+    attention_width: int
+    """Layers x query heads x head dim."""
     pipeline: int
     """GPUs per trainer shard (pipeline stages in AReaL's scripts)."""
 
 
-R1_1_5B = Model(name="1.5B", parameters=1.78e9, kv_bytes_per_token=28_672, pipeline=2)
-R1_7B = Model(name="7B", parameters=7.62e9, kv_bytes_per_token=57_344, pipeline=4)
+R1_1_5B = Model(name="1.5B", parameters=1.78e9, kv_bytes_per_token=28_672,
+                attention_width=28 * 1536, pipeline=2)
+R1_7B = Model(name="7B", parameters=7.62e9, kv_bytes_per_token=57_344,
+              attention_width=28 * 3584, pipeline=4)
 
 
 class Setup(msgspec.Struct, frozen=True, kw_only=True):
@@ -228,7 +232,8 @@ def areal_config(run: Run, steps: int, out: Path) -> Config:
                      "length_median": median(setup),
                      "length_sigma": SIGMA, "group_spread": SIGMA / 2,
                      "prompt_tokens": PROMPT_TOKENS, "parameters": run.model.parameters,
-                     "kv_bytes_per_token": run.model.kv_bytes_per_token},
+                     "kv_bytes_per_token": run.model.kv_bytes_per_token,
+                     "attention_width": run.model.attention_width},
     }, Config)
 
 

@@ -36,8 +36,9 @@ from async_rl.analysis.report import idle_of, read_spans
 from async_rl.config import Config
 from async_rl.config_io import load_config
 from async_rl.run.run_dir import CONFIG, read_ledger, read_metrics, read_summary
-from async_rl.sim.costs import Costs, Hardware, hardware_toml, load_hardware, model_shape
-from async_rl.sim.run import simulate
+from async_rl.sim.costs import Costs, Hardware, hardware_toml
+from async_rl.sim.run import simulate, simulation_costs
+from buffers.records import LedgerEntry
 from workers.spans import Span
 
 DECODE_MFUS = (0.01, 0.03, 0.1, 0.3, 1.0)
@@ -115,6 +116,22 @@ def generating_beside(spans: Sequence[Span]) -> dict[int, float]:
     return beside
 
 
+def trained_lengths(config: Config, rows: Sequence[dict[str, object]],
+                    ledger: Sequence[LedgerEntry]) -> list[int]:
+    """The run's sequences as the trainer saw them, near enough for attention's share:
+    each generated completion (ledger) after the mean prompt (metrics: a step's tokens
+    less its completions)."""
+    samples = tokens = completions = 0.0
+    for row in rows:
+        count = float(row["groups"]) * config.rollout.group_size  # type: ignore[arg-type]
+        mean = row["completion_tokens"] or {"mean": 0.0}
+        samples += count
+        tokens += float(row["tokens"])  # type: ignore[arg-type]
+        completions += count * float(mean["mean"])  # type: ignore[index]
+    prompt = (tokens - completions) / max(samples, 1.0)
+    return [round(prompt) + n for e in ledger if e.event == "generated" for n in e.lengths]
+
+
 def _fit_trainer(config: Config, rows: Sequence[dict[str, object]], base: Hardware,
                  parameters: float, beside: dict[int, float]) -> Hardware:
     """Least squares of ``train_s`` on a fixed part (when the tokens vary enough to tell
@@ -140,6 +157,7 @@ def _fit_trainer(config: Config, rows: Sequence[dict[str, object]], base: Hardwa
             break
         # A negative part means the columns could not be told apart: one fewer.
         columns.pop("fixed" if "fixed" in columns else "beside")
+    # parameters: the model's, grown by attention's share of the run's training FLOPs.
     mfu = 6 * parameters / (per_token * base.peak_flops * base.devices_per_trainer_shard)
     return msgspec.structs.replace(base, train_mfu=mfu, micro_batch_s=0.0,
                                    update_s=max(fixed / updates - base.call_s, 0.0),
@@ -172,16 +190,16 @@ def calibrate(run_dir: str | Path, out: str | Path, overrides: Sequence[str] = (
     scratch = tempfile.mkdtemp(prefix="calibrate-")
     config = load_config(path / CONFIG, [*lengths, *overrides, "run.progress=false",
                                          f"run.output_dir={msgspec.json.encode(scratch).decode()}"])
-    base = load_hardware(config.simulate.hardware)
-    shape = model_shape(config.model.path, config.model.dtype,
-                        parameters=config.simulate.parameters,
-                        kv_bytes_per_token=config.simulate.kv_bytes_per_token)
+    costs = simulation_costs(config)
+    base, shape = costs.hardware, costs.model
     rows = read_metrics(path)
     spans = read_spans(path)
     if any(span.device.startswith("cpu:") for span in spans if span.role == "trainer"):
         # Laid out on this machine's cores: the simulation lays them out the same way.
         base = msgspec.structs.replace(base, cores=len(os.sched_getaffinity(0)))
-    hardware = _fit_trainer(config, rows, base, shape.parameters, generating_beside(spans))
+    attention = costs.attention_share(trained_lengths(config, rows, read_ledger(path)))
+    hardware = _fit_trainer(config, rows, base, shape.parameters * (1 + attention),
+                            generating_beside(spans))
     hardware = _fit_weights(rows, hardware, Costs(hardware, shape).weight_bytes)
     real = measure(path)
 

@@ -11,11 +11,13 @@ seconds:
   plus the larger of the compute (2·N FLOPs per sequence at the decode MFU) and the
   memory traffic (the weights once, plus every context token's KV entries, at the
   achieved bandwidth); a prefill of ``tokens`` is compute-bound;
-- a training micro-batch of ``tokens``: 6·N·tokens at the training MFU, plus a fixed
-  overhead, slower while rollout engines are busy on the same machine (``cores``,
-  ``contention``: CPU machines only); an optimizer update: a fixed overhead plus the
-  gradient all-reduce between shards (ring: 2·(S-1)/S of the gradient's bytes, each of
-  a shard's devices sending its own slice over its own link);
+- a training micro-batch of sequences of T tokens each: 6·N·T for the weights plus
+  6·W·T² for causal attention (W: layers x query heads x head dim; forward 2·W·T²,
+  backward twice that) at the training MFU, plus a fixed overhead, slower while rollout
+  engines are busy on the same machine (``cores``, ``contention``: CPU machines only);
+  an optimizer update: a fixed overhead plus the gradient all-reduce between shards
+  (ring: 2·(S-1)/S of the gradient's bytes, each of a shard's devices sending its own
+  slice over its own link);
 - a weight version: its snapshot (bytes at the memory bandwidth, plus a fixed part) and
   its delivery (bytes over the interconnect, plus a fixed engine pause).
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import json
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
@@ -113,17 +116,21 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     kv_bytes_per_token: float
     bytes_per_parameter: float
     """Of the weights as rollout and training hold them (model.dtype)."""
+    attention_width: float = 0.0
+    """Layers x query heads x head dim: what attention's FLOPs grow with (0: not
+    counted)."""
 
 
 def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
-                kv_bytes_per_token: float = 0.0) -> ModelShape:
+                kv_bytes_per_token: float = 0.0, attention_width: float = 0.0) -> ModelShape:
     """The model's size: given figures win, the rest is counted from its config.json (a
-    Qwen2/Llama-style decoder)."""
+    Qwen2/Llama-style decoder). With parameters and kv_bytes_per_token given and no
+    config.json, attention is counted only if ``attention_width`` is given."""
     width = 2.0 if dtype in ("bfloat16", "float16", "auto") else 4.0
-    if parameters and kv_bytes_per_token:
-        return ModelShape(parameters=parameters, kv_bytes_per_token=kv_bytes_per_token,
-                          bytes_per_parameter=width)
     path = Path(model_path) / "config.json"
+    if parameters and kv_bytes_per_token and (attention_width or not path.is_file()):
+        return ModelShape(parameters=parameters, kv_bytes_per_token=kv_bytes_per_token,
+                          bytes_per_parameter=width, attention_width=attention_width)
     if not path.is_file():
         raise ConfigError(f"config error: simulate.parameters = {parameters:g}: model.path "
                           f"{model_path!r} has no config.json to count them from: give "
@@ -141,7 +148,8 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
     counted = layers * (attention + mlp + 2 * hidden) + embeddings + hidden
     return ModelShape(parameters=parameters or float(counted),
                       kv_bytes_per_token=kv_bytes_per_token or kv_bytes(c, width),
-                      bytes_per_parameter=width)
+                      bytes_per_parameter=width,
+                      attention_width=attention_width or float(layers * heads * head_dim))
 
 
 class Costs:
@@ -157,7 +165,10 @@ class Costs:
         bandwidth = h.memory_bandwidth * rollout * h.memory_efficiency
         self._weights_read_s = self.weight_bytes / bandwidth
         self._kv_read_s = model.kv_bytes_per_token / bandwidth
-        self._train_token_s = 6 * n / (h.peak_flops * trainer * h.train_mfu)
+        train_flop_s = 1 / (h.peak_flops * trainer * h.train_mfu)
+        self._train_token_s = 6 * n * train_flop_s
+        self._train_square_s = 6 * model.attention_width * train_flop_s
+        """Seconds of causal attention per squared token of a sequence."""
 
     def decode_step(self, running: int, context: float) -> float:
         """One engine step of ``running`` sequences holding ``context`` tokens in all."""
@@ -181,8 +192,15 @@ class Costs:
     def prefill(self, tokens: int) -> float:
         return self._decode_flop_s * tokens
 
-    def micro_batch(self, tokens: int) -> float:
-        return self.hardware.micro_batch_s + self._train_token_s * tokens
+    def micro_batch(self, lengths: Sequence[int]) -> float:
+        """Forward and backward of a micro-batch of sequences of ``lengths`` tokens."""
+        return (self.hardware.micro_batch_s + self._train_token_s * sum(lengths)
+                + self._train_square_s * sum(t * t for t in lengths))
+
+    def attention_share(self, lengths: Sequence[int]) -> float:
+        """Attention's FLOPs over the weights' in training sequences of ``lengths``."""
+        return self._train_square_s * sum(t * t for t in lengths) / max(
+            self._train_token_s * sum(lengths), 1e-30)
 
     def train_slowdown(self, sharing: float, beside: float) -> float:
         """How many times longer a trainer shard's compute takes while ``sharing`` busy

@@ -37,7 +37,8 @@ def simulation_costs(config: Config) -> Costs:
     """The cost model of ``config``'s simulate.hardware and model."""
     sim = config.simulate
     shape = model_shape(config.model.path, config.model.dtype, parameters=sim.parameters,
-                        kv_bytes_per_token=sim.kv_bytes_per_token)
+                        kv_bytes_per_token=sim.kv_bytes_per_token,
+                        attention_width=sim.attention_width)
     return Costs(load_hardware(sim.hardware), shape)
 
 

@@ -125,6 +125,27 @@ def test_the_small_models_size_is_counted_from_its_config(tmp_path: Path) -> Non
     shape = model_shape(str(tmp_path), "float32")
     assert shape.parameters == 4_004_096  # what make-model reports for --size small
     assert shape.kv_bytes_per_token == 2 * 4 * 4 * 32 * 4
+    assert shape.attention_width == 4 * 8 * 32  # layers x query heads x head dim
+    given = model_shape(str(tmp_path), "float32", parameters=1e6, kv_bytes_per_token=64)
+    assert (given.parameters, given.attention_width) == (1e6, 4 * 8 * 32)
+
+
+def test_training_attention_grows_with_the_square_of_each_sequence() -> None:
+    width = 28 * 3584
+    shape = model_shape("x", "bfloat16", parameters=7e9, kv_bytes_per_token=57344,
+                        attention_width=width)
+    h100 = load_hardware("h100")
+    costs = Costs(h100, shape)
+    flop_s = h100.peak_flops * h100.train_mfu
+    one_long = costs.micro_batch([8192]) - h100.micro_batch_s
+    two_short = costs.micro_batch([4096, 4096]) - h100.micro_batch_s
+    # The same tokens; the long sequence's causal attention costs 6·W·(8192² - 2·4096²).
+    assert one_long - two_short == pytest.approx(6 * width * 8192**2 / 2 / flop_s)
+    assert two_short == pytest.approx((6 * 7e9 * 8192 + 6 * width * 2 * 4096**2) / flop_s)
+    assert costs.attention_share([4096]) == pytest.approx(width * 4096 / 7e9)
+    unshaped = Costs(h100, model_shape("x", "bfloat16", parameters=7e9,
+                                       kv_bytes_per_token=57344))
+    assert unshaped.attention_share([8192]) == 0.0  # no config.json, no width given
 
 
 def test_length_laws_are_seeded_by_prompt_and_a_run_is_replayed(tmp_path: Path) -> None:
@@ -153,6 +174,16 @@ def test_calibration_recovers_the_throughput_of_the_hardware_it_was_simulated_on
     assert fit.simulated.groups_per_s == pytest.approx(fit.real.groups_per_s, rel=0.1)
     assert fit.simulated.rollout_busy_per_group == pytest.approx(
         fit.real.rollout_busy_per_group, rel=0.1)
+
+
+def test_calibration_counts_attention_in_the_training_mfu_it_fits(tmp_path: Path) -> None:
+    plain, wide = tmp_path / "plain", tmp_path / "wide"
+    simulate(config(plain, steps=12, hardware="cpu"))
+    simulate(config(wide, steps=12, hardware="cpu", attention_width=30_000))
+    assert _median_train_s(wide) > 1.2 * _median_train_s(plain)  # attention shows
+    fit = calibrate(wide, tmp_path / "fitted.toml", mfus=(0.1,), bisections=2)
+    # The slower steps are attention, not a lower MFU (prompts are taken at their mean).
+    assert fit.hardware.train_mfu == pytest.approx(load_hardware("cpu").train_mfu, rel=0.05)
 
 
 def test_a_simulated_sweep_runs_each_trial_with_async_rl_simulate(tmp_path: Path) -> None:
