@@ -19,9 +19,11 @@ GPUs", is the 128-GPU pair's four). Simulated here with the shipped h20 file:
   fully async rows have no old_log_prob);
 - the stream off policy pipeline on 64:64 (staleness_threshold 0, no partial rollout) as
   the fully async run with max_staleness 0 (a step's rollouts are all made by its own
-  version) and drain weight updates. verl's trainer starts on each mini-batch of 32
-  prompts as it arrives; the simulated one waits for the step's 512, so this row
-  overlaps less than verl's;
+  version) and drain weight updates. verl's trainer starts a step on every 128 prompts
+  (require_batches 4 x 32), 4 steps a weight version; the simulated one waits for the
+  step's 512, so this row overlaps less than verl's. ``--stream-steps 4`` simulates
+  verl's structure instead: 4 steps of 128 a version (weights.sync_every 4,
+  max_staleness 3);
 - the parallelism of verl's scripts for these runs
   (verl/experimental/fully_async_policy/shell/dapo_7b_math_fsdp2_*.sh: gen_tp=4,
   sp_size=4, fsdp_size=8, ppo_max_token_len_per_gpu = 2 x (2K + 28K)): one engine per 4
@@ -66,6 +68,7 @@ with the errors.
     python bench/sim_published.py
     python bench/sim_published.py --fit-on each
     python bench/sim_published.py --fit-on 64 --steps 8
+    python bench/sim_published.py --sigma 1.35 --stream-steps 4
 """
 
 from __future__ import annotations
@@ -158,6 +161,9 @@ class Mode(msgspec.Struct, frozen=True, kw_only=True):
     tis_cap: float
     """2.0: a proximal pass (old_log_prob); 0: the rollout's log probabilities."""
     update_mode: str
+    trainer_steps: int = 1
+    """Trainer steps a weight version (verl's trigger_parameter_sync_step), each of
+    512 / trainer_steps prompts (require_batches x ppo_mini_batch_size)."""
 
 
 SYNC = Mode(name="colocate sync", split=False, max_staleness=0, inflight=512, tis_cap=2.0,
@@ -166,6 +172,11 @@ FULLY_ASYNC = Mode(name="fully async", split=True, max_staleness=1, inflight=16,
                    tis_cap=0.0, update_mode="in_flight")
 STREAMING = Mode(name="stream off policy", split=True, max_staleness=0, inflight=16,
                  tis_cap=0.0, update_mode="drain")
+STREAMING_4 = Mode(name="stream off policy", split=True, max_staleness=3, inflight=16,
+                   tis_cap=0.0, update_mode="drain", trainer_steps=4)
+"""``--stream-steps 4``: verl's own structure, 4 trainer steps of 128 prompts a weight
+version (require_batches 4 x 32, trigger_parameter_sync_step 4); max_staleness 3 lets
+each version's prompts be trained over its 4 steps, and no further."""
 
 
 class Assumed(msgspec.Struct, frozen=True, kw_only=True):
@@ -199,11 +210,12 @@ def verl_config(mode: Mode, role: int, steps: int, median: float, sigma: float,
                     "stall_timeout_s": 86400.0},
         "queue": {"max_groups": 1024, "max_tokens": 1 << 40, "bucket_edges": [65536]},
         "staleness": {"max_staleness": mode.max_staleness},
-        "weights": {"update_mode": mode.update_mode},
-        "trainer": {"num_shards": role // SEQUENCE_PARALLEL, "groups_per_step": 512,
-                    "micro_batch_tokens": MICRO_BATCH_TOKENS, "mini_batches": 16,
-                    "tis_cap": mode.tis_cap},
-        "run": {"num_steps": steps, "output_dir": str(out), "progress": False,
+        "weights": {"update_mode": mode.update_mode, "sync_every": mode.trainer_steps},
+        "trainer": {"num_shards": role // SEQUENCE_PARALLEL,
+                    "groups_per_step": 512 // mode.trainer_steps,
+                    "micro_batch_tokens": MICRO_BATCH_TOKENS,
+                    "mini_batches": 16 // mode.trainer_steps, "tis_cap": mode.tis_cap},
+        "run": {"num_steps": steps * mode.trainer_steps, "output_dir": str(out), "progress": False,
                 "record_spans": False, "eval_every": 0},
         "simulate": {"hardware": "h20", "lengths": "lognormal", "length_median": median,
                      "length_sigma": sigma, "group_spread": sigma / 2,
@@ -221,22 +233,24 @@ def phases(gpus: int, mode: Mode, assumed: Assumed, steps: int) -> Phases:
     return mean_phases(lambda out: verl_config(mode, role, steps, median, assumed.sigma, out),
                        devices_per_rollout_worker=ROLLOUT_TP,
                        devices_per_trainer_shard=SEQUENCE_PARALLEL,
-                       train_mfu=assumed.train_mfu)
+                       train_mfu=assumed.train_mfu, per=mode.trainer_steps)
 
 
-def mean_phases(config: Callable[[Path], Config], **hardware: float) -> Phases:
+def mean_phases(config: Callable[[Path], Config], per: int = 1, **hardware: float) -> Phases:
     """Simulates ``config(run directory)`` on its hardware file with ``hardware``'s fields
-    replaced; the means over the steps after the first two (the pipeline filling)."""
+    replaced; the means over the steps after the first two (the pipeline filling), of
+    ``per`` steps together (one published step)."""
     with tempfile.TemporaryDirectory() as out:
         run = config(Path(out))
         shipped = simulation_costs(run)
         simulate(run, Costs(msgspec.structs.replace(shipped.hardware, **hardware),
                             shipped.model))
-        rows = read_metrics(Path(out))[2:]
+        rows = read_metrics(Path(out))[2 * per:]
     assert rows, "simulate more than two steps"
-    return Phases(step=statistics.fmean(r["wait_s"] + r["train_s"] + r["sync_s"] for r in rows),
-                  wait=statistics.fmean(r["wait_s"] for r in rows),
-                  train=statistics.fmean(r["train_s"] for r in rows))
+    return Phases(
+        step=per * statistics.fmean(r["wait_s"] + r["train_s"] + r["sync_s"] for r in rows),
+        wait=per * statistics.fmean(r["wait_s"] for r in rows),
+        train=per * statistics.fmean(r["train_s"] for r in rows))
 
 
 def scale(value: float, targets: Sequence[float],
@@ -297,6 +311,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                              "each: all three, every pair's median on its own sync gen phase")
     parser.add_argument("--sigma", type=float, default=0.9,
                         help="assumed spread of log(response length)")
+    parser.add_argument("--stream-steps", type=int, choices=[1, 4], default=1,
+                        help="trainer steps a version in the stream row: 1, a step of 512 "
+                             "prompts; 4, verl's 4 steps of 128")
     args = parser.parse_args(argv)
     logging.getLogger("async_rl").setLevel(logging.WARNING)
     fitted_on = [p for p in PAIRS if args.fit_on in ("all", "each", str(p.gpus))]
@@ -311,7 +328,8 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"async responses {last.async_lengths:.2f}x the sync ones\n")
     runs = [(p.gpus, SYNC, p.sync) for p in PAIRS]
     runs += [(p.gpus, FULLY_ASYNC, p.fully_async) for p in PAIRS]
-    runs.append((PAIRS[-1].gpus, STREAMING, STREAM))
+    streaming = STREAMING_4 if args.stream_steps == 4 else STREAMING
+    runs.append((PAIRS[-1].gpus, streaming, STREAM))
     print("| run | GPUs | s/step sim (published) | gen | train |")
     print("| --- | --- | --- | --- | --- |")
     for gpus, mode, published in runs:
@@ -324,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
           "| 400 |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     comparisons = [(p, FULLY_ASYNC, p.fully_async) for p in PAIRS]
-    comparisons.append((PAIRS[-1], STREAMING, STREAM))
+    comparisons.append((PAIRS[-1], streaming, STREAM))
     for pair, mode, published in comparisons:
         sync = phases(pair.gpus, SYNC, assumed[pair.gpus], args.steps)
         fast = phases(pair.gpus, mode, assumed[pair.gpus], args.steps)
