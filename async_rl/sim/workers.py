@@ -157,14 +157,14 @@ class SimTraining:
         batches, self._batches = self._batches, {}
         self._stepped = anyio.Event()
         ordered = [batches[r] for r in range(self.shards)]
-        lengths = self._lengths(ordered)
+        compute = self._compute(ordered)
         if self.sharing:
             began = self.clock()
-            slowdowns = await self._contended(self._solo_seconds(ordered[0], lengths))
-            seconds = self._step(ordered, lengths, slowdowns, start=began)
+            slowdowns = await self._contended(self._solo_seconds(ordered[0], compute))
+            seconds = self._step(ordered, compute, slowdowns, start=began)
             await anyio.sleep(max(began + seconds - self.clock(), 0.0))
         else:
-            await anyio.sleep(self._step(ordered, lengths, [1.0] * self.shards,
+            await anyio.sleep(self._step(ordered, compute, [1.0] * self.shards,
                                          start=self.clock()))
         stepped.set()
         return self._results.pop(rank)
@@ -191,26 +191,27 @@ class SimTraining:
             shards = sum(rank in shared for shared in self.sharing) if trainers_busy else 0
             engine.slow_down(1.0 + shards)
 
-    def _lengths(self, batches: list[ShardBatch]) -> list[list[list[int]]]:
-        """Per shard, each micro-batch's sequence lengths (prompt and completion)."""
-        return [[[_sequence(batch, slot) for slot in mb] for mb in batch.micro_batches]
-                for batch in batches]
+    def _compute(self, batches: list[ShardBatch]) -> list[list[float]]:
+        """Per shard, each micro-batch's forward and backward seconds (costed once a step:
+        the updates, the proximal pass and the contention estimate all read them)."""
+        return [[self.costs.micro_batch([_sequence(batch, slot) for slot in mb])
+                 for mb in batch.micro_batches] for batch in batches]
 
-    def _solo_seconds(self, batch: ShardBatch, lengths: list[list[list[int]]]) -> float:
+    def _solo_seconds(self, batch: ShardBatch, compute: list[list[float]]) -> float:
         """About the step's seconds with nothing beside it (what its slices divide): the
         slowest shard's compute (and its proximal pass), every update's fixed part, the
         call."""
         cfg, costs = self.config.trainer, self.costs
         updates = len(batch.updates) * cfg.epochs
         proximal = 4 / 3 if updates > 1 and cfg.tis_cap > 0 else 1.0
-        compute = max(sum(costs.micro_batch(mb) for mb in per) for per in lengths)
-        return (costs.hardware.call_s + compute * (cfg.epochs + proximal - 1)
+        slowest = max(sum(per) for per in compute)
+        return (costs.hardware.call_s + slowest * (cfg.epochs + proximal - 1)
                 + updates * costs.update(self.shards))
 
-    def _step(self, batches: list[ShardBatch], lengths: list[list[list[int]]],
+    def _step(self, batches: list[ShardBatch], compute: list[list[float]],
               slowdowns: list[float], *, start: float) -> float:
         """Lays out every shard's spans of the step from ``start`` (its compute
-        ``slowdowns`` times its cost; ``lengths``: ``_lengths(batches)``); returns its
+        ``slowdowns`` times its cost; ``compute``: ``_compute(batches)``); returns its
         seconds."""
         cfg, costs = self.config.trainer, self.costs
         updates = batches[0].updates
@@ -222,14 +223,14 @@ class SimTraining:
         backward = [0.0] * self.shards
         waited = [0.0] * self.shards
         # The proximal pass (several updates a step): one more forward over the step.
-        extra = ([slow * sum(costs.micro_batch(mb) for mb in per) / 3
-                  for slow, per in zip(slowdowns, lengths, strict=True)] if proximal
+        extra = ([slow * sum(per) / 3
+                  for slow, per in zip(slowdowns, compute, strict=True)] if proximal
                  else [0.0] * self.shards)
         for _ in range(cfg.epochs):
             first = 0
             for count in updates:
-                work = [slow * sum(costs.micro_batch(mb) for mb in per[first:first + count])
-                        for slow, per in zip(slowdowns, lengths, strict=True)]
+                work = [slow * sum(per[first:first + count])
+                        for slow, per in zip(slowdowns, compute, strict=True)]
                 first += count
                 now = self._update(now, work, extra, forward, backward, waited)
                 extra = [0.0] * self.shards
@@ -239,7 +240,7 @@ class SimTraining:
             recorder.switch(UNRESOLVED, step)
             completion = sum(_sequence(batch, s, completion=True)
                              for mb in batch.micro_batches for s in mb)
-            real = sum(map(sum, lengths[rank]))
+            real = sum(_sequence(batch, s) for mb in batch.micro_batches for s in mb)
             self.busy_s[rank] += now - start - waited[rank]
             self._results[rank] = ShardStepResult(
                 rank=rank, step=step, grad_norm=1.0,
