@@ -10,13 +10,17 @@ rollout workers are predicted with that file and the calibration run's own gener
 lengths (its ledger, when it records them; else the task's reference lengths). A real
 run already in ``--out`` with a summary is reused; a missing one is trained first, each
 under ``flock --lock`` when given (real runs need the machine to themselves), or left
-out with ``--existing``. Printed, per
-predicted run: groups/s measured and predicted with the error, and each role's idle
-fraction, in total and by cause, measured vs predicted, with the difference in points;
-and the median seconds of a training step, measured and predicted: the same work takes
-as long in every simulated run, while on a shared machine it does not in real ones.
+out with ``--existing``. ``--out`` given twice or more makes repeats of every real run
+(trained in alternate orders: A B B A), and each predicted setting is set against the
+mean of its repeats, calibrated on the first repeat's calibration run. Printed, per
+predicted run: groups/s measured (the mean of its repeats, and how far apart they were)
+and predicted with the error, and each role's idle fraction, in total and by cause,
+measured vs predicted, with the difference in points; and the median seconds of a
+training step, measured and predicted: the same work takes as long in every simulated
+run, while on a shared machine it does not in real ones.
 
     python bench/sim_vs_real.py --lock /tmp/heavy.lock
+    python bench/sim_vs_real.py --lock /tmp/heavy.lock --out runs/svr-a --out runs/svr-b
     python bench/sim_vs_real.py --existing --tasks longtail --json
 """
 
@@ -92,30 +96,58 @@ def predict(real_dir: Path, hardware: Path, lengths: str, out: Path) -> Path:
     return sim_dir
 
 
-def compare(task: str, out: Path, lock: str | None) -> list[dict[str, Any]]:
+def mean_figures(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The mean of repeated runs' ``figures`` (a cause one run lacks counts as 0), with
+    ``spread``: the largest groups/s over the smallest, less 1."""
+    rates = [r["groups_per_s"] for r in repeats]
+    roles = {role: {key: statistics.fmean(r["roles"][role].get(key, 0.0) for r in repeats)
+                    for key in dict.fromkeys(k for r in repeats for k in r["roles"][role])}
+             for role in repeats[0]["roles"]}
+    return {"groups_per_s": statistics.fmean(rates),
+            "train_s": statistics.fmean(r["train_s"] for r in repeats), "roles": roles,
+            "spread": max(rates) / min(rates) - 1}
+
+
+def train_all(tasks: Sequence[str], outs: Sequence[Path], lock: str) -> None:
+    """Every real run of every repeat, the repeats in alternate orders (A B B A: a
+    machine that drifts over the session does not favour one setting)."""
+    for i, out in enumerate(outs):
+        runs = [(task, *setting) for task in tasks
+                for setting in (CALIBRATION[task], *(s for s in SETTINGS
+                                                     if s != CALIBRATION[task]))]
+        for task, staleness, workers in reversed(runs) if i % 2 else runs:
+            real_run(task, staleness, workers, out, lock)
+
+
+def compare(task: str, outs: Sequence[Path], lock: str | None) -> list[dict[str, Any]]:
+    """Calibrated on the first repeat's calibration run, the other settings predicted and
+    set against the mean of their repeats."""
+    out = outs[0]
     calibration = real_run(task, *CALIBRATION[task], out, lock)
     if calibration is None:
         return []
     predicted = [setting for setting in SETTINGS if setting != CALIBRATION[task]]
-    reals = [real_run(task, s, w, out, lock) for s, w in predicted]
     hardware = calibration / "hardware.toml"
     fit = calibrate(calibration, hardware)
     print(f"{task}: calibrated on {calibration}:\n{fit.describe()}", flush=True)
     replay = any(e.lengths for e in read_ledger(calibration) if e.event == "generated")
     lengths = _string(str(calibration)) if replay else '"task"'
     rows = []
-    for (staleness, workers), real_dir in zip(predicted, reals, strict=True):
-        if real_dir is None:
+    for staleness, workers in predicted:
+        reals = [real_run(task, staleness, workers, o, lock) for o in outs]
+        found = [r for r in reals if r is not None]
+        if not found:
             continue
-        sim_dir = predict(real_dir, hardware, lengths, out)
+        sim_dir = predict(found[0], hardware, lengths, out)
         rows.append({"task": task, "max_staleness": staleness, "workers": workers,
-                     "real": figures(real_dir), "sim": figures(sim_dir)})
+                     "real": mean_figures([figures(r) for r in found]),
+                     "repeats": len(found), "sim": figures(sim_dir)})
     return rows
 
 
 def table(rows: Sequence[dict[str, Any]]) -> str:
     lines = ["| task | max_staleness | workers | step train_s real | sim "
-             "| groups/s real | sim | error "
+             "| groups/s real (repeats, spread) | sim | error "
              "| rollout idle real | sim | diff | trainer idle real | sim | diff "
              "| idle by cause, real/sim (points) |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- "
@@ -125,7 +157,8 @@ def table(rows: Sequence[dict[str, Any]]) -> str:
         error = sim["groups_per_s"] / real["groups_per_s"] - 1
         cells = [row["task"], str(row["max_staleness"]), str(row["workers"]),
                  f"{real['train_s']:.2f}", f"{sim['train_s']:.2f}",
-                 f"{real['groups_per_s']:.2f}", f"{sim['groups_per_s']:.2f}", f"{error:+.0%}"]
+                 f"{real['groups_per_s']:.2f} ({row['repeats']}, {real['spread']:.0%})",
+                 f"{sim['groups_per_s']:.2f}", f"{error:+.0%}"]
         causes = []
         for role in ("rollout", "trainer"):
             r, s = real["roles"][role], sim["roles"][role]
@@ -152,17 +185,24 @@ def summary_line(rows: Sequence[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--tasks", default="default,longtail")
-    parser.add_argument("--out", default="runs/sim-vs-real", help="real and simulated runs")
+    parser.add_argument("--out", action="append",
+                        help="real and simulated runs (default runs/sim-vs-real); given "
+                             "again, a repeat of every real run: each predicted setting "
+                             "is set against the mean of its repeats")
     parser.add_argument("--lock", default="", help="run each real run under flock FILE")
     parser.add_argument("--existing", action="store_true",
                         help="only the real runs already in --out: train none")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     logging.getLogger("async_rl").setLevel(logging.WARNING)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    outs = [Path(out) for out in args.out or ["runs/sim-vs-real"]]
+    for out in outs:
+        out.mkdir(parents=True, exist_ok=True)
+    tasks = args.tasks.split(",")
     lock = None if args.existing else args.lock
-    rows = [row for task in args.tasks.split(",") for row in compare(task, out, lock)]
+    if lock is not None:
+        train_all(tasks, outs, lock)
+    rows = [row for task in tasks for row in compare(task, outs, lock)]
     if args.json:
         print(json.dumps(msgspec.to_builtins(rows)))
     else:

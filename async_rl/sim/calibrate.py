@@ -142,18 +142,21 @@ def _fit_trainer(config: Config, rows: Sequence[dict[str, object]], base: Hardwa
     tokens = np.array([float(r["tokens"]) for r in steps])  # type: ignore[arg-type]
     engines = np.array([beside.get(int(r["step"]), 0.0) for r in steps])  # type: ignore[call-overload]
     updates = config.trainer.mini_batches * config.trainer.epochs
-    per_token, fixed, contention = float(np.median(train / tokens)), 0.0, 0.0
-    columns = {"tokens": tokens}
+    # The base file's contention, when it has one, is the machine's: kept, not fitted.
+    contention = base.contention
+    work = tokens * (1 + contention * engines)
+    per_token, fixed = float(np.median(train / work)), 0.0
+    columns = {"tokens": work}
     if tokens.std() > 0.1 * tokens.mean():  # enough spread to split fixed from per-token
         columns["fixed"] = np.ones_like(tokens)
-    if engines.std() > 0.1:
+    if engines.std() > 0.1 and not contention:
         columns["beside"] = tokens * engines
     while len(columns) > 1:
         fit = dict(zip(columns, np.linalg.lstsq(np.column_stack(list(columns.values())),
                                                 train, rcond=None)[0], strict=True))
         if fit["tokens"] > 0 and fit.get("fixed", 0.0) >= 0 and fit.get("beside", 0.0) >= 0:
             per_token, fixed = float(fit["tokens"]), float(fit.get("fixed", 0.0))
-            contention = float(fit.get("beside", 0.0)) / per_token
+            contention = float(fit["beside"]) / per_token if "beside" in fit else contention
             break
         # A negative part means the columns could not be told apart: one fewer.
         columns.pop("fixed" if "fixed" in columns else "beside")

@@ -77,10 +77,16 @@ class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """A CPU machine's cores, handed out as a real run hands them out
     (``workers.layout.assign_cpus``): a rollout engine and a trainer shard given the same
     core take turns on it while both are busy. 0: every worker owns its devices."""
+    engine_processes: float = 1.0
+    """Runnable processes of a busy rollout engine on a CPU machine (vLLM's AsyncLLM: its
+    engine core and its front end, which turns each step's tokens into outputs): a core
+    an engine shares with a trainer shard gives the engine this many shares of it and
+    the shard one, as the OS scheduler shares a core between runnable processes."""
     contention: float = 0.0
     """How much slower a trainer shard computes for each rollout engine busy on other
     cores of its machine (a shared memory bus and caches): 0.5 is 1.5x beside one busy
-    engine. 0 for accelerators, which own their memory."""
+    engine. 0 for accelerators, which own their memory. Calibration fits it unless the
+    base file gives it (then it is the machine's figure, kept)."""
     sources: tuple[str, ...] = ()
     """Where the figures come from (data sheets, papers, a calibration run)."""
 
@@ -204,9 +210,16 @@ class Costs:
 
     def train_slowdown(self, sharing: float, beside: float) -> float:
         """How many times longer a trainer shard's compute takes while ``sharing`` busy
-        engines run on its own cores (they take turns) and ``beside`` on other cores
-        (fractions: engines busy part of the time)."""
-        return (1 + sharing) * (1 + self.hardware.contention * beside)
+        engines run on its own cores (they take turns, each with ``engine_processes``
+        shares of a core) and ``beside`` on other cores (fractions: engines busy part of
+        the time)."""
+        h = self.hardware
+        return (1 + h.engine_processes * sharing) * (1 + h.contention * beside)
+
+    def engine_slowdown(self, shards: int) -> float:
+        """How many times longer an engine's steps take while ``shards`` busy trainer
+        shards share its cores."""
+        return 1 + shards / self.hardware.engine_processes
 
     def update(self, shards: int) -> float:
         """An optimizer update's fixed part, with the all-reduce of fp32 gradients between

@@ -189,7 +189,7 @@ class SimTraining:
     def _share_cores(self, *, trainers_busy: bool) -> None:
         for rank, engine in self.engines.items():
             shards = sum(rank in shared for shared in self.sharing) if trainers_busy else 0
-            engine.slow_down(1.0 + shards)
+            engine.slow_down(self.costs.engine_slowdown(shards))
 
     def _compute(self, batches: list[ShardBatch]) -> list[list[float]]:
         """Per shard, each micro-batch's forward and backward seconds (costed once a step:

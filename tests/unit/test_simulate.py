@@ -232,11 +232,37 @@ def test_contention_slows_training_beside_busy_engines_and_calibration_recovers_
     real, quiet = tmp_path / "real", tmp_path / "quiet"
     simulate(config(real, steps=20, hardware=_hardware(tmp_path / "bus.toml", cores=2,
                                                         contention=0.5)))
-    simulate(config(quiet, steps=20, hardware=_hardware(tmp_path / "no-bus.toml", cores=2)))
+    no_bus = _hardware(tmp_path / "no-bus.toml", cores=2)
+    simulate(config(quiet, steps=20, hardware=no_bus))
     assert _median_train_s(real) > 1.2 * _median_train_s(quiet)
-    fit = calibrate(real, tmp_path / "fitted.toml", mfus=(0.1,), bisections=3)
+    # On a base file without the machine's contention, it is fitted.
+    fit = calibrate(real, tmp_path / "fitted.toml", [f"simulate.hardware={json.dumps(no_bus)}"],
+                    mfus=(0.1,), bisections=3)
     assert fit.hardware.cores == 2
     assert fit.hardware.contention == pytest.approx(0.5, abs=0.15)
+    # On one that gives it, it is kept, and the training MFU is fitted beneath it.
+    kept = calibrate(real, tmp_path / "kept.toml", mfus=(0.1,), bisections=3)
+    assert kept.hardware.contention == 0.5
+    assert kept.hardware.train_mfu == pytest.approx(load_hardware("cpu").train_mfu, rel=0.1)
+
+
+def test_an_engine_on_a_trainer_core_gets_a_share_of_it_per_runnable_process(
+        tmp_path: Path) -> None:
+    shape = model_shape("x", "float32", parameters=4e6, kv_bytes_per_token=4096)
+    costs = Costs(msgspec.structs.replace(load_hardware("cpu"), engine_processes=2.0,
+                                          contention=0.0), shape)
+    # The engine's two runnable processes and the shard's one share the core 2:1.
+    assert costs.train_slowdown(1, 0) == pytest.approx(3.0)
+    assert costs.engine_slowdown(1) == pytest.approx(1.5)
+    assert costs.engine_slowdown(0) == 1.0
+    train_s = {}
+    for processes in (1.0, 2.0):
+        run = tmp_path / f"processes-{processes}"
+        simulate(config(run, workers=2, steps=16, hardware=_hardware(
+            tmp_path / f"{processes}.toml", cores=2, engine_processes=processes)))
+        train_s[processes] = _median_train_s(run)
+    # rollout-1 shares trainer-0's core: with two shares of it, the shard's steps slow more.
+    assert train_s[2.0] > 1.1 * train_s[1.0]
 
 
 def test_engines_generating_beside_a_step_are_counted_over_its_compute() -> None:
