@@ -108,13 +108,17 @@ def mean_figures(repeats: Sequence[dict[str, Any]]) -> dict[str, Any]:
             "spread": max(rates) / min(rates) - 1}
 
 
+def predicted(task: str) -> list[tuple[int, int]]:
+    """The settings of ``task`` the simulator predicts: all but its calibration run's."""
+    return [setting for setting in SETTINGS if setting != CALIBRATION[task]]
+
+
 def train_all(tasks: Sequence[str], outs: Sequence[Path], lock: str) -> None:
     """Every real run of every repeat, the repeats in alternate orders (A B B A: a
     machine that drifts over the session does not favour one setting)."""
+    runs = [(task, *setting) for task in tasks
+            for setting in (CALIBRATION[task], *predicted(task))]
     for i, out in enumerate(outs):
-        runs = [(task, *setting) for task in tasks
-                for setting in (CALIBRATION[task], *(s for s in SETTINGS
-                                                     if s != CALIBRATION[task]))]
         for task, staleness, workers in reversed(runs) if i % 2 else runs:
             real_run(task, staleness, workers, out, lock)
 
@@ -126,14 +130,13 @@ def compare(task: str, outs: Sequence[Path], lock: str | None) -> list[dict[str,
     calibration = real_run(task, *CALIBRATION[task], out, lock)
     if calibration is None:
         return []
-    predicted = [setting for setting in SETTINGS if setting != CALIBRATION[task]]
     hardware = calibration / "hardware.toml"
     fit = calibrate(calibration, hardware)
     print(f"{task}: calibrated on {calibration}:\n{fit.describe()}", flush=True)
     replay = any(e.lengths for e in read_ledger(calibration) if e.event == "generated")
     lengths = _string(str(calibration)) if replay else '"task"'
     rows = []
-    for staleness, workers in predicted:
+    for staleness, workers in predicted(task):
         reals = [real_run(task, staleness, workers, o, lock) for o in outs]
         found = [r for r in reals if r is not None]
         if not found:

@@ -3,27 +3,14 @@ prompts, counting restarts in a run's output."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from script_modules import load_script
 
 from buffers.records import LedgerEntry
 
-
-def _load() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / "chaos.py"
-    spec = importlib.util.spec_from_file_location("bench_chaos", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-chaos = _load()
+chaos = load_script("bench/chaos.py", "bench_chaos")
 
 
 def test_schedule_is_reproducible_sorted_and_in_range() -> None:

@@ -2,32 +2,19 @@
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import msgspec
 import pytest
+from script_modules import load_script
 
 from async_rl.config import Config
 
 ROOT = Path(__file__).resolve().parents[2]
-SCRIPT = ROOT / "scripts" / "config_docs.py"
 DOCS = ROOT / "docs" / "config.md"
 
 
-def _load_generator() -> ModuleType:
-    # scripts/ is not a package: load the generator from its file.
-    spec = importlib.util.spec_from_file_location("config_docs", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault(spec.name, module)
-    spec.loader.exec_module(module)
-    return module
-
-
-generator = _load_generator()
+generator = load_script("scripts/config_docs.py", "config_docs")
 
 
 def _sections() -> list[tuple[str, type[msgspec.Struct]]]:

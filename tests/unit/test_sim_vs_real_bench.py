@@ -3,25 +3,12 @@ mean of repeated runs' figures a prediction is set against."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from script_modules import load_script
 
-
-def _load() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / "sim_vs_real.py"
-    spec = importlib.util.spec_from_file_location("sim_vs_real", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script("bench/sim_vs_real.py", "sim_vs_real")
 
 
 def test_repeats_are_trained_in_alternate_orders(monkeypatch: pytest.MonkeyPatch) -> None:

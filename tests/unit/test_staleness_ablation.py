@@ -3,28 +3,15 @@ the verdict, on small synthetic trials."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import msgspec
 import pytest
+from script_modules import load_script
 
 from async_rl.run.summary import EvalPoint, RunSummary
 
-
-def _load() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / "staleness_ablation.py"
-    spec = importlib.util.spec_from_file_location("staleness_ablation", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # msgspec Structs resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-ab = _load()
+ab = load_script("bench/staleness_ablation.py", "staleness_ablation")
 
 
 def trial(eta: int, loss: str, seed: int, accuracy: tuple[float, ...], *,

@@ -3,29 +3,15 @@ trajectories in flight read from a prompt ledger."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+from script_modules import load_script
 
 from async_rl.config_io import decode_config
 from buffers.records import LedgerEntry
 
-
-def _load() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "bench" / "tool_latency.py"
-    sys.path.insert(0, str(path.parent))  # its sibling modules (quiet_stdout, sync_vs_async)
-    spec = importlib.util.spec_from_file_location("tool_latency", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # msgspec Structs resolve their annotations through it
-    spec.loader.exec_module(module)
-    return module
-
-
-bench = _load()
+bench = load_script("bench/tool_latency.py", "tool_latency", siblings=True)
 
 
 def entry(prompt_id: str, event: str, time: float, attempt: int = 0) -> LedgerEntry:
