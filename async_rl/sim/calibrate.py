@@ -9,12 +9,14 @@ of the base hardware file; fitted are
   which gives the training MFU, and how much each busy engine slows it: the
   contention; a CPU run's machine is laid out with this machine's cores);
 - the weight path: the median snapshot, transfer and load times of its broadcasts
-  (the interconnect bandwidth is the weights' bytes over the transfer time);
+  (the interconnect bandwidth is the weights' bytes over the transfer time, times the
+  engines a version is sent to at once);
 - rollout: the engine's fixed seconds per step and its decode MFU, by simulating the
   run's own config (its own generated lengths, from its ledger) until the simulated
   engine is busy as long per group as the real one was and a group takes as long from
-  admission to its return: for each decode MFU on a grid, bisection on the step time,
-  then the MFU whose group latency is closest.
+  admission to its return: for each decode MFU on a grid, bisection on the step time
+  (keeping the step time whose busy time came closest), then the MFU whose group
+  latency is closest.
 
 Knows nothing about the orchestrator: it runs ``async_rl.sim.run.simulate``.
 """
@@ -26,6 +28,7 @@ import math
 import os
 import statistics
 import tempfile
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -176,9 +179,11 @@ def _fit_weights(rows: Sequence[dict[str, object]], base: Hardware,
         return statistics.median(float(t[key]) for t in timings)
 
     copy = weight_bytes / (base.memory_bandwidth * base.memory_efficiency)
+    # A version's sends to its engines share shard 0's link (Costs.transfer).
+    receivers = statistics.median(Counter(t["version"] for t in timings).values())
     return msgspec.structs.replace(
         base, publish_s=max(median("publish_s") - copy, 0.0),
-        interconnect_bandwidth=weight_bytes / max(median("transfer_s"), 1e-6),
+        interconnect_bandwidth=receivers * weight_bytes / max(median("transfer_s"), 1e-6),
         weight_load_s=median("load_s") + median("pause_s"))
 
 
@@ -216,22 +221,32 @@ def calibrate(run_dir: str | Path, out: str | Path, overrides: Sequence[str] = (
             quiet.setLevel(level)
         return measure(scratch)
 
+    def miss(got: float, want: float) -> float:
+        return abs(math.log(max(got, 1e-9) / max(want, 1e-9)))
+
     best: tuple[float, Hardware, Measured] | None = None
     for mfu in mfus:
         low, high = 0.0, 0.1  # seconds per engine step
-        trial = msgspec.structs.replace(hardware, decode_mfu=mfu)
+        # The closest step time tried, not the last midpoint: the last midpoint is only
+        # somewhere in the last interval, and the simulated busy time is not monotone in
+        # the step time (it changes how many sequences share an engine step).
+        closest: tuple[float, Hardware, Measured] | None = None
         for _ in range(bisections):
             step = (low + high) / 2
-            trial = msgspec.structs.replace(trial, decode_step_s=step)
+            trial = msgspec.structs.replace(hardware, decode_mfu=mfu, decode_step_s=step)
             got = run(trial)
+            busy_miss = miss(got.rollout_busy_per_group, real.rollout_busy_per_group)
+            if closest is None or busy_miss < closest[0]:
+                closest = (busy_miss, trial, got)
             if got.rollout_busy_per_group > real.rollout_busy_per_group:
                 high = step
             else:
                 low = step
-        got = run(trial)
-        miss = abs(math.log(max(got.group_latency_s, 1e-9) / max(real.group_latency_s, 1e-9)))
-        if best is None or miss < best[0]:
-            best = (miss, trial, got)
+        assert closest is not None, "bisections >= 1"
+        _, trial, got = closest
+        latency_miss = miss(got.group_latency_s, real.group_latency_s)
+        if best is None or latency_miss < best[0]:
+            best = (latency_miss, trial, got)
     assert best is not None
     fitted = msgspec.structs.replace(best[1], sources=(
         f"calibrated by async-rl simulate --calibrate {path} on "

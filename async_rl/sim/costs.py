@@ -19,7 +19,8 @@ seconds:
   (ring: 2·(S-1)/S of the gradient's bytes, each of a shard's devices sending its own
   slice over its own link);
 - a weight version: its snapshot (bytes at the memory bandwidth, plus a fixed part) and
-  its delivery (bytes over the interconnect, plus a fixed engine pause).
+  its delivery (bytes over the interconnect, plus a fixed engine pause); shard 0 sends
+  to every engine at once over one pair group each, so the sends share its link.
 
 Knows nothing about the orchestrator or the event loop.
 """
@@ -234,8 +235,12 @@ class Costs:
         h = self.hardware
         return h.publish_s + self.weight_bytes / (h.memory_bandwidth * h.memory_efficiency)
 
-    def transfer(self) -> float:
-        return self.weight_bytes / self.hardware.interconnect_bandwidth
+    def transfer(self, receivers: int = 1) -> float:
+        """Seconds of a delivery to ``receivers`` engines at once. Shard 0 sends the
+        weights to each over its own pair group (``workers.weights.broadcast``), all
+        through its one link: the sends share it, as they share the sending process's
+        core on a CPU machine."""
+        return receivers * self.weight_bytes / self.hardware.interconnect_bandwidth
 
 
 def _ceil_div(num: float, den: float) -> int:

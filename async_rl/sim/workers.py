@@ -357,9 +357,9 @@ class SimWeights:
     async def deliver(self, published: PublishedWeights, ranks: Sequence[int]
                       ) -> tuple[list[BroadcastTiming], list[int]]:
         assert isinstance(published, SimPublished)
-        transfer, load = self.costs.transfer(), self.costs.hardware.weight_load_s
+        transfer, load = self.costs.transfer(len(ranks)), self.costs.hardware.weight_load_s
         asked = {rank: self.engines[rank].load(published.version, transfer + load)
-                 for rank in ranks}  # every engine at once: a broadcast
+                 for rank in ranks}  # every engine at once, sharing shard 0's link
         timings = []
         for rank, loading in asked.items():
             await loading.done

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gc
 import json
+import math
 import statistics
 import time
 from collections import Counter
@@ -174,6 +175,40 @@ def test_calibration_recovers_the_throughput_of_the_hardware_it_was_simulated_on
     assert fit.simulated.groups_per_s == pytest.approx(fit.real.groups_per_s, rel=0.1)
     assert fit.simulated.rollout_busy_per_group == pytest.approx(
         fit.real.rollout_busy_per_group, rel=0.1)
+
+
+def test_calibration_keeps_the_closest_step_time_it_tried(tmp_path: Path) -> None:
+    real = tmp_path / "real"
+    simulate(config(real, steps=8, hardware="cpu"))
+    misses = []
+    for bisections in (1, 2, 3, 4):
+        fit = calibrate(real, tmp_path / f"fitted-{bisections}.toml", mfus=(0.1,),
+                        bisections=bisections)
+        misses.append(abs(math.log(fit.simulated.rollout_busy_per_group
+                                   / fit.real.rollout_busy_per_group)))
+    assert len(misses) == 4
+    # Each search tries what the shorter ones tried, and one step time more.
+    assert misses == sorted(misses, reverse=True)
+    assert misses[-1] < misses[0]
+
+
+def _transfers(run_dir: Path) -> list[float]:
+    seconds = [float(b["transfer_s"]) for row in read_metrics(run_dir)
+               for b in row["broadcast"]]  # type: ignore[attr-defined]
+    assert seconds
+    return seconds
+
+
+def test_a_version_sent_to_two_engines_shares_the_senders_link_and_calibration_knows(
+        tmp_path: Path) -> None:
+    one, two = tmp_path / "one", tmp_path / "two"
+    simulate(config(one, workers=1, steps=6, hardware="cpu"))
+    simulate(config(two, workers=2, steps=6, hardware="cpu"))
+    alone = _transfers(one)[0]
+    assert _transfers(two) == [pytest.approx(2 * alone)] * len(_transfers(two))
+    fit = calibrate(two, tmp_path / "fitted.toml", mfus=(0.1,), bisections=1)
+    assert fit.hardware.interconnect_bandwidth == pytest.approx(
+        load_hardware("cpu").interconnect_bandwidth)
 
 
 def test_calibration_counts_attention_in_the_training_mfu_it_fits(tmp_path: Path) -> None:
