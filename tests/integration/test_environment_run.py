@@ -41,12 +41,14 @@ def test_a_hanging_environment_never_wedges_a_run_across_ctrl_c_and_resume(
     first = run_training(config)
     assert first.stopped == "SIGINT" and 3 <= first.steps < 6
     assert first.failures["env_timeouts"] >= 1  # each rollout process's 8th trajectory
-    # The resumed run counts on from the checkpoint, not from the first run's summary:
-    # that also counts groups still in flight at the Ctrl-C, which the resume runs again.
+    # The resumed run counts on from the checkpoint, not from the first run's summary
+    # (that also counts groups still in flight at the Ctrl-C). Its own hanging
+    # trajectory need not be counted: with one step left, the run can end while that
+    # group is still waiting out its timeout.
     _, resumed_from = latest_checkpoint(out)
     second = run_training(config, resume=True)
     assert second.stopped == "" and second.final_version == 6
-    assert second.failures["env_timeouts"] > resumed_from.counters.env_timeouts
+    assert second.failures["env_timeouts"] >= resumed_from.counters.env_timeouts >= 1
     counts = trained(out)
     assert len(counts) == 6 * 4 and set(counts.values()) == {1}
     check_ledger(out, 6 * 4)
