@@ -138,7 +138,8 @@ class StartedWorkers:
 async def restart_rollout(started: StartedWorkers, rank: int, model: ModelConfig,
                           version: int) -> Any:
     """Replaces rollout worker ``rank`` (dead or broken) by a new one on the same cores,
-    started from ``model`` labelled ``version`` and connected to trainer shard 0."""
+    started from ``model`` labelled ``version`` and made a member of trainer shard 0's
+    weight group in its place (it joins at the next version)."""
     assert started.new_rollout is not None
     old = started.rollout.pop(rank, None)
     if old is not None:
@@ -195,11 +196,12 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
     started.new_rollout = new_rollout
     for ident in layout.rollout:
         started.rollout[ident.rank] = new_rollout(ident.rank, cfg.model, version, ident.name)
-    # Weight sends run in their own threads, beside training calls (workers.weights.broadcast).
+    # A version's broadcast runs in a thread of its own, beside training calls
+    # (workers.weights.broadcast); versions are broadcast one at a time.
     # Ray's typed overloads of remote() omit concurrency_groups, which it accepts.
     # Waiting for a background checkpoint write runs beside them too (WAIT_GROUP).
     trainer_cls = ray.remote(  # type: ignore[call-overload]
-        concurrency_groups={SEND_GROUP: cfg.rollout.num_workers, WAIT_GROUP: 1})(TrainerActor)
+        concurrency_groups={SEND_GROUP: 1, WAIT_GROUP: 1})(TrainerActor)
     # The shards' rendezvous is on shard 0's node, which may not be the driver's.
     master_addr, port = bundle_node(groups["trainer"], 0)[1], free_port()
     started.trainers = [
@@ -237,7 +239,8 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
         *(w.start.remote() for w in started.rollout.values()), *evaluator_setup)
     trainer_pids = pids[:len(started.trainers)]
     rollout_pids = pids[len(started.trainers):len(started.trainers) + len(started.rollout)]
-    # Weight broadcasts go from shard 0 to each rollout worker over a group of its own.
+    # Every rollout worker becomes a member of shard 0's weight-broadcast group (built
+    # at the first broadcast, and again whenever its members change).
     for rank, worker in started.rollout.items():
         await started.trainers[0].connect_rollout.remote(rank, worker)
     started.identities = []

@@ -25,6 +25,7 @@ from buffers.records import BroadcastTiming, Group, Prompt
 from workers.model_config import ModelConfig
 from workers.rollout.config import RolloutConfig
 from workers.rollout.worker import RolloutWorker
+from workers.weights.broadcast import Delivery
 from workers.weights.config import WeightsConfig
 from workers.weights.sender import WeightSender
 
@@ -164,10 +165,12 @@ def update(sender: Any, version: int, state: dict[str, torch.Tensor],
     """One broadcast to the worker, as ``WeightBroadcast`` runs it: snapshot, send, free."""
     ray.get(sender.snapshot.remote(version, list(state.items())), timeout=TIMEOUT)
     try:
-        timing: BroadcastTiming = ray.get(sender.send.remote(version, 0, mode),
-                                          timeout=TIMEOUT)
+        delivery: Delivery = ray.get(sender.send.remote(version, [0], mode), timeout=TIMEOUT)
     finally:
         ray.get(sender.release.remote(version), timeout=TIMEOUT)
+    assert delivery.failed == [] and delivery.attempts == 1
+    (timing,) = delivery.timings
+    assert isinstance(timing, BroadcastTiming)
     return timing
 
 
@@ -276,10 +279,15 @@ def test_update_weights_changes_policy(
     assert_behaviour_logprobs(tiny_model_dir, noisy_states[0], group)
     after = ray.get(worker.generate_greedy.remote(EVAL), timeout=TIMEOUT)
     assert [s.token_ids for s in after] != [s.token_ids for s in before]
-    # A stale version is refused before the engine pauses, and the loaded one stays.
-    with pytest.raises(ValueError, match="not newer"):
-        update(sender, version, noisy_states[0])
+    # A stale version is refused before the engine pauses, and the loaded one stays:
+    # the worker is skipped, not lost.
+    ray.get(sender.snapshot.remote(version, list(noisy_states[1].items())), timeout=TIMEOUT)
+    stale: Delivery = ray.get(sender.send.remote(version, [0]), timeout=TIMEOUT)
+    ray.get(sender.release.remote(version), timeout=TIMEOUT)
+    assert (stale.timings, stale.failed) == ([], [])
     assert ray.get(worker.version.remote(), timeout=TIMEOUT) == version + 1
+    kept = ray.get(worker.generate_greedy.remote(EVAL), timeout=TIMEOUT)
+    assert [s.token_ids for s in kept] == [s.token_ids for s in after]
 
 
 def test_in_flight_update_mixes_versions_within_a_sample(

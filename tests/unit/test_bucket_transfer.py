@@ -1,11 +1,14 @@
-"""Bucketed tensor transfer: the plan (pure), and a round trip over a real two-rank gloo
-group inside one process (no Ray, no vLLM)."""
+"""Bucketed tensor transfer: the plan (pure), and broadcasts over real gloo groups of two
+to five ranks inside one process (a thread per rank; no Ray, no vLLM): every member gets
+every tensor exactly, and a dead or stuck member fails the whole chain within the
+timeout."""
 
 from __future__ import annotations
 
 import gc
 import threading
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -14,16 +17,17 @@ from hypothesis import strategies as st
 
 from workers.weights.bucket_transfer import (
     ALIGN,
-    RECEIVER,
     SENDER,
     Bucket,
+    broadcast_group,
     host_store,
     join_store,
-    pair_group,
     plan_buckets,
     receive_buckets,
     send_buckets,
 )
+
+RECEIVER = SENDER + 1
 
 
 def covered(buckets: tuple[Bucket, ...], count: int) -> list[list[tuple[int, int]]]:
@@ -87,21 +91,37 @@ def test_every_byte_travels_once_in_order_within_bounds(
             assert not bucket.packed
 
 
-def open_pair(timeout_s: float) -> dict[int, torch.distributed.ProcessGroupGloo]:
-    """Both ends of a pair group, in this process (each end joins on its own thread)."""
+def open_group(size: int, timeout_s: float) -> dict[int, torch.distributed.ProcessGroupGloo]:
+    """Every rank of a broadcast group, in this process (each joins on its own thread)."""
     store = host_store("127.0.0.1", timeout_s=timeout_s)
     groups: dict[int, torch.distributed.ProcessGroupGloo] = {}
 
     def join(rank: int) -> None:
         peer = (store if rank == SENDER
                 else join_store("127.0.0.1", store.port, timeout_s=timeout_s))
-        groups[rank] = pair_group(peer, rank, timeout_s=timeout_s)
+        groups[rank] = broadcast_group(peer, rank, size, timeout_s=timeout_s)
 
-    joiner = threading.Thread(target=join, args=(RECEIVER,))
-    joiner.start()
+    joiners = [threading.Thread(target=join, args=(rank,)) for rank in range(1, size)]
+    for joiner in joiners:
+        joiner.start()
     join(SENDER)
-    joiner.join()
+    for joiner in joiners:
+        joiner.join()
+    assert sorted(groups) == list(range(size))
     return groups
+
+
+def open_pair(timeout_s: float) -> dict[int, torch.distributed.ProcessGroupGloo]:
+    return open_group(2, timeout_s)
+
+
+def receive_all(group: torch.distributed.ProcessGroupGloo, specs: list[Any],
+                bucket_bytes: int, timeout_s: float, out: dict[int, Any]) -> None:
+    """One receiver's whole broadcast: its batches, or the error it failed with."""
+    try:
+        out[group.rank()] = list(receive_buckets(group, specs, bucket_bytes, timeout_s))
+    except RuntimeError as err:
+        out[group.rank()] = err
 
 
 def test_round_trip_over_a_gloo_pair_delivers_every_tensor_exactly() -> None:
@@ -147,3 +167,62 @@ def test_a_dead_peer_fails_the_send_at_once() -> None:
     with pytest.raises(RuntimeError):
         send_buckets(groups[SENDER], [torch.zeros(4096)], 1024, timeout_s=60.0)
     assert time.monotonic() - began < 10
+
+
+@pytest.mark.parametrize("size", [3, 5])
+def test_a_chain_broadcast_delivers_every_tensor_to_every_member(size: int) -> None:
+    gen = torch.Generator().manual_seed(1)
+    tensors = [torch.randn(40, 30, generator=gen), torch.arange(9, dtype=torch.int64),
+               torch.randn(5, generator=gen).to(torch.bfloat16)]
+    specs = [(tuple(t.shape), t.dtype) for t in tensors]
+    groups = open_group(size, timeout_s=30)
+    out: dict[int, Any] = {}
+    receivers = [threading.Thread(target=receive_all, args=(groups[rank], specs, 1024, 30.0,
+                                                            out))
+                 for rank in range(1, size)]
+    for receiver in receivers:
+        receiver.start()
+    send_buckets(groups[SENDER], tensors, 1024, 30.0)
+    for receiver in receivers:
+        receiver.join()
+    assert sorted(out) == list(range(1, size))
+    for rank, batches in out.items():
+        assert isinstance(batches, list), f"rank {rank}: {batches!r}"
+        received = dict(pair for batch in batches for pair in batch)
+        assert sorted(received) == [0, 1, 2]
+        for index, tensor in enumerate(tensors):
+            assert torch.equal(received[index], tensor)
+
+
+def test_a_group_of_the_sender_alone_sends_nothing() -> None:
+    (group,) = open_group(1, timeout_s=5).values()
+    send_buckets(group, [torch.zeros(8)], 1024, 5.0)  # returns at once
+
+
+@pytest.mark.parametrize("missing", ["dead", "stuck"])
+def test_a_member_gone_mid_chain_fails_every_member_within_the_timeout(missing: str) -> None:
+    """Rank 2 of 4 never receives (stuck) or has closed its connections (dead): the
+    sender, the member before it and the one after it all fail, none hangs."""
+    timeout_s = 2.0
+    groups = open_group(4, timeout_s=timeout_s)
+    if missing == "dead":
+        del groups[2]
+        gc.collect()
+    # 64 MiB: more than the sockets between two members hold, so a stuck member stops
+    # the one before it too.
+    tensors = [torch.zeros(256, 1024)] * 64
+    specs = [((256, 1024), torch.float32)] * 64
+    out: dict[int, Any] = {}
+    receivers = [threading.Thread(target=receive_all, args=(groups[rank], specs, 1 << 20,
+                                                            timeout_s, out))
+                 for rank in (1, 3)]
+    began = time.monotonic()
+    for receiver in receivers:
+        receiver.start()
+    with pytest.raises(RuntimeError):
+        send_buckets(groups[SENDER], tensors, 1 << 20, timeout_s)
+    for receiver in receivers:
+        receiver.join()
+    assert sorted(out) == [1, 3]
+    assert all(isinstance(err, RuntimeError) for err in out.values()), out
+    assert time.monotonic() - began < 4 * timeout_s + 5

@@ -191,7 +191,8 @@ def test_the_engine_dtype_defaults_to_the_model_and_published_weights_are_cast_t
 
 
 def test_an_nccl_send_that_hangs_fails_at_its_deadline() -> None:
-    from workers.weights.sender import EngineClient, PairSource, WeightSender, _Pair
+    from workers.weights.group_client import GroupClient
+    from workers.weights.sender import WeightSender, _Group
 
     abandoned: list[str] = []
     actor = SimpleNamespace(abandon_weight_update=SimpleNamespace(remote=abandoned.append))
@@ -200,12 +201,14 @@ def test_an_nccl_send_that_hangs_fails_at_its_deadline() -> None:
         "a stuck engine is not shut down (that could block too)"))
     sender = WeightSender(WeightsConfig(transport="nccl", timeout_s=0.2),
                           address="127.0.0.1", device=torch.device("cpu"))
-    sender._pairs[0] = _Pair(EngineClient(actor, 0.2), PairSource(), engine)  # type: ignore[arg-type]
+    sender.connect(0, actor)
+    client = GroupClient([(0, actor)], 0.2, sender_bounds_transfer=False)
+    sender._group = _Group(client, engine, [actor])  # type: ignore[arg-type]
     sender.snapshot(1, [("w", torch.zeros(2))])
     began = time.monotonic()
-    with pytest.raises(TimeoutError, match="weight send to rollout worker 0 over nccl took "
-                                           r"longer than weights.timeout_s \(0.2s\)"):
-        sender.send(1, 0)
+    delivery = sender.send(1, [0])
     assert time.monotonic() - began < 5
     stuck.set()
-    assert len(abandoned) == 1 and 0 not in sender._pairs
+    assert delivery.failed == [0] and delivery.timings == [] and delivery.attempts == 1
+    assert len(abandoned) == 1 and "longer than weights.timeout_s (0.2s)" in abandoned[0]
+    assert sender._group is None  # rebuilt at the next send

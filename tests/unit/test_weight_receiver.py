@@ -1,5 +1,7 @@
 """The rollout engine's end of a weight update, against a fake engine (no vLLM, no Ray):
-the order of engine calls, refusals, phase timing, failure and abandonment."""
+the order of engine calls, refusals, phase timing, failure, abandonment, and updates
+given up with the weights untouched (interrupted or cancelled: the engine resumes on
+its old version)."""
 
 from __future__ import annotations
 
@@ -11,26 +13,34 @@ import pytest
 
 from workers.errors import RolloutWorkerError
 from workers.weights.config import WeightsConfig
-from workers.weights.receiver import WeightReceiver
+from workers.weights.receiver import (
+    INTERRUPTED,
+    StaleVersion,
+    UpdateInterrupted,
+    WeightReceiver,
+)
 
 
 class FakeEngine:
     """Records the AsyncLLM calls a receiver makes; ``fail_on`` makes one of them raise."""
 
-    def __init__(self, fail_on: str = "", drain: asyncio.Event | None = None) -> None:
+    def __init__(self, fail_on: str = "", drain: asyncio.Event | None = None,
+                 failure: str = "") -> None:
+        """failure: the message of the error ``fail_on`` raises."""
         self.calls: list[str] = []
-        self.fail_on = fail_on
+        self.fail_on, self.failure = fail_on, failure
         self.drain = drain
         self.engine_core = SimpleNamespace(pause_scheduler_async=self._pause)
         self.renderer = SimpleNamespace(clear_mm_cache_async=self._record("clear_mm_cache"))
         self.start_weight_update = self._record("start_weight_update")
+        self.update_weights = self._record("update_weights")
         self.resume_generation = self._record("resume")
 
     def _record(self, name: str) -> Any:
         async def call(*args: Any, **kwargs: Any) -> None:
             self.calls.append(name)
             if name == self.fail_on:
-                raise RuntimeError(f"{name} broke")
+                raise RuntimeError(self.failure or f"{name} broke")
 
         return call
 
@@ -63,11 +73,14 @@ def test_in_flight_update_pauses_keeping_requests_relabels_while_paused_then_res
     async def update() -> Any:
         await weights.start(engine, 1, None)
         assert weights.updating
+        await weights.receive(engine, {})
+        await weights.receive(engine, {})  # a second part: the session is open already
         return await weights.finish(engine)
 
     timing = asyncio.run(update())
+    # The backend's session opens at the first part, not at the pause.
     assert engine.calls == ["clear_mm_cache", "pause:keep:True", "start_weight_update",
-                            "finish:1", "resume"]
+                            "update_weights", "update_weights", "finish:1", "resume"]
     assert weights.version == 1 and weights.updates == 1 and not weights.updating
     assert changes[0] is True and changes[-1] is False  # busy from before the pause
     assert (timing.version, timing.rollout_rank, timing.publish_s) == (1, 3, 0.0)
@@ -102,7 +115,7 @@ def test_stale_and_overlapping_updates_are_refused_without_pausing() -> None:
             await weights.start(engine, 2, None)
         await weights.finish(engine)
         calls = len(engine.calls)
-        with pytest.raises(ValueError, match="not newer"):
+        with pytest.raises(StaleVersion, match="not newer"):
             await weights.start(engine, 1, None)
         assert len(engine.calls) == calls
         with pytest.raises(RolloutWorkerError, match="no weight update started"):
@@ -143,3 +156,59 @@ def test_an_update_the_trainer_abandons_mid_drain_fails_the_worker() -> None:
     asyncio.run(update())
     assert "start_weight_update" not in engine.calls
     assert weights.failed is not None and not weights.updating
+
+
+def test_an_interrupted_transfer_resumes_on_the_old_weights_and_takes_the_next_update(
+) -> None:
+    weights, changes = receiver()
+    engine: Any = FakeEngine(fail_on="update_weights", failure=f"{INTERRUPTED}: peer gone")
+
+    async def updates() -> None:
+        await weights.start(engine, 1, None)
+        with pytest.raises(UpdateInterrupted, match="weights v1 not applied, v0 kept"):
+            await weights.receive(engine, {})
+        assert not weights.updating and weights.failed is None
+        engine.fail_on = ""
+        await weights.start(engine, 1, None)  # the same version again, over a new group
+        await weights.receive(engine, {})
+        await weights.finish(engine)
+
+    asyncio.run(updates())
+    assert engine.calls == ["pause:keep:False", "start_weight_update", "update_weights",
+                            "resume", "pause:keep:False", "start_weight_update",
+                            "update_weights", "finish:1", "resume"]
+    assert weights.version == 1 and weights.updates == 1 and weights.failed is None
+    assert changes == [True, False, True, False]
+
+
+def test_a_transfer_that_fails_otherwise_fails_the_worker() -> None:
+    weights, _ = receiver()
+    engine: Any = FakeEngine(fail_on="update_weights", failure="engine core died")
+
+    async def update() -> None:
+        await weights.start(engine, 1, None)
+        with pytest.raises(RolloutWorkerError, match="loading weights v1 failed") as err:
+            await weights.receive(engine, {})
+        assert not isinstance(err.value, UpdateInterrupted)
+
+    asyncio.run(update())
+    assert engine.calls[-1] == "pause_generation:abort"
+    assert weights.failed is not None and weights.version == 0
+
+
+def test_a_cancelled_update_resumes_without_opening_a_session() -> None:
+    weights, _ = receiver()
+    engine: Any = FakeEngine()
+
+    async def updates() -> None:
+        await weights.cancel(engine)  # nothing started: nothing to do
+        await weights.start(engine, 1, None)
+        await weights.cancel(engine)
+        await weights.start(engine, 1, None)
+        await weights.receive(engine, {})
+        await weights.finish(engine)
+
+    asyncio.run(updates())
+    assert engine.calls == ["pause:keep:False", "resume", "pause:keep:False",
+                            "start_weight_update", "update_weights", "finish:1", "resume"]
+    assert weights.version == 1 and weights.failed is None

@@ -370,7 +370,8 @@ class RolloutWorker:
     # (workers.weights.sender.EngineClient); workers.weights.receiver does the work.
 
     async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
-        """Joins the trainer's weight transfer (once, at start-up)."""
+        """Joins the trainer's weight-broadcast group (again whenever the trainer rebuilds
+        it: a member was lost or joined)."""
         await self._receiver.connect(self._ready(), init_info)
 
     async def start_weight_update(self, version: int, mode: UpdateMode | None = None) -> None:
@@ -379,8 +380,13 @@ class RolloutWorker:
         await self._receiver.start(self._ready(), version, mode)
 
     async def update_weights(self, update_info: dict[str, Any] | list[Any]) -> None:
-        """Receives and loads (a part of) the started update."""
+        """Receives (a part of) the started update."""
         await self._receiver.receive(self._ready(), update_info)
+
+    async def cancel_weight_update(self) -> None:
+        """The trainer gave the started update up before its transfer: resume on the
+        old weights (``WeightReceiver.cancel``)."""
+        await self._receiver.cancel(self._ready())
 
     async def finish_weight_update(self) -> BroadcastTiming:
         """Completes the update, relabels, resumes; its timing (publish_s left 0)."""

@@ -28,7 +28,6 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from buffers.records import (
-    BroadcastTiming,
     GroupTokens,
     LossStats,
     ShardBatch,
@@ -50,6 +49,7 @@ from workers.usage import UsageMeter, cuda_uuid
 from workers.weights.config import UpdateMode, WeightsConfig
 
 if TYPE_CHECKING:
+    from workers.weights.broadcast import Delivery
     from workers.weights.sender import WeightSender
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -302,7 +302,8 @@ class TrainerShard:
     # ---- weight broadcasts (the source shard only) -------------------------------------
 
     def connect_rollout(self, rank: int, actor: Any) -> None:
-        """Opens the weight transfer with rollout worker ``rank`` (at start-up)."""
+        """Makes rollout worker ``rank`` a member of the weight-broadcast group (at
+        start-up, and when it is replaced)."""
         if self.sender is None:
             # vLLM is imported here, on the source shard only.
             from workers.weights.sender import WeightSender
@@ -336,10 +337,11 @@ class TrainerShard:
         return self._connected().snapshot(
             version, ((name, state[name]) for name, _ in self.module.named_parameters()))
 
-    def send_weights(self, version: int, rank: int, mode: UpdateMode | None = None
-                     ) -> BroadcastTiming:
-        """Makes the snapshot of ``version`` rollout worker ``rank``'s policy."""
-        return self._connected().send(version, rank, mode)
+    def send_weights(self, version: int, ranks: Sequence[int], mode: UpdateMode | None = None
+                     ) -> Delivery:
+        """Makes the snapshot of ``version`` the policy of rollout workers ``ranks``, in
+        one broadcast."""
+        return self._connected().send(version, ranks, mode)
 
     def release_weights(self, version: int) -> None:
         """Frees the snapshot of ``version`` (every send of it is done)."""

@@ -2,17 +2,19 @@
 
 Owns: the two halves of a broadcast as the controller drives them — ``publish`` (the
 source shard snapshots the weights of a version, once) and ``deliver`` (the source shard
-sends that snapshot to every live rollout worker through vLLM's weight-transfer API,
-``workers.weights.sender``, then frees it) — and their timing, split into publish,
-transfer, pause and load. The halves are separate so the trainer can go on with the next
-step while rollout workers load: sends run in the source shard's ``SEND_GROUP``
-concurrency group, beside its training calls. Knows nothing about when to broadcast (the
-controller decides) or how an engine loads (the rollout worker does).
+broadcasts that snapshot to every live rollout worker at once through vLLM's
+weight-transfer API, ``workers.weights.sender``, then frees it) — the ``Delivery``
+record of one broadcast, and its timing, split into publish, transfer, pause and load.
+The halves are separate so the trainer can go on with the next step while rollout
+workers load: sends run in the source shard's ``SEND_GROUP`` concurrency group, beside
+its training calls. Knows nothing about when to broadcast (the controller decides) or
+how an engine loads (the rollout worker does).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -22,8 +24,27 @@ import msgspec
 from buffers.records import BroadcastTiming
 
 SEND_GROUP = "weights"
-"""Ray concurrency group of the source shard's sends (one thread per rollout worker):
-a send is not queued behind a training step, as calls in the default group are."""
+"""Ray concurrency group of the source shard's sends: a send is not queued behind a
+training step, as calls in the default group are."""
+
+log = logging.getLogger(__name__)
+
+
+class Delivery(msgspec.Struct, frozen=True, kw_only=True):
+    """One version's broadcast, as the source shard reports it."""
+
+    timings: list[BroadcastTiming]
+    """The rollout workers that loaded the version (publish_s 0: the shard's send does
+    not know it)."""
+    failed: list[int]
+    """Rollout workers lost (dead, stuck, or no longer trusted): the controller retires
+    them. A member in neither list kept its old weights, whole, and takes the next
+    version."""
+    wire_s: float
+    """From the first byte sent until the last worker held every byte, on the shard's
+    clock (the last attempt that moved bytes)."""
+    attempts: int
+    """Broadcasts it took: 1, or more when a lost member interrupted the others."""
 
 
 class Published(msgspec.Struct, frozen=True, kw_only=True):
@@ -57,19 +78,20 @@ class WeightBroadcast:
     async def deliver(self, published: Published, ranks: Sequence[int]
                       ) -> tuple[list[BroadcastTiming], list[int]]:
         """Makes the published version the policy of the rollout workers ``ranks`` (the
-        live ones: the controller knows which).
+        live ones: the controller knows which), in one broadcast.
 
         Returns the timings of the workers that loaded it and the ranks of those that
-        failed (a failed load leaves a worker unusable; the caller retires it). Each
-        worker has its own transfer group, so one failing does not hold up the others.
+        were lost (the caller retires them). A lost worker fails the broadcast for the
+        others, which take it again over a group without it.
         """
         send = self.source_shard.send_weights.options(concurrency_group=SEND_GROUP)
-        outcomes = await asyncio.gather(
-            *(send.remote(published.version, rank) for rank in ranks), return_exceptions=True)
+        try:
+            delivery: Delivery = await send.remote(published.version, list(ranks))
+        except Exception as err:  # the shard's own failure: nothing can be trusted
+            log.warning("weights v%d: the send failed: %r", published.version, err)
+            delivery = Delivery(timings=[], failed=list(ranks), wire_s=0.0, attempts=0)
         release = self.source_shard.release_weights.options(concurrency_group=SEND_GROUP)
         await release.remote(published.version)
         timings = [msgspec.structs.replace(t, publish_s=published.publish_s)
-                   for t in outcomes if isinstance(t, BroadcastTiming)]
-        failed = [rank for rank, t in zip(ranks, outcomes, strict=True)
-                  if isinstance(t, BaseException)]
-        return timings, failed
+                   for t in delivery.timings]
+        return timings, list(delivery.failed)

@@ -1,12 +1,20 @@
-"""Tensors in buckets of bounded size over a two-rank gloo group: the data plane of the
-"gloo" weight transport.
+"""Tensors in buckets of bounded size over a gloo group: the data plane of the "gloo"
+weight transport.
 
-Owns: ``plan_buckets``, the plan both ends compute from the same tensor sizes (which
-bytes of which tensor travel in which message, and where in it); the pair group (a
-``ProcessGroupGloo`` of two ranks on its own ``TCPStore``, so it shares nothing with the
-trainer's DDP group or vLLM's own groups, and a dead peer breaks only its own pair);
-and ``send_buckets`` / ``receive_buckets``, which keep two messages in flight so packing,
-the wire and loading overlap. Knows nothing about vLLM, Ray, models or versions.
+Owns: ``plan_buckets``, the plan every member computes from the same tensor sizes (which
+bytes of which tensor travel in which message, and where in it); the broadcast group (a
+``ProcessGroupGloo`` of the sender, rank 0, and every receiver, on its own ``TCPStore``,
+so it shares nothing with the trainer's DDP group or vLLM's own groups); and
+``send_buckets`` / ``receive_buckets``, a pipelined chain broadcast: rank 0 sends each
+bucket to rank 1, and each receiver forwards every bucket to the next rank as soon as it
+holds it, while the following ones arrive. Every link carries the model's bytes once,
+so on a network where each member has its own link a version costs about one model
+over one link plus one bucket per extra member, whatever the number of members (what
+NCCL's pipelined ring broadcast does). Two messages are kept in flight so packing, the
+wire and forwarding overlap. Every operation has a deadline: a dead or stuck member
+fails the whole broadcast within ``timeout_s`` (its neighbours' sends or receives fail,
+and the failure reaches every member down the chain). Knows nothing about vLLM, Ray,
+models or versions.
 
 A bucket is either several whole tensors packed one after another (each starting on an
 ``ALIGN`` boundary), or exactly one piece of a single tensor: a tensor that fits no bucket
@@ -31,7 +39,8 @@ offset can be reinterpreted as any dtype, and it is cache-line aligned."""
 IN_FLIGHT = 2
 """Messages posted ahead: one on the wire while the next is packed (sender) or the
 previous one is loaded (receiver)."""
-SENDER, RECEIVER = 0, 1
+SENDER = 0
+"""The broadcast's root: trainer shard 0. Receivers are ranks 1 .. size - 1, in chain order."""
 
 
 class Piece(msgspec.Struct, frozen=True, kw_only=True):
@@ -103,25 +112,26 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> tuple[Bucket, ...]:
     return tuple(buckets)
 
 
-# ---------------------------------------------------------------- the pair group
+# ---------------------------------------------------------------- the group
 
 
 def host_store(address: str, timeout_s: float) -> dist.TCPStore:
-    """The sender's store for one pair, on a free port (``store.port``)."""
-    return dist.TCPStore(address, 0, 2, is_master=True, timeout=timedelta(seconds=timeout_s),
+    """The sender's store for one group, on a free port (``store.port``)."""
+    return dist.TCPStore(address, 0, is_master=True, timeout=timedelta(seconds=timeout_s),
                          wait_for_workers=False)
 
 
 def join_store(address: str, port: int, timeout_s: float) -> dist.TCPStore:
-    """The receiver's client of the sender's store."""
-    return dist.TCPStore(address, port, 2, is_master=False,
-                         timeout=timedelta(seconds=timeout_s))
+    """A receiver's client of the sender's store."""
+    return dist.TCPStore(address, port, is_master=False, timeout=timedelta(seconds=timeout_s))
 
 
-def pair_group(store: dist.Store, rank: int, timeout_s: float) -> dist.ProcessGroupGloo:
-    """The two-rank gloo group (blocks until both ranks have joined). Every operation on
-    it fails after ``timeout_s`` instead of waiting on a dead or stuck peer forever."""
-    return dist.ProcessGroupGloo(store, rank, 2, timedelta(seconds=timeout_s))
+def broadcast_group(store: dist.Store, rank: int, size: int, timeout_s: float
+                    ) -> dist.ProcessGroupGloo:
+    """The gloo group of ``size`` ranks (blocks until every rank has joined). Every
+    operation on it fails after ``timeout_s`` instead of waiting on a dead or stuck
+    member forever."""
+    return dist.ProcessGroupGloo(store, rank, size, timedelta(seconds=timeout_s))
 
 
 def _flat(tensor: torch.Tensor) -> torch.Tensor:
@@ -133,7 +143,10 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
 
 def send_buckets(group: dist.ProcessGroupGloo, tensors: Sequence[torch.Tensor],
                  bucket_bytes: int, timeout_s: float) -> None:
-    """Sends ``tensors`` (CPU) to the receiver, bucket by bucket, in ``plan_buckets`` order."""
+    """Broadcasts ``tensors`` (CPU) from rank 0, bucket by bucket, in ``plan_buckets``
+    order: each goes to rank 1, the head of the chain (nothing to send in a group of one)."""
+    if group.size() < 2:
+        return
     flats = [_flat(t) for t in tensors]
     timeout = timedelta(seconds=timeout_s)
     # (work, message): the message must outlive its send.
@@ -155,7 +168,7 @@ def send_buckets(group: dist.ProcessGroupGloo, tensors: Sequence[torch.Tensor],
             (p,) = bucket.pieces
             message = flats[p.tensor][p.start:p.stop]
         # The stubs miss Backend.send/recv, which ProcessGroupGloo has.
-        pending.append((group.send([message], RECEIVER, tag), message))  # type: ignore[attr-defined]
+        pending.append((group.send([message], SENDER + 1, tag), message))  # type: ignore[attr-defined]
     while pending:
         pending.popleft()[0].wait(timeout)
 
@@ -164,13 +177,17 @@ def receive_buckets(
     group: dist.ProcessGroupGloo, specs: Sequence[tuple[Sequence[int], torch.dtype]],
     bucket_bytes: int, timeout_s: float,
 ) -> Iterator[list[tuple[int, torch.Tensor]]]:
-    """Receives what ``send_buckets`` sends for tensors of these (shape, dtype); yields,
-    per bucket, the (index, tensor) pairs it completed.
+    """Receives what ``send_buckets`` broadcasts for tensors of these (shape, dtype), from
+    the previous rank of the chain, forwarding each bucket to the next rank (if any) as
+    soon as it is held; yields, per bucket, the (index, tensor) pairs it completed. The
+    last forward is waited for before the generator ends: a member's broadcast is done
+    once the next one holds every byte too.
 
     The tensors are fresh CPU tensors or views of a fresh buffer, never reused, so a
-    consumer may keep them (vLLM's layerwise reload holds a layer's weights until the
-    layer is complete, which may take several buckets).
+    consumer may keep them (the gloo engine stages a whole version before loading it).
     """
+    rank, size = group.rank(), group.size()
+    previous, following = rank - 1, rank + 1 if rank + 1 < size else None
     sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
     plan = plan_buckets(sizes, bucket_bytes)
     timeout = timedelta(seconds=timeout_s)
@@ -186,12 +203,18 @@ def receive_buckets(
                 shape, dtype = specs[p.tensor]
                 assembling[p.tensor] = torch.empty(shape, dtype=dtype)
             buffer = _flat(assembling[p.tensor])[p.start:p.stop]
-        return group.recv([buffer], SENDER, tag), buffer  # type: ignore[attr-defined]
+        return group.recv([buffer], previous, tag), buffer  # type: ignore[attr-defined]
 
     posted = deque(post(tag) for tag in range(min(IN_FLIGHT, len(plan))))
+    # (work, message): a forwarded message must outlive its send.
+    forwarding: deque[tuple[dist.Work, torch.Tensor]] = deque()
     for tag, bucket in enumerate(plan):
         work, buffer = posted.popleft()
         work.wait(timeout)
+        if following is not None:
+            if len(forwarding) == IN_FLIGHT:
+                forwarding.popleft()[0].wait(timeout)
+            forwarding.append((group.send([buffer], following, tag), buffer))  # type: ignore[attr-defined]
         if tag + IN_FLIGHT < len(plan):
             posted.append(post(tag + IN_FLIGHT))
         if bucket.packed:
@@ -201,3 +224,5 @@ def receive_buckets(
         else:
             (p,) = bucket.pieces
             yield [(p.tensor, assembling.pop(p.tensor))] if p.stop == sizes[p.tensor] else []
+    while forwarding:
+        forwarding.popleft()[0].wait(timeout)

@@ -25,19 +25,21 @@ class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     update_mode: UpdateMode = "in_flight"
     """in_flight: pause (keep requests), load, resume; drain: finish running requests first."""
     transport: Literal["gloo", "nccl", "ipc"] = "gloo"
-    """How the weights travel from trainer shard 0 to each rollout engine, through vLLM's
-    weight-transfer API, one group per rollout worker. gloo: a torch.distributed gloo
-    group over TCP, on any hardware (the CPU default). nccl: vLLM's NCCL engine (CUDA).
-    ipc: vLLM's CUDA IPC engine, for a rollout engine on the trainer's own GPU (needs
-    run.colocate, one rollout worker and one trainer shard)."""
+    """How the weights travel from trainer shard 0 to the rollout engines, through vLLM's
+    weight-transfer API: one broadcast group of shard 0 and every engine, one collective
+    per version. gloo: a torch.distributed gloo group over TCP, on any hardware (the CPU
+    default; a pipelined chain: each engine passes every bucket on to the next). nccl:
+    vLLM's NCCL engine (CUDA). ipc: vLLM's CUDA IPC engine, for a rollout engine on the
+    trainer's own GPU (needs run.colocate, one rollout worker and one trainer shard)."""
     bucket_mb: Positive = 16
     """Largest message of a transfer, in MiB: tensors are packed into buckets of at most
     this size (gloo cuts larger tensors into pieces; nccl and ipc pack per buffer). On
     gloo 8-16 measured best here (bench/weight_broadcast.py): larger receive buffers come
     fresh from the kernel at every update, smaller ones cost more messages."""
     timeout_s: PositiveFloat = 300.0
-    """Longest a weight update waits on one rollout worker for any one step (its pause,
-    including a drain, a message, the load) before that worker counts as failed. With
+    """Longest a weight update waits on a rollout worker for any one step (its pause,
+    including a drain, a message, the load): a dead or stuck engine fails the broadcast
+    within it, and the others take the version again over a group without it. With
     transport "nccl" or "ipc" also the longest a whole send may take on the trainer's
     side (their collectives have no deadline of their own)."""
 

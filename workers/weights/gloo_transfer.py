@@ -1,12 +1,18 @@
-"""The "gloo" backend of vLLM's weight-transfer API: what NCCL and CUDA IPC do on GPUs,
-over a torch.distributed gloo pair group, so CPU runs and CI drive the same API.
+"""The "gloo" backend of vLLM's weight-transfer API: what NCCL does on GPUs, over a
+torch.distributed gloo group, so CPU runs and CI drive the same API.
 
 Owns: ``GlooWeightTransferEngine`` (built by vLLM in the engine's worker process when the
-engine's ``weight_transfer_config`` backend is "gloo": joins the pair group, receives the
-buckets and loads them with the same layerwise reload NCCL and IPC use),
-``GlooTrainerWeightTransferEngine`` (the trainer's end: opens the pair group, drives the
-inference side through a ``VLLMWeightSyncClient`` and sends the buckets), their init and
-update infos, and registering both with vLLM's two factories. The registration runs when
+engine's ``weight_transfer_config`` backend is "gloo": joins the broadcast group at its
+rank, receives and forwards the buckets, stages the whole version and loads it at
+``finish_weight_update`` with the same layerwise reload NCCL and IPC use),
+``GlooTrainerWeightTransferEngine`` (the trainer's end, rank 0: opens the group, drives
+the inference side through a ``VLLMWeightSyncClient`` and broadcasts the buckets), their
+init and update infos, and registering both with vLLM's two factories.
+
+Staging is what makes a version all or nothing: nothing of it touches the model until
+every byte is held, so a broadcast that fails (a member died or stalled) leaves every
+engine on its old weights, whole (``receive_weights`` then raises ``INTERRUPTED``), and
+the engine may go on serving them. The registration runs when
 this module is imported: ``workers.weights.vllm_extension`` imports it, and vLLM imports that
 extension in the worker process before it builds the worker's weight-transfer engine.
 
@@ -36,14 +42,14 @@ from vllm.distributed.weight_transfer.factory import (
 )
 
 from workers.weights.bucket_transfer import (
-    RECEIVER,
     SENDER,
+    broadcast_group,
     host_store,
     join_store,
-    pair_group,
     receive_buckets,
     send_buckets,
 )
+from workers.weights.receiver import INTERRUPTED
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -53,11 +59,14 @@ BACKEND = "gloo"
 
 @dataclass
 class GlooInitInfo(WeightTransferInitInfo):
-    """The worker's end of the handshake: where the trainer's pair store listens, and
-    the wire parameters both ends must agree on."""
+    """The worker's end of the handshake: where the trainer's store listens, the worker's
+    rank in the group (``rank_offset``, as vLLM's NCCL engine names it: each engine here
+    has one worker) and its size, and the wire parameters every member must agree on."""
 
     master_address: str
     master_port: int
+    rank_offset: int
+    world_size: int
     bucket_bytes: int
     timeout_s: float
 
@@ -72,7 +81,7 @@ class GlooUpdateInfo(WeightTransferUpdateInfo):
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
-    """Receives checkpoint-format weights over the pair group into the worker's model."""
+    """Receives checkpoint-format weights over the broadcast group into the worker's model."""
 
     init_info_cls = GlooInitInfo
     update_info_cls = GlooUpdateInfo
@@ -82,43 +91,65 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._group: dist.ProcessGroupGloo | None = None
         self._store: dist.Store | None = None
         self._info: GlooInitInfo | None = None
+        self._staged: list[tuple[str, torch.Tensor]] = []
+        """The version being received, whole once ``receive_weights`` returns."""
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
-        self._store = join_store(init_info.master_address, init_info.master_port,
-                                 init_info.timeout_s)
-        self._group = pair_group(self._store, RECEIVER, init_info.timeout_s)
+        """Joins a (new) group; called again whenever the trainer rebuilds it."""
+        self.shutdown()
+        try:
+            self._store = join_store(init_info.master_address, init_info.master_port,
+                                     init_info.timeout_s)
+            self._group = broadcast_group(self._store, init_info.rank_offset,
+                                          init_info.world_size, init_info.timeout_s)
+        except Exception as err:  # a member (or the trainer) did not join in time
+            self.shutdown()
+            raise RuntimeError(f"{INTERRUPTED}: joining the weight group: {err!r}") from err
         self._info = init_info
 
-    # vLLM's model-loading modules are imported where they are used: they are needed in
-    # the worker process only, and this module is imported by the trainer too.
-
     def start_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        initialize_layerwise_reload(self.model)
+        self._staged = []
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self._group is None or self._info is None:
             raise RuntimeError("gloo weight transfer: init_transfer_engine was not called")
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-
         names = update_info.names
         specs = [(shape, getattr(torch, dtype))
                  for shape, dtype in zip(update_info.shapes, update_info.dtype_names,
                                          strict=True)]
-        load_weights: Any = self.model.load_weights  # every vLLM model defines it
-        with disable_mtp_completeness_check():
-            # Each bucket is loaded while the next one is on the wire.
+        staged: list[tuple[str, torch.Tensor]] = []
+        try:
             for ready in receive_buckets(self._group, specs, self._info.bucket_bytes,
                                          self._info.timeout_s):
-                if ready:
-                    load_weights([(names[i], tensor) for i, tensor in ready])
+                staged.extend((names[i], tensor) for i, tensor in ready)
+        except Exception as err:
+            # The group is unusable now (a member is gone or mid-message); the trainer
+            # builds a new one. The model was not touched.
+            self._group = None
+            raise RuntimeError(f"{INTERRUPTED}: {err!r}") from err
+        self._staged = staged
+
+    # vLLM's model-loading modules are imported where they are used: they are needed in
+    # the worker process only, and this module is imported by the trainer too.
 
     def finish_weight_update(self) -> None:
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+        """Loads the staged version into the model, whole."""
+        from vllm.model_executor.model_loader.mtp_validation import (
+            disable_mtp_completeness_check,
+        )
+        from vllm.model_executor.model_loader.reload import (
+            finalize_layerwise_reload,
+            initialize_layerwise_reload,
+        )
 
+        staged, self._staged = self._staged, []
+        if not staged:
+            raise RuntimeError("gloo weight transfer: finish_weight_update before a whole "
+                               "version was received")
+        load_weights: Any = self.model.load_weights  # every vLLM model defines it
+        initialize_layerwise_reload(self.model)
+        with disable_mtp_completeness_check():
+            load_weights(staged)
         finalize_layerwise_reload(self.model, self.model_config)
         self._refresh_tied_head()
 
@@ -136,25 +167,28 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
 
     def shutdown(self) -> None:
         self._group = self._store = self._info = None
+        self._staged = []
 
 
 @dataclass
 class GlooTrainerInitInfo(TrainerInitInfo):
-    """The trainer's end: the address its pair store binds (a free port is picked) and
-    the wire parameters it hands to the worker at the handshake."""
+    """The trainer's end: the address its store binds (a free port is picked), the
+    group's size (this rank and every inference worker) and the wire parameters it hands
+    to the workers at the handshake."""
 
     backend: ClassVar[str] = BACKEND
 
     master_address: str
+    world_size: int
     bucket_bytes: int
     timeout_s: float
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
-    """Sends a ``WeightSource`` to one inference worker over their pair group.
-
-    One sender, one receiver: a group per rollout engine, so a dead engine fails its own
-    sends (an error from gloo, or its timeout) and no other pair's.
+    """Broadcasts a ``WeightSource`` from rank 0 to every inference worker of the group,
+    as vLLM's NCCL trainer engine does: one collective per version, whatever the number
+    of workers. A failure anywhere fails the broadcast on every member within the
+    group's timeout; the group is then unusable and the caller builds a new one.
     """
 
     init_info_cls = GlooTrainerInitInfo
@@ -167,7 +201,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self._group: dist.ProcessGroupGloo | None = None
         # Runs the worker's update_weights rpc while this thread sends. Kept across
         # sends: starting a thread per send delays the rpc, and the engine is paused.
-        # After a failure this pair is not used again, so a call stuck in it until its
+        # After a failure this engine is not used again, so a call stuck in it until its
         # timeout holds up nothing.
         self._side = ThreadPoolExecutor(max_workers=1)
 
@@ -180,15 +214,21 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             raise ValueError("gloo weight transfer has one sender: trainer rank 0")
         engine = cls(client=client, source=source, info=init_info)
         engine._store = host_store(init_info.master_address, init_info.timeout_s)
+        # Workers sit at rank_offset 1, after the sender (the client numbers its workers
+        # on from there, one rank each).
         worker_info = GlooInitInfo(
             master_address=init_info.master_address, master_port=engine._store.port,
+            rank_offset=SENDER + 1, world_size=init_info.world_size,
             bucket_bytes=init_info.bucket_bytes, timeout_s=init_info.timeout_s)
-        # The worker blocks in init_weight_transfer_engine until both ends have joined the
-        # group, so its rpc runs on a side thread while this end joins.
+        # The workers block in init_weight_transfer_engine until every rank has joined
+        # the group, so their rpc runs on a side thread while this end joins.
         with ThreadPoolExecutor(max_workers=1) as side:
             joined = side.submit(client.init_weight_transfer_engine, asdict(worker_info))
-            engine._group = pair_group(engine._store, SENDER, init_info.timeout_s)
-            joined.result()
+            try:
+                engine._group = broadcast_group(engine._store, SENDER, init_info.world_size,
+                                                init_info.timeout_s)
+            finally:
+                joined.result()  # the workers' failure says more than this end's timeout
         return engine
 
     def send_weights(self) -> None:
@@ -201,10 +241,22 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         )
         tensors = [tensor for _, tensor in self.source]
         self.client.start_weight_update()
-        # The worker receives inside update_weights: the rpc and the sends run together.
+        # The workers receive inside update_weights: the rpc and the sends run together.
         received = self._side.submit(self.client.update_weights, asdict(update_info))
-        send_buckets(self._group, tensors, self._info.bucket_bytes, self._info.timeout_s)
-        received.result()
+        try:
+            send_buckets(self._group, tensors, self._info.bucket_bytes, self._info.timeout_s)
+        except Exception:
+            self._group = None  # mid-message: never used again
+            raise
+        finally:
+            # From now on every worker answers within its own deadline (a client that
+            # waits on its workers needs to know when that clock starts).
+            sent = getattr(self.client, "transfer_sent", None)
+            if sent is not None:
+                sent()
+            # On a failure too: the workers' failures say which member broke the chain,
+            # and they replace this end's.
+            received.result()
         self.client.finish_weight_update()
 
     def shutdown(self) -> None:

@@ -6,8 +6,13 @@ its ``VLLMWeightSyncClient`` calls (``connect``; then per update ``start``, ``re
 one or more times, ``finish``); the update modes (``in_flight``: pause keeping running
 requests; ``drain``: let them finish first); the engine's per-token version label,
 changed while the engine is still paused so no token is sampled between the load and its
-label; the phase timing; and failure: once paused, any failed step may leave the weights
-half old, half new, so it aborts what is running and the worker refuses further work.
+label; the phase timing; and failure. A transfer that the backend reports as
+``INTERRUPTED`` (the gloo backend stages a whole version before loading any of it, so a
+broken broadcast leaves the weights as they were) and an update the trainer ``cancel``s
+before its transfer resume the engine on its old weights, whole: the version is applied
+whole or not at all, and the worker goes on serving. Any other failed step may leave
+the weights half old, half new, so it aborts what is running and the worker refuses
+further work.
 
 Knows nothing about transports (the engine's weight-transfer backend moves the bytes) or
 spans (the rollout worker is told through ``on_change``). vLLM is imported inside the
@@ -28,6 +33,20 @@ from workers.weights.config import UpdateMode, WeightsConfig
 if TYPE_CHECKING:
     from vllm.v1.engine.async_llm import AsyncLLM
 
+INTERRUPTED = "weight transfer interrupted before any weight was loaded"
+"""How a backend's receive says it failed leaving the model untouched (the message of
+the error it raises starts with it: it crosses vLLM's process boundary as text)."""
+
+
+class StaleVersion(ValueError):
+    """An update to a version the engine already has (or a newer one): refused before
+    pausing, nothing changed (a worker restarted from a newer policy than the one
+    being delivered)."""
+
+
+class UpdateInterrupted(RolloutWorkerError):
+    """The update failed before anything was loaded: the engine runs its old weights,
+    whole, and takes the next update."""
 
 
 class WeightReceiver:
@@ -51,13 +70,21 @@ class WeightReceiver:
         """Why the engine's weights cannot be trusted any more; None while they can."""
         self.updates = 0
         self._pending: int | None = None  # the version started and not yet finished
+        self._receiving = False  # the backend's session of the pending update is open
         self._began = self._paused = self._transfer_s = 0.0
 
     async def connect(self, engine: AsyncLLM, init_info: dict[str, Any]) -> None:
-        """Joins the trainer's transfer (the backend's handshake, e.g. a process group)."""
+        """Joins the trainer's transfer (the backend's handshake, e.g. a process group;
+        again whenever the trainer rebuilds it)."""
         from vllm.distributed.weight_transfer.base import WeightTransferInitRequest
 
-        await engine.init_weight_transfer_engine(WeightTransferInitRequest(init_info=init_info))
+        try:
+            await engine.init_weight_transfer_engine(
+                WeightTransferInitRequest(init_info=init_info))
+        except Exception as err:
+            if INTERRUPTED in str(err):  # another member did not join: try again later
+                raise UpdateInterrupted(f"rollout worker {self._rank}: {err}") from err
+            raise
 
     async def start(self, engine: AsyncLLM, version: int, mode: UpdateMode | None) -> None:
         """Pauses the engine for ``version`` and prepares its model to receive.
@@ -73,9 +100,9 @@ class WeightReceiver:
             raise RolloutWorkerError(f"rollout worker {self._rank}: update to version "
                                      f"{self._pending} is still under way")
         if version <= self.version:
-            raise ValueError(f"rollout worker {self._rank}: version {version} is not newer "
-                             f"than the loaded version {self.version}")
-        self._pending, self._transfer_s = version, 0.0
+            raise StaleVersion(f"rollout worker {self._rank}: version {version} is not newer "
+                               f"than the loaded version {self.version}")
+        self._pending, self._transfer_s, self._receiving = version, 0.0, False
         self._began = time.perf_counter()
         try:
             drain = (mode or self._mode) == "drain"
@@ -93,7 +120,6 @@ class WeightReceiver:
             if drain:  # the running requests were generating until now
                 self._set_updating(True)
             self._paused = time.perf_counter()
-            await engine.start_weight_update()
         except Exception as err:
             await self._fail(engine, f"pausing for weights v{version}", err)
 
@@ -104,10 +130,33 @@ class WeightReceiver:
         version = self._started()
         began = time.perf_counter()
         try:
+            # The backend's session opens here, not at the pause: an update cancelled
+            # before its transfer then leaves no session open in the engine.
+            if not self._receiving:
+                self._receiving = True
+                await engine.start_weight_update()
             await engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
         except Exception as err:
+            if INTERRUPTED in str(err) and self.failed is None:
+                await self._resume_untouched(engine)
+                raise UpdateInterrupted(f"rollout worker {self._rank}: weights v{version} "
+                                        f"not applied, v{self.version} kept: {err}") from err
             await self._fail(engine, f"loading weights v{version}", err)
         self._transfer_s += time.perf_counter() - began
+
+    async def cancel(self, engine: AsyncLLM) -> None:
+        """The trainer gave the update up before any byte of it was received (another
+        member of the broadcast failed to pause): resumes on the old weights."""
+        if self._pending is not None and self.failed is None:
+            await self._resume_untouched(engine)
+
+    async def _resume_untouched(self, engine: AsyncLLM) -> None:
+        self._pending = None
+        try:
+            await engine.resume_generation()
+        except Exception as err:
+            await self._fail(engine, "resuming on the old weights", err)
+        self._set_updating(False)
 
     async def finish(self, engine: AsyncLLM) -> BroadcastTiming:
         """Completes the load, relabels and resumes; the update's timing.

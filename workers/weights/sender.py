@@ -1,13 +1,15 @@
-"""Trainer shard 0's end of weight broadcasts: versioned snapshots of the weights, sent to
-each rollout engine through vLLM's weight-transfer API.
+"""Trainer shard 0's end of weight broadcasts: versioned snapshots of the weights,
+broadcast to every rollout engine at once through vLLM's weight-transfer API.
 
 Owns: ``WeightSender`` — the published snapshots (one per version, until delivered),
-one trainer-side weight-transfer engine per rollout worker (vLLM's
-``WeightTransferTrainerFactory`` builds it for ``weights.transport``: "gloo" is
-``workers.weights.gloo_transfer``, "nccl" and "ipc" are vLLM's), each over its own group so a dead
-rollout worker breaks only its own pair — and ``EngineClient``, the
-``VLLMWeightSyncClient`` those engines drive: calls on one rollout worker actor, each
-with a timeout, carrying the version and the update mode.
+the members (the rollout workers connected, by rank) and the one broadcast group over
+them: a trainer-side weight-transfer engine (vLLM's ``WeightTransferTrainerFactory``
+builds it for ``weights.transport``: "gloo" is ``workers.weights.gloo_transfer``, "nccl"
+and "ipc" are vLLM's) driving a ``workers.weights.group_client.GroupClient`` over every
+member. One collective per version, whatever the number of engines. The group is
+built at the first send and again whenever its members change: a member lost in a
+broadcast is left out and the others take the version again over the new group in the
+same delivery; a member connected since (a replacement) joins at the next version.
 
 Knows nothing about when to publish or deliver (the controller, through
 ``workers.weights.broadcast``) or how an engine pauses and loads (``workers.weights.receiver``).
@@ -15,13 +17,13 @@ Knows nothing about when to publish or deliver (the controller, through
 
 from __future__ import annotations
 
+import logging
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-import ray
 import torch
 from vllm.distributed.weight_transfer.base import (
     ParamMeta,
@@ -35,15 +37,26 @@ from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 from vllm.utils.network_utils import get_open_port
 
 from buffers.records import BroadcastTiming
+from workers.weights.broadcast import Delivery
 from workers.weights.config import UpdateMode, WeightsConfig
 from workers.weights.gloo_transfer import GlooTrainerInitInfo
+from workers.weights.group_client import GroupClient, GroupFailed
+
+log = logging.getLogger(__name__)
 
 Snapshot = tuple[tuple[str, torch.Tensor], ...]
 
 
-class PairSource(WeightSource):
-    """What one pair's trainer engine sends next: the snapshot set before each send
-    (vLLM's engines take their source once, at ``trainer_init``)."""
+MAX_ATTEMPTS = 3
+"""Broadcasts of one version at most: the first, and retries over a rebuilt group for
+the members it interrupted (a retry follows only an attempt that left a member out:
+lost, or already on a newer version; a failure nobody can be blamed for is not
+retried, since the same group would meet it again)."""
+
+
+class SnapshotSource(WeightSource):
+    """What the trainer engine sends next: the snapshot set before each send (vLLM's
+    engines take their source once, at ``trainer_init``)."""
 
     def __init__(self) -> None:
         self.snapshot: Snapshot = ()
@@ -55,62 +68,17 @@ class PairSource(WeightSource):
         return iter(self.snapshot)
 
 
-class EngineClient:
-    """``VLLMWeightSyncClient`` over one ``RolloutWorker`` actor.
-
-    Every call waits at most ``timeout_s``: a dead actor fails at once, a stuck one after
-    the timeout, never a hang. The protocol's calls carry no version (vLLM's NCCL and
-    IPC engines call ``finish_weight_update()`` bare), so the version and update mode of
-    the next send are set with ``prepare`` and travel with ``start_weight_update``.
-    """
-
-    def __init__(self, actor: Any, timeout_s: float) -> None:
-        self._actor, self._timeout_s = actor, timeout_s
-        self.version = 0
-        self.mode: UpdateMode | None = None
-        self.refused = False
-        """The worker raised at ``start_weight_update``: it refused the update before
-        pausing (a version that is not newer), or failed it itself. Any other failure
-        may leave it paused or half loaded without knowing, so it is told to give up."""
-        self.timing: BroadcastTiming | None = None
-
-    def prepare(self, version: int, mode: UpdateMode | None) -> None:
-        self.version, self.mode, self.refused, self.timing = version, mode, False, None
-
-    def _call(self, method: Any, *args: Any) -> Any:
-        return ray.get(method.remote(*args), timeout=self._timeout_s)
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self._call(self._actor.init_weight_transfer, init_info)
-
-    def start_weight_update(self) -> None:
-        try:
-            self._call(self._actor.start_weight_update, self.version, self.mode)
-        except ray.exceptions.RayTaskError:
-            self.refused = True
-            raise
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self._call(self._actor.update_weights, update_info)
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        # weight_version is not used: the worker labels the version it was started with.
-        self.timing = self._call(self._actor.finish_weight_update)
-
-    def abandon(self, reason: str) -> None:
-        """Tells the worker the update is given up; does not wait (it may be dead)."""
-        self._actor.abandon_weight_update.remote(reason)
-
-
 @dataclass
-class _Pair:
-    client: EngineClient
-    source: PairSource
+class _Group:
+    client: GroupClient
     engine: TrainerWeightTransferEngine[Any]
+    actors: list[Any]
+    """The member actors it was built with (a replaced worker is a new actor)."""
 
 
 class WeightSender:
-    """Snapshots one trainer shard's weights by version and sends them to rollout engines.
+    """Snapshots one trainer shard's weights by version and broadcasts them to the rollout
+    engines.
 
     ``snapshot`` runs in the trainer's order of calls (after the step that made the
     version); ``send`` and ``release`` run beside later training steps.
@@ -118,7 +86,7 @@ class WeightSender:
 
     def __init__(self, weights: WeightsConfig, *, address: str, device: torch.device,
                  dtype: torch.dtype | None = None) -> None:
-        """address: where this process's pair endpoints listen (gloo, nccl). device: the
+        """address: where this process's group endpoint listens (gloo, nccl). device: the
         trainer's device; gloo snapshots go to the CPU (gloo sends CPU tensors), the
         others stay on the device. dtype: the engines' (rollout.dtype); snapshots are
         cast to it (None: each tensor keeps its own)."""
@@ -128,29 +96,20 @@ class WeightSender:
         self._spare: Snapshot = ()
         """A released snapshot's tensors, copied into by the next one: fresh memory
         would fault in every page at every publish, on the trainer's critical path."""
-        self._lock = threading.Lock()  # snapshot runs beside sends and releases
-        self._pairs: dict[int, _Pair] = {}
+        self._lock = threading.Lock()  # snapshot and connect run beside sends
+        self._members: dict[int, Any] = {}
+        self._group: _Group | None = None
+        self._source = SnapshotSource()
 
     def connect(self, rank: int, actor: Any) -> None:
-        """Opens the transfer with rollout worker ``rank`` (a rendezvous with its engine)."""
-        client = EngineClient(actor, self._weights.timeout_s)
-        source = PairSource()
-        engine = WeightTransferTrainerFactory.trainer_init(self._init_info(), client=client,
-                                                           source=source)
-        self._pairs[rank] = _Pair(client, source, engine)
+        """Makes rollout worker ``rank`` (a new actor, if it replaces one) a member: it
+        joins the group at the next send."""
+        with self._lock:
+            self._members[rank] = actor
 
-    def _init_info(self) -> TrainerInitInfo:
-        cfg = self._weights
-        bucket_bytes = cfg.bucket_mb << 20
-        # Rank 0 is the sender; a pair has this process and one engine worker.
-        if cfg.transport == "gloo":
-            return GlooTrainerInitInfo(master_address=self._address, bucket_bytes=bucket_bytes,
-                                       timeout_s=cfg.timeout_s, rank=0)
-        if cfg.transport == "nccl":
-            return NCCLTrainerInitInfo(master_address=self._address,
-                                       master_port=get_open_port(), world_size=2,
-                                       packed_buffer_size_bytes=bucket_bytes, rank=0)
-        return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_bytes, rank=0)
+    def disconnect(self, rank: int) -> None:
+        with self._lock:
+            self._members.pop(rank, None)
 
     def snapshot(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> int:
         """Copies ``named`` tensors as ``version``'s weights; returns their bytes."""
@@ -171,74 +130,123 @@ class WeightSender:
             self._snapshots[version] = spare
         return sum(t.numel() * t.element_size() for _, t in spare)
 
-    def send(self, version: int, rank: int, mode: UpdateMode | None = None) -> BroadcastTiming:
-        """Makes ``version`` rollout worker ``rank``'s policy; its timing (publish_s 0).
-
-        Raises when the update fails. Unless the worker refused it (it is then as it
-        was, and so is the pair), the worker is told to give up and fail, and the pair is
-        not used again: its group may be mid-message.
-        """
-        pair = self._pairs.get(rank)
-        if pair is None:
-            raise RuntimeError(f"no weight transfer with rollout worker {rank} (never "
-                               "connected, or lost to an earlier failure)")
+    def send(self, version: int, ranks: Sequence[int], mode: UpdateMode | None = None
+             ) -> Delivery:
+        """Makes ``version`` the policy of rollout workers ``ranks`` (the live ones), in
+        one broadcast; retried over a rebuilt group for the members a lost one
+        interrupted. Every member ends up loaded (its timing), lost (in ``failed``: told
+        to give up), or, after ``MAX_ATTEMPTS``, on its old weights, whole (neither: it
+        takes the next version)."""
         with self._lock:
-            pair.source.snapshot = self._snapshots[version]
-        pair.client.prepare(version, mode)
+            self._source.snapshot = self._snapshots[version]
+            members = dict(self._members)
+        failed = [rank for rank in ranks if rank not in members]  # never connected
+        todo = sorted(rank for rank in ranks if rank in members)
+        timings: list[BroadcastTiming] = []
+        wire_s, attempts = 0.0, 0
         try:
-            self._send_within_deadline(pair, rank)
-        except BaseException as err:
-            if not pair.client.refused:
-                pair.client.abandon(repr(err))
-                if isinstance(err, TimeoutError):
-                    # Its engine is stuck mid-collective: shutting it down could block too.
-                    self._pairs.pop(rank, None)
-                else:
-                    self.disconnect(rank)
-            raise
+            while todo and attempts < MAX_ATTEMPTS:
+                attempts += 1
+                client = self._attempt(version, [(r, members[r]) for r in todo], mode)
+                timings.extend(client.timings.values())
+                failed.extend(client.lost)
+                wire_s = client.wire_s or wire_s
+                if not client.lost and not client.stale:
+                    break  # done, or nothing found out: a retry would meet the same
+                todo = sorted(client.interrupted)
         finally:
-            pair.source.snapshot = ()
-        assert pair.client.timing is not None  # set by finish_weight_update
-        return pair.client.timing
+            self._source.snapshot = ()
+        return Delivery(timings=sorted(timings, key=lambda t: t.rollout_rank),
+                        failed=sorted(failed), wire_s=wire_s, attempts=attempts)
 
-    def _send_within_deadline(self, pair: _Pair, rank: int) -> None:
+    def _attempt(self, version: int, members: list[tuple[int, Any]],
+                 mode: UpdateMode | None) -> GroupClient:
+        """One broadcast to ``members`` (the group rebuilt first if they changed); the
+        client's account of each member."""
+        group = self._group
+        if group is None or group.client.members != members or any(
+                a is not b for a, b in zip(group.actors, [a for _, a in members],
+                                           strict=True)):
+            self._drop_group()
+            client = GroupClient(members, self._weights.timeout_s,
+                                 sender_bounds_transfer=self._weights.transport == "gloo")
+            client.prepare(version, mode)
+            try:
+                engine = WeightTransferTrainerFactory.trainer_init(
+                    self._init_info(len(members)), client=client, source=self._source)
+            except GroupFailed as err:
+                log.warning("weight group of %s not built: %s", client.ranks, err)
+                client.abandon_lost()
+                return client
+            group = self._group = _Group(client, engine, [a for _, a in members])
+        client = group.client
+        client.prepare(version, mode)
+        try:
+            self._send_within_deadline(group)
+        except Exception as err:  # GroupFailed, or the sender's own failure
+            log.warning("weights v%d: broadcast to %s failed: %s", version, client.ranks, err)
+            client.finish_received()  # members holding every byte load it all the same
+            for rank in client.ranks:
+                if rank not in client.timings and rank not in client.interrupted | client.stale:
+                    client.lost.setdefault(rank, repr(err))
+            client.abandon_lost()
+            self._drop_group(shut=not isinstance(err, TimeoutError))
+        return client
+
+    def _init_info(self, engines: int) -> TrainerInitInfo:
+        cfg = self._weights
+        bucket_bytes = cfg.bucket_mb << 20
+        # Rank 0 is the sender; the group is this process and every engine worker.
+        if cfg.transport == "gloo":
+            return GlooTrainerInitInfo(master_address=self._address, world_size=engines + 1,
+                                       bucket_bytes=bucket_bytes, timeout_s=cfg.timeout_s,
+                                       rank=0)
+        if cfg.transport == "nccl":
+            return NCCLTrainerInitInfo(master_address=self._address,
+                                       master_port=get_open_port(), world_size=engines + 1,
+                                       packed_buffer_size_bytes=bucket_bytes, rank=0)
+        return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_bytes, rank=0)
+
+    def _send_within_deadline(self, group: _Group) -> None:
         """``send_weights``, given up after ``weights.timeout_s`` on the NCCL and IPC
         transports: their collectives have no deadline of their own, so a dead or stuck
         engine would hold this sender forever (gloo's group times out each operation)."""
         if self._weights.transport == "gloo":
-            pair.engine.send_weights()
+            group.engine.send_weights()
             return
         outcome: Future[None] = Future()
 
         def send() -> None:
             try:
-                pair.engine.send_weights()
+                group.engine.send_weights()
                 outcome.set_result(None)
             except BaseException as err:
                 outcome.set_exception(err)
 
-        threading.Thread(target=send, name=f"weight-send-{rank}", daemon=True).start()
+        threading.Thread(target=send, name="weight-send", daemon=True).start()
         try:
             outcome.result(timeout=self._weights.timeout_s)
         except TimeoutError:
             raise TimeoutError(
-                f"weight send to rollout worker {rank} over {self._weights.transport} took "
-                f"longer than weights.timeout_s ({self._weights.timeout_s:g}s)") from None
+                f"weight send to rollout workers {group.client.ranks} over "
+                f"{self._weights.transport} took longer than weights.timeout_s "
+                f"({self._weights.timeout_s:g}s)") from None
+
+    def _drop_group(self, *, shut: bool = True) -> None:
+        """Forgets the group (it is rebuilt at the next send). ``shut``: shut its engine
+        down too; not when it is stuck mid-collective (that could block as well)."""
+        group, self._group = self._group, None
+        if group is not None and shut:
+            group.engine.shutdown()
 
     def release(self, version: int) -> None:
         """Frees ``version``'s snapshot once every send of it is done."""
         with self._lock:
             self._spare = self._snapshots.pop(version, self._spare)
 
-    def disconnect(self, rank: int) -> None:
-        pair = self._pairs.pop(rank, None)
-        if pair is not None:
-            pair.engine.shutdown()
-
     def shutdown(self) -> None:
-        for rank in list(self._pairs):
-            self.disconnect(rank)
+        self._drop_group()
         with self._lock:
+            self._members.clear()
             self._snapshots.clear()
             self._spare = ()
-
