@@ -9,8 +9,8 @@ of the base hardware file; fitted are
   which gives the training MFU, and how much each busy engine slows it: the
   contention; a CPU run's machine is laid out with this machine's cores);
 - the weight path: the median snapshot, transfer and load times of its broadcasts
-  (the interconnect bandwidth is the weights' bytes over the transfer time, times the
-  engines a version is sent to at once);
+  (the interconnect bandwidth is the bytes a pipelined broadcast to the engines a
+  version went to puts on its last link, over the transfer time: ``Costs.transfer``);
 - rollout: the engine's fixed seconds per step and its decode MFU, by simulating the
   run's own config (its own generated lengths, from its ledger) until the simulated
   engine is busy as long per group as the real one was and a group takes as long from
@@ -171,7 +171,7 @@ def _fit_trainer(config: Config, rows: Sequence[dict[str, object]], base: Hardwa
 
 
 def _fit_weights(rows: Sequence[dict[str, object]], base: Hardware,
-                 weight_bytes: float) -> Hardware:
+                 weight_bytes: float, bucket_bytes: float) -> Hardware:
     timings = [t for r in rows for t in r["broadcast"]]  # type: ignore[attr-defined]
     if not timings:
         return base
@@ -179,11 +179,13 @@ def _fit_weights(rows: Sequence[dict[str, object]], base: Hardware,
         return statistics.median(float(t[key]) for t in timings)
 
     copy = weight_bytes / (base.memory_bandwidth * base.memory_efficiency)
-    # A version's sends to its engines share shard 0's link (Costs.transfer).
+    # A version is one pipelined broadcast to its engines (Costs.transfer, inverted).
     receivers = statistics.median(Counter(t["version"] for t in timings).values())
+    wire = weight_bytes + (receivers - 1) * min(bucket_bytes, weight_bytes)
+    on_wire = median("transfer_s") - receivers * base.weight_member_s
     return msgspec.structs.replace(
         base, publish_s=max(median("publish_s") - copy, 0.0),
-        interconnect_bandwidth=receivers * weight_bytes / max(median("transfer_s"), 1e-6),
+        interconnect_bandwidth=wire / max(on_wire, 1e-6),
         weight_load_s=median("load_s") + median("pause_s"))
 
 
@@ -208,7 +210,8 @@ def calibrate(run_dir: str | Path, out: str | Path, overrides: Sequence[str] = (
     attention = costs.attention_share(trained_lengths(config, rows, read_ledger(path)))
     hardware = _fit_trainer(config, rows, base, shape.parameters * (1 + attention),
                             generating_beside(spans))
-    hardware = _fit_weights(rows, hardware, Costs(hardware, shape).weight_bytes)
+    hardware = _fit_weights(rows, hardware, Costs(hardware, shape).weight_bytes,
+                            config.weights.bucket_mb << 20)
     real = measure(path)
 
     def run(candidate: Hardware) -> Measured:

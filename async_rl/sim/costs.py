@@ -72,6 +72,9 @@ class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """Fixed seconds of a weight snapshot on trainer shard 0."""
     weight_load_s: float = 0.0
     """Fixed seconds an engine stands paused for a weight update."""
+    weight_member_s: float = 0.0
+    """Fixed seconds each engine adds to a version's broadcast (its hop of the chain: a
+    message's latency, its share of the group's calls)."""
     call_s: float = 0.0
     """Fixed seconds of every call to a worker (the driver's round trip)."""
     cores: int = 0
@@ -235,12 +238,15 @@ class Costs:
         h = self.hardware
         return h.publish_s + self.weight_bytes / (h.memory_bandwidth * h.memory_efficiency)
 
-    def transfer(self, receivers: int = 1) -> float:
-        """Seconds of a delivery to ``receivers`` engines at once. Shard 0 sends the
-        weights to each over its own pair group (``workers.weights.broadcast``), all
-        through its one link: the sends share it, as they share the sending process's
-        core on a CPU machine."""
-        return receivers * self.weight_bytes / self.hardware.interconnect_bandwidth
+    def transfer(self, receivers: int = 1, bucket_bytes: float = 16 << 20) -> float:
+        """Seconds of a version's broadcast to ``receivers`` engines in ``bucket_bytes``
+        buckets: a pipelined chain (``workers.weights.bucket_transfer``; NCCL's ring
+        broadcast pipelines the same way), where every link carries the weights once and
+        the last engine holds the last bucket ``receivers - 1`` bucket times after the
+        first: ``(S + (N - 1) B) / bandwidth + N m`` (docs/simulator.md)."""
+        h, bucket = self.hardware, min(bucket_bytes, self.weight_bytes)
+        return ((self.weight_bytes + (receivers - 1) * bucket) / h.interconnect_bandwidth
+                + receivers * h.weight_member_s)
 
 
 def _ceil_div(num: float, den: float) -> int:

@@ -84,8 +84,9 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
                                          for rank in range(config.trainer.num_shards)]
         evaluator = (SimEvaluator(config.simulate.reward_p)
                      if config.run.eval_on == "idle_cpu" else None)
-        workers = Workers(rollout=rollout, trainers=trainers,
-                          weights=SimWeights(engines, costs), evaluator=evaluator)
+        weights = SimWeights(engines, costs, config.weights.bucket_mb << 20)
+        workers = Workers(rollout=rollout, trainers=trainers, weights=weights,
+                          evaluator=evaluator)
         orchestrator = Orchestrator(config, out, source, eval_prompts, workers, clock=clock)
         async with anyio.create_task_group() as running:
             for engine in engines.values():

@@ -344,10 +344,12 @@ class SimPublished(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SimWeights:
-    """The weight path: snapshot, then every engine loads the version side by side."""
+    """The weight path: snapshot, then one broadcast to every engine, which loads the
+    version once it holds all of it."""
 
-    def __init__(self, engines: dict[int, SimEngine], costs: Costs) -> None:
-        self.engines, self.costs = engines, costs
+    def __init__(self, engines: dict[int, SimEngine], costs: Costs,
+                 bucket_bytes: float = 16 << 20) -> None:
+        self.engines, self.costs, self.bucket_bytes = engines, costs, bucket_bytes
 
     async def publish(self, version: int) -> SimPublished:
         seconds = self.costs.publish()
@@ -357,9 +359,10 @@ class SimWeights:
     async def deliver(self, published: PublishedWeights, ranks: Sequence[int]
                       ) -> tuple[list[BroadcastTiming], list[int]]:
         assert isinstance(published, SimPublished)
-        transfer, load = self.costs.transfer(len(ranks)), self.costs.hardware.weight_load_s
+        transfer = self.costs.transfer(len(ranks), self.bucket_bytes)
+        load = self.costs.hardware.weight_load_s
         asked = {rank: self.engines[rank].load(published.version, transfer + load)
-                 for rank in ranks}  # every engine at once, sharing shard 0's link
+                 for rank in ranks}  # one collective: every engine paused for all of it
         timings = []
         for rank, loading in asked.items():
             await loading.done

@@ -199,16 +199,28 @@ def _transfers(run_dir: Path) -> list[float]:
     return seconds
 
 
-def test_a_version_sent_to_two_engines_shares_the_senders_link_and_calibration_knows(
-        tmp_path: Path) -> None:
-    one, two = tmp_path / "one", tmp_path / "two"
-    simulate(config(one, workers=1, steps=6, hardware="cpu"))
-    simulate(config(two, workers=2, steps=6, hardware="cpu"))
-    alone, shared = _transfers(one)[0], _transfers(two)
-    assert shared == [pytest.approx(2 * alone)] * len(shared)
-    fit = calibrate(two, tmp_path / "fitted.toml", mfus=(0.1,), bisections=1)
-    assert fit.hardware.interconnect_bandwidth == pytest.approx(
-        load_hardware("cpu").interconnect_bandwidth)
+@pytest.mark.parametrize("bucket_mb", [1, 64])
+def test_a_version_broadcast_to_more_engines_costs_a_bucket_more_each_and_calibration_knows(
+        tmp_path: Path, bucket_mb: int) -> None:
+    """A pipelined chain: four engines take one model plus three buckets (a bucket larger
+    than the model is the model: no pipelining, each hop carries all of it)."""
+    def with_buckets(cfg: Config) -> Config:
+        return msgspec.structs.replace(cfg, weights=msgspec.structs.replace(
+            cfg.weights, bucket_mb=bucket_mb))
+
+    one, four = tmp_path / "one", tmp_path / "four"
+    simulate(with_buckets(config(one, workers=1, steps=6, hardware="cpu")))
+    simulate(with_buckets(config(four, workers=4, steps=6, hardware="cpu")))
+    alone, shared = _transfers(one)[0], _transfers(four)
+    hardware = load_hardware("cpu")
+    weight_bytes = SIZE["parameters"] * 4  # float32
+    hop = min(bucket_mb << 20, weight_bytes) / hardware.interconnect_bandwidth
+    assert alone == pytest.approx(weight_bytes / hardware.interconnect_bandwidth
+                                  + hardware.weight_member_s)
+    assert shared == [pytest.approx(alone + 3 * (hop + hardware.weight_member_s))] * len(shared)
+    assert len(shared) >= 6 * 4 - 4  # every engine, every version (the last may be cut)
+    fit = calibrate(four, tmp_path / "fitted.toml", mfus=(0.1,), bisections=1)
+    assert fit.hardware.interconnect_bandwidth == pytest.approx(hardware.interconnect_bandwidth)
 
 
 def test_calibration_counts_attention_in_the_training_mfu_it_fits(tmp_path: Path) -> None:
