@@ -20,7 +20,12 @@ import msgspec
 ROLLOUT_BUSY = ("generate", "evaluate")
 """``evaluate``: the engine runs only held-out evaluation requests (generation wins when
 both run)."""
-ROLLOUT_IDLE = ("weight_sync", "gate_closed", "queue_full", "no_work")
+WEIGHT_UPDATE = ("weight_sync", "weight_wire", "weight_load")
+"""A rollout engine paused for a weight update: ``weight_wire`` while its bytes arrive,
+``weight_load`` while they go into the model, ``weight_sync`` the rest of the pause
+(waiting on the other members of the broadcast, the trainer's calls). A version's
+snapshot is the trainer's ``weight_publish``."""
+ROLLOUT_IDLE = (*WEIGHT_UPDATE, "gate_closed", "queue_full", "no_work")
 TRAINER_BUSY = ("forward", "backward", "optimizer")
 TRAINER_IDLE = ("wait_data", "barrier", "weight_publish", "checkpoint", "no_work")
 """``checkpoint``: the shard snapshots its state for a checkpoint, or the run waits for
@@ -28,7 +33,7 @@ an earlier checkpoint's background write to complete."""
 UNRESOLVED = "idle"
 """Recorded by a worker that cannot tell why it waits; resolved from controller spans."""
 
-COMPUTING_IDLE = ("weight_sync", "weight_publish", "checkpoint")
+COMPUTING_IDLE = (*WEIGHT_UPDATE, "weight_publish", "checkpoint")
 """Idle causes during which the worker's own cores still compute: a rollout engine loads
 weights, a trainer shard copies its snapshot (of weights, or of a checkpoint's state,
 which its writer thread then serialises). Not busy (no samples or gradients come of

@@ -176,15 +176,41 @@ HINTS = {
                                 "or add trainer shards",
     ("rollout", "queue_full"): "rollout waits on a full queue: raise queue.max_groups or "
                                "train faster",
-    ("rollout", "weight_sync"): "rollout pauses for weight updates: raise "
-                                "weights.sync_every or use in_flight updates",
     ("rollout", "no_work"): "rollout has no prompts: raise rollout.max_inflight_prompts",
 }
 
 
+WEIGHT_PHASES = {
+    "weight_wire": ("on the wire", "send fewer bytes (rollout.dtype bfloat16) or raise "
+                    "weights.sync_every; a version's wire time is about one model over one "
+                    "link whatever the number of engines"),
+    "weight_load": ("loading into the engines", "raise weights.sync_every: loading is the "
+                    "engine's own work"),
+    "weight_sync": ("waiting on the broadcast", "raise weights.sync_every or use in_flight "
+                    "updates; with a drain, long completions hold every engine's update"),
+}
+"""A rollout engine's pause for a weight update (``workers.spans.WEIGHT_UPDATE``), by
+phase: what it is, what helps."""
+
+
 def hint(item: Breakdown) -> str:
-    """A one-line suggestion for the biggest idle cause of a role."""
+    """A one-line suggestion for the biggest idle cause of a role (for a weight update's
+    pause: its split by phase, and advice on the phase that dominated)."""
+    if item.role == "rollout" and item.top_cause in WEIGHT_PHASES:
+        return weight_hint(item.idle_by_cause)
     return HINTS.get((item.role, item.top_cause), "")
+
+
+def weight_hint(idle_by_cause: dict[str, float]) -> str:
+    seconds = {c: idle_by_cause.get(c, 0.0) for c in WEIGHT_PHASES}
+    total = sum(seconds.values())
+    if total <= 0:
+        return ""
+    dominant = max(seconds, key=lambda c: seconds[c])
+    split = ", ".join(f"{100 * s / total:.0f}% {WEIGHT_PHASES[c][0]}"
+                      for c, s in seconds.items() if s > 0)
+    return (f"rollout pauses for weight updates ({split}); {WEIGHT_PHASES[dominant][0]} "
+            f"dominates: {WEIGHT_PHASES[dominant][1]}")
 
 
 def busy_fraction(first: UsageReading, last: UsageReading,

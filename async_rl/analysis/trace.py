@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from workers.spans import Span
+from workers.spans import WEIGHT_UPDATE, Span
 
 # One colour per cause, busy causes in greens/blues, idle causes in warm colours, so the
 # picture reads "green good, red/orange waiting" without a legend lookup.
@@ -27,6 +27,8 @@ COLOURS = {
     "backward": "#1e88e5",
     "optimizer": "#64b5f6",
     "weight_sync": "#8e24aa",
+    "weight_wire": "#6a1b9a",
+    "weight_load": "#ce93d8",
     "weight_publish": "#ab47bc",
     "checkpoint": "#6d4c41",
     "gate_closed": "#e53935",
@@ -79,10 +81,14 @@ def chrome_trace(spans: Sequence[Span]) -> dict[str, Any]:
                        "tid": tids[s.worker], "ts": us(s.start), "dur": us(s.end) - us(s.start),
                        "args": {"version": s.version}})
     publishes = {s.version: s for s in spans if s.cause == "weight_publish"}
+    # An arrow from each publish to where each engine's pause for it began.
+    firsts: dict[tuple[int, str], Span] = {}
+    for s in sorted(spans, key=lambda s: s.start):
+        if s.cause in WEIGHT_UPDATE:
+            firsts.setdefault((s.version, s.worker), s)
     syncs: dict[int, list[Span]] = defaultdict(list)
-    for s in spans:
-        if s.cause == "weight_sync":
-            syncs[s.version].append(s)
+    for (version, _), s in firsts.items():
+        syncs[version].append(s)
     for version, publish in sorted(publishes.items()):
         events.append({"ph": "i", "s": "g", "name": f"v{version}", "pid": 1,
                        "tid": tids[publish.worker], "ts": us(publish.end)})

@@ -119,6 +119,31 @@ def test_top_cause_has_a_hint() -> None:
     assert "add rollout workers" in hint(item)
 
 
+@pytest.mark.parametrize(("wire", "load", "dominant"), [
+    (6, 2, "on the wire dominates"), (1, 5, "loading into the engines dominates")])
+def test_a_weight_update_pause_is_split_by_phase_and_the_hint_names_the_dominant_one(
+        wire: float, load: float, dominant: str) -> None:
+    spans = [span("rollout-0", "rollout", "generate", 0, 1),
+             span("rollout-0", "rollout", "weight_sync", 1, 2),
+             span("rollout-0", "rollout", "weight_wire", 2, 2 + wire),
+             span("rollout-0", "rollout", "weight_load", 2 + wire, 2 + wire + load)]
+    (item,) = breakdown(spans, 0, 2 + wire + load)
+    assert item.idle_by_cause["weight_wire"] == pytest.approx(wire)
+    assert item.idle_by_cause["weight_load"] == pytest.approx(load)
+    text = hint(item)
+    total = 1 + wire + load
+    assert f"{100 * 1 / total:.0f}% waiting on the broadcast" in text
+    assert f"{100 * wire / total:.0f}% on the wire" in text
+    assert f"{100 * load / total:.0f}% loading into the engines" in text
+    assert dominant in text
+
+
+def test_a_weight_hint_over_no_pause_is_empty() -> None:
+    from async_rl.analysis.idle import weight_hint
+
+    assert weight_hint({}) == weight_hint({"weight_wire": 0.0}) == ""
+
+
 def test_step_windows_follow_the_training_track() -> None:
     controller = [span(TRAINER_TRACK, "controller", "wait_data", 0, 1, version=0),
                   span(TRAINER_TRACK, "controller", "training", 1, 3, version=0),

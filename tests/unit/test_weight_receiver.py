@@ -178,7 +178,9 @@ def test_an_interrupted_transfer_resumes_on_the_old_weights_and_takes_the_next_u
                             "resume", "pause:keep:False", "start_weight_update",
                             "update_weights", "finish:1", "resume"]
     assert weights.version == 1 and weights.updates == 1 and weights.failed is None
-    assert changes == [True, False, True, False]
+    # Paused, resumed, paused again, resumed (phase changes notify too, within a pause).
+    assert [c for i, c in enumerate(changes) if i == 0 or c != changes[i - 1]] == [
+        True, False, True, False]
 
 
 def test_a_transfer_that_fails_otherwise_fails_the_worker() -> None:
@@ -212,3 +214,18 @@ def test_a_cancelled_update_resumes_without_opening_a_session() -> None:
     assert engine.calls == ["pause:keep:False", "resume", "pause:keep:False",
                             "start_weight_update", "update_weights", "finish:1", "resume"]
     assert weights.version == 1 and weights.failed is None
+
+
+def test_the_pause_is_told_apart_by_phase_wire_then_load() -> None:
+    seen: list[tuple[bool, str]] = []
+    made = WeightReceiver(0, WeightsConfig(), clear_cache=False,
+                          on_change=lambda: seen.append((made.updating, made.phase)))
+    engine: Any = FakeEngine()
+
+    async def update() -> None:
+        await made.start(engine, 1, None)
+        await made.receive(engine, {})
+        await made.finish(engine)
+
+    asyncio.run(update())
+    assert seen == [(True, ""), (True, "wire"), (True, ""), (True, "load"), (False, "")]

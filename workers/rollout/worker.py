@@ -202,7 +202,10 @@ class RolloutWorker:
         # generation wins, so "evaluate" is time the engine ran nothing but evaluation.
         version = self._receiver.version
         if self._receiver.updating:
-            self._spans.switch("weight_sync", version)
+            # A version's cost per engine: bytes arriving, then the load (the rest of the
+            # pause, waiting on the group and the trainer's calls, is weight_sync).
+            phase = self._receiver.phase
+            self._spans.switch(f"weight_{phase}" if phase else "weight_sync", version)
         elif len(self._in_flight) > self._evaluating:
             self._spans.switch("generate", version)
         else:

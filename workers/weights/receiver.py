@@ -24,7 +24,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 from buffers.records import BroadcastTiming
 from workers.errors import RolloutWorkerError
@@ -36,6 +36,9 @@ if TYPE_CHECKING:
 INTERRUPTED = "weight transfer interrupted before any weight was loaded"
 """How a backend's receive says it failed leaving the model untouched (the message of
 the error it raises starts with it: it crosses vLLM's process boundary as text)."""
+
+
+Phase = Literal["", "wire", "load"]
 
 
 class StaleVersion(ValueError):
@@ -58,7 +61,7 @@ class WeightReceiver:
                  on_change: Callable[[], None], version: int = 0) -> None:
         """clear_cache: drop the prefix cache at each pause (with prefix caching on: no
         request may reuse prompt KV computed by the old weights). on_change: called
-        whenever ``updating`` or ``version`` changes. version: that of the weights the
+        whenever ``updating``, ``phase`` or ``version`` changes. version: that of the weights the
         engine starts with."""
         self._rank, self._mode, self._clear_cache = rank, weights.update_mode, clear_cache
         self._on_change = on_change
@@ -66,6 +69,9 @@ class WeightReceiver:
         """Policy version of the weights in the engine (the label on its tokens)."""
         self.updating = False
         """The engine is paused for an update (in drain mode: once the drain is done)."""
+        self.phase: Phase = ""
+        """Of the pause: "wire" while the backend receives, "load" while the version goes
+        into the model, "" between (waiting on the group, the trainer's calls)."""
         self.failed: str | None = None
         """Why the engine's weights cannot be trusted any more; None while they can."""
         self.updates = 0
@@ -135,8 +141,11 @@ class WeightReceiver:
             if not self._receiving:
                 self._receiving = True
                 await engine.start_weight_update()
+            self._set_phase("wire")
             await engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            self._set_phase("")
         except Exception as err:
+            self.phase = ""
             if INTERRUPTED in str(err) and self.failed is None:
                 await self._resume_untouched(engine)
                 raise UpdateInterrupted(f"rollout worker {self._rank}: weights v{version} "
@@ -170,10 +179,13 @@ class WeightReceiver:
         version = self._started()
         try:
             # Relabel before resuming: every token sampled after the load carries it.
+            self._set_phase("load")
             await engine.finish_weight_update(weight_version=str(version))
             self.version = version
+            self.phase = ""
             await engine.resume_generation()
         except Exception as err:
+            self.phase = ""
             await self._fail(engine, f"finishing weights v{version}", err)
         resumed = time.perf_counter()
         self._pending = None
@@ -191,6 +203,10 @@ class WeightReceiver:
 
     def _set_updating(self, updating: bool) -> None:
         self.updating = updating
+        self._on_change()
+
+    def _set_phase(self, phase: Phase) -> None:
+        self.phase = phase
         self._on_change()
 
     async def abandon(self, engine: AsyncLLM, reason: str) -> None:
