@@ -1,40 +1,43 @@
-"""Benchmark: weight broadcast of a ~100M-parameter state, the old path against the new,
-in one run, against this machine's memcpy bandwidth.
+"""Benchmark: a weight version delivered to 1, 2 and 4 real vLLM CPU engines, the old
+pairwise path against the collective, side by side in one run, against memcpy.
 
-Builds a random-init Qwen2-architecture model locally (about 100M parameters, float32,
-the project's byte-level tokenizer; nothing is downloaded), starts a real Ray with one
-``TrainerShard`` (core 1) and one ``RolloutWorker`` (core 0, the vLLM CPU build) and
-alternates the two paths, ``--updates`` times each:
+Builds a random-init Qwen2-architecture model locally (``--size``: tiny 0.5M, small 4M
+or 100m parameters, float32, the project's byte-level tokenizer; nothing is downloaded),
+starts a real Ray with as many ``RolloutWorker`` engines as the largest ``--engines``
+(the vLLM CPU build, ``--kv-cache-gib`` each, on cores 0 and 1 in turn) and a sender
+actor on core 1 that plays trainer shard 0 (``workers.weights.sender.WeightSender``,
+what the trainer runs), then, for each engine count N, alternates the two paths
+``--updates`` times each (ABBA):
 
-- new: what a run does (``workers.weights.broadcast.WeightBroadcast``): trainer shard 0 snapshots
-  its parameters, then sends them through vLLM's weight-transfer API over the "gloo"
-  backend (``weights.transport``) in ``--bucket-mb`` buckets; the engine pauses
-  (``--mode``), receives and loads each bucket, relabels, resumes.
-- old: the path the product had before, rebuilt here since the product dropped it:
-  safetensors bytes of the state (trainer) -> Ray object store -> the rollout actor writes
-  them to a file in /dev/shm -> pause -> ``collective_rpc`` with a callable that reads the
-  file and runs the worker's ``reload_weights`` -> relabel -> resume.
+- collective: what a run does now: one broadcast group of the sender and the N engines,
+  one collective per version (``weights.transport`` "gloo": a pipelined chain of
+  ``--bucket-mb`` buckets, each engine forwarding every bucket to the next);
+- pairwise: the path before: one group per engine (a ``WeightSender`` with one member
+  each), the N sends started at once from the sender, as shard 0 did.
 
-Reported per path (medians over the updates): publish (trainer: snapshot or serialise),
-transfer (new: engine paused, bytes moving into the model; old: object store fetch and
-file write, before the pause), load (the rest of the engine's pause), the engine's pause
-per update, and MB/s of the transfer and end to end (publish to resumed), each against
-memcpy: one thread copying a tensor of the state's size (torch), best of 5, and all
-threads for reference. Also the wire alone: the same tensors sent over a gloo pair
-group between two bare processes on the same two cores (``workers.weights.bucket_transfer``,
-no model, nothing loaded), which bounds what the new path's transfer can reach.
+Reported per path and N (medians over the updates): the wire time of a version (from
+the first byte sent until the last engine holds every byte: the sender's span of the
+engines' receive calls), the engines' load time and pause (each engine stands still
+for its receive plus its load), and bytes/s: the bytes delivered (N copies of the
+model) over the wire time and one model over the wire time (what one link carried),
+each against memcpy (one thread copying a tensor of the model's size). The groups are
+rebuilt before every version (the engines join the other path's groups in between);
+that is not in the wire time.
 
-    python bench/weight_broadcast.py [--updates 5] [--bucket-mb 16] [--mode in_flight]
-                                     [--json]
+    python bench/weight_broadcast.py --engines 1,2,4 [--updates 4] [--size small]
+                                     [--bucket-mb 1] [--kv-cache-gib 1] [--json]
+
+The last line reads ``weight_broadcast: collective 4/1 engines R1, pairwise 4/1 engines
+R2`` (wire time with the most engines over that with the fewest, each path).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import statistics
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -42,46 +45,50 @@ from typing import Any
 import msgspec
 from quiet_stdout import stdout_to_stderr
 
-SHAPE = {"hidden_size": 768, "num_layers": 16, "num_heads": 12, "num_kv_heads": 4,
-         "intermediate_size": 2048}
-"""About 100M parameters (the embedding is small: the byte-level vocabulary)."""
+SHAPES = {
+    "tiny": {"hidden_size": 128, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+             "intermediate_size": 512},
+    "small": {"hidden_size": 256, "num_layers": 4, "num_heads": 8, "num_kv_heads": 4,
+              "intermediate_size": 1024},
+    "100m": {"hidden_size": 768, "num_layers": 16, "num_heads": 12, "num_kv_heads": 4,
+             "intermediate_size": 2048},
+}
+"""The tiny and small models' shapes (``async_rl.models.tiny_model``), and a 100M one."""
+PATHS = ("collective", "pairwise")
 
 
 class PathFigures(msgspec.Struct, frozen=True, kw_only=True):
     path: str
-    publish_ms: float
-    transfer_ms: float
+    engines: int
+    wire_ms: float
+    """From the first byte sent until the last engine held every byte (median)."""
     load_ms: float
+    """An engine's load of the version once it holds it (median over engines)."""
     engine_paused_ms: float
-    """The engine sampled nothing for this long per update."""
-    end_to_end_ms: float
-    """From the trainer starting to publish until the engine resumed on the new weights."""
-    transfer_mb_s: float
-    end_to_end_mb_s: float
-    transfer_vs_memcpy: float
-    end_to_end_vs_memcpy: float
+    """An engine's receive plus load: it sampled nothing for this long (median)."""
+    delivered_mb_s: float
+    """N copies of the model over the wire time."""
+    link_mb_s: float
+    """One model over the wire time: what each link carried per second."""
+    delivered_vs_memcpy: float
+    link_vs_memcpy: float
 
 
 class Figures(msgspec.Struct, frozen=True, kw_only=True):
     parameters: int
-    state_mb: float
+    model_mb: float
     bucket_mb: int
-    mode: str
     updates: int
     memcpy_mb_s: float
-    """One thread, a tensor of the state's size."""
-    memcpy_all_threads_mb_s: float
-    wire_mb_s: float
-    """The gloo pair group alone, core 1 to core 0 (median of the updates, after one)."""
     paths: list[PathFigures]
-    pause_minus_transfer_ms: float
-    """New path: engine pause per update minus its transfer time (target <= 20 ms)."""
+    ratios: dict[str, float]
+    """Per path: wire time with the most engines over that with the fewest."""
 
 
-def memcpy_mb_s(num_bytes: int, threads: int) -> float:
+def memcpy_mb_s(num_bytes: int) -> float:
     import torch
 
-    torch.set_num_threads(threads)
+    torch.set_num_threads(1)
     src = torch.ones(num_bytes, dtype=torch.uint8)
     dst = torch.empty_like(src)
     best = float("inf")
@@ -92,256 +99,174 @@ def memcpy_mb_s(num_bytes: int, threads: int) -> float:
     return num_bytes / best / 1e6
 
 
-def build_model(out: Path) -> int:
+def build_model(out: Path, size: str) -> int:
     import torch
     from transformers import Qwen2ForCausalLM
 
     from async_rl.models.tiny_model import build_config, build_tokenizer
 
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(build_config(**SHAPE))
+    model = Qwen2ForCausalLM(build_config(**SHAPES[size]))
     model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
 
 
-# ---------------------------------------------------------------- the wire alone
+class BenchSender:
+    """Trainer shard 0's part, on core 1: the model's parameters as the weights, and the
+    two ways to deliver a version of them."""
+
+    def __init__(self, model_dir: str, engines: list[Any], bucket_mb: int) -> None:
+        import os
+
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from workers.weights.config import WeightsConfig
+        from workers.weights.sender import WeightSender
+
+        os.sched_setaffinity(0, {1})
+        torch.set_num_threads(1)
+        model = AutoModelForCausalLM.from_pretrained(model_dir)
+        self.named = [(n, p.detach()) for n, p in model.named_parameters()]
+        self.engines = engines
+        weights = WeightsConfig(transport="gloo", bucket_mb=bucket_mb, timeout_s=120.0)
+
+        def sender() -> WeightSender:
+            return WeightSender(weights, address="127.0.0.1", device=torch.device("cpu"))
+
+        self.collective = sender()
+        self.pairs = [sender() for _ in engines]
+
+    def deliver(self, path: str, version: int, count: int) -> tuple[float, list[Any]]:
+        """Version ``version`` to the first ``count`` engines: (wire seconds, timings)."""
+        if path == "collective":
+            senders = [(self.collective, list(range(count)))]
+        else:
+            senders = [(self.pairs[rank], [rank]) for rank in range(count)]
+        for sender, ranks in senders:
+            for rank in ranks:  # (re)joining: the groups are built again at the send
+                sender.connect(rank, self.engines[rank])
+            sender.snapshot(version, self.named)
+        deliveries: list[Any] = [None] * len(senders)
+
+        def send(index: int) -> None:
+            sender, ranks = senders[index]
+            deliveries[index] = sender.send(version, ranks)
+
+        threads = [threading.Thread(target=send, args=(i,)) for i in range(len(senders))]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        for sender, _ in senders:
+            sender.release(version)
+        assert all(d is not None and not d.failed for d in deliveries), deliveries
+        timings = [t for d in deliveries for t in d.timings]
+        assert len(timings) == count, timings
+        wire = (max(d.wire_end for d in deliveries) - min(d.wire_start for d in deliveries))
+        return wire, timings
 
 
-def wire_end(rank: int, port: int, specs: list[tuple[list[int], Any]], bucket_bytes: int,
-             repeats: int, seconds: Any) -> None:
-    """One end of the bare transfer, in its own process: rank 0 (the trainer's core 1)
-    sends, rank 1 (the engine's core 0) receives and records each transfer's time."""
-    import torch
-
-    from workers.weights.bucket_transfer import (
-        join_store,
-        pair_group,
-        receive_buckets,
-        send_buckets,
-    )
-
-    os.sched_setaffinity(0, {1 if rank == 0 else 0})
-    torch.set_num_threads(1)
-    group = pair_group(join_store("127.0.0.1", port, 60.0), rank, 60.0)
-    tensors = [torch.ones(shape, dtype=dtype) for shape, dtype in specs] if rank == 0 else []
-    for _ in range(repeats):
-        if rank == 0:
-            send_buckets(group, tensors, bucket_bytes, 60.0)
-            continue
-        began = time.perf_counter()
-        for _ in receive_buckets(group, specs, bucket_bytes, 60.0):
-            pass
-        seconds.put(time.perf_counter() - began)
-
-
-def wire_mb_s(model_dir: Path, bucket_bytes: int, repeats: int) -> float:
-    """Median MB/s of the bare gloo transfer of the model's parameters (first one off)."""
-    import multiprocessing
-
-    from transformers import AutoModelForCausalLM
-
-    from workers.weights.bucket_transfer import host_store
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir)
-    specs = [(list(p.shape), p.dtype) for p in model.parameters()]
-    num_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
-    del model
-    store = host_store("127.0.0.1", 60.0)  # both ends join it as clients
-    spawn = multiprocessing.get_context("spawn")
-    seconds = spawn.Queue()
-    ends = [spawn.Process(target=wire_end, args=(rank, store.port, specs, bucket_bytes,
-                                                 repeats + 1, seconds)) for rank in (0, 1)]
-    for end in ends:
-        end.start()
-    times = [seconds.get(timeout=600) for _ in range(repeats + 1)]
-    for end in ends:
-        end.join()
-    return num_bytes / statistics.median(times[1:]) / 1e6
-
-
-# ---------------------------------------------------------------- the old path
-
-
-def old_publish(shard: Any) -> bytes:
-    """The trainer's end of the old path: safetensors bytes, in checkpoint names."""
-    import safetensors.torch
-
-    state = {name: t.detach().to("cpu").contiguous()
-             for name, t in shard.module.state_dict().items()}
-    if shard.module.config.tie_word_embeddings:
-        state.pop("lm_head.weight", None)  # safetensors refuses aliased tensors
-    return safetensors.torch.save(state)
-
-
-def load_from_file(worker: Any, path: str) -> None:
-    """Runs in vLLM's worker process (collective_rpc with a callable): the old loader."""
-    from safetensors.torch import load_file
-
-    state = load_file(path, device="cpu")
-    worker.reload_weights(weights_iterator=iter(state.items()), is_checkpoint_format=True)
-    model = worker.model_runner.get_model()
-    head = model.lm_head  # tied: re-pack the CPU kernel's copy of the new embedding
-    head.quant_method.process_weights_after_loading(head)
-
-
-def bench_rollout_class() -> type:
-    from buffers.records import BroadcastTiming
-    from workers.rollout.worker import RolloutWorker
-
-    class BenchRolloutWorker(RolloutWorker):
-        """The product's rollout worker plus the old update path (reaches into its
-        engine and version label, as the removed code did from inside)."""
-
-        async def old_update(self, version: int, state: bytes, published_at: float,
-                             mode: str) -> BroadcastTiming:
-            engine = self._ready()
-            path = Path("/dev/shm") / f"async_rl-bench-v{version}.safetensors"
-            try:
-                await asyncio.to_thread(path.write_bytes, state)
-                transfer_s = time.time() - published_at
-                began = time.perf_counter()
-                await engine.engine_core.pause_scheduler_async(
-                    mode="wait" if mode == "drain" else "keep", clear_cache=False)
-                paused = time.perf_counter()
-                await engine.collective_rpc(load_from_file, args=(str(path),))
-                await engine.update_weight_version(str(version))
-                self._receiver.version = version
-                await engine.resume_generation()
-                loaded = time.perf_counter()
-            finally:
-                path.unlink(missing_ok=True)
-            return BroadcastTiming(version=version, rollout_rank=0, publish_s=0.0,
-                                   transfer_s=transfer_s, pause_s=paused - began,
-                                   load_s=loaded - paused)
-
-    return BenchRolloutWorker
-
-
-# ---------------------------------------------------------------- the run
-
-
-async def run(model_dir: Path, updates: int, bucket_mb: int, mode: str
-              ) -> dict[str, list[tuple[float, Any, float]]]:
-    """Per path: (publish_s, BroadcastTiming, end_to_end_s) per update."""
+async def run(model_dir: Path, counts: list[int], updates: int, bucket_mb: int,
+              kv_cache_gib: int) -> dict[tuple[str, int], list[tuple[float, list[Any]]]]:
     import ray
 
     from workers.model_config import ModelConfig
     from workers.rollout.config import RolloutConfig
-    from workers.trainer.config import TrainerConfig
-    from workers.trainer.shard import TrainerShard
-    from workers.weights.broadcast import SEND_GROUP, WeightBroadcast
+    from workers.rollout.worker import RolloutWorker
     from workers.weights.config import WeightsConfig
 
-    weights = WeightsConfig(update_mode=mode, transport="gloo",  # type: ignore[arg-type]
-                            bucket_mb=bucket_mb)
     model = ModelConfig(path=str(model_dir))
-    trainer = ray.remote(concurrency_groups={SEND_GROUP: 1})(TrainerShard).options(
-        num_cpus=1).remote(rank=0, world_size=1, model=model, trainer=TrainerConfig(),
-                           seed=0, weights=weights, cpu_ids=(1,))
-    # collective_rpc with a callable (the old path's loader) needs vLLM's pickle fallback.
-    insecure = {"env_vars": {"VLLM_ALLOW_INSECURE_SERIALIZATION": "1"}}
-    rollout = ray.remote(bench_rollout_class()).options(
-        num_cpus=1, max_concurrency=16, runtime_env=insecure).remote(
-        rank=0, model=model,
-        rollout=RolloutConfig(group_size=2, max_inflight_prompts=1, kv_cache_gib=1),
-        weights=weights, reward_fn=lambda prompt, text: 0.0, cpu_ids=(0,))
-    await asyncio.gather(trainer.setup.remote(), rollout.start.remote())
-    await trainer.connect_rollout.remote(0, rollout)
-    broadcast = WeightBroadcast(trainer, {0: rollout})
-    results: dict[str, list[tuple[float, Any, float]]] = {"old": [], "new": []}
+    engine_cls = ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=16)
+    engines = [engine_cls.remote(
+        rank=rank, model=model, weights=WeightsConfig(transport="gloo"),
+        rollout=RolloutConfig(group_size=2, max_inflight_prompts=1, kv_cache_gib=kv_cache_gib),
+        reward_fn=lambda prompt, text: 0.0, cpu_ids=(rank % 2,), record_spans=False)
+        for rank in range(max(counts))]
+    # One at a time: four engines starting at once on two cores take longer in all.
+    for engine in engines:
+        await engine.start.remote()
+    sender = ray.remote(BenchSender).options(num_cpus=0).remote(
+        str(model_dir), engines, bucket_mb)
+    results: dict[tuple[str, int], list[tuple[float, list[Any]]]] = {}
     version = 0
-    for _ in range(updates):  # alternating, so drift on a shared machine hits both
-        version += 1
-        began = time.perf_counter()
-        ref = trainer.__ray_call__.remote(old_publish)
-        await asyncio.to_thread(ray.wait, [ref], fetch_local=False)
-        publish_s = time.perf_counter() - began
-        timing = await rollout.old_update.remote(version, ref, time.time(), mode)
-        results["old"].append((publish_s, timing, time.perf_counter() - began))
-        del ref
-
-        version += 1
-        began = time.perf_counter()
-        published = await broadcast.publish(version)
-        (timing,), failed = await broadcast.deliver(published)
-        assert not failed
-        results["new"].append((published.publish_s, timing, time.perf_counter() - began))
-    await rollout.shutdown.remote()
-    await trainer.shutdown.remote()
+    for count in counts:
+        for update in range(updates):  # ABBA: drift on a shared machine hits both
+            for path in PATHS if update % 2 == 0 else PATHS[::-1]:
+                version += 1
+                results.setdefault((path, count), []).append(
+                    await sender.deliver.remote(path, version, count))
+    for engine in engines:
+        await engine.shutdown.remote()
     return results
 
 
-def summarise(path: str, rows: list[tuple[float, Any, float]], num_bytes: int,
+def summarise(path: str, count: int, rows: list[tuple[float, list[Any]]], num_bytes: int,
               memcpy: float) -> PathFigures:
-    def median_ms(values: list[float]) -> float:
-        return statistics.median(values) * 1e3
-
-    publish = median_ms([p for p, _, _ in rows])
-    transfer = median_ms([t.transfer_s for _, t, _ in rows])
-    load = median_ms([t.load_s for _, t, _ in rows])
-    # New path: the pause spans transfer and load; old: only the load from the file.
-    paused = median_ms([(t.transfer_s if path == "new" else 0.0) + t.load_s
-                        for _, t, _ in rows])
-    end_to_end = median_ms([e for _, _, e in rows])
+    wire = statistics.median(w for w, _ in rows)
+    timings = [t for _, ts in rows for t in ts]
+    load = statistics.median(t.load_s for t in timings)
+    paused = statistics.median(t.transfer_s + t.load_s for t in timings)
     mb = num_bytes / 1e6
     return PathFigures(
-        path=path, publish_ms=publish, transfer_ms=transfer, load_ms=load,
-        engine_paused_ms=paused, end_to_end_ms=end_to_end,
-        transfer_mb_s=mb / (transfer / 1e3), end_to_end_mb_s=mb / (end_to_end / 1e3),
-        transfer_vs_memcpy=mb / (transfer / 1e3) / memcpy,
-        end_to_end_vs_memcpy=mb / (end_to_end / 1e3) / memcpy)
+        path=path, engines=count, wire_ms=wire * 1e3, load_ms=load * 1e3,
+        engine_paused_ms=paused * 1e3, delivered_mb_s=count * mb / wire,
+        link_mb_s=mb / wire, delivered_vs_memcpy=count * mb / wire / memcpy,
+        link_vs_memcpy=mb / wire / memcpy)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--updates", type=int, default=5, help="updates per path")
-    parser.add_argument("--bucket-mb", type=int, default=16, help="weights.bucket_mb")
-    parser.add_argument("--mode", choices=("in_flight", "drain"), default="in_flight")
-    parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
+    parser.add_argument("--engines", default="1,2,4",
+                        help="engine counts, comma-separated (the ratio: last over first)")
+    parser.add_argument("--updates", type=int, default=4, help="versions per path and count")
+    parser.add_argument("--size", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--bucket-mb", type=int, default=1, help="weights.bucket_mb")
+    parser.add_argument("--kv-cache-gib", type=int, default=1, help="each engine's KV cache")
+    parser.add_argument("--json", action="store_true", help="one JSON object, then the line")
     args = parser.parse_args()
+    counts = sorted({int(c) for c in args.engines.split(",")})
+    if counts[0] < 1:
+        parser.error("--engines: counts of at least 1")
 
     import ray
 
     with stdout_to_stderr(args.json), \
             tempfile.TemporaryDirectory(prefix="async-rl-bench-") as root:
         model_dir = Path(root) / "model"
-        parameters = build_model(model_dir)
+        parameters = build_model(model_dir, args.size)
         num_bytes = parameters * 4  # float32
-        memcpy = memcpy_mb_s(num_bytes, threads=1)
-        memcpy_all = memcpy_mb_s(num_bytes, threads=os.cpu_count() or 1)
-        wire = wire_mb_s(model_dir, args.bucket_mb << 20, args.updates)
-        # A Ray of its own (not one another process runs); this script's functions
-        # travel to the actors by value (it is __main__).
-        ray.init(address="local", num_cpus=2, include_dashboard=False,
-                 object_store_memory=4 * num_bytes)
+        memcpy = memcpy_mb_s(num_bytes)
+        # A Ray of its own; this script's classes travel to the actors by value.
+        ray.init(address="local", num_cpus=2, include_dashboard=False)
         try:
-            results = asyncio.run(run(model_dir, args.updates, args.bucket_mb, args.mode))
+            results = asyncio.run(run(model_dir, counts, args.updates, args.bucket_mb,
+                                      args.kv_cache_gib))
         finally:
             ray.shutdown()
-    paths = [summarise(path, rows, num_bytes, memcpy) for path, rows in results.items()]
-    new = paths[1]
-    figures = Figures(parameters=parameters, state_mb=num_bytes / 1e6,
-                      bucket_mb=args.bucket_mb, mode=args.mode, updates=args.updates,
-                      memcpy_mb_s=memcpy, memcpy_all_threads_mb_s=memcpy_all,
-                      wire_mb_s=wire, paths=paths,
-                      pause_minus_transfer_ms=new.engine_paused_ms - new.transfer_ms)
+    paths = [summarise(path, count, results[path, count], num_bytes, memcpy)
+             for count in counts for path in PATHS]
+    wire = {(p.path, p.engines): p.wire_ms for p in paths}
+    ratios = {path: wire[path, counts[-1]] / wire[path, counts[0]] for path in PATHS}
+    figures = Figures(parameters=parameters, model_mb=num_bytes / 1e6,
+                      bucket_mb=args.bucket_mb, updates=args.updates, memcpy_mb_s=memcpy,
+                      paths=paths, ratios=ratios)
     if args.json:
         print(msgspec.json.encode(figures).decode())
-        return
-    print(f"{parameters / 1e6:.1f}M parameters, {num_bytes / 1e6:.0f} MB float32; "
-          f"memcpy {memcpy:.0f} MB/s (1 thread), {memcpy_all:.0f} MB/s (all threads); "
-          f"{args.updates} updates per path, {args.mode}, {args.bucket_mb} MiB buckets")
-    print(f"wire alone (gloo pair, core 1 -> core 0, nothing loaded): {wire:.0f} MB/s, "
-          f"{wire / memcpy:.2f}x memcpy")
-    for p in paths:
-        print(f"{p.path:>4}: publish {p.publish_ms:.0f} ms, transfer {p.transfer_ms:.0f} ms "
-              f"({p.transfer_mb_s:.0f} MB/s, {p.transfer_vs_memcpy:.2f}x memcpy), load "
-              f"{p.load_ms:.0f} ms; engine paused {p.engine_paused_ms:.0f} ms; end to end "
-              f"{p.end_to_end_ms:.0f} ms ({p.end_to_end_mb_s:.0f} MB/s, "
-              f"{p.end_to_end_vs_memcpy:.2f}x memcpy)")
-    print(f"new path: engine pause - transfer = {figures.pause_minus_transfer_ms:.1f} ms "
-          "per update (target <= 20 ms)")
+    else:
+        print(f"{parameters / 1e6:.2f}M parameters, {num_bytes / 1e6:.1f} MB float32, "
+              f"{args.bucket_mb} MiB buckets; memcpy {memcpy:.0f} MB/s (1 thread); "
+              f"{args.updates} versions per path and engine count (ABBA)")
+        print("path        engines  wire ms  load ms  paused ms  delivered MB/s (x memcpy)"
+              "  per link MB/s (x memcpy)")
+        for p in paths:
+            print(f"{p.path:<11} {p.engines:>7} {p.wire_ms:>8.1f} {p.load_ms:>8.1f} "
+                  f"{p.engine_paused_ms:>10.1f} {p.delivered_mb_s:>9.0f} "
+                  f"({p.delivered_vs_memcpy:.3f}) {p.link_mb_s:>13.0f} ({p.link_vs_memcpy:.3f})")
+    print(f"weight_broadcast: collective {counts[-1]}/{counts[0]} engines "
+          f"{ratios['collective']:.2f}, pairwise {counts[-1]}/{counts[0]} engines "
+          f"{ratios['pairwise']:.2f}")
 
 
 if __name__ == "__main__":

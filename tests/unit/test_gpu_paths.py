@@ -203,7 +203,8 @@ def test_an_nccl_send_that_hangs_fails_at_its_deadline() -> None:
                           address="127.0.0.1", device=torch.device("cpu"))
     sender.connect(0, actor)
     client = GroupClient([(0, actor)], 0.2, sender_bounds_transfer=False)
-    sender._group = _Group(client, engine, [actor])  # type: ignore[arg-type]
+    sender._group = _Group(client, engine)  # type: ignore[arg-type]
+    sender._rebuild = False  # as if built at an earlier send
     sender.snapshot(1, [("w", torch.zeros(2))])
     began = time.monotonic()
     delivery = sender.send(1, [0])

@@ -6,6 +6,7 @@ its old version)."""
 from __future__ import annotations
 
 import asyncio
+import time
 from types import SimpleNamespace
 from typing import Any, Literal
 
@@ -29,6 +30,7 @@ class FakeEngine:
         """failure: the message of the error ``fail_on`` raises."""
         self.calls: list[str] = []
         self.fail_on, self.failure = fail_on, failure
+        self.errored = False
         self.drain = drain
         self.engine_core = SimpleNamespace(pause_scheduler_async=self._pause)
         self.renderer = SimpleNamespace(clear_mm_cache_async=self._record("clear_mm_cache"))
@@ -229,3 +231,26 @@ def test_the_pause_is_told_apart_by_phase_wire_then_load() -> None:
 
     asyncio.run(update())
     assert seen == [(True, ""), (True, "wire"), (True, ""), (True, "load"), (False, "")]
+
+
+def test_a_transfer_into_an_engine_that_died_fails_at_once_not_at_the_deadline() -> None:
+    weights, _ = receiver()
+    engine: Any = FakeEngine()
+    hang = asyncio.Event()
+
+    async def update_weights(*args: Any) -> None:
+        engine.calls.append("update_weights")
+        engine.errored = True  # the engine process is gone: this call never returns
+        await hang.wait()
+
+    engine.update_weights = update_weights
+
+    async def update() -> float:
+        await weights.start(engine, 1, None)
+        began = time.monotonic()
+        with pytest.raises(RolloutWorkerError, match="engine process died"):
+            await weights.receive(engine, {})
+        return time.monotonic() - began
+
+    assert asyncio.run(update()) < 5
+    assert weights.failed is not None and weights.version == 0

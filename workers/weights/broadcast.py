@@ -40,11 +40,16 @@ class Delivery(msgspec.Struct, frozen=True, kw_only=True):
     """Rollout workers lost (dead, stuck, or no longer trusted): the controller retires
     them. A member in neither list kept its old weights, whole, and takes the next
     version."""
-    wire_s: float
+    wire_start: float
+    wire_end: float
     """From the first byte sent until the last worker held every byte, on the shard's
-    clock (the last attempt that moved bytes)."""
+    ``time.time()`` (the last attempt that moved bytes; 0 when none did)."""
     attempts: int
     """Broadcasts it took: 1, or more when a lost member interrupted the others."""
+
+    @property
+    def wire_s(self) -> float:
+        return self.wire_end - self.wire_start
 
 
 class Published(msgspec.Struct, frozen=True, kw_only=True):
@@ -89,7 +94,8 @@ class WeightBroadcast:
             delivery: Delivery = await send.remote(published.version, list(ranks))
         except Exception as err:  # the shard's own failure: nothing can be trusted
             log.warning("weights v%d: the send failed: %r", published.version, err)
-            delivery = Delivery(timings=[], failed=list(ranks), wire_s=0.0, attempts=0)
+            delivery = Delivery(timings=[], failed=list(ranks), wire_start=0.0,
+                                wire_end=0.0, attempts=0)
         release = self.source_shard.release_weights.options(concurrency_group=SEND_GROUP)
         await release.remote(published.version)
         timings = [msgspec.structs.replace(t, publish_s=published.publish_s)

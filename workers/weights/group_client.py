@@ -67,9 +67,9 @@ class GroupClient:
         self.stale: set[int] = set()
         self.received: list[int] = []
         """Members that hold every byte of the version (not yet loaded)."""
-        self.wire_s = 0.0
+        self.wire = (0.0, 0.0)
         """From the first byte sent until the last member held every byte (and had
-        passed it on): the update call's span on the trainer's clock."""
+        passed it on): the update call's span, on this process's ``time.time()``."""
 
     @property
     def ranks(self) -> list[int]:
@@ -79,7 +79,7 @@ class GroupClient:
         self.version, self.mode = version, mode
         self.timings, self.lost, self.received = {}, {}, []
         self.interrupted, self.stale = set(), set()
-        self.wire_s = 0.0
+        self.wire = (0.0, 0.0)
 
     # ---- the VLLMWeightSyncClient calls ----------------------------------------------
 
@@ -119,13 +119,13 @@ class GroupClient:
         raise GroupFailed(f"pausing for weights v{self.version}: {self._describe()}")
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        began = time.monotonic()
+        began = time.time()
         self._transfer_deadline = (float("inf") if self._sender_bounds
-                                   else began + self._timeout_s + GRACE_S)
+                                   else time.monotonic() + self._timeout_s + GRACE_S)
         calls = {rank: actor.update_weights.remote(update_info)
                  for rank, actor in self.members}
         answers = self._wait(calls, lambda: self._transfer_deadline)
-        self.wire_s = time.monotonic() - began
+        self.wire = (began, time.time())
         for rank, answer in answers.items():
             if not isinstance(answer, BaseException):
                 self.received.append(rank)

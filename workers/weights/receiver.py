@@ -21,9 +21,10 @@ methods, so importing this module stays cheap.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
 from buffers.records import BroadcastTiming
@@ -39,6 +40,24 @@ the error it raises starts with it: it crosses vLLM's process boundary as text).
 
 
 Phase = Literal["", "wire", "load"]
+
+
+DEAD_POLL_S = 0.5
+"""How often a transfer or load looks whether the engine died under it."""
+
+
+async def _unless_dead(engine: AsyncLLM, call: Awaitable[None]) -> None:
+    """Awaits ``call``, failing as soon as the engine is found dead: vLLM's calls into a
+    dead engine process may never return, and the broadcast's other members wait on this
+    worker's answer to be told apart from it."""
+    task = asyncio.ensure_future(call)
+    try:
+        while not (await asyncio.wait({task}, timeout=DEAD_POLL_S))[0]:
+            if engine.errored:
+                raise RuntimeError("the vLLM engine process died")
+        task.result()
+    finally:
+        task.cancel()
 
 
 class StaleVersion(ValueError):
@@ -142,7 +161,8 @@ class WeightReceiver:
                 self._receiving = True
                 await engine.start_weight_update()
             self._set_phase("wire")
-            await engine.update_weights(WeightTransferUpdateRequest(update_info=update_info))
+            await _unless_dead(engine, engine.update_weights(
+                WeightTransferUpdateRequest(update_info=update_info)))
             self._set_phase("")
         except Exception as err:
             self.phase = ""
@@ -180,7 +200,7 @@ class WeightReceiver:
         try:
             # Relabel before resuming: every token sampled after the load carries it.
             self._set_phase("load")
-            await engine.finish_weight_update(weight_version=str(version))
+            await _unless_dead(engine, engine.finish_weight_update(weight_version=str(version)))
             self.version = version
             self.phase = ""
             await engine.resume_generation()

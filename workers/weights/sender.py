@@ -72,8 +72,6 @@ class SnapshotSource(WeightSource):
 class _Group:
     client: GroupClient
     engine: TrainerWeightTransferEngine[Any]
-    actors: list[Any]
-    """The member actors it was built with (a replaced worker is a new actor)."""
 
 
 class WeightSender:
@@ -99,13 +97,15 @@ class WeightSender:
         self._lock = threading.Lock()  # snapshot and connect run beside sends
         self._members: dict[int, Any] = {}
         self._group: _Group | None = None
+        self._rebuild = False  # a member (re)connected since the group was built
         self._source = SnapshotSource()
 
     def connect(self, rank: int, actor: Any) -> None:
-        """Makes rollout worker ``rank`` (a new actor, if it replaces one) a member: it
-        joins the group at the next send."""
+        """Makes rollout worker ``rank`` (a new actor, if it replaces one) a member: the
+        group is built again at the next send, with it."""
         with self._lock:
             self._members[rank] = actor
+            self._rebuild = True
 
     def disconnect(self, rank: int) -> None:
         with self._lock:
@@ -140,33 +140,36 @@ class WeightSender:
         with self._lock:
             self._source.snapshot = self._snapshots[version]
             members = dict(self._members)
+            if self._rebuild:
+                self._rebuild = False
+                self._drop_group()
         failed = [rank for rank in ranks if rank not in members]  # never connected
         todo = sorted(rank for rank in ranks if rank in members)
         timings: list[BroadcastTiming] = []
-        wire_s, attempts = 0.0, 0
+        wire: tuple[float, float] = (0.0, 0.0)
+        attempts = 0
         try:
             while todo and attempts < MAX_ATTEMPTS:
                 attempts += 1
                 client = self._attempt(version, [(r, members[r]) for r in todo], mode)
                 timings.extend(client.timings.values())
                 failed.extend(client.lost)
-                wire_s = client.wire_s or wire_s
+                wire = client.wire if client.wire[1] else wire
                 if not client.lost and not client.stale:
                     break  # done, or nothing found out: a retry would meet the same
                 todo = sorted(client.interrupted)
         finally:
             self._source.snapshot = ()
         return Delivery(timings=sorted(timings, key=lambda t: t.rollout_rank),
-                        failed=sorted(failed), wire_s=wire_s, attempts=attempts)
+                        failed=sorted(failed), wire_start=wire[0], wire_end=wire[1],
+                        attempts=attempts)
 
     def _attempt(self, version: int, members: list[tuple[int, Any]],
                  mode: UpdateMode | None) -> GroupClient:
         """One broadcast to ``members`` (the group rebuilt first if they changed); the
         client's account of each member."""
         group = self._group
-        if group is None or group.client.members != members or any(
-                a is not b for a, b in zip(group.actors, [a for _, a in members],
-                                           strict=True)):
+        if group is None or group.client.members != members:
             self._drop_group()
             client = GroupClient(members, self._weights.timeout_s,
                                  sender_bounds_transfer=self._weights.transport == "gloo")
@@ -178,7 +181,7 @@ class WeightSender:
                 log.warning("weight group of %s not built: %s", client.ranks, err)
                 client.abandon_lost()
                 return client
-            group = self._group = _Group(client, engine, [a for _, a in members])
+            group = self._group = _Group(client, engine)
         client = group.client
         client.prepare(version, mode)
         try:
