@@ -22,9 +22,11 @@ for its receive plus its load), and bytes/s: the bytes delivered (N copies of th
 model) over the wire time and one model over the wire time (what one link carried),
 each against memcpy (one thread copying a tensor of the model's size). The groups are
 rebuilt before every version (the engines join the other path's groups in between);
-that is not in the wire time.
+that is not in the wire time. Also the collective's wire alone: the same broadcast
+between bare processes on the same cores (``workers.weights.bucket_transfer``, no
+engine, nothing loaded).
 
-    python bench/weight_broadcast.py --engines 1,2,4 [--updates 4] [--size small]
+    python bench/weight_broadcast.py --engines 1,2,4 [--updates 4] [--size tiny]
                                      [--bucket-mb 1] [--kv-cache-gib 1] [--json]
 
 The last line reads ``weight_broadcast: collective 4/1 engines R1, pairwise 4/1 engines
@@ -83,6 +85,8 @@ class Figures(msgspec.Struct, frozen=True, kw_only=True):
     paths: list[PathFigures]
     ratios: dict[str, float]
     """Per path: wire time with the most engines over that with the fewest."""
+    bare_wire_ms: dict[int, float]
+    """The collective's wire alone, per engine count: bare processes, no engine."""
 
 
 def memcpy_mb_s(num_bytes: int) -> float:
@@ -110,6 +114,68 @@ def build_model(out: Path, size: str) -> int:
     model.save_pretrained(out)
     build_tokenizer().save_pretrained(out)
     return sum(p.numel() for p in model.parameters())
+
+
+# ---------------------------------------------------------------- the wire alone
+
+
+def bare_end(rank: int, size: int, port: int, num_bytes: int, bucket_bytes: int,
+             repeats: int, times: Any) -> None:
+    """One member of a bare broadcast, in its own process (rank 0 on core 1, the others
+    on cores 0 and 1 in turn, as the engines): no vLLM, nothing loaded."""
+    import os
+
+    import torch
+
+    from workers.weights.bucket_transfer import (
+        broadcast_group,
+        join_store,
+        receive_buckets,
+        send_buckets,
+    )
+
+    os.sched_setaffinity(0, {1 if rank == 0 else (rank - 1) % 2})
+    torch.set_num_threads(1)
+    group = broadcast_group(join_store("127.0.0.1", port, 60.0), rank, size, 60.0)
+    tensors = [torch.ones(num_bytes // 4)]
+    specs = [((num_bytes // 4,), torch.float32)]
+    for _ in range(repeats):
+        group.barrier().wait()
+        began = time.time()
+        if rank == 0:
+            send_buckets(group, tensors, bucket_bytes, 60.0)
+        else:
+            for _ in receive_buckets(group, specs, bucket_bytes, 60.0):
+                pass
+        times.put((rank, began, time.time()))
+
+
+def bare_wire_ms(count: int, num_bytes: int, bucket_bytes: int, repeats: int) -> float:
+    """Median wire time of the chain broadcast to ``count`` bare receivers (first off)."""
+    import multiprocessing
+
+    from workers.weights.bucket_transfer import host_store
+
+    store = host_store("127.0.0.1", 60.0)  # every member joins it as a client
+    spawn = multiprocessing.get_context("spawn")
+    times = spawn.Queue()
+    ends = [spawn.Process(target=bare_end, args=(rank, count + 1, store.port, num_bytes,
+                                                 bucket_bytes, repeats + 1, times))
+            for rank in range(count + 1)]
+    for end in ends:
+        end.start()
+    rows = [times.get(timeout=300) for _ in range((repeats + 1) * (count + 1))]
+    for end in ends:
+        end.join()
+    runs: dict[int, list[tuple[float, float]]] = {}
+    for rank, began, ended in rows:
+        runs.setdefault(rank, []).append((began, ended))
+    wires = [max(r[k][1] for r in runs.values()) - min(r[k][0] for r in runs.values())
+             for k in range(1, repeats + 1)]
+    return statistics.median(wires) * 1e3
+
+
+# ---------------------------------------------------------------- real engines
 
 
 class BenchSender:
@@ -221,7 +287,7 @@ def main() -> None:
     parser.add_argument("--engines", default="1,2,4",
                         help="engine counts, comma-separated (the ratio: last over first)")
     parser.add_argument("--updates", type=int, default=4, help="versions per path and count")
-    parser.add_argument("--size", choices=sorted(SHAPES), default="small")
+    parser.add_argument("--size", choices=sorted(SHAPES), default="tiny")
     parser.add_argument("--bucket-mb", type=int, default=1, help="weights.bucket_mb")
     parser.add_argument("--kv-cache-gib", type=int, default=1, help="each engine's KV cache")
     parser.add_argument("--json", action="store_true", help="one JSON object, then the line")
@@ -238,6 +304,8 @@ def main() -> None:
         parameters = build_model(model_dir, args.size)
         num_bytes = parameters * 4  # float32
         memcpy = memcpy_mb_s(num_bytes)
+        bare = {count: bare_wire_ms(count, num_bytes, args.bucket_mb << 20, args.updates)
+                for count in counts}
         # A Ray of its own; this script's classes travel to the actors by value.
         ray.init(address="local", num_cpus=2, include_dashboard=False)
         try:
@@ -251,7 +319,7 @@ def main() -> None:
     ratios = {path: wire[path, counts[-1]] / wire[path, counts[0]] for path in PATHS}
     figures = Figures(parameters=parameters, model_mb=num_bytes / 1e6,
                       bucket_mb=args.bucket_mb, updates=args.updates, memcpy_mb_s=memcpy,
-                      paths=paths, ratios=ratios)
+                      paths=paths, ratios=ratios, bare_wire_ms=bare)
     if args.json:
         print(msgspec.json.encode(figures).decode())
     else:
@@ -264,6 +332,8 @@ def main() -> None:
             print(f"{p.path:<11} {p.engines:>7} {p.wire_ms:>8.1f} {p.load_ms:>8.1f} "
                   f"{p.engine_paused_ms:>10.1f} {p.delivered_mb_s:>9.0f} "
                   f"({p.delivered_vs_memcpy:.3f}) {p.link_mb_s:>13.0f} ({p.link_vs_memcpy:.3f})")
+        print("collective wire alone (bare processes on the same cores, no engine): "
+              + ", ".join(f"{count} engines {ms:.1f} ms" for count, ms in bare.items()))
     print(f"weight_broadcast: collective {counts[-1]}/{counts[0]} engines "
           f"{ratios['collective']:.2f}, pairwise {counts[-1]}/{counts[0]} engines "
           f"{ratios['pairwise']:.2f}")
