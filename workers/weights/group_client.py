@@ -154,7 +154,7 @@ class GroupClient:
         that broke further down the chain, too): their timings, or lost."""
         actors = dict(self.members)
         calls = {rank: actors[rank].finish_weight_update.remote() for rank in self.received
-                 if rank not in self.timings}
+                 if rank not in self.timings and rank not in self.lost}
         deadline = time.monotonic() + self._timeout_s + GRACE_S
         for rank, answer in self._wait(calls, lambda: deadline).items():
             if isinstance(answer, BroadcastTiming):
