@@ -152,6 +152,7 @@ def test_a_lost_member_is_left_out_and_the_others_take_the_version_again(
     assert took < 3 * TIMEOUT_S + 2 * 5.0 + 10
     # A replacement joins at the next version.
     replacement = ray.remote(Member).options(num_cpus=0, max_concurrency=4).remote(1)
+    ray.get(replacement.pid.remote(), timeout=60)  # started, as a run starts it first
     sender.connect(1, replacement)
     nxt = deliver(sender, 3, [0, 1, 2])
     assert (nxt.failed, nxt.attempts) == ([], 1)
@@ -169,6 +170,7 @@ def test_a_member_already_on_a_newer_version_is_skipped_not_lost(members: list[A
             raise StaleVersion(f"member {self.rank} runs a newer version")
 
     newer = ray.remote(Newer).options(num_cpus=0, max_concurrency=4).remote(1)
+    ray.get(newer.pid.remote(), timeout=60)
     sender.connect(1, newer)
     delivery = deliver(sender, 1, [0, 1, 2])
     assert delivery.failed == [] and delivery.attempts == 2

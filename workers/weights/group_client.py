@@ -31,6 +31,9 @@ member that fails by its own timeout answers just after it, and must not be take
 a stuck one."""
 POLL_S = 0.25
 """How often a wait whose deadline may move (the transfer's) looks at it again."""
+CONNECT_TRIES = 4
+"""Times gloo tries to connect to each peer while a group forms, each within the
+group's timeout: how long a member may take to say the group did not form."""
 
 
 class GroupFailed(RuntimeError):
@@ -87,7 +90,7 @@ class GroupClient:
         calls = {rank: actor.init_weight_transfer.remote(
                      {**init_info, "rank_offset": init_info["rank_offset"] + i})
                  for i, (rank, actor) in enumerate(self.members)}
-        deadline = time.monotonic() + self._timeout_s + GRACE_S
+        deadline = time.monotonic() + CONNECT_TRIES * self._timeout_s + GRACE_S
         answers = self._wait(calls, lambda: deadline)
         for rank, answer in answers.items():
             if isinstance(answer, UpdateInterrupted):  # the group did not form
