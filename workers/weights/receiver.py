@@ -159,7 +159,7 @@ class WeightReceiver:
             # before its transfer then leaves no session open in the engine.
             if not self._receiving:
                 self._receiving = True
-                await engine.start_weight_update()
+                await _unless_dead(engine, engine.start_weight_update())
             self._set_phase("wire")
             await _unless_dead(engine, engine.update_weights(
                 WeightTransferUpdateRequest(update_info=update_info)))
