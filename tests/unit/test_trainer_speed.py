@@ -317,6 +317,30 @@ def test_the_fused_head_equals_full_logits_in_value_and_gradient(rows: int) -> N
     assert empty_lp.shape == empty_entropy.shape == (0,)
 
 
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_the_fused_head_under_bf16_autocast_matches_f_linear(with_bias: bool) -> None:
+    gen = torch.Generator().manual_seed(8)
+    n, hidden, vocab = 9, 32, 130
+    h = torch.randn(n, hidden, generator=gen, requires_grad=True)
+    weight = torch.randn(vocab, hidden, generator=gen, requires_grad=True)
+    bias = torch.randn(vocab, generator=gen, requires_grad=True) if with_bias else None
+    targets = torch.randint(0, vocab, (n,), generator=gen)
+    upstream = torch.randn(n, generator=gen)
+    inputs = (h, weight) if bias is None else (h, weight, bias)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        logprobs, entropy = head_logprobs(h, weight, bias, targets, TEMPERATURE, rows=4)
+        logits = F.linear(h, weight, bias)
+        assert logits.dtype == torch.bfloat16
+        want = completion_logprobs(logits, targets, TEMPERATURE)
+    torch.testing.assert_close(logprobs, want, rtol=0, atol=1e-5)
+    torch.testing.assert_close(entropy, token_entropy(logits, TEMPERATURE), rtol=0, atol=1e-5)
+    got = torch.autograd.grad((logprobs * upstream).sum(), inputs)
+    expected = torch.autograd.grad((want * upstream).sum(), inputs)
+    for a, b in zip(got, expected, strict=True):
+        assert a.dtype == b.dtype == torch.float32
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-2)  # bf16 products
+
+
 def test_chunks_hold_a_fixed_number_of_logits_whatever_the_vocabulary() -> None:
     assert chunk_rows(151_936) == CHUNK_ELEMENTS // 151_936 > 100
     assert chunk_rows(264) * 264 <= CHUNK_ELEMENTS < (chunk_rows(264) + 1) * 264
