@@ -31,6 +31,7 @@ from transformers import Qwen2ForCausalLM
 
 from async_rl.models.tiny_model import build_config
 from buffers.records import TrainSequence
+from workers.model_config import ModelConfig
 from workers.trainer import attention
 from workers.trainer.attention import round_up_pow2, use_packed_attention
 from workers.trainer.config import TrainerConfig
@@ -46,6 +47,7 @@ from workers.trainer.packing import (
     token_entropy,
 )
 from workers.trainer.phase_clock import PhaseClock
+from workers.trainer.shard import TrainerShard
 
 HOST_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.nonzero,
                         torch.Tensor.nonzero, torch.Tensor.__bool__, torch.Tensor.__float__,
@@ -490,3 +492,34 @@ def test_a_one_sequence_micro_batch_and_a_one_token_completion(
         torch.testing.assert_close(logprobs, completion_logprobs(logits, targets, TEMPERATURE),
                                    rtol=0, atol=1e-5)
     assert len(emulated.calls) == 2 * build_config().num_hidden_layers
+
+
+def test_fsdp2_takes_the_fused_head_through_its_root_as_a_plain_shard_does(
+        model_dir: Path) -> None:
+    # The fused head reads the root's (unsharded) head weight after the forward and its
+    # hidden states come back as the forward's output, so FSDP2's root hooks see them.
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    seqs = sequences()
+    batch, tokens = shard_batch([seqs[:2], seqs[2:]])
+    plain = shard(model_dir, packed=True)
+    config = TrainerConfig(backend="fsdp2", max_grad_norm=1e9)
+    sharded = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
+                           trainer=config, seed=0, temperature=TEMPERATURE,
+                           record_spans=False, master_port=port)
+    sharded.setup()
+    try:
+        a, b = plain.train_step(batch, tokens), sharded.train_step(batch, tokens)
+        after = {k: v.clone() for k, v in sharded._state().items()}
+    finally:
+        sharded.shutdown()
+    assert a.loss.tokens == b.loss.tokens == sum(c for _, c in SHAPES)
+    assert b.loss.loss_sum == pytest.approx(a.loss.loss_sum, rel=1e-5, abs=1e-6)
+    assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-5)
+    want = plain.module.state_dict()
+    assert len(after) == len(want) > 0
+    for name, value in after.items():
+        torch.testing.assert_close(value, want[name], atol=1e-6, rtol=1e-5)
