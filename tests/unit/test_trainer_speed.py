@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import collections
 import copy
-import inspect
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
@@ -225,6 +224,8 @@ def test_a_varlen_call_gets_q_k_v_in_autocasts_dtype(
 
 def test_the_kernel_is_picked_by_device_and_dtype_and_the_torch_signature(
         monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.nn.attention.varlen as varlen
+
     cuda = torch.device("cuda", 0)
     assert attention.varlen_kernel(torch.device("cpu"), torch.bfloat16) is None
     assert attention.varlen_kernel(cuda, torch.float32) is None  # flash takes no fp32
@@ -233,64 +234,35 @@ def test_the_kernel_is_picked_by_device_and_dtype_and_the_torch_signature(
                         lambda q, k, v, cu, n, scale: flashed.append(k.shape[1]) or q)
     seen: list[dict[str, Any]] = []
 
-    def newer(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, max_q: int, max_k: int, *,
-              scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
-              enable_gqa: bool = False) -> torch.Tensor:
+    def newer(*args: Any, scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
+              enable_gqa: bool = False, num_splits: int | None = None) -> torch.Tensor:
         seen.append({"window_size": window_size, "enable_gqa": enable_gqa, "scale": scale})
-        return query
+        return args[0]
 
-    def older(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              cu_seq_q: torch.Tensor, cu_seq_k: torch.Tensor, max_q: int, max_k: int, *,
-              is_causal: bool = False, scale: float | None = None) -> torch.Tensor:
+    def older(*args: Any, is_causal: bool = False, scale: float | None = None,
+              return_aux: Any = None) -> torch.Tensor:
         seen.append({"is_causal": is_causal, "scale": scale})
-        return query
-
-    import torch.nn.attention.varlen as varlen
+        return args[0]
 
     q, kv = torch.zeros(5, 4, 8), torch.zeros(5, 2, 8)
     cu = torch.tensor([0, 2, 5], dtype=torch.int32)
-    for fake, gqa_call in ((newer, True), (older, False)):
-        assert inspect.signature(fake).parameters["scale"].default is None
+    for fake in (newer, older):
         monkeypatch.setattr(varlen, "varlen_attn", fake)
-        attention._varlen_attn_call.cache_clear()
+        monkeypatch.setattr(attention, "TORCH_VARLEN", attention._varlen_attn_call())
         kernel = attention.varlen_kernel(cuda, torch.bfloat16)
-        assert kernel is not None
+        assert kernel is not None and kernel is not attention._flash_forward
         kernel(q, q, q, cu, 4, 0.5)  # equal heads: always torch's call
         kernel(q, kv, kv, cu, 4, 0.5)  # grouped-query heads
-        assert len(seen) == (2 if gqa_call else 1)
-        seen.clear()
+    assert seen == [{"window_size": (-1, 0), "enable_gqa": False, "scale": 0.5},
+                    {"window_size": (-1, 0), "enable_gqa": True, "scale": 0.5},
+                    {"is_causal": True, "scale": 0.5}]
     assert flashed == [2]  # the older signature has no enable_gqa: flash takes GQA itself
-    monkeypatch.setattr(varlen, "varlen_attn", lambda *a, **k: None)  # no causal keyword
-    attention._varlen_attn_call.cache_clear()
+    monkeypatch.setattr(varlen, "varlen_attn", lambda *a, scale=None: a[0])  # no causal
+    monkeypatch.setattr(attention, "TORCH_VARLEN", attention._varlen_attn_call())
+    assert attention.TORCH_VARLEN is None
     assert attention.varlen_kernel(cuda, torch.float16) is attention._flash_forward
-    attention._varlen_attn_call.cache_clear()
-
-
-def test_newer_signature_asks_for_causal_windows_and_gqa(monkeypatch: pytest.MonkeyPatch
-                                                          ) -> None:
-    import torch.nn.attention.varlen as varlen
-
-    seen: list[dict[str, Any]] = []
-
-    def newer(*args: Any, scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
-              enable_gqa: bool = False) -> torch.Tensor:
-        seen.append({"window_size": window_size, "enable_gqa": enable_gqa, "scale": scale})
-        return torch.zeros(())
-
-    monkeypatch.setattr(varlen, "varlen_attn", newer)
-    attention._varlen_attn_call.cache_clear()
-    try:
-        call = attention._varlen_attn_call()
-        assert call is not None
-        q, kv = torch.zeros(5, 4, 8), torch.zeros(5, 2, 8)
-        cu = torch.tensor([0, 5], dtype=torch.int32)
-        call(q, q, q, cu, 8, 0.25)
-        call(q, kv, kv, cu, 8, 0.25)
-    finally:
-        attention._varlen_attn_call.cache_clear()
-    assert seen == [{"window_size": (-1, 0), "enable_gqa": False, "scale": 0.25},
-                    {"window_size": (-1, 0), "enable_gqa": True, "scale": 0.25}]
+    monkeypatch.delattr(varlen, "varlen_attn")
+    assert attention._varlen_attn_call() is None  # a torch without it
 
 
 # -- the fused head ---------------------------------------------------------------------
@@ -494,8 +466,9 @@ def test_a_one_sequence_micro_batch_and_a_one_token_completion(
     assert len(emulated.calls) == 2 * build_config().num_hidden_layers
 
 
+@pytest.mark.parametrize("updates", [(2,), (1, 1)])  # (1, 1): a proximal pass first
 def test_fsdp2_takes_the_fused_head_through_its_root_as_a_plain_shard_does(
-        model_dir: Path) -> None:
+        model_dir: Path, updates: tuple[int, ...]) -> None:
     # The fused head reads the root's (unsharded) head weight after the forward and its
     # hidden states come back as the forward's output, so FSDP2's root hooks see them.
     import socket
@@ -504,9 +477,9 @@ def test_fsdp2_takes_the_fused_head_through_its_root_as_a_plain_shard_does(
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     seqs = sequences()
-    batch, tokens = shard_batch([seqs[:2], seqs[2:]])
-    plain = shard(model_dir, packed=True)
-    config = TrainerConfig(backend="fsdp2", max_grad_norm=1e9)
+    batch, tokens = shard_batch([seqs[:2], seqs[2:]], updates)
+    plain = shard(model_dir, packed=True, mini_batches=len(updates))
+    config = TrainerConfig(backend="fsdp2", max_grad_norm=1e9, mini_batches=len(updates))
     sharded = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
                            trainer=config, seed=0, temperature=TEMPERATURE,
                            record_spans=False, master_port=port)

@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from functools import cache
 from typing import Any
 
 import torch
@@ -51,7 +50,6 @@ def _flash_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.
     return out
 
 
-@cache
 def _varlen_attn_call() -> Callable[..., torch.Tensor] | None:
     """torch's public varlen attention with this build's causal and GQA keywords bound;
     None where it is missing or cannot say causal."""
@@ -82,12 +80,17 @@ def _varlen_attn_call() -> Callable[..., torch.Tensor] | None:
     return call
 
 
+TORCH_VARLEN = _varlen_attn_call()
+"""Resolved once, at import: a compiled layer then reads a plain global (inspecting a
+signature inside compiled code would break its graph)."""
+
+
 def varlen_kernel(device: torch.device, dtype: torch.dtype) -> VarlenKernel | None:
     """The one-call-per-layer kernel for tensors of ``dtype`` on ``device``; None means
     the per-sequence loop (CPU, or float32)."""
     if device.type != "cuda" or dtype not in (torch.bfloat16, torch.float16):
         return None
-    return _varlen_attn_call() or _flash_forward
+    return TORCH_VARLEN or _flash_forward
 
 
 def round_up_pow2(n: int) -> int:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -151,16 +152,35 @@ def pack(sequences: Sequence[TrainSequence], device: torch.device | str = "cpu")
     )
 
 
-def _run(model: torch.nn.Module, batch: PackedBatch, keep: torch.Tensor,
-         hidden_states: bool) -> object:
+def _run(model: torch.nn.Module, batch: PackedBatch, keep: torch.Tensor) -> Any:
     return model(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
         use_cache=False,  # a cache would hide the packing from the attention
         logits_to_keep=keep,
-        output_hidden_states=hidden_states,
         **attention_kwargs(batch.cu_seqlens, batch.max_len, batch.lengths),
     )
+
+
+def _final_hidden(model: torch.nn.Module, module: torch.nn.Module, batch: PackedBatch
+                  ) -> torch.Tensor:
+    """``(1, T, hidden)``: the decoder's output (after its final norm) in a forward of
+    ``model`` whose own head runs on no row.
+
+    Taken by a forward hook on the decoder for this one call. Not
+    ``output_hidden_states``: that installs transformers' output-capturing hooks on
+    every attention module for good, and their context-variable read breaks a compiled
+    layer's graph in two."""
+    captured: list[torch.Tensor] = []
+    decoder = module.get_decoder()  # type: ignore[operator]
+    handle = decoder.register_forward_hook(
+        lambda _module, _args, output: captured.append(output.last_hidden_state))
+    try:
+        _run(model, batch, batch.predict_at[:0])
+    finally:
+        handle.remove()
+    (hidden,) = captured
+    return hidden
 
 
 def packed_forward(model: torch.nn.Module, module: torch.nn.Module, batch: PackedBatch,
@@ -171,12 +191,11 @@ def packed_forward(model: torch.nn.Module, module: torch.nn.Module, batch: Packe
     ``model`` runs the forward (DDP-wrapped on several shards); ``module`` is the bare
     model, whose output embedding is the head. The model's own head runs on no row
     (``logits_to_keep`` empty); its final hidden states, gathered at the predicting
-    positions, go through ``head_logprobs`` instead. They come back as the forward's
-    output (``output_hidden_states``), so with FSDP2 the root module's backward hooks
-    see them.
+    positions, go through ``head_logprobs`` instead. With FSDP2 the root's parameters
+    (the head's weight among them) stay unsharded from its forward to the end of
+    backward, and the first layer's backward queues the root's gradient reduction.
     """
-    out = _run(model, batch, batch.predict_at[:0], hidden_states=True)
-    hidden = out.hidden_states[-1][0].index_select(0, batch.predict_at)  # type: ignore[attr-defined]
+    hidden = _final_hidden(model, module, batch)[0].index_select(0, batch.predict_at)
     head = module.get_output_embeddings()  # type: ignore[operator]
     return head_logprobs(hidden, head.weight, head.bias, batch.targets, temperature)
 
@@ -192,8 +211,7 @@ def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
     """``(N, V)`` logits predicting each completion token of a packed micro-batch: the
     full-logits reference ``packed_forward``'s fused head is checked against. The LM head
     runs only on the positions that predict a completion token (``logits_to_keep``)."""
-    logits: torch.Tensor = _run(model, batch, batch.predict_at,  # type: ignore[attr-defined]
-                                hidden_states=False).logits
+    logits: torch.Tensor = _run(model, batch, batch.predict_at).logits
     return logits[0]
 
 
