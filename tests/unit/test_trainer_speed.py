@@ -496,3 +496,32 @@ def test_fsdp2_takes_the_fused_head_through_its_root_as_a_plain_shard_does(
     assert len(after) == len(want) > 0
     for name, value in after.items():
         torch.testing.assert_close(value, want[name], atol=1e-6, rtol=1e-5)
+
+
+def test_compiled_layers_trace_whole_and_train_as_eager_ones(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Dynamo with its eager backend: the tracing (what a graph break would cut) without
+    # inductor's code generation.
+    import functools
+
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="eager"))
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        seqs = sequences()
+        batch, tokens = shard_batch([seqs[:2], seqs[2:]])
+        eager, compiled = shard(model_dir, packed=True), shard(model_dir, packed=True,
+                                                               compile=True)
+        assert compiled.compiled_layers == build_config().num_hidden_layers
+        a, b = eager.train_step(batch, tokens), compiled.train_step(batch, tokens)
+        assert dict(counters["graph_break"]) == {}
+        assert counters["stats"]["unique_graphs"] >= 1
+    finally:
+        torch._dynamo.reset()
+    assert b.loss.tokens == a.loss.tokens > 0
+    assert b.loss.loss_sum == pytest.approx(a.loss.loss_sum, rel=1e-6)
+    assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-6)
+    assert compiled.compiled_layers == 0  # the first step logged its time once
