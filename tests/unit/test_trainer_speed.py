@@ -392,6 +392,7 @@ def test_phase_times_on_cuda_come_from_events_without_a_sync(
     synced: list[Any] = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: synced.append(a))
     recorded: list[float] = []
+    waited: list[float] = []
 
     class Event:
         def __init__(self, enable_timing: bool = False) -> None:
@@ -405,13 +406,20 @@ def test_phase_times_on_cuda_come_from_events_without_a_sync(
         def elapsed_time(self, other: Event) -> float:
             return other.at - self.at
 
+        def synchronize(self) -> None:
+            waited.append(self.at)
+
     monkeypatch.setattr(torch.cuda, "Event", Event)
     clock = PhaseClock(torch.device("cuda", 0))
     for phase in ("forward", "backward", "forward", None, "optimizer"):
         clock.start(phase)
     assert clock.totals() == pytest.approx({"forward": 2e-3, "backward": 1e-3,
                                             "optimizer": 1e-3})
-    assert synced == [] and len(recorded) == 6
+    assert synced == [] and len(recorded) == 6 and waited == [5.0]  # the last event only
+    clock.start("forward")
+    clock.start(None)  # ended before the step's read: totals adds no boundary
+    assert clock.totals() == pytest.approx({"forward": 1e-3})
+    assert len(recorded) == 8 and waited == [5.0, 7.0]
     cpu = PhaseClock(torch.device("cpu"))
     cpu.start("forward")
     times = cpu.totals()

@@ -5,7 +5,9 @@ run asynchronously, so a host clock read at a boundary times the queuing, not th
 synchronising at every boundary (what the trainer did before) stops the host from
 queuing ahead and adds host and device time up. Here a boundary records a CUDA event on
 the stream instead, and ``totals`` reads the events' elapsed times once the step's one
-host read has waited for the stream anyway (every event recorded before it is done).
+host read has waited for the stream anyway (the phases end with ``start(None)`` before
+that read, so every event is done by then: waiting on the last one costs nothing, and
+``torch.cuda.set_sync_debug_mode`` does not count event waits).
 """
 
 from __future__ import annotations
@@ -37,9 +39,13 @@ class PhaseClock:
         self._marks.append((phase, self._mark()))
 
     def totals(self) -> dict[str, float]:
-        """Seconds per phase since the clock was made, the running phase ended now. On
-        CUDA, call after a host read that waited for the stream (the events are done)."""
-        self.start(None)
+        """Seconds per phase since the clock was made; a phase still running ends now.
+        On CUDA, call after a host read that waited for the stream."""
+        if not self._marks or self._marks[-1][0] is not None:
+            self.start(None)
+        last = self._marks[-1][1]
+        if isinstance(last, torch.cuda.Event):
+            last.synchronize()  # elapsed_time refuses an event not yet reached
         out: dict[str, float] = defaultdict(float)
         for (phase, began), (_, ended) in itertools.pairwise(self._marks):
             if phase is None:

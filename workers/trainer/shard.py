@@ -202,8 +202,9 @@ class TrainerShard:
                     break  # the rest of the step would build on a diverged update
             if not math.isfinite(norms_seen[-1]):
                 break
+        clock.start(None)  # the phases end before the read below waits for the device
         loss = read_stats(parts)  # the step's one read of its statistics
-        times = clock.totals()  # after that read: every CUDA event has completed
+        times = clock.totals()
         if self.compiled_layers:
             log.info("trainer shard %d: step %d took %.1f s (%d compiled decoder layers; "
                      "the first step includes compiling them)", self.rank, batch.step,
