@@ -106,6 +106,8 @@ class TrainerShard:
                  else "cpu:" + ",".join(map(str, cpu_ids)))
         self.spans = SpanRecorder(worker=f"trainer-{rank}", role="trainer", rank=rank,
                                   device=label, enabled=record_spans)
+        """Phase spans on the host's clock: on CUDA the kernels run behind them (the
+        step's phase times are the device's, from ``PhaseClock``'s events)."""
         self.compiled_layers = 0
         """Decoder layers ``trainer.compile`` compiled; the first step logs its time."""
 
