@@ -67,7 +67,10 @@ class Normaliser(msgspec.Struct, frozen=True, kw_only=True):
         if self.agg == "token_mean":
             return per_token.sum() / max(self.tokens, 1)
         if self.agg == "seq_mean_token_mean":
-            counts = torch.tensor(lengths, dtype=torch.long, device=per_token.device)
+            counts = torch.tensor(lengths, dtype=torch.long)
+            if per_token.device.type == "cuda":  # a pageable copy would wait for the device
+                counts = counts.pin_memory()
+            counts = counts.to(per_token.device, non_blocking=True)
             per_sequence = 1.0 / counts.clamp(min=1).to(per_token.dtype)
             # output_size: without it repeat_interleave reads the total back from the device.
             per_token = per_token * torch.repeat_interleave(per_sequence, counts,
