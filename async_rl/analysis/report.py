@@ -66,9 +66,7 @@ command's --set values show up as config differences)."""
 
 
 def read_spans(run_dir: str | Path) -> list[Span]:
-    decoder = msgspec.json.Decoder(Span)
-    lines = (Path(run_dir) / SPANS).read_bytes().splitlines()
-    return [decoder.decode(line) for line in lines if line]
+    return msgspec.json.Decoder(Span).decode_lines((Path(run_dir) / SPANS).read_bytes())
 
 
 class StepIdle(msgspec.Struct, frozen=True, kw_only=True):
