@@ -197,3 +197,24 @@ def test_uneven_groups_per_shard_are_planned_and_trained(tmp_path: Path) -> None
         assert row["groups"] == 5
         assert len(row["shards"]) == 3
         assert all(shard["tokens"] > 0 for shard in row["shards"])
+
+
+def test_the_held_out_setups_are_stated_as_published(tmp_path: Path) -> None:
+    from script_modules import load_script
+
+    bench = load_script("bench/sim_published_unseen.py", "sim_published_unseen")
+    assert len(bench.COMPARISONS) >= 4
+    assert len({on.model.name for on, _ in bench.COMPARISONS}) == len(bench.COMPARISONS)
+    for on, off in bench.COMPARISONS:
+        for run in (on, off):
+            cfg = run.config(tmp_path / "run", 4)
+            hardware = simulation_costs(cfg).hardware
+            generating = cfg.rollout.num_workers * hardware.devices_per_rollout_worker
+            training = cfg.trainer.num_shards * hardware.devices_per_trainer_shard
+            # On-policy: both roles on every GPU, in turns; 1-step off: half each.
+            assert generating == training == (run.gpus // 2 if run.off_policy else run.gpus)
+            assert cfg.run.colocate == (False if run.off_policy else "time")
+            assert cfg.staleness.max_staleness == int(run.off_policy)
+            assert cfg.trainer.groups_per_step * run.samples // cfg.trainer.mini_batches == 512
+    on, off = bench.COMPARISONS[0]
+    assert bench.step_seconds(on, 3) > 0 and bench.step_seconds(off, 3) > 0
