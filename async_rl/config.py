@@ -325,7 +325,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                            "needs run.colocate = true, rollout.num_workers = 1 and "
                            "trainer.num_shards = 1 (CUDA IPC shares the trainer's own GPU "
                            'with one engine); use "nccl" otherwise')
-        if self.weights.transport == "nccl" and self.run.colocate:
+        if self.weights.transport == "nccl" and self.run.colocate is True:
             raise invalid("weights.transport", self.weights.transport,
                           "not with run.colocate = true: rollout worker i and trainer shard "
                           "i share one GPU, and NCCL refuses two ranks on one GPU "

@@ -186,6 +186,17 @@ def test_time_shared_roles_must_span_the_same_devices_and_train_refuses_it(
                     hardware_overrides={"devices_per_trainer_shard": 2}))
     with pytest.raises(ConfigError, match="only async-rl simulate"):
         train(config(tmp_path / "c", colocate="time"))
+    # The turns need no transport between the roles: any weights.transport states it.
+    nccl = config(tmp_path / "d", colocate="time")
+    assert load_config(_written(tmp_path, nccl), ["weights.transport=nccl"]).run.colocate == "time"
+
+
+def _written(tmp_path: Path, cfg: Config) -> Path:
+    from async_rl.config_io import to_toml
+
+    path = tmp_path / "written.toml"
+    path.write_text(to_toml(cfg))
+    return path
 
 
 def test_uneven_groups_per_shard_are_planned_and_trained(tmp_path: Path) -> None:
