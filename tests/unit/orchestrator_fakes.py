@@ -256,13 +256,15 @@ def ledger(path: Path) -> dict[str, list[dict[str, object]]]:
 
 
 def trained_once_or_unfinished(events: dict[str, list[dict[str, object]]]) -> Counter[str]:
-    """Every prompt's last event is trained, unfinished or a drop as filtered (final:
-    rollout.filter_groups), and none is trained twice."""
+    """Every prompt's last event is trained, unfinished or a final drop (as filtered,
+    rollout.filter_groups, or past run.max_readmissions), and none is trained twice."""
     assert events
     for prompt_id, history in events.items():
         kinds = [e["event"] for e in history]
         assert kinds.count("trained") <= 1, prompt_id
         last = history[-1]
         assert (last["event"] in ("trained", "unfinished")
-                or (last["event"], last["reason"]) == ("dropped", "filtered")), (prompt_id, kinds)
+                or (last["event"], last["reason"]) in (("dropped", "filtered"),
+                                                       ("dropped", "readmissions_exhausted"))
+                ), (prompt_id, kinds)
     return Counter(str(e["event"]) for h in events.values() for e in h)

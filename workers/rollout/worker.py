@@ -355,7 +355,7 @@ class RolloutWorker:
             raise ValueError("evaluate needs at least one prompt")
         began, version = time.perf_counter(), self._receiver.version
         samples = await self.generate_greedy(prompts)
-        scored = [s for s in samples if s.versions]  # an empty completion has no version
+        scored = [s for s in samples if s.min_version != NO_VERSION]  # none: no policy token
         return EvalResult(
             accuracy=sum(s.reward for s in samples) / len(samples),
             version_min=min((s.min_version for s in scored), default=version),
