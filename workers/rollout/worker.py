@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from buffers.records import (
+    NO_VERSION,
     BroadcastTiming,
     EvalResult,
     Group,
