@@ -86,6 +86,10 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     longest_turn: int = -1
     """Policy tokens of the trajectory's longest turn, what rollout.max_new_tokens caps
     (-1: a single-turn sample, whose whole completion is its one turn)."""
+    messages: tuple[dict[str, str], ...] = ()
+    """A multi-turn trajectory as its parts: each policy turn's text (role "assistant")
+    and each observation (role "tool"), in order, as TRL-style rewards get it; empty for
+    a single-turn sample."""
 
     @property
     def min_version(self) -> int:

@@ -236,10 +236,14 @@ class RewardRunner:
                     completions: Sequence[str],
                     completion_ids: Sequence[Sequence[int]],
                     columns: Mapping[str, Any] | None = None,
-                    data_source: str = "") -> GroupRewards:
+                    data_source: str = "",
+                    completion_turns: Sequence[list[Message]] | None = None
+                    ) -> GroupRewards:
         """Scores one group: sample i is ``prompts[i]`` (one prompt repeated, for GRPO:
         its text, or its chat messages) completed by ``completions[i]`` (text), whose
-        tokens are ``completion_ids[i]``.
+        tokens are ``completion_ids[i]``; ``completion_turns``: multi-turn trajectories
+        as messages (policy turns "assistant", observations "tool"), which TRL-style
+        rewards get instead of the text.
         ``columns``: the row's dataset columns besides the prompt (``answer``, ...);
         ``data_source``: verl's name for rows without a ``data_source`` column."""
         if self._closed:
@@ -252,7 +256,9 @@ class RewardRunner:
             "prompts": list(prompts), "completions": list(completions),
             "completion_ids": [list(ids) for ids in completion_ids],
             "columns": dict(columns or {}), "data_source": data_source}
-        scored = await asyncio.gather(*(self._score_one(r, inputs, n) for r in self._rewards))
+        turns = list(completion_turns) if completion_turns is not None else None
+        scored = await asyncio.gather(*(self._score_one(r, inputs, n, turns)
+                                        for r in self._rewards))
         total = [0.0] * n
         failed = [False] * n
         per_reward: dict[str, float] = {}
@@ -269,12 +275,14 @@ class RewardRunner:
         return GroupRewards(total=tuple(total), per_reward=per_reward, extra=extra,
                             errors=errors, timeouts=timeouts, failed=tuple(failed))
 
-    async def _score_one(self, reward: _Reward, inputs: dict[str, Any], n: int
+    async def _score_one(self, reward: _Reward, inputs: dict[str, Any], n: int,
+                         turns: list[list[Message]] | None = None
                          ) -> tuple[list[float], list[bool], dict[str, list[float]], int, int]:
         """One reward on the group: its per-sample values (0 where lost), which were
         lost, its extra metrics' values, and the errors and timeouts."""
         if reward.style == "trl":
-            calls = [(list(range(n)), self._trl_inputs(inputs))]
+            trl = inputs if turns is None else {**inputs, "completions": turns}
+            calls = [(list(range(n)), self._trl_inputs(trl))]
         else:
             calls = [([i], {**inputs, "prompts": inputs["prompts"][i:i + 1],
                             "completions": inputs["completions"][i:i + 1],

@@ -295,3 +295,47 @@ def test_the_new_keys_are_checked() -> None:
             msgspec.convert({**base, section: {key: value}}, Config)
     with pytest.raises(msgspec.ValidationError, match="on_error"):
         msgspec.convert({**base, "task": {"environment": {"on_error": "zero"}}}, Config)
+
+
+# ---- rewards of multi-turn tasks see the policy's turns apart from the observations -----
+
+class NumberEnv(StepEnv):
+    """Observes a number after each turn (a tool's output a "last number" reward could
+    mistake for the answer)."""
+
+    async def step(self, completion: str) -> Any:
+        import async_rl
+
+        return async_rl.EnvStep("=99", 0.0, False)
+
+
+def test_trl_rewards_get_a_trajectory_as_assistant_and_tool_messages() -> None:
+    from workers.reward_runner import UserRewards
+    from workers.rollout.scoring import Scorer
+
+    samples = play(NumberEnv, [3, 2], max_turns=2)
+    assert len(samples) == 2
+    assert [m["role"] for m in samples[0].messages] == ["assistant", "tool", "assistant"]
+    assert samples[0].messages[1]["content"] == "=99"
+
+    def last_turn_length(completions: list[Any], **kwargs: Any) -> list[float]:
+        return [float(len([m for m in c if m["role"] == "assistant"][-1]["content"]))
+                for c in completions]
+
+    def whole_text(prompt: str, completion: str) -> float:
+        return float("99" in completion)  # the plain-text form: observations included
+
+    scorer = Scorer(lambda prompt, text: 0.0, UserRewards(specs=(
+        async_rl_reward(last_turn_length), async_rl_reward(whole_text)), threads=True))
+    scorer.start()
+    try:
+        scored = asyncio.run(scorer.score_trajectories(PROMPT, samples))
+    finally:
+        scorer.close()
+    assert scored.means == {"last_turn_length": 2.0, "whole_text": 1.0}
+
+
+def async_rl_reward(fn: Any) -> Any:
+    import async_rl
+
+    return async_rl.Reward(fn=fn)

@@ -75,6 +75,8 @@ class Scorer:
             prompts=[reward_prompt(prompt, self._format)] * len(samples),
             completions=[s.text for s in samples],
             completion_ids=[s.token_ids for s in samples],
+            completion_turns=[list(s.messages) for s in samples]
+            if any(s.messages for s in samples) else None,
             columns={**prompt.columns, "answer": prompt.answer},
             data_source=prompt.data_source)
         self.failures += got.errors + got.timeouts
@@ -87,8 +89,10 @@ class Scorer:
     async def score_trajectories(self, prompt: Prompt, samples: Sequence[Sample],
                                  greedy: bool = False) -> Scored:
         """Multi-turn trajectories (``workers.rollout.turns``), each with its environment
-        reward: that alone, or plus the task's own rewards on the final text when there
-        are any (the built-in task reward does not apply). ``greedy``: an evaluation's,
+        reward: that alone, or plus the task's own rewards when there are any (the
+        built-in task reward does not apply). TRL-style rewards get each trajectory as
+        its messages (the policy's turns as role "assistant", observations as "tool"),
+        the other styles its whole text. ``greedy``: an evaluation's,
         scored by task.eval_reward alone when it names one."""
         if self._user is None:
             return Scored(samples=tuple(samples))

@@ -144,6 +144,7 @@ class TurnRunner:
         versions: list[int] = []
         mask: list[int] = []
         reward, outcome, finish, longest = 0.0, MAX_TURNS, "stop", 0
+        messages: list[dict[str, str]] = []  # the parts, as TRL-style rewards get them
         for turn in range(cfg.max_turns):
             room = cfg.max_trajectory_tokens - len(prompt_ids) - len(tokens)
             if room <= 0:
@@ -162,6 +163,7 @@ class TurnRunner:
             versions += out.versions
             mask += [1] * len(out.token_ids)
             longest = max(longest, len(out.token_ids))
+            messages.append({"role": "assistant", "content": out.text})
             # A turn cut at its token budget makes the trajectory's finish "length" (what
             # trainer.overlong masks), whichever turn it was.
             finish = "length" if "length" in (finish, out.finish_reason) else out.finish_reason
@@ -188,6 +190,7 @@ class TurnRunner:
                 outcome = MAX_TOKENS  # no room left to answer it
                 break
             tokens += observed
+            messages.append({"role": "tool", "content": step.observation})
             logprobs += [0.0] * len(observed)
             versions += [NO_VERSION] * len(observed)
             mask += [0] * len(observed)
@@ -197,7 +200,7 @@ class TurnRunner:
                       text=str(self._tokenizer.decode(tokens, skip_special_tokens=True)),
                       reward=reward, loss_mask=tuple(mask), env_outcome=outcome,
                       excluded=EXCLUDED[outcome] if policy == "exclude" else "",
-                      longest_turn=longest)
+                      longest_turn=longest, messages=tuple(messages))
 
     def _failed(self, outcome: str, why: str) -> str:
         policy = self.config.on_timeout if outcome == TIMEOUT else self.config.on_error
