@@ -245,7 +245,9 @@ class Orchestrator:
             if self.config.task.on_reward_failure == "zero":
                 group = with_reward_failures(group)
             self.totals.generated(group)
-            self.prompts.write(prompt, "generated", lengths=group.completion_lengths)
+            # The members' lengths: what ``async-rl simulate --lengths RUN_DIR`` replays.
+            self.prompts.write(prompt, "generated", lengths=tuple(
+                group.completion_lengths[k] for k in group.members))
             env = self.config.task.environment
             if group.env_timeouts and env.on_timeout == "requeue":
                 self._requeue(prompt, "dropped", "env_timeout")  # the group runs again
