@@ -75,7 +75,7 @@ class Scorer:
             prompts=[reward_prompt(prompt, self._format)] * len(samples),
             completions=[s.text for s in samples],
             completion_ids=[s.token_ids for s in samples],
-            columns={**prompt.columns, "answer": prompt.answer},
+            columns={"answer": prompt.answer, **prompt.columns},
             data_source=prompt.data_source)
         self.failures += got.errors + got.timeouts
         return Scored(
