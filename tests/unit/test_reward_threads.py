@@ -15,6 +15,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from workers.reward_callable import Reward
 from workers.reward_guard import CallFailed
 from workers.reward_runner import GroupRewards, RewardRunner
 from workers.reward_threads import PoolSaturated, RewardThreads
@@ -111,3 +112,36 @@ def test_a_call_that_finishes_in_time_leaves_no_thread_stuck(hanging: Hanging) -
         assert results == [1.0, 1.0, 1.0] and threads.stuck == 0
     finally:
         threads.close()
+
+
+def test_saturation_reaches_the_run_summarys_failures(hanging: Hanging) -> None:
+    """Scorer -> Group -> StepTotals: the failure class the summary and console show."""
+    from async_rl.control.step_metrics import StepTotals
+    from async_rl.run.summary import describe_failures
+    from buffers.records import Prompt, Sample, make_group
+    from workers.reward_runner import UserRewards
+    from workers.rollout.scoring import Scorer
+
+    scorer = Scorer(lambda p, c: 0.0, UserRewards(specs=(Reward(fn=hanging),), threads=True,
+                                                  workers=1, timeout_s=TIMEOUT_S))
+    scorer.start()
+    prompt = Prompt(prompt_id="p", text="1+1=", answer="2")
+    totals = StepTotals()
+    try:
+        for texts in (["hang", "ok"], ["ok", "ok"]):
+            samples = [Sample(token_ids=(1,), logprobs=(0.0,), versions=(0,),
+                              finish_reason="stop", text=t) for t in texts]
+            scored = asyncio.run(scorer.score(prompt, samples))
+            totals.generated(make_group(prompt, [5], scored.samples,
+                                        reward_timeouts=scored.timeouts,
+                                        reward_pool_saturated=scored.saturated))
+    finally:
+        hanging.release.set()
+        scorer.close()
+    failures = totals.failures()
+    # "hang" timed out and its thread stuck; the three calls after it were refused.
+    assert failures["reward_timeouts"] == 4 and failures["reward_pool_saturated"] == 3
+    assert "reward_pool_saturated 3" in describe_failures(failures)
+    restored = StepTotals()
+    restored.restore(totals.counters())
+    assert restored.failures()["reward_pool_saturated"] == 3
