@@ -56,8 +56,9 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     ...], which need task.chat_template = true)."""
     answer_key: str = "answer"
     """The dataset's answer column, handed to rewards as ``answer`` (and as verl's
-    ``ground_truth``); "" for a dataset without one (task.rewards then score it). Every
-    other column reaches the rewards under its own name."""
+    ``ground_truth``) and under its own name (TRL's ``solution``); "" for a dataset
+    without one (task.rewards then score it; a column named ``answer`` reaches them as
+    it is). Every other column reaches the rewards under its own name."""
     eval_path: str = ""
     """A held-out dataset (same formats and columns) whose first task.eval_size rows are
     the evaluation prompts. Without it or task.eval_fraction, the first task.eval_size

@@ -166,6 +166,9 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     count 0)."""
     reward_timeouts: int = 0
     """Scores lost to a reward call past task.reward_timeout_s (they count 0)."""
+    reward_pool_saturated: int = 0
+    """Of ``reward_timeouts``, the scores whose call was refused at once: every reward
+    thread was stuck in an earlier call (task.reward_threads)."""
     reward_means: dict[str, float] = {}
     """Per reward of the task's own (task.rewards): its mean over the group, unweighted."""
     env_timeouts: int = 0
@@ -228,6 +231,7 @@ def make_group(
     finished_at: float = 0.0,
     reward_failures: int | None = None,
     reward_timeouts: int = 0,
+    reward_pool_saturated: int = 0,
     reward_means: Mapping[str, float] | None = None,
 ) -> Group:
     """A Group holding its own ``GroupTokens`` (the rollout actor swaps in a reference),
@@ -265,6 +269,7 @@ def make_group(
         reward_failures=(sum(s.reward_failed for s in samples) if reward_failures is None
                          else reward_failures),
         reward_timeouts=reward_timeouts,
+        reward_pool_saturated=reward_pool_saturated,
         reward_means=dict(reward_means or {}),
         min_version=min((low for low, _ in versions), default=NO_VERSION),
         max_version=max((high for _, high in versions), default=NO_VERSION),

@@ -50,6 +50,7 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     excluded_members: dict[str, int] = {}
     too_few_members: int = 0
     readmissions_exhausted: int = 0
+    reward_pool_saturated: int = 0
 
 
 class StepTotals:
@@ -85,6 +86,8 @@ class StepTotals:
         """Groups dropped with fewer than two members left (their prompts ran again)."""
         self.readmissions_exhausted = 0
         """Prompts dropped for good after run.max_readmissions re-admissions."""
+        self.reward_pool_saturated = 0
+        """Of reward_timeouts, scores refused at once: every reward thread was stuck."""
         self.row_mark = (0, 0)
         """(groups_generated, filtered_groups) at the last metrics row."""
         self.nonfinite_in_a_row = 0
@@ -98,6 +101,7 @@ class StepTotals:
         """A group came back from a rollout worker (before it is queued)."""
         self.reward_failures += group.reward_failures
         self.reward_timeouts += group.reward_timeouts
+        self.reward_pool_saturated += group.reward_pool_saturated
         self.env_timeouts += group.env_timeouts
         self.env_errors += group.env_errors
         self.excluded_members.update(why for why in group.excluded if why)
@@ -131,7 +135,8 @@ class StepTotals:
             filtered_groups=self.filtered_groups, env_timeouts=self.env_timeouts,
             env_errors=self.env_errors, excluded_members=dict(self.excluded_members),
             too_few_members=self.too_few_members,
-            readmissions_exhausted=self.readmissions_exhausted)
+            readmissions_exhausted=self.readmissions_exhausted,
+            reward_pool_saturated=self.reward_pool_saturated)
 
     def restore(self, counters: Counters) -> None:
         for name in Counters.__struct_fields__:
@@ -174,6 +179,7 @@ class StepTotals:
             **{f"excluded_{why}": n for why, n in sorted(self.excluded_members.items())},
             "too_few_members": self.too_few_members,
             "readmissions_exhausted": self.readmissions_exhausted,
+            "reward_pool_saturated": self.reward_pool_saturated,
         }
 
     def summary(self, *, wall_s: float, final_version: int, accuracy_start: float | None,

@@ -32,6 +32,8 @@ class Scored(msgspec.Struct, frozen=True, kw_only=True):
     """Scores lost to a reward that raised or was not finite."""
     timeouts: int = 0
     """Scores lost to a reward call past its deadline."""
+    saturated: int = 0
+    """Of ``timeouts``, refused at once: every reward thread was stuck."""
     means: dict[str, float] = {}
     """Per reward of task.rewards: its mean over the group."""
 
@@ -77,14 +79,15 @@ class Scorer:
             completion_ids=[s.token_ids for s in samples],
             completion_turns=[list(s.messages) for s in samples]
             if any(s.messages for s in samples) else None,
-            columns={**prompt.columns, "answer": prompt.answer},
+            columns={"answer": prompt.answer, **prompt.columns},
             data_source=prompt.data_source)
         self.failures += got.errors + got.timeouts
         return Scored(
             samples=tuple(msgspec.structs.replace(s, reward=total, reward_failed=failed)
                           for s, total, failed in zip(samples, got.total, got.failed,
                                                       strict=True)),
-            errors=got.errors, timeouts=got.timeouts, means=got.per_reward | got.extra)
+            errors=got.errors, timeouts=got.timeouts, saturated=got.saturated,
+            means=got.per_reward | got.extra)
 
     async def score_trajectories(self, prompt: Prompt, samples: Sequence[Sample],
                                  greedy: bool = False) -> Scored:

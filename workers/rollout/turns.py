@@ -36,6 +36,7 @@ from buffers.records import NO_VERSION, Prompt, Sample
 from workers.environment import Environment, EnvironmentConfig, EnvStep, environment_class
 from workers.loop_thread import LoopThread
 from workers.rollout.prompts import PromptFormat, observation_ids, render
+from workers.rollout.stop_strings import cut_at_stop
 
 log = logging.getLogger("async_rl.environments")
 
@@ -55,7 +56,7 @@ def environment_row(prompt: Prompt) -> dict[str, Any]:
     """What ``reset`` gets: the row's dataset columns, ``prompt`` (its text, or its chat
     messages) and ``answer``."""
     first: Any = [dict(m) for m in prompt.messages] if prompt.messages else prompt.text
-    return {**prompt.columns, "prompt": first, "answer": prompt.answer}
+    return {"answer": prompt.answer, **prompt.columns, "prompt": first}
 
 
 class TurnRunner:
@@ -158,17 +159,21 @@ class TurnRunner:
             if seed is not None:
                 turn_params.seed = (seed + turn) % _SEED_RANGE
             out = await stream([*prompt_ids, *tokens], turn_params)
-            tokens += out.token_ids
-            logprobs += out.logprobs
-            versions += out.versions
-            mask += [1] * len(out.token_ids)
-            longest = max(longest, len(out.token_ids))
-            messages.append({"role": "assistant", "content": out.text})
+            # vLLM cuts a stop string's text, not its tokens: the turn ends at the token
+            # completing the stop string, and step() gets text ending right at it.
+            cut = cut_at_stop(out.token_ids, out.logprobs, out.versions, self._tokenizer,
+                              cfg.stop)
+            tokens += cut.token_ids
+            logprobs += cut.logprobs
+            versions += cut.versions
+            mask += [1] * len(cut.token_ids)
+            longest = max(longest, len(cut.token_ids))
+            messages.append({"role": "assistant", "content": cut.text})
             # A turn cut at its token budget makes the trajectory's finish "length" (what
             # trainer.overlong masks), whichever turn it was.
             finish = "length" if "length" in (finish, out.finish_reason) else out.finish_reason
             try:
-                step = await self._loop.run(_checked_step(env, out.text), cfg.turn_timeout_s)
+                step = await self._loop.run(_checked_step(env, cut.text), cfg.turn_timeout_s)
             except TimeoutError:
                 reward, outcome = 0.0, self._failed(
                     TIMEOUT, f"step ran past {cfg.turn_timeout_s} s")
@@ -185,7 +190,7 @@ class TurnRunner:
                 continue  # no observation, or no turn left to read it
             eos = getattr(self._tokenizer, "eos_token_id", None)
             observed = observation_ids(self._tokenizer, step.observation, self._format,
-                                       after_eos=bool(out.token_ids) and out.token_ids[-1] == eos)
+                                       after_eos=bool(cut.token_ids) and cut.token_ids[-1] == eos)
             if len(prompt_ids) + len(tokens) + len(observed) >= cfg.max_trajectory_tokens:
                 outcome = MAX_TOKENS  # no room left to answer it
                 break

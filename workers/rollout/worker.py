@@ -328,6 +328,7 @@ class RolloutWorker:
         return make_group(prompt, prompt_ids, samples,
                           rollout_rank=self._rank, finished_at=time.time(),
                           reward_failures=scored.errors, reward_timeouts=scored.timeouts,
+                          reward_pool_saturated=scored.saturated,
                           reward_means=scored.means)
 
     async def generate_greedy(self, prompts: Sequence[Prompt]) -> list[Sample]:
