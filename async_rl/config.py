@@ -56,8 +56,9 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     ...], which need task.chat_template = true)."""
     answer_key: str = "answer"
     """The dataset's answer column, handed to rewards as ``answer`` (and as verl's
-    ``ground_truth``); "" for a dataset without one (task.rewards then score it). Every
-    other column reaches the rewards under its own name."""
+    ``ground_truth``) and under its own name (TRL's ``solution``); "" for a dataset
+    without one (task.rewards then score it; a column named ``answer`` reaches them as
+    it is). Every other column reaches the rewards under its own name."""
     eval_path: str = ""
     """A held-out dataset (same formats and columns) whose first task.eval_size rows are
     the evaluation prompts. Without it or task.eval_fraction, the first task.eval_size
@@ -98,6 +99,12 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Run sync rewards in threads instead of processes (no pickling, shared memory; a
     CPU-bound Python reward then holds the engine process's GIL, and a call past the
     timeout cannot be stopped)."""
+    on_reward_failure: Literal["exclude", "zero"] = "exclude"
+    """A sample whose reward call raised, returned a non-finite value or ran past
+    task.reward_timeout_s: "exclude" leaves it out of its group (no advantage, no loss,
+    not in the group's mean and std; a group left with fewer than two members runs
+    again), "zero" trains it with reward 0 (a slow verifier then pushes correct answers
+    down). Counted either way (reward_errors, reward_timeouts)."""
     eval_reward: str = ""
     """The name of one of task.rewards whose mean over greedy completions is the
     evaluations' accuracy; "" = the weighted sum of all of them (or the built-in
@@ -186,6 +193,15 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     line naming what was asked and what the cluster has, exit status 2)."""
     keep_checkpoints: Positive = 2
     """Checkpoints kept; older ones are removed once a new one is complete."""
+    max_readmissions: NonNegative = 4
+    """Times one prompt may run again after a drop or a failure (a stale drop, a group
+    left with fewer than two members, a dead worker...); past it the prompt is dropped
+    for good (ledger reason readmissions_exhausted, counted), so that no prompt is
+    recycled forever."""
+    stop_timeout_s: PositiveFloat = 60.0
+    """After a graceful stop (Ctrl-C, SIGTERM), how long the run waits for the step in
+    progress to get its groups; past it the step is abandoned, the last consistent
+    checkpoint is written and the run exits as a clean stop does."""
     loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
     """Where metrics go: "jsonl" (metrics.jsonl, always written: the reports read it),
     "tensorboard" (an event file in RUN_DIR/tensorboard) and "wandb" (a W&B run in
