@@ -20,7 +20,10 @@ Qwen2.5-0.5B-shaped model (``async_rl.models.real_size``):
 - NVML's view of each visible GPU, found by the UUID CUDA reports
   (``workers.usage.cuda_uuid``), beside what an index lookup would have sampled;
 - FSDP2 at world size 1: ``fully_shard`` per decoder layer and the root with a pinned
-  ``CPUOffloadPolicy`` and bf16 ``MixedPrecisionPolicy``, one AdamW step.
+  ``CPUOffloadPolicy`` and bf16 ``MixedPrecisionPolicy``, one AdamW step;
+- FSDP2 offload's gradient clip at world size 1 in the group trainer.offload makes
+  ("cpu:gloo,cuda:nccl", ``process_group_backend``), beside the same clip over a group
+  of NCCL alone, which has no backend for the CPU gradients.
 
     scripts/gpu-check.sh            (or: PYTHONPATH=. python bench/gpu_check.py)
 """
@@ -46,6 +49,7 @@ from transformers import Qwen2ForCausalLM
 from async_rl.models.real_size import QWEN25_05B, make_random_model, real_size_config
 from buffers.records import GroupTokens, SequenceSlot, ShardBatch, TrainSequence
 from workers.trainer.packing import pack, packed_logprobs, padded_logprobs
+from workers.trainer.process import process_group_backend
 from workers.trainer.shard import TrainerShard
 from workers.usage import cuda_uuid
 
@@ -289,6 +293,63 @@ def fsdp2_check(model_dir: Path) -> list[Row]:
         dist.destroy_process_group()
 
 
+def offload_clip_check(device: torch.device, accelerator_backend: str = "nccl",
+                       port: int = 29513) -> list[Row]:
+    """A small FSDP2 model's CPU-offloaded gradients clipped in the group trainer.offload
+    makes, which all-reduces a CPU tensor too; beside it the same all-reduce in a group
+    of the accelerator's backend alone (CUDA's group before), which must fail. One rank
+    cannot show the clip itself failing (its norm needs no collective); two processes
+    on CPU do (tests/unit/test_offload_process_group.py). ``device``: where the model
+    computes; ``accelerator_backend``: the backend registered for cuda (gloo lets a
+    CPU-only machine build the same groups)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    def mlp() -> torch.nn.Sequential:
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.Tanh(),
+                                   torch.nn.Linear(256, 8)).to(device)
+
+    def all_reduce_on_cpu(group: Any = None) -> str:
+        total = torch.ones(1)
+        try:
+            dist.all_reduce(total, group=group)
+        except RuntimeError as err:
+            return f"fails ({str(err).splitlines()[0][:60]})"
+        return f"sums {float(total):g}"
+
+    inputs = torch.linspace(-1, 1, 4 * 64, device=device).reshape(4, 64)
+    reference = mlp()
+    reference(inputs).square().sum().backward()
+    expected = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3))
+    backend = process_group_backend(torch.device("cuda"), offload=True,
+                                    accelerator_backend=accelerator_backend)
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
+                            world_size=1)
+    try:
+        alone = all_reduce_on_cpu(dist.new_group(backend=f"cuda:{accelerator_backend}"))
+        joint = all_reduce_on_cpu()
+        model = mlp()
+        offload = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+        mesh = init_device_mesh(device.type, (1,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh, offload_policy=offload)
+        fully_shard(model, mesh=mesh, offload_policy=offload)
+        model(inputs).square().sum().backward()
+        where = {str(p.grad.to_local().device) for p in model.parameters()  # type: ignore[union-attr]
+                 if p.grad is not None}
+        norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3))
+    finally:
+        dist.destroy_process_group()
+    good = (math.isclose(norm, expected, rel_tol=1e-4) and where == {"cpu"}
+            and alone.startswith("fails") and joint == "sums 1")
+    return [(f"FSDP2 offload clip ({backend}, 1 rank)", "ok" if good else "MISMATCH",
+             f"grad norm {norm:.4g} (unsharded {expected:.4g}), grads on "
+             f"{', '.join(sorted(where))}; CPU all-reduce: {joint}, with "
+             f"{accelerator_backend} alone {alone}")]
+
+
 def run_check(name: str, check: Callable[[], list[Row]]) -> list[Row]:
     """A check's rows, or one row saying how it failed (the others still run)."""
     try:
@@ -323,6 +384,8 @@ def main() -> int:
         model_dir = Path(root) / "model-0.5b"
         rows += run_check("NVML by UUID", nvml_check)
         rows += run_check("FSDP2 + pinned CPUOffloadPolicy", lambda: fsdp2_check(model_dir))
+        rows += run_check("FSDP2 offload clip",
+                          lambda: offload_clip_check(torch.device("cuda")))
     rows.append(("total", "", f"{time.perf_counter() - began:.0f} s"))
     print(table(rows))
     return 0 if all(r[1] not in ("FAILED", "MISMATCH", "NON-FINITE") for r in rows) else 1

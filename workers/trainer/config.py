@@ -154,12 +154,6 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise invalid("trainer.shard_group", self.shard_group,
                           f"must divide trainer.num_shards ({self.num_shards}): the mesh "
                           "is (num_shards / shard_group, shard_group)")
-        if self.groups_per_step % self.num_shards:
-            raise invalid(
-                "trainer.groups_per_step",
-                self.groups_per_step,
-                f"must be a multiple of trainer.num_shards ({self.num_shards})",
-            )
         if self.groups_per_step % self.mini_batches:
             raise invalid(
                 "trainer.mini_batches",

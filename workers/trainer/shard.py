@@ -127,7 +127,7 @@ class TrainerShard:
         if self.world_size > 1 or sharded:  # FSDP2's device mesh needs a group, even of one
             join_process_group(self.device, master_addr=self.master_addr,
                                master_port=self.master_port, rank=self.rank,
-                               world_size=self.world_size)
+                               world_size=self.world_size, offload=self.config.offload)
         dtype = _DTYPES[self.model_config.dtype]
         module: torch.nn.Module
         if sharded:
