@@ -127,6 +127,10 @@ def train(config: Config, rewards: RewardArg | Iterable[RewardArg] = (), *,
     """
     if overwrite and resume:
         raise ConfigError("usage error: resume and overwrite exclude each other")
+    if config.run.colocate == "time":
+        raise ConfigError('config error: run.colocate = "time": only async-rl simulate '
+                          "models time-shared devices; a real run colocates with true "
+                          "(both roles at once) or not at all (docs/simulator.md)")
     checked = as_rewards(rewards)
     config = check_inputs(config, checked)
     if not resume:

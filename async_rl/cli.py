@@ -101,6 +101,9 @@ def _parser() -> argparse.ArgumentParser:
                        "runs what differs in config and record, then their figures side by side"
     )
     report.add_argument("runs", nargs="+", metavar="RUN_DIR", help="one or more run directories")
+    report.add_argument("--all", action="store_true", dest="every",
+                        help="list every worker in the idle table (default: past 16, the "
+                             "per-role rows and the most idle few of each role)")
 
     sweep = commands.add_parser(
         "sweep", help="train once per point of a grid of config values, one run after another"
@@ -252,12 +255,16 @@ def _simulate(args: argparse.Namespace) -> int:
     if not args.config:
         raise ConfigError("usage error: async-rl simulate needs a config file or --calibrate")
     from async_rl.analysis.report import print_report
+    from async_rl.analysis.results import result_table
+    from async_rl.analysis.tables import wide_console
     from async_rl.api import simulate
 
     config = load_config(args.config, sets)
     summary = simulate(config, overwrite=args.overwrite)
     if config.run.record_spans:
         print_report(config.run.output_dir)
+    else:  # no spans: no idle accounting, the rest of the result
+        wide_console().print(result_table(Path(config.run.output_dir), ()))
     print(f"simulated on {config.simulate.hardware}: accuracy is not simulated; "
           f"run directory {config.run.output_dir}")
     return 0 if not summary.stopped else 1
@@ -374,7 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 return 2
             if len(args.runs) == 1:
                 print_record(args.runs[0])
-                print_report(args.runs[0])
+                print_report(args.runs[0], every=args.every)
             else:
                 compare(args.runs)
             return 0

@@ -56,8 +56,9 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     ...], which need task.chat_template = true)."""
     answer_key: str = "answer"
     """The dataset's answer column, handed to rewards as ``answer`` (and as verl's
-    ``ground_truth``); "" for a dataset without one (task.rewards then score it). Every
-    other column reaches the rewards under its own name."""
+    ``ground_truth``) and under its own name (TRL's ``solution``); "" for a dataset
+    without one (task.rewards then score it; a column named ``answer`` reaches them as
+    it is). Every other column reaches the rewards under its own name."""
     eval_path: str = ""
     """A held-out dataset (same formats and columns) whose first task.eval_size rows are
     the evaluation prompts. Without it or task.eval_fraction, the first task.eval_size
@@ -98,6 +99,12 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Run sync rewards in threads instead of processes (no pickling, shared memory; a
     CPU-bound Python reward then holds the engine process's GIL, and a call past the
     timeout cannot be stopped)."""
+    on_reward_failure: Literal["exclude", "zero"] = "exclude"
+    """A sample whose reward call raised, returned a non-finite value or ran past
+    task.reward_timeout_s: "exclude" leaves it out of its group (no advantage, no loss,
+    not in the group's mean and std; a group left with fewer than two members runs
+    again), "zero" trains it with reward 0 (a slow verifier then pushes correct answers
+    down). Counted either way (reward_errors, reward_timeouts)."""
     eval_reward: str = ""
     """The name of one of task.rewards whose mean over greedy completions is the
     evaluations' accuracy; "" = the weighted sum of all of them (or the built-in
@@ -150,10 +157,13 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """Address of an existing Ray cluster; empty starts a local one bound to 127.0.0.1."""
     num_cpus: NonNegative = 0
     """CPUs given to a local Ray (0 = what the roles need)."""
-    colocate: bool = False
+    colocate: bool | Literal["time"] = False
     """Rollout worker i and trainer shard i share devices (one STRICT_PACK placement
-    group, both roles on the same cores at full width); default is disaggregated, each
-    role on its own devices."""
+    group, both roles on the same cores at full width, at the same time); default is
+    disaggregated, each role on its own devices. "time": the roles take turns on the
+    same devices, engines releasing them for every training step and the weights
+    copied within them (verl's hybrid engine); only ``async-rl simulate`` models it
+    (docs/simulator.md), ``async-rl train`` refuses it."""
     progress: bool = True
     """Show a progress bar."""
     record_spans: bool = True
@@ -183,6 +193,15 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     line naming what was asked and what the cluster has, exit status 2)."""
     keep_checkpoints: Positive = 2
     """Checkpoints kept; older ones are removed once a new one is complete."""
+    max_readmissions: NonNegative = 4
+    """Times one prompt may run again after a drop or a failure (a stale drop, a group
+    left with fewer than two members, a dead worker...); past it the prompt is dropped
+    for good (ledger reason readmissions_exhausted, counted), so that no prompt is
+    recycled forever."""
+    stop_timeout_s: PositiveFloat = 60.0
+    """After a graceful stop (Ctrl-C, SIGTERM), how long the run waits for the step in
+    progress to get its groups; past it the step is abandoned, the last consistent
+    checkpoint is written and the run exits as a clean stop does."""
     loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
     """Where metrics go: "jsonl" (metrics.jsonl, always written: the reports read it),
     "tensorboard" (an event file in RUN_DIR/tensorboard) and "wandb" (a W&B run in
@@ -194,6 +213,38 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
             raise invalid("run.loggers", list(self.loggers),
                            'must list "jsonl" (always written: the reports read it) '
                            "and no logger twice")
+
+
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class HardwareOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+                        omit_defaults=True):
+    """``[simulate.hardware_overrides]``: any key of the hardware file, replacing its
+    value (``--set simulate.hardware_overrides.train_mfu=0.2``); unset keys keep the
+    file's. Each key means what it means in the file (docs/simulator.md, "The cost
+    model")."""
+
+    devices_per_rollout_worker: Positive | None = None
+    devices_per_trainer_shard: Positive | None = None
+    peak_flops: PositiveFloat | None = None
+    memory_bandwidth: PositiveFloat | None = None
+    interconnect_bandwidth: PositiveFloat | None = None
+    train_mfu: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    decode_mfu: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    memory_efficiency: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    device_memory: NonNegativeFloat | None = None
+    engine_release_s: NonNegativeFloat | None = None
+    engine_reload_s: NonNegativeFloat | None = None
+    decode_step_s: NonNegativeFloat | None = None
+    micro_batch_s: NonNegativeFloat | None = None
+    update_s: NonNegativeFloat | None = None
+    publish_s: NonNegativeFloat | None = None
+    weight_load_s: NonNegativeFloat | None = None
+    call_s: NonNegativeFloat | None = None
+    cores: NonNegative | None = None
+    engine_processes: PositiveFloat | None = None
+    contention: NonNegativeFloat | None = None
 
 
 class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -222,8 +273,18 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     prompt_tokens: NonNegative = 0
     """Tokens of every prompt; 0 = each prompt's text length in bytes (the byte-level
     tokenizer of the built-in models)."""
+    hardware_overrides: HardwareOverrides = msgspec.field(default_factory=HardwareOverrides)
+    """Keys of the hardware file replaced for this run (``[simulate.hardware_overrides]``
+    or ``--set simulate.hardware_overrides.KEY=VALUE``): devices per rollout worker and
+    per trainer shard, MFUs, bandwidths, device memory, fixed overheads."""
     parameters: Annotated[float, msgspec.Meta(ge=0)] = 0.0
-    """Model parameters; 0 = counted from model.path's config.json."""
+    """Model parameters (all of them: what the weights weigh, in memory and on the wire);
+    0 = counted from model.path's config.json."""
+    active_parameters: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Parameters one token passes through (a mixture of experts': the shared ones and
+    the experts routed to): what training and decode FLOPs count; 0 = all of them
+    (simulate.parameters). Expert parallelism is not modelled: an engine or a trainer
+    shard holds every expert."""
     kv_bytes_per_token: NonNegative = 0
     """KV-cache bytes one token of context holds (2 x layers x kv heads x head dim x
     bytes); 0 = from model.path's config.json."""
@@ -237,6 +298,12 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     reward_p: Fraction = 0.5
     """Chance that a sample scores 1. Learning is not simulated: held-out accuracy stays
     at this value."""
+    detail: Positive = 16
+    """Rollout engines the trace (trace.json) shows one by one when there are more:
+    this many evenly spaced ranks, plus the most idle few; every trainer shard is kept,
+    and idle.json and the idle table account for every device. Past 16 devices the
+    timeline draws one row per role and the most idle devices. (Read by the report of
+    any run directory, real or simulated.)"""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -274,7 +341,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                            "needs run.colocate = true, rollout.num_workers = 1 and "
                            "trainer.num_shards = 1 (CUDA IPC shares the trainer's own GPU "
                            'with one engine); use "nccl" otherwise')
-        if self.weights.transport == "nccl" and self.run.colocate:
+        if self.weights.transport == "nccl" and self.run.colocate is True:
             raise invalid("weights.transport", self.weights.transport,
                           "not with run.colocate = true: rollout worker i and trainer shard "
                           "i share one GPU, and NCCL refuses two ranks on one GPU "

@@ -23,6 +23,13 @@ NO_VERSION = -1
 template's turn markers): it has loss mask 0 and no behaviour logprob, and version
 ranges and staleness skip it."""
 
+NO_POLICY_TOKEN = "no_policy_token"
+"""Why a member is excluded: the policy wrote none of its tokens (every reset of its
+environment failed, or its first prompt left no room for a turn)."""
+REWARD_FAILED = "reward_failed"
+"""Why a member is excluded: its reward call raised, returned a non-finite value or
+ran past its deadline (task.on_reward_failure = "exclude")."""
+
 
 class Prompt(msgspec.Struct, frozen=True, kw_only=True):
     """One task prompt with the reference answer its reward function checks against."""
@@ -71,15 +78,37 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     """How a multi-turn trajectory ended: "done", "max_turns", "max_tokens", "timeout"
     (an environment call past task.environment.turn_timeout_s) or "error" (the
     environment raised); "" for a single-turn sample."""
+    excluded: str = ""
+    """Why this trajectory is not a member of its group ("" = it is one): an environment
+    failure that task.environment.on_error / on_timeout exclude ("env_error",
+    "env_timeout"), a first prompt too long to answer ("env_too_long"). ``make_group``
+    adds ``NO_POLICY_TOKEN`` and ``REWARD_FAILED``."""
+    longest_turn: int = -1
+    """Policy tokens of the trajectory's longest turn, what rollout.max_new_tokens caps
+    (-1: a single-turn sample, whose whole completion is its one turn)."""
+    messages: tuple[dict[str, str], ...] = ()
+    """A multi-turn trajectory as its parts: each policy turn's text (role "assistant")
+    and each observation (role "tool"), in order, as TRL-style rewards get it; empty for
+    a single-turn sample."""
 
     @property
     def min_version(self) -> int:
-        """Oldest version of a policy-written token (0 when there is none)."""
-        return min((v for v in self.versions if v != NO_VERSION), default=0)
+        """Oldest version of a policy-written token (``NO_VERSION`` when there is none)."""
+        return min((v for v in self.versions if v != NO_VERSION), default=NO_VERSION)
 
     @property
     def max_version(self) -> int:
-        return max((v for v in self.versions if v != NO_VERSION), default=0)
+        return max((v for v in self.versions if v != NO_VERSION), default=NO_VERSION)
+
+    @property
+    def exclusion(self) -> str:
+        """Why this sample cannot be a group member ("" = it can): its own ``excluded``,
+        else no policy-written token, else a lost reward score."""
+        if self.excluded:
+            return self.excluded
+        if all(v == NO_VERSION for v in self.versions):
+            return NO_POLICY_TOKEN
+        return REWARD_FAILED if self.reward_failed else ""
 
 
 class GroupTokens(msgspec.Struct, frozen=True, kw_only=True):
@@ -137,13 +166,23 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     count 0)."""
     reward_timeouts: int = 0
     """Scores lost to a reward call past task.reward_timeout_s (they count 0)."""
+    reward_pool_saturated: int = 0
+    """Of ``reward_timeouts``, the scores whose call was refused at once: every reward
+    thread was stuck in an earlier call (task.reward_threads)."""
     reward_means: dict[str, float] = {}
     """Per reward of the task's own (task.rewards): its mean over the group, unweighted."""
     env_timeouts: int = 0
     """Multi-turn trajectories ended by an environment call past
-    task.environment.turn_timeout_s (they score 0)."""
+    task.environment.turn_timeout_s."""
     env_errors: int = 0
-    """Multi-turn trajectories ended by an environment that raised (they score 0)."""
+    """Multi-turn trajectories ended by an environment that raised."""
+    excluded: tuple[str, ...] = ()
+    """Per sample: why it is not a member of the group ("" = it is; empty: every sample
+    is). An excluded sample is no zero-reward member: it leaves the advantages, the
+    group filter, the loss and the statistics; only its tokens stay in ``tokens``."""
+    longest_turns: tuple[int, ...] = ()
+    """Per sample: policy tokens of its longest turn, what rollout.max_new_tokens caps
+    (empty: single-turn samples, each one turn of ``completion_lengths``)."""
     min_version: int
     """Oldest policy version of any token in the group (staleness is measured from it)."""
     max_version: int
@@ -170,6 +209,18 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
         """Length (prompt + completion) of each sample's training sequence."""
         return tuple(self.prompt_length + n for n in self.completion_lengths)
 
+    @property
+    def members(self) -> tuple[int, ...]:
+        """Indices of the samples that are members of the group (not ``excluded``)."""
+        if not self.excluded:
+            return tuple(range(self.num_samples))
+        return tuple(k for k, why in enumerate(self.excluded) if not why)
+
+    @property
+    def turn_lengths(self) -> tuple[int, ...]:
+        """Per sample: the tokens rollout.max_new_tokens capped (its longest turn)."""
+        return self.longest_turns or self.completion_lengths
+
 
 def make_group(
     prompt: Prompt,
@@ -180,16 +231,22 @@ def make_group(
     finished_at: float = 0.0,
     reward_failures: int | None = None,
     reward_timeouts: int = 0,
+    reward_pool_saturated: int = 0,
     reward_means: Mapping[str, float] | None = None,
 ) -> Group:
     """A Group holding its own ``GroupTokens`` (the rollout actor swaps in a reference),
     with its version range, lengths and token count derived from the samples
-    (``reward_failures``: by default the samples flagged ``reward_failed``)."""
+    (``reward_failures``: by default the samples flagged ``reward_failed``).
+
+    Each sample's ``Sample.exclusion`` becomes its entry of ``Group.excluded``. The
+    version range covers the samples with a policy token; with none it is
+    ``NO_VERSION`` (such a group has no member and is never queued)."""
     if not samples:
         raise ValueError(f"group for prompt {prompt.prompt_id!r} has no samples")
     lengths = tuple(len(s.token_ids) for s in samples)
     masked = any(s.loss_mask for s in samples)
-    versioned = [s for s in samples if any(v != NO_VERSION for v in s.versions)] or samples
+    versions = [(s.min_version, s.max_version) for s in samples if s.min_version != NO_VERSION]
+    excluded = tuple(s.exclusion for s in samples)
     tokens = GroupTokens(
         prompt_token_ids=np.asarray(prompt_token_ids, dtype=np.int32),
         completion_token_ids=np.fromiter(
@@ -212,12 +269,16 @@ def make_group(
         reward_failures=(sum(s.reward_failed for s in samples) if reward_failures is None
                          else reward_failures),
         reward_timeouts=reward_timeouts,
+        reward_pool_saturated=reward_pool_saturated,
         reward_means=dict(reward_means or {}),
-        # A sample without a policy token (a trajectory whose reset failed) has no version.
-        min_version=min(s.min_version for s in versioned),
-        max_version=max(s.max_version for s in versioned),
+        min_version=min((low for low, _ in versions), default=NO_VERSION),
+        max_version=max((high for _, high in versions), default=NO_VERSION),
         env_timeouts=sum(s.env_outcome == "timeout" for s in samples),
         env_errors=sum(s.env_outcome == "error" for s in samples),
+        excluded=excluded if any(excluded) else (),
+        longest_turns=(tuple(len(s.token_ids) if s.longest_turn < 0 else s.longest_turn
+                             for s in samples)
+                       if any(s.longest_turn >= 0 for s in samples) else ()),
         num_tokens=sum(lengths) + len(prompt_token_ids) * len(samples),
         rollout_rank=rollout_rank,
         finished_at=finished_at,

@@ -109,27 +109,30 @@ class ReplayQueue(Generic[T]):
 
     # -- put -------------------------------------------------------------------------
 
-    def put_nowait(self, item: T) -> None:
-        """Adds a group now, or raises ``QueueFull`` (no room, or earlier puts waiting)."""
+    def put_nowait(self, item: T) -> bool:
+        """Adds a group now (True), drops it as stale (False, see ``on_drop``), or raises
+        ``QueueFull`` (no room, or earlier puts waiting)."""
         if self._closed:
             raise QueueClosed
         self._check_fits(item)
         if self._drop_if_stale(item):
-            return
+            return False
         if self._putters or not self._has_room(item.num_tokens):
             raise QueueFull
         self._insert(item)
+        return True
 
-    async def put(self, item: T) -> None:
-        """Adds a group, waiting while the queue is full (backpressure; FIFO among putters)."""
+    async def put(self, item: T) -> bool:
+        """Adds a group, waiting while the queue is full (backpressure; FIFO among
+        putters): True once it is in, False when it was dropped as stale instead."""
         if self._closed:
             raise QueueClosed
         self._check_fits(item)
         if self._drop_if_stale(item):
-            return
+            return False
         if not self._putters and self._has_room(item.num_tokens):
             self._insert(item)
-            return
+            return True
         waiter = _Waiter(item.num_tokens)
         self._putters.append(waiter)
         self._put_waits += 1
@@ -141,10 +144,10 @@ class ReplayQueue(Generic[T]):
                 if self._closed:
                     raise QueueClosed
                 if self._drop_if_stale(item):
-                    return
+                    return False
                 if self._putters[0] is waiter and self._has_room(item.num_tokens):
                     self._insert(item)
-                    return
+                    return True
                 waiter.event = anyio.Event()
         finally:
             self._putters.remove(waiter)

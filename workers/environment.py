@@ -69,16 +69,22 @@ class EnvironmentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     """A turn's generation ends at any of these strings (kept in the text) or at EOS;
     each turn is also capped at rollout.max_new_tokens."""
     turn_timeout_s: PositiveFloat = 30.0
-    """Longest one reset or step call may take; past it the trajectory ends with reward 0
-    and is counted (env_timeouts)."""
+    """Longest one reset or step call may take; past it the trajectory ends and is
+    counted (env_timeouts); task.environment.on_timeout says what becomes of it."""
     max_trajectory_tokens: Positive = 1024
     """Prompt plus every turn's completion and observation tokens: the trajectory ends
     when the next turn would have no room. It is one training sequence, so it must fit
-    trainer.micro_batch_tokens."""
-    on_timeout: Literal["train", "requeue"] = "train"
-    """What a group with a timed-out trajectory does: train (the trajectory scored 0,
-    beside its group's others) or requeue (the whole group is dropped and its prompt runs
-    again; ledger reason env_timeout)."""
+    trainer.micro_batch_tokens. A first prompt (from reset) with no room for a turn is
+    refused: that trajectory is no member of its group (counted, excluded_env_too_long)."""
+    on_timeout: Literal["exclude", "train", "requeue"] = "exclude"
+    """What becomes of a trajectory ended by an environment call past turn_timeout_s:
+    exclude (it leaves its group's statistics and loss; a group left with fewer than two
+    members runs again), train (it is scored 0 beside its group's others) or requeue
+    (the whole group is dropped and its prompt runs again; ledger reason env_timeout). A
+    reset that timed out gave no prompt: excluded unless requeue."""
+    on_error: Literal["exclude", "train", "requeue"] = "exclude"
+    """The same choices for a trajectory ended by an environment that raised (or
+    returned no EnvStep); ledger reason env_error with requeue."""
 
     def __post_init__(self) -> None:
         if any(not s for s in self.stop):

@@ -9,10 +9,11 @@ event loop of their own, in its own thread (``workers.loop_thread``). Every call
 bounded by ``timeout_s``: a call that raises, returns the wrong shape or a non-finite
 score, or times out scores 0 for the samples it covers (one for per-sample styles, the
 group for TRL) and is counted, per sample, in ``errors`` or ``timeouts``; the other
-samples' calls go on. A timed-out
-process is killed and replaced (pebble); a timed-out thread cannot be killed and runs on
-in its pool. The processes start by forkserver (spawn where there is none; never fork, as
-the caller has threads), so, as with any multiprocessing, a script that makes a runner
+samples' calls go on. A timed-out process is killed and replaced (pebble); a timed-out
+thread cannot be killed and runs on in its pool, and once every thread is stuck so,
+calls are refused at once and counted (``saturated``; ``workers.reward_threads``). The
+processes start by forkserver (spawn where there is none; never fork, as the caller has
+threads), so, as with any multiprocessing, a script that makes a runner
 needs an ``if __name__ == "__main__":`` guard. How one call binds its arguments is
 ``workers.reward_calls``'; the guarded call and the workers' side ``workers.reward_guard``'.
 """
@@ -23,7 +24,6 @@ import asyncio
 import logging
 import math
 import multiprocessing
-import weakref
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -56,6 +56,7 @@ from workers.reward_spec import (
     reward_style,
     unique_names,
 )
+from workers.reward_threads import PoolSaturated, RewardThreads
 
 log = logging.getLogger("async_rl.rewards")
 
@@ -82,6 +83,9 @@ class GroupRewards(msgspec.Struct, frozen=True, kw_only=True):
     """Scores lost to a call that ran past the timeout (counted the same way)."""
     failed: tuple[bool, ...] = ()
     """Per sample: some reward's score of it was lost (an error or a timeout)."""
+    saturated: int = 0
+    """Of ``timeouts``, the scores whose call was refused at once because every reward
+    thread was stuck in an earlier call past its deadline (threads only)."""
 
 
 class _Reward(msgspec.Struct, frozen=True, kw_only=True):
@@ -196,10 +200,7 @@ class RewardRunner:
             self._pool = self._new_pool()
             _ = self._pool.active  # starts the workers now: they load while the caller does
         has_sync = any(not r.is_async for r in self._rewards)
-        self._thread_pool = pebble.ThreadPool(max_workers=workers) \
-            if threads and has_sync else None
-        self._slots: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore] = \
-            weakref.WeakKeyDictionary()
+        self._threads = RewardThreads(workers, timeout_s) if threads and has_sync else None
         self._loop = (LoopThread("async-rl-rewards")
                       if any(r.is_async for r in self._rewards) else None)
         self._failures: dict[str, int] = {}
@@ -236,10 +237,14 @@ class RewardRunner:
                     completions: Sequence[str],
                     completion_ids: Sequence[Sequence[int]],
                     columns: Mapping[str, Any] | None = None,
-                    data_source: str = "") -> GroupRewards:
+                    data_source: str = "",
+                    completion_turns: Sequence[list[Message]] | None = None
+                    ) -> GroupRewards:
         """Scores one group: sample i is ``prompts[i]`` (one prompt repeated, for GRPO:
         its text, or its chat messages) completed by ``completions[i]`` (text), whose
-        tokens are ``completion_ids[i]``.
+        tokens are ``completion_ids[i]``; ``completion_turns``: multi-turn trajectories
+        as messages (policy turns "assistant", observations "tool"), which TRL-style
+        rewards get instead of the text.
         ``columns``: the row's dataset columns besides the prompt (``answer``, ...);
         ``data_source``: verl's name for rows without a ``data_source`` column."""
         if self._closed:
@@ -252,13 +257,15 @@ class RewardRunner:
             "prompts": list(prompts), "completions": list(completions),
             "completion_ids": [list(ids) for ids in completion_ids],
             "columns": dict(columns or {}), "data_source": data_source}
-        scored = await asyncio.gather(*(self._score_one(r, inputs, n) for r in self._rewards))
+        turns = list(completion_turns) if completion_turns is not None else None
+        scored = await asyncio.gather(*(self._score_one(r, inputs, n, turns)
+                                        for r in self._rewards))
         total = [0.0] * n
         failed = [False] * n
         per_reward: dict[str, float] = {}
         extra: dict[str, float] = {}
-        errors = timeouts = 0
-        for reward, (values, lost, extras, n_errors, n_timeouts) in zip(
+        errors = timeouts = saturated = 0
+        for reward, (values, lost, extras, n_errors, n_timeouts, n_saturated) in zip(
                 self._rewards, scored, strict=True):
             for i in range(n):
                 total[i] += reward.weight * values[i]
@@ -266,15 +273,20 @@ class RewardRunner:
             per_reward[reward.name] = _mean(values)
             extra |= {f"{reward.name}/{key}": _mean(v) for key, v in extras.items()}
             errors, timeouts = errors + n_errors, timeouts + n_timeouts
+            saturated += n_saturated
         return GroupRewards(total=tuple(total), per_reward=per_reward, extra=extra,
-                            errors=errors, timeouts=timeouts, failed=tuple(failed))
+                            errors=errors, timeouts=timeouts, failed=tuple(failed),
+                            saturated=saturated)
 
-    async def _score_one(self, reward: _Reward, inputs: dict[str, Any], n: int
-                         ) -> tuple[list[float], list[bool], dict[str, list[float]], int, int]:
+    async def _score_one(self, reward: _Reward, inputs: dict[str, Any], n: int,
+                         turns: list[list[Message]] | None = None
+                         ) -> tuple[list[float], list[bool], dict[str, list[float]], int, int,
+                                    int]:
         """One reward on the group: its per-sample values (0 where lost), which were
-        lost, its extra metrics' values, and the errors and timeouts."""
+        lost, its extra metrics' values, and the errors, timeouts and saturated ones."""
         if reward.style == "trl":
-            calls = [(list(range(n)), self._trl_inputs(inputs))]
+            trl = inputs if turns is None else {**inputs, "completions": turns}
+            calls = [(list(range(n)), self._trl_inputs(trl))]
         else:
             calls = [([i], {**inputs, "prompts": inputs["prompts"][i:i + 1],
                             "completions": inputs["completions"][i:i + 1],
@@ -283,9 +295,10 @@ class RewardRunner:
         outcomes = await asyncio.gather(*(self._call(reward, sub) for _, sub in calls))
         values, lost = [0.0] * n, [False] * n
         extras: dict[str, list[float]] = {}
-        errors = timeouts = 0
+        errors = timeouts = saturated = 0
         for (indices, _), outcome in zip(calls, outcomes, strict=True):
             if isinstance(outcome, CallFailed):
+                saturated += len(indices) if isinstance(outcome, PoolSaturated) else 0
                 if outcome.timed_out:
                     timeouts += len(indices)
                 else:
@@ -304,7 +317,7 @@ class RewardRunner:
                                   CallFailed("returned a non-finite score"))
             for key, metric in outcome.extra.items():
                 extras.setdefault(key, []).extend(metric)
-        return values, lost, extras, errors, timeouts
+        return values, lost, extras, errors, timeouts, saturated
 
     def _trl_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:
         if not self._chat:
@@ -324,14 +337,10 @@ class RewardRunner:
                     timeout_s + _GRACE_S)
             except TimeoutError:  # the reward blocks its event loop
                 return CallFailed(f"ran past {timeout_s} s (blocking its event loop)", True)
-        if self._thread_pool is not None:
-            async with self._thread_slots():
-                thread_future = self._thread_pool.schedule(
-                    guarded, args=(reward.fn, reward.style, inputs))
-                try:
-                    return await asyncio.wait_for(asyncio.wrap_future(thread_future), timeout_s)
-                except TimeoutError:  # its thread runs on: threads cannot be killed
-                    return CallFailed(f"ran past {timeout_s} s", timed_out=True)
+        if self._threads is not None:
+            outcome: RewardValues | CallFailed = await self._threads.call(
+                guarded, reward.fn, reward.style, inputs)
+            return outcome
         try:
             process_future = self._process_pool().schedule(
                 child_score, args=(reward.slot, reward.style, inputs), timeout=timeout_s)
@@ -340,13 +349,6 @@ class RewardRunner:
             return CallFailed(f"ran past {timeout_s} s", timed_out=True)
         except Exception as err:  # the process died, or the inputs do not pickle
             return CallFailed(describe(err))
-
-    def _thread_slots(self) -> asyncio.Semaphore:
-        """A thread call's timeout starts when a thread is free for it, not when queued."""
-        loop = asyncio.get_running_loop()
-        if loop not in self._slots:
-            self._slots[loop] = asyncio.Semaphore(self._workers)
-        return self._slots[loop]
 
     def _process_pool(self) -> pebble.ProcessPool:
         assert self._pool is not None
@@ -373,8 +375,8 @@ class RewardRunner:
         if self._pool is not None:
             self._pool.stop()
             self._pool.join()
-        if self._thread_pool is not None:  # a hung thread would block a join: none here
-            self._thread_pool.stop()
+        if self._threads is not None:
+            self._threads.close()
         if self._loop is not None:
             self._loop.close()
 

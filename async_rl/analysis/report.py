@@ -25,15 +25,37 @@ from async_rl.analysis.idle import (
     busy_fraction,
     by_role,
     hint,
+    natural_key,
     resolve,
+    roles_in_windows,
     step_windows,
 )
+from async_rl.analysis.results import result_table
+from async_rl.analysis.tables import (
+    DEVICE_ROWS,
+    FEW_DEVICES,
+    idle_table,
+    listed_workers,
+    most_idle,
+    pct,
+    wide_console,
+)
 from async_rl.analysis.trace import write_chrome_trace, write_timeline_png
-from async_rl.run.run_dir import CONFIG, EVALS, RUN_RECORD, SPANS, USAGE, read_record, read_summary
+from async_rl.config import SimulateConfig
+from async_rl.run.run_dir import (
+    CONFIG,
+    EVALS,
+    RUN_RECORD,
+    SPANS,
+    SUMMARY,
+    USAGE,
+    read_record,
+    read_summary,
+)
 from async_rl.run.run_record import describe
 from async_rl.run.summary import BucketDrops, RunSummary, describe_failures
 from buffers.records import UsageReading
-from workers.spans import COMPUTING_IDLE, IDLE, Span
+from workers.spans import COMPUTING_IDLE, Span
 
 TRACE = "trace.json"
 TIMELINE = "timeline.png"
@@ -44,9 +66,7 @@ command's --set values show up as config differences)."""
 
 
 def read_spans(run_dir: str | Path) -> list[Span]:
-    decoder = msgspec.json.Decoder(Span)
-    lines = (Path(run_dir) / SPANS).read_bytes().splitlines()
-    return [decoder.decode(line) for line in lines if line]
+    return msgspec.json.Decoder(Span).decode_lines((Path(run_dir) / SPANS).read_bytes())
 
 
 class StepIdle(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,13 +105,15 @@ def idle_of(spans: Sequence[Span]) -> tuple[RunIdle, list[Span]]:
     start = min((s.start for s in window), default=0.0)
     end = max((s.end for s in window), default=0.0)
     per_worker = breakdown(resolved, start, end)
+    steps = step_windows(controller)
     per_step = tuple(
-        StepIdle(step=step, start=lo, end=hi,
-                 roles=tuple(by_role(breakdown(resolved, lo, hi))))
-        for step, lo, hi in step_windows(controller)
-    )
+        StepIdle(step=step, start=lo, end=hi, roles=tuple(roles))
+        for (step, lo, hi), roles in zip(
+            steps, roles_in_windows(resolved, [(lo, hi) for _, lo, hi in steps]),
+            strict=True))
     shown = [
-        msgspec.structs.replace(s, start=max(s.start, start), end=min(s.end, end))
+        s if start <= s.start and s.end <= end
+        else msgspec.structs.replace(s, start=max(s.start, start), end=min(s.end, end))
         for s in resolved + controller
         if s.end > start and s.start < end
     ]
@@ -100,21 +122,62 @@ def idle_of(spans: Sequence[Span]) -> tuple[RunIdle, list[Span]]:
 
 
 def build_report(run_dir: str | Path) -> RunIdle:
-    """Writes trace.json, timeline.png and idle.json into the run directory."""
+    """Writes trace.json, timeline.png and idle.json into the run directory. Past
+    ``DEVICE_ROWS`` workers, the trace keeps every trainer shard and the engines
+    ``traced_engines`` picks (simulate.detail of the run's config), and the timeline
+    draws one row per role and the most idle devices."""
     path = Path(run_dir)
     idle, resolved = idle_of(read_spans(path))
     if (path / USAGE).exists():
         idle = msgspec.structs.replace(idle, cross_check=cross_check(idle, path / USAGE))
-    write_chrome_trace(resolved, path / TRACE)
+    engines = traced_engines(idle, _detail(path))
+    write_chrome_trace([s for s in resolved if s.role != "rollout" or s.worker in engines],
+                       path / TRACE, note=_sampled(idle, engines))
     notes = {w.name: f"busy {w.busy_s / w.wall_s:.0%}, most waiting: {w.top_cause}"
              for w in idle.workers if w.wall_s}
     hints = [f"{r.role}: {hint(r)}" for r in idle.roles if r.idle_s > 0 and hint(r)]
-    write_timeline_png(resolved, path / TIMELINE,
-                       title=f"{path.name}: what each device did "
-                             "(green/blue = busy, warm colours = waiting, by cause)",
-                       row_notes=notes, footer="\n".join(hints))
+    title = (f"{path.name}: what each device did "
+             "(green/blue = busy, warm colours = waiting, by cause)")
+    if len(idle.workers) <= DEVICE_ROWS:
+        write_timeline_png(resolved, path / TIMELINE, title=title, row_notes=notes,
+                           footer="\n".join(hints))
+    else:
+        drawn = {w.name for w in most_idle(idle.workers, FEW_DEVICES)}
+        write_timeline_png(
+            [s for s in resolved if s.role == "controller" or s.worker in drawn],
+            path / TIMELINE, title=title, row_notes=notes, footer="\n".join(hints),
+            roles={r.role: ([s for s in resolved if s.role == r.role],
+                            len([w for w in idle.workers if w.role == r.role]))
+                   for r in idle.roles})
     (path / IDLE_JSON).write_bytes(msgspec.json.format(msgspec.json.encode(idle)))
     return idle
+
+
+def _detail(run_dir: Path) -> int:
+    """simulate.detail of the run's config (its default without one)."""
+    config = tomllib.loads((run_dir / CONFIG).read_text()) if (run_dir / CONFIG).exists() else {}
+    return int(config.get("simulate", {}).get("detail", SimulateConfig().detail))
+
+
+def traced_engines(idle: RunIdle, detail: int) -> set[str]:
+    """The rollout engines whose spans the trace keeps: all of them up to ``detail``,
+    else ``detail`` evenly spaced ranks and the ``FEW_DEVICES`` most idle engines."""
+    engines = [w.name for w in idle.workers if w.role == "rollout"]
+    if len(engines) <= detail:
+        return set(engines)
+    spaced = {engines[i * len(engines) // detail] for i in range(detail)}
+    return spaced | {w.name for w in most_idle(idle.workers, FEW_DEVICES)
+                     if w.role == "rollout"}
+
+
+def _sampled(idle: RunIdle, engines: set[str]) -> str:
+    """What the trace kept, in words ("" when it kept every worker)."""
+    total = sum(w.role == "rollout" for w in idle.workers)
+    if len(engines) == total:
+        return ""
+    ranks = ", ".join(n.rpartition("-")[2] for n in sorted(engines, key=natural_key))
+    return (f"every trainer shard; {len(engines)} of {total} rollout engines (ranks "
+            f"{ranks}): evenly spaced and the most idle; idle.json accounts for all")
 
 
 def cross_check(idle: RunIdle, usage_path: Path) -> dict[str, dict[str, float]]:
@@ -152,43 +215,23 @@ def drops_by_length(buckets: Sequence[BucketDrops]) -> str:
         return f"<{b.high}" if b.low == 0 else f"{b.low}-{b.high - 1}"
 
     return "stale drops by length (tokens per group): " + ", ".join(
-        f"{label(b)}: {b.dropped}/{b.groups} ({_pct(b.dropped, b.groups)})" for b in buckets)
+        f"{label(b)}: {b.dropped}/{b.groups} ({pct(b.dropped, b.groups)})" for b in buckets)
 
 
-def wide_console() -> Console:
-    """Wide enough for every cause column even when output goes to a file or a pipe."""
-    console = Console()
-    return console if console.is_terminal else Console(width=160)
-
-
-def _pct(part: float, whole: float) -> str:
-    return f"{100 * part / whole:.1f}%" if whole else "-"
-
-
-def idle_table(idle: RunIdle, title: str) -> Table:
-    causes = [c for role in ("rollout", "trainer") for c in IDLE[role]]
-    causes = list(dict.fromkeys(causes))
-    table = Table(title=title)
-    for column in ("worker", "device", "busy", "idle", *causes):
-        table.add_column(column, justify="right" if column not in ("worker", "device") else "left")
-    for item in (*idle.workers, *idle.roles):
-        table.add_row(
-            item.name, item.device, _pct(item.busy_s, item.wall_s),
-            _pct(item.idle_s, item.wall_s),
-            *(_pct(item.idle_by_cause[c], item.wall_s) if c in item.idle_by_cause else ""
-              for c in causes),
-            style="bold" if item.name == item.role else None,
-        )
-    return table
-
-
-def print_report(run_dir: str | Path, console: Console | None = None) -> RunIdle:
-    """Rebuilds the outputs and prints the idle table, hints and headline figures."""
+def print_report(run_dir: str | Path, console: Console | None = None, *,
+                 every: bool = False) -> RunIdle:
+    """Rebuilds the outputs and prints the idle table (per-role rows, then every worker
+    up to ``DEVICE_ROWS`` or with ``every``, else the most idle few), their OS
+    cross-checks, hints and headline figures."""
     console = console or wide_console()
     path = Path(run_dir)
     idle = build_report(path)
-    console.print(idle_table(idle, f"idle time by cause: {path}"))
+    console.print(idle_table(idle.workers, idle.roles, f"idle time by cause: {path}",
+                             every=every))
+    listed = {w.name for w in listed_workers(idle.workers, every)}
     for name, check in idle.cross_check.items():
+        if name not in listed:
+            continue
         extra = f", NVML {check['gpu_util']:.0%}" if "gpu_util" in check else ""
         # Weight loads and snapshot copies use the worker's cores without being busy.
         computing = check.get("span_computing", check["span_busy"])
@@ -199,26 +242,25 @@ def print_report(run_dir: str | Path, console: Console | None = None) -> RunIdle
     for role in idle.roles:
         if role.idle_s > 0 and hint(role):
             console.print(f"top idle cause of {role.role}: {role.top_cause} "
-                          f"({_pct(role.idle_by_cause[role.top_cause], role.wall_s)}) - "
+                          f"({pct(role.idle_by_cause[role.top_cause], role.wall_s)}) - "
                           f"{hint(role)}")
-    if (path / "summary.json").exists():
+    if (path / SUMMARY).exists():
         s = read_summary(path)
-        console.print(
-            f"{s.steps} steps in {s.wall_s:.1f}s: {s.groups_per_s:.2f} groups/s, "
-            f"{s.tokens_per_s:.0f} tokens/s; accuracy {s.accuracy_start} -> {s.accuracy_end}; "
-            f"staleness histogram {list(s.staleness_histogram)}"
-        )
+        console.print(result_table(path, idle.roles))
         if s.filtered_groups:
             console.print(f"filtered (rollout.filter_groups, no signal): {s.filtered_groups} "
                           f"of {s.groups_generated} groups generated")
-        if s.stale_drops_by_length:  # summaries written before it have none
+        if s.dropped_stale and s.stale_drops_by_length:  # older summaries have none
             console.print(drops_by_length(s.stale_drops_by_length))
         if s.evals:
             console.print(f"held-out accuracy {s.target_accuracy} {to_target(s)} "
                           f"({len(s.evals)} evaluations in {EVALS})")
         console.print(f"failures: {describe_failures(s.failures) or 'none'}"
                       + (f"; stopped: {s.stopped}" if s.stopped else ""), markup=False)
-    console.print(f"trace: {path / TRACE} (open in ui.perfetto.dev)  timeline: {path / TIMELINE}")
+    sampled = _sampled(idle, traced_engines(idle, _detail(path)))
+    console.print(f"trace: {path / TRACE} (open in ui.perfetto.dev"
+                  + (f"; {sampled.partition(' (')[0]}" if sampled else "")
+                  + f")  timeline: {path / TIMELINE}", markup=False, highlight=False)
     return idle
 
 
@@ -293,9 +335,9 @@ def compare(run_dirs: Sequence[str | Path], console: Console | None = None) -> N
             put("accuracy start -> end", i, f"{s.accuracy_start} -> {s.accuracy_end}")
             put(f"time to accuracy {s.target_accuracy}", i, to_target(s))
         for role in idle.roles:
-            put(f"{role.role} idle", i, _pct(role.idle_s, role.wall_s))
+            put(f"{role.role} idle", i, pct(role.idle_s, role.wall_s))
             for cause, seconds in role.idle_by_cause.items():
-                put(f"  {role.role} {cause}", i, _pct(seconds, role.wall_s))
+                put(f"  {role.role} {cause}", i, pct(seconds, role.wall_s))
     table = Table(title="runs side by side")
     table.add_column("")
     for path in columns:

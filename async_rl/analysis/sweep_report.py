@@ -1,8 +1,10 @@
 """A sweep's results: one row of figures per trial, sweep.csv, the table and sweep.png.
 
 Owns: reading a trial's figures from its run directory (summary.json: throughput,
-staleness, drops, accuracy, time to target; idle.json: each role's idle share and top
-cause), the CSV columns, the printed table and the plot (one panel per swept key).
+staleness, drops, accuracy, time to target; metrics.jsonl: the step time split into
+generation wait, training and weight sync after the pipeline fills; idle.json: each
+role's idle share and top cause), the CSV columns, the printed table and the plot (one
+panel per swept key).
 Knows nothing about how trials are run (``async_rl.analysis.sweep``).
 """
 
@@ -16,13 +18,17 @@ from typing import Any
 import msgspec
 from rich.table import Table
 
-from async_rl.analysis.report import IDLE_JSON, RunIdle, build_report, wide_console
+from async_rl.analysis.report import IDLE_JSON, RunIdle, build_report
+from async_rl.analysis.results import run_split
+from async_rl.analysis.tables import wide_console
 from async_rl.run.run_dir import SPANS, SUMMARY, read_summary
 
-FIGURES = ("groups_per_s", "tokens_per_s", "trainer_idle", "trainer_top_cause",
+FIGURES = ("groups_per_s", "tokens_per_s", "step_s", "wait_s", "train_s", "sync_s",
+           "trainer_idle", "trainer_top_cause",
            "rollout_idle", "rollout_top_cause", "staleness_mean", "dropped_stale",
            "accuracy_end", "time_to_target_s")
-"""The CSV's figure columns, after the swept keys, repeat and status."""
+"""The CSV's figure columns, after the swept keys, repeat and status (step_s and its
+split: means after the pipeline fills, ``async_rl.analysis.results.step_split``)."""
 
 Row = dict[str, Any]
 
@@ -48,6 +54,10 @@ def trial_row(run_dir: Path, values: dict[str, str], *, repeat: int, status: str
             dropped_stale=s.dropped_stale, accuracy_end=s.accuracy_end,
             time_to_target_s=s.time_to_target_s,
         )
+        split = run_split(run_dir)
+        if split:
+            row.update(step_s=round(split.step_s, 3), wait_s=round(split.wait_s, 3),
+                       train_s=round(split.train_s, 3), sync_s=round(split.sync_s, 3))
         idle = run_idle(run_dir)
         for role in idle.roles if idle else ():
             row[f"{role.role}_idle"] = round(role.idle_fraction, 4)
@@ -78,7 +88,8 @@ def print_table(rows: Sequence[Row], keys: Sequence[str], title: str) -> None:
         names = list(keys)
     table = Table(title=title, caption="idle: share of the run and its top cause; drops: "
                   "groups dropped as too stale; to target: time to run.target_accuracy")
-    for column in (*names, "groups/s", "tokens/s", "trainer idle", "rollout idle",
+    for column in (*names, "groups/s", "tokens/s", "step s", "wait/train/sync s",
+                   "trainer idle", "rollout idle",
                    "mean stale", "drops", "final acc", "to target", "status"):
         table.add_column(column, justify="left" if column in names else "right", no_wrap=True)
     for row in rows:
@@ -86,6 +97,9 @@ def print_table(rows: Sequence[Row], keys: Sequence[str], title: str) -> None:
         table.add_row(
             *(str(row[key]) for key in keys),
             _number(row["groups_per_s"], ".2f"), _number(row["tokens_per_s"], ".0f"),
+            _number(row["step_s"], ".2f"),
+            "/".join(_number(row[k], ".2f") for k in ("wait_s", "train_s", "sync_s"))
+            if row["step_s"] is not None else "",
             _idle(row, "trainer"), _idle(row, "rollout"),
             _number(row["staleness_mean"], ".2f"), _number(row["dropped_stale"], "d"),
             _number(row["accuracy_end"], ".3f"),

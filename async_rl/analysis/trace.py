@@ -1,8 +1,10 @@
 """Pictures of a run: a Chrome-trace JSON for Perfetto and a timeline PNG.
 
 Owns: the trace event layout (one track per worker, the controller's tracks, version
-markers, weight-broadcast flow arrows) and the matplotlib timeline (one row per device,
-coloured by cause). Knows nothing about how spans were recorded or resolved.
+markers, weight-broadcast flow arrows, a note of which workers were left out) and the
+matplotlib timeline (one row per device, coloured by cause; for a large run, one row per
+role above them, each time bin split by the share of the role's devices in each cause).
+Knows nothing about how spans were recorded or resolved, or which workers to draw.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import numpy as np
 
 from workers.spans import WEIGHT_UPDATE, Span
 
@@ -57,14 +60,34 @@ def _order(spans: Sequence[Span]) -> list[str]:
     return sorted(names, key=lambda n: names[n])
 
 
-def chrome_trace(spans: Sequence[Span]) -> dict[str, Any]:
-    """Trace-event JSON (open at ui.perfetto.dev): tracks, markers, broadcast flows."""
+class _Complete(msgspec.Struct, kw_only=True):
+    """One span as a trace event ("X": a complete event)."""
+
+    ph: str = "X"
+    name: str
+    cat: str
+    pid: int = 1
+    tid: int
+    ts: float
+    dur: float
+    args: dict[str, int]
+
+
+ROLE_BINS = 600
+"""Time bins of a role's row in the timeline (about one per pixel column of the axes)."""
+
+
+def chrome_trace(spans: Sequence[Span], note: str = "") -> dict[str, Any]:
+    """Trace-event JSON (open at ui.perfetto.dev): tracks, markers, broadcast flows;
+    ``note`` (which workers were left out) is the process's name and the trace's
+    metadata."""
     if not spans:
         return {"traceEvents": [], "displayTimeUnit": "ms"}
     origin = min(s.start for s in spans)
     tids = {name: i + 1 for i, name in enumerate(_order(spans))}
-    events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "async-rl run"}}
+    events: list[dict[str, Any] | _Complete] = [
+        {"ph": "M", "name": "process_name", "pid": 1,
+         "args": {"name": f"async-rl run ({note})" if note else "async-rl run"}}
     ]
     devices = {s.worker: s.device for s in spans}
     for name, tid in tids.items():
@@ -76,10 +99,13 @@ def chrome_trace(spans: Sequence[Span]) -> dict[str, Any]:
     def us(t: float) -> float:
         return round((t - origin) * 1e6, 1)
 
+    # The hot loop of a large run's trace (a million spans): us() inlined, and a
+    # Struct a span (quicker to make and to encode than a dict).
     for s in spans:
-        events.append({"ph": "X", "name": s.cause, "cat": s.role, "pid": 1,
-                       "tid": tids[s.worker], "ts": us(s.start), "dur": us(s.end) - us(s.start),
-                       "args": {"version": s.version}})
+        start = round((s.start - origin) * 1e6, 1)
+        events.append(_Complete(name=s.cause, cat=s.role, tid=tids[s.worker], ts=start,
+                                dur=round((s.end - origin) * 1e6, 1) - start,
+                                args={"version": s.version}))
     publishes = {s.version: s for s in spans if s.cause == "weight_publish"}
     # An arrow from each publish to where each engine's pause for it began.
     firsts: dict[tuple[int, str], Span] = {}
@@ -99,20 +125,48 @@ def chrome_trace(spans: Sequence[Span]) -> dict[str, Any]:
                            "ts": us(publish.start)})
             events.append({**flow, "ph": "f", "bp": "e", "tid": tids[sync.worker],
                            "ts": us(sync.start)})
-    return {"traceEvents": events, "displayTimeUnit": "ms"}
+    return {"traceEvents": events, "displayTimeUnit": "ms",
+            **({"metadata": {"workers": note}} if note else {})}
 
 
-def write_chrome_trace(spans: Sequence[Span], path: str | Path) -> None:
-    Path(path).write_bytes(msgspec.json.encode(chrome_trace(spans)))
+def write_chrome_trace(spans: Sequence[Span], path: str | Path, note: str = "") -> None:
+    Path(path).write_bytes(msgspec.json.encode(chrome_trace(spans, note)))
+
+
+def cause_shares(spans: Sequence[Span], devices: int, edges: np.ndarray
+                 ) -> dict[str, np.ndarray]:
+    """Per cause, the share of ``devices`` devices' time in it in each bin between
+    ``edges``: the time covered by a cause's spans up to t is the sum over spans started
+    before t of (t - start), less that over spans ended before t, so sorted starts and
+    ends give every bin at once."""
+    by_cause: dict[str, tuple[list[float], list[float]]] = defaultdict(lambda: ([], []))
+    for s in spans:
+        starts, ends = by_cause[s.cause]
+        starts.append(s.start)
+        ends.append(s.end)
+    shares = {}
+    width = np.diff(edges) * max(devices, 1)
+    for cause, bounds in by_cause.items():
+        covered = np.zeros_like(edges)
+        for times_, sign in zip(bounds, (1.0, -1.0), strict=True):
+            times = np.sort(np.array(times_))
+            before = np.searchsorted(times, edges)
+            sums = np.concatenate(([0.0], np.cumsum(times)))
+            covered += sign * (before * edges - sums[before])
+        shares[cause] = np.diff(covered) / width
+    return shares
 
 
 def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "",
-                       row_notes: dict[str, str] | None = None, footer: str = "") -> None:
+                       row_notes: dict[str, str] | None = None, footer: str = "",
+                       roles: dict[str, tuple[Sequence[Span], int]] | None = None) -> None:
     """One row per worker, coloured by cause, with a legend of the causes present.
 
     ``row_notes`` adds a line under a row's label (e.g. "busy 48%, waits: wait_data");
     ``footer`` is printed under the legend (e.g. the top idle cause and its hint), each
-    of its lines wrapped to the image's width.
+    of its lines wrapped to the image's width. ``roles`` (role: its spans and its
+    number of devices) adds a row per role on top, each time bin stacked by the share
+    of the role's devices in each cause (``cause_shares``).
     """
     import matplotlib
 
@@ -120,11 +174,13 @@ def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "",
     import matplotlib.pyplot as plt
     from matplotlib.patches import Patch
 
+    roles = roles or {}
     names = _order(spans)
-    origin = min((s.start for s in spans), default=0.0)
+    everything = [s for spans_, _ in roles.values() for s in spans_] + list(spans)
+    origin = min((s.start for s in everything), default=0.0)
     devices = {s.worker: s.device for s in spans}
     known = list(COLOURS)
-    present = sorted({s.cause for s in spans},
+    present = sorted({s.cause for s in everything},
                      key=lambda c: known.index(c) if c in known else len(known))
     columns = min(len(present), 7) or 1
     footer_lines = [wrapped for line in footer.splitlines()
@@ -133,18 +189,34 @@ def write_timeline_png(spans: Sequence[Span], path: str | Path, title: str = "",
     # Legend and footer sit in a strip of their own under the axes, sized in inches so
     # the x-axis label never runs into them whatever the number of rows.
     strip = 0.25 * math.ceil(len(present) / columns) + footer_s
-    height = 1.4 + 0.55 * len(names) + strip
+    height = 1.4 + 0.55 * (len(names) + len(roles)) + strip
     fig, ax = plt.subplots(figsize=(TIMELINE_WIDTH_IN, height))
+    by_worker: dict[str, list[Span]] = defaultdict(list)
+    for s in spans:
+        by_worker[s.worker].append(s)
     for row, name in enumerate(reversed(names)):
-        mine = [s for s in spans if s.worker == name]
+        mine = by_worker[name]
         ax.broken_barh(
             [(s.start - origin, s.end - s.start) for s in mine], (row - 0.4, 0.8),
             facecolors=[COLOURS.get(s.cause, "#000000") for s in mine], linewidth=0,
         )
-    ax.set_yticks(range(len(names)))
+    end = max((s.end for s in everything), default=origin)
+    edges = np.linspace(origin, max(end, origin + 1e-9), ROLE_BINS + 1)
+    for row, (role_spans, count) in enumerate(reversed(roles.values()), len(names)):
+        bottom = np.zeros(ROLE_BINS)
+        for cause, share in sorted(cause_shares(role_spans, count, edges).items(),
+                                   key=lambda item: present.index(item[0])):
+            top = bottom + share
+            ax.fill_between(edges - origin, row - 0.4 + 0.8 * np.append(bottom, bottom[-1]),
+                            row - 0.4 + 0.8 * np.append(top, top[-1]), step="post",
+                            color=COLOURS.get(cause, "#000000"), linewidth=0)
+            bottom = top
+    ax.set_yticks(range(len(names) + len(roles)))
     notes = row_notes or {}
     ax.set_yticklabels([f"{n} ({devices[n]})" + (f"\n{notes[n]}" if n in notes else "")
-                        for n in reversed(names)], fontsize=8)
+                        for n in reversed(names)]
+                       + [f"{role}: {count} devices\n(share in each cause)"
+                          for role, (_, count) in reversed(roles.items())], fontsize=8)
     ax.set_xlabel("seconds since start")
     fig.legend(handles=[Patch(color=COLOURS.get(c, "#000000"), label=c) for c in present],
                loc="lower center", bbox_to_anchor=(0.5, (footer_s or 0.05) / height),

@@ -1,10 +1,13 @@
 """From a step's groups to per-shard work: advantages and the plan, made from metadata.
 
-Owns: the rewards advantages are computed from (``training_rewards``: the samples'
-rewards, plus DAPO's over-long penalty with trainer.overlong = "penalty"; the group
-filter of rollout.filter_groups judges the same ones), which samples are trained
-(``trained_sample``: trainer.overlong = "mask" leaves out completions cut at
-max_new_tokens), giving every sample its group-normalised advantage, cutting the step into
+Owns: which samples are a group's members (``Group.members``; task.on_reward_failure =
+"zero" takes lost scores back in, ``with_reward_failures``), the rewards advantages are
+computed from (``training_rewards``: the members' rewards, plus DAPO's over-long penalty
+with trainer.overlong = "penalty", on each member's longest policy turn, what
+rollout.max_new_tokens caps; the group filter of rollout.filter_groups judges the same
+ones), which members are trained (``trained_sample``: trainer.overlong = "mask" leaves
+out those with a turn cut at max_new_tokens), giving every member its group-normalised
+advantage, cutting the step into
 ``trainer.mini_batches`` mini-batches of whole groups (one optimizer update each), and
 laying the samples out as the balancing plan says, as slots (group, sample, advantage)
 into each shard's list of group references. Knows nothing about Ray or torch and never
@@ -18,30 +21,44 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import msgspec
 import numpy as np
 
 from buffers.advantages import group_advantages, overlong_penalty
 from buffers.balance import StepPlan, plan_step
-from buffers.records import Group, SequenceSlot, ShardBatch
+from buffers.records import REWARD_FAILED, Group, SequenceSlot, ShardBatch
 from workers.trainer.config import TrainerConfig
+
+
+def with_reward_failures(group: Group) -> Group:
+    """``group`` with the samples whose score was lost taken back in as members
+    (task.on_reward_failure = "zero": they count with reward 0)."""
+    if REWARD_FAILED not in group.excluded:
+        return group
+    excluded = tuple("" if why == REWARD_FAILED else why for why in group.excluded)
+    return msgspec.structs.replace(group, excluded=excluded if any(excluded) else ())
 
 
 def training_rewards(group: Group, trainer: TrainerConfig,
                      max_new_tokens: int | None = None) -> list[float]:
-    """The rewards the group's advantages are computed from: its samples' rewards, each
-    plus ``overlong_penalty`` with trainer.overlong = "penalty" (``max_new_tokens``,
-    rollout.max_new_tokens, is needed then)."""
+    """The rewards the group's advantages are computed from, one per member
+    (``Group.members``, in order): its reward, plus ``overlong_penalty`` of its longest
+    policy turn with trainer.overlong = "penalty" (``max_new_tokens``,
+    rollout.max_new_tokens, is needed then; observations never count)."""
+    members = group.members
     if trainer.overlong != "penalty":
-        return list(group.rewards)
+        return [group.rewards[k] for k in members]
     if max_new_tokens is None:
         raise ValueError('trainer.overlong = "penalty" needs rollout.max_new_tokens')
-    return [reward + overlong_penalty(length, max_new_tokens, trainer.overlong_buffer)
-            for reward, length in zip(group.rewards, group.completion_lengths, strict=True)]
+    turns = group.turn_lengths
+    return [group.rewards[k] + overlong_penalty(turns[k], max_new_tokens,
+                                                trainer.overlong_buffer)
+            for k in members]
 
 
 def trained_sample(group: Group, sample: int, trainer: TrainerConfig) -> bool:
-    """Whether the sample gets a loss: not with trainer.overlong = "mask" when it was cut
-    at max_new_tokens (finish reason "length")."""
+    """Whether a member gets a loss: not with trainer.overlong = "mask" when one of its
+    turns was cut at max_new_tokens (finish reason "length")."""
     return trainer.overlong != "mask" or group.finish_reasons[sample] != "length"
 
 
@@ -52,24 +69,24 @@ def shard_batches(
     """The per-shard batches of one optimizer step and the plan that laid them out
     (``max_new_tokens``: rollout.max_new_tokens, for trainer.overlong = "penalty").
 
-    A shard's batch lists only the groups it trains on, in first-use order. A sample
+    A shard's batch lists only the groups it trains on, in first-use order. Only members
+    are trained (an excluded sample is in no batch and in no advantage); a member
     ``trained_sample`` leaves out is in no batch (its reward still counted in its
     group's advantages); a step may then train fewer samples, or none.
     """
-    # Every trained sample in group order: (group index, sample index, advantage, length).
+    # Every trained member in group order: (group index, sample index, advantage, length).
     samples = [
-        (g, k, advantage, length)
+        (g, k, advantage, group.sequence_lengths[k])
         for g, group in enumerate(groups)
-        for k, (advantage, length) in enumerate(
-            zip(group_advantages(training_rewards(group, trainer, max_new_tokens),
-                                 trainer.advantage_std),
-                group.sequence_lengths, strict=True))
+        for k, advantage in zip(group.members, group_advantages(
+            training_rewards(group, trainer, max_new_tokens), trainer.advantage_std),
+            strict=True)
         if trained_sample(group, k, trainer)
     ]
     # Mini-batches: consecutive runs of whole groups, one optimizer update each.
     chunks = np.array_split(np.arange(len(groups)),
                             max(1, min(trainer.mini_batches, len(groups))))
-    trained = [sum(trained_sample(group, k, trainer) for k in range(group.num_samples))
+    trained = [sum(trained_sample(group, k, trainer) for k in group.members)
                for group in groups]
     plan = plan_step(
         [length for *_, length in samples],

@@ -12,8 +12,11 @@ replacing rollout workers is ``async_rl.control.rollout_pool``'s; which failures
 run, ``async_rl.control.run_health``'s; what a checkpoint holds and the order of its
 writes, ``async_rl.control.run_checkpoints``'; reading the workers' usage and spans,
 ``async_rl.control.worker_readings``'. It keeps the prompt ledger: every admitted prompt
-ends trained exactly once, dropped as filtered (rollout.filter_groups), or re-queued with
-a reason (a failure, a stale drop, an environment timeout with on_timeout = "requeue").
+ends trained exactly once, dropped as filtered (rollout.filter_groups), re-queued with
+a reason (a failure, a stale drop, a group left with fewer than two members, an
+environment timeout or error with on_timeout / on_error = "requeue"), or, past
+run.max_readmissions re-admissions, dropped for good. A group's members are the samples
+the policy wrote and the task scored (``Group.members``); the rest are counted by reason.
 It sees workers only through ``async_rl.control.protocols`` and groups only as metadata
 (the tokens stay with the workers). Knows nothing about Ray (``async_rl.shell.ray_shell``
 starts the workers and hands them in), how engines generate or shards compute, nor the
@@ -33,7 +36,7 @@ import anyio.abc
 
 from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.config import Config
-from async_rl.control.batching import shard_batches, training_rewards
+from async_rl.control.batching import shard_batches, training_rewards, with_reward_failures
 from async_rl.control.checkpoint import RunState
 from async_rl.control.concurrent_calls import each
 from async_rl.control.evaluation import EvalLog
@@ -107,6 +110,11 @@ class Orchestrator:
         """Training wall time already spent before this process (on resume)."""
         self.stop_reason = ""
         """Set by ``request_stop``: no step starts after it; the run ends cleanly."""
+        self.stop_deadline = math.inf
+        """When a requested stop gives up waiting for the step's groups (event-loop
+        time: run.stop_timeout_s after ``request_stop``)."""
+        self._taking: anyio.CancelScope | None = None
+        """The wait for a step's groups, while it runs (a stop's deadline reaches it)."""
         self.step_lock = anyio.Lock()
         """Held while shards train and the version moves on: holding it, the trainer's
         weights are exactly ``self.version`` (a restarted engine starts from them)."""
@@ -115,7 +123,8 @@ class Orchestrator:
                                 stall_timeout_s=config.rollout.stall_timeout_s,
                                 max_filtered_in_a_row=config.rollout.max_filtered_in_a_row,
                                 clock=self.clock)
-        self.prompts = PromptLedger(out, lambda: self.version, clock=wall)
+        self.prompts = PromptLedger(out, lambda: self.version, clock=wall,
+                                    max_readmissions=config.run.max_readmissions)
         self.evals = EvalLog(every=config.run.eval_every, num_steps=config.run.num_steps)
         self.evaluations = EvaluationRunner(eval_prompts, self.evals, self.pool,
                                             self.health, out, evaluator=workers.evaluator,
@@ -233,16 +242,29 @@ class Orchestrator:
             # older: a take that must hold the group waits for it (wait_for_expiring).
             with self.queue.expecting(self.gate.version):
                 group = await worker.generate(prompt)
+            if self.config.task.on_reward_failure == "zero":
+                group = with_reward_failures(group)
             self.totals.generated(group)
-            self.prompts.write(prompt, "generated", lengths=group.completion_lengths)
-            if group.env_timeouts and self.config.task.environment.on_timeout == "requeue":
+            # The members' lengths: what ``async-rl simulate --lengths RUN_DIR`` replays.
+            self.prompts.write(prompt, "generated", lengths=tuple(
+                group.completion_lengths[k] for k in group.members))
+            env = self.config.task.environment
+            if group.env_timeouts and env.on_timeout == "requeue":
                 self._requeue(prompt, "dropped", "env_timeout")  # the group runs again
+                return
+            if group.env_errors and env.on_error == "requeue":
+                self._requeue(prompt, "dropped", "env_error")
+                return
+            if len(group.members) < 2:  # no GRPO group: nothing to compare a member with
+                self.totals.too_few_members += 1
+                self._requeue(prompt, "dropped", "too_few_members")
                 return
             if self._filtered(group):
                 return
-            # The worker's slot stays taken until the queue has room: backpressure.
-            await self.queue.put(group)
-            self.health.progressed()
+            # The worker's slot stays taken until the queue has room: backpressure. A
+            # group dropped as stale there is no progress (its prompt runs again).
+            if await self.queue.put(group):
+                self.health.progressed()
         except RolloutFailed as failed:
             self.health.rollout_failed(failed)
             if failed.worker_gone:
@@ -270,9 +292,14 @@ class Orchestrator:
             while step <= cfg.run.num_steps and not self.stop_reason:
                 self.training.switch("wait_data", self.version)
                 t0 = self.clock()
-                groups = await self.queue.take(cfg.trainer.groups_per_step,
-                                               at_version=self.version,
-                                               homogeneous=cfg.queue.homogeneous_take)
+                with anyio.CancelScope(deadline=self.stop_deadline) as taking:
+                    self._taking = taking
+                    groups = await self.queue.take(cfg.trainer.groups_per_step,
+                                                   at_version=self.version,
+                                                   homogeneous=cfg.queue.homogeneous_take)
+                self._taking = None
+                if taking.cancelled_caught:
+                    break  # a stop's deadline passed before the step had its groups
                 self.training.switch("training")
                 t1 = self.clock()
                 batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step,
@@ -343,10 +370,18 @@ class Orchestrator:
     # ---- stopping, failing, resuming ---------------------------------------------------
 
     def request_stop(self, reason: str) -> None:
-        """Ends the run cleanly after the step in progress: no new step starts."""
+        """Ends the run cleanly after the step in progress: no new step starts. A step
+        still waiting for its groups gets run.stop_timeout_s more; then it is abandoned
+        (its groups stay owed: the checkpoint keeps their prompts). Call it in the run's
+        event loop."""
         if not self.stop_reason:
             self.stop_reason = reason
-            log.info("%s: stopping after the current step (again to stop at once)", reason)
+            timeout = self.config.run.stop_timeout_s
+            self.stop_deadline = anyio.current_time() + timeout
+            if self._taking is not None:
+                self._taking.deadline = self.stop_deadline
+            log.info("%s: stopping after the current step, waiting at most %g s for it "
+                     "(run.stop_timeout_s; again to stop at once)", reason, timeout)
 
     async def _stop_failed(self, failure: Exception,
                            group: BaseExceptionGroup[BaseException]) -> str:
@@ -400,6 +435,8 @@ class Orchestrator:
         self._requeue(dropped.item.prompt, "dropped", dropped.reason)
 
     def _requeue(self, prompt: Prompt, event: str, reason: str) -> None:
-        """Gives the prompt's admission slot back and runs it again: nothing is lost."""
+        """Gives the prompt's admission slot back and runs it again: nothing is lost
+        (past run.max_readmissions it is dropped for good, and counted)."""
         self.gate.release()
-        self.prompts.requeue(prompt, event, reason)
+        if not self.prompts.requeue(prompt, event, reason):
+            self.totals.readmissions_exhausted += 1

@@ -25,14 +25,18 @@ from buffers.records import LedgerEntry, Prompt
 
 FILTERED = "filtered"
 """The reason of a final drop: rollout.filter_groups found the group without signal."""
+READMISSIONS_EXHAUSTED = "readmissions_exhausted"
+"""The reason of a final drop: the prompt already ran again run.max_readmissions times."""
 
 
 class PromptLedger:
     """A run's prompts in flight, owed, and their events; ``version`` labels each event."""
 
     def __init__(self, out: RunWriter, version: Callable[[], int],
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, max_readmissions: int = 4) -> None:
+        """``max_readmissions``: run.max_readmissions."""
         self._out, self._version, self._clock = out, version, clock
+        self.max_readmissions = max_readmissions
         self.requeued: deque[Prompt] = deque()
         self.open: dict[str, Prompt] = {}
         """Admitted and not yet trained or re-queued: in flight or in the queue."""
@@ -63,12 +67,17 @@ class PromptLedger:
         self.open.pop(prompt.prompt_id, None)
         self.write(prompt, "dropped", reason=FILTERED, rewards=rewards)
 
-    def requeue(self, prompt: Prompt, event: str, reason: str) -> None:
-        """``event`` (dropped, failed) and the prompt runs again, as its next attempt."""
+    def requeue(self, prompt: Prompt, event: str, reason: str) -> bool:
+        """``event`` (dropped, failed) and the prompt runs again, as its next attempt;
+        False: it already ran again ``max_readmissions`` times and is dropped for good."""
         self.write(prompt, event, reason=reason)
         self.open.pop(prompt.prompt_id, None)
+        if prompt.attempt >= self.max_readmissions:
+            self.write(prompt, "dropped", reason=READMISSIONS_EXHAUSTED)
+            return False
         self.requeued.append(msgspec.structs.replace(prompt, attempt=prompt.attempt + 1))
         self.write(prompt, "requeued", reason=reason)
+        return True
 
     def owed(self) -> tuple[Prompt, ...]:
         """Every prompt admitted or re-queued and not trained (what a checkpoint keeps)."""

@@ -47,6 +47,10 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     filtered_groups: int = 0
     env_timeouts: int = 0
     env_errors: int = 0
+    excluded_members: dict[str, int] = {}
+    too_few_members: int = 0
+    readmissions_exhausted: int = 0
+    reward_pool_saturated: int = 0
 
 
 class StepTotals:
@@ -76,6 +80,14 @@ class StepTotals:
         """Trajectories ended by an environment call past task.environment.turn_timeout_s."""
         self.env_errors = 0
         """Trajectories ended by an environment that raised."""
+        self.excluded_members: Counter[str] = Counter()
+        """Samples that were no group member, by reason (``Group.excluded``)."""
+        self.too_few_members = 0
+        """Groups dropped with fewer than two members left (their prompts ran again)."""
+        self.readmissions_exhausted = 0
+        """Prompts dropped for good after run.max_readmissions re-admissions."""
+        self.reward_pool_saturated = 0
+        """Of reward_timeouts, scores refused at once: every reward thread was stuck."""
         self.row_mark = (0, 0)
         """(groups_generated, filtered_groups) at the last metrics row."""
         self.nonfinite_in_a_row = 0
@@ -89,8 +101,10 @@ class StepTotals:
         """A group came back from a rollout worker (before it is queued)."""
         self.reward_failures += group.reward_failures
         self.reward_timeouts += group.reward_timeouts
+        self.reward_pool_saturated += group.reward_pool_saturated
         self.env_timeouts += group.env_timeouts
         self.env_errors += group.env_errors
+        self.excluded_members.update(why for why in group.excluded if why)
         self.groups_generated += 1
         self.generated_by_bucket[bucket_index(self.bucket_edges, group.num_tokens)] += 1
 
@@ -119,13 +133,17 @@ class StepTotals:
             timeouts=self.timeouts, stale_drops_by_length=self.by_length(),
             reward_timeouts=self.reward_timeouts, groups_generated=self.groups_generated,
             filtered_groups=self.filtered_groups, env_timeouts=self.env_timeouts,
-            env_errors=self.env_errors)
+            env_errors=self.env_errors, excluded_members=dict(self.excluded_members),
+            too_few_members=self.too_few_members,
+            readmissions_exhausted=self.readmissions_exhausted,
+            reward_pool_saturated=self.reward_pool_saturated)
 
     def restore(self, counters: Counters) -> None:
         for name in Counters.__struct_fields__:
-            if name not in ("staleness", "stale_drops_by_length"):
+            if name not in ("staleness", "stale_drops_by_length", "excluded_members"):
                 setattr(self, name, getattr(counters, name))
         self.staleness = Counter(counters.staleness)
+        self.excluded_members = Counter(counters.excluded_members)
         self.row_mark = (self.groups_generated, self.filtered_groups)
         saved = counters.stale_drops_by_length
         # Counts by other bucket edges (changed on resume) would be mislabelled here.
@@ -157,6 +175,11 @@ class StepTotals:
             "env_timeouts": self.env_timeouts,
             "env_errors": self.env_errors,
             "stale_drops": self.dropped_stale,
+            # Samples that were no group member, by reason (env_too_long, reward_failed...).
+            **{f"excluded_{why}": n for why, n in sorted(self.excluded_members.items())},
+            "too_few_members": self.too_few_members,
+            "readmissions_exhausted": self.readmissions_exhausted,
+            "reward_pool_saturated": self.reward_pool_saturated,
         }
 
     def summary(self, *, wall_s: float, final_version: int, accuracy_start: float | None,
@@ -219,17 +242,18 @@ def step_row(
     queue: ReplayQueueStatistics,
     totals: StepTotals,
 ) -> dict[str, Any]:
-    """One metrics row; also folds the step into ``totals``."""
-    rewards = [r for g in groups for r in g.rewards]
-    finishes = [f for g in groups for f in g.finish_reasons]
+    """One metrics row; also folds the step into ``totals``. Rewards, finish reasons and
+    lengths are the groups' members' (``Group.members``)."""
+    rewards = [g.rewards[k] for g in groups for k in g.members]
+    finishes = [g.finish_reasons[k] for g in groups for k in g.members]
     tokens = sum(g.num_tokens for g in groups)
     totals.groups_trained += len(groups)
-    totals.samples_trained += sum(g.num_samples for g in groups)
+    totals.samples_trained += sum(len(g.members) for g in groups)
     totals.tokens_trained += tokens
     totals.staleness.update(staleness)
     histogram = Counter(staleness)
     step_s = wait_s + train_s + sync_s
-    lengths = sorted(n for g in groups for n in g.completion_lengths)
+    lengths = sorted(g.completion_lengths[k] for g in groups for k in g.members)
     by_reward: dict[str, list[float]] = {}
     for group in groups:
         for name, mean in group.reward_means.items():

@@ -163,10 +163,10 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
     """
     layout = assign_cpus(
         cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
-        cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate,
+        cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate is True,
     )
     cluster_gpus = ray.cluster_resources().get("GPU", 0)
-    gpus = gpus_per_worker(cluster_gpus, cfg.run.colocate)
+    gpus = gpus_per_worker(cluster_gpus, cfg.run.colocate is True)
     check_transport(cfg.weights, cuda=bool(gpus))
     check_gpus(layout, cluster_gpus)
     groups = make_placement_groups(

@@ -8,10 +8,11 @@ model.path's config.json, or the simulate section), and ``Costs``, which turns t
 seconds:
 
 - a decode step of ``n`` running sequences holding ``context`` tokens: a fixed overhead
-  plus the larger of the compute (2·N FLOPs per sequence at the decode MFU) and the
-  memory traffic (the weights once, plus every context token's KV entries, at the
-  achieved bandwidth); a prefill of ``tokens`` is compute-bound;
-- a training micro-batch of sequences of T tokens each: 6·N·T for the weights plus
+  plus the larger of the compute (2·N FLOPs per sequence at the decode MFU, N the
+  active parameters) and the memory traffic (all the weights once, plus every context
+  token's KV entries, at the achieved bandwidth); a prefill of ``tokens`` is
+  compute-bound;
+- a training micro-batch of sequences of T tokens each: 6·N·T (N active) plus
   6·W·T² for causal attention (W: layers x query heads x head dim; forward 2·W·T²,
   backward twice that) at the training MFU, plus a fixed overhead, slower while rollout
   engines are busy on the same machine (``cores``, ``contention``: CPU machines only);
@@ -62,6 +63,16 @@ class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """Achieved / peak FLOP/s in decode and prefill."""
     memory_efficiency: float = 0.8
     """Achieved / peak memory bandwidth in decode."""
+    device_memory: float = 0.0
+    """Bytes of one device's memory: with rollout.memory_fraction, the weights and the
+    KV bytes per token, what bounds an engine's KV cache (0: not bounded)."""
+    engine_release_s: float = 0.0
+    """run.colocate = "time": fixed seconds an engine takes to release its devices to a
+    training step (vLLM's sleep: its KV cache freed, its weights kept or offloaded)."""
+    engine_reload_s: float = 0.0
+    """run.colocate = "time": fixed seconds an engine takes to take its devices back
+    after the step (wake up, the KV cache allocated anew), besides copying the new
+    weights in device memory."""
     decode_step_s: float = 0.0
     """Fixed seconds per engine step (scheduling, sampling, launches)."""
     micro_batch_s: float = 0.0
@@ -123,6 +134,11 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     """What the costs need of the model."""
 
     parameters: float
+    """All of them: the weights' bytes (read every decode step, sent every version, in
+    memory), the gradients' (all-reduced every update)."""
+    active_parameters: float = 0.0
+    """Those one token passes through (a mixture of experts': shared and routed-to
+    experts): the FLOPs of training, decode and prefill; 0: all of them."""
     kv_bytes_per_token: float
     bytes_per_parameter: float
     """Of the weights as rollout and training hold them (model.dtype)."""
@@ -132,7 +148,8 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
-                kv_bytes_per_token: float = 0.0, attention_width: float = 0.0) -> ModelShape:
+                kv_bytes_per_token: float = 0.0, attention_width: float = 0.0,
+                active_parameters: float = 0.0) -> ModelShape:
     """The model's size: given figures win, the rest is counted from its config.json (a
     Qwen2/Llama-style decoder). With parameters and kv_bytes_per_token given and no
     config.json, attention is counted only if ``attention_width`` is given."""
@@ -140,7 +157,8 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
     path = Path(model_path) / "config.json"
     if parameters and kv_bytes_per_token and (attention_width or not path.is_file()):
         return ModelShape(parameters=parameters, kv_bytes_per_token=kv_bytes_per_token,
-                          bytes_per_parameter=width, attention_width=attention_width)
+                          bytes_per_parameter=width, attention_width=attention_width,
+                          active_parameters=active_parameters)
     if not path.is_file():
         raise ConfigError(f"config error: simulate.parameters = {parameters:g}: model.path "
                           f"{model_path!r} has no config.json to count them from: give "
@@ -157,6 +175,7 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
     embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
     counted = layers * (attention + mlp + 2 * hidden) + embeddings + hidden
     return ModelShape(parameters=parameters or float(counted),
+                      active_parameters=active_parameters,
                       kv_bytes_per_token=kv_bytes_per_token or kv_bytes(c, width),
                       bytes_per_parameter=width,
                       attention_width=attention_width or float(layers * heads * head_dim))
@@ -167,9 +186,11 @@ class Costs:
 
     def __init__(self, hardware: Hardware, model: ModelShape) -> None:
         self.hardware, self.model = hardware, model
-        h, n = hardware, model.parameters
+        h = hardware
+        # FLOPs count the parameters a token passes through; bytes count all of them.
+        n = model.active_parameters or model.parameters
         rollout, trainer = h.devices_per_rollout_worker, h.devices_per_trainer_shard
-        self.weight_bytes = n * model.bytes_per_parameter
+        self.weight_bytes = model.parameters * model.bytes_per_parameter
         self._decode_flop_s = 2 * n / (h.peak_flops * rollout * h.decode_mfu)
         """Seconds of compute per sequence per decode step (and per prefill token)."""
         bandwidth = h.memory_bandwidth * rollout * h.memory_efficiency
@@ -233,6 +254,29 @@ class Costs:
         h = self.hardware
         ring = 2 * (shards - 1) / shards * self.model.parameters * 4 if shards > 1 else 0.0
         return h.update_s + ring / (h.interconnect_bandwidth * h.devices_per_trainer_shard)
+
+    def kv_tokens(self, memory_fraction: float) -> float | None:
+        """Tokens of KV cache one engine holds: its devices' memory times
+        ``memory_fraction`` (vLLM's gpu_memory_utilization), less the weights, over the
+        KV bytes a token takes (None: the hardware gives no device_memory)."""
+        h = self.hardware
+        if not h.device_memory:
+            return None
+        room = h.device_memory * h.devices_per_rollout_worker * memory_fraction
+        if room <= self.weight_bytes:
+            raise ConfigError(
+                f"config error: rollout.memory_fraction = {memory_fraction}: "
+                f"{room / 1e9:.1f} GB of an engine's {h.devices_per_rollout_worker} "
+                f"device(s) leave no room for a KV cache beside "
+                f"{self.weight_bytes / 1e9:.1f} GB of weights")
+        return (room - self.weight_bytes) / self.model.kv_bytes_per_token
+
+    def reload(self) -> float:
+        """run.colocate = "time": an engine takes its devices back after a training step
+        and copies the new weights from the trainer's memory on the same devices."""
+        h = self.hardware
+        return h.engine_reload_s + self.weight_bytes / (
+            h.memory_bandwidth * h.devices_per_rollout_worker * h.memory_efficiency)
 
     def publish(self) -> float:
         h = self.hardware

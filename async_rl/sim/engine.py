@@ -10,8 +10,15 @@ The engine wakes only when a request completes, one arrives or a load is asked f
 between those, time is summed in closed form (``Costs.decode_steps``) over the stretches
 between sequences' ends, so a run costs events per request, not per token. Spans as a
 real rollout worker records them (generate, evaluate, weight_sync, idle). A trainer shard
-busy on the engine's cores slows its steps (``slow_down``). Knows nothing
-about prompts, groups or the orchestrator.
+busy on the engine's cores slows its steps (``slow_down``). With a KV-cache bound
+(``kv_limit`` tokens), a request joins only while the running sequences' reservations
+(its prompt, and each sequence's full length: no preemption is modelled) leave room for
+its own; the others wait in the engine's queue, first come first served, and the engine
+counts how many waited and how long (``kv_queued``, ``kv_wait_s``). Time-shared
+devices (run.colocate = "time"): ``release`` stops the engine at a step boundary and
+frees its devices (``engine_release_s``) until ``take_back`` (then it reloads:
+``Costs.reload``), its requests kept. Knows nothing about prompts, groups or the
+orchestrator.
 """
 
 from __future__ import annotations
@@ -32,13 +39,15 @@ class Request:
     """One call's sequences (a group's samples, or one evaluation prompt); ``done`` is
     settled ``after`` seconds past its last sequence's end (the reward's latency)."""
 
-    __slots__ = ("after", "done", "evaluate", "finish", "lengths", "max_version",
-                 "min_version", "prompt_tokens")
+    __slots__ = ("after", "arrived", "done", "evaluate", "finish", "lengths", "max_version",
+                 "min_version", "prompt_tokens", "queued")
 
     def __init__(self, prompt_tokens: int, lengths: tuple[int, ...], evaluate: bool,
-                 after: float) -> None:
+                 after: float, arrived: float) -> None:
         self.prompt_tokens, self.lengths, self.evaluate = prompt_tokens, lengths, evaluate
-        self.after = after
+        self.after, self.arrived = after, arrived
+        self.queued = False
+        """It waited for KV-cache room."""
         # asyncio's own future, not an anyio.Event: the cheapest wait, on asyncio's loop.
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.finish = 0
@@ -67,9 +76,22 @@ class SimEngine:
     """See the module docstring. ``drain``: weights.update_mode = "drain"."""
 
     def __init__(self, rank: int, costs: Costs, clock: Callable[[], float], *,
-                 version: int = 0, drain: bool = False, record_spans: bool = True) -> None:
+                 version: int = 0, drain: bool = False, record_spans: bool = True,
+                 kv_limit: float | None = None) -> None:
         self.costs, self.clock, self.drain = costs, clock, drain
         self.version = version
+        self.kv_limit = kv_limit
+        """Tokens of KV cache (None: not bounded)."""
+        self.kv_reserved = 0.0
+        self.kv_peak = 0.0
+        self.requests = 0
+        self.kv_queued = 0
+        self.kv_wait_s = 0.0
+        self.releases = 0
+        self._release: Load | None = None
+        """A release asked for: the engine stops at its next step boundary."""
+        self._back: asyncio.Future[None] | None = None
+        """Settled by ``take_back``."""
         self.busy_s = 0.0
         """Seconds generating or loading weights (the usage the CPU cross-check reads)."""
         self.spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
@@ -77,9 +99,9 @@ class SimEngine:
         self.step = 0
         self._waiting: list[Request] = []
         self._loads: list[Load] = []
-        self._ends: list[tuple[int, int]] = []
-        """(step a sequence ends at, its context offset = prompt tokens - step it joined),
-        sorted."""
+        self._ends: list[tuple[int, int, float]] = []
+        """(step a sequence ends at, its context offset = prompt tokens - step it joined,
+        the KV-cache tokens it reserved), sorted."""
         self._requests: list[tuple[int, int, Request]] = []
         """Heap of (step the request completes at, order, request)."""
         self._order = itertools.count()
@@ -101,7 +123,7 @@ class SimEngine:
                        evaluate: bool = False, after: float = 0.0) -> Request:
         """Runs the sequences; returns their request ``after`` seconds past the end of
         the last (one timer instead of a sleep of the caller's: a task step less)."""
-        request = Request(prompt_tokens, lengths, evaluate, after)
+        request = Request(prompt_tokens, lengths, evaluate, after, self.clock())
         self._waiting.append(request)
         self._wake()
         await request.done
@@ -115,6 +137,20 @@ class SimEngine:
         self._wake()
         return load
 
+    def release(self, pause_s: float) -> Load:
+        """Asks the engine to free its devices at the next step boundary, after
+        ``pause_s`` of releasing them (``Load.done`` then); it stays off them until
+        ``take_back``."""
+        self._release = Load(self.version, pause_s, self.clock())
+        self._back = asyncio.get_running_loop().create_future()
+        self._wake()
+        return self._release
+
+    def take_back(self) -> None:
+        """The devices are the engine's again: it reloads (``Costs.reload``) and goes on."""
+        assert self._back is not None
+        _settle(self._back)
+
     def slow_down(self, factor: float) -> None:
         """From the next step boundary on, steps take ``factor`` times their cost."""
         if factor != self._next_slowdown:
@@ -126,6 +162,11 @@ class SimEngine:
         """Sequences are running (or a weight load holds the engine)."""
         return bool(self._requests or self._loads)
 
+    @property
+    def kv_waiting(self) -> bool:
+        """Requests wait in the queue for KV-cache room."""
+        return bool(self._waiting) and self.kv_limit is not None
+
     def drain_spans(self) -> list[Span]:
         return self.spans.flush()
 
@@ -134,6 +175,8 @@ class SimEngine:
     async def run(self) -> None:
         while True:
             self._slowdown = self._next_slowdown
+            if self._release is not None:
+                await self._released()
             if self._loads and not (self.drain and self._requests):
                 await self._apply_loads()
             if not (self._loads and self.drain):
@@ -144,6 +187,8 @@ class SimEngine:
                 continue
             self._switch()
             target = self._requests[0][0]
+            if self._waiting and self._ends:  # KV room frees as sequences end
+                target = min(target, self._ends[0][0])
             planned = self._prefill + self._time_to(target)
             began = self.clock()
             if await self._sleep(planned):  # woken: the step in progress ends first
@@ -181,6 +226,22 @@ class SimEngine:
         else:
             self.spans.switch("evaluate" if self._running else UNRESOLVED, self.version)
 
+    async def _released(self) -> None:
+        """Off the devices from a release until ``take_back``, then the reload."""
+        release, self._release = self._release, None
+        assert release is not None and self._back is not None
+        self.releases += 1
+        self.spans.switch("weight_sync", self.version)
+        await asyncio.sleep(release.pause_s)
+        release.done_at = self.clock()
+        _settle(release.done)
+        self.spans.switch(UNRESOLVED, self.version)  # the trainer has the devices
+        await self._back
+        self.spans.switch("weight_sync", self.version)
+        reload = self.costs.reload()
+        await asyncio.sleep(reload)
+        self.busy_s += release.pause_s + reload
+
     async def _apply_loads(self) -> None:
         loads, self._loads = self._loads, []
         self.spans.switch("weight_sync", loads[-1].version)
@@ -193,19 +254,33 @@ class SimEngine:
             _settle(load.done)
 
     def _admit(self) -> None:
+        admitted = 0
         for request in self._waiting:
+            need = request.prompt_tokens + sum(request.lengths)
+            if (self.kv_limit is not None and self.kv_reserved + need > self.kv_limit
+                    and self._running):  # alone, it runs whatever its size
+                request.queued = True
+                break
+            admitted += 1
+            self.requests += 1
+            if request.queued:
+                self.kv_queued += 1
+                self.kv_wait_s += self.clock() - request.arrived
+            self.kv_reserved += need
+            self.kv_peak = max(self.kv_peak, self.kv_reserved)
             request.min_version = self.version
             request.finish = self.step + max(request.lengths)
             offset = request.prompt_tokens - self.step
+            share = request.prompt_tokens / len(request.lengths)
             for length in request.lengths:
-                bisect.insort(self._ends, (self.step + length, offset))
+                bisect.insort(self._ends, (self.step + length, offset, length + share))
             self._running += len(request.lengths)
             self._evaluating += len(request.lengths) if request.evaluate else 0
             self._offset += offset * len(request.lengths)
             self._prefill += self._slowdown * self.costs.prefill(
                 request.prompt_tokens * len(request.lengths))
             heapq.heappush(self._requests, (request.finish, next(self._order), request))
-        self._waiting = []
+        del self._waiting[:admitted]
 
     def _time_to(self, target: int) -> float:
         """Seconds of the decode steps from now to step ``target``."""
@@ -248,8 +323,9 @@ class SimEngine:
 
     def _advance(self, step: int) -> None:
         ended = bisect.bisect_right(self._ends, (step, math.inf))
-        for _, offset in self._ends[:ended]:
+        for _, offset, reserved in self._ends[:ended]:
             self._offset -= offset
+            self.kv_reserved -= reserved
         self._running -= ended
         del self._ends[:ended]
         self.step = step

@@ -5,8 +5,10 @@ prompts; the simulated engines, trainer shards and weight path handed to the rea
 orchestrator as its protocols; the run directory it writes, marked simulated in run.json)
 and ``simulation_costs``. Checkpoints are off (run.checkpoint_every = 0: the end of the
 run still writes one, of no weights). Admission, the queue, the staleness rules, the
-balancing plan, the ledger and the evaluation schedule are the real ones. Knows nothing
-about how the costs are computed (``async_rl.sim.costs``) or what the workers do inside.
+balancing plan, the ledger and the evaluation schedule are the real ones. Writes
+sim.json besides (``SimStats``: the KV-cache bound and how often requests waited for it,
+time-shared releases). Knows nothing about how the costs are computed
+(``async_rl.sim.costs``) or what the workers do inside.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Sequence
 import anyio
 import msgspec
 
+from async_rl.analysis.results import SIM_STATS, SimStats
 from async_rl.config import Config
 from async_rl.control.orchestrator import Orchestrator
 from async_rl.control.protocols import RolloutClient, TrainerClient, Workers
@@ -26,6 +29,7 @@ from async_rl.sim.clock import run_virtual
 from async_rl.sim.costs import Costs, load_hardware, model_shape
 from async_rl.sim.engine import SimEngine
 from async_rl.sim.lengths import length_law
+from async_rl.sim.timeshare import SimLocalWeights, check_time_shared, time_shared
 from async_rl.sim.workers import SimEvaluator, SimRollout, SimTrainer, SimTraining, SimWeights
 from async_rl.tasks.longtail import RemainderTask
 from async_rl.tasks.sources import ArithmeticTask, PromptSource
@@ -34,12 +38,21 @@ from buffers.records import Prompt
 
 
 def simulation_costs(config: Config) -> Costs:
-    """The cost model of ``config``'s simulate.hardware and model."""
+    """The cost model of ``config``'s simulate.hardware (with its hardware_overrides)
+    and model."""
     sim = config.simulate
     shape = model_shape(config.model.path, config.model.dtype, parameters=sim.parameters,
                         kv_bytes_per_token=sim.kv_bytes_per_token,
-                        attention_width=sim.attention_width)
-    return Costs(load_hardware(sim.hardware), shape)
+                        attention_width=sim.attention_width,
+                        active_parameters=sim.active_parameters)
+    if sim.active_parameters > shape.parameters:
+        raise ConfigError(f"config error: simulate.active_parameters = "
+                          f"{sim.active_parameters:g}: more than the model's "
+                          f"{shape.parameters:g} parameters")
+    overrides = {key: value for key, value in msgspec.structs.asdict(
+        sim.hardware_overrides).items() if value is not None}
+    hardware = msgspec.structs.replace(load_hardware(sim.hardware), **overrides)
+    return Costs(hardware, shape)
 
 
 def _task(config: Config) -> tuple[PromptSource, Sequence[Prompt]]:
@@ -66,16 +79,21 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
     config = msgspec.structs.replace(
         config, run=msgspec.structs.replace(config.run, checkpoint_every=0))
     source, eval_prompts = _task(config)
+    if time_shared(config):
+        check_time_shared(config, costs)
+    kv_limit = costs.kv_tokens(config.rollout.memory_fraction)
+    engines: dict[int, SimEngine] = {}
     out = RunWriter(config.run.output_dir, config, simulated=costs.hardware.name,
                     line_flushed=False)
 
     async def main() -> RunSummary:
         # The loop's own time() (what virtual_now reads), without looking the loop up.
         clock = asyncio.get_running_loop().time
-        engines = {rank: SimEngine(rank, costs, clock,
-                                   drain=config.weights.update_mode == "drain",
-                                   record_spans=config.run.record_spans)
-                   for rank in range(config.rollout.num_workers)}
+        engines.update({rank: SimEngine(rank, costs, clock,
+                                        drain=config.weights.update_mode == "drain",
+                                        record_spans=config.run.record_spans,
+                                        kv_limit=kv_limit)
+                        for rank in range(config.rollout.num_workers)})
         training = SimTraining(config, costs, clock, engines)
         rollout: dict[int, RolloutClient] = {
             rank: SimRollout(rank, engine, config, lengths, clock)
@@ -84,7 +102,9 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
                                          for rank in range(config.trainer.num_shards)]
         evaluator = (SimEvaluator(config.simulate.reward_p)
                      if config.run.eval_on == "idle_cpu" else None)
-        weights = SimWeights(engines, costs, config.weights.bucket_mb << 20)
+        # Time-shared devices: the weights never leave them (no branch into SimWeights).
+        weights = (SimLocalWeights(engines) if time_shared(config)
+                   else SimWeights(engines, costs, config.weights.bucket_mb << 20))
         workers = Workers(rollout=rollout, trainers=trainers, weights=weights,
                           evaluator=evaluator)
         orchestrator = Orchestrator(config, out, source, eval_prompts, workers, clock=clock)
@@ -98,4 +118,12 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
     summary = run_virtual(main)
     # No OS measured a simulated worker: no CPU-time cross-check for the report to show.
     (out.path / USAGE).unlink(missing_ok=True)
+    (out.path / SIM_STATS).write_bytes(msgspec.json.format(msgspec.json.encode(SimStats(
+        hardware=costs.hardware.name, kv_limit_tokens=kv_limit,
+        requests=sum(e.requests for e in engines.values()),
+        kv_queued=sum(e.kv_queued for e in engines.values()),
+        kv_wait_s=sum(e.kv_wait_s for e in engines.values()),
+        peak_kv_tokens=max((e.kv_peak for e in engines.values()), default=0.0),
+        time_shared=time_shared(config),
+        releases=sum(e.releases for e in engines.values())))))
     return summary

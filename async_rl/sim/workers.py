@@ -9,7 +9,9 @@ laid out as a real run, busy engines slow a step, and one on a shard's cores tak
 with it), ``SimWeights`` (the ``WeightPath``: snapshot on shard 0, then delivery into
 every engine, which pauses for it) and ``SimEvaluator`` (run.eval_on = "idle_cpu": it
 takes only idle cores, so it costs the run nothing). Every span and timing is on the
-virtual clock. Knows nothing about the orchestrator's rules: they are the real ones.
+virtual clock. With run.colocate = "time", every engine releases its devices for each
+training step (``async_rl.sim.timeshare``). Knows nothing about the orchestrator's
+rules: they are the real ones.
 """
 
 from __future__ import annotations
@@ -134,6 +136,8 @@ class SimTraining:
                  engines: dict[int, SimEngine]) -> None:
         self.config, self.costs, self.clock, self.engines = config, costs, clock, engines
         self.shards = config.trainer.num_shards
+        self.time_shared = config.run.colocate == "time"
+        """Engines release their devices for every step (run.colocate = "time")."""
         self.sharing = engines_on_trainer_cores(config, costs.hardware.cores)
         """Per shard, the ranks of the engines on its cores (empty list: no CPU machine
         laid out, no contention)."""
@@ -156,6 +160,11 @@ class SimTraining:
             return self._results.pop(rank)
         batches, self._batches = self._batches, {}
         self._stepped = anyio.Event()
+        if self.time_shared:  # the engines free the devices first, at a step boundary
+            releases = [engine.release(self.costs.hardware.engine_release_s)
+                        for engine in self.engines.values()]
+            for release in releases:
+                await release.done
         ordered = [batches[r] for r in range(self.shards)]
         compute = self._compute(ordered)
         if self.sharing:
@@ -166,6 +175,9 @@ class SimTraining:
         else:
             await anyio.sleep(self._step(ordered, compute, [1.0] * self.shards,
                                          start=self.clock()))
+        if self.time_shared:
+            for engine in self.engines.values():
+                engine.take_back()
         stepped.set()
         return self._results.pop(rank)
 
@@ -282,7 +294,7 @@ def engines_on_trainer_cores(config: Config, cores: int) -> list[frozenset[int]]
         return []
     layout = assign_cpus(config.rollout.num_workers, config.rollout.cpus_per_worker,
                          config.trainer.num_shards, config.trainer.cpus_per_shard,
-                         available=tuple(range(cores)), colocated=config.run.colocate)
+                         available=tuple(range(cores)), colocated=config.run.colocate is not False)
     return [frozenset(engine.rank for engine in layout.rollout
                       if set(engine.devices) & set(shard.devices))
             for shard in layout.trainer]

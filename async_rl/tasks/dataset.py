@@ -3,8 +3,9 @@
 Owns: reading a dataset file (JSONL, JSON, Parquet, CSV, or a ``save_to_disk``
 directory) and checking it against the task's keys (``open_dataset``: a ``ConfigError``
 naming the key, listing the columns there are), a row as a ``Prompt`` (its prompt text
-or chat messages, its answer, every other column for the rewards), the seeded held-out
-split, refusing rows whose prompt cannot fit the engine's context (counted), and
+or chat messages, its answer, every other column, the answer's among them, for the
+rewards), the seeded held-out split, refusing rows whose prompt cannot fit the engine's
+context (counted), and
 ``DatasetPromptSource``: the training rows, shuffled anew (seeded) every pass, as an
 endless stream with an exact checkpointable cursor. ``load_dataset_task`` assembles the
 source and the evaluation prompts. Prompt lengths are measured with the rendering the
@@ -131,8 +132,11 @@ class DatasetRows:
                 hint = ' (task.answer_key = "" for none)' if option == "task.answer_key" else ""
                 raise _error(option, column, f"no such column {self._where} (its columns: "
                                              f"{', '.join(columns)}){hint}")
-        self.columns = tuple(c for c in columns if c not in (task.prompt_key, task.answer_key))
-        """The columns besides the prompt and the answer: the rewards get them by name."""
+        shadowed = "answer" if task.answer_key else ""
+        self.columns = tuple(c for c in columns if c not in (task.prompt_key, shadowed))
+        """The columns besides the prompt: the rewards get them by name, the answer
+        key's too (TRL passes ``solution`` as ``solution``). A column named ``answer``
+        is among them only without an answer key (with one, ``answer`` is its value)."""
 
     @property
     def reward_columns(self) -> tuple[str, ...]:
@@ -147,7 +151,9 @@ class DatasetRows:
         chat messages is a ``ConfigError`` naming task.prompt_key and the row."""
         record = dict(self._dataset[row])
         value = record.pop(self._prompt_key)
-        answer = record.pop(self._answer_key, "") if self._answer_key else ""
+        answer = record.get(self._answer_key, "") if self._answer_key else ""
+        if self._answer_key:  # the rewards' ``answer`` is the answer key's column
+            record.pop("answer", None)
         messages = _messages(value)
         if messages is None and not isinstance(value, str):
             raise _error("task.prompt_key", self._prompt_key,

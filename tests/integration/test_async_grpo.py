@@ -44,19 +44,23 @@ def small_config(model_dir: Path, out: Path, max_staleness: int, **extra: dict[s
 
 
 def check_ledger(run_dir: Path, groups_trained: int, filtered_groups: int = 0) -> None:
-    """Every admitted prompt is trained once, dropped for good as filtered
-    (rollout.filter_groups), or re-queued/unfinished with a reason."""
+    """Every admitted prompt is trained once, dropped for good (as filtered,
+    rollout.filter_groups, or past run.max_readmissions), or re-queued/unfinished with a
+    reason."""
     events: dict[str, list[str]] = defaultdict(list)
     for entry in read_ledger(run_dir):
         final_drop = (entry.event, entry.reason) == ("dropped", "filtered")
-        events[entry.prompt_id].append("filtered" if final_drop else entry.event)
+        given_up = (entry.event, entry.reason) == ("dropped", "readmissions_exhausted")
+        events[entry.prompt_id].append("filtered" if final_drop else "given_up" if given_up
+                                       else entry.event)
         if entry.event in ("dropped", "failed", "requeued", "unfinished"):
             assert entry.reason, entry
     trained = [pid for pid, evs in events.items() if "trained" in evs]
     assert len(trained) == groups_trained
     assert sum(evs.count("filtered") for evs in events.values()) == filtered_groups
     for pid, evs in events.items():
-        assert evs.count("trained") + evs.count("filtered") <= 1, (pid, evs)
+        assert evs.count("trained") + evs.count("filtered") + evs.count("given_up") <= 1, (
+            pid, evs)
         assert evs[0] == "admitted", (pid, evs)
         # Each admission ends trained, filtered, re-queued (then admitted again) or
         # unfinished; a resume re-queues what the stop left unfinished (one ending, two
@@ -65,7 +69,7 @@ def check_ledger(run_dir: Path, groups_trained: int, filtered_groups: int = 0) -
                                                                            "requeued"))
         assert evs.count("admitted") == (
             evs.count("trained") + evs.count("filtered") + evs.count("requeued")
-            + evs.count("unfinished") - reissued
+            + evs.count("unfinished") + evs.count("given_up") - reissued
         ), (pid, evs)
 
 

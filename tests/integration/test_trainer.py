@@ -85,14 +85,16 @@ def step(shards: list[Any], data: list[Group], trainer: TrainerConfig
     # Two updates per epoch, two epochs, a per-sequence normaliser: the per-update counts
     # of both shards travel in the step's one all-reduce.
     {"mini_batches": 2, "epochs": 2, "loss_agg": "seq_mean_token_sum_norm"},
+    # Groups that do not divide over the shards: the plan splits sequences by cost.
+    {"groups_per_step": 5},
 ])
 def test_two_shards_match_one_shard_on_the_same_step(
     tiny_model_dir: Path, ray_cluster: None, loss: dict[str, Any]
 ) -> None:
     # Small cap: several micro-batches per shard, so no_sync accumulation is exercised.
-    trainer = TrainerConfig(num_shards=2, groups_per_step=8, micro_batch_tokens=64,
-                            max_grad_norm=1e9, **loss)
-    data = groups(8)
+    loss = {"groups_per_step": 8, **loss}
+    trainer = TrainerConfig(num_shards=2, micro_batch_tokens=64, max_grad_norm=1e9, **loss)
+    data = groups(trainer.groups_per_step)
     two = start_shards(tiny_model_dir, 2, trainer)
     results = step(two, data, trainer)
     # After the all-reduce both shards hold the same gradient and the same new weights.
@@ -104,8 +106,8 @@ def test_two_shards_match_one_shard_on_the_same_step(
         ray.get(shard.shutdown.remote())
         ray.kill(shard)
 
-    single = TrainerConfig(num_shards=1, groups_per_step=8, micro_batch_tokens=10_000,
-                           max_grad_norm=1e9, **loss)
+    single = TrainerConfig(num_shards=1, micro_batch_tokens=10_000, max_grad_norm=1e9,
+                           **loss)
     one = start_shards(tiny_model_dir, 1, single)
     (alone,) = step(one, data, single)
     # Loss normalised by the global token count: sharding does not change the gradient.

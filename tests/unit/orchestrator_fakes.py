@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 from collections import Counter, defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 
 import anyio
@@ -200,12 +200,14 @@ def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer
         *, weights: FakeWeights | None = None, evaluator: FakeEvaluator | None = None,
         stop_after: int = 0,
         resume: bool = False, restart: Callable[[int], FakeRollout] | None = None,
-        virtual: bool = False) -> RunSummary:
+        virtual: bool = False,
+        beside: Callable[[Orchestrator], Awaitable[None]] | None = None) -> RunSummary:
     """One run on fresh fakes; ``stop_after``: request a clean stop once that many
     steps have trained; ``resume``: continue the run directory's newest checkpoint;
     ``virtual``: on the simulator's virtual clock, so that the fakes' sleeps order the
     run the same way however loaded the machine is (a test that needs groups to finish
-    out of order by a margin)."""
+    out of order by a margin); ``beside``: runs beside the orchestrator (a signal
+    arriving mid-run, say)."""
     task = ArithmeticTask(seed=0)
     async def restart_rollout(rank: int, model_dir: str, version: int) -> FakeRollout:
         assert restart is not None and Path(model_dir).is_dir()  # the trainer saved it
@@ -242,7 +244,13 @@ def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer
     async def main() -> RunSummary:
         orchestrator = build()
         with anyio.fail_after(20):
-            return await orchestrator.run()
+            if beside is None:
+                return await orchestrator.run()
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(beside, orchestrator)
+                summary = await orchestrator.run()
+                tasks.cancel_scope.cancel()
+            return summary
 
     return run_virtual(main) if virtual else anyio.run(main)
 
@@ -256,13 +264,15 @@ def ledger(path: Path) -> dict[str, list[dict[str, object]]]:
 
 
 def trained_once_or_unfinished(events: dict[str, list[dict[str, object]]]) -> Counter[str]:
-    """Every prompt's last event is trained, unfinished or a drop as filtered (final:
-    rollout.filter_groups), and none is trained twice."""
+    """Every prompt's last event is trained, unfinished or a final drop (as filtered,
+    rollout.filter_groups, or past run.max_readmissions), and none is trained twice."""
     assert events
     for prompt_id, history in events.items():
         kinds = [e["event"] for e in history]
         assert kinds.count("trained") <= 1, prompt_id
         last = history[-1]
         assert (last["event"] in ("trained", "unfinished")
-                or (last["event"], last["reason"]) == ("dropped", "filtered")), (prompt_id, kinds)
+                or (last["event"], last["reason"]) in (("dropped", "filtered"),
+                                                       ("dropped", "readmissions_exhausted"))
+                ), (prompt_id, kinds)
     return Counter(str(e["event"]) for h in events.values() for e in h)

@@ -83,7 +83,7 @@ BAD: list[tuple[str, list[str], str, str]] = [
     (GOOD, ["queue.max_groups=0"], "queue.max_groups", ">= 1"),
     (GOOD, ["queue.max_tokens=-5"], "queue.max_tokens", ">= 1"),
     (GOOD, ["staleness.max_staleness=-1"], "staleness.max_staleness", ">= 0"),
-    (GOOD, ["trainer.groups_per_step=3"], "trainer.groups_per_step", "multiple of"),
+    (GOOD, ["trainer.mini_batches=3"], "trainer.mini_batches", "must divide"),
     (GOOD, ["queue.max_groups=2"], "queue.max_groups", "groups_per_step"),
     ("[trainer]\nlr = 1e-3\n", [], "model", "required"),
     ("[model]\ndtype = 'float32'\n", [], "model.path", "required"),

@@ -81,10 +81,14 @@ def test_every_format_reads_with_its_columns_mapped(tmp_path: Path, fmt: str) ->
     for prompt in prompts:
         row = by_text[prompt.text]
         assert prompt.answer == row["solution"]
-        # Every other column reaches the rewards; the prompt and answer columns do not.
-        assert prompt.columns == {"level": row["level"], "data_source": "sums"}
+        # Every column but the prompt reaches the rewards, the answer's by its own name
+        # too (as read: CSV's are numbers); rewards get it as ``answer`` besides.
+        solution = prompt.columns["solution"]
+        assert str(solution) == row["solution"]
+        assert prompt.columns == {"solution": solution, "level": row["level"],
+                                  "data_source": "sums"}
         assert prompt.data_source == "train" and not prompt.messages
-    assert data.source.columns == ("answer", "level", "data_source")
+    assert data.source.columns == ("answer", "solution", "level", "data_source")
     assert [p.prompt_id for p in prompts[:2]] == ["train-0", "train-1"]
 
 

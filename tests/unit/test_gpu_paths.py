@@ -5,8 +5,9 @@ CPU (NCCL accepts only CUDA tensors: the first multi-shard step would fail), the
 process-group backend for a device, placement bundles that ask for no GPU (or for two
 per GPU when co-located), a layout needing more GPUs than the cluster has (Ray would
 wait forever), the IPC transport's serialisation switch, NVML sampling a GPU by index
-(the wrong one under CUDA_VISIBLE_DEVICES), phase times read before the device is done,
-the engine's dtype split from the trainer's, and an NCCL send with no deadline.
+(the wrong one under CUDA_VISIBLE_DEVICES), the engine's dtype split from the trainer's,
+and an NCCL send with no deadline. (Phase times from CUDA events, without a sync:
+tests/unit/test_trainer_speed.py.)
 """
 
 from __future__ import annotations
@@ -156,19 +157,6 @@ def test_nvml_samples_the_gpu_cuda_names_by_uuid(monkeypatch: pytest.MonkeyPatch
     meter.close()
     assert looked_up == [f"GPU-{uuid}"]
     assert meter.read().gpu_samples >= 1
-
-
-def test_phase_times_wait_for_the_device_on_cuda(monkeypatch: pytest.MonkeyPatch) -> None:
-    synced: list[torch.device] = []
-    monkeypatch.setattr(torch.cuda, "synchronize", synced.append)
-    shard = TrainerShard(rank=0, world_size=1, model=ModelConfig(path="unused"),
-                         trainer=TrainerConfig(), seed=0, record_spans=False)
-    assert not shard.sync_phases  # a CPU shard: nothing runs asynchronously
-    shard._now()
-    assert synced == []
-    shard.device, shard.sync_phases = torch.device("cuda", 0), True
-    shard._now()
-    assert synced == [torch.device("cuda", 0)]
 
 
 def test_the_engine_dtype_defaults_to_the_model_and_published_weights_are_cast_to_it(

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from buffers.advantages import group_advantages
 from buffers.records import LossStats
 from workers.trainer.config import TrainerConfig
-from workers.trainer.loss import Normaliser, token_loss
+from workers.trainer.loss import Normaliser, read_stats, token_loss
 from workers.trainer.loss_stats import merge_stats, summarise
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
@@ -59,7 +59,7 @@ def loss_of(
     )
     loss.backward()
     assert logprobs.grad is not None
-    return loss.detach(), stats, logprobs.grad
+    return loss.detach(), read_stats([stats]), logprobs.grad
 
 
 # -- group_advantages --------------------------------------------------------------------
@@ -361,7 +361,8 @@ def test_empty_micro_batch_is_a_zero_loss_pad(agg: Any) -> None:
     )
     loss.backward()
     assert float(loss.detach()) == 0.0
-    assert stats == LossStats()
+    assert stats.tokens == 0 and stats.values.device == empty.device
+    assert read_stats([stats]) == LossStats()
 
 
 # -- statistics -------------------------------------------------------------------------
@@ -388,8 +389,9 @@ def test_entropy_is_summed_per_token_and_averaged_in_the_summary() -> None:
                           norm=Normaliser(agg="token_mean", tokens=2, sequences=1),
                           config=TrainerConfig(),
                           entropy=torch.tensor([0.5, 1.5], dtype=torch.float64))
-    assert stats.entropy_sum == pytest.approx(2.0)
-    assert summarise(stats)["entropy"] == pytest.approx(1.0)
+    read = read_stats([stats])
+    assert read.entropy_sum == pytest.approx(2.0)
+    assert summarise(read)["entropy"] == pytest.approx(1.0)
 
 
 def test_merge_stats_adds_sums_and_takes_the_max_weight() -> None:
@@ -445,5 +447,6 @@ def test_kl_is_an_unbiased_estimate_of_kl_behaviour_to_current() -> None:
         strict=True,
     )
     expected = float((behaviour * (behaviour / current).log()).sum())
-    estimate = sum(float(q) * s.kl_sum for q, s in zip(behaviour, stats_per_token, strict=True))
+    estimate = sum(float(q) * read_stats([s]).kl_sum
+                   for q, s in zip(behaviour, stats_per_token, strict=True))
     assert estimate == pytest.approx(expected, rel=1e-9)

@@ -19,16 +19,19 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from async_rl.models.tiny_model import build_config
-from buffers.records import NO_VERSION, GroupTokens, Prompt, Sample, TrainSequence, make_group
-from workers.trainer.config import TrainerConfig
-from workers.trainer.loss import Normaliser, token_loss
-from workers.trainer.packing import (
-    completion_logprobs,
-    pack,
-    packed_logits,
-    token_entropy,
-    use_packed_attention,
+from buffers.records import (
+    NO_VERSION,
+    GroupTokens,
+    LossStats,
+    Prompt,
+    Sample,
+    TrainSequence,
+    make_group,
 )
+from workers.trainer.attention import use_packed_attention
+from workers.trainer.config import TrainerConfig
+from workers.trainer.loss import Normaliser, read_stats, token_loss
+from workers.trainer.packing import completion_logprobs, pack, packed_logits, token_entropy
 from workers.trainer.ppo_update import StepLoss
 
 TEMPERATURE = 0.7
@@ -76,6 +79,15 @@ def step_loss(model: torch.nn.Module, config: TrainerConfig, packed: bool = True
                     max_response_tokens=32)
 
 
+def run(losses: StepLoss, seqs: list[TrainSequence], norm: Normaliser
+        ) -> tuple[torch.Tensor, LossStats, int]:
+    """``seqs`` as one micro-batch: (loss, statistics read, positions computed)."""
+    (micro_batch,) = losses.prepare([tuple(seqs)])
+    loss, stats, positions = losses.micro_batch(micro_batch, norm)
+    assert stats is not None
+    return loss, read_stats([stats]), positions
+
+
 def gradient(model: torch.nn.Module, loss: torch.Tensor) -> list[torch.Tensor]:
     model.zero_grad(set_to_none=True)
     loss.backward()
@@ -117,7 +129,7 @@ def test_masked_loss_and_gradient_equal_observation_weights_zeroed_by_hand(
     trained = sum(s.trained_tokens for s in seqs)
     assert len(masks) == 2 and not lost
     assert norm.tokens == trained < sum(c for _, c, _ in SHAPES)  # token_mean counts trained
-    loss, stats, positions = losses.micro_batch(tuple(seqs), norm)
+    loss, stats, positions = run(losses, seqs, norm)
     assert stats.tokens == trained
     assert positions >= sum(p + c for p, c, _ in SHAPES)  # observations are computed
     reference = by_hand(model, seqs, config)
@@ -132,7 +144,7 @@ def test_statistics_count_trained_tokens_only(model: Qwen2ForCausalLM) -> None:
     seqs = trajectories()
     losses = step_loss(model, TrainerConfig())
     [norm], _ = losses.agree([[tuple(seqs)]], lost=False)
-    _, stats, _ = losses.micro_batch(tuple(seqs), norm)
+    _, stats, _ = run(losses, seqs, norm)
     full = pack([msgspec.structs.replace(s, loss_mask=None) for s in seqs])
     keep = torch.from_numpy(np.concatenate(
         [np.ones(len(s.completion_token_ids), bool) if s.loss_mask is None
@@ -203,7 +215,7 @@ def test_packed_and_padded_masked_losses_agree(model: Qwen2ForCausalLM) -> None:
     for net, packed in ((model, True), (reference, False)):
         losses = step_loss(net, config, packed)
         [norm], _ = losses.agree([[tuple(seqs)]], lost=False)
-        results.append(losses.micro_batch(tuple(seqs), norm)[:2])
+        results.append(run(losses, seqs, norm)[:2])
     (a, sa), (b, sb) = results
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
     assert sa.tokens == sb.tokens

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from workers.trainer.config import TrainerConfig
-from workers.trainer.loss import Normaliser, token_loss
+from workers.trainer.loss import Normaliser, read_stats, token_loss
 from workers.trainer.loss_stats import summarise
 
 SEEDS = range(5)
@@ -150,7 +150,7 @@ def ours(data: dict[str, torch.Tensor], *, proximal: bool, agg: str = "token_mea
     )
     loss.backward()
     assert current.grad is not None
-    return loss.detach(), current.grad, summarise(stats)
+    return loss.detach(), current.grad, summarise(read_stats([stats]))
 
 
 def reference_grad(loss_fn: Any, data: dict[str, torch.Tensor]) -> tuple[torch.Tensor,
@@ -267,4 +267,4 @@ def test_no_nan_or_inf_at_log_ratio_100(
     assert current.grad is not None
     assert torch.isfinite(loss).item()
     assert torch.isfinite(current.grad).all()
-    assert all(torch.isfinite(torch.tensor(v)) for v in summarise(stats).values())
+    assert all(torch.isfinite(torch.tensor(v)) for v in summarise(read_stats([stats])).values())

@@ -31,10 +31,10 @@ from buffers.records import (
     TrainSequence,
 )
 from workers.model_config import ModelConfig
+from workers.trainer.attention import PACKED_ATTENTION, use_packed_attention
 from workers.trainer.config import TrainerConfig
-from workers.trainer.loss import Normaliser, token_loss
+from workers.trainer.loss import Normaliser, read_stats, token_loss
 from workers.trainer.packing import (
-    PACKED_ATTENTION,
     ROWS_AT_ONCE,
     completion_logprobs,
     pack,
@@ -43,7 +43,6 @@ from workers.trainer.packing import (
     padded_logits,
     padded_logprobs,
     token_entropy,
-    use_packed_attention,
 )
 from workers.trainer.ppo_update import StepLoss
 from workers.trainer.shard import TrainerShard
@@ -215,7 +214,7 @@ def loss_and_grads(model: torch.nn.Module, packed: bool) -> tuple[LossStats, lis
     loss.backward()
     grads = [p.grad for p in model.parameters()]
     assert all(g is not None for g in grads)
-    return stats, [g for g in grads if g is not None]
+    return read_stats([stats]), [g for g in grads if g is not None]
 
 
 def test_loss_and_gradients_match_the_padded_layout(
@@ -345,7 +344,8 @@ def test_the_proximal_pass_reproduces_the_current_policy(model_dir: Path) -> Non
     # ones (r = 1 exactly).
     trainer = shard(model_dir, packed=True)
     micro_batch = tuple(sequences())
-    (proximal,) = trainer.losses.proximal([micro_batch])
+    prepared = trainer.losses.prepare([micro_batch])
+    (proximal,) = trainer.losses.proximal(prepared)
     assert proximal is not None and not proximal.requires_grad
     assert torch.equal(proximal, packed_logprobs(trainer.module, pack(micro_batch),
                                                  TEMPERATURE).detach())
@@ -353,9 +353,10 @@ def test_the_proximal_pass_reproduces_the_current_policy(model_dir: Path) -> Non
     results = []
     for prox in (None, proximal):
         trainer.optimizer.zero_grad(set_to_none=True)
-        loss, stats, _ = trainer.losses.micro_batch(micro_batch, norm, prox)
+        loss, stats, _ = trainer.losses.micro_batch(prepared[0], norm, prox)
         loss.backward()
-        results.append((loss.detach(), stats, [p.grad.clone() for p in
+        assert stats is not None
+        results.append((loss.detach(), read_stats([stats]), [p.grad.clone() for p in
                                                trainer.module.parameters()
                                                if p.grad is not None]))
     (loss_a, stats_a, grads_a), (loss_b, stats_b, grads_b) = results

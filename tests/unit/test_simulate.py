@@ -4,6 +4,7 @@ the hardware it was simulated on (no Ray, no model: the model's size is given)."
 
 from __future__ import annotations
 
+import csv
 import gc
 import json
 import math
@@ -233,7 +234,8 @@ def test_calibration_counts_attention_in_the_training_mfu_it_fits(tmp_path: Path
     assert fit.hardware.train_mfu == pytest.approx(load_hardware("cpu").train_mfu, rel=0.05)
 
 
-def test_a_simulated_sweep_runs_each_trial_with_async_rl_simulate(tmp_path: Path) -> None:
+def test_a_simulated_sweep_runs_each_trial_with_async_rl_simulate(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     cfg = tmp_path / "job.toml"
     cfg.write_text('[model]\npath = "not-needed"\n[task]\nkind = "longtail"\neval_size = 4\n'
                    '[run]\nprogress = false\n[simulate]\nparameters = 5e5\n'
@@ -246,6 +248,12 @@ def test_a_simulated_sweep_runs_each_trial_with_async_rl_simulate(tmp_path: Path
     assert record is not None and record.simulated == "cpu"
     assert read_summary(trial).steps == 3
     assert (out / "sweep.csv").read_text().count("\n") == 2  # header and the one trial
+    # The result after every simulated trial: the step split after the fill.
+    (row,) = csv.DictReader((out / "sweep.csv").open())
+    split = [float(row[key]) for key in ("wait_s", "train_s", "sync_s")]
+    assert all(x >= 0 for x in split) and float(row["train_s"]) > 0
+    assert float(row["step_s"]) == pytest.approx(sum(split), abs=2e-3)
+    assert "wait/train/sync s" in capsys.readouterr().out
 
 
 def _hardware(path: Path, **changes: object) -> str:

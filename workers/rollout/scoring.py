@@ -32,6 +32,8 @@ class Scored(msgspec.Struct, frozen=True, kw_only=True):
     """Scores lost to a reward that raised or was not finite."""
     timeouts: int = 0
     """Scores lost to a reward call past its deadline."""
+    saturated: int = 0
+    """Of ``timeouts``, refused at once: every reward thread was stuck."""
     means: dict[str, float] = {}
     """Per reward of task.rewards: its mean over the group."""
 
@@ -75,20 +77,25 @@ class Scorer:
             prompts=[reward_prompt(prompt, self._format)] * len(samples),
             completions=[s.text for s in samples],
             completion_ids=[s.token_ids for s in samples],
-            columns={**prompt.columns, "answer": prompt.answer},
+            completion_turns=[list(s.messages) for s in samples]
+            if any(s.messages for s in samples) else None,
+            columns={"answer": prompt.answer, **prompt.columns},
             data_source=prompt.data_source)
         self.failures += got.errors + got.timeouts
         return Scored(
             samples=tuple(msgspec.structs.replace(s, reward=total, reward_failed=failed)
                           for s, total, failed in zip(samples, got.total, got.failed,
                                                       strict=True)),
-            errors=got.errors, timeouts=got.timeouts, means=got.per_reward | got.extra)
+            errors=got.errors, timeouts=got.timeouts, saturated=got.saturated,
+            means=got.per_reward | got.extra)
 
     async def score_trajectories(self, prompt: Prompt, samples: Sequence[Sample],
                                  greedy: bool = False) -> Scored:
         """Multi-turn trajectories (``workers.rollout.turns``), each with its environment
-        reward: that alone, or plus the task's own rewards on the final text when there
-        are any (the built-in task reward does not apply). ``greedy``: an evaluation's,
+        reward: that alone, or plus the task's own rewards when there are any (the
+        built-in task reward does not apply). TRL-style rewards get each trajectory as
+        its messages (the policy's turns as role "assistant", observations as "tool"),
+        the other styles its whole text. ``greedy``: an evaluation's,
         scored by task.eval_reward alone when it names one."""
         if self._user is None:
             return Scored(samples=tuple(samples))

@@ -6,16 +6,20 @@ then turn after turn the engine generates (until a stop string of task.environme
 kept in the text, EOS, or rollout.max_new_tokens), ``step`` answers, and the
 observation's tokens are appended (``workers.rollout.prompts.observation_ids``: with the
 chat template on, as a tool turn), until the step says done, max_turns or
-max_trajectory_tokens. Each generation continues on the whole context as token ids
-(with rollout.prefix_caching the engine reuses its KV). The policy's tokens keep their
-behaviour logprobs and the version that produced each (exact across weight updates
-between turns or inside one); observation tokens get loss mask 0, logprob 0 and
-``NO_VERSION``. Every environment call runs on an event loop of its own
-(``workers.loop_thread``), never the engine's, bounded by task.environment.turn_timeout_s:
-a call past it ends its trajectory with reward 0 (outcome "timeout"), one that raises or
-returns no ``EnvStep`` ends it likewise (outcome "error"); the group's other trajectories
-go on. Knows nothing about vLLM (the worker hands in how to run one request), rewards of
-task.rewards (``workers.rollout.scoring``), queues or training.
+max_trajectory_tokens. A first prompt with no room for a turn is refused (outcome
+"too_long", the trajectory excluded from its group as "env_too_long"). Each generation
+continues on the whole context as token ids (with rollout.prefix_caching the engine
+reuses its KV). The policy's tokens keep their behaviour logprobs and the version that
+produced each (exact across weight updates between turns or inside one); observation
+tokens get loss mask 0, logprob 0 and ``NO_VERSION``. Every environment call runs on an
+event loop of its own (``workers.loop_thread``), never the engine's, bounded by
+task.environment.turn_timeout_s: a call past it ends its trajectory (outcome "timeout"),
+one that raises or returns no ``EnvStep`` ends it likewise (outcome "error"); with
+on_timeout / on_error = "exclude" (the default) that trajectory is no member of its
+group (``Sample.excluded``), with "train" it scores 0; a failed reset gave no prompt and
+is never a member. The group's other trajectories go on. Knows nothing about vLLM (the
+worker hands in how to run one request), rewards of task.rewards
+(``workers.rollout.scoring``), queues or training.
 """
 
 from __future__ import annotations
@@ -32,15 +36,18 @@ from buffers.records import NO_VERSION, Prompt, Sample
 from workers.environment import Environment, EnvironmentConfig, EnvStep, environment_class
 from workers.loop_thread import LoopThread
 from workers.rollout.prompts import PromptFormat, observation_ids, render
+from workers.rollout.stop_strings import cut_at_stop
 
 log = logging.getLogger("async_rl.environments")
 
 Stream = Callable[[list[int], Any], Awaitable[Sample]]
 """Runs one engine request (the context's token ids, the sampling parameters) and returns
 its unscored sample: how ``TurnRunner`` generates a turn."""
-DONE, MAX_TURNS, MAX_TOKENS, TIMEOUT, ERROR = "done", "max_turns", "max_tokens", "timeout", \
-    "error"
+DONE, MAX_TURNS, MAX_TOKENS, TIMEOUT, ERROR, TOO_LONG = (
+    "done", "max_turns", "max_tokens", "timeout", "error", "too_long")
 """How a trajectory ended (``Sample.env_outcome``)."""
+EXCLUDED = {TIMEOUT: "env_timeout", ERROR: "env_error", TOO_LONG: "env_too_long"}
+"""Why a trajectory that ended so is no group member (``Sample.excluded``)."""
 _LOGGED = 3  # environment failures logged at WARNING; the rest at DEBUG
 _SEED_RANGE = 2**63
 
@@ -49,7 +56,7 @@ def environment_row(prompt: Prompt) -> dict[str, Any]:
     """What ``reset`` gets: the row's dataset columns, ``prompt`` (its text, or its chat
     messages) and ``answer``."""
     first: Any = [dict(m) for m in prompt.messages] if prompt.messages else prompt.text
-    return {**prompt.columns, "prompt": first, "answer": prompt.answer}
+    return {"answer": prompt.answer, **prompt.columns, "prompt": first}
 
 
 class TurnRunner:
@@ -88,6 +95,8 @@ class TurnRunner:
         for _, ids in resets:
             if isinstance(ids, list) and ids != prompt_ids:
                 ids = self._failed(ERROR, "reset gave another prompt than its group's first")
+            elif isinstance(ids, list) and len(ids) >= self.config.max_trajectory_tokens:
+                ids = self._refused(len(ids))
             outcomes.append(ids if isinstance(ids, str) else "")
         try:
             async with asyncio.TaskGroup() as tasks:
@@ -135,7 +144,8 @@ class TurnRunner:
         logprobs: list[float] = []
         versions: list[int] = []
         mask: list[int] = []
-        reward, outcome, finish = 0.0, MAX_TURNS, "stop"
+        reward, outcome, finish, longest = 0.0, MAX_TURNS, "stop", 0
+        messages: list[dict[str, str]] = []  # the parts, as TRL-style rewards get them
         for turn in range(cfg.max_turns):
             room = cfg.max_trajectory_tokens - len(prompt_ids) - len(tokens)
             if room <= 0:
@@ -149,13 +159,21 @@ class TurnRunner:
             if seed is not None:
                 turn_params.seed = (seed + turn) % _SEED_RANGE
             out = await stream([*prompt_ids, *tokens], turn_params)
-            tokens += out.token_ids
-            logprobs += out.logprobs
-            versions += out.versions
-            mask += [1] * len(out.token_ids)
-            finish = out.finish_reason
+            # vLLM cuts a stop string's text, not its tokens: the turn ends at the token
+            # completing the stop string, and step() gets text ending right at it.
+            cut = cut_at_stop(out.token_ids, out.logprobs, out.versions, self._tokenizer,
+                              cfg.stop)
+            tokens += cut.token_ids
+            logprobs += cut.logprobs
+            versions += cut.versions
+            mask += [1] * len(cut.token_ids)
+            longest = max(longest, len(cut.token_ids))
+            messages.append({"role": "assistant", "content": cut.text})
+            # A turn cut at its token budget makes the trajectory's finish "length" (what
+            # trainer.overlong masks), whichever turn it was.
+            finish = "length" if "length" in (finish, out.finish_reason) else out.finish_reason
             try:
-                step = await self._loop.run(_checked_step(env, out.text), cfg.turn_timeout_s)
+                step = await self._loop.run(_checked_step(env, cut.text), cfg.turn_timeout_s)
             except TimeoutError:
                 reward, outcome = 0.0, self._failed(
                     TIMEOUT, f"step ran past {cfg.turn_timeout_s} s")
@@ -172,26 +190,40 @@ class TurnRunner:
                 continue  # no observation, or no turn left to read it
             eos = getattr(self._tokenizer, "eos_token_id", None)
             observed = observation_ids(self._tokenizer, step.observation, self._format,
-                                       after_eos=bool(out.token_ids) and out.token_ids[-1] == eos)
+                                       after_eos=bool(cut.token_ids) and cut.token_ids[-1] == eos)
             if len(prompt_ids) + len(tokens) + len(observed) >= cfg.max_trajectory_tokens:
                 outcome = MAX_TOKENS  # no room left to answer it
                 break
             tokens += observed
+            messages.append({"role": "tool", "content": step.observation})
             logprobs += [0.0] * len(observed)
             versions += [NO_VERSION] * len(observed)
             mask += [0] * len(observed)
+        policy = {TIMEOUT: cfg.on_timeout, ERROR: cfg.on_error}.get(outcome, "")
         return Sample(token_ids=tuple(tokens), logprobs=tuple(logprobs),
                       versions=tuple(versions), finish_reason=finish,
                       text=str(self._tokenizer.decode(tokens, skip_special_tokens=True)),
-                      reward=reward, loss_mask=tuple(mask), env_outcome=outcome)
+                      reward=reward, loss_mask=tuple(mask), env_outcome=outcome,
+                      excluded=EXCLUDED[outcome] if policy == "exclude" else "",
+                      longest_turn=longest, messages=tuple(messages))
 
     def _failed(self, outcome: str, why: str) -> str:
+        policy = self.config.on_timeout if outcome == TIMEOUT else self.config.on_error
+        ends = "with reward 0" if policy == "train" else f"(on_{outcome} = {policy!r})"
+        self._log(f"{why}; its trajectory ends {ends}")
+        return outcome
+
+    def _refused(self, length: int) -> str:
+        self._log(f"reset gave a prompt of {length} tokens, no room for a turn within "
+                  f"task.environment.max_trajectory_tokens = "
+                  f"{self.config.max_trajectory_tokens}; the trajectory is refused")
+        return TOO_LONG
+
+    def _log(self, message: str) -> None:
         self._failures += 1
         level = logging.WARNING if self._failures <= _LOGGED else logging.DEBUG
         more = " (further ones are logged at DEBUG)" if self._failures == _LOGGED else ""
-        log.log(level, "environment %s: %s; its trajectory ends with reward 0%s",
-                self.config.class_, why, more)
-        return outcome
+        log.log(level, "environment %s: %s%s", self.config.class_, message, more)
 
 
 async def _checked_step(env: Environment, completion: str) -> EnvStep:
@@ -205,6 +237,7 @@ async def _checked_step(env: Environment, completion: str) -> EnvStep:
 
 
 def _empty(outcome: str) -> Sample:
-    """A trajectory whose reset failed: no tokens, reward 0."""
+    """A trajectory that never started (its reset failed, or its prompt was too long):
+    no tokens, no group member."""
     return Sample(token_ids=(), logprobs=(), versions=(), finish_reason="abort", text="",
-                  env_outcome=outcome)
+                  env_outcome=outcome, excluded=EXCLUDED[outcome])

@@ -25,6 +25,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from buffers.records import (
+    NO_VERSION,
     BroadcastTiming,
     EvalResult,
     Group,
@@ -330,6 +331,7 @@ class RolloutWorker:
         return make_group(prompt, prompt_ids, samples,
                           rollout_rank=self._rank, finished_at=time.time(),
                           reward_failures=scored.errors, reward_timeouts=scored.timeouts,
+                          reward_pool_saturated=scored.saturated,
                           reward_means=scored.means)
 
     async def generate_greedy(self, prompts: Sequence[Prompt]) -> list[Sample]:
@@ -358,7 +360,7 @@ class RolloutWorker:
             raise ValueError("evaluate needs at least one prompt")
         began, version = time.perf_counter(), self._receiver.version
         samples = await self.generate_greedy(prompts)
-        scored = [s for s in samples if s.versions]  # an empty completion has no version
+        scored = [s for s in samples if s.min_version != NO_VERSION]  # none: no policy token
         return EvalResult(
             accuracy=sum(s.reward for s in samples) / len(samples),
             version_min=min((s.min_version for s in scored), default=version),

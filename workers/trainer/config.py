@@ -136,6 +136,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """One padding-free row per micro-batch, attention kept per sequence
     (``workers.trainer.packing``); false runs the padded reference layout, slower, for
     comparisons (bench/packing.py)."""
+    compile: bool | Literal["auto"] = "auto"
+    """torch.compile each decoder layer (dynamic shapes: one graph for every micro-batch
+    length). auto: on where the shard runs on CUDA, off on the CPU (there compiling
+    costs minutes for little). The first step pays the compile (logged once)."""
 
     def __post_init__(self) -> None:
         if self.backend != "fsdp2":
@@ -150,12 +154,6 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise invalid("trainer.shard_group", self.shard_group,
                           f"must divide trainer.num_shards ({self.num_shards}): the mesh "
                           "is (num_shards / shard_group, shard_group)")
-        if self.groups_per_step % self.num_shards:
-            raise invalid(
-                "trainer.groups_per_step",
-                self.groups_per_step,
-                f"must be a multiple of trainer.num_shards ({self.num_shards})",
-            )
         if self.groups_per_step % self.mini_batches:
             raise invalid(
                 "trainer.mini_batches",

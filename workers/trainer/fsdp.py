@@ -30,6 +30,7 @@ from torch.distributed.fsdp import (
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from workers.trainer.config import FsdpDtype, TrainerConfig
+from workers.trainer.device_setup import decoder_layers
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -74,11 +75,11 @@ def build_sharded(model_path: str, *, dtype: torch.dtype, device: torch.device,
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         module: torch.nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    wanted = set(getattr(module, "_no_split_modules", None) or ())
-    layers = [m for m in module.modules() if type(m).__name__ in wanted]
+    layers = decoder_layers(module)
     if not layers:
         raise ValueError(f"{model_path}: no decoder layers to shard (none of the classes "
-                         f"{sorted(wanted)} in the model)")
+                         f"{sorted(getattr(module, '_no_split_modules', None) or ())} in "
+                         "the model)")
     world = dist.get_world_size()
     group = trainer.shard_group or world
     # 2-D: FSDP2 shards over the last dimension and replicates over the first (HSDP).

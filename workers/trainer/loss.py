@@ -1,8 +1,10 @@
 """The GRPO token loss: the off-policy PPO formula and its normalisation.
 
-Owns: the token-loss formula (``token_loss``) and how an update's token losses are
-aggregated (``Normaliser``). Advantages are ``buffers.advantages``'; adding and
-summarising the statistics is ``workers.trainer.loss_stats``'. Knows nothing about
+Owns: the token-loss formula (``token_loss``), how an update's token losses are
+aggregated (``Normaliser``), and a micro-batch's statistics kept on the device until a
+step reads them all in one host read (``PendingStats``, ``read_stats``). Advantages are
+``buffers.advantages``'; adding shards' statistics and summarising them is
+``workers.trainer.loss_stats``'. Knows nothing about
 batching, devices or distribution: callers pass flat token tensors and the counts every
 shard agreed on, and sum the returned loss across micro-batches and shards.
 
@@ -30,6 +32,7 @@ finite loss and gradient.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import msgspec
 import torch
@@ -64,11 +67,46 @@ class Normaliser(msgspec.Struct, frozen=True, kw_only=True):
         if self.agg == "token_mean":
             return per_token.sum() / max(self.tokens, 1)
         if self.agg == "seq_mean_token_mean":
-            counts = torch.tensor(lengths, dtype=torch.long, device=per_token.device)
+            counts = torch.tensor(lengths, dtype=torch.long)
+            if per_token.device.type == "cuda":  # a pageable copy would wait for the device
+                counts = counts.pin_memory()
+            counts = counts.to(per_token.device, non_blocking=True)
             per_sequence = 1.0 / counts.clamp(min=1).to(per_token.dtype)
-            per_token = per_token * torch.repeat_interleave(per_sequence, counts)
+            # output_size: without it repeat_interleave reads the total back from the device.
+            per_token = per_token * torch.repeat_interleave(per_sequence, counts,
+                                                            output_size=per_token.numel())
             return per_token.sum() / max(self.sequences, 1)
         return per_token.sum() / (max(self.sequences, 1) * self.max_response_tokens)
+
+
+_SUMMED = ("loss_sum", "clipped", "dual_clipped", "out_of_band", "is_weight_sum",
+           "is_weight_sq_sum", "kl_sum", "entropy_sum")
+"""``PendingStats.values``' fields that add up over micro-batches; the last value is
+``is_weight_max``."""
+_COUNTED = frozenset({"clipped", "dual_clipped", "out_of_band"})
+
+
+@dataclass(frozen=True, slots=True)
+class PendingStats:
+    """A micro-batch's ``LossStats`` while still on the device (reading each one would
+    stop the host from queuing work ahead of the GPU)."""
+
+    tokens: int
+    """Trained tokens (known on the host)."""
+    values: torch.Tensor
+    """float64 ``(9,)``: the ``_SUMMED`` fields, then ``is_weight_max``."""
+
+
+def read_stats(parts: Sequence[PendingStats]) -> LossStats:
+    """The micro-batches' statistics added up (the weight's maximum taken), in one host
+    read."""
+    if not parts:
+        return LossStats()
+    values = torch.stack([p.values for p in parts])
+    host = torch.cat([values[:, :-1].sum(0), values[:, -1:].amax(0)]).tolist()
+    fields = dict(zip((*_SUMMED, "is_weight_max"), host, strict=True))
+    return LossStats(tokens=sum(p.tokens for p in parts),
+                     **{k: round(v) if k in _COUNTED else v for k, v in fields.items()})
 
 
 def _exp_ratio(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -91,8 +129,9 @@ def token_loss(
     config: TrainerConfig,
     proximal_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, LossStats]:
-    """This micro-batch's share of an update's loss, and its statistics.
+) -> tuple[torch.Tensor, PendingStats]:
+    """This micro-batch's share of an update's loss, and its statistics (on the device:
+    ``read_stats`` reads them).
 
     The tensors are 1-D over the same completion tokens, sequence after sequence
     (``lengths``). ``proximal_logprobs``: the step-start policy's logprobs (decoupled
@@ -140,18 +179,14 @@ def token_loss(
         # k3 estimator of KL(behaviour || current) on behaviour samples: r - 1 - log r
         # with r = pi_theta / pi_behaviour (unbiased, never negative).
         k3 = behaviour_ratio - 1.0 - behaviour_log_ratio
-        stats = LossStats(
-            tokens=int(logprobs.numel()),
-            loss_sum=float(per_token.sum()),
-            clipped=int((clipped_loss > unclipped_loss).sum()),
-            dual_clipped=int((negative & (ppo > bound)).sum()),
-            out_of_band=int(out_of_band.sum()),
-            is_weight_sum=float(weight.sum()),
-            is_weight_sq_sum=float((weight * weight).sum()),
-            is_weight_max=float(weight.max()) if weight.numel() else 0.0,
-            kl_sum=float(k3.sum()),
-            entropy_sum=float(entropy.sum()) if entropy is not None else 0.0,
-        )
+        zero = per_token.new_zeros(())
+        summed = (per_token.sum(), (clipped_loss > unclipped_loss).sum(),
+                  (negative & (ppo > bound)).sum(), out_of_band.sum(), weight.sum(),
+                  (weight * weight).sum(), k3.sum(),
+                  entropy.sum() if entropy is not None else zero,
+                  weight.amax() if weight.numel() else zero)
+        stats = PendingStats(tokens=int(logprobs.numel()),
+                             values=torch.stack([v.double() for v in summed]))
     return loss, stats
 
 

@@ -1,45 +1,42 @@
 """Padding-free micro-batches: one packed row per micro-batch, attention kept per sequence.
 
-Owns: laying a micro-batch's sequences end to end in one row (``pack``; only trained
-completion tokens, loss mask 1, are predicted: ``trained_positions``), the attention
-function that keeps each sequence to itself inside that row (``packed_attention``), and
-the completion-token logits and logprobs of a packed forward (``packed_logits``,
-``packed_logprobs``) and their entropy (``token_entropy``). The padded layout the
-trainer used before (``padded_logits``, ``padded_logprobs``) stays as the reference the tests
-and ``bench/packing.py`` compare against. Knows nothing about Ray, DDP, optimizers or the
-GRPO loss.
+Owns: laying a micro-batch's sequences end to end in one row (``pack``: every index and
+offset computed once on the host, the tensors sent to the device in one copy; only
+trained completion tokens, loss mask 1, are predicted: ``trained_positions``), the
+packed forward that returns each completion token's logprob and entropy through the
+fused LM head (``packed_forward``, ``packed_logprobs``; ``workers.trainer.attention``
+keeps each sequence to itself, ``workers.trainer.lm_head`` never builds the full
+logits), and the full-logits routes kept as references (``packed_logits``, and the
+padded layout the trainer used before, ``padded_logits``, ``padded_logprobs``, with
+``completion_logprobs`` and ``token_entropy`` over logits) that the tests and
+``bench/trainer_step.py`` compare against. Knows nothing about Ray, DDP, optimizers or
+the GRPO loss.
 
-Why a custom attention function: transformers (5.x) turns packed ``position_ids`` into a
-block-diagonal mask by itself when no attention mask and no cache is passed (note
-``use_cache=False``: with the config default a fresh cache is made and the model
-silently falls back to one causal mask over the whole row). That mask is dense, so SDPA
-still computes (and masks away) every query-key pair of the row: ``T^2`` for a row of
-``T`` tokens instead of ``sum(L^2)`` over its sequences, which at a 2048-token cap costs
-more than the padding it saves. ``packed_attention`` runs causal SDPA on each sequence's
-slice instead, with no mask at all.
+``use_cache=False`` on every forward: with the config default a fresh cache is made and
+the model silently falls back to one causal mask over the whole row.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from buffers.records import TrainSequence
-
-PACKED_ATTENTION = "async_rl_packed_sdpa"
-"""Name under which ``packed_attention`` is registered with transformers."""
+from workers.trainer.attention import attention_kwargs
+from workers.trainer.lm_head import head_logprobs
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
 class PackedBatch:
-    """One micro-batch as a single packed row plus where its completion tokens are."""
+    """One micro-batch as a single packed row plus where its completion tokens are.
+
+    Tensors live on the device; ``lengths``, ``max_len`` and ``cu_seqlens_host`` are the
+    same offsets on the host, so nothing that splits the row reads the device."""
 
     input_ids: torch.Tensor
     """``(1, T)``: every sequence's prompt then completion, end to end."""
@@ -54,6 +51,14 @@ class PackedBatch:
     """``(N,)`` float32: the rollout engine's logprob of each completion token."""
     advantages: torch.Tensor
     """``(N,)`` float32: each completion token's sequence advantage."""
+    cu_seqlens: torch.Tensor
+    """``(S + 1,)`` int32 on the device: where each sequence starts, then ``T``."""
+    cu_seqlens_host: torch.Tensor
+    """``cu_seqlens`` on the host (the same tensor on a CPU device)."""
+    lengths: tuple[int, ...]
+    """Each sequence's tokens (prompt and completion)."""
+    max_len: int
+    """The longest sequence's tokens."""
 
     # N counts the trained completion tokens only: a token with loss mask 0 (an
     # observation) is in ``input_ids`` as context, but nothing predicts it.
@@ -64,18 +69,47 @@ class PackedBatch:
         return int(self.input_ids.shape[1])
 
 
+def _trained_mask(sequences: Sequence[TrainSequence]) -> np.ndarray | None:
+    if all(s.loss_mask is None for s in sequences):
+        return None
+    return np.concatenate([
+        np.ones(len(s.completion_token_ids), bool) if s.loss_mask is None
+        else s.loss_mask.astype(bool) for s in sequences])
+
+
 def trained_positions(sequences: Sequence[TrainSequence]) -> torch.Tensor | None:
     """Which of the sequences' completion tokens (end to end) are trained, as a bool
     tensor; None when all are (no sequence has a loss mask)."""
-    if all(s.loss_mask is None for s in sequences):
-        return None
-    return torch.from_numpy(np.concatenate([
-        np.ones(len(s.completion_token_ids), bool) if s.loss_mask is None
-        else s.loss_mask.astype(bool) for s in sequences]))
+    keep = _trained_mask(sequences)
+    return None if keep is None else torch.from_numpy(keep)
+
+
+def _to_device(parts: Sequence[torch.Tensor], device: torch.device
+               ) -> list[torch.Tensor]:
+    """``parts`` on ``device`` in one host-to-device copy; on the CPU as they are."""
+    return list(parts) if device.type == "cpu" else _through_one_buffer(parts, device)
+
+
+def _through_one_buffer(parts: Sequence[torch.Tensor], device: torch.device
+                        ) -> list[torch.Tensor]:
+    """``parts`` copied to ``device`` at once: their bytes laid end to end (8-byte
+    dtypes first, so every part stays aligned), pinned on CUDA, sent without blocking
+    the host, then viewed back."""
+    flat = torch.cat([p.contiguous().view(-1).view(torch.uint8) for p in parts])
+    if device.type == "cuda":
+        flat = flat.pin_memory()
+    sent = flat.to(device, non_blocking=True)
+    out, offset = [], 0
+    for p in parts:
+        size = p.numel() * p.element_size()
+        out.append(sent[offset:offset + size].view(p.dtype).view(p.shape))
+        offset += size
+    return out
 
 
 def pack(sequences: Sequence[TrainSequence], device: torch.device | str = "cpu") -> PackedBatch:
-    """Lays ``sequences`` end to end; every tensor is built whole, no per-token loop.
+    """Lays ``sequences`` end to end; every index is computed whole on the host (numpy),
+    with no per-token loop, and the tensors reach ``device`` in one copy.
 
     Only trained completion tokens (loss mask 1) are predicted: the others stay in the
     row as context for the tokens after them."""
@@ -84,109 +118,106 @@ def pack(sequences: Sequence[TrainSequence], device: torch.device | str = "cpu")
     if any(len(s.prompt_token_ids) == 0 for s in sequences):
         # Completion token 0 is predicted from the prompt's last position.
         raise ValueError("every sequence needs at least one prompt token")
-    prompt = torch.tensor([len(s.prompt_token_ids) for s in sequences])
-    completion = torch.tensor([len(s.completion_token_ids) for s in sequences])
+    prompt = np.array([len(s.prompt_token_ids) for s in sequences], np.int64)
+    completion = np.array([len(s.completion_token_ids) for s in sequences], np.int64)
     length = prompt + completion
-    start = torch.cumsum(length, 0) - length
-    ids = torch.from_numpy(np.concatenate(
+    cu = np.concatenate([[0], np.cumsum(length)])
+    start = cu[:-1]
+    ids = np.concatenate(
         [part for s in sequences for part in (s.prompt_token_ids, s.completion_token_ids)]
-    ).astype(np.int64))
-    total = int(length.sum())
-    positions = torch.arange(total) - torch.repeat_interleave(start, length)
+    ).astype(np.int64)
+    positions = np.arange(int(cu[-1])) - np.repeat(start, length)
     # Completion token j of sequence i sits at start_i + prompt_i + j; predicted one before.
     n = int(completion.sum())
-    first = torch.repeat_interleave(start + prompt - 1, completion)
-    within = torch.arange(n) - torch.repeat_interleave(torch.cumsum(completion, 0) - completion,
-                                                       completion)
-    predict_at = first + within
-    behaviour = torch.from_numpy(
-        np.concatenate([s.behaviour_logprobs for s in sequences]).astype(np.float32))
-    if behaviour.numel() != n:
-        raise ValueError(f"{behaviour.numel()} behaviour logprobs for {n} completion tokens")
-    advantages = torch.repeat_interleave(
-        torch.tensor([s.advantage for s in sequences], dtype=torch.float32), completion)
-    keep = trained_positions(sequences)
+    within = np.arange(n) - np.repeat(np.cumsum(completion) - completion, completion)
+    predict_at = np.repeat(start + prompt - 1, completion) + within
+    behaviour = np.concatenate([s.behaviour_logprobs for s in sequences]).astype(np.float32)
+    if behaviour.size != n:
+        raise ValueError(f"{behaviour.size} behaviour logprobs for {n} completion tokens")
+    advantages = np.repeat(np.array([s.advantage for s in sequences], np.float32), completion)
+    keep = _trained_mask(sequences)
     if keep is not None:
         predict_at, behaviour, advantages = predict_at[keep], behaviour[keep], advantages[keep]
+    cu_host = torch.from_numpy(cu.astype(np.int32))
+    host = [torch.from_numpy(a) for a in (ids[None], positions[None], predict_at,
+                                          ids[predict_at + 1])]
+    host += [cu_host, torch.from_numpy(behaviour), torch.from_numpy(advantages)]
+    on_device = _to_device(host, torch.device(device))
+    input_ids, position_ids, predict, targets, cu_seqlens, behaviour_t, advantages_t = on_device
     return PackedBatch(
-        input_ids=ids.unsqueeze(0).to(device),
-        position_ids=positions.unsqueeze(0).to(device),
-        predict_at=predict_at.to(device),
-        targets=ids[predict_at + 1].to(device),
-        behaviour_logprobs=behaviour.to(device),
-        advantages=advantages.to(device),
+        input_ids=input_ids, position_ids=position_ids, predict_at=predict, targets=targets,
+        behaviour_logprobs=behaviour_t, advantages=advantages_t, cu_seqlens=cu_seqlens,
+        cu_seqlens_host=cu_host, lengths=tuple(int(x) for x in length),
+        max_len=int(length.max()),
     )
 
 
-def _segment_lengths(positions: torch.Tensor) -> list[int]:
-    """Lengths of the sequences in one packed row: a new one starts where position is 0."""
-    starts = torch.nonzero(positions == 0).flatten().tolist()
-    if not starts or starts[0] != 0:
-        starts = [0, *starts]
-    return [b - a for a, b in itertools.pairwise([*starts, positions.numel()])]
+def _run(model: torch.nn.Module, batch: PackedBatch, keep: torch.Tensor) -> Any:
+    return model(
+        input_ids=batch.input_ids,
+        position_ids=batch.position_ids,
+        use_cache=False,  # a cache would hide the packing from the attention
+        logits_to_keep=keep,
+        **attention_kwargs(batch.cu_seqlens, batch.max_len, batch.lengths),
+    )
 
 
-def packed_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *,
-    dropout: float = 0.0,
-    scaling: float | None = None,
-    sliding_window: int | None = None,
-    position_ids: torch.Tensor | None = None,
-    **_: Any,
-) -> tuple[torch.Tensor, None]:
-    """transformers attention function: causal SDPA within each packed sequence.
+def _final_hidden(model: torch.nn.Module, module: torch.nn.Module, batch: PackedBatch
+                  ) -> torch.Tensor:
+    """``(1, T, hidden)``: the decoder's output (after its final norm) in a forward of
+    ``model`` whose own head runs on no row.
 
-    ``query`` is ``(B, heads, T, d)``, ``key``/``value`` ``(B, kv_heads, T, d)``;
-    sequences are found from ``position_ids`` (a new one wherever it is 0). Never
-    builds a mask: each sequence's slice is a plain causal SDPA (grouped-query heads
-    included), so the work is ``sum(L^2)``, not ``T^2``.
+    Taken by a forward hook on the decoder for this one call. Not
+    ``output_hidden_states``: that installs transformers' output-capturing hooks on
+    every attention module for good, and their context-variable read breaks a compiled
+    layer's graph in two."""
+    captured: list[torch.Tensor] = []
+    decoder = module.get_decoder()  # type: ignore[operator]
+    handle = decoder.register_forward_hook(
+        lambda _module, _args, output: captured.append(output.last_hidden_state))
+    try:
+        _run(model, batch, batch.predict_at[:0])
+    finally:
+        handle.remove()
+    (hidden,) = captured
+    return hidden
+
+
+def packed_forward(model: torch.nn.Module, module: torch.nn.Module, batch: PackedBatch,
+                   temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(logprob, entropy without gradient) of every completion token of a packed
+    micro-batch, both float32 ``(N,)``.
+
+    ``model`` runs the forward (DDP-wrapped on several shards); ``module`` is the bare
+    model, whose output embedding is the head. The model's own head runs on no row
+    (``logits_to_keep`` empty); its final hidden states, gathered at the predicting
+    positions, go through ``head_logprobs`` instead. With FSDP2 the root's parameters
+    (the head's weight among them) stay unsharded from its forward to the end of
+    backward, and the first layer's backward queues the root's gradient reduction.
     """
-    if sliding_window is not None:
-        raise ValueError("packed attention takes no sliding window (Qwen2 here has none)")
-    if key.shape[2] != query.shape[2]:
-        raise ValueError("packed attention is for training: it takes no KV cache")
-    gqa = key.shape[1] != query.shape[1]
-    dropout_p = dropout if module.training else 0.0
-    rows = []
-    for b in range(query.shape[0]):
-        lengths = ([query.shape[2]] if position_ids is None
-                   else _segment_lengths(position_ids[min(b, position_ids.shape[0] - 1)]))
-        parts = [
-            F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
-                                           scale=scaling, enable_gqa=gqa)
-            for q, k, v in zip(query[b : b + 1].split(lengths, 2), key[b : b + 1].split(lengths, 2),
-                               value[b : b + 1].split(lengths, 2), strict=True)
-        ]
-        rows.append(parts[0] if len(parts) == 1 else torch.cat(parts, 2))
-    out = rows[0] if len(rows) == 1 else torch.cat(rows, 0)
-    return out.transpose(1, 2).contiguous(), None
+    hidden = _final_hidden(model, module, batch)[0].index_select(0, batch.predict_at)
+    head = module.get_output_embeddings()  # type: ignore[operator]
+    return head_logprobs(hidden, head.weight, head.bias, batch.targets, temperature)
 
 
-def use_packed_attention(model: torch.nn.Module) -> bool:
-    """Switches a transformers model to ``packed_attention``; False if it cannot switch.
+def packed_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float
+                    ) -> torch.Tensor:
+    """Current-policy logprob of every completion token of a packed micro-batch (a bare
+    model: its own head)."""
+    return packed_forward(model, model, batch, temperature)[0]
 
-    Either way ``packed_logprobs`` stays correct: without the switch transformers builds
-    the (dense) block-diagonal mask from the packed position ids itself.
-    """
-    from transformers import AttentionInterface
 
-    AttentionInterface.register(PACKED_ATTENTION, packed_attention)
-    setter = getattr(model, "set_attn_implementation", None)
-    if setter is None:
-        return False
-    setter(PACKED_ATTENTION)
-    return getattr(model.config, "_attn_implementation", None) == PACKED_ATTENTION
+def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
+    """``(N, V)`` logits predicting each completion token of a packed micro-batch: the
+    full-logits reference ``packed_forward``'s fused head is checked against. The LM head
+    runs only on the positions that predict a completion token (``logits_to_keep``)."""
+    logits: torch.Tensor = _run(model, batch, batch.predict_at).logits
+    return logits[0]
 
 
 ROWS_AT_ONCE = 1024
-"""Rows of logits ``completion_logprobs`` and ``token_entropy`` work on at once: their
-float32 temporaries are ``ROWS_AT_ONCE x V``, not ``N x V`` (at 16k completion tokens
-and a 150k vocabulary that would be 10 GB a micro-batch)."""
+"""Rows of full logits ``completion_logprobs`` and ``token_entropy`` work on at once:
+their float32 temporaries are ``ROWS_AT_ONCE x V``, not ``N x V``."""
 
 
 def _rows_logprobs(logits: torch.Tensor, targets: torch.Tensor,
@@ -228,28 +259,6 @@ def token_entropy(logits: torch.Tensor, temperature: float) -> torch.Tensor:
             logp = torch.log_softmax(rows, dim=-1)
             parts.append(-(logp.exp() * logp).sum(-1))
         return torch.cat(parts)
-
-
-def packed_logits(model: torch.nn.Module, batch: PackedBatch) -> torch.Tensor:
-    """``(N, V)`` logits predicting each completion token of a packed micro-batch.
-
-    The LM head runs only on the positions that predict a completion token
-    (``logits_to_keep``), so prompt positions never become vocabulary-sized rows.
-    """
-    logits = model(
-        input_ids=batch.input_ids,
-        position_ids=batch.position_ids,
-        use_cache=False,  # a cache would hide the packing from transformers' own masks
-        logits_to_keep=batch.predict_at,
-    ).logits
-    return logits[0]
-
-
-def packed_logprobs(
-    model: torch.nn.Module, batch: PackedBatch, temperature: float
-) -> torch.Tensor:
-    """Current-policy logprob of every completion token of a packed micro-batch."""
-    return completion_logprobs(packed_logits(model, batch), batch.targets, temperature)
 
 
 def padded_logits(

@@ -1,13 +1,15 @@
 """The losses of one trainer shard's step: normalisers, proximal logprobs, micro-batch losses.
 
 Owns: what every optimizer update of a step divides its loss by (the per-update token
-and sequence counts of all shards, agreed in one all-reduce: ``StepLoss.agree``), the
-proximal logprobs (one no-grad forward over the step's micro-batches before any update,
-only when the step makes more than one update: ``StepLoss.proximal``), and each
-micro-batch's forward pass and loss (``StepLoss.micro_batch``), all over trained tokens
-only (loss mask 1: an observation's tokens are context, never counted or trained).
-Knows nothing about the optimizer, DDP's gradient sync, spans or cores:
-``workers.trainer.shard`` runs the updates.
+and sequence counts of all shards, agreed in one all-reduce: ``StepLoss.agree``), laying
+out the step's micro-batches once (``StepLoss.prepare``: packed rows on the device,
+reused by the proximal pass and every epoch), the proximal logprobs (one no-grad
+forward over the step's micro-batches before any update, only when the step makes more
+than one update: ``StepLoss.proximal``), and each micro-batch's forward pass and loss
+(``StepLoss.micro_batch``), all over trained tokens only (loss mask 1: an observation's
+tokens are context, never counted or trained). Statistics stay on the device
+(``workers.trainer.loss.PendingStats``). Knows nothing about the optimizer, DDP's
+gradient sync, spans or cores: ``workers.trainer.shard`` runs the updates.
 """
 
 from __future__ import annotations
@@ -19,13 +21,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from buffers.records import LossStats, TrainSequence
+from buffers.records import TrainSequence
 from workers.trainer.config import TrainerConfig
-from workers.trainer.loss import Normaliser, token_loss
+from workers.trainer.loss import Normaliser, PendingStats, token_loss
 from workers.trainer.packing import (
+    PackedBatch,
     completion_logprobs,
     pack,
-    packed_logits,
+    packed_forward,
     padded_logits,
     token_entropy,
     trained_positions,
@@ -35,21 +38,29 @@ MicroBatch = tuple[TrainSequence, ...]
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Forward:
-    """One micro-batch's forward pass, one row per completion token."""
+class Prepared:
+    """One micro-batch laid out for the step: its sequences, and (packed layout) the
+    packed row already on the device."""
 
-    logits: torch.Tensor
-    targets: torch.Tensor
+    sequences: MicroBatch
+    packed: PackedBatch | None
+    """None for the padded layout and for a pad (no sequences)."""
+    lengths: tuple[int, ...]
+    """Trained completion tokens per sequence (loss mask 1): what every count, the
+    normaliser's and seq_mean's, counts."""
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class _Forward:
+    """One micro-batch's forward pass, one value per trained completion token."""
+
+    logprobs: torch.Tensor
+    entropy: torch.Tensor
+    """Without gradient: a statistic."""
     behaviour: torch.Tensor
     advantages: torch.Tensor
     positions: int
     """Positions the model computed (padding included)."""
-
-
-def _lengths(sequences: Sequence[TrainSequence]) -> list[int]:
-    """Trained completion tokens per sequence (loss mask 1): what every count, the
-    normaliser's and seq_mean's, counts."""
-    return [s.trained_tokens for s in sequences]
 
 
 class StepLoss:
@@ -86,7 +97,7 @@ class StepLoss:
         """
         counts = [int(lost)]
         for micro_batches in updates:
-            counts += [sum(sum(_lengths(mb)) for mb in micro_batches),
+            counts += [sum(s.trained_tokens for mb in micro_batches for s in mb),
                        sum(len(mb) for mb in micro_batches)]
         if self.world_size > 1:
             summed = torch.tensor(counts, dtype=torch.long, device=self.device)
@@ -102,12 +113,21 @@ class StepLoss:
         return torch.autocast(self.device.type, dtype=torch.bfloat16,
                               enabled=self.config.compute_dtype == "bfloat16")
 
-    def _forward(self, model: torch.nn.Module, sequences: MicroBatch) -> _Forward:
-        if self.packed:
-            batch = pack(sequences, self.device)
-            return _Forward(logits=packed_logits(model, batch), targets=batch.targets,
+    def prepare(self, micro_batches: Sequence[MicroBatch]) -> list[Prepared]:
+        """The step's micro-batches laid out once (packed rows sent to the device now),
+        for the proximal pass and every epoch."""
+        return [Prepared(sequences=mb, lengths=tuple(s.trained_tokens for s in mb),
+                         packed=pack(mb, self.device) if self.packed and mb else None)
+                for mb in micro_batches]
+
+    def _forward(self, model: torch.nn.Module, micro_batch: Prepared) -> _Forward:
+        batch = micro_batch.packed
+        if batch is not None:
+            logprobs, entropy = packed_forward(model, self.module, batch, self.temperature)
+            return _Forward(logprobs=logprobs, entropy=entropy,
                             behaviour=batch.behaviour_logprobs, advantages=batch.advantages,
                             positions=batch.num_tokens)
+        sequences = micro_batch.sequences
         logits, targets, positions = padded_logits(model, sequences, self.device)
         behaviour = torch.from_numpy(
             np.concatenate([s.behaviour_logprobs for s in sequences]).astype(np.float32))
@@ -117,7 +137,9 @@ class StepLoss:
         keep = trained_positions(sequences)
         if keep is not None:
             behaviour, advantages = behaviour[keep], advantages[keep]
-        return _Forward(logits=logits, targets=targets, behaviour=behaviour.to(self.device),
+        return _Forward(logprobs=completion_logprobs(logits, targets, self.temperature),
+                        entropy=token_entropy(logits, self.temperature),
+                        behaviour=behaviour.to(self.device),
                         advantages=advantages.to(self.device), positions=positions)
 
     def _pad_logits(self, model: torch.nn.Module) -> torch.Tensor:
@@ -126,40 +148,38 @@ class StepLoss:
         logits: torch.Tensor = model(input_ids=dummy, use_cache=False).logits
         return logits
 
-    def proximal(self, micro_batches: Sequence[MicroBatch]) -> list[torch.Tensor | None]:
+    def proximal(self, micro_batches: Sequence[Prepared]) -> list[torch.Tensor | None]:
         """The step-start policy's logprobs of each micro-batch (None for a pad), without
         gradient: call before the step's first update."""
         out: list[torch.Tensor | None] = []
         with torch.no_grad(), self._autocast():
-            for sequences in micro_batches:
-                if not sequences:
+            for micro_batch in micro_batches:
+                if not micro_batch.sequences:
                     if self.sharded:
                         self._pad_logits(self.module)
                     out.append(None)
                     continue
-                run = self._forward(self.module, sequences)
-                out.append(completion_logprobs(run.logits, run.targets, self.temperature))
+                out.append(self._forward(self.module, micro_batch).logprobs)
         return out
 
-    def micro_batch(self, sequences: MicroBatch, norm: Normaliser,
+    def micro_batch(self, micro_batch: Prepared, norm: Normaliser,
                     proximal: torch.Tensor | None = None
-                    ) -> tuple[torch.Tensor, LossStats, int]:
-        """Forward pass over one micro-batch: (loss, statistics, positions computed).
+                    ) -> tuple[torch.Tensor, PendingStats | None, int]:
+        """Forward pass over one micro-batch: (loss, statistics on the device, positions
+        computed).
 
         ``proximal``: its logprobs from ``proximal``; None when the update is the step's
         only one (then the proximal policy is the current one, detached: same value, no
-        extra forward). An empty micro-batch is a zero-loss pad (its one dummy position
-        is not counted).
+        extra forward). An empty micro-batch is a zero-loss pad (no statistics; its one
+        dummy position is not counted).
         """
-        if not sequences:
+        if not micro_batch.sequences:
             # A pad still runs the model so DDP's gradient hooks fire on every shard.
-            return self._pad_logits(self.model).sum() * 0.0, LossStats(), 0
+            return self._pad_logits(self.model).sum() * 0.0, None, 0
         with self._autocast():
-            run = self._forward(self.model, sequences)
-            logprobs = completion_logprobs(run.logits, run.targets, self.temperature)
+            run = self._forward(self.model, micro_batch)
         loss, stats = token_loss(
-            logprobs, run.behaviour, run.advantages, lengths=_lengths(sequences), norm=norm,
-            config=self.config, proximal_logprobs=proximal,
-            entropy=token_entropy(run.logits, self.temperature),
+            run.logprobs, run.behaviour, run.advantages, lengths=micro_batch.lengths,
+            norm=norm, config=self.config, proximal_logprobs=proximal, entropy=run.entropy,
         )
         return loss, stats, run.positions

@@ -1,8 +1,9 @@
 """A trainer shard's process: the cores it runs on and the process group it joins.
 
 Owns: pinning the process to its cores (so that roles on one CPU machine behave like
-separate devices) and the choice of collective backend per device. Knows nothing about
-the model, the optimizer or Ray.
+separate devices) and the choice of collective backend per device (a CPU backend beside
+the accelerator's when FSDP2 offloads to CPU). Knows nothing about the model, the
+optimizer or Ray.
 """
 
 from __future__ import annotations
@@ -23,17 +24,31 @@ def pin_to_cpus(cpu_ids: tuple[int, ...]) -> None:
         torch.set_num_threads(len(wanted))
 
 
-def process_group_backend(device: torch.device) -> str:
-    """NCCL for CUDA tensors, gloo for CPU ones: each backend takes only its own, so
-    every collective's tensors must live on this device (``TrainerShard.device``)."""
-    return "nccl" if device.type == "cuda" else "gloo"
+def process_group_backend(device: torch.device, *, offload: bool = False,
+                          accelerator_backend: str = "nccl") -> str:
+    """The backend string of the shards' process group on ``device``.
+
+    gloo on CPU; on an accelerator its own backend (``accelerator_backend``: NCCL for
+    CUDA), which takes only that device's tensors, so every collective's tensors must
+    live on this device (``TrainerShard.device``). With ``offload`` (FSDP2's
+    ``CPUOffloadPolicy``) the sharded gradients live in CPU memory and
+    ``clip_grad_norm_`` all-reduces their norms there: a group of NCCL alone fails with
+    "No backend type associated with device type cpu" (pytorch#148532), so gloo takes
+    the CPU tensors beside it ("cpu:gloo,cuda:nccl").
+    """
+    if device.type == "cpu":
+        return "gloo"
+    if offload:
+        return f"cpu:gloo,{device.type}:{accelerator_backend}"
+    return accelerator_backend
 
 
 def join_process_group(device: torch.device, *, master_addr: str, master_port: int,
-                       rank: int, world_size: int) -> None:
-    """Joins the shards' process group over TCP at ``master_addr:master_port``."""
+                       rank: int, world_size: int, offload: bool = False) -> None:
+    """Joins the shards' process group over TCP at ``master_addr:master_port``
+    (``offload``: trainer.offload, FSDP2's gradients on CPU)."""
     dist.init_process_group(
-        process_group_backend(device),
+        process_group_backend(device, offload=offload),
         init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=world_size,

@@ -5,21 +5,24 @@ shard: ``workers.trainer.fsdp`` builds it and gathers it whole), its optimizer, 
 process group (gloo on CPU, nccl on CUDA), executing a ShardBatch update by update
 (``trainer.epochs`` passes, one optimizer step per update, skipped when its gradient norm
 is not finite) and micro-batch by micro-batch (each one a padding-free packed row,
-``workers.trainer.packing``; the losses and their normalisers are
-``workers.trainer.ppo_update``'s), on the shard that is the source of weight broadcasts,
-the calls that snapshot and send its weights (``workers.weights.sender`` does both), and
-the calls that write and read its part of a checkpoint (``workers.trainer.checkpoints``,
-in the background). Knows nothing about Ray (``workers.actors`` wraps this class for Ray
-and resolves the batch's group references), queues, versions or how the plan was made.
+``workers.trainer.packing``, laid out once a step; the losses and their normalisers are
+``workers.trainer.ppo_update``'s), with no host read of a device value inside the
+micro-batch loop (the statistics are read once a step, the gradient norm once an update
+for the non-finite skip; phase times from ``workers.trainer.phase_clock``), on the shard
+that is the source of weight broadcasts, the calls that snapshot and send its weights
+(``workers.weights.sender`` does both), and the calls that write and read its part of a
+checkpoint (``workers.trainer.checkpoints``, in the background). Knows nothing about
+Ray (``workers.actors`` wraps this class for Ray and resolves the batch's group
+references), queues, versions or how the plan was made.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,13 +40,14 @@ from buffers.records import (
 from workers.model_config import ModelConfig
 from workers.rollout.config import RolloutConfig
 from workers.spans import UNRESOLVED, Span, SpanRecorder
+from workers.trainer.attention import use_packed_attention
 from workers.trainer.checkpoints import CheckpointWriter, load
 from workers.trainer.config import TrainerConfig
+from workers.trainer.device_setup import speed_up
 from workers.trainer.fsdp import build_sharded, full_shapes, full_state
-from workers.trainer.loss import Normaliser
-from workers.trainer.loss_stats import merge_stats
-from workers.trainer.packing import use_packed_attention
-from workers.trainer.ppo_update import MicroBatch, StepLoss
+from workers.trainer.loss import Normaliser, PendingStats, read_stats
+from workers.trainer.phase_clock import PhaseClock
+from workers.trainer.ppo_update import Prepared, StepLoss
 from workers.trainer.process import join_process_group, pin_to_cpus
 from workers.usage import UsageMeter, cuda_uuid
 from workers.weights.config import UpdateMode, WeightsConfig
@@ -53,16 +57,7 @@ if TYPE_CHECKING:
     from workers.weights.sender import WeightSender
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
-@dataclass(kw_only=True, slots=True)
-class _Times:
-    """Seconds a step spent in each phase, summed over its updates."""
-
-    forward_s: float = 0.0
-    backward_s: float = 0.0
-    optimizer_s: float = 0.0
-    barrier_s: float = 0.0
+log = logging.getLogger(__name__)
 
 
 class TrainerShard:
@@ -111,10 +106,10 @@ class TrainerShard:
                  else "cpu:" + ",".join(map(str, cpu_ids)))
         self.spans = SpanRecorder(worker=f"trainer-{rank}", role="trainer", rank=rank,
                                   device=label, enabled=record_spans)
-        self.sync_phases = self.device.type == "cuda"
-        """Wait for the device at each phase boundary (``_now``): CUDA kernels run
-        asynchronously, so otherwise a phase's time and span land in the next one's
-        (backward under "optimizer", where the gradient norm's host read waits)."""
+        """Phase spans on the host's clock: on CUDA the kernels run behind them (the
+        step's phase times are the device's, from ``PhaseClock``'s events)."""
+        self.compiled_layers = 0
+        """Decoder layers ``trainer.compile`` compiled; the first step logs its time."""
 
     def setup(self) -> int:
         """Joins the process group, loads the model and builds the optimizer; returns pid."""
@@ -132,7 +127,7 @@ class TrainerShard:
         if self.world_size > 1 or sharded:  # FSDP2's device mesh needs a group, even of one
             join_process_group(self.device, master_addr=self.master_addr,
                                master_port=self.master_port, rank=self.rank,
-                               world_size=self.world_size)
+                               world_size=self.world_size, offload=self.config.offload)
         dtype = _DTYPES[self.model_config.dtype]
         module: torch.nn.Module
         if sharded:
@@ -144,6 +139,7 @@ class TrainerShard:
         module.train()
         if self.config.packed:
             use_packed_attention(module)
+        self.compiled_layers = speed_up(module, self.config, self.device)
         self.module = module
         """The model itself (with fsdp2, sharded: every forward is a collective)."""
         self.model: torch.nn.Module = (
@@ -184,41 +180,52 @@ class TrainerShard:
             return ShardStepResult(rank=self.rank, step=batch.step, loss=LossStats(),
                                    grad_norm=0.0, forward_s=0.0, backward_s=0.0,
                                    optimizer_s=0.0, barrier_s=0.0, samples_lost=True)
+        began = time.perf_counter()
+        clock = PhaseClock(self.device)
         self.spans.switch("forward")
-        t0 = self._now()
+        clock.start("forward")
+        prepared = self.losses.prepare(sequences)  # once: the proximal pass and every epoch
         # The proximal policy is the one this step starts from; with a single update it
         # is the current policy itself, so no extra forward pass is needed (nor in the
         # plain form, tis_cap = 0, which has no proximal policy).
         several = len(updates) * self.config.epochs > 1 and self.config.tis_cap > 0
-        proximal = batch.per_update(self.losses.proximal(sequences) if several
-                                    else [None] * len(sequences))
-        times = _Times(forward_s=self._now() - t0)
-        parts: list[LossStats] = []
+        proximal = batch.per_update(self.losses.proximal(prepared) if several
+                                    else [None] * len(prepared))
+        parts: list[PendingStats] = []
         norms_seen: list[float] = []
         positions = 0
         for epoch in range(self.config.epochs):
-            for micro_batches, norm, prox in zip(updates, norms, proximal, strict=True):
-                computed, grad_norm = self._update(micro_batches, norm, prox, parts, times)
+            for micro_batches, norm, prox in zip(batch.per_update(prepared), norms, proximal,
+                                                 strict=True):
+                computed, grad_norm = self._update(micro_batches, norm, prox, parts, clock)
                 positions += computed if epoch == 0 else 0
                 norms_seen.append(grad_norm)
                 if not math.isfinite(grad_norm):
                     break  # the rest of the step would build on a diverged update
             if not math.isfinite(norms_seen[-1]):
                 break
+        clock.start(None)  # the phases end before the read below waits for the device
+        loss = read_stats(parts)  # the step's one read of its statistics
+        times = clock.totals()
+        if self.compiled_layers:
+            log.info("trainer shard %d: step %d took %.1f s (%d compiled decoder layers; "
+                     "the first step includes compiling them)", self.rank, batch.step,
+                     time.perf_counter() - began, self.compiled_layers)
+            self.compiled_layers = 0  # logged once
         if self.writes_checkpoints and not self.checkpoints.prepared and self.optimizer.state:
             self._prepare_checkpoint()
         self.spans.switch(UNRESOLVED, batch.step)
         return ShardStepResult(
             rank=self.rank,
             step=batch.step,
-            loss=merge_stats(parts),
+            loss=loss,
             # The largest, a non-finite one before any other.
             grad_norm=max(norms_seen, default=0.0,
                           key=lambda n: n if math.isfinite(n) else math.inf),
-            forward_s=times.forward_s,
-            backward_s=times.backward_s,
-            optimizer_s=times.optimizer_s,
-            barrier_s=times.barrier_s,
+            forward_s=times.get("forward", 0.0),
+            backward_s=times.get("backward", 0.0),
+            optimizer_s=times.get("optimizer", 0.0),
+            barrier_s=times.get("barrier", 0.0),
             # Nothing was trained only if the first update was skipped; after a later
             # one the step stops, keeping the updates made before it.
             nonfinite=not math.isfinite(norms_seen[0]),
@@ -227,31 +234,30 @@ class TrainerShard:
             computed_positions=positions,
         )
 
-    def _update(self, micro_batches: Sequence[MicroBatch], norm: Normaliser,
-                proximal: Sequence[torch.Tensor | None], parts: list[LossStats],
-                times: _Times) -> tuple[int, float]:
+    def _update(self, micro_batches: Sequence[Prepared], norm: Normaliser,
+                proximal: Sequence[torch.Tensor | None], parts: list[PendingStats],
+                clock: PhaseClock) -> tuple[int, float]:
         """One optimizer update; appends each micro-batch's statistics to ``parts`` and
-        adds its phase times to ``times``. Returns (positions computed, gradient norm)."""
+        marks its phases on ``clock``. Returns (positions computed, gradient norm): the
+        norm's read is the update's one wait for the device."""
         self.optimizer.zero_grad(set_to_none=True)
         positions = 0
         last = len(micro_batches) - 1
         for index, (micro_batch, prox) in enumerate(zip(micro_batches, proximal, strict=True)):
             self.spans.switch("forward")
-            t0 = self._now()
+            clock.start("forward")
             loss, stats, computed = self.losses.micro_batch(micro_batch, norm, prox)
             positions += computed
             # DDP averages gradients over shards; the loss is already a share of the
             # global normaliser, so scale back up to make the all-reduce a plain sum.
             loss = loss * self.world_size
-            t1 = self._now()
-            times.forward_s += t1 - t0
             if index == last and self.world_size > 1:
                 # Time spent here is waiting on slower shards, not communication.
                 self.spans.switch("barrier")
+                clock.start("barrier")
                 dist.barrier()
-                t1, barrier_began = self._now(), t1
-                times.barrier_s += t1 - barrier_began
             self.spans.switch("backward")
+            clock.start("backward")
             if index != last and isinstance(self.model, DistributedDataParallel):
                 with self.model.no_sync():
                     torch.autograd.backward(loss)
@@ -260,10 +266,10 @@ class TrainerShard:
                     self.module.set_requires_gradient_sync(  # type: ignore[operator]
                         index == last)
                 torch.autograd.backward(loss)
-            times.backward_s += self._now() - t1
-            parts.append(stats)
+            if stats is not None:
+                parts.append(stats)
         self.spans.switch("optimizer")
-        t2 = self._now()
+        clock.start("optimizer")
         total = torch.nn.utils.clip_grad_norm_(self.module.parameters(),
                                                self.config.max_grad_norm)
         # FSDP2: each shard's norm is of its slice; the whole norm is one all-reduce away.
@@ -273,15 +279,7 @@ class TrainerShard:
             self.optimizer.step()
         else:
             self.optimizer.zero_grad(set_to_none=True)
-        times.optimizer_s += self._now() - t2
         return positions, grad_norm
-
-    def _now(self) -> float:
-        """``time.perf_counter()`` once the device has run what was queued (on CUDA:
-        ``sync_phases``)."""
-        if self.sync_phases:
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
 
     def mean_cores(self) -> float:
         """Threads this shard computes with: the cores the CPU-time check divides by."""

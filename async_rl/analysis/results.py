@@ -1,0 +1,160 @@
+"""A run's result at a glance: what `async-rl simulate` prints, and the sweep's columns.
+
+Owns: ``StepSplit`` (from metrics.jsonl: the mean step time split into waiting for
+generation, training and the weight snapshot, over the steps after the pipeline fills,
+with the mean delivery of a version into the engines beside it), ``fill_steps`` (the
+steps counted as filling it: the first max_staleness + 1, when there are more), and
+``result_table``: throughput, the split, idle by role and cause, and what the simulator
+counted of its own (sim.json: requests queued for KV-cache room, time-shared releases),
+in at most ``RESULT_LINES`` lines whatever the cluster size. Knows nothing about how the
+run was executed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import msgspec
+from rich.table import Table
+
+from async_rl.analysis.idle import Breakdown
+from async_rl.analysis.tables import pct
+from async_rl.run.run_dir import METRICS, SUMMARY, read_metrics, read_summary
+
+RESULT_LINES = 30
+"""The most lines ``result_table`` prints (a test holds it to that)."""
+SIM_STATS = "sim.json"
+"""What a simulated run counted besides a real run's record (``SimStats``)."""
+
+
+class SimStats(msgspec.Struct, frozen=True, kw_only=True):
+    """A simulated run's own counts (sim.json)."""
+
+    hardware: str
+    kv_limit_tokens: float | None = None
+    """Tokens of KV cache one engine holds (None: not bounded, no device_memory)."""
+    requests: int = 0
+    """Requests the engines admitted."""
+    kv_queued: int = 0
+    """Requests that waited in an engine's queue for KV-cache room."""
+    kv_wait_s: float = 0.0
+    """Their summed seconds of waiting."""
+    peak_kv_tokens: float = 0.0
+    """The most KV-cache tokens any engine held at once (its running sequences' context
+    plus what their lengths will add)."""
+    time_shared: bool = False
+    """run.colocate = "time": engines released their devices for every training step."""
+    releases: int = 0
+    """Times an engine released its devices to a training step and reloaded after."""
+
+
+class StepSplit(msgspec.Struct, frozen=True, kw_only=True):
+    """Means over ``first``..``last`` (the steps after the pipeline fills)."""
+
+    first: int
+    last: int
+    steps: int
+    step_s: float
+    wait_s: float
+    """Waiting for a step's groups (generation)."""
+    train_s: float
+    sync_s: float
+    """The weight snapshot after the step (the trainer's part of a weight sync)."""
+    delivery_s: float
+    """A version's delivery into the engines, from the ask to the last engine loaded
+    (beside the next step)."""
+    groups_per_s: float
+    tokens_per_s: float
+    fill_s: float
+    """Mean seconds of a pipeline-fill step (0 without any)."""
+
+
+def fill_steps(steps: int, max_staleness: int) -> int:
+    """Steps counted as filling the pipeline: the first max_staleness + 1 (their groups
+    started before the first weight versions), while at least one step is left."""
+    return max(0, min(max_staleness + 1, steps - 1))
+
+
+def step_split(rows: Sequence[dict[str, Any]], max_staleness: int) -> StepSplit | None:
+    """The split of metrics rows ``rows`` (None: no step)."""
+    if not rows:
+        return None
+    fill = fill_steps(len(rows), max_staleness)
+    kept = rows[fill:]
+
+    def mean(values: Sequence[float]) -> float:
+        return sum(values) / len(values) if values else 0.0
+
+    step_s = [r["wait_s"] + r["train_s"] + r["sync_s"] for r in kept]
+    deliveries = [max(b["transfer_s"] + b["pause_s"] + b["load_s"] for b in r["broadcast"])
+                  for r in kept if r.get("broadcast")]
+    seconds = sum(step_s)
+    return StepSplit(
+        first=kept[0]["step"], last=kept[-1]["step"], steps=len(kept),
+        step_s=mean(step_s), wait_s=mean([r["wait_s"] for r in kept]),
+        train_s=mean([r["train_s"] for r in kept]), sync_s=mean([r["sync_s"] for r in kept]),
+        delivery_s=mean(deliveries),
+        groups_per_s=sum(r["groups"] for r in kept) / seconds if seconds else 0.0,
+        tokens_per_s=sum(r["tokens"] for r in kept) / seconds if seconds else 0.0,
+        fill_s=mean([r["wait_s"] + r["train_s"] + r["sync_s"] for r in rows[:fill]]))
+
+
+def run_split(run_dir: Path) -> StepSplit | None:
+    """``step_split`` of a run directory (None without metrics or a summary)."""
+    if not (run_dir / METRICS).exists() or not (run_dir / SUMMARY).exists():
+        return None
+    return step_split(read_metrics(run_dir), read_summary(run_dir).max_staleness)
+
+
+def _idle_line(role: Breakdown) -> str:
+    causes = sorted(((s, c) for c, s in role.idle_by_cause.items()
+                     if s >= 0.0005 * role.wall_s), reverse=True)  # shown as at least 0.1%
+    return (f"{pct(role.idle_s, role.wall_s)} of {role.device}: "
+            + (", ".join(f"{c} {pct(s, role.wall_s)}" for s, c in causes) or "none"))
+
+
+def result_table(run_dir: Path, roles: Sequence[Breakdown]) -> Table:
+    """The run's result (see the module docstring): at most ``RESULT_LINES`` lines."""
+    s = read_summary(run_dir)
+    split = run_split(run_dir)
+    stats = (msgspec.json.decode((run_dir / SIM_STATS).read_bytes(), type=SimStats)
+             if (run_dir / SIM_STATS).exists() else None)
+    title = f"result: {run_dir}" + (f" (simulated on {stats.hardware})" if stats else "")
+    table = Table(title=title, box=None, show_header=False, title_justify="left")
+    table.add_column("", style="bold")
+    table.add_column("")
+    table.add_row("steps", f"{s.steps} in {s.wall_s:.1f} s"
+                  + (f"; means below over steps {split.first}-{split.last} (before: "
+                     f"pipeline fill, {split.fill_s:.1f} s a step)"
+                     if split and split.first > 1 else ""))
+    after = (f"; {split.groups_per_s:.2f} and {split.tokens_per_s:,.0f} after the fill"
+             if split and split.first > 1 else "")
+    table.add_row("groups/s, tokens/s",
+                  f"{s.groups_per_s:.2f} and {s.tokens_per_s:,.0f} over the run{after}")
+    if split:
+        table.add_row("step time", f"{split.step_s:.2f} s")
+        for label, seconds in (("  generation wait", split.wait_s),
+                               ("  training", split.train_s),
+                               ("  weight sync", split.sync_s)):
+            table.add_row(label, f"{seconds:.2f} s ({pct(seconds, split.step_s)})")
+        if split.delivery_s:
+            table.add_row("  weight delivery", f"{split.delivery_s:.2f} s a version into "
+                          "every engine, beside the next step")
+    for role in roles:
+        table.add_row(f"{role.role} idle", _idle_line(role))
+    table.add_row("staleness", f"histogram {list(s.staleness_histogram)}; "
+                  f"{s.dropped_stale} groups dropped as too stale")
+    if stats and stats.kv_limit_tokens is not None:
+        table.add_row("KV cache", f"{stats.kv_limit_tokens:,.0f} tokens an engine (peak "
+                      f"held {stats.peak_kv_tokens:,.0f}); {stats.kv_queued} of "
+                      f"{stats.requests} requests waited for room "
+                      f"({pct(stats.kv_queued, stats.requests)}), "
+                      f"{stats.kv_wait_s:.0f} s in all")
+    if stats and stats.time_shared:
+        table.add_row("time-shared", f"engines released their devices {stats.releases} "
+                      "times for training (no weight bytes over the network)")
+    if not stats:
+        table.add_row("accuracy", f"{s.accuracy_start} -> {s.accuracy_end}")
+    return table
