@@ -241,6 +241,7 @@ class HardwareOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     update_s: NonNegativeFloat | None = None
     publish_s: NonNegativeFloat | None = None
     weight_load_s: NonNegativeFloat | None = None
+    weight_member_s: NonNegativeFloat | None = None
     call_s: NonNegativeFloat | None = None
     cores: NonNegative | None = None
     engine_processes: PositiveFloat | None = None

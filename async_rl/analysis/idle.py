@@ -248,7 +248,7 @@ WEIGHT_PHASES = {
     "weight_load": ("loading into the engines", "raise weights.sync_every: loading is the "
                     "engine's own work"),
     "weight_sync": ("waiting on the broadcast", "raise weights.sync_every or use in_flight "
-                    "updates; with a drain, long completions hold every engine's update"),
+                    "updates"),
 }
 """A rollout engine's pause for a weight update (``workers.spans.WEIGHT_UPDATE``), by
 phase: what it is, what helps."""
@@ -270,6 +270,8 @@ def weight_hint(idle_by_cause: dict[str, float]) -> str:
     dominant = max(seconds, key=lambda c: seconds[c])
     split = ", ".join(f"{100 * s / total:.0f}% {WEIGHT_PHASES[c][0]}"
                       for c, s in seconds.items() if s > 0)
+    if seconds[dominant] == total:  # one phase only: nothing to compare
+        return f"rollout pauses for weight updates, {split}: {WEIGHT_PHASES[dominant][1]}"
     return (f"rollout pauses for weight updates ({split}); {WEIGHT_PHASES[dominant][0]} "
             f"dominates: {WEIGHT_PHASES[dominant][1]}")
 

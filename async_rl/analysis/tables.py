@@ -62,8 +62,14 @@ def idle_table(workers: Sequence[Breakdown], roles: Sequence[Breakdown], title: 
     table = Table(title=title, caption=(
         f"the {len(listed)} most idle of {len(workers)} workers; idle.json has every one "
         "(async-rl report --all lists them)") if left else None)
+    names = max((len(item.name) for item in (*roles, *listed)), default=0)
     for column in ("worker", "device", "busy", "idle", *causes):
-        table.add_column(column, justify="right" if column not in ("worker", "device") else "left")
+        # A row a line: names keep their width; a role's "N device(s)" is truncated
+        # rather than wrapped onto a second line.
+        table.add_column(column,
+                         justify="right" if column not in ("worker", "device") else "left",
+                         no_wrap=column == "device",
+                         min_width=names if column == "worker" else None)
     for item in (*roles, *listed):
         table.add_row(
             item.name, item.device, pct(item.busy_s, item.wall_s),
