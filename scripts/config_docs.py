@@ -101,6 +101,13 @@ _NAMES: dict[object, str] = {int: "int", float: "float", str: "str", bool: "bool
                              bytes: "bytes", Any: "any", type(None): "none"}
 
 
+def _number(value: object) -> object:
+    """A bound as the page shows it: 0 and 0.0 alike. ``Annotated`` types are cached by
+    equality, so ``Meta(ge=0)`` and ``Meta(ge=0.0)`` share one object, and which of the
+    two a field gets depends on import order: the page must not."""
+    return int(value) if isinstance(value, float) and value.is_integer() else value
+
+
 def render_type(hint: object) -> str:
     """A readable name for a field's annotation: ``int >= 1``, ``"a" | "b"``, ``list[int]``.
 
@@ -108,7 +115,7 @@ def render_type(hint: object) -> str:
     of a ``Literal``: here they keep the order they are declared in."""
     origin, args = typing.get_origin(hint), typing.get_args(hint)
     if origin is Annotated:
-        bounds = [f"{op} {_toml(value) if attr == 'pattern' else value}"
+        bounds = [f"{op} {_toml(value) if attr == 'pattern' else _number(value)}"
                   for meta in getattr(hint, "__metadata__", ()) if isinstance(meta, msgspec.Meta)
                   for attr, op in _BOUNDS if (value := getattr(meta, attr)) is not None]
         base = render_type(args[0])
