@@ -50,7 +50,7 @@ from async_rl.control.prompt_ledger import FILTERED
 from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import METRICS, WORKERS, read_ledger, read_summary
 from buffers.config import ConfigError
-from buffers.records import LedgerEntry
+from buffers.reports import LedgerEntry
 
 ROOT = Path(__file__).resolve().parents[1]
 ROLLOUT, TRAINER = "ray::RolloutActor", "ray::TrainerActor"

@@ -81,7 +81,8 @@ from async_rl.run.run_dir import RunWriter
 from async_rl.shell.adapters import RayRollout, RayTrainer
 from async_rl.tasks.sources import ArithmeticTask
 from buffers.config import QueueConfig
-from buffers.records import BroadcastTiming, SequenceSlot, ShardBatch, ShardStepResult
+from buffers.records import SequenceSlot, ShardBatch, ShardStepResult
+from buffers.reports import BroadcastTiming
 from workers.model_config import ModelConfig
 from workers.rollout.config import RolloutConfig
 from workers.trainer.config import TrainerConfig

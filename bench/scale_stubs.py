@@ -21,7 +21,6 @@ import numpy as np
 import ray
 
 from buffers.records import (
-    EvalResult,
     Group,
     GroupTokens,
     LossStats,
@@ -29,8 +28,8 @@ from buffers.records import (
     Sample,
     ShardBatch,
     ShardStepResult,
-    UsageReading,
 )
+from buffers.reports import EvalResult, UsageReading
 from workers.spans import Span
 
 VOCAB = 151_936

@@ -34,7 +34,7 @@ from async_rl.config_io import decode_config, load_config
 from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import read_ledger
 from buffers.config import ConfigError
-from buffers.records import LedgerEntry
+from buffers.reports import LedgerEntry
 from workers.spans import IDLE
 
 LATENCIES_MS = (0.0, 50.0, 200.0)

@@ -18,7 +18,7 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from buffers.records import UsageReading
+from buffers.reports import UsageReading
 from workers.spans import BUSY, IDLE, UNRESOLVED, Span
 
 ROLE_ORDER = ("rollout", "trainer")

@@ -54,7 +54,7 @@ from async_rl.run.run_dir import (
 )
 from async_rl.run.run_record import describe
 from async_rl.run.summary import BucketDrops, RunSummary, describe_failures
-from buffers.records import UsageReading
+from buffers.reports import UsageReading
 from workers.spans import COMPUTING_IDLE, Span
 
 TRACE = "trace.json"

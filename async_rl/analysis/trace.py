@@ -60,7 +60,7 @@ def _order(spans: Sequence[Span]) -> list[str]:
     return sorted(names, key=lambda n: names[n])
 
 
-class _Complete(msgspec.Struct, kw_only=True):
+class _Complete(msgspec.Struct, frozen=True, kw_only=True):
     """One span as a trace event ("X": a complete event)."""
 
     ph: str = "X"

@@ -18,7 +18,7 @@ import anyio
 
 from async_rl.control.protocols import PolicyWeights
 from async_rl.run.summary import EvalPoint
-from buffers.records import EvalResult
+from buffers.reports import EvalResult
 
 
 class EvalSchedule:

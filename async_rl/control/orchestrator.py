@@ -61,8 +61,9 @@ from async_rl.run.summary import EvalPoint, RunSummary
 from async_rl.tasks.sources import PromptSource
 from buffers.advantages import has_signal
 from buffers.queue_records import Dropped
-from buffers.records import BroadcastTiming, Group, Prompt
+from buffers.records import Group, Prompt
 from buffers.replay_queue import ReplayQueue
+from buffers.reports import BroadcastTiming
 from buffers.staleness import AdmissionGate
 from workers.spans import SpanRecorder
 

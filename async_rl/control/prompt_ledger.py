@@ -21,7 +21,8 @@ import msgspec
 
 from async_rl.run.run_dir import RunWriter
 from async_rl.tasks.sources import PromptSource
-from buffers.records import LedgerEntry, Prompt
+from buffers.records import Prompt
+from buffers.reports import LedgerEntry
 
 FILTERED = "filtered"
 """The reason of a final drop: rollout.filter_groups found the group without signal."""

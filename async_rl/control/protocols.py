@@ -19,15 +19,8 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from buffers.records import (
-    BroadcastTiming,
-    EvalResult,
-    Group,
-    Prompt,
-    ShardBatch,
-    ShardStepResult,
-    UsageReading,
-)
+from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
+from buffers.reports import BroadcastTiming, EvalResult, UsageReading
 from workers.spans import Span
 
 E = TypeVar("E", bound=Exception)

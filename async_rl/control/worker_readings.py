@@ -16,7 +16,7 @@ from typing import Any, TypeVar
 from async_rl.control.protocols import ObservedWorker, RolloutClient, RolloutFailed, TrainerClient
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.run_health import RunHealth
-from buffers.records import UsageReading
+from buffers.reports import UsageReading
 from workers.spans import Span
 
 T = TypeVar("T")

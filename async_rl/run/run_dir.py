@@ -20,7 +20,7 @@ from async_rl.config_io import to_toml
 from async_rl.run.loggers import open_loggers, scalars, summary_scalars
 from async_rl.run.run_record import RunRecord, collect, now
 from async_rl.run.summary import EvalPoint, RunSummary
-from buffers.records import LedgerEntry
+from buffers.reports import LedgerEntry
 from workers.spans import Span
 
 CONFIG = "config.toml"

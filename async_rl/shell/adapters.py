@@ -32,15 +32,8 @@ from async_rl.control.protocols import (
     Workers,
 )
 from async_rl.shell.launch import StartedWorkers, restart_rollout
-from buffers.records import (
-    BroadcastTiming,
-    EvalResult,
-    Group,
-    Prompt,
-    ShardBatch,
-    ShardStepResult,
-    UsageReading,
-)
+from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
+from buffers.reports import BroadcastTiming, EvalResult, UsageReading
 from workers.errors import RolloutWorkerError
 from workers.spans import Span
 from workers.trainer.checkpoints import WAIT_GROUP

@@ -41,7 +41,7 @@ from async_rl.config_io import load_config
 from async_rl.run.run_dir import CONFIG, read_ledger, read_metrics, read_summary
 from async_rl.sim.costs import Costs, Hardware, hardware_toml
 from async_rl.sim.run import simulate, simulation_costs
-from buffers.records import LedgerEntry
+from buffers.reports import LedgerEntry
 from workers.spans import Span
 
 DECODE_MFUS = (0.01, 0.03, 0.1, 0.3, 1.0)

@@ -19,7 +19,7 @@ from async_rl.sim.costs import Costs
 from async_rl.sim.engine import SimEngine
 from async_rl.sim.workers import SimPublished
 from buffers.config import ConfigError
-from buffers.records import BroadcastTiming
+from buffers.reports import BroadcastTiming
 
 
 def time_shared(config: Config) -> bool:

@@ -29,16 +29,8 @@ from async_rl.control.protocols import PublishedWeights
 from async_rl.sim.costs import Costs
 from async_rl.sim.engine import SimEngine
 from async_rl.sim.lengths import LengthLaw, prompt_tokens
-from buffers.records import (
-    BroadcastTiming,
-    EvalResult,
-    Group,
-    LossStats,
-    Prompt,
-    ShardBatch,
-    ShardStepResult,
-    UsageReading,
-)
+from buffers.records import Group, LossStats, Prompt, ShardBatch, ShardStepResult
+from buffers.reports import BroadcastTiming, EvalResult, UsageReading
 from workers.layout import assign_cpus
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 

@@ -25,17 +25,15 @@ from async_rl.run.summary import RunSummary
 from async_rl.sim.clock import run_virtual, virtual_now
 from async_rl.tasks.sources import ArithmeticTask
 from buffers.records import (
-    BroadcastTiming,
-    EvalResult,
     Group,
     LossStats,
     Prompt,
     Sample,
     ShardBatch,
     ShardStepResult,
-    UsageReading,
     make_group,
 )
+from buffers.reports import BroadcastTiming, EvalResult, UsageReading
 from workers.spans import Span
 
 LOST = "lost"

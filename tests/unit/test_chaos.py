@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from script_modules import load_script
 
-from buffers.records import LedgerEntry
+from buffers.reports import LedgerEntry
 
 chaos = load_script("bench/chaos.py", "bench_chaos")
 

@@ -21,7 +21,7 @@ from async_rl.control.protocols import PolicyWeights
 from async_rl.control.step_metrics import StepTotals
 from async_rl.run.run_dir import EVALS, SUMMARY, RunWriter, read_evals, read_summary
 from async_rl.run.summary import EvalPoint
-from buffers.records import EvalResult
+from buffers.reports import EvalResult
 
 
 class Weights(msgspec.Struct, frozen=True):

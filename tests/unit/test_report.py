@@ -11,7 +11,7 @@ from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.analysis.report import IDLE_JSON, TIMELINE, TRACE, RunIdle
 from async_rl.cli import main
 from async_rl.run.run_dir import SPANS, USAGE
-from buffers.records import UsageReading
+from buffers.reports import UsageReading
 from workers.spans import Span
 
 

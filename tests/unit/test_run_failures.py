@@ -25,7 +25,8 @@ from async_rl.config import Config
 from async_rl.control.checkpoint import latest_checkpoint
 from async_rl.control.protocols import RolloutFailed, RunFailed, TrainerFailed, WaitTimedOut
 from async_rl.shell.adapters import RayRollout, RayTrainer
-from buffers.records import EvalResult, Prompt, ShardBatch, ShardStepResult
+from buffers.records import Prompt, ShardBatch, ShardStepResult
+from buffers.reports import EvalResult
 
 
 def with_keys(cfg: Config, **sections: dict[str, Any]) -> Config:

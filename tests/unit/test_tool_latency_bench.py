@@ -9,7 +9,7 @@ import pytest
 from script_modules import load_script
 
 from async_rl.config_io import decode_config
-from buffers.records import LedgerEntry
+from buffers.reports import LedgerEntry
 
 bench = load_script("bench/tool_latency.py", "tool_latency", siblings=True)
 

@@ -24,17 +24,8 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
-from buffers.records import (
-    NO_VERSION,
-    BroadcastTiming,
-    EvalResult,
-    Group,
-    Prompt,
-    RolloutStatistics,
-    Sample,
-    UsageReading,
-    make_group,
-)
+from buffers.records import NO_VERSION, Group, Prompt, Sample, make_group
+from buffers.reports import BroadcastTiming, EvalResult, RolloutStatistics, UsageReading
 from workers.environment import EnvironmentConfig
 from workers.errors import RolloutWorkerError
 from workers.model_config import ModelConfig

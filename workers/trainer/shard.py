@@ -30,13 +30,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
-from buffers.records import (
-    GroupTokens,
-    LossStats,
-    ShardBatch,
-    ShardStepResult,
-    UsageReading,
-)
+from buffers.records import GroupTokens, LossStats, ShardBatch, ShardStepResult
+from buffers.reports import UsageReading
 from workers.model_config import ModelConfig
 from workers.rollout.config import RolloutConfig
 from workers.spans import UNRESOLVED, Span, SpanRecorder

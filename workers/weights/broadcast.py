@@ -21,7 +21,7 @@ from typing import Any
 
 import msgspec
 
-from buffers.records import BroadcastTiming
+from buffers.reports import BroadcastTiming
 
 SEND_GROUP = "weights"
 """Ray concurrency group of the source shard's sends: a send is not queued behind a

@@ -21,7 +21,7 @@ from typing import Any
 
 import ray
 
-from buffers.records import BroadcastTiming
+from buffers.reports import BroadcastTiming
 from workers.weights.config import UpdateMode
 from workers.weights.receiver import StaleVersion, UpdateInterrupted
 

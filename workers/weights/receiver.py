@@ -27,7 +27,7 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from buffers.records import BroadcastTiming
+from buffers.reports import BroadcastTiming
 from workers.errors import RolloutWorkerError
 from workers.weights.config import UpdateMode, WeightsConfig
 
