@@ -2,29 +2,48 @@
 weight transport.
 
 Owns: ``plan_buckets``, the plan every member computes from the same tensor sizes (which
-bytes of which tensor travel in which message, and where in it); the broadcast group (a
-``ProcessGroupGloo`` of the sender, rank 0, and every receiver, on its own ``TCPStore``,
-so it shares nothing with the trainer's DDP group or vLLM's own groups); and
-``send_buckets`` / ``receive_buckets``, a pipelined chain broadcast: rank 0 sends each
-bucket to rank 1, and each receiver forwards every bucket to the next rank as soon as it
-holds it, while the following ones arrive. Every link carries the model's bytes once,
-so on a network where each member has its own link a version costs about one model
-over one link plus one bucket per extra member, whatever the number of members (what
-NCCL's pipelined ring broadcast does). Two messages are kept in flight so packing, the
-wire and forwarding overlap. Every operation has a deadline: a dead or stuck member
-fails the whole broadcast within ``timeout_s`` (its neighbours' sends or receives fail,
-and the failure reaches every member down the chain). Knows nothing about vLLM, Ray,
-models or versions.
+bytes of which tensor travel in which message, and where in it), and ``segment_layout``,
+where each bucket sits in a shared segment; the broadcast group (a ``ProcessGroupGloo``
+of the sender, rank 0, and every receiver, on its own ``TCPStore``, so it shares nothing
+with the trainer's DDP group or vLLM's own groups); and one broadcast of a version over
+it: ``send_buckets`` at the sender, ``receive_buckets`` (chain members) or
+``receive_local`` (local members) at the receivers.
+
+A broadcast starts once every member is in its receive (each sends the sender a ready
+message: the calls that bring a member there are not the wire) and ends once every
+member holds every byte (each sends the sender the time it did): ``send_buckets``
+returns that span, on the machine's clock. The bytes reach a member one of two ways:
+
+- **Local members** (on the sender's machine: they can open its shared segment, a
+  ``workers.weights.shared_segment.SharedSegment``) read the version where the sender
+  wrote it, once, into shared memory; the sender rings each one (a small message) when
+  the last bucket is written. What a version costs them does not grow with their
+  number: nothing is copied per member on the wire (each copies the tensors it loads,
+  at its load), as vLLM's message queue broadcasts to local readers through shared
+  memory and NCCL moves bytes between processes of one node.
+- **Chain members** (the others: other machines) get a pipelined chain broadcast: the
+  sender sends each bucket to the first of them, and each forwards every bucket to the
+  next as soon as it holds it, while the following ones arrive. Every link carries the
+  model's bytes once, so on a network where each member has its own link a version costs
+  about one model over one link plus one bucket per extra member (what NCCL's pipelined
+  ring broadcast does). Two messages are kept in flight so packing, the wire and
+  forwarding overlap.
+
+Every operation has a deadline: a dead or stuck member fails the whole broadcast within
+``timeout_s`` (its neighbours' sends or receives fail, and the failure reaches every
+member down the chain; the sender tells the local members it gave up). Knows nothing
+about vLLM, Ray, models or versions.
 
 A bucket is either several whole tensors packed one after another (each starting on an
 ``ALIGN`` boundary), or exactly one piece of a single tensor: a tensor that fits no bucket
 is cut into ``bucket_bytes`` pieces, each its own message. One-piece buckets need no
 packing: the sender sends the tensor's own bytes and the receiver receives straight into
-the tensor it hands on.
-"""
+the tensor it hands on."""
 
 from __future__ import annotations
 
+import contextlib
+import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
@@ -33,6 +52,8 @@ import msgspec
 import torch
 import torch.distributed as dist
 
+from workers.weights.shared_segment import SharedSegment
+
 ALIGN = 64
 """Byte boundary every packed tensor starts on: a view of the receive buffer at that
 offset can be reinterpreted as any dtype, and it is cache-line aligned."""
@@ -40,7 +61,15 @@ IN_FLIGHT = 2
 """Messages posted ahead: one on the wire while the next is packed (sender) or the
 previous one is loaded (receiver)."""
 SENDER = 0
-"""The broadcast's root: trainer shard 0. Receivers are ranks 1 .. size - 1, in chain order."""
+"""The broadcast's root: trainer shard 0. Receivers are ranks 1 .. size - 1."""
+READY_TAG = 1 << 30
+"""A member to the sender: it is in its receive, its first buffers posted."""
+HELD_TAG = READY_TAG + 1
+"""A member to the sender: it holds every byte, and when (``time.time()``)."""
+BELL_TAG = READY_TAG + 2
+"""The sender to a local member: the segment holds the version (its sequence number),
+or ``ABORTED``."""
+ABORTED = -1
 
 
 class Piece(msgspec.Struct, frozen=True, kw_only=True):
@@ -112,6 +141,20 @@ def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> tuple[Bucket, ...]:
     return tuple(buckets)
 
 
+def segment_layout(plan: Sequence[Bucket]) -> tuple[list[int], int]:
+    """Where each bucket of ``plan`` starts in a shared segment, and the segment's size.
+    A bucket starts on an ``ALIGN`` boundary, except a piece that continues a split
+    tensor: it follows the previous piece at once, so every tensor is one contiguous,
+    aligned run of the segment (a view of it is the tensor)."""
+    offsets: list[int] = []
+    end = 0
+    for bucket in plan:
+        continues = bucket.pieces[0].start > 0
+        offsets.append(end if continues else _align(end))
+        end = offsets[-1] + bucket.nbytes
+    return offsets, end
+
+
 # ---------------------------------------------------------------- the group
 
 
@@ -138,56 +181,151 @@ def _flat(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
-# ---------------------------------------------------------------- both ends
+
+def _announce(group: dist.ProcessGroupGloo, tag: int, value: float, dtype: torch.dtype
+              ) -> tuple[dist.Work, torch.Tensor]:
+    """A one-number message to the sender; (work, message): it must outlive its send."""
+    message = torch.tensor([value], dtype=dtype)
+    return group.send([message], SENDER, tag), message  # type: ignore[attr-defined]
+
+
+def _collect(group: dist.ProcessGroupGloo, ranks: Sequence[int], tag: int,
+             dtype: torch.dtype, timeout_s: float) -> dict[int, float]:
+    """The one-number message ``tag`` from each of ``ranks``, all within ``timeout_s``."""
+    posted = {rank: torch.zeros(1, dtype=dtype) for rank in ranks}
+    works = {rank: group.recv([message], rank, tag)  # type: ignore[attr-defined]
+             for rank, message in posted.items()}
+    deadline = time.monotonic() + timeout_s
+    for work in works.values():
+        work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+    return {rank: float(message.item()) for rank, message in posted.items()}
+
+
+_ABORT = torch.tensor([ABORTED], dtype=torch.int64)
+ABORT_WAIT_S = 1.0
+"""How long the sender tries to tell the local members it gave a broadcast up: a member
+that waits for the bell gets it at once; one that does not (dead, stuck) fails on its
+own deadline."""
+
+
+def _abort_local(group: dist.ProcessGroupGloo, local: Sequence[int]) -> None:
+    works = []
+    for rank in local:
+        with contextlib.suppress(RuntimeError):  # a member that is gone
+            works.append(group.send([_ABORT], rank, BELL_TAG))  # type: ignore[attr-defined]
+    deadline = time.monotonic() + ABORT_WAIT_S
+    for work in works:
+        with contextlib.suppress(RuntimeError):
+            work.wait(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
+
+
+# ---------------------------------------------------------------- the sender
 
 
 def send_buckets(group: dist.ProcessGroupGloo, tensors: Sequence[torch.Tensor],
-                 bucket_bytes: int, timeout_s: float) -> None:
-    """Broadcasts ``tensors`` (CPU) from rank 0, bucket by bucket, in ``plan_buckets``
-    order: each goes to rank 1, the head of the chain (nothing to send in a group of one)."""
-    if group.size() < 2:
-        return
+                 bucket_bytes: int, timeout_s: float, *, local: Sequence[int] = (),
+                 segment: SharedSegment | None = None) -> tuple[float, float]:
+    """Broadcasts ``tensors`` (CPU) from rank 0, in ``plan_buckets`` order: written once
+    into ``segment`` (laid out by ``segment_layout``) for the ``local`` ranks, and sent
+    bucket by bucket to the first of the other ranks, the chain.
+
+    Returns once every member holds every byte: (when the first byte was sent, when the
+    last member held it all), on ``time.time()``; (0, 0) in a group of the sender alone.
+    """
+    size = group.size()
+    if size < 2:
+        return 0.0, 0.0
+    if local and segment is None:
+        raise ValueError("local members read a shared segment: none was given")
+    chain = [rank for rank in range(1, size) if rank not in set(local)]
     flats = [_flat(t) for t in tensors]
+    plan = plan_buckets([f.numel() for f in flats], bucket_bytes)
+    offsets, total = segment_layout(plan)
+    if segment is not None and local and segment.nbytes < total:
+        raise ValueError(f"shared segment of {segment.nbytes} bytes: the version needs {total}")
     timeout = timedelta(seconds=timeout_s)
-    # (work, message): the message must outlive its send.
-    pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
-    # Packing buffers, one per message in flight, reused: a buffer is packed again only
-    # once its previous send has completed, and fresh memory would fault in every page.
-    packing = [torch.empty(0, dtype=torch.uint8) for _ in range(IN_FLIGHT)]
-    for tag, bucket in enumerate(plan_buckets([f.numel() for f in flats], bucket_bytes)):
-        if len(pending) == IN_FLIGHT:
-            pending.popleft()[0].wait(timeout)
-        if bucket.packed:
-            slot = tag % IN_FLIGHT
-            if packing[slot].numel() < bucket.nbytes:
-                packing[slot] = torch.empty(bucket_bytes, dtype=torch.uint8)
-            message = packing[slot][:bucket.nbytes]
-            for p in bucket.pieces:
-                message[p.offset:p.offset + p.nbytes].copy_(flats[p.tensor][p.start:p.stop])
-        else:
-            (p,) = bucket.pieces
-            message = flats[p.tensor][p.start:p.stop]
-        # The stubs miss Backend.send/recv, which ProcessGroupGloo has.
-        pending.append((group.send([message], SENDER + 1, tag), message))  # type: ignore[attr-defined]
-    while pending:
-        pending.popleft()[0].wait(timeout)
+    rung = False
+    try:
+        # The calls that bring each member into its receive are not the wire.
+        _collect(group, range(1, size), READY_TAG, torch.int64, timeout_s)
+        began = time.time()
+        number = segment.begin_write() if segment is not None and local else 0
+        # (work, message): the message must outlive its send.
+        pending: deque[tuple[dist.Work, torch.Tensor]] = deque()
+        # Packing buffers for the chain alone, one per message in flight, reused: a
+        # buffer is packed again only once its previous send has completed, and fresh
+        # memory would fault in every page. With local members the segment is the
+        # packing buffer: every bucket has its own place, so none waits for a send.
+        packing = [torch.empty(0, dtype=torch.uint8) for _ in range(IN_FLIGHT)]
+        for tag, bucket in enumerate(plan):
+            if number and segment is not None:
+                message = segment.data[offsets[tag]:offsets[tag] + bucket.nbytes]
+                _pack(bucket, flats, message)
+            else:
+                if len(pending) == IN_FLIGHT:
+                    pending.popleft()[0].wait(timeout)
+                message = _message(bucket, flats, packing, tag % IN_FLIGHT, bucket_bytes)
+            if chain:
+                # The stubs miss Backend.send/recv, which ProcessGroupGloo has.
+                pending.append((group.send([message], chain[0], tag), message))  # type: ignore[attr-defined]
+        bells = []
+        if number and segment is not None:
+            segment.seq = number
+            bell = torch.tensor([number], dtype=torch.int64)
+            bells = [group.send([bell], rank, BELL_TAG)  # type: ignore[attr-defined]
+                     for rank in local]
+            rung = True
+        for work in [w for w, _ in pending] + bells:
+            work.wait(timeout)
+    except Exception:
+        if not rung:
+            _abort_local(group, local)
+        raise
+    held = _collect(group, range(1, size), HELD_TAG, torch.float64, timeout_s)
+    return began, max(held.values())
+
+
+def _pack(bucket: Bucket, flats: Sequence[torch.Tensor], message: torch.Tensor) -> None:
+    for p in bucket.pieces:
+        message[p.offset:p.offset + p.nbytes].copy_(flats[p.tensor][p.start:p.stop])
+
+
+def _message(bucket: Bucket, flats: Sequence[torch.Tensor], packing: list[torch.Tensor],
+             slot: int, bucket_bytes: int) -> torch.Tensor:
+    """A chain message: a packed bucket in packing buffer ``slot``, or the bytes of the
+    one tensor piece it is, as they are."""
+    if not bucket.packed:
+        (p,) = bucket.pieces
+        return flats[p.tensor][p.start:p.stop]
+    if packing[slot].numel() < bucket.nbytes:
+        packing[slot] = torch.empty(bucket_bytes, dtype=torch.uint8)
+    message = packing[slot][:bucket.nbytes]
+    _pack(bucket, flats, message)
+    return message
+
+
+# ---------------------------------------------------------------- the receivers
 
 
 def receive_buckets(
     group: dist.ProcessGroupGloo, specs: Sequence[tuple[Sequence[int], torch.dtype]],
-    bucket_bytes: int, timeout_s: float,
+    bucket_bytes: int, timeout_s: float, chain: Sequence[int] | None = None,
 ) -> Iterator[list[tuple[int, torch.Tensor]]]:
-    """Receives what ``send_buckets`` broadcasts for tensors of these (shape, dtype), from
-    the previous rank of the chain, forwarding each bucket to the next rank (if any) as
-    soon as it is held; yields, per bucket, the (index, tensor) pairs it completed. The
-    last forward is waited for before the generator ends: a member's broadcast is done
-    once the next one holds every byte too.
+    """A chain member's part of ``send_buckets``'s broadcast of tensors of these (shape,
+    dtype): receives from the previous member of ``chain`` (the receiving ranks that are
+    not local, in order; None: every receiver), forwarding each bucket to the next one
+    (if any) as soon as it is held; yields, per bucket, the (index, tensor) pairs it
+    completed. The last forward is waited for before the generator ends: a member's
+    broadcast is done once the next one holds every byte too.
 
     The tensors are fresh CPU tensors or views of a fresh buffer, never reused, so a
     consumer may keep them (the gloo engine stages a whole version before loading it).
     """
     rank, size = group.rank(), group.size()
-    previous, following = rank - 1, rank + 1 if rank + 1 < size else None
+    order = list(chain) if chain is not None else list(range(1, size))
+    at = order.index(rank)
+    previous = order[at - 1] if at else SENDER
+    following = order[at + 1] if at + 1 < len(order) else None
     sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
     plan = plan_buckets(sizes, bucket_bytes)
     timeout = timedelta(seconds=timeout_s)
@@ -206,11 +344,15 @@ def receive_buckets(
         return group.recv([buffer], previous, tag), buffer  # type: ignore[attr-defined]
 
     posted = deque(post(tag) for tag in range(min(IN_FLIGHT, len(plan))))
+    ready = _announce(group, READY_TAG, 0, torch.int64)
+    held = _announce(group, HELD_TAG, time.time(), torch.float64) if not plan else None
     # (work, message): a forwarded message must outlive its send.
     forwarding: deque[tuple[dist.Work, torch.Tensor]] = deque()
     for tag, bucket in enumerate(plan):
         work, buffer = posted.popleft()
         work.wait(timeout)
+        if tag == len(plan) - 1:
+            held = _announce(group, HELD_TAG, time.time(), torch.float64)
         if following is not None:
             if len(forwarding) == IN_FLIGHT:
                 forwarding.popleft()[0].wait(timeout)
@@ -226,3 +368,49 @@ def receive_buckets(
             yield [(p.tensor, assembling.pop(p.tensor))] if p.stop == sizes[p.tensor] else []
     while forwarding:
         forwarding.popleft()[0].wait(timeout)
+    assert held is not None  # announced with the last bucket
+    for work, _ in (ready, held):
+        work.wait(timeout)
+
+
+def receive_local(group: dist.ProcessGroupGloo, segment: SharedSegment,
+                  specs: Sequence[tuple[Sequence[int], torch.dtype]], bucket_bytes: int,
+                  timeout_s: float) -> tuple[int, list[tuple[int, torch.Tensor]]]:
+    """A local member's part of ``send_buckets``'s broadcast: waits for the bell, then
+    returns the write's sequence number and every tensor, in order, as a view of
+    ``segment``: valid while ``segment.seq`` still equals that number (the sender writes
+    again only for a later broadcast). Raises RuntimeError when the sender gave the
+    broadcast up or the deadline passed."""
+    bell = torch.zeros(1, dtype=torch.int64)
+    rung = group.recv([bell], SENDER, BELL_TAG)  # type: ignore[attr-defined]
+    ready = _announce(group, READY_TAG, 0, torch.int64)
+    rung.wait(timedelta(seconds=timeout_s))
+    number = int(bell.item())
+    if number == ABORTED:
+        raise RuntimeError("the weight sender gave the broadcast up")
+    if segment.seq != number:
+        raise RuntimeError(f"shared segment holds write {segment.seq}, the bell rang for "
+                           f"{number}")
+    held = _announce(group, HELD_TAG, time.time(), torch.float64)
+    tensors = segment_views(segment, specs, bucket_bytes)
+    for work, _ in (ready, held):
+        work.wait(timedelta(seconds=timeout_s))
+    return number, tensors
+
+
+def segment_views(segment: SharedSegment, specs: Sequence[tuple[Sequence[int], torch.dtype]],
+                  bucket_bytes: int) -> list[tuple[int, torch.Tensor]]:
+    """Every tensor of these (shape, dtype) as a view of the segment ``send_buckets``
+    wrote them to."""
+    sizes = [torch.Size(shape).numel() * dtype.itemsize for shape, dtype in specs]
+    plan = plan_buckets(sizes, bucket_bytes)
+    offsets, _ = segment_layout(plan)
+    starts = {p.tensor: offset + p.offset for bucket, offset in zip(plan, offsets, strict=True)
+              for p in bucket.pieces if p.start == 0}
+    views = []
+    for index, (shape, dtype) in enumerate(specs):
+        start = starts[index]
+        run = segment.data[start:start + sizes[index]]
+        views.append((index, run.view(dtype).view(shape) if sizes[index]
+                      else torch.empty(shape, dtype=dtype)))
+    return views

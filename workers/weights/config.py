@@ -36,6 +36,13 @@ class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     this size (gloo cuts larger tensors into pieces; nccl and ipc pack per buffer). On
     gloo 8-16 measured best here (bench/weight_broadcast.py): larger receive buffers come
     fresh from the kernel at every update, smaller ones cost more messages."""
+    shared_memory: bool = True
+    """gloo: rollout engines on trainer shard 0's machine read each version from one
+    shared-memory segment the shard writes once (a small message tells each one it is
+    there), instead of the TCP chain, so what a version costs them does not grow with
+    their number; engines elsewhere stay in the chain. The segment holds one version
+    (falls back to the chain when /dev/shm has no room for it). false: every engine in
+    the chain."""
     timeout_s: PositiveFloat = 300.0
     """Longest a weight update waits on a rollout worker for any one step (its pause,
     including a drain, a message, the load): a dead or stuck engine fails the broadcast

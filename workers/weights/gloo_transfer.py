@@ -9,10 +9,18 @@ rank, receives and forwards the buckets, stages the whole version and loads it a
 the inference side through a ``VLLMWeightSyncClient`` and broadcasts the buckets), their
 init and update infos, and registering both with vLLM's two factories.
 
+Which members are local (``weights.shared_memory``): the trainer's end makes a probe
+in shared memory when it opens a group; an engine that can open it says so in the
+group's store before joining. Local members then read each version from one shared
+segment the trainer's end writes once (``workers.weights.shared_segment``); the others
+form the chain (``workers.weights.bucket_transfer``).
+
 Staging is what makes a version all or nothing: nothing of it touches the model until
-every byte is held, so a broadcast that fails (a member died or stalled) leaves every
-engine on its old weights, whole (``receive_weights`` then raises ``INTERRUPTED``), and
-the engine may go on serving them. The registration runs when
+every byte is held (a local member stages views of the shared segment, which the
+sender does not write again until every member of the broadcast has loaded it or been
+given up; the load checks that it did not), so a broadcast that fails (a member died
+or stalled) leaves every engine on its old weights, whole (``receive_weights`` then
+raises ``INTERRUPTED``), and the engine may go on serving them. The registration runs when
 this module is imported: ``workers.weights.vllm_extension`` imports it, and vLLM imports that
 extension in the worker process before it builds the worker's weight-transfer engine.
 
@@ -22,6 +30,7 @@ into messages (``workers.weights.bucket_transfer``).
 
 from __future__ import annotations
 
+import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -46,15 +55,26 @@ from workers.weights.bucket_transfer import (
     broadcast_group,
     host_store,
     join_store,
+    plan_buckets,
     receive_buckets,
+    receive_local,
+    segment_layout,
     send_buckets,
 )
 from workers.weights.receiver import INTERRUPTED
+from workers.weights.shared_segment import SharedSegment
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
 BACKEND = "gloo"
+
+log = logging.getLogger(__name__)
+
+
+def _local_key(rank: int) -> str:
+    """The store key by which member ``rank`` says it sees the trainer's shared memory."""
+    return f"local/{rank}"
 
 
 @dataclass
@@ -69,15 +89,24 @@ class GlooInitInfo(WeightTransferInitInfo):
     world_size: int
     bucket_bytes: int
     timeout_s: float
+    probe_path: str = ""
+    """The trainer's probe in shared memory ("": none; every member is in the chain)."""
+    probe_token: str = ""
 
 
 @dataclass
 class GlooUpdateInfo(WeightTransferUpdateInfo):
-    """One update: every tensor's name, dtype and shape, in the order they are sent."""
+    """One update: every tensor's name, dtype and shape, in the order they are sent;
+    the chain (the members that receive over the group, in order) and the shared
+    segment the others read."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    chain: list[int] | None = None
+    segment_path: str = ""
+    segment_bytes: int = 0
+    segment_token: str = ""
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo]):
@@ -93,6 +122,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._info: GlooInitInfo | None = None
         self._staged: list[tuple[str, torch.Tensor]] = []
         """The version being received, whole once ``receive_weights`` returns."""
+        self._segment: SharedSegment | None = None
+        """The trainer's shared segment, mapped (a local member), kept across versions."""
+        self._segment_write = 0
+        """The segment's write that ``_staged`` views (0: staged in this process's memory)."""
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         """Joins a (new) group; called again whenever the trainer rebuilds it."""
@@ -100,6 +133,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         try:
             self._store = join_store(init_info.master_address, init_info.master_port,
                                      init_info.timeout_s)
+            if init_info.probe_path and SharedSegment.open(
+                    init_info.probe_path, 0, init_info.probe_token) is not None:
+                self._store.set(_local_key(init_info.rank_offset), "1")
             self._group = broadcast_group(self._store, init_info.rank_offset,
                                           init_info.world_size, init_info.timeout_s)
         except Exception as err:  # a member (or the trainer) did not join in time
@@ -108,26 +144,48 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         self._info = init_info
 
     def start_weight_update(self) -> None:
-        self._staged = []
+        self._staged, self._segment_write = [], 0
 
     def receive_weights(self, update_info: GlooUpdateInfo) -> None:
         if self._group is None or self._info is None:
             raise RuntimeError("gloo weight transfer: init_transfer_engine was not called")
+        group, info = self._group, self._info
         names = update_info.names
         specs = [(shape, getattr(torch, dtype))
                  for shape, dtype in zip(update_info.shapes, update_info.dtype_names,
                                          strict=True)]
+        local = bool(update_info.segment_path) and group.rank() not in (update_info.chain
+                                                                         or ())
+        segment = self._map(update_info) if local else None
         staged: list[tuple[str, torch.Tensor]] = []
         try:
-            for ready in receive_buckets(self._group, specs, self._info.bucket_bytes,
-                                         self._info.timeout_s):
-                staged.extend((names[i], tensor) for i, tensor in ready)
+            if segment is not None:
+                self._segment_write, tensors = receive_local(
+                    group, segment, specs, info.bucket_bytes, info.timeout_s)
+                staged = [(names[i], tensor) for i, tensor in tensors]
+            else:
+                for ready in receive_buckets(group, specs, info.bucket_bytes,
+                                             info.timeout_s, update_info.chain):
+                    staged.extend((names[i], tensor) for i, tensor in ready)
         except Exception as err:
             # The group is unusable now (a member is gone or mid-message); the trainer
             # builds a new one. The model was not touched.
             self._group = None
             raise RuntimeError(f"{INTERRUPTED}: {err!r}") from err
         self._staged = staged
+
+    def _map(self, update_info: GlooUpdateInfo) -> SharedSegment:
+        """The trainer's segment for this update, mapped once per group and kept."""
+        path = update_info.segment_path
+        if self._segment is None or str(self._segment.path) != path:
+            self._segment = SharedSegment.open(path, update_info.segment_bytes,
+                                               update_info.segment_token)
+        if self._segment is None:
+            # The probe said this process sees the trainer's shared memory: it no
+            # longer does, and a new group would say the same. Not INTERRUPTED: the
+            # worker is replaced.
+            raise RuntimeError(f"gloo weight transfer: cannot map the shared segment {path}")
+        return self._segment
 
     # vLLM's model-loading modules are imported where they are used: they are needed in
     # the worker process only, and this module is imported by the trainer too.
@@ -143,6 +201,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         )
 
         staged, self._staged = self._staged, []
+        write, self._segment_write = self._segment_write, 0
         if not staged:
             raise RuntimeError("gloo weight transfer: finish_weight_update before a whole "
                                "version was received")
@@ -152,6 +211,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             load_weights(staged)
         finalize_layerwise_reload(self.model, self.model_config)
         self._refresh_tied_head()
+        if write and self._segment is not None and self._segment.seq != write:
+            # Never expected (the sender writes again only after every member loaded or
+            # was given up); if it happens the model is a mix: not INTERRUPTED.
+            raise RuntimeError("gloo weight transfer: the shared segment was written "
+                               "again during the load")
 
     def _refresh_tied_head(self) -> None:
         # With tied embeddings the checkpoint has no lm_head tensor, so the reload skips
@@ -166,8 +230,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             method.process_weights_after_loading(head)
 
     def shutdown(self) -> None:
-        self._group = self._store = self._info = None
-        self._staged = []
+        self._group = self._store = self._info = self._segment = None
+        self._staged, self._segment_write = [], 0
 
 
 @dataclass
@@ -182,6 +246,8 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     world_size: int
     bucket_bytes: int
     timeout_s: float
+    shared_memory: bool = True
+    """Members on this machine read each version from shared memory (else all chain)."""
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -199,6 +265,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self._info = info
         self._store: dist.TCPStore | None = None
         self._group: dist.ProcessGroupGloo | None = None
+        self._local: list[int] = []
+        """The members that saw the probe: they read the shared segment."""
+        self._segment: SharedSegment | None = None
         # Runs the worker's update_weights rpc while this thread sends. Kept across
         # sends: starting a thread per send delays the rpc, and the engine is paused.
         # After a failure this engine is not used again, so a call stuck in it until its
@@ -213,22 +282,31 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if not init_info.is_sender:
             raise ValueError("gloo weight transfer has one sender: trainer rank 0")
         engine = cls(client=client, source=source, info=init_info)
-        engine._store = host_store(init_info.master_address, init_info.timeout_s)
+        store = engine._store = host_store(init_info.master_address, init_info.timeout_s)
+        probe = _shared(0) if init_info.shared_memory else None
         # Workers sit at rank_offset 1, after the sender (the client numbers its workers
         # on from there, one rank each).
         worker_info = GlooInitInfo(
-            master_address=init_info.master_address, master_port=engine._store.port,
+            master_address=init_info.master_address, master_port=store.port,
             rank_offset=SENDER + 1, world_size=init_info.world_size,
-            bucket_bytes=init_info.bucket_bytes, timeout_s=init_info.timeout_s)
+            bucket_bytes=init_info.bucket_bytes, timeout_s=init_info.timeout_s,
+            probe_path=str(probe.path) if probe else "",
+            probe_token=probe.token.hex() if probe else "")
         # The workers block in init_weight_transfer_engine until every rank has joined
         # the group, so their rpc runs on a side thread while this end joins.
         with ThreadPoolExecutor(max_workers=1) as side:
             joined = side.submit(client.init_weight_transfer_engine, asdict(worker_info))
             try:
-                engine._group = broadcast_group(engine._store, SENDER, init_info.world_size,
+                engine._group = broadcast_group(store, SENDER, init_info.world_size,
                                                 init_info.timeout_s)
             finally:
+                if probe is not None:
+                    probe.unlink()
                 joined.result()  # the workers' failure says more than this end's timeout
+        # Every member set its key before it joined, so the group's forming is the
+        # barrier after which the keys are all there.
+        engine._local = [rank for rank in range(SENDER + 1, init_info.world_size)
+                         if store.check([_local_key(rank)])]
         return engine
 
     def send_weights(self) -> None:
@@ -240,28 +318,64 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             shapes=[list(m.shape) for m in meta],
         )
         tensors = [tensor for _, tensor in self.source]
+        segment = self._segment_for(tensors) if self._local else None
+        local = self._local if segment is not None else []
+        update_info.chain = [rank for rank in range(SENDER + 1, self._info.world_size)
+                             if rank not in local]
+        if segment is not None:
+            update_info.segment_path = str(segment.path)
+            update_info.segment_bytes = segment.nbytes
+            update_info.segment_token = segment.token.hex()
         self.client.start_weight_update()
         # The workers receive inside update_weights: the rpc and the sends run together.
         received = self._side.submit(self.client.update_weights, asdict(update_info))
+        wire: tuple[float, float] | None = None
         try:
-            send_buckets(self._group, tensors, self._info.bucket_bytes, self._info.timeout_s)
+            wire = send_buckets(self._group, tensors, self._info.bucket_bytes,
+                                self._info.timeout_s, local=local, segment=segment)
         except Exception:
             self._group = None  # mid-message: never used again
             raise
         finally:
+            if segment is not None:
+                segment.unlink()  # every local member mapped it before it said ready
             # From now on every worker answers within its own deadline (a client that
             # waits on its workers needs to know when that clock starts).
             sent = getattr(self.client, "transfer_sent", None)
             if sent is not None:
-                sent()
+                sent(wire)
             # On a failure too: the workers' failures say which member broke the chain,
             # and they replace this end's.
             received.result()
         self.client.finish_weight_update()
 
+    def _segment_for(self, tensors: list[torch.Tensor]) -> SharedSegment | None:
+        """The shared segment this version fits (kept from the last one if it is the
+        same size); None when shared memory has no room for it (every member is in the
+        chain then)."""
+        sizes = [t.numel() * t.element_size() for t in tensors]
+        _, total = segment_layout(plan_buckets(sizes, self._info.bucket_bytes))
+        if self._segment is None or self._segment.nbytes != total:
+            if self._segment is not None:
+                self._segment.unlink()
+            self._segment = _shared(total)
+        return self._segment
+
     def shutdown(self) -> None:
-        self._group = self._store = None
+        if self._segment is not None:
+            self._segment.unlink()
+        self._group = self._store = self._segment = None
         self._side.shutdown(wait=False)
+
+
+def _shared(nbytes: int) -> SharedSegment | None:
+    """A new shared segment, or None (logged) when ``/dev/shm`` cannot hold it."""
+    try:
+        return SharedSegment.create(nbytes)
+    except OSError as err:
+        log.warning("weights: no shared memory for %d bytes (%r): every rollout engine "
+                    "receives over the chain", nbytes, err)
+        return None
 
 
 WeightTransferEngineFactory.register_engine(BACKEND, GlooWeightTransferEngine)

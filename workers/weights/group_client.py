@@ -15,6 +15,7 @@ when to rebuild the group (``workers.weights.sender``).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -71,8 +72,11 @@ class GroupClient:
         self.received: list[int] = []
         """Members that hold every byte of the version (not yet loaded)."""
         self.wire = (0.0, 0.0)
-        """From the first byte sent until the last member held every byte (and had
-        passed it on): the update call's span, on this process's ``time.time()``."""
+        """From the first byte sent until the last member held every byte, on the
+        machine's ``time.time()``: as the transfer engine measured it (gloo), else the
+        update call's span."""
+        self._sent = threading.Event()
+        self._measured: tuple[float, float] | None = None
 
     @property
     def ranks(self) -> list[int]:
@@ -83,6 +87,8 @@ class GroupClient:
         self.timings, self.lost, self.received = {}, {}, []
         self.interrupted, self.stale = set(), set()
         self.wire = (0.0, 0.0)
+        self._sent.clear()
+        self._measured = None
 
     # ---- the VLLMWeightSyncClient calls ----------------------------------------------
 
@@ -128,7 +134,10 @@ class GroupClient:
         calls = {rank: actor.update_weights.remote(update_info)
                  for rank, actor in self.members}
         answers = self._wait(calls, lambda: self._transfer_deadline)
-        self.wire = (began, time.time())
+        ended = time.time()
+        if self._sender_bounds:
+            self._sent.wait(GRACE_S)  # the engine's measure comes with transfer_sent
+        self.wire = self._measured or (began, ended)
         for rank, answer in answers.items():
             if not isinstance(answer, BaseException):
                 self.received.append(rank)
@@ -139,10 +148,13 @@ class GroupClient:
         if len(self.received) < len(self.members):
             raise GroupFailed(f"transferring weights v{self.version}: {self._describe()}")
 
-    def transfer_sent(self) -> None:
+    def transfer_sent(self, wire: tuple[float, float] | None = None) -> None:
         """The sender's part of the transfer is over (done or failed): every member
-        answers within its own deadline from now."""
+        answers within its own deadline from now. wire: from the first byte sent until
+        the last member held every byte, when the transfer engine measured it."""
+        self._measured = wire
         self._transfer_deadline = time.monotonic() + self._timeout_s + GRACE_S
+        self._sent.set()
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         # weight_version is not used: each worker labels the version it was started with.

@@ -203,7 +203,7 @@ class WeightSender:
         if cfg.transport == "gloo":
             return GlooTrainerInitInfo(master_address=self._address, world_size=engines + 1,
                                        bucket_bytes=bucket_bytes, timeout_s=cfg.timeout_s,
-                                       rank=0)
+                                       shared_memory=cfg.shared_memory, rank=0)
         if cfg.transport == "nccl":
             return NCCLTrainerInitInfo(master_address=self._address,
                                        master_port=get_open_port(), world_size=engines + 1,
