@@ -20,6 +20,7 @@ from test_bucket_transfer import open_group
 
 from workers.weights import shared_segment
 from workers.weights.bucket_transfer import (
+    ABORTED,
     ALIGN,
     SENDER,
     plan_buckets,
@@ -209,4 +210,4 @@ def test_a_member_gone_fails_the_broadcast_and_local_members_are_told_at_once(
     if missing == "dead":
         assert "gave the broadcast up" in str(local_err)
     assert local_at - gave_up < 1.5  # its own deadline is 60 s: it was told
-    assert segment.seq == WRITING  # nothing was written
+    assert segment.seq == ABORTED  # nothing was written; the polling members see it

@@ -6,13 +6,15 @@ sharding it with ``fully_shard`` (every decoder layer, then the root) under
 ``trainer.param_dtype`` / ``trainer.reduce_dtype`` (``MixedPrecisionPolicy``) and
 ``trainer.offload`` (``CPUOffloadPolicy``), loading each parameter's own shard from the
 model's safetensors files one tensor at a time, so no shard ever holds the whole model
-(``build_sharded``), and gathering the whole weights onto rank 0 (``full_state``: for
-weight publishing, evaluation and Hugging Face saves). Knows nothing about the loss, the
-optimizer, checkpoints or Ray.
+(``build_sharded``), and gathering the whole weights onto rank 0: at once
+(``full_state``: for evaluation and Hugging Face saves) or bucket by bucket
+(``gather_buckets``: for weight publishing, so no rank holds a second whole copy beside
+the snapshot it fills). Knows nothing about the loss, the optimizer, checkpoints or Ray.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import ExitStack
 from pathlib import Path
 
@@ -149,3 +151,33 @@ def full_shapes(module: torch.nn.Module) -> dict[str, torch.Tensor]:
     """Meta tensors shaped like ``full_state``'s (the global shapes): no gather."""
     return {name: torch.empty(t.shape, dtype=t.dtype, device="meta")
             for name, t in module.state_dict().items() if isinstance(t, torch.Tensor)}
+
+
+def gather_buckets(module: torch.nn.Module, bucket_bytes: int
+                   ) -> Iterator[list[tuple[str, torch.Tensor]]]:
+    """The parameters whole, in ``named_parameters`` order, a bucket at a time: on rank 0
+    each bucket's (name, whole tensor) pairs, at most ``bucket_bytes`` of them (or one
+    parameter larger than that); [] on the other ranks. Collective: every shard iterates
+    it to the end (one all-gather per parameter, ``DTensor.full_tensor``).
+
+    Keeps no reference to a bucket once the next one is asked for: a consumer that
+    copies each bucket away and drops it holds at most the bucket it copies and the
+    parameters gathered for the next one, about two buckets, whatever the model's size.
+    """
+    rank0 = dist.get_rank() == 0
+    bucket: list[tuple[str, torch.Tensor]] = []
+    fill = 0
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            whole = param.full_tensor() if isinstance(param, DTensor) else param.detach()
+            if not rank0:
+                continue  # every rank gets the whole tensor: taking part was the point
+            nbytes = whole.numel() * whole.element_size()
+            if bucket and fill + nbytes > bucket_bytes:
+                yield bucket
+                bucket, fill = [], 0
+            bucket.append((name, whole))
+            fill += nbytes
+            del whole
+    if bucket:
+        yield bucket

@@ -39,7 +39,7 @@ from workers.trainer.attention import use_packed_attention
 from workers.trainer.checkpoints import CheckpointWriter, load
 from workers.trainer.config import TrainerConfig
 from workers.trainer.device_setup import speed_up
-from workers.trainer.fsdp import build_sharded, full_shapes, full_state
+from workers.trainer.fsdp import build_sharded, full_shapes, full_state, gather_buckets
 from workers.trainer.loss import Normaliser, PendingStats, read_stats
 from workers.trainer.phase_clock import PhaseClock
 from workers.trainer.ppo_update import Prepared, StepLoss
@@ -323,12 +323,21 @@ class TrainerShard:
         (0 on an fsdp2 shard that only takes part in the gather).
 
         Called in order with training calls, so it captures exactly ``version``; the
-        sends then run beside the next steps."""
-        state = self._state()
-        if not state:
+        sends then run beside the next steps. With fsdp2 every shard gathers the weights
+        with shard 0 bucket by bucket (``weights.bucket_mb``), and shard 0 copies each
+        bucket into its snapshot before the next is gathered: no rank holds a second
+        whole copy of the model."""
+        params = list(self.module.named_parameters())
+        shapes = [(name, p.shape, p.dtype) for name, p in params]
+        if self.config.backend != "fsdp2":
+            return self._connected().snapshot(version, params, shapes)
+        buckets = gather_buckets(self.module, self.weights.bucket_mb << 20)
+        if self.rank != 0:
+            for _ in buckets:
+                pass  # taking part in each gather
             return 0
         return self._connected().snapshot(
-            version, ((name, state[name]) for name, _ in self.module.named_parameters()))
+            version, (pair for bucket in buckets for pair in bucket), shapes)
 
     def send_weights(self, version: int, ranks: Sequence[int], mode: UpdateMode | None = None
                      ) -> Delivery:

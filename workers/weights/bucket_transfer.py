@@ -70,6 +70,14 @@ BELL_TAG = READY_TAG + 2
 """The sender to a local member: the segment holds the version (its sequence number),
 or ``ABORTED``."""
 ABORTED = -1
+POLL_S = 50e-6
+"""How often a local member looks at the segment's sequence number while it waits."""
+SPIN_S = 1.0
+"""How long a local member polls before it blocks on the bell, as vLLM's shared-memory
+readers spin for ``busy_loop_s`` (1 s) before they block: a poll sees the write within
+``POLL_S``, where a blocked member needs two wake-ups (gloo's socket thread, then its
+own), and on shared cores each may wait for a time slice. A sleeping poll leaves the
+core to the sender meanwhile."""
 
 
 class Piece(msgspec.Struct, frozen=True, kw_only=True):
@@ -279,6 +287,8 @@ def send_buckets(group: dist.ProcessGroupGloo, tensors: Sequence[torch.Tensor],
             work.wait(timeout)
     except Exception:
         if not rung:
+            if segment is not None and local:
+                segment.seq = ABORTED  # for the members polling it
             _abort_local(group, local)
         raise
     held = _collect(group, range(1, size), HELD_TAG, torch.float64, timeout_s)
@@ -376,26 +386,47 @@ def receive_buckets(
 def receive_local(group: dist.ProcessGroupGloo, segment: SharedSegment,
                   specs: Sequence[tuple[Sequence[int], torch.dtype]], bucket_bytes: int,
                   timeout_s: float) -> tuple[int, list[tuple[int, torch.Tensor]]]:
-    """A local member's part of ``send_buckets``'s broadcast: waits for the bell, then
-    returns the write's sequence number and every tensor, in order, as a view of
+    """A local member's part of ``send_buckets``'s broadcast: waits for the write (it
+    polls the segment's sequence number for up to ``SPIN_S``, then blocks on the bell),
+    then returns the write's number and every tensor, in order, as a view of
     ``segment``: valid while ``segment.seq`` still equals that number (the sender writes
     again only for a later broadcast). Raises RuntimeError when the sender gave the
     broadcast up or the deadline passed."""
+    timeout = timedelta(seconds=timeout_s)
     bell = torch.zeros(1, dtype=torch.int64)
     rung = group.recv([bell], SENDER, BELL_TAG)  # type: ignore[attr-defined]
+    last = segment.seq  # the sender writes only once every member is ready
     ready = _announce(group, READY_TAG, 0, torch.int64)
-    rung.wait(timedelta(seconds=timeout_s))
+    held_at = _poll(segment, last)
+    held = (_announce(group, HELD_TAG, held_at, torch.float64) if held_at is not None
+            else None)
+    rung.wait(timeout)  # every bell is taken: the next broadcast's must not meet it
     number = int(bell.item())
     if number == ABORTED:
         raise RuntimeError("the weight sender gave the broadcast up")
     if segment.seq != number:
         raise RuntimeError(f"shared segment holds write {segment.seq}, the bell rang for "
                            f"{number}")
-    held = _announce(group, HELD_TAG, time.time(), torch.float64)
+    if held is None:
+        held = _announce(group, HELD_TAG, time.time(), torch.float64)
     tensors = segment_views(segment, specs, bucket_bytes)
     for work, _ in (ready, held):
-        work.wait(timedelta(seconds=timeout_s))
+        work.wait(timeout)
     return number, tensors
+
+
+def _poll(segment: SharedSegment, last: int) -> float | None:
+    """When (``time.time()``) the segment held a write newer than ``last``; None if it
+    did not within ``SPIN_S`` or the sender gave up (the bell says which)."""
+    deadline = time.monotonic() + SPIN_S
+    while time.monotonic() < deadline:
+        seq = segment.seq
+        if seq == ABORTED:
+            return None
+        if seq > last:
+            return time.time()
+        time.sleep(POLL_S)
+    return None
 
 
 def segment_views(segment: SharedSegment, specs: Sequence[tuple[Sequence[int], torch.dtype]],

@@ -111,17 +111,27 @@ class WeightSender:
         with self._lock:
             self._members.pop(rank, None)
 
-    def snapshot(self, version: int, named: Iterable[tuple[str, torch.Tensor]]) -> int:
-        """Copies ``named`` tensors as ``version``'s weights; returns their bytes."""
-        sources = [(name, tensor.detach()) for name, tensor in named]
-        wanted = [(n, t.shape, self._dtype or t.dtype) for n, t in sources]
+    def snapshot(self, version: int, named: Iterable[tuple[str, torch.Tensor]],
+                 shapes: Sequence[tuple[str, torch.Size, torch.dtype]] | None = None) -> int:
+        """Copies ``named`` tensors as ``version``'s weights; returns their bytes.
+
+        shapes: each tensor's (name, shape, dtype), in ``named``'s order. Given, ``named``
+        is taken one tensor at a time, each copied before the next is asked for, so a
+        lazy iterable (a gather, bucket by bucket) never has them all alive at once."""
+        if shapes is None:
+            sources = [(name, tensor.detach()) for name, tensor in named]
+            named = sources
+            shapes = [(name, tensor.shape, tensor.dtype) for name, tensor in sources]
+        wanted = [(n, torch.Size(shape), self._dtype or dtype) for n, shape, dtype in shapes]
         with self._lock:
             spare, self._spare = self._spare, ()
         if [(n, t.shape, t.dtype) for n, t in spare] != wanted:
             spare = tuple((name, torch.empty(shape, dtype=dtype, device=self._device))
                           for name, shape, dtype in wanted)
-        for (_, held), (_, tensor) in zip(spare, sources, strict=True):
-            held.copy_(tensor)  # casts to the engines' dtype
+        for (name, held), (source, tensor) in zip(spare, named, strict=True):
+            if source != name:
+                raise ValueError(f"weights v{version}: {source} arrived where {name} was due")
+            held.copy_(tensor.detach())  # casts to the engines' dtype
         if self._device.type == "cuda":
             # The copies run on this stream, after the optimizer step's kernels; the
             # transfer engines read the snapshot from streams of their own.
