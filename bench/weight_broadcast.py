@@ -170,7 +170,8 @@ def bare_wire_ms(count: int, num_bytes: int, bucket_bytes: int, repeats: int,
     reading shared memory (``shared``) or in the chain."""
     import multiprocessing
 
-    from workers.weights.bucket_transfer import host_store, plan_buckets, segment_layout
+    from workers.weights.bucket_plan import plan_buckets, segment_layout
+    from workers.weights.bucket_transfer import host_store
     from workers.weights.shared_segment import SharedSegment
 
     store = host_store("127.0.0.1", 60.0)  # every member joins it as a client

@@ -15,14 +15,12 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+from workers.weights.bucket_plan import ALIGN, Bucket, plan_buckets
 from workers.weights.bucket_transfer import (
-    ALIGN,
     SENDER,
-    Bucket,
     broadcast_group,
     host_store,
     join_store,
-    plan_buckets,
     receive_buckets,
     send_buckets,
 )

@@ -19,14 +19,12 @@ from hypothesis import strategies as st
 from test_bucket_transfer import open_group
 
 from workers.weights import shared_segment
+from workers.weights.bucket_plan import ALIGN, plan_buckets, segment_layout
 from workers.weights.bucket_transfer import (
     ABORTED,
-    ALIGN,
     SENDER,
-    plan_buckets,
     receive_buckets,
     receive_local,
-    segment_layout,
     segment_views,
     send_buckets,
 )

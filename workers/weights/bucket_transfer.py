@@ -1,13 +1,11 @@
 """Tensors in buckets of bounded size over a gloo group: the data plane of the "gloo"
 weight transport.
 
-Owns: ``plan_buckets``, the plan every member computes from the same tensor sizes (which
-bytes of which tensor travel in which message, and where in it), and ``segment_layout``,
-where each bucket sits in a shared segment; the broadcast group (a ``ProcessGroupGloo``
-of the sender, rank 0, and every receiver, on its own ``TCPStore``, so it shares nothing
-with the trainer's DDP group or vLLM's own groups); and one broadcast of a version over
-it: ``send_buckets`` at the sender, ``receive_buckets`` (chain members) or
-``receive_local`` (local members) at the receivers.
+Owns: the broadcast group (a ``ProcessGroupGloo`` of the sender, rank 0, and every
+receiver, on its own ``TCPStore``, so it shares nothing with the trainer's DDP group or
+vLLM's own groups); and one broadcast of a version over it: ``send_buckets`` at the
+sender, ``receive_buckets`` (chain members) or ``receive_local`` (local members) at the
+receivers.
 
 A broadcast starts once every member is in its receive (each sends the sender a ready
 message: the calls that bring a member there are not the wire) and ends once every
@@ -34,11 +32,9 @@ Every operation has a deadline: a dead or stuck member fails the whole broadcast
 member down the chain; the sender tells the local members it gave up). Knows nothing
 about vLLM, Ray, models or versions.
 
-A bucket is either several whole tensors packed one after another (each starting on an
-``ALIGN`` boundary), or exactly one piece of a single tensor: a tensor that fits no bucket
-is cut into ``bucket_bytes`` pieces, each its own message. One-piece buckets need no
-packing: the sender sends the tensor's own bytes and the receiver receives straight into
-the tensor it hands on."""
+Which bytes travel in which message is ``workers.weights.bucket_plan``'s. One-piece
+buckets need no packing: the sender sends the tensor's own bytes and a chain member
+receives straight into the tensor it hands on."""
 
 from __future__ import annotations
 
@@ -48,15 +44,12 @@ from collections import deque
 from collections.abc import Iterator, Sequence
 from datetime import timedelta
 
-import msgspec
 import torch
 import torch.distributed as dist
 
+from workers.weights.bucket_plan import Bucket, plan_buckets, segment_layout
 from workers.weights.shared_segment import SharedSegment
 
-ALIGN = 64
-"""Byte boundary every packed tensor starts on: a view of the receive buffer at that
-offset can be reinterpreted as any dtype, and it is cache-line aligned."""
 IN_FLIGHT = 2
 """Messages posted ahead: one on the wire while the next is packed (sender) or the
 previous one is loaded (receiver)."""
@@ -78,89 +71,6 @@ readers spin for ``busy_loop_s`` (1 s) before they block: a poll sees the write 
 ``POLL_S``, where a blocked member needs two wake-ups (gloo's socket thread, then its
 own), and on shared cores each may wait for a time slice. A sleeping poll leaves the
 core to the sender meanwhile."""
-
-
-class Piece(msgspec.Struct, frozen=True, kw_only=True):
-    """A byte range of one tensor, and where it sits in its bucket's message."""
-
-    tensor: int
-    """Index of the tensor in the update's order."""
-    start: int
-    """First byte within the tensor."""
-    stop: int
-    """One past the last byte within the tensor."""
-    offset: int
-    """First byte within the bucket's message."""
-
-    @property
-    def nbytes(self) -> int:
-        return self.stop - self.start
-
-
-class Bucket(msgspec.Struct, frozen=True, kw_only=True):
-    """One message: its pieces in order, and its size."""
-
-    pieces: tuple[Piece, ...]
-    nbytes: int
-
-    @property
-    def packed(self) -> bool:
-        """Several tensors in one buffer; otherwise the message is one tensor's bytes."""
-        return len(self.pieces) > 1
-
-
-def _align(offset: int) -> int:
-    return -(-offset // ALIGN) * ALIGN
-
-
-def plan_buckets(sizes: Sequence[int], bucket_bytes: int) -> tuple[Bucket, ...]:
-    """Buckets of at most ``bucket_bytes`` each, covering every byte of every tensor once,
-    in tensor order; ``sizes`` are the tensors' sizes in bytes."""
-    if bucket_bytes < ALIGN:
-        raise ValueError(f"bucket_bytes = {bucket_bytes}: must be at least {ALIGN}")
-    buckets: list[Bucket] = []
-    open_pieces: list[Piece] = []
-    fill = 0
-
-    def close() -> None:
-        nonlocal fill
-        if open_pieces:
-            buckets.append(Bucket(pieces=tuple(open_pieces), nbytes=fill))
-            open_pieces.clear()
-            fill = 0
-
-    for index, size in enumerate(sizes):
-        if size < 0:
-            raise ValueError(f"tensor {index} has a negative size ({size})")
-        if size > bucket_bytes:
-            close()
-            for start in range(0, size, bucket_bytes):
-                stop = min(start + bucket_bytes, size)
-                piece = Piece(tensor=index, start=start, stop=stop, offset=0)
-                buckets.append(Bucket(pieces=(piece,), nbytes=stop - start))
-            continue
-        offset = _align(fill)
-        if open_pieces and offset + size > bucket_bytes:
-            close()
-            offset = 0
-        open_pieces.append(Piece(tensor=index, start=0, stop=size, offset=offset))
-        fill = offset + size
-    close()
-    return tuple(buckets)
-
-
-def segment_layout(plan: Sequence[Bucket]) -> tuple[list[int], int]:
-    """Where each bucket of ``plan`` starts in a shared segment, and the segment's size.
-    A bucket starts on an ``ALIGN`` boundary, except a piece that continues a split
-    tensor: it follows the previous piece at once, so every tensor is one contiguous,
-    aligned run of the segment (a view of it is the tensor)."""
-    offsets: list[int] = []
-    end = 0
-    for bucket in plan:
-        continues = bucket.pieces[0].start > 0
-        offsets.append(end if continues else _align(end))
-        end = offsets[-1] + bucket.nbytes
-    return offsets, end
 
 
 # ---------------------------------------------------------------- the group

@@ -50,15 +50,14 @@ from vllm.distributed.weight_transfer.factory import (
     WeightTransferTrainerFactory,
 )
 
+from workers.weights.bucket_plan import plan_buckets, segment_layout
 from workers.weights.bucket_transfer import (
     SENDER,
     broadcast_group,
     host_store,
     join_store,
-    plan_buckets,
     receive_buckets,
     receive_local,
-    segment_layout,
     send_buckets,
 )
 from workers.weights.receiver import INTERRUPTED
