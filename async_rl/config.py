@@ -27,7 +27,7 @@ from buffers.config import (
 )
 from workers.environment import EnvironmentConfig
 from workers.model_config import ModelConfig
-from workers.reward_spec import RewardSpec
+from workers.rewards.spec import RewardSpec
 from workers.rollout.config import RolloutConfig
 from workers.trainer.config import TrainerConfig
 from workers.weights.config import WeightsConfig

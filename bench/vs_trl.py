@@ -113,7 +113,7 @@ from async_rl.run.inputs import check_inputs
 from async_rl.tasks.sources import IndexedSource, PromptSource
 from buffers.config import ConfigError
 from buffers.records import Prompt
-from workers.reward import RewardFn, guarded_reward
+from workers.rewards.function import RewardFn, guarded_reward
 
 CONFIGS = {"arithmetic": "examples/cpu_default.toml", "longtail": "examples/cpu_longtail.toml"}
 TRL_THREADS = 2

@@ -25,8 +25,8 @@ from async_rl.run.loggers import check_installed
 from async_rl.run.model_source import resolve_model_path
 from buffers.config import ConfigError
 from workers.environment import environment_class
-from workers.reward_callable import Reward, check_function
-from workers.reward_spec import DEFAULT_COLUMNS, load_reward, reward_name, unique_names
+from workers.rewards.callables import Reward, check_function
+from workers.rewards.spec import DEFAULT_COLUMNS, load_reward, reward_name, unique_names
 
 
 def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:

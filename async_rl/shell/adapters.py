@@ -34,7 +34,7 @@ from async_rl.control.protocols import (
 from async_rl.shell.launch import StartedWorkers, restart_rollout
 from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
 from buffers.reports import BroadcastTiming, EvalResult, UsageReading
-from workers.errors import RolloutWorkerError
+from workers.errors import RolloutWorkerError, first_line
 from workers.spans import Span
 from workers.trainer.checkpoints import WAIT_GROUP
 from workers.weights.broadcast import Published, WeightBroadcast
@@ -57,11 +57,7 @@ def _reason(err: ray.exceptions.RayError) -> str:
     cause = getattr(err, "cause", None)
     if cause is None:
         return type(err).__name__
-    return f"{type(cause).__name__}: {_first_line(cause)}"
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).splitlines() or [""])[0]
+    return first_line(cause)
 
 
 class _Adapter(abc.ABC):
@@ -226,7 +222,7 @@ class RayEvaluator(_Adapter):
     """An ``Evaluator`` over a ``workers.eval.evaluator.IdleCpuEvaluator`` actor."""
 
     def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:
-        return EvaluationFailed(f"{type(err).__name__}: {_first_line(err)}")
+        return EvaluationFailed(first_line(err))
 
     async def evaluate(self, prompts: Sequence[Prompt], weights: PolicyWeights) -> EvalResult:
         assert isinstance(weights, RayPolicyWeights)

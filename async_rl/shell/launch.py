@@ -42,10 +42,10 @@ from workers.model_config import ModelConfig
 from workers.placement import check_gpus, gpus_per_worker, in_bundle
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.ports import free_port
-from workers.reward import RewardFn
-from workers.reward_callable import Reward
-from workers.reward_runner import UserRewards
-from workers.reward_spec import DEFAULT_COLUMNS, absolute_spec
+from workers.rewards.callables import Reward
+from workers.rewards.function import RewardFn
+from workers.rewards.runner import UserRewards
+from workers.rewards.spec import DEFAULT_COLUMNS, absolute_spec
 from workers.rollout.config import engine_dtype
 from workers.rollout.prompts import PromptFormat
 from workers.trainer.checkpoints import WAIT_GROUP

@@ -46,7 +46,7 @@ from async_rl.shell.launch import (
 from async_rl.shell.worker_logs import ray_options
 from buffers.config import ConfigError
 from workers.placement import registry_table
-from workers.reward_callable import Reward
+from workers.rewards.callables import Reward
 
 log = logging.getLogger(__name__)
 

@@ -17,8 +17,8 @@ import pytest
 from async_rl.config import TaskConfig
 from async_rl.tasks.dataset import Fit, load_dataset_task
 from buffers.records import Prompt, Sample
-from workers.reward_runner import UserRewards
-from workers.reward_spec import RewardSpec
+from workers.rewards.runner import UserRewards
+from workers.rewards.spec import RewardSpec
 from workers.rollout.prompts import PromptFormat
 from workers.rollout.scoring import Scorer
 

@@ -23,8 +23,8 @@ from async_rl.tasks.dataset import Fit, load_dataset_task, model_fit
 from async_rl.tasks.sources import SourceMismatchError
 from buffers.config import ConfigError
 from buffers.records import Prompt, Sample
-from workers.reward_runner import UserRewards
-from workers.reward_spec import RewardSpec
+from workers.rewards.runner import UserRewards
+from workers.rewards.spec import RewardSpec
 from workers.rollout.prompts import PromptFormat, conversation, prompt_tokens, render
 from workers.rollout.scoring import Scorer
 

@@ -310,7 +310,7 @@ class NumberEnv(StepEnv):
 
 
 def test_trl_rewards_get_a_trajectory_as_assistant_and_tool_messages() -> None:
-    from workers.reward_runner import UserRewards
+    from workers.rewards.runner import UserRewards
     from workers.rollout.scoring import Scorer
 
     samples = play(NumberEnv, [3, 2], max_turns=2)
