@@ -37,13 +37,9 @@ from async_rl.control.protocols import (
 from async_rl.run.run_dir import WORKERS_LOG, RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.shell.adapters import adapt
-from async_rl.shell.launch import (
-    StartedWorkers,
-    build_task,
-    launch_workers,
-    reward_columns,
-)
+from async_rl.shell.launch import StartedWorkers, launch_workers
 from async_rl.shell.worker_logs import ray_options
+from async_rl.tasks.table import build_task, worker_task
 from buffers.config import ConfigError
 from workers.placement import registry_table
 from workers.rewards.callables import Reward
@@ -142,7 +138,7 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
         model = msgspec.structs.replace(config.model, path=str(checkpoint[0] / TRAINER))
         workers_config = msgspec.structs.replace(config, model=model)
     # Before Ray: a dataset's rows are read and measured here (a bad one is a ConfigError).
-    source, reward_fn, eval_prompts = build_task(config)
+    task = build_task(config)
     started_ray = not ray.is_initialized()
     if started_ray:
         _start_ray(config, verbose)
@@ -158,12 +154,11 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                     if threading.current_thread() is threading.main_thread():
                         signals.start_soon(stops.watch)  # signals reach the main thread only
                     started = await launch_workers(
-                        workers_config, reward_fn,
-                        version=checkpoint[1].version if checkpoint else 0, rewards=rewards,
-                        columns=reward_columns(source))
+                        workers_config, worker_task(config.task, task, rewards),
+                        version=checkpoint[1].version if checkpoint else 0)
                     log.info("%s", registry_table(started.identities))
                     out.workers(started.identities)
-                    orchestrator = Orchestrator(config, out, source, eval_prompts,
+                    orchestrator = Orchestrator(config, out, task.source, task.eval_prompts,
                                                 adapt(started, config))
                     if checkpoint is not None:
                         await asyncio.gather(*(t.load_training_state.remote(
