@@ -310,7 +310,7 @@ class Orchestrator:
                         functools.partial(shard.train, batch)
                         for shard, batch in zip(self.trainers, batches, strict=True)
                     ])
-                    untrained = self.health.untrained(step, results)
+                    untrained = self.health.untrained_reason(step, results)
                     if not untrained:
                         self.version += 1
                 self.health.progressed()

@@ -84,7 +84,7 @@ class RunHealth:
         self.totals.out_of_memory += failed.out_of_memory
         self.totals.timeouts += failed.timed_out
 
-    def untrained(self, step: int, results: Sequence[ShardStepResult]) -> str:
+    def untrained_reason(self, step: int, results: Sequence[ShardStepResult]) -> str:
         """Why a step's shards trained nothing ("" when they trained): a shard could not
         fetch its groups (their rollout worker died), or the gradient was not finite
         (the update was skipped). Raises ``RunFailed`` at trainer.max_nonfinite_steps

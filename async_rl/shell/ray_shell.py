@@ -132,10 +132,10 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
     checkpoint = latest_checkpoint(Path(config.run.output_dir), warn) if resume else None
     workers_config = config
     if checkpoint is not None:
-        check_backend(*checkpoint, config.trainer.backend)
+        check_backend(checkpoint.folder, checkpoint.state, config.trainer.backend)
         log.info("resuming %s from %s (version %d)", config.run.output_dir,
-                 checkpoint[0].name, checkpoint[1].version)
-        model = msgspec.structs.replace(config.model, path=str(checkpoint[0] / TRAINER))
+                 checkpoint.folder.name, checkpoint.state.version)
+        model = msgspec.structs.replace(config.model, path=str(checkpoint.folder / TRAINER))
         workers_config = msgspec.structs.replace(config, model=model)
     # Before Ray: a dataset's rows are read and measured here (a bad one is a ConfigError).
     task = build_task(config)
@@ -143,7 +143,7 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
     if started_ray:
         _start_ray(config, verbose)
     out = RunWriter(config.run.output_dir, config,
-                    positions=checkpoint[1].files if checkpoint else None)
+                    positions=checkpoint.state.files if checkpoint else None)
     stops = StopSignals()
 
     async def main() -> RunSummary | None:
@@ -155,7 +155,7 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                         signals.start_soon(stops.watch)  # signals reach the main thread only
                     started = await launch_workers(
                         workers_config, worker_task(config.task, task, rewards),
-                        version=checkpoint[1].version if checkpoint else 0)
+                        version=checkpoint.state.version if checkpoint else 0)
                     log.info("%s", registry_table(started.identities))
                     out.workers(started.identities)
                     orchestrator = Orchestrator(config, out, task.source, task.eval_prompts,
@@ -163,7 +163,7 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                     if checkpoint is not None:
                         await asyncio.gather(*(t.load_training_state.remote(
                             workers_config.model.path) for t in started.trainers))
-                        orchestrator.restore(checkpoint[1], refused=len(refused))
+                        orchestrator.restore(checkpoint.state, refused=len(refused))
                     stops.orchestrator = orchestrator
                     summary = await orchestrator.run()
                     signals.cancel_scope.cancel()
