@@ -11,34 +11,28 @@ loops, which ``async_rl.control.orchestrator`` drives through the adapters of
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group_table
+from ray.util.placement_group import PlacementGroup
 
 from async_rl.config import Config
-from async_rl.tasks.table import WorkerTask
+from async_rl.tasks.table import Task, worker_task
 from workers.actors import RolloutActor, TrainerActor
 from workers.eval.evaluator import IdleCpuEvaluator
 from workers.layout import WorkerIdentity, assign_cpus
 from workers.model_config import ModelConfig
-from workers.placement import check_gpus, gpus_per_worker, in_bundle
+from workers.placement import bundle_node, check_gpus, gpus_per_worker, in_bundle
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.ports import free_port
+from workers.rewards.callables import Reward
 from workers.rollout.config import engine_dtype
 from workers.trainer.checkpoints import WAIT_GROUP
 from workers.weights.broadcast import SEND_GROUP
 from workers.weights.config import check_transport
-
-
-def bundle_node(group: PlacementGroup, index: int) -> tuple[str, str]:
-    """(node id, IP address) of the node that placement group bundle ``index`` is on."""
-    node_id = str(placement_group_table(group)["bundles_to_node_id"][index])
-    ip = next(str(n["NodeManagerAddress"]) for n in ray.nodes() if n["NodeID"] == node_id)
-    return node_id, ip
 
 
 @dataclass
@@ -72,13 +66,16 @@ async def restart_rollout(started: StartedWorkers, rank: int, model: ModelConfig
     return worker
 
 
-async def launch_workers(cfg: Config, task: WorkerTask, version: int = 0) -> StartedWorkers:
+async def launch_workers(cfg: Config, built: Task, version: int = 0,
+                         rewards: Sequence[Reward] = ()) -> StartedWorkers:
     """Creates every rollout worker and trainer shard, starts them, and says where.
 
-    ``task``: what the workers get of the task (``async_rl.tasks.table.worker_task``).
-    ``version``: the policy version of the weights at ``cfg.model.path`` (a checkpoint's,
-    when resuming): rollout engines label their tokens with it from the start.
+    ``built``: the run's task (``async_rl.tasks.table.build_task``); ``rewards``: a
+    script's reward callables, besides task.rewards. ``version``: the policy version of
+    the weights at ``cfg.model.path`` (a checkpoint's, when resuming): rollout engines
+    label their tokens with it from the start.
     """
+    task = worker_task(cfg.task, built, rewards)
     layout = assign_cpus(
         cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
         cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate is True,

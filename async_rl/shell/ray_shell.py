@@ -39,7 +39,7 @@ from async_rl.run.summary import RunSummary
 from async_rl.shell.adapters import adapt
 from async_rl.shell.launch import StartedWorkers, launch_workers
 from async_rl.shell.worker_logs import ray_options
-from async_rl.tasks.table import build_task, worker_task
+from async_rl.tasks.table import build_task
 from buffers.config import ConfigError
 from workers.placement import registry_table
 from workers.rewards.callables import Reward
@@ -154,8 +154,8 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                     if threading.current_thread() is threading.main_thread():
                         signals.start_soon(stops.watch)  # signals reach the main thread only
                     started = await launch_workers(
-                        workers_config, worker_task(config.task, task, rewards),
-                        version=checkpoint.state.version if checkpoint else 0)
+                        workers_config, task,
+                        version=checkpoint.state.version if checkpoint else 0, rewards=rewards)
                     log.info("%s", registry_table(started.identities))
                     out.workers(started.identities)
                     orchestrator = Orchestrator(config, out, task.source, task.eval_prompts,
