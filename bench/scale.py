@@ -75,11 +75,12 @@ from scale_stubs import (
 )
 
 from async_rl.config import Config, RunConfig
-from async_rl.control.orchestrator import Orchestrator, each
+from async_rl.control.orchestrator import Orchestrator
 from async_rl.control.protocols import PublishedWeights, TrainerClient, Workers
 from async_rl.run.run_dir import RunWriter
 from async_rl.shell.adapters import RayRollout, RayTrainer
 from async_rl.tasks.sources import ArithmeticTask
+from buffers.concurrent_calls import each
 from buffers.config import QueueConfig
 from buffers.records import SequenceSlot, ShardBatch, ShardStepResult
 from buffers.reports import BroadcastTiming

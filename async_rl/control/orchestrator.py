@@ -38,7 +38,6 @@ from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.config import Config
 from async_rl.control.batching import shard_batches, training_rewards, with_reward_failures
 from async_rl.control.checkpoint import RunState
-from async_rl.control.concurrent_calls import each
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.evaluation_runner import EvaluationRunner
 from async_rl.control.prompt_ledger import PromptLedger
@@ -60,6 +59,7 @@ from async_rl.run.run_dir import FINAL_MODEL, RunWriter
 from async_rl.run.summary import EvalPoint, RunSummary
 from async_rl.tasks.sources import PromptSource
 from buffers.advantages import has_signal
+from buffers.concurrent_calls import each
 from buffers.queue_records import Dropped
 from buffers.records import Group, Prompt
 from buffers.replay_queue import ReplayQueue

@@ -11,7 +11,7 @@ worker's span clock with the driver's. Knows nothing about the run's logic.
 from __future__ import annotations
 
 import abc
-import asyncio
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,6 +32,7 @@ from async_rl.control.protocols import (
     Workers,
 )
 from async_rl.shell.launch import StartedWorkers, restart_rollout
+from buffers.concurrent_calls import each
 from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
 from buffers.reports import BroadcastTiming, EvalResult, UsageReading
 from workers.errors import RolloutWorkerError, first_line
@@ -162,9 +163,8 @@ class RayTrainer(_Worker):
 
     async def _everywhere(self, method: str, *args: Any, **options: Any) -> Any:
         """``method`` on this shard and its peers at once; this shard's answer."""
-        results = await asyncio.gather(self._call(method, *args, **options),
-                                       *(p._call(method, *args, **options)
-                                         for p in self.peers))
+        results = await each([functools.partial(shard._call, method, *args, **options)
+                               for shard in (self, *self.peers)])
         return results[0]
 
     def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:

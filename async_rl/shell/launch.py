@@ -10,7 +10,6 @@ loops, which ``async_rl.control.orchestrator`` drives through the adapters of
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -21,6 +20,7 @@ from ray.util.placement_group import PlacementGroup
 
 from async_rl.config import Config
 from async_rl.tasks.table import Task, worker_task
+from buffers.concurrent_calls import each
 from workers.actors import RolloutActor, TrainerActor
 from workers.eval.evaluator import IdleCpuEvaluator
 from workers.layout import WorkerIdentity, assign_cpus
@@ -144,12 +144,12 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
             name="evaluator", num_cpus=0).remote(
             model=cfg.model, reward_fn=task.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
             user_rewards=task.user_rewards, prompt_format=task.prompt_format)
-        evaluator_setup.append(started.evaluator.setup.remote())
+        evaluator_setup.append(started.evaluator.setup.remote)
     # Shards, engines and the evaluator start side by side: each on cores of its own,
     # none waits for another, and each takes seconds to tens of seconds on a CPU.
-    pids: list[int] = await asyncio.gather(
-        *(t.setup.remote() for t in started.trainers),
-        *(w.start.remote() for w in started.rollout.values()), *evaluator_setup)
+    pids: list[int] = await each([*(t.setup.remote for t in started.trainers),
+                                  *(w.start.remote for w in started.rollout.values()),
+                                  *evaluator_setup])
     trainer_pids = pids[:len(started.trainers)]
     rollout_pids = pids[len(started.trainers):len(started.trainers) + len(started.rollout)]
     # Every rollout worker becomes a member of shard 0's weight-broadcast group (built

@@ -9,13 +9,15 @@ here decides anything about it.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
+import functools
 import logging
 import os
 import signal
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -40,6 +42,7 @@ from async_rl.shell.adapters import adapt
 from async_rl.shell.launch import StartedWorkers, launch_workers
 from async_rl.shell.worker_logs import ray_options
 from async_rl.tasks.table import build_task
+from buffers.concurrent_calls import each
 from buffers.config import ConfigError
 from workers.placement import registry_table
 from workers.rewards.callables import Reward
@@ -54,9 +57,13 @@ async def _shutdown(started: StartedWorkers) -> None:
     """Stops the engines and process groups, then the actors and their placement groups:
     on a cluster the shell joined, nothing of the run is left behind."""
     actors = [*started.rollout.values(), *started.trainers]
+
+    async def shutdown(actor: Any) -> None:
+        with contextlib.suppress(Exception):  # a RayError: that actor had nothing left
+            await actor.shutdown.remote()
+
     # Side by side: an engine takes seconds to stop its processes.
-    await asyncio.gather(*(actor.shutdown.remote() for actor in actors),
-                         return_exceptions=True)  # a RayError: that actor had nothing left
+    await each([functools.partial(shutdown, actor) for actor in actors])
     for actor in actors:
         ray.kill(actor)
     if started.evaluator is not None:
@@ -161,8 +168,9 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                     orchestrator = Orchestrator(config, out, task.source, task.eval_prompts,
                                                 adapt(started, config))
                     if checkpoint is not None:
-                        await asyncio.gather(*(t.load_training_state.remote(
-                            workers_config.model.path) for t in started.trainers))
+                        await each([functools.partial(t.load_training_state.remote,
+                                                      workers_config.model.path)
+                                    for t in started.trainers])
                         orchestrator.restore(checkpoint.state, refused=len(refused))
                     stops.orchestrator = orchestrator
                     summary = await orchestrator.run()
