@@ -1,7 +1,11 @@
 """Calls run side by side with their results in order: anyio's task groups return
 nothing, and the orchestrator needs every trainer shard's result of a step, by rank.
 
-Owns: ``each``. Knows nothing about what the calls do.
+Owns: ``each``, the one way the project runs calls side by side where it owns the event
+loop (the orchestrator, the Ray shell's actor calls, a weight version's snapshot): one
+library, anyio, and one cancellation model (the first error cancels the rest). Here,
+in the data plane every layer imports, so that the compute plane uses it too. Knows
+nothing about what the calls do.
 """
 
 from __future__ import annotations
