@@ -25,7 +25,14 @@ async def each(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
     async def one(i: int) -> None:
         results[i] = await calls[i]()
 
-    async with anyio.create_task_group() as group:
-        for i in range(len(calls)):
-            group.start_soon(one, i)
+    try:
+        async with anyio.create_task_group() as group:
+            for i in range(len(calls)):
+                group.start_soon(one, i)
+    except BaseExceptionGroup as errors:
+        # The first error cancels the rest, so the group holds that one error: callers
+        # catch it by its own type (a timeout, a dead worker), not a group of one.
+        if len(errors.exceptions) == 1:
+            raise errors.exceptions[0] from None
+        raise
     return results  # type: ignore[return-value]  # every slot was filled
