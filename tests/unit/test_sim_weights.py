@@ -52,7 +52,7 @@ def test_a_versions_pause_is_split_into_wire_and_load_as_a_real_engines(
         tmp_path: Path, workers: int) -> None:
     simulate(config(tmp_path, workers=workers, weight_load_s=0.05))
     rows = read_metrics(tmp_path)
-    timings = [t for row in rows for t in row["broadcast"]]  # type: ignore[attr-defined]
+    timings = [t for row in rows for t in row["broadcast"]]
     assert len(timings) >= workers * (len(rows) - 1)
     wire = float(timings[0]["transfer_s"])
     assert wire > 0
@@ -93,7 +93,7 @@ def test_time_shared_devices_send_no_bytes_and_load_nothing_over_the_wire(
     simulate(config(tmp_path, workers=2, shards=2, colocate="time"))
     assert not any(causes["weight_wire"] for causes in _phases(tmp_path).values())
     timings = [t for row in read_metrics(tmp_path)
-               for t in row["broadcast"]]  # type: ignore[attr-defined]
+               for t in row["broadcast"]]
     assert timings and all(float(t["transfer_s"]) == 0.0 for t in timings)
 
 
