@@ -52,7 +52,7 @@ def test_a_file_without_positive_integers_is_a_config_error(
         tmp_path: Path, text: str, says: str) -> None:
     path = tmp_path / "bad.txt"
     path.write_text(text)
-    with pytest.raises(ConfigError, match="simulate.lengths") as error:
+    with pytest.raises(ConfigError, match=r"simulate\.lengths") as error:
         length_law(config(f"file:{path}"))
     assert says in str(error.value)
 
