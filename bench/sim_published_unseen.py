@@ -158,11 +158,13 @@ class Run(msgspec.Struct, frozen=True, kw_only=True):
     hardware: str = "h100"
     device_bytes: float = DEVICE_BYTES
     lengths: Lengths = NEMO_LENGTHS
+    label: str = ""
+    """What tells the row apart from another of the same model (its trainer)."""
 
     @property
     def name(self) -> str:
         how = "1-step off" if self.off_policy else "on-policy"
-        return f"{self.model.name} {how} on {self.gpus}"
+        return f"{self.model.name}{' ' + self.label if self.label else ''} {how} on {self.gpus}"
 
     def config(self, out: Path, steps: int) -> Config:
         generate = (self.rollout_gpus or self.gpus // 2) if self.off_policy else self.gpus
@@ -235,15 +237,16 @@ VERL_MEDIAN = 1182.0
 """bench/sim_published.py's length law for this model and dataset (development data)."""
 
 
-def verl_pair(*, sync: tuple[int, float], off: tuple[int, float], max_response: int
-              ) -> tuple[Run, Run]:
+def verl_pair(label: str, *, sync: tuple[int, float], off: tuple[int, float],
+              max_response: int) -> tuple[Run, Run]:
     """(generation TP, published step seconds) of the colocate sync run on 16 H20s and of
     the one-step-off run on 4 + 12."""
     mean = VERL_MEDIAN * math.exp(VERL_LENGTHS.sigma ** 2 / 2)
     common = {"model": QWEN25_MATH_7B, "gpus": 16, "train_devices": 4, "prompts": 512,
               "max_length": max_response + VERL_LENGTHS.prompt_tokens,
               "mean_response": mean, "updates": 16, "micro_batch_tokens": 81920,
-              "hardware": "h20", "device_bytes": 96e9, "lengths": VERL_LENGTHS}
+              "hardware": "h20", "device_bytes": 96e9, "lengths": VERL_LENGTHS,
+              "label": label}
     return (Run(off_policy=False, generate_tp=sync[0], samples=16, published_s=sync[1],
                 **common),  # type: ignore[arg-type]
             Run(off_policy=True, generate_tp=off[0], samples=12, published_s=off[1],
@@ -251,8 +254,8 @@ def verl_pair(*, sync: tuple[int, float], off: tuple[int, float], max_response: 
 
 
 VERL_ONE_STEP_OFF = (
-    verl_pair(sync=(4, 749.0), off=(2, 520.0), max_response=20480),  # FSDP2
-    verl_pair(sync=(2, 699.0), off=(2, 566.0), max_response=8192),  # Megatron
+    verl_pair("FSDP2", sync=(4, 749.0), off=(2, 520.0), max_response=20480),
+    verl_pair("Megatron", sync=(2, 699.0), off=(2, 566.0), max_response=8192),
 )
 SYSTEMS = {"NeMo RL v0.4": COMPARISONS, "verl one-step-off": VERL_ONE_STEP_OFF}
 
