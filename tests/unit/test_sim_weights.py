@@ -15,6 +15,7 @@ from async_rl.analysis.report import read_spans
 from async_rl.api import simulate
 from async_rl.config import Config
 from async_rl.run.run_dir import read_metrics
+from async_rl.sim.run import simulation_costs
 
 SIZE = {"parameters": 4.0e6, "kv_bytes_per_token": 4096, "lengths": "lognormal",
         "length_median": 30.0, "length_sigma": 0.8, "hardware": "cpu"}
@@ -107,3 +108,30 @@ def test_a_free_wire_and_no_load_still_move_every_version(tmp_path: Path) -> Non
         assert not causes["weight_load"]
         assert all(end - start < 1e-9 for start, end in causes["weight_wire"])
     assert read_metrics(tmp_path)[-1]["version"] == 8
+
+
+@pytest.mark.parametrize("workers", [1, 4])
+def test_the_engine_bench_reads_a_versions_wire_and_causes_per_engine(
+        tmp_path: Path, workers: int) -> None:
+    """bench/sim_weight_engines.py's figures of a simulated run: the wire is the
+    formula's, and each engine's weight_wire spans add up to it once a version."""
+    from script_modules import load_script
+
+    bench = load_script("bench/sim_weight_engines.py", "sim_weight_engines", siblings=True)
+    cfg = config(tmp_path, workers=workers, weight_load_s=0.02)
+    simulate(cfg)
+    costs = simulation_costs(cfg)
+    wire = bench.formula(costs, workers, cfg.weights.bucket_mb << 20)
+    figures = bench.per_version(tmp_path)
+    assert figures["wire"] == pytest.approx(wire)
+    # The load, and with several engines the wait for the others to pause, as a real
+    # engine's load_s counts it.
+    assert figures["load"] >= 0.02 - 1e-9
+    if workers == 1:
+        assert figures["load"] == pytest.approx(0.02, abs=1e-6)
+    # The last version may still be on the wire when the run ends: within one version.
+    versions = len({int(t["version"]) for row in read_metrics(tmp_path)
+                    for t in row["broadcast"]})
+    assert versions >= 6
+    assert figures["weight_wire"] == pytest.approx(wire, rel=1.0 / versions + 1e-6)
+    assert figures["weight_sync"] < wire
