@@ -19,13 +19,18 @@ T = TypeVar("T")
 
 
 async def each(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
-    """Runs the calls concurrently; their results in order (the first error cancels)."""
+    """Runs the calls concurrently; their results in order. The first error cancels the
+    others and is raised as itself, not in a group: a caller's ``except`` sees the
+    error a call raised (a protocol's ``TrainerFailed``, say), as with one call."""
     results: list[T | None] = [None] * len(calls)
 
     async def one(i: int) -> None:
         results[i] = await calls[i]()
 
-    async with anyio.create_task_group() as group:
-        for i in range(len(calls)):
-            group.start_soon(one, i)
+    try:
+        async with anyio.create_task_group() as group:
+            for i in range(len(calls)):
+                group.start_soon(one, i)
+    except BaseExceptionGroup as errors:
+        raise errors.exceptions[0] from errors
     return results  # type: ignore[return-value]  # every slot was filled
