@@ -40,7 +40,7 @@ from async_rl.run.run_dir import WORKERS_LOG, RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.shell.adapters import adapt
 from async_rl.shell.launch import StartedWorkers, launch_workers
-from async_rl.shell.worker_logs import ray_options
+from async_rl.shell.worker_logs import ray_notices_to_log, ray_options
 from async_rl.tasks.table import build_task
 from buffers.concurrent_calls import each
 from buffers.config import ConfigError
@@ -106,7 +106,9 @@ class StopSignals:
 def _start_ray(config: Config, verbose: bool) -> None:
     needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
               + config.trainer.num_shards * config.trainer.cpus_per_shard)
-    console = ray_options(os.path.join(config.run.output_dir, WORKERS_LOG), verbose)
+    log_path = os.path.join(config.run.output_dir, WORKERS_LOG)
+    console = ray_options(log_path, verbose)
+    ray_notices_to_log(log_path, verbose)
     if config.run.ray_address:
         ray.init(address=config.run.ray_address, namespace=NAMESPACE, **console)
     else:
