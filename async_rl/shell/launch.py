@@ -50,22 +50,6 @@ class StartedWorkers:
     version: how a lost worker is replaced."""
 
 
-async def restart_rollout(started: StartedWorkers, rank: int, model: ModelConfig,
-                          version: int) -> Any:
-    """Replaces rollout worker ``rank`` (dead or broken) by a new one on the same cores,
-    started from ``model`` labelled ``version`` and made a member of trainer shard 0's
-    weight group in its place (it joins at the next version)."""
-    assert started.new_rollout is not None
-    old = started.rollout.pop(rank, None)
-    if old is not None:
-        ray.kill(old)  # a broken worker may still hold its engine and cores
-    worker = started.new_rollout(rank, model, version, "")  # the old name may linger
-    await worker.start.remote()
-    await started.trainers[0].connect_rollout.remote(rank, worker)
-    started.rollout[rank] = worker
-    return worker
-
-
 async def launch_workers(cfg: Config, built: Task, version: int = 0,
                          rewards: Sequence[Reward] = ()) -> StartedWorkers:
     """Creates every rollout worker and trainer shard, starts them, and says where.

@@ -167,12 +167,13 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                         version=checkpoint.state.version if checkpoint else 0, rewards=rewards)
                     log.info("%s", registry_table(started.identities))
                     out.workers(started.identities)
-                    orchestrator = Orchestrator(config, out, task.source, task.eval_prompts,
-                                                adapt(started, config))
-                    if checkpoint is not None:
+                    if checkpoint is not None:  # the shards' optimizer state and step
                         await each([functools.partial(t.load_training_state.remote,
                                                       workers_config.model.path)
                                     for t in started.trainers])
+                    orchestrator = Orchestrator(config, out, task.source, task.eval_prompts,
+                                                adapt(started, config))
+                    if checkpoint is not None:
                         orchestrator.restore(checkpoint.state, refused=len(refused))
                     stops.orchestrator = orchestrator
                     summary = await orchestrator.run()
