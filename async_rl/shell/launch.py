@@ -65,8 +65,8 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
         cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate is True,
     )
     cluster_gpus = ray.cluster_resources().get("GPU", 0)
+    check_transport(cfg.weights, cuda=bool(cluster_gpus))
     gpus = gpus_per_worker(cluster_gpus, cfg.run.colocate is True)
-    check_transport(cfg.weights, cuda=bool(gpus))
     check_gpus(layout, cluster_gpus)
     groups = make_placement_groups(
         layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus,

@@ -103,21 +103,6 @@ class StopSignals:
                     return
 
 
-def _start_ray(config: Config, verbose: bool) -> None:
-    needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
-              + config.trainer.num_shards * config.trainer.cpus_per_shard)
-    log_path = os.path.join(config.run.output_dir, WORKERS_LOG)
-    console = ray_options(log_path, verbose)
-    ray_notices_to_log(log_path, verbose)
-    if config.run.ray_address:
-        ray.init(address=config.run.ray_address, namespace=NAMESPACE, **console)
-    else:
-        # "local": a new Ray for this run, never one already running on the machine.
-        ray.init(address="local", num_cpus=max(config.run.num_cpus, needed),
-                 include_dashboard=False, _node_ip_address="127.0.0.1", namespace=NAMESPACE,
-                 **console)
-
-
 def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                  rewards: Sequence[Reward] = ()) -> RunSummary:
     """Starts (or joins) Ray, runs the job, and always shuts Ray down if it started it.
@@ -150,7 +135,18 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
     task = build_task(config)
     started_ray = not ray.is_initialized()
     if started_ray:
-        _start_ray(config, verbose)
+        log_path = os.path.join(config.run.output_dir, WORKERS_LOG)
+        console = ray_options(log_path, verbose)
+        ray_notices_to_log(log_path, verbose)
+        if config.run.ray_address:
+            ray.init(address=config.run.ray_address, namespace=NAMESPACE, **console)
+        else:
+            # "local": a new Ray for this run, never one already running on the machine.
+            needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
+                      + config.trainer.num_shards * config.trainer.cpus_per_shard)
+            ray.init(address="local", num_cpus=max(config.run.num_cpus, needed),
+                     include_dashboard=False, _node_ip_address="127.0.0.1",
+                     namespace=NAMESPACE, **console)
     out = RunWriter(config.run.output_dir, config,
                     positions=checkpoint.state.files if checkpoint else None)
     stops = StopSignals()
