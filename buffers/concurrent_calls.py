@@ -19,9 +19,7 @@ T = TypeVar("T")
 
 
 async def each(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
-    """Runs the calls concurrently; their results in order. The first error cancels the
-    others and is raised as itself, not in a group: a caller's ``except`` sees the
-    error a call raised (a protocol's ``TrainerFailed``, say), as with one call."""
+    """Runs the calls concurrently; their results in order (the first error cancels)."""
     results: list[T | None] = [None] * len(calls)
 
     async def one(i: int) -> None:
@@ -32,5 +30,9 @@ async def each(calls: Sequence[Callable[[], Awaitable[T]]]) -> list[T]:
             for i in range(len(calls)):
                 group.start_soon(one, i)
     except BaseExceptionGroup as errors:
-        raise errors.exceptions[0] from errors
+        # The first error cancels the rest, so the group holds that one error: callers
+        # catch it by its own type (a timeout, a dead worker), not a group of one.
+        if len(errors.exceptions) == 1:
+            raise errors.exceptions[0] from None
+        raise
     return results  # type: ignore[return-value]  # every slot was filled
