@@ -29,7 +29,7 @@ from workers.placement import bundle_node, check_gpus, gpus_per_worker, in_bundl
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.ports import free_port
 from workers.rewards.callables import Reward
-from workers.rollout.config import engine_dtype
+from workers.rollout.config import sampling
 from workers.trainer.checkpoints import WAIT_GROUP
 from workers.weights.broadcast import SEND_GROUP
 from workers.weights.config import check_transport
@@ -109,9 +109,7 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
         ).remote(
             rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
             trainer=cfg.trainer, seed=cfg.run.seed, weights=cfg.weights,
-            temperature=cfg.rollout.temperature,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            rollout_dtype=engine_dtype(cfg.rollout, cfg.model),
+            sampling=sampling(cfg.rollout, cfg.model),
             cpu_ids=ident.devices,
             master_addr=master_addr, master_port=port, record_spans=cfg.run.record_spans,
             # ddp's shards are replicas: shard 0's copy is the checkpoint.
