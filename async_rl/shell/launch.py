@@ -66,6 +66,7 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
     )
     cluster_gpus = ray.cluster_resources().get("GPU", 0)
     check_transport(cfg.weights, cuda=bool(cluster_gpus))
+    rollout_sampling = sampling(cfg.rollout, cfg.model)  # what the trainer shards must know
     gpus = gpus_per_worker(cluster_gpus, cfg.run.colocate is True)
     check_gpus(layout, cluster_gpus)
     groups = make_placement_groups(
@@ -109,7 +110,7 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
         ).remote(
             rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
             trainer=cfg.trainer, seed=cfg.run.seed, weights=cfg.weights,
-            sampling=sampling(cfg.rollout, cfg.model),
+            sampling=rollout_sampling,
             cpu_ids=ident.devices,
             master_addr=master_addr, master_port=port, record_spans=cfg.run.record_spans,
             # ddp's shards are replicas: shard 0's copy is the checkpoint.
