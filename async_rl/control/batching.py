@@ -9,7 +9,8 @@ ones), which members are trained (``trained_sample``: trainer.overlong = "mask" 
 out those with a turn cut at max_new_tokens), giving every member its group-normalised
 advantage, cutting the step into
 ``trainer.mini_batches`` mini-batches of whole groups (one optimizer update each), and
-laying the samples out as the balancing plan says, as slots (group, sample, advantage)
+laying the samples out as the balancing plan says, as slots (group, sample, advantage,
+training reward: a critic's GAE starts from it)
 into each shard's list of group references. Knows nothing about Ray or torch and never
 sees a token: lengths and rewards are on the ``Group`` metadata; the shards resolve the
 references themselves. The plan comes from ``buffers.balance``; its costs and token cap
@@ -74,13 +75,14 @@ def shard_batches(
     ``trained_sample`` leaves out is in no batch (its reward still counted in its
     group's advantages); a step may then train fewer samples, or none.
     """
-    # Every trained member in group order: (group index, sample index, advantage, length).
+    # Every trained member in group order: (group index, sample index, advantage,
+    # reward, length).
+    rewards = [training_rewards(group, trainer, max_new_tokens) for group in groups]
     samples = [
-        (g, k, advantage, group.sequence_lengths[k])
+        (g, k, advantage, reward, group.sequence_lengths[k])
         for g, group in enumerate(groups)
-        for k, advantage in zip(group.members, group_advantages(
-            training_rewards(group, trainer, max_new_tokens), trainer.advantage_std),
-            strict=True)
+        for k, advantage, reward in zip(group.members, group_advantages(
+            rewards[g], trainer.advantage_std), rewards[g], strict=True)
         if trained_sample(group, k, trainer)
     ]
     # Mini-batches: consecutive runs of whole groups, one optimizer update each.
@@ -103,9 +105,9 @@ def shard_batches(
         for micro_batch in shard.micro_batches:
             slots = []
             for i in micro_batch:
-                g, k, advantage, _ = samples[i]
+                g, k, advantage, reward, _ = samples[i]
                 slots.append(SequenceSlot(group=local.setdefault(g, len(local)), sample=k,
-                                          advantage=advantage))
+                                          advantage=advantage, reward=reward))
             micro_batches.append(tuple(slots))
         batches.append(ShardBatch(step=step, groups=tuple(groups[g].tokens for g in local),
                                   micro_batches=tuple(micro_batches), updates=plan.updates))

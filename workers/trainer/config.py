@@ -13,12 +13,12 @@ import msgspec
 
 from buffers.advantages import AdvantageStd
 from buffers.config import NonNegative, Positive, PositiveFloat, invalid
-from workers.trainer.kl import KlEstimator
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 Overlong = Literal["keep", "mask", "penalty"]
 Backend = Literal["ddp", "fsdp2"]
 FsdpDtype = Literal["model", "float32", "bfloat16"]
+KlEstimator = Literal["k1", "k2", "k3"]
 
 
 class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

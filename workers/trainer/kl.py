@@ -1,9 +1,9 @@
 """The KL term to the reference policy: Schulman's three per-token estimators.
 
 Owns: ``kl_estimate`` (k1, k2, k3 of KL(current || reference) from the two policies'
-logprobs of the sampled tokens) and ``KlEstimator``, the names ``trainer.kl_estimator``
-takes. Knows nothing about where the logprobs come from (the reference forward is
-``workers.trainer.reference``'s) nor how the term enters the loss or the reward.
+logprobs of the sampled tokens; ``workers.trainer.config.KlEstimator`` names them).
+Knows nothing about where the logprobs come from (the reference's forward is
+``workers.trainer.roles``') nor how the term enters the loss or the reward.
 
 With ``log_ratio = logprob - ref_logprob`` on tokens sampled from the current policy:
 
@@ -18,11 +18,9 @@ infinite term.
 
 from __future__ import annotations
 
-from typing import Literal
-
 import torch
 
-KlEstimator = Literal["k1", "k2", "k3"]
+from workers.trainer.config import KlEstimator
 
 K3_LOG_RATIO_LIMIT = 20.0
 """k3's ``ref_logprob - logprob`` is clamped to +-this before ``exp``."""
