@@ -21,6 +21,7 @@ import torch
 from safetensors.torch import load_file
 from test_stop_resume import signal_after_rows, trained
 
+from async_rl.analysis.report import build_report
 from async_rl.config import Config
 from async_rl.config_io import decode_config
 from async_rl.control.checkpoint import latest_checkpoint
@@ -78,6 +79,7 @@ def test_ppo_stops_and_resumes_to_the_same_policy_and_critic(
     # The critic is a role: in the registry, the idle accounting and the trace.
     workers = json.loads((straight / "workers.json").read_text())
     assert [w["role"] for w in workers].count("critic") == 1
+    build_report(straight)  # what async-rl train writes after the run
     idle = json.loads((straight / "idle.json").read_text())
     critic = [w for w in idle["workers"] if w["role"] == "critic"]
     assert len(critic) == 1 and critic[0]["busy_s"] > 0

@@ -13,6 +13,7 @@ returns it fits come from ``workers.trainer.roles``.
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Sequence
@@ -27,6 +28,8 @@ from workers.trainer.attention import attention_kwargs, use_packed_attention
 from workers.trainer.packing import PackedBatch
 from workers.trainer.ppo_update import Prepared
 from workers.trainer.roles_config import CriticConfig
+
+log = logging.getLogger(__name__)
 
 CRITIC_STATE = "critic.pt"
 """The critic's weights and optimizer state in a checkpoint's trainer folder."""
@@ -159,8 +162,13 @@ class Critic:
         torch.save(state, out / CRITIC_STATE)
 
     def load(self, folder: str) -> None:
-        """Restores what ``save`` wrote (every shard reads the same replica's copy)."""
-        state = torch.load(Path(folder) / CRITIC_STATE, map_location=self.device,
-                           weights_only=True)
+        """Restores what ``save`` wrote (every shard reads the same replica's copy); a
+        checkpoint of a run without a critic has none: the critic then starts afresh."""
+        path = Path(folder) / CRITIC_STATE
+        if not path.is_file():
+            log.warning("%s: no critic state in the checkpoint (a run without a critic "
+                        "wrote it): the critic starts from its initial weights", path)
+            return
+        state = torch.load(path, map_location=self.device, weights_only=True)
         self.module.load_state_dict(state["model"])
         self.optimizer.load_state_dict(state["optimizer"])
