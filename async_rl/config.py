@@ -387,6 +387,18 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     def has_critic(self) -> bool:
         return self.algorithm.advantage == "gae"
 
+    def with_role_paths(self) -> Config:
+        """This config with reference.path and critic.path ("" = the policy's initial
+        weights) set to model.path where their role is built: a resumed run's workers
+        start the policy from a checkpoint, and the reference must stay the initial
+        policy."""
+        reference, critic = self.reference, self.critic
+        if self.has_reference and not reference.path:
+            reference = msgspec.structs.replace(reference, path=self.model.path)
+        if self.has_critic and not critic.path:
+            critic = msgspec.structs.replace(critic, path=self.model.path)
+        return msgspec.structs.replace(self, reference=reference, critic=critic)
+
     def _check_roles(self) -> None:
         """The reference and the critic sit beside the trainer shards, on the packed
         layout, as DDP replicas."""
