@@ -24,7 +24,7 @@ from test_stop_resume import signal_after_rows, trained
 from async_rl.analysis.report import build_report
 from async_rl.config import Config
 from async_rl.config_io import decode_config
-from async_rl.control.checkpoint import latest_checkpoint
+from async_rl.control.checkpoint import TRAINER, latest_checkpoint
 from async_rl.run.run_dir import FINAL_MODEL, read_metrics
 from async_rl.shell.ray_shell import run_training
 from workers.trainer.critic import CRITIC_STATE
@@ -57,7 +57,7 @@ def ppo(model_dir: Path, out: Path) -> Config:
 
 def critic_state(run_dir: Path) -> dict[str, Any]:
     folder, _ = latest_checkpoint(run_dir)
-    state: dict[str, Any] = torch.load(folder / CRITIC_STATE, weights_only=True)
+    state: dict[str, Any] = torch.load(folder / TRAINER / CRITIC_STATE, weights_only=True)
     return state
 
 

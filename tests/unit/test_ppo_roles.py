@@ -73,6 +73,7 @@ def test_kl_is_zero_at_the_start_then_grows_and_the_term_changes_the_update(
                 batch.micro_batches) > 0
             result = trainer.train_step(batch, None)
             assert stages.step is None  # no critic: the policy's update ends the step
+            assert stages.critic_update(step, 0).tokens == 0  # and the critic's is empty
             assert result.loss.tokens == 28
             kls.append((result.kl_sum, result.kl_max))
         assert kls[0] == (0.0, 0.0)  # the reference is the initial policy, same layout

@@ -215,11 +215,13 @@ class StepRoles:
     def critic_update(self, step: int, rank: int) -> CriticStepResult:
         """The critic's updates on the step (cut as the policy's are), towards the
         returns, clipped around the values the advantages were computed from."""
-        current = self.current(step)
         critic = self.critic
+        if critic is None:  # the policy's update ended the step
+            return CriticStepResult(rank=rank, step=step)
+        current = self.current(step)
         self.step = None
-        if critic is None or current.lost:
-            return CriticStepResult(rank=rank, step=step, samples_lost=current.lost)
+        if current.lost:
+            return CriticStepResult(rank=rank, step=step, samples_lost=True)
         batch = current.batch
         updates = batch.per_update(current.prepared)
         counts = torch.tensor([sum(sum(mb.lengths) for mb in update) for update in updates],

@@ -11,7 +11,9 @@ micro-batch loop (the statistics are read once a step, the gradient norm once an
 for the non-finite skip; phase times from ``workers.trainer.phase_clock``), on the shard
 that is the source of weight broadcasts, the calls that snapshot and send its weights
 (``workers.weights.sender`` does both), and the calls that write and read its part of a
-checkpoint (``workers.trainer.checkpoints``, in the background). Knows nothing about
+checkpoint (``workers.trainer.checkpoints``, in the background). With a reference or a
+critic (``workers.trainer.roles``) a step's data is laid out by the PPO dataflow's stages
+first and its policy update takes it from there. Knows nothing about
 Ray (``workers.actors`` wraps this class for Ray and resolves the batch's group
 references), queues, versions or how the plan was made.
 """
