@@ -16,8 +16,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from async_rl.control.concurrent_calls import each
 from async_rl.control.protocols import RoleStagesClient
+from buffers.concurrent_calls import each
 from buffers.records import ShardBatch, ShardStepResult
 from buffers.reports import CriticStepResult
 

@@ -29,8 +29,8 @@ from buffers.reports import BroadcastTiming, EvalResult, RolloutStatistics, Usag
 from workers.environment import EnvironmentConfig
 from workers.errors import RolloutWorkerError
 from workers.model_config import ModelConfig
-from workers.reward import RewardFn
-from workers.reward_runner import UserRewards
+from workers.rewards.function import RewardFn
+from workers.rewards.runner import UserRewards
 from workers.rollout.config import RolloutConfig
 from workers.rollout.engine import (
     build_engine,
