@@ -20,6 +20,7 @@ compare arms of the same invocation.
 
     python bench/roles.py                              # both tasks, 60 steps each
     python bench/roles.py --tasks cpu_default --steps 30
+    python bench/roles.py --tasks longtail --steps 30 --set task.eval_size=100
     python bench/roles.py --json
 """
 
@@ -82,14 +83,15 @@ class Result(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def arm_config(task_config: str, task: str, arm: str, overrides: Sequence[str],
-               steps: int, out_dir: Path) -> Config:
+               steps: int, out_dir: Path, common: Sequence[str] = ()) -> Config:
     """The task's example with the arm's overrides: its own run dir, evaluations at the
-    ends only, spans on; the KL measured in every arm (a reference at kl_coef = 0)."""
+    ends only, spans on; the KL measured in every arm (a reference at kl_coef = 0);
+    ``common``: overrides of every arm (``--set``)."""
     base = load_config(Path(task_config))
     measured = () if any(o.startswith("trainer.kl_coef") for o in overrides) else (
         f"reference.path={base.model.path}",)
     return load_config(Path(task_config), [
-        *measured, *overrides, f"run.num_steps={steps}", "run.eval_every=0",
+        *measured, *common, *overrides, f"run.num_steps={steps}", "run.eval_every=0",
         f"run.output_dir={out_dir / task / arm}", "run.progress=false",
         "run.record_spans=true"])
 
@@ -158,6 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         default=[name for name, _ in ARMS])
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per arm")
     parser.add_argument("--out-dir", default="runs/bench-roles")
+    parser.add_argument("--set", dest="common", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="override for every arm")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     arms = [(name, overrides) for name, overrides in ARMS if name in args.arms]
@@ -165,7 +169,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             configs = [(task, name, overrides,
                         arm_config(TASKS[task], task, name, overrides, args.steps,
-                                   Path(args.out_dir)))
+                                   Path(args.out_dir), args.common))
                        for task in args.tasks for name, overrides in arms]
         except ConfigError as err:
             print(err, file=sys.stderr)
