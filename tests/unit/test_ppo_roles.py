@@ -14,6 +14,7 @@ from async_rl.control.batching import shard_batches
 from async_rl.models.tiny_model import build_config
 from buffers.records import NO_VERSION, Group, Prompt, Sample, make_group
 from workers.model_config import ModelConfig
+from workers.rollout.config import Sampling
 from workers.trainer.config import TrainerConfig
 from workers.trainer.gae import moments, whiten
 from workers.trainer.roles_config import CriticConfig
@@ -46,7 +47,8 @@ def group(lengths: list[int], rewards: list[float], name: str = "p",
 def shard(model_dir: Path, config: TrainerConfig, *, reference: bool,
           critic: CriticConfig | None) -> TrainerShard:
     out = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
-                       trainer=config, seed=0, temperature=1.0, record_spans=False,
+                       trainer=config, seed=0, sampling=Sampling(temperature=1.0),
+                       record_spans=False,
                        reference_path=str(model_dir) if reference else "",
                        critic=critic)
     out.setup()
