@@ -47,7 +47,6 @@ from buffers.config import ConfigError
 ARMS: list[tuple[str, tuple[str, ...]]] = [
     ("grpo", ()),
     ("grpo+kl", ("trainer.kl_coef=0.05",)),
-    ("grpo+kl0.5", ("trainer.kl_coef=0.5",)),
     ("ppo", ("algorithm.advantage=gae", "critic.lr=1e-4", "critic.warmup_steps=5",
              "trainer.kl_coef=0.01", "trainer.kl_estimator=k1", "trainer.kl_in_reward=true")),
 ]
