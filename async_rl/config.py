@@ -32,6 +32,7 @@ from workers.model_config import ModelConfig
 from workers.rewards.spec import RewardSpec
 from workers.rollout.config import RolloutConfig
 from workers.trainer.config import TrainerConfig
+from workers.trainer.roles_config import AlgorithmConfig, CriticConfig, ReferenceConfig
 from workers.weights.config import WeightsConfig
 
 __all__ = ["Config", "ConfigError", "RunConfig", "SimulateConfig", "TaskConfig", "task_config"]
@@ -380,6 +381,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     staleness: StalenessConfig = msgspec.field(default_factory=StalenessConfig)
     trainer: TrainerConfig = msgspec.field(default_factory=TrainerConfig)
     weights: WeightsConfig = msgspec.field(default_factory=WeightsConfig)
+    reference: ReferenceConfig = msgspec.field(default_factory=ReferenceConfig)
+    algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
+    critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     run: RunConfig = msgspec.field(default_factory=RunConfig)
     simulate: SimulateConfig = msgspec.field(default_factory=SimulateConfig)
 
@@ -430,7 +434,60 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         if buffer >= limit:
             raise invalid("trainer.overlong_buffer", buffer,
                           f"must be below rollout.max_new_tokens ({limit})")
+        self._check_roles()
         if self.trainer.overlong == "penalty" and buffer == 0:
             raise invalid("trainer.overlong_buffer", buffer,
                           f'required with trainer.overlong = "penalty": 1 to {limit - 1} '
                           "tokens (below rollout.max_new_tokens)")
+
+    @property
+    def has_reference(self) -> bool:
+        """A reference policy is built: the KL term needs one, and a reference.path set
+        with trainer.kl_coef = 0 measures the KL without penalising it."""
+        return self.trainer.kl_coef > 0 or bool(self.reference.path)
+
+    @property
+    def has_critic(self) -> bool:
+        return self.algorithm.advantage == "gae"
+
+    def with_role_paths(self) -> Config:
+        """This config with reference.path and critic.path ("" = the policy's initial
+        weights) set to model.path where their role is built: a resumed run's workers
+        start the policy from a checkpoint, and the reference must stay the initial
+        policy."""
+        reference, critic = self.reference, self.critic
+        if self.has_reference and not reference.path:
+            reference = msgspec.structs.replace(reference, path=self.model.path)
+        if self.has_critic and not critic.path:
+            critic = msgspec.structs.replace(critic, path=self.model.path)
+        return msgspec.structs.replace(self, reference=reference, critic=critic)
+
+    def _check_roles(self) -> None:
+        """The reference and the critic sit beside the trainer shards, on the packed
+        layout, as DDP replicas."""
+        trainer = self.trainer
+        if trainer.kl_in_reward and not self.has_critic:
+            raise invalid("trainer.kl_in_reward", True,
+                          'needs algorithm.advantage = "gae" (a per-token reward needs '
+                          "per-token advantages); GRPO takes the KL as a loss term")
+        for role, placement, wanted in (("reference", self.reference.placement,
+                                         self.has_reference),
+                                        ("critic", self.critic.placement, self.has_critic)):
+            if wanted and placement == "own":
+                raise invalid(f"{role}.placement", placement,
+                              'not built yet: use "trainer" (its forward runs on the '
+                              "trainer shards' devices)")
+        if not (self.has_reference or self.has_critic):
+            return
+        why = "the reference" if self.has_reference else "the critic"
+        if not trainer.packed:
+            raise invalid("trainer.packed", False,
+                          f"{why} computes on the packed micro-batches: needs true")
+        if self.has_critic and trainer.backend != "ddp":
+            raise invalid("trainer.backend", trainer.backend,
+                          'the critic is built for "ddp" only')
+        if self.has_critic and self.critic.num_shards != trainer.num_shards:
+            raise invalid("critic.num_shards", self.critic.num_shards,
+                          f'with critic.placement = "trainer" one critic shard sits beside '
+                          f"each trainer shard: must equal trainer.num_shards "
+                          f"({trainer.num_shards})")

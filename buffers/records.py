@@ -133,14 +133,14 @@ class GroupTokens(msgspec.Struct, frozen=True, kw_only=True):
     """Per completion token, aligned with the ids: 1 trained (the policy wrote it), 0
     context only (an observation or template token). None: every token is trained."""
 
-    def sequence(self, sample: int, advantage: float) -> TrainSequence:
+    def sequence(self, sample: int, advantage: float, reward: float = 0.0) -> TrainSequence:
         """Sample ``sample`` as the trainer sees it (views, not copies)."""
         span = slice(int(self.offsets[sample]), int(self.offsets[sample + 1]))
         mask = None if self.loss_mask is None else self.loss_mask[span]
         return TrainSequence(prompt_token_ids=self.prompt_token_ids,
                              completion_token_ids=self.completion_token_ids[span],
                              behaviour_logprobs=self.logprobs[span], advantage=advantage,
-                             loss_mask=None if mask is None or mask.all() else mask)
+                             reward=reward, loss_mask=None if mask is None or mask.all() else mask)
 
 
 TokensRef: TypeAlias = Any
@@ -304,6 +304,9 @@ class TrainSequence(msgspec.Struct, frozen=True, kw_only=True):
     completion_token_ids: NDArray[np.int32]
     behaviour_logprobs: NDArray[np.float32]
     advantage: float
+    reward: float = 0.0
+    """The reward its advantage came from (with a critic, GAE lays it on the last
+    policy token)."""
     loss_mask: NDArray[np.int8] | None = None
     """1 per trained completion token, 0 per context-only one (an observation); None:
     all trained. Only trained tokens get a loss term, a statistic and a normaliser count;
@@ -325,6 +328,8 @@ class SequenceSlot(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     sample: int
     """Which sample of that group."""
     advantage: float
+    reward: float = 0.0
+    """The sample's training reward (what GAE starts from with a critic)."""
 
 
 class ShardBatch(msgspec.Struct, frozen=True, kw_only=True):
@@ -348,7 +353,8 @@ class ShardBatch(msgspec.Struct, frozen=True, kw_only=True):
     def sequences(self, tokens: Sequence[GroupTokens]
                   ) -> tuple[tuple[TrainSequence, ...], ...]:
         """The micro-batches' sequences, given ``groups`` resolved to ``GroupTokens``."""
-        return tuple(tuple(tokens[s.group].sequence(s.sample, s.advantage) for s in mb)
+        return tuple(tuple(tokens[s.group].sequence(s.sample, s.advantage, s.reward)
+                           for s in mb)
                      for mb in self.micro_batches)
 
     def per_update(self, items: Sequence[T]) -> tuple[tuple[T, ...], ...]:
@@ -411,6 +417,11 @@ class ShardStepResult(msgspec.Struct, frozen=True, kw_only=True):
     samples_lost: bool = False
     """Some shard could not fetch its groups (their rollout worker died): no shard
     trained and the weights are unchanged; the step's prompts must run again."""
+    kl_sum: float = 0.0
+    """With a reference policy: the sum over trained tokens (every update pass) of the
+    trainer.kl_estimator estimate of KL(current || reference)."""
+    kl_max: float = 0.0
+    """Its largest token value."""
 
     @property
     def padding_ratio(self) -> float:

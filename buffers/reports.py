@@ -1,6 +1,6 @@
 """What workers and the prompt ledger report: a weight update's timing per phase, a
 greedy evaluation's result, a rollout worker's counters, a worker's OS usage reading, one
-event of a prompt's life.
+event of a prompt's life, a critic shard's update.
 
 Owns: those records' shapes. Knows nothing about how they are measured or written; like
 ``buffers.records`` (the data the queue and the trainer move), every one is a frozen
@@ -102,3 +102,26 @@ class UsageReading(msgspec.Struct, frozen=True, kw_only=True):
     gpu_util_sum: float = 0.0
     """Sum of NVML utilisation samples (percent) so far; 0 without CUDA."""
     gpu_samples: int = 0
+
+
+class CriticStepResult(msgspec.Struct, frozen=True, kw_only=True):
+    """What one critic shard reports after its update of a step (sums over its trained
+    tokens, every update pass)."""
+
+    rank: int
+    step: int
+    tokens: int = 0
+    value_loss_sum: float = 0.0
+    """Sum of the per-token clipped value loss, 0.5 * max((V - R)^2, (V_clip - R)^2)."""
+    clipped: int = 0
+    """Tokens where the clipped term is the larger (the value clip binds)."""
+    value_sum: float = 0.0
+    """Sum of the values the step's advantages were computed from."""
+    return_sum: float = 0.0
+    """Sum of the returns (the critic's targets)."""
+    grad_norm: float = 0.0
+    """The largest gradient norm (before clipping) over the step's updates."""
+    seconds: float = 0.0
+    """Time the update took (forward, backward and optimizer)."""
+    samples_lost: bool = False
+    """Some shard could not fetch its groups: no update was made."""

@@ -3,7 +3,9 @@
 Owns: the only two things the actors add to the plain classes — a rollout actor leaves
 each group's ``GroupTokens`` in Ray's object store and returns the group's metadata with
 a reference (``generate_group_ref``); a trainer actor resolves the references of its
-batch straight from the object store before training (``train_step_by_ref``). So a
+batch straight from the object store before training (``train_step_by_ref``, or
+``prepare_step_by_ref`` when the PPO dataflow's stages run first: their entry points
+are here too). So a
 token goes from the engine that sampled it to the shard that trains it without passing
 through the driver. Knows nothing about the run's logic; ``async_rl.shell.launch`` creates
 these actors with ``ray.remote(...)``.
@@ -14,7 +16,8 @@ from __future__ import annotations
 import msgspec
 import ray
 
-from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
+from buffers.records import Group, GroupTokens, Prompt, ShardBatch, ShardStepResult
+from buffers.reports import CriticStepResult
 from workers.rollout.worker import RolloutWorker
 from workers.trainer.shard import TrainerShard
 
@@ -37,13 +40,38 @@ class TrainerActor(TrainerShard):
     """A trainer shard that fetches its batch's groups from the object store itself."""
 
     def train_step_by_ref(self, batch: ShardBatch) -> ShardStepResult:
-        """``train_step`` on ``batch`` with its group references resolved here.
+        """``train_step`` on ``batch`` with its group references resolved here (or by
+        ``prepare_step_by_ref``, in the PPO dataflow)."""
+        if self.roles is not None and self.roles.holds(batch.step):
+            return self.train_step(batch, None)  # prepare_step_by_ref fetched them
+        return self.train_step(batch, _fetch(batch))
 
-        Fetching fails when a group's rollout worker died after generating it; this
-        shard then tells the others in the step's first all-reduce and no shard trains.
-        """
-        try:
-            tokens = ray.get(list(batch.groups))
-        except ray.exceptions.ObjectLostError:
-            return self.train_step(batch, None)
-        return self.train_step(batch, tokens)
+    # ---- the PPO dataflow's stages (workers.trainer.roles), in the orchestrator's order --
+
+    def prepare_step_by_ref(self, batch: ShardBatch) -> bool:
+        """Fetches ``batch``'s groups and lays the step out for the stages below and
+        the policy's update; True when some shard lost its groups."""
+        return self.stages().prepare(batch, _fetch(batch))
+
+    def reference_logprobs(self, step: int) -> None:
+        self.stages().reference_logprobs(step)
+
+    def critic_values(self, step: int) -> None:
+        self.stages().critic_values(step)
+
+    def advantages(self, step: int) -> None:
+        self.stages().advantages(step)
+
+    def critic_update(self, step: int) -> CriticStepResult:
+        return self.stages().critic_update(step, self.rank)
+
+
+def _fetch(batch: ShardBatch) -> list[GroupTokens] | None:
+    """The batch's groups from the object store; None when one was lost (its rollout
+    worker died after generating it): the shard then tells the others in the step's
+    first all-reduce and no shard trains."""
+    try:
+        tokens: list[GroupTokens] = ray.get(list(batch.groups))
+    except ray.exceptions.ObjectLostError:
+        return None
+    return tokens

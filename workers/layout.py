@@ -14,7 +14,7 @@ from typing import Literal
 
 import msgspec
 
-Role = Literal["rollout", "trainer"]
+Role = Literal["rollout", "trainer", "critic"]
 
 
 class WorkerIdentity(msgspec.Struct, frozen=True, kw_only=True):

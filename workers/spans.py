@@ -27,20 +27,25 @@ WEIGHT_UPDATE = ("weight_sync", "weight_wire", "weight_load")
 snapshot is the trainer's ``weight_publish``."""
 ROLLOUT_IDLE = (*WEIGHT_UPDATE, "gate_closed", "queue_full", "no_work")
 TRAINER_BUSY = ("forward", "backward", "optimizer")
-TRAINER_IDLE = ("wait_data", "barrier", "weight_publish", "checkpoint", "no_work")
+TRAINER_IDLE = ("wait_data", "barrier", "weight_publish", "checkpoint", "critic", "no_work")
 """``checkpoint``: the shard snapshots its state for a checkpoint, or the run waits for
-an earlier checkpoint's background write to complete."""
+an earlier checkpoint's background write to complete. ``critic``: the shard's device
+computes the critic co-located with it (critic.placement = "trainer")."""
+CRITIC_BUSY = TRAINER_BUSY
+CRITIC_IDLE = ("policy", "wait_data", "barrier", "weight_publish", "checkpoint", "no_work")
+"""``policy``: the device the critic shares computes the policy (its shard's forward,
+backward and optimizer, the reference's forward); the rest as for a trainer shard."""
 UNRESOLVED = "idle"
 """Recorded by a worker that cannot tell why it waits; resolved from controller spans."""
 
-COMPUTING_IDLE = (*WEIGHT_UPDATE, "weight_publish", "checkpoint")
+COMPUTING_IDLE = (*WEIGHT_UPDATE, "weight_publish", "checkpoint", "critic", "policy")
 """Idle causes during which the worker's own cores still compute: a rollout engine loads
 weights, a trainer shard copies its snapshot (of weights, or of a checkpoint's state,
-which its writer thread then serialises). Not busy (no samples or gradients come of
-it), but the OS CPU-time cross-check counts it as work."""
+which its writer thread then serialises), a co-located role computes. Not busy (no
+samples or gradients come of it), but the OS CPU-time cross-check counts it as work."""
 
-BUSY = {"rollout": ROLLOUT_BUSY, "trainer": TRAINER_BUSY}
-IDLE = {"rollout": ROLLOUT_IDLE, "trainer": TRAINER_IDLE}
+BUSY = {"rollout": ROLLOUT_BUSY, "trainer": TRAINER_BUSY, "critic": CRITIC_BUSY}
+IDLE = {"rollout": ROLLOUT_IDLE, "trainer": TRAINER_IDLE, "critic": CRITIC_IDLE}
 
 
 class Span(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -49,7 +54,7 @@ class Span(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     worker: str
     """Worker name, e.g. "rollout-0", "trainer-1", or "controller"."""
     role: str
-    """rollout | trainer | controller"""
+    """rollout | trainer | critic | controller"""
     rank: int
     device: str
     """e.g. "cpu:0" or "cuda:3"."""

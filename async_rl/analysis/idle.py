@@ -21,7 +21,7 @@ import msgspec
 from buffers.reports import UsageReading
 from workers.spans import BUSY, IDLE, UNRESOLVED, Span
 
-ROLE_ORDER = ("rollout", "trainer")
+ROLE_ORDER = ("rollout", "trainer", "critic")
 """Roles in the order tables and pictures list them (others after)."""
 ROLLOUT_TRACK = "controller-admission"
 """Controller track whose causes explain rollout idleness (gate_closed, queue_full)."""
@@ -33,8 +33,8 @@ checkpoint)."""
 def resolve(worker_spans: Sequence[Span], controller_spans: Sequence[Span]) -> list[Span]:
     """Replaces each ``idle`` worker span by the controller causes overlapping it.
 
-    Rollout workers are explained by the admission track, trainers by the training
-    track; a stretch no explaining cause covers becomes ``no_work``.
+    Rollout workers are explained by the admission track, trainers (and the critic)
+    by the training track; a stretch no explaining cause covers becomes ``no_work``.
     """
     tracks: dict[str, list[Span]] = defaultdict(list)
     for span in controller_spans:

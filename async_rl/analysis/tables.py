@@ -56,7 +56,8 @@ def idle_table(workers: Sequence[Breakdown], roles: Sequence[Breakdown], title: 
                every: bool = False) -> Table:
     """Per-role rows, then the workers ``listed_workers`` picks; a caption says how many
     were left out."""
-    causes = list(dict.fromkeys(c for role in ("rollout", "trainer") for c in IDLE[role]))
+    causes = list(dict.fromkeys(c for role in ("rollout", "trainer", "critic")
+                                for c in IDLE[role]))
     listed = listed_workers(workers, every)
     left = len(workers) - len(listed)
     table = Table(title=title, caption=(

@@ -9,7 +9,8 @@ ones), which members are trained (``trained_sample``: trainer.overlong = "mask" 
 out those with a turn cut at max_new_tokens), giving every member its group-normalised
 advantage, cutting the step into
 ``trainer.mini_batches`` mini-batches of whole groups (one optimizer update each), and
-laying the samples out as the balancing plan says, as slots (group, sample, advantage)
+laying the samples out as the balancing plan says, as slots (group, sample, advantage,
+training reward: a critic's GAE starts from it)
 into each shard's list of group references. Knows nothing about Ray or torch and never
 sees a token: lengths and rewards are on the ``Group`` metadata; the shards resolve the
 references themselves. The plan comes from ``buffers.balance``; its costs and token cap
@@ -77,13 +78,14 @@ def shard_batches(
     # Which members get a loss, and the rewards their group's advantages come from.
     losses = [[trained_sample(group, k, trainer) for k in group.members] for group in groups]
     rewards = [training_rewards(group, trainer, max_new_tokens) for group in groups]
-    # Every trained member in group order: (group index, sample index, advantage, length).
+    # Every trained member in group order: (group index, sample index, advantage,
+    # reward, length).
     samples = [
-        (g, k, advantage, group.sequence_lengths[k])
+        (g, k, advantage, reward, group.sequence_lengths[k])
         for g, group in enumerate(groups)
-        for k, advantage, trained in zip(
-            group.members, group_advantages(rewards[g], trainer.advantage_std), losses[g],
-            strict=True)
+        for k, advantage, reward, trained in zip(
+            group.members, group_advantages(rewards[g], trainer.advantage_std), rewards[g],
+            losses[g], strict=True)
         if trained
     ]
     # Mini-batches: consecutive runs of whole groups, one optimizer update each.
@@ -105,9 +107,9 @@ def shard_batches(
         for micro_batch in shard.micro_batches:
             slots = []
             for i in micro_batch:
-                g, k, advantage, _ = samples[i]
+                g, k, advantage, reward, _ = samples[i]
                 slots.append(SequenceSlot(group=local.setdefault(g, len(local)), sample=k,
-                                          advantage=advantage))
+                                          advantage=advantage, reward=reward))
             micro_batches.append(tuple(slots))
         batches.append(ShardBatch(step=step, groups=tuple(groups[g].tokens for g in local),
                                   micro_batches=tuple(micro_batches), updates=plan.updates))

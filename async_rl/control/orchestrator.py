@@ -49,6 +49,7 @@ from async_rl.control.protocols import (
     Workers,
     first_error,
 )
+from async_rl.control.role_stages import RoleStages, role_metrics
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.run_checkpoints import RunCheckpoints
 from async_rl.control.run_health import RunHealth
@@ -63,7 +64,7 @@ from buffers.concurrent_calls import each
 from buffers.queue_records import Dropped
 from buffers.records import Group, Prompt
 from buffers.replay_queue import ReplayQueue
-from buffers.reports import BroadcastTiming
+from buffers.reports import BroadcastTiming, CriticStepResult
 from buffers.staleness import AdmissionGate
 from workers.spans import SpanRecorder
 
@@ -84,6 +85,11 @@ class Orchestrator:
         self.clock = clock or time.perf_counter
         wall = clock or time.time
         self.trainers, self.weights = workers.trainers, workers.weights
+        self.stages = (RoleStages(workers.stages, warmup_steps=config.critic.warmup_steps
+                                  if config.has_critic else 0)
+                       if workers.stages else None)
+        """The reference's and the critic's stages on the trainer shards (PPO's dataflow);
+        None: GRPO's."""
         self.version = 0
         self.first_step = 1
         """The step this run starts at (after a checkpoint's, on resume)."""
@@ -297,11 +303,24 @@ class Orchestrator:
                 t1 = self.clock()
                 batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step,
                                               max_new_tokens=cfg.rollout.max_new_tokens)
+                critic: list[CriticStepResult] = []
                 async with self.step_lock:
-                    results = await each([
+                    stages = self.stages
+                    if stages is not None:  # the PPO dataflow, in order, on every shard
+                        await stages.prepare(batches)
+                        await stages.reference_logprobs(step)
+                        await stages.critic_values(step)
+                        await stages.advantages(step)
+                    if stages is not None and stages.warming_up:
+                        critic = await stages.critic_update(step)
+                        self._warmed_up(groups, critic)
+                        continue  # the policy did not move: its steps start later
+                    results = await each([  # the policy's update
                         functools.partial(shard.train, batch)
                         for shard, batch in zip(self.trainers, batches, strict=True)
                     ])
+                    if stages is not None:
+                        critic = await stages.critic_update(step)
                     untrained = self.health.untrained_reason(step, results)
                     if not untrained:
                         self.version += 1
@@ -324,7 +343,7 @@ class Orchestrator:
                     plan=plan, staleness=staleness, wait_s=t1 - t0, train_s=t2 - t1,
                     sync_s=self.clock() - t2, timings=timings,
                     queue=self.queue.statistics(), totals=self.totals,
-                )
+                ) | role_metrics(results, critic, measured_kl=cfg.has_reference)
                 self.out.metrics(row)
                 self.evals.produced(self.version, t2, samples=self.totals.samples_trained,
                                     groups=self.totals.groups_trained,
@@ -395,6 +414,8 @@ class Orchestrator:
         self.version = state.version
         self.first_step = state.step + 1
         self.wall_offset = state.wall_s
+        if self.stages is not None:
+            self.stages.warmup_left = 0  # made before the checkpoint's first step
         self.checkpoints.restore(state, refused)
 
     # ---- workers lost, prompts re-queued -------------------------------------------------
@@ -406,6 +427,21 @@ class Orchestrator:
             model_dir = self.out.path / "restarts" / f"rollout-{rank}-v{self.version}"
             await self.trainers[0].save_policy(str(model_dir))
             return str(model_dir), self.version
+
+    def _warmed_up(self, groups: Sequence[Group], critic: Sequence[CriticStepResult]) -> None:
+        """A critic.warmup_steps step: the critic fitted the groups and the policy did
+        not train on them, so their prompts run again (for the policy)."""
+        assert self.stages is not None
+        lost = any(c.samples_lost for c in critic)
+        if not lost:
+            self.stages.warmup_left -= 1
+            metrics = role_metrics((), critic, measured_kl=False)
+            log.info("critic warm-up step (%d left): value loss %.4g",
+                     self.stages.warmup_left, metrics.get("critic/value_loss", math.nan))
+        self.health.progressed()
+        for group in groups:
+            self._requeue(group.prompt, "failed" if lost else "dropped",
+                          "samples_lost" if lost else "critic_warmup")
 
     def _filtered(self, group: Group) -> bool:
         """rollout.filter_groups (DAPO's dynamic sampling): a group whose rewards, as its

@@ -3,7 +3,8 @@
 Owns: the orchestrator's whole view of the compute plane — a rollout worker
 (``RolloutClient``), a trainer shard (``TrainerClient``), the weight path
 (``WeightPath``), the evaluator beside them (``Evaluator``), what every worker reports
-for the idle accounting (``ObservedWorker``), the bundle the shell hands over
+for the idle accounting (``ObservedWorker``), the PPO dataflow's stages on the trainer shards
+(``RoleStagesClient``), the bundle the shell hands over
 (``Workers``) and the failures: a worker's (``RolloutFailed``, ``EvaluationFailed``)
 and the run's (``RunFailed``). Knows nothing about Ray: ``async_rl.shell.ray_shell`` adapts
 actor handles to these protocols, and the unit tests pass in-process fakes, so the
@@ -16,11 +17,11 @@ reference (``Group.tokens``) that the trainer shards resolve themselves.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
 from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
-from buffers.reports import BroadcastTiming, EvalResult, UsageReading
+from buffers.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
 from workers.spans import Span
 
 E = TypeVar("E", bound=Exception)
@@ -109,6 +110,34 @@ class TrainerClient(ObservedWorker, Protocol):
     async def checkpoint_written(self) -> None:
         """Returns once the last ``save_checkpoint`` is complete on disk (raises its
         error); runs beside training calls."""
+        ...
+
+
+class RoleStagesClient(Protocol):
+    """The reference and the critic beside one trainer shard (placement "trainer"): the
+    PPO dataflow's stages around the policy's update (``TrainerClient.train``), each on
+    the step's data, which stays on the shard. A failure is the shard's
+    (``TrainerFailed``): a dead critic is a dead trainer shard."""
+
+    async def prepare_step(self, batch: ShardBatch) -> bool:
+        """Fetches and lays out the shard's batch; True when some shard lost its groups
+        (nothing is computed or trained then)."""
+        ...
+
+    async def reference_logprobs(self, step: int) -> None:
+        """The frozen reference's logprobs of the step's tokens."""
+        ...
+
+    async def critic_values(self, step: int) -> None:
+        """The critic's values of the step's tokens, with its current weights."""
+        ...
+
+    async def advantages(self, step: int) -> None:
+        """Per-token GAE advantages and returns (whitened over every shard's tokens)."""
+        ...
+
+    async def critic_update(self, step: int) -> CriticStepResult:
+        """The critic's updates on the step (it ends the step on the shard)."""
         ...
 
 
@@ -216,3 +245,6 @@ class Workers:
     restart_rollout: Callable[[int, str, int], Awaitable[RolloutClient]] | None = None
     """Starts a new rollout worker for a rank from a model folder labelled with a
     version; None: lost workers are not replaced."""
+    stages: list[RoleStagesClient] = field(default_factory=list)
+    """One per trainer shard, in rank order, when the run has a reference or a critic;
+    empty: GRPO's dataflow (advantages from the groups' rewards, no other role)."""

@@ -6,7 +6,8 @@ columns the task names; the tokenizer has the chat template the task asks for; t
 task's own reward functions, named in task.rewards or passed as callables, import and
 can take a completion on those columns; task.eval_reward names one; the environment
 class of task.environment imports and has its methods; the optional loggers are
-installed; trainer.backend = "fsdp2" finds the model's decoder layers), raising
+installed; trainer.backend = "fsdp2" finds the model's decoder layers; reference.path and
+critic.path are models of the policy's architecture and tokenizer), raising
 ``ConfigError`` with one line. Used by
 ``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl sweep``
 before it is launched.
@@ -43,6 +44,7 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
         config, model=msgspec.structs.replace(config.model, path=path))
     if config.trainer.backend == "fsdp2":
         check_shardable(config.model.path)
+    check_role_models(config)
     columns = check_task(config.task)  # the prompt file or dataset
     if config.task.chat_template:
         check_chat_template(config)
@@ -64,6 +66,38 @@ def check_shardable(model_path: str) -> None:
             f"config error: trainer.backend = 'fsdp2': the decoder layers of model.path = "
             f"{model_path!r} cannot be found (its transformers class names none in "
             "_no_split_modules); use trainer.backend = 'ddp'")
+
+
+def check_role_models(config: Config) -> None:
+    """reference.path and critic.path (when their role is built) hold a model of the
+    policy's architecture whose tokenizer has the policy's vocabulary: the reference's
+    logprobs and the critic's values are of the policy's tokens."""
+    from transformers import AutoTokenizer
+
+    roles = (("reference.path", config.reference.path, config.has_reference),
+             ("critic.path", config.critic.path, config.has_critic))
+    wanted = [(key, path) for key, path, built in roles if built and path]
+    if not wanted:
+        return
+    policy = _architecture(config.model.path)
+    for key, path in wanted:
+        if not (Path(path) / "config.json").is_file():
+            raise ConfigError(f"config error: {key} = {path!r}: no Hugging Face model there "
+                              "(config.json not found)")
+        if (found := _architecture(path)) != policy:
+            raise ConfigError(f"config error: {key} = {path!r}: architecture {found} is not "
+                              f"the policy's ({policy}, model.path)")
+    vocabulary = AutoTokenizer.from_pretrained(config.model.path).get_vocab()
+    for key, path in wanted:
+        if AutoTokenizer.from_pretrained(path).get_vocab() != vocabulary:
+            raise ConfigError(f"config error: {key} = {path!r}: its tokenizer is not the "
+                              "policy's (model.path): the vocabularies differ")
+
+
+def _architecture(model_dir: str) -> str:
+    """A model folder's class and type, from its config.json."""
+    hf_config = json.loads((Path(model_dir) / "config.json").read_text())
+    return f"{','.join(hf_config.get('architectures') or [])}/{hf_config.get('model_type')}"
 
 
 def check_chat_template(config: Config) -> None:

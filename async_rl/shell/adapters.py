@@ -36,7 +36,7 @@ from async_rl.control.protocols import (
 from async_rl.shell.launch import StartedWorkers
 from buffers.concurrent_calls import each
 from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
-from buffers.reports import BroadcastTiming, EvalResult, UsageReading
+from buffers.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
 from workers.errors import RolloutWorkerError, first_line
 from workers.model_config import ModelConfig
 from workers.spans import Span
@@ -190,6 +190,34 @@ class RayTrainer(_Worker):
         cores: float = await self._call("mean_cores")
         return cores
 
+    # ---- the PPO dataflow's stages (a RoleStagesClient: the same actor) ----------------
+
+    async def _stage(self, method: str, step: int, *args: Any) -> Any:
+        def stuck(waited: str) -> Exception:
+            return TrainerFailed(self.rank, f"no answer to {method} of step {step} {waited}",
+                                 dead=True, timed_out=True)
+
+        return await self._call(method, *args, seconds=self.config.trainer.step_timeout_s,
+                                key="trainer.step_timeout_s", what=f"{method} of step {step}",
+                                on_timeout=stuck)
+
+    async def prepare_step(self, batch: ShardBatch) -> bool:
+        lost: bool = await self._stage("prepare_step_by_ref", batch.step, batch)
+        return lost
+
+    async def reference_logprobs(self, step: int) -> None:
+        await self._stage("reference_logprobs", step, step)
+
+    async def critic_values(self, step: int) -> None:
+        await self._stage("critic_values", step, step)
+
+    async def advantages(self, step: int) -> None:
+        await self._stage("advantages", step, step)
+
+    async def critic_update(self, step: int) -> CriticStepResult:
+        result: CriticStepResult = await self._stage("critic_update", step, step)
+        return result
+
     async def policy_weights(self, version: int) -> RayPolicyWeights:
         # Not awaited: submitted before the next step's call, the copy runs in order with
         # training calls, and the evaluator fetches it from the object store itself.
@@ -289,4 +317,5 @@ def adapt(started: StartedWorkers, config: Config) -> Workers:
         evaluator=(RayEvaluator("evaluator", started.evaluator, config)
                    if started.evaluator is not None else None),
         restart_rollout=restart,
+        stages=[*trainers] if config.has_reference or config.has_critic else [],
     )

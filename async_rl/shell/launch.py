@@ -116,6 +116,7 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
             # ddp's shards are replicas: shard 0's copy is the checkpoint.
             writes_checkpoints=cfg.run.checkpoint_every > 0
             and (cfg.trainer.backend == "fsdp2" or ident.rank == 0),
+            **role_models(cfg),
         )
         for ident in layout.trainer
     ]
@@ -145,4 +146,17 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
         node_id, ip = bundle_node(groups[ident.role], ident.rank)
         started.identities.append(
             msgspec.structs.replace(ident, node=ip, node_id=node_id, pid=pid))
+    if cfg.has_critic:  # critic.placement = "trainer": shard i's process and devices
+        started.identities += [msgspec.structs.replace(ident, role="critic")
+                               for ident in started.identities if ident.role == "trainer"]
     return started
+
+
+def role_models(cfg: Config) -> dict[str, Any]:
+    """What each trainer shard builds beside the policy: the reference's weights and
+    the critic's section, their paths resolved ("" = the policy's initial weights)."""
+    return {"reference_path": (cfg.reference.path or cfg.model.path) if cfg.has_reference
+            else "",
+            "critic": msgspec.structs.replace(cfg.critic,
+                                              path=cfg.critic.path or cfg.model.path)
+            if cfg.has_critic else None}

@@ -19,7 +19,13 @@ import msgspec
 from async_rl.config import Config
 from async_rl.control.checkpoint import latest_checkpoint
 from async_rl.control.orchestrator import Orchestrator
-from async_rl.control.protocols import EvaluationFailed, PolicyWeights, RolloutFailed, Workers
+from async_rl.control.protocols import (
+    EvaluationFailed,
+    PolicyWeights,
+    RoleStagesClient,
+    RolloutFailed,
+    Workers,
+)
 from async_rl.run.run_dir import RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.sim.clock import run_virtual, virtual_now
@@ -199,13 +205,14 @@ def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer
         stop_after: int = 0,
         resume: bool = False, restart: Callable[[int], FakeRollout] | None = None,
         virtual: bool = False,
-        beside: Callable[[Orchestrator], Awaitable[None]] | None = None) -> RunSummary:
+        beside: Callable[[Orchestrator], Awaitable[None]] | None = None,
+        stages: Sequence[RoleStagesClient] = ()) -> RunSummary:
     """One run on fresh fakes; ``stop_after``: request a clean stop once that many
     steps have trained; ``resume``: continue the run directory's newest checkpoint;
     ``virtual``: on the simulator's virtual clock, so that the fakes' sleeps order the
     run the same way however loaded the machine is (a test that needs groups to finish
     out of order by a margin); ``beside``: runs beside the orchestrator (a signal
-    arriving mid-run, say)."""
+    arriving mid-run, say); ``stages``: the PPO dataflow's stages, one per shard."""
     task = ArithmeticTask(seed=0)
     async def restart_rollout(rank: int, model_dir: str, version: int) -> FakeRollout:
         assert restart is not None and Path(model_dir).is_dir()  # the trainer saved it
@@ -216,7 +223,8 @@ def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer
 
     workers = Workers(rollout=dict(rollout), trainers=list(trainers),
                       weights=weights or FakeWeights(rollout), evaluator=evaluator,
-                      restart_rollout=restart_rollout if restart else None)
+                      restart_rollout=restart_rollout if restart else None,
+                      stages=list(stages))
     state = latest_checkpoint(Path(cfg.run.output_dir))[1] if resume else None
     out = RunWriter(cfg.run.output_dir, cfg, positions=state.files if state else None)
     def build() -> Orchestrator:

@@ -18,6 +18,7 @@ LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"
 Overlong = Literal["keep", "mask", "penalty"]
 Backend = Literal["ddp", "fsdp2"]
 FsdpDtype = Literal["model", "float32", "bfloat16"]
+KlEstimator = Literal["k1", "k2", "k3"]
 
 
 class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -132,6 +133,15 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     a CPU step with AVX-512 bf16 about 1.5-2x faster, at the price of logprobs that
     differ from the engine's by bf16 rounding (the truncated IS weight absorbs it)."""
 
+    kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Weight of the KL term to the reference policy ([reference]); > 0 builds one. 0
+    with reference.path set measures the KL (kl/mean, kl/max) without penalising it."""
+    kl_estimator: KlEstimator = "k3"
+    """Schulman's estimator of KL(policy || reference) per token: k1 (log-ratio), k2
+    (half its square) or k3 (verl's low_var_kl; docs/algorithm.md)."""
+    kl_in_reward: bool = False
+    """true: -kl_coef * KL per token folded into the reward before GAE (PPO style; needs
+    algorithm.advantage = "gae"); false: kl_coef * KL a term of the loss (GRPO style)."""
     packed: bool = True
     """One padding-free row per micro-batch, attention kept per sequence
     (``workers.trainer.packing``); false runs the padded reference layout, slower, for

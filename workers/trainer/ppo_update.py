@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from buffers.records import TrainSequence
 from workers.trainer.config import TrainerConfig
+from workers.trainer.kl import kl_estimate
 from workers.trainer.loss import Normaliser, PendingStats, token_loss
 from workers.trainer.packing import (
     PackedBatch,
@@ -84,6 +85,8 @@ class StepLoss:
         self.sharded = sharded
         """FSDP2: every forward gathers parameters from all shards, so every shard runs
         as many forwards as the others, pads included."""
+        self.kl_parts: list[torch.Tensor] = []
+        """Each micro-batch's (sum, max) of the KL to the reference since ``read_kl``."""
 
     def agree(self, updates: Sequence[Sequence[MicroBatch]], lost: bool
               ) -> tuple[list[Normaliser], bool]:
@@ -109,7 +112,7 @@ class StepLoss:
                  for tokens, sequences in zip(counts[1::2], counts[2::2], strict=True)]
         return norms, bool(counts[0])
 
-    def _autocast(self) -> torch.autocast:
+    def autocast(self) -> torch.autocast:
         return torch.autocast(self.device.type, dtype=torch.bfloat16,
                               enabled=self.config.compute_dtype == "bfloat16")
 
@@ -152,7 +155,7 @@ class StepLoss:
         """The step-start policy's logprobs of each micro-batch (None for a pad), without
         gradient: call before the step's first update."""
         out: list[torch.Tensor | None] = []
-        with torch.no_grad(), self._autocast():
+        with torch.no_grad(), self.autocast():
             for micro_batch in micro_batches:
                 if not micro_batch.sequences:
                     if self.sharded:
@@ -163,23 +166,42 @@ class StepLoss:
         return out
 
     def micro_batch(self, micro_batch: Prepared, norm: Normaliser,
-                    proximal: torch.Tensor | None = None
+                    proximal: torch.Tensor | None = None,
+                    reference: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, PendingStats | None, int]:
         """Forward pass over one micro-batch: (loss, statistics on the device, positions
         computed).
 
         ``proximal``: its logprobs from ``proximal``; None when the update is the step's
         only one (then the proximal policy is the current one, detached: same value, no
-        extra forward). An empty micro-batch is a zero-loss pad (no statistics; its one
-        dummy position is not counted).
+        extra forward). ``reference``: the reference policy's logprobs of its tokens
+        (``workers.trainer.roles``): the KL to it is measured, and with trainer.kl_coef
+        > 0 and not trainer.kl_in_reward, kl_coef times it (aggregated as the loss is)
+        is added to the loss. An empty micro-batch is a zero-loss pad (no statistics;
+        its one dummy position is not counted).
         """
         if not micro_batch.sequences:
             # A pad still runs the model so DDP's gradient hooks fire on every shard.
             return self._pad_logits(self.model).sum() * 0.0, None, 0
-        with self._autocast():
+        with self.autocast():
             run = self._forward(self.model, micro_batch)
         loss, stats = token_loss(
             run.logprobs, run.behaviour, run.advantages, lengths=micro_batch.lengths,
             norm=norm, config=self.config, proximal_logprobs=proximal, entropy=run.entropy,
         )
+        if reference is not None and run.logprobs.numel():
+            kl = kl_estimate(run.logprobs, reference, self.config.kl_estimator)
+            if self.config.kl_coef > 0 and not self.config.kl_in_reward:
+                loss = loss + self.config.kl_coef * norm.aggregate(kl, micro_batch.lengths)
+            self.kl_parts.append(torch.stack([kl.detach().sum(), kl.detach().amax()]))
         return loss, stats, run.positions
+
+    def read_kl(self) -> tuple[float, float]:
+        """(sum, max) of the KL to the reference over the micro-batches since the last
+        call, in one host read; (0, 0) without any."""
+        parts, self.kl_parts = self.kl_parts, []
+        if not parts:
+            return 0.0, 0.0
+        values = torch.stack(parts).double()
+        total, largest = torch.stack([values[:, 0].sum(), values[:, 1].amax()]).tolist()
+        return total, largest

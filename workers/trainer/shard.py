@@ -11,7 +11,9 @@ micro-batch loop (the statistics are read once a step, the gradient norm once an
 for the non-finite skip; phase times from ``workers.trainer.phase_clock``), on the shard
 that is the source of weight broadcasts, the calls that snapshot and send its weights
 (``workers.weights.sender`` does both), and the calls that write and read its part of a
-checkpoint (``workers.trainer.checkpoints``, in the background). Knows nothing about
+checkpoint (``workers.trainer.checkpoints``, in the background). With a reference or a
+critic (``workers.trainer.roles``) a step's data is laid out by the PPO dataflow's stages
+first and its policy update takes it from there. Knows nothing about
 Ray (``workers.actors`` wraps this class for Ray and resolves the batch's group
 references), queues, versions or how the plan was made.
 """
@@ -44,6 +46,8 @@ from workers.trainer.loss import Normaliser, PendingStats, read_stats
 from workers.trainer.phase_clock import PhaseClock
 from workers.trainer.ppo_update import Prepared, StepLoss
 from workers.trainer.process import join_process_group, pin_to_cpus
+from workers.trainer.roles import StepRoles, build_roles
+from workers.trainer.roles_config import CriticConfig
 from workers.usage import UsageMeter, cuda_uuid
 from workers.weights.config import UpdateMode, WeightsConfig
 
@@ -74,7 +78,12 @@ class TrainerShard:
         master_port: int = 29500,
         record_spans: bool = True,
         writes_checkpoints: bool = False,
+        reference_path: str = "",
+        critic: CriticConfig | None = None,
     ) -> None:
+        """``reference_path``: the frozen reference policy's weights ("" = none);
+        ``critic``: the critic's section, its path resolved (None = none). Both live
+        beside the policy on this shard's device (``workers.trainer.roles``)."""
         self.rank = rank
         self.world_size = world_size
         self.model_config = model
@@ -104,6 +113,13 @@ class TrainerShard:
         step's phase times are the device's, from ``PhaseClock``'s events)."""
         self.compiled_layers = 0
         """Decoder layers ``trainer.compile`` compiled; the first step logs its time."""
+        self.reference_path = reference_path
+        self.critic_config = critic
+        self.roles: StepRoles | None = None
+        """The reference and the critic beside the policy, when the run has either."""
+        self.critic_spans = SpanRecorder(worker=f"critic-{rank}", role="critic", rank=rank,
+                                         device=label,
+                                         enabled=record_spans and critic is not None)
 
     def setup(self) -> int:
         """Joins the process group, loads the model and builds the optimizer; returns pid."""
@@ -152,6 +168,12 @@ class TrainerShard:
                                packed=self.config.packed, temperature=self.temperature,
                                max_response_tokens=self.max_new_tokens,
                                sharded=sharded)
+        if self.reference_path or self.critic_config is not None:
+            self.roles = build_roles(
+                trainer=self.config, losses=self.losses, device=self.device, dtype=dtype,
+                world_size=self.world_size, rank=self.rank, temperature=self.temperature,
+                reference_path=self.reference_path, critic=self.critic_config,
+                spans=(self.spans, self.critic_spans))
         return os.getpid()
 
     def train_step(self, batch: ShardBatch,
@@ -163,22 +185,30 @@ class TrainerShard:
         fetch them (their rollout worker died). Then no shard trains: every shard
         returns a result with ``samples_lost`` set and the weights unchanged.
         """
+        # The PPO dataflow laid the step out already (and added its advantages).
+        ppo = self.roles.current(batch.step) if self.roles is not None else None
         # Without its groups a shard still sends its (zero) counts in the all-reduce.
-        sequences = (batch.sequences(tokens) if tokens is not None
+        sequences = (ppo.sequences if ppo is not None
+                     else batch.sequences(tokens) if tokens is not None
                      else ((),) * len(batch.micro_batches))
         updates = batch.per_update(sequences)
         self.spans.switch("barrier", batch.step - 1)  # the count all-reduce waits for all shards
-        norms, lost = self.losses.agree(updates, tokens is None)
+        norms, lost = self.losses.agree(updates, ppo.lost if ppo is not None
+                                        else tokens is None)
         if lost:
             self.spans.switch(UNRESOLVED, batch.step - 1)
             return ShardStepResult(rank=self.rank, step=batch.step, loss=LossStats(),
                                    grad_norm=0.0, forward_s=0.0, backward_s=0.0,
                                    optimizer_s=0.0, barrier_s=0.0, samples_lost=True)
         began = time.perf_counter()
+        self.critic_spans.switch("policy")  # a co-located critic waits on the device
         clock = PhaseClock(self.device)
         self.spans.switch("forward")
         clock.start("forward")
-        prepared = self.losses.prepare(sequences)  # once: the proximal pass and every epoch
+        # Once: the proximal pass and every epoch.
+        prepared = ppo.prepared if ppo is not None else self.losses.prepare(sequences)
+        references = batch.per_update(ppo.reference if ppo is not None and ppo.reference
+                                      else [None] * len(prepared))
         # The proximal policy is the one this step starts from; with a single update it
         # is the current policy itself, so no extra forward pass is needed (nor in the
         # plain form, tis_cap = 0, which has no proximal policy).
@@ -189,9 +219,10 @@ class TrainerShard:
         norms_seen: list[float] = []
         positions = 0
         for epoch in range(self.config.epochs):
-            for micro_batches, norm, prox in zip(batch.per_update(prepared), norms, proximal,
-                                                 strict=True):
-                computed, grad_norm = self._update(micro_batches, norm, prox, parts, clock)
+            for micro_batches, norm, prox, ref in zip(batch.per_update(prepared), norms,
+                                                      proximal, references, strict=True):
+                computed, grad_norm = self._update(micro_batches, norm, prox, ref, parts,
+                                                   clock)
                 positions += computed if epoch == 0 else 0
                 norms_seen.append(grad_norm)
                 if not math.isfinite(grad_norm):
@@ -200,6 +231,9 @@ class TrainerShard:
                 break
         clock.start(None)  # the phases end before the read below waits for the device
         loss = read_stats(parts)  # the step's one read of its statistics
+        kl_sum, kl_max = self.losses.read_kl()
+        if self.roles is not None:
+            self.roles.policy_done()
         times = clock.totals()
         if self.compiled_layers:
             log.info("trainer shard %d: step %d took %.1f s (%d compiled decoder layers; "
@@ -209,6 +243,7 @@ class TrainerShard:
         if self.writes_checkpoints and not self.checkpoints.prepared and self.optimizer.state:
             self._prepare_checkpoint()
         self.spans.switch(UNRESOLVED, batch.step)
+        self.critic_spans.switch(UNRESOLVED)
         return ShardStepResult(
             rank=self.rank,
             step=batch.step,
@@ -226,10 +261,13 @@ class TrainerShard:
             input_tokens=sum(len(s.prompt_token_ids) + len(s.completion_token_ids)
                              for mb in sequences for s in mb),
             computed_positions=positions,
+            kl_sum=kl_sum,
+            kl_max=kl_max,
         )
 
     def _update(self, micro_batches: Sequence[Prepared], norm: Normaliser,
-                proximal: Sequence[torch.Tensor | None], parts: list[PendingStats],
+                proximal: Sequence[torch.Tensor | None],
+                references: Sequence[torch.Tensor | None], parts: list[PendingStats],
                 clock: PhaseClock) -> tuple[int, float]:
         """One optimizer update; appends each micro-batch's statistics to ``parts`` and
         marks its phases on ``clock``. Returns (positions computed, gradient norm): the
@@ -237,10 +275,11 @@ class TrainerShard:
         self.optimizer.zero_grad(set_to_none=True)
         positions = 0
         last = len(micro_batches) - 1
-        for index, (micro_batch, prox) in enumerate(zip(micro_batches, proximal, strict=True)):
+        for index, (micro_batch, prox, ref) in enumerate(zip(micro_batches, proximal,
+                                                             references, strict=True)):
             self.spans.switch("forward")
             clock.start("forward")
-            loss, stats, computed = self.losses.micro_batch(micro_batch, norm, prox)
+            loss, stats, computed = self.losses.micro_batch(micro_batch, norm, prox, ref)
             positions += computed
             # DDP averages gradients over shards; the loss is already a share of the
             # global normaliser, so scale back up to make the all-reduce a plain sum.
@@ -275,13 +314,20 @@ class TrainerShard:
             self.optimizer.zero_grad(set_to_none=True)
         return positions, grad_norm
 
+    def stages(self) -> StepRoles:
+        """The PPO dataflow's stages on this shard (the actor's entry points call them)."""
+        if self.roles is None:
+            raise RuntimeError(f"trainer shard {self.rank}: no reference or critic here")
+        return self.roles
+
     def mean_cores(self) -> float:
         """Threads this shard computes with: the cores the CPU-time check divides by."""
         return float(torch.get_num_threads())
 
     def drain_spans(self) -> list[Span]:
-        """Closed spans since the last call (the current one is closed at now first)."""
-        return self.spans.flush()
+        """Closed spans since the last call (the current one is closed at now first),
+        the co-located critic's among them."""
+        return self.spans.flush() + self.critic_spans.flush()
 
     def usage(self) -> UsageReading:
         """CPU time (and on CUDA, NVML utilisation) for the span cross-check."""
@@ -379,6 +425,8 @@ class TrainerShard:
         """
         self.checkpoints.start(out_dir, module=self.module, optimizer=self.optimizer,
                                whole=self._state(), tokenizer=self.tokenizer)
+        if self.roles is not None and self.roles.critic is not None:
+            self.roles.critic.save(out_dir)  # small beside the policy: written here
 
     def _prepare_checkpoint(self) -> None:
         """Starts making the snapshot buffers (``CheckpointWriter.prepare``)."""
@@ -396,6 +444,8 @@ class TrainerShard:
         folder); raises ``BackendMismatch`` for the other backend's checkpoint."""
         load(checkpoint_dir, backend=self.config.backend, module=self.module,
              optimizer=self.optimizer)
+        if self.roles is not None and self.roles.critic is not None:
+            self.roles.critic.load(checkpoint_dir)
 
     def shutdown(self) -> None:
         self.checkpoints.close()

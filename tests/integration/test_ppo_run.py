@@ -1,0 +1,130 @@
+"""The PPO dataflow on real Ray, the real vLLM CPU build and the tiny model.
+
+- PPO with a critic and GAE (and the KL in the reward, a warm-up step): 4 steps
+  straight against 2 steps, SIGINT, ``--resume``, 2 more, at max_staleness 0 with seeded
+  sampling: the same final policy and critic (weights and optimizer state), the critic
+  in the registry, the idle accounting and the trace.
+- GRPO with the KL term in the loss to a reference of its own (reference.path):
+  ``kl/mean`` and ``kl/max`` in every row (0 at the first step with the initial policy
+  as the reference: ``tests/unit/test_ppo_roles.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from test_stop_resume import signal_after_rows, trained
+
+from async_rl.analysis.report import build_report
+from async_rl.config import Config
+from async_rl.config_io import decode_config
+from async_rl.control.checkpoint import TRAINER, latest_checkpoint
+from async_rl.run.inputs import check_inputs
+from async_rl.run.run_dir import FINAL_MODEL, read_metrics
+from async_rl.shell.ray_shell import run_training
+from workers.trainer.critic import CRITIC_STATE
+
+pytestmark = pytest.mark.ray
+
+STEPS = 4
+
+
+def config(model_dir: Path, out: Path, **sections: dict[str, Any]) -> Config:
+    base: dict[str, Any] = {
+        "model": {"path": str(model_dir)},
+        "task": {"eval_size": 0},
+        "rollout": {"group_size": 4, "max_new_tokens": 6, "max_inflight_prompts": 4,
+                    "sampling_seed": 7},
+        "staleness": {"max_staleness": 0},
+        "trainer": {"groups_per_step": 4, "micro_batch_tokens": 512, "lr": 1e-4},
+        "run": {"num_steps": STEPS, "output_dir": str(out), "progress": False},
+    }
+    for name, values in sections.items():
+        base[name] = base.get(name, {}) | values
+    return decode_config(base)
+
+
+def ppo(model_dir: Path, out: Path) -> Config:
+    return config(model_dir, out, algorithm={"advantage": "gae"},
+                  critic={"lr": 1e-3, "gamma": 1.0, "lam": 0.95, "warmup_steps": 1},
+                  trainer={"kl_coef": 0.05, "kl_in_reward": True})
+
+
+def critic_state(run_dir: Path) -> dict[str, Any]:
+    folder, _ = latest_checkpoint(run_dir)
+    state: dict[str, Any] = torch.load(folder / TRAINER / CRITIC_STATE, weights_only=True)
+    return state
+
+
+def test_ppo_stops_and_resumes_to_the_same_policy_and_critic(
+    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
+) -> None:
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    summary = run_training(ppo(tiny_model_dir, straight))
+    assert summary.final_version == STEPS
+    rows = read_metrics(straight)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    for row in rows:
+        assert row["critic/value_loss"] >= 0 and row["kl/mean"] >= 0
+        assert 0 <= row["critic/clip_fraction"] <= 1
+    # The warm-up step fitted the critic and ran its prompts again for the policy.
+    ledger = [json.loads(line) for line in (straight / "ledger.jsonl").read_text().splitlines()]
+    assert sum(e["event"] == "dropped" and e.get("reason") == "critic_warmup"
+               for e in ledger) == 4
+    # The critic is a role: in the registry, the idle accounting and the trace.
+    workers = json.loads((straight / "workers.json").read_text())
+    assert [w["role"] for w in workers].count("critic") == 1
+    build_report(straight)  # what async-rl train writes after the run
+    idle = json.loads((straight / "idle.json").read_text())
+    critic = [w for w in idle["workers"] if w["role"] == "critic"]
+    assert len(critic) == 1 and critic[0]["busy_s"] > 0
+    assert critic[0]["idle_by_cause"]["policy"] > 0
+    trainer = next(w for w in idle["workers"] if w["role"] == "trainer")
+    assert trainer["idle_by_cause"]["critic"] > 0
+    trace = json.loads((straight / "trace.json").read_text())
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    assert any(e.get("cat") == "critic" for e in events)
+
+    signal_after_rows(resumed, 2, signal.SIGINT, os.getpid())
+    first = run_training(ppo(tiny_model_dir, resumed))
+    assert first.stopped == "SIGINT" and 2 <= first.steps < STEPS
+    second = run_training(ppo(tiny_model_dir, resumed), resume=True)
+    assert second.final_version == STEPS
+    assert trained(straight) == trained(resumed)
+    a = load_file(straight / FINAL_MODEL / "model.safetensors")
+    b = load_file(resumed / FINAL_MODEL / "model.safetensors")
+    assert a.keys() == b.keys() and len(a) > 0
+    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a)
+    ours, theirs = critic_state(straight), critic_state(resumed)
+    assert ours["model"].keys() == theirs["model"].keys() and len(ours["model"]) > 0
+    worst = max(float((ours["model"][k] - theirs["model"][k]).abs().max())
+                for k in ours["model"])
+    print(f"largest critic weight difference, straight vs stopped and resumed: {worst:.3g}")
+    assert all(torch.allclose(ours["model"][k], theirs["model"][k], rtol=1e-4, atol=1e-6)
+               for k in ours["model"]), worst
+    steps = [s["step"] for s in ours["optimizer"]["state"].values()]
+    assert steps and steps == [s["step"] for s in theirs["optimizer"]["state"].values()]
+
+
+def test_grpo_with_a_kl_term_reports_the_kl_to_the_reference(
+    tiny_model_dir: Path, longtail_model_dir: Path, tmp_path: Path, ray_shutdown: None
+) -> None:
+    """The reference is another model of the policy's architecture and tokenizer (the
+    long-tail warm start): the KL is positive from the first step, whatever the policy's
+    rewards (the tiny model's groups often all score 0 and would not move it)."""
+    out = tmp_path / "kl"
+    cfg = check_inputs(config(tiny_model_dir, out, trainer={"kl_coef": 0.1, "lr": 1e-3},
+                              reference={"path": str(longtail_model_dir)}))
+    run_training(cfg)
+    rows = read_metrics(out)
+    assert len(rows) == STEPS
+    for row in rows:
+        assert row["kl/mean"] > 0 and row["kl/max"] >= row["kl/mean"]
+    assert not any(key.startswith("critic/") for key in rows[-1])
