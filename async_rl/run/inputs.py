@@ -42,6 +42,8 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
         config, model=msgspec.structs.replace(config.model, path=path))
     if config.trainer.backend == "fsdp2":
         check_shardable(config.model.path)
+    if config.model.lora.enabled:
+        check_lora_targets(config)
     columns = check_dataset(config)
     if config.task.chat_template:
         check_chat_template(config)
@@ -74,6 +76,19 @@ def check_shardable(model_path: str) -> None:
             f"config error: trainer.backend = 'fsdp2': the decoder layers of model.path = "
             f"{model_path!r} cannot be found (its transformers class names none in "
             "_no_split_modules); use trainer.backend = 'ddp'")
+
+
+def check_lora_targets(config: Config) -> None:
+    """model.lora.target_modules name linear layers the model has."""
+    from workers.trainer.lora import linear_names
+
+    present = linear_names(config.model.path)
+    missing = [name for name in config.model.lora.target_modules if name not in present]
+    if missing:
+        raise ConfigError(
+            f"config error: model.lora.target_modules = {list(config.model.lora.target_modules)}"
+            f": {missing} not among the linear layers of model.path = "
+            f"{config.model.path!r} ({sorted(present)})")
 
 
 def check_dataset(config: Config) -> tuple[str, ...]:

@@ -220,6 +220,7 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
             # ddp's shards are replicas: shard 0's copy is the checkpoint.
             writes_checkpoints=cfg.run.checkpoint_every > 0
             and (cfg.trainer.backend == "fsdp2" or ident.rank == 0),
+            save_merged=cfg.run.save_merged,
         )
         for ident in layout.trainer
     ]
