@@ -19,6 +19,7 @@ from workers.trainer.checkpoints import TRAINING_STATE
 from workers.trainer.lora import (
     adapter_state,
     attach,
+    init_adapters,
     linear_names,
     merged_state,
     save_policy_folder,
@@ -154,8 +155,26 @@ def test_a_policy_folder_links_the_base_and_restarts_the_adapter(tmp_path: Path)
     assert set(read_adapter(folder / ADAPTER_DIR)) == set(adapters)
     # A trainer starting from the folder gets the adapter back.
     again = attach(Qwen2ForCausalLM.from_pretrained(folder), lora, str(folder))
+    init_adapters(again, str(folder), seed=3)
     for name, tensor in again.state_dict().items():
         torch.testing.assert_close(tensor, module.state_dict()[name])
+
+
+def test_fresh_adapters_are_the_base_model_and_the_same_for_a_seed(tmp_path: Path) -> None:
+    path = tiny(tmp_path)
+    lora = LoraConfig(rank=4, target_modules=("q_proj", "up_proj"))
+    made = []
+    for _ in range(2):
+        module = attach(Qwen2ForCausalLM.from_pretrained(path), lora, str(path))
+        init_adapters(module, str(path), seed=5)
+        made.append(adapter_state(module.state_dict()))
+    assert len(made[0]) == 2 * 2 * 2
+    assert all(torch.equal(made[0][k], made[1][k]) for k in made[0])
+    assert all(t.abs().sum() > 0 if ".lora_A." in k else not t.any()
+               for k, t in made[0].items())
+    merged = merged_state(module.state_dict(), lora)
+    base = Qwen2ForCausalLM.from_pretrained(path).state_dict()
+    assert all(torch.equal(merged[k], base[k]) for k in base)
 
 
 def version_fraction(model_dir: Path, lora: LoraConfig) -> float:

@@ -32,7 +32,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from workers.model_config import LoraConfig
 from workers.trainer.config import FsdpDtype, TrainerConfig
 from workers.trainer.device_setup import decoder_layers
-from workers.trainer.lora import attach, base_name, init_sharded
+from workers.trainer.lora import attach, base_name
 from workers.weights.adapter import is_adapter_tensor
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -72,7 +72,8 @@ def build_sharded(model_path: str, *, dtype: torch.dtype, device: torch.device,
     Built on the meta device (no memory), sharded, then each shard's memory allocated
     and filled from the safetensors files: a shard reads one whole tensor at a time
     (memory-mapped) and keeps its own slice of it. With ``lora`` on, the adapters are
-    injected before sharding (each decoder layer's shard holds its adapters' slices).
+    injected before sharding (each decoder layer's shard holds its adapters' slices;
+    ``workers.trainer.lora.init_adapters`` sets them).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -99,8 +100,6 @@ def build_sharded(model_path: str, *, dtype: torch.dtype, device: torch.device,
     module.to_empty(device="cpu" if trainer.offload else device)
     _init_buffers(module, device)
     _load_shards(module, Path(model_path))
-    if lora is not None and lora.enabled:
-        init_sharded(module, model_path)
     return module
 
 
@@ -132,7 +131,7 @@ def _load_shards(module: torch.nn.Module, model_dir: Path) -> None:
         with torch.no_grad():
             for injected, target in targets:
                 if is_adapter_tensor(injected):
-                    continue  # not in the base files: init_sharded fills them
+                    continue  # not in the base files: init_adapters sets them
                 name = base_name(injected)
                 if name not in where:
                     if isinstance(target, DTensor):

@@ -55,54 +55,43 @@ def base_name(name: str) -> str:
 
 def attach(module: torch.nn.Module, lora: LoraConfig, model_path: str) -> torch.nn.Module:
     """Injects the adapters into ``module`` (in place; returned), freezing every other
-    parameter. Their values: ``model_path``'s ``adapter/`` when it has one (a LoRA
-    checkpoint or policy folder), else peft's initialisation (A random from the torch
-    seed, B zero). On the meta device (FSDP2 builds there) nothing is initialised:
-    ``init_sharded`` does that after sharding."""
+    parameter. Their values are peft's until ``init_adapters`` sets them (on the meta
+    device, where FSDP2 builds, they have none)."""
     from peft import inject_adapter_in_model
 
     inject_adapter_in_model(peft_config(lora, model_path), module)
-    saved = Path(model_path) / ADAPTER_DIR
-    on_meta = any(p.is_meta for p in module.parameters())
-    if saved.is_dir() and not on_meta:
-        _load_adapter(module, read_adapter(saved))
     return module
 
 
-def _load_adapter(module: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
-    params = dict(module.named_parameters())
-    wanted = {name for name in params if is_adapter_tensor(name)}
-    given = {module_name(name): t for name, t in tensors.items()}
-    if set(given) != wanted:
-        missing, extra = sorted(wanted - set(given)), sorted(set(given) - wanted)
-        raise ValueError(f"saved adapter does not fit model.lora: missing {missing[:3]}, "
-                         f"unexpected {extra[:3]}")
-    with torch.no_grad():
-        for name, tensor in given.items():
-            params[name].copy_(tensor)
-
-
-def init_sharded(module: torch.nn.Module, model_path: str) -> None:
-    """The adapters of a model sharded on the meta device and materialised (FSDP2):
-    each shard keeps its slice of the same whole tensors on every rank (from the saved
-    adapter, or peft's initialisation drawn from the torch seed, which every shard
-    shares)."""
+def init_adapters(module: torch.nn.Module, model_path: str, seed: int) -> None:
+    """Sets the adapters of a model built with ``attach`` and materialised (a DDP
+    replica's, or an FSDP2 shard's slices): ``model_path``'s ``adapter/`` when it has
+    one (a LoRA checkpoint or policy folder), else peft's initialisation (A
+    Kaiming-uniform, B zero: the base model's function), drawn whole from ``seed`` in
+    the parameters' order. So every shard, and both backends, start from the same
+    adapters."""
     saved = Path(model_path) / ADAPTER_DIR
     given = ({module_name(n): t for n, t in read_adapter(saved).items()}
              if saved.is_dir() else {})
+    wanted = [name for name, _ in module.named_parameters() if is_adapter_tensor(name)]
+    if given and set(given) != set(wanted):
+        missing, extra = sorted(set(wanted) - set(given)), sorted(set(given) - set(wanted))
+        raise ValueError(f"{saved}: the saved adapter does not fit model.lora: missing "
+                         f"{missing[:3]}, unexpected {extra[:3]}")
+    draws = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in module.named_parameters():
             if not is_adapter_tensor(name):
                 continue
             whole = given.get(name)
             if whole is None:
-                whole = torch.zeros(param.shape, dtype=param.dtype)
+                whole = torch.zeros(param.shape, dtype=torch.float32)
                 if ".lora_A." in name:  # peft's own initialisation of A
-                    torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5))
-            whole = whole.to(param.dtype)
+                    torch.nn.init.kaiming_uniform_(whole, a=math.sqrt(5), generator=draws)
+            whole = whole.to(device=param.device, dtype=param.dtype)
             if isinstance(param, DTensor):
-                whole = distribute_tensor(whole.to(param.device), param.device_mesh,
-                                          param.placements, src_data_rank=None)
+                whole = distribute_tensor(whole, param.device_mesh, param.placements,
+                                          src_data_rank=None)
             param.copy_(whole)
 
 

@@ -40,7 +40,13 @@ from workers.trainer.checkpoints import CheckpointWriter, load
 from workers.trainer.config import TrainerConfig
 from workers.trainer.device_setup import speed_up
 from workers.trainer.fsdp import build_sharded, full_shapes, full_state
-from workers.trainer.lora import LoraPolicy, adapter_state, attach, merged_state
+from workers.trainer.lora import (
+    LoraPolicy,
+    adapter_state,
+    attach,
+    init_adapters,
+    merged_state,
+)
 from workers.trainer.loss import Normaliser, PendingStats, read_stats
 from workers.trainer.phase_clock import PhaseClock
 from workers.trainer.ppo_update import Prepared, StepLoss
@@ -137,10 +143,11 @@ class TrainerShard:
                                    trainer=self.config, lora=lora)
         else:
             module = AutoModelForCausalLM.from_pretrained(self.model_config.path, dtype=dtype)
-            if lora.enabled:  # seeded above: every replica draws the same adapters
+            if lora.enabled:
                 attach(module, lora, self.model_config.path)
             module.to(self.device)  # type: ignore[arg-type]
         if lora.enabled:
+            init_adapters(module, self.model_config.path, self.seed)
             self.lora = LoraPolicy(lora, self.model_config.path)
         module.train()
         if self.config.packed:
