@@ -28,14 +28,14 @@ if TYPE_CHECKING:
     from async_rl.run.summary import RunSummary
     from buffers.config import ConfigError
     from workers.environment import Environment, EnvStep
-    from workers.reward_callable import Reward
+    from workers.rewards.callables import Reward
 
 __version__ = "0.1.0"
 __all__ = ["Config", "ConfigError", "EnvStep", "Environment", "Reward", "RunSummary",
            "load_config", "train"]
 
 _HOMES = {"load_config": "async_rl.api", "train": "async_rl.api", "Config": "async_rl.config",
-          "ConfigError": "buffers.config", "Reward": "workers.reward_callable",
+          "ConfigError": "buffers.config", "Reward": "workers.rewards.callables",
           "EnvStep": "workers.environment", "Environment": "workers.environment",
           "RunSummary": "async_rl.run.summary"}
 

@@ -39,7 +39,7 @@ from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import CONFIG
 from async_rl.run.summary import RunSummary
 from buffers.config import ConfigError
-from workers.reward_callable import Reward
+from workers.rewards.callables import Reward
 
 RewardArg = Reward | Callable[..., Any] | tuple[Callable[..., Any], float]
 """A reward as ``train`` takes it: a callable (weight 1, its own name, its style guessed

@@ -3,7 +3,8 @@
 Owns: the root ``Config``, which assembles every component's section (each lives beside
 its component: ``workers.rollout.config``, ``workers.trainer.config``,
 ``workers.weights.config``, ``workers.model_config``, ``buffers.config``), the sections
-of the application itself (``TaskConfig``, ``RunConfig``) and the rules that tie
+of the application itself (``TaskConfig``: a tagged union of one section per task.kind,
+so a key of another kind's is refused by its type; ``RunConfig``) and the rules that tie
 sections together (``Config.__post_init__``), raising ``ConfigError`` with one line that
 names the key. Reading a config from TOML with ``--set`` overrides, and writing one
 back, is ``async_rl.config_io``'s. Knows nothing about what the knobs drive.
@@ -11,7 +12,8 @@ back, is ``async_rl.config_io``'s. Knows nothing about what the knobs drive.
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+import typing
+from typing import Annotated, Any, Literal
 
 import msgspec
 
@@ -27,45 +29,24 @@ from buffers.config import (
 )
 from workers.environment import EnvironmentConfig
 from workers.model_config import ModelConfig
-from workers.reward_spec import RewardSpec
+from workers.rewards.spec import RewardSpec
 from workers.rollout.config import RolloutConfig
 from workers.trainer.config import TrainerConfig
 from workers.weights.config import WeightsConfig
 
-__all__ = ["Config", "ConfigError", "RunConfig", "SimulateConfig", "TaskConfig"]
+__all__ = ["Config", "ConfigError", "RunConfig", "SimulateConfig", "TaskConfig", "task_config"]
 
 
-class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """Where prompts come from and how completions are scored."""
+class TaskSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+                  tag_field="kind"):
+    """Where prompts come from and how completions are scored: the keys every task.kind
+    has. ``kind`` picks the section (below), and a key of another kind's is refused."""
 
-    kind: Literal["arithmetic", "longtail", "calculator", "jsonl", "dataset"] = "arithmetic"
-    """Built-in seeded arithmetic task (answers of a few tokens), the built-in long-tail
-    reasoning task (remainders by repeated subtraction: traces of 20 to 300 tokens), the
-    built-in calculator tool task (expressions of 2 to 4 terms, too long to do in one's
-    head, with a tool called as <call>expr</call>; see docs/calculator.md), a JSONL file
-    of {"prompt", "answer"} lines, or your own dataset (task.path, read with the
-    datasets library; see docs/datasets.md)."""
-    jsonl_path: str = ""
-    """The JSONL prompt file; required when kind = "jsonl"."""
-    path: str = ""
-    """The dataset of kind = "dataset" (required there): a .jsonl, .json, .parquet or .csv
-    file, or a directory written by datasets' save_to_disk. Its rows are shuffled anew
-    (seeded by task.seed) every pass."""
-    prompt_key: str = "prompt"
-    """The dataset's prompt column: strings, or chat messages ([{"role", "content"},
-    ...], which need task.chat_template = true)."""
-    answer_key: str = "answer"
-    """The dataset's answer column, handed to rewards as ``answer`` (and as verl's
-    ``ground_truth``) and under its own name (TRL's ``solution``); "" for a dataset
-    without one (task.rewards then score it; a column named ``answer`` reaches them as
-    it is). Every other column reaches the rewards under its own name."""
-    eval_path: str = ""
-    """A held-out dataset (same formats and columns) whose first task.eval_size rows are
-    the evaluation prompts. Without it or task.eval_fraction, the first task.eval_size
-    training rows are (and are trained on too)."""
-    eval_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
-    """Hold out this fraction of task.path's rows (a split seeded by task.seed) for
-    evaluation; they are never trained on. 0 = no split."""
+    seed: NonNegative = 0
+    """Seed of the prompt stream (the arithmetic task is a pure function of seed and index)."""
+    eval_size: NonNegative = 200
+    """Held-out prompts scored greedily at the start and end of a run, and every
+    run.eval_every steps (0 = no evaluation)."""
     chat_template: bool = False
     """Render every prompt with the tokenizer's chat template (add_generation_prompt),
     once, on the rollout side, the same for training and evaluation; the model's
@@ -73,16 +54,6 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     system_prompt: str = ""
     """Prepended to every prompt as a system message (needs task.chat_template = true;
     a prompt whose messages start with a system message keeps its own)."""
-    tool_latency_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
-    """Median latency of one calculator tool call, in milliseconds (task.kind =
-    "calculator"): each call sleeps a log-normal draw with this median and a heavy tail
-    (sigma 1: mean 1.65x the median, 99th percentile about 10x), seeded by task.seed, to
-    emulate a remote sandbox. 0 = the tool answers at once."""
-    seed: NonNegative = 0
-    """Seed of the prompt stream (the arithmetic task is a pure function of seed and index)."""
-    eval_size: NonNegative = 200
-    """Held-out prompts scored greedily at the start and end of a run, and every
-    run.eval_every steps (0 = no evaluation)."""
     rewards: tuple[RewardSpec, ...] = ()
     """Your own reward functions (``[[task.rewards]]`` entries: function, weight, name,
     style), in TRL, verl or per-sample style, sync or async; summed by weight, each one's
@@ -113,35 +84,126 @@ class TaskConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     """Multi-turn rollouts with an environment (``[task.environment]``, below): the
     prompt source's rows go to its reset, and every turn's completion to its step."""
 
+    @property
+    def kind(self) -> str:
+        """The task's kind, as written in ``[task]``: which section this is."""
+        return str(self.__struct_config__.tag)
+
     def __post_init__(self) -> None:
-        if self.kind == "jsonl" and not self.jsonl_path:
-            raise invalid("task.jsonl_path", self.jsonl_path, 'required when task.kind = "jsonl"')
-        if self.kind == "dataset" and not self.path:
-            raise invalid("task.path", self.path, 'required when task.kind = "dataset"')
-        if self.kind != "dataset":
-            for key, value, unset in (("path", self.path, ""),
-                                      ("eval_path", self.eval_path, ""),
-                                      ("eval_fraction", self.eval_fraction, 0.0)):
-                if value != unset:
-                    raise invalid(f"task.{key}", value, 'only for task.kind = "dataset"')
-        if self.tool_latency_ms and self.kind != "calculator":
-            raise invalid("task.tool_latency_ms", self.tool_latency_ms,
-                          'only for task.kind = "calculator" (its tool)')
-        if not self.prompt_key:
-            raise invalid("task.prompt_key", self.prompt_key, "must name a column")
-        if self.eval_path and self.eval_fraction:
-            raise invalid("task.eval_fraction", self.eval_fraction,
-                          "give task.eval_path or task.eval_fraction, not both")
         if self.system_prompt and not self.chat_template:
             raise invalid("task.system_prompt", self.system_prompt,
                           "needs task.chat_template = true (it is a system message)")
         if self.eval_reward and not self.rewards:
             raise invalid("task.eval_reward", self.eval_reward,
                           "names one of task.rewards, and there are none")
-        if self.kind == "dataset" and not self.answer_key and not self.rewards:
+
+
+class ArithmeticTaskConfig(TaskSection, frozen=True, kw_only=True, tag="arithmetic"):
+    """task.kind = "arithmetic" (the default): the built-in seeded arithmetic task
+    (answers of a few tokens)."""
+
+
+class LongtailTaskConfig(TaskSection, frozen=True, kw_only=True, tag="longtail"):
+    """task.kind = "longtail": the built-in long-tail reasoning task (remainders by
+    repeated subtraction: traces of 20 to 300 tokens)."""
+
+
+class CalculatorTaskConfig(TaskSection, frozen=True, kw_only=True, tag="calculator"):
+    """task.kind = "calculator": the built-in calculator tool task (expressions of 2 to 4
+    terms, too long to do in one's head, with a tool called as <call>expr</call>; see
+    docs/calculator.md)."""
+
+    tool_latency_ms: Annotated[float, msgspec.Meta(ge=0.0)] = 0.0
+    """Median latency of one calculator tool call, in milliseconds: each call sleeps a
+    log-normal draw with this median and a heavy tail (sigma 1: mean 1.65x the median,
+    99th percentile about 10x), seeded by task.seed, to emulate a remote sandbox. 0 = the
+    tool answers at once."""
+
+
+class JsonlTaskConfig(TaskSection, frozen=True, kw_only=True, tag="jsonl"):
+    """task.kind = "jsonl": a JSONL file of {"prompt", "answer"} lines."""
+
+    jsonl_path: str = ""
+    """The JSONL prompt file (required)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.jsonl_path:
+            raise invalid("task.jsonl_path", self.jsonl_path, 'required when task.kind = "jsonl"')
+
+
+class DatasetTaskConfig(TaskSection, frozen=True, kw_only=True, tag="dataset"):
+    """task.kind = "dataset": your own dataset (task.path, read with the datasets library;
+    see docs/datasets.md)."""
+
+    path: str = ""
+    """The dataset (required): a .jsonl, .json, .parquet or .csv file, or a directory
+    written by datasets' save_to_disk. Its rows are shuffled anew (seeded by task.seed)
+    every pass."""
+    prompt_key: str = "prompt"
+    """The dataset's prompt column: strings, or chat messages ([{"role", "content"},
+    ...], which need task.chat_template = true)."""
+    answer_key: str = "answer"
+    """The dataset's answer column, handed to rewards as ``answer`` (and as verl's
+    ``ground_truth``) and under its own name (TRL's ``solution``); "" for a dataset
+    without one (task.rewards then score it; a column named ``answer`` reaches them as
+    it is). Every other column reaches the rewards under its own name."""
+    eval_path: str = ""
+    """A held-out dataset (same formats and columns) whose first task.eval_size rows are
+    the evaluation prompts. Without it or task.eval_fraction, the first task.eval_size
+    training rows are (and are trained on too)."""
+    eval_fraction: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+    """Hold out this fraction of task.path's rows (a split seeded by task.seed) for
+    evaluation; they are never trained on. 0 = no split."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.path:
+            raise invalid("task.path", self.path, 'required when task.kind = "dataset"')
+        if not self.prompt_key:
+            raise invalid("task.prompt_key", self.prompt_key, "must name a column")
+        if self.eval_path and self.eval_fraction:
+            raise invalid("task.eval_fraction", self.eval_fraction,
+                          "give task.eval_path or task.eval_fraction, not both")
+        if not self.answer_key and not self.rewards:
             raise invalid("task.answer_key", self.answer_key,
                           "the built-in reward checks the answer: name the answer column, "
                           "or score with task.rewards")
+
+
+TaskConfig = (ArithmeticTaskConfig | LongtailTaskConfig | CalculatorTaskConfig
+              | JsonlTaskConfig | DatasetTaskConfig)
+"""The ``[task]`` section: one of the per-kind sections, picked by its ``kind`` key
+(``arithmetic`` when the table has none)."""
+
+TASK_SECTIONS: dict[str, type[TaskSection]] = {
+    str(section.__struct_config__.tag): section for section in typing.get_args(TaskConfig)}
+"""Each task.kind's section, by kind."""
+DEFAULT_TASK_KIND = "arithmetic"
+"""The kind of a ``[task]`` table that names none."""
+
+
+def unknown_task_key(kind: str, key: str, value: object) -> ValueError:
+    """The one line refusing ``task.<key>`` in a task of ``kind`` that has no such key,
+    naming the kinds that have it."""
+    owners = [f'task.kind = "{k}"' for k, section in TASK_SECTIONS.items()
+              if key in section.__struct_fields__]
+    where = f" (only for {' or '.join(owners)})" if owners else ""
+    return invalid(f"task.{key}", value, f'not a key of task.kind = "{kind}"{where}')
+
+
+def task_config(**fields: Any) -> TaskConfig:
+    """A task section from keyword arguments, as a ``[task]`` table gives them (``kind``
+    picks the section): for Python callers. A key of another kind's is refused as the
+    sections' own rules refuse a value: a ``ValueError`` of one line naming it."""
+    kind = str(fields.pop("kind", DEFAULT_TASK_KIND))
+    section = TASK_SECTIONS.get(kind)
+    if section is None:
+        raise invalid("task.kind", kind, f"expected one of {', '.join(map(repr, TASK_SECTIONS))}")
+    for key, value in fields.items():
+        if key not in section.__struct_fields__:
+            raise unknown_task_key(kind, key, value)
+    return typing.cast(TaskConfig, section(**fields))
 
 
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -315,7 +377,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     """The whole run configuration."""
 
     model: ModelConfig
-    task: TaskConfig = msgspec.field(default_factory=TaskConfig)
+    task: TaskConfig = msgspec.field(default_factory=ArithmeticTaskConfig)
     rollout: RolloutConfig = msgspec.field(default_factory=RolloutConfig)
     queue: QueueConfig = msgspec.field(default_factory=QueueConfig)
     staleness: StalenessConfig = msgspec.field(default_factory=StalenessConfig)

@@ -17,7 +17,7 @@ from typing import Any, get_args
 
 import msgspec
 
-from async_rl.config import Config
+from async_rl.config import DEFAULT_TASK_KIND, TASK_SECTIONS, Config, unknown_task_key
 from buffers.config import ConfigError
 
 _PATH_RE = re.compile(r" - at `\$((?:\.[A-Za-z_]\w*|\[\d+\])*)`$")
@@ -45,6 +45,9 @@ def _one_line(err: msgspec.ValidationError, raw: dict[str, Any]) -> str:
         full = f"{key}.{unknown.group(1)}" if key else unknown.group(1)
         section = _lookup(raw, path)
         value = section.get(unknown.group(1)) if isinstance(section, dict) else None
+        if key == "task" and isinstance(section, dict):  # a key of another task.kind's
+            refused = unknown_task_key(str(section.get("kind")), unknown.group(1), value)
+            return f"config error: {refused}"
         return f"config error: {full} = {value!r}: unknown key"
     missing = re.match(r"Object missing required field `(\w+)`", detail)
     if missing:
@@ -52,7 +55,9 @@ def _one_line(err: msgspec.ValidationError, raw: dict[str, Any]) -> str:
         return f"config error: {full}: required key is missing"
     if re.match(r"[\w.\[\]]+ = ", detail):  # raised by a __post_init__ rule: already keyed
         return f"config error: {detail}"
-    if detail.startswith("Invalid enum value"):
+    if key == "task.kind":
+        detail = f"expected one of {', '.join(map(repr, TASK_SECTIONS))}"
+    elif detail.startswith("Invalid enum value"):
         detail = f"expected one of {_literal_choices(key)}"
     return f"config error: {key} = {_lookup(raw, path)!r}: {detail[:1].lower()}{detail[1:]}"
 
@@ -63,7 +68,7 @@ def _literal_choices(key: str) -> str:
     path, _, index = key.partition("[")
     field: Any = Config
     for name in path.split("."):  # a section, a table inside it (task.environment), a key
-        field = {f.encode_name: f.type for f in msgspec.structs.fields(field)}[name]
+        field = _field_types(field)[name]
     field = get_args(field)[0] if index else field
     return ", ".join(repr(choice) for choice in get_args(field))
 
@@ -111,7 +116,7 @@ def apply_overrides(raw: dict[str, Any], overrides: Overrides) -> dict[str, Any]
                 f"config error: {key} = {shown}: unknown section {section!r}"
                 f" (one of {', '.join(known)})"
             )
-        fields = {f.encode_name: f.type for f in msgspec.structs.fields(known[section])}
+        fields = _field_types(known[section])
         table = fields.get(name)
         if name not in fields or (inner and not _is_table(table)):
             raise ConfigError(f"config error: {key} = {shown}: unknown key")
@@ -130,12 +135,26 @@ def apply_overrides(raw: dict[str, Any], overrides: Overrides) -> dict[str, Any]
     return merged
 
 
+def _field_types(section: Any) -> dict[str, Any]:
+    """The keys of a section (or of a table inside one) and their types; of every member
+    for a union of sections (``[task]``: a key of another kind's is refused when the
+    config is decoded, naming its kind)."""
+    members = get_args(section) or (section,)
+    tags = {member.__struct_config__.tag_field: str for member in members
+            if member.__struct_config__.tag_field}
+    return tags | {f.encode_name: f.type for member in members
+                   for f in msgspec.structs.fields(member)}
+
+
 def _is_table(hint: object) -> bool:
     return isinstance(hint, type) and issubclass(hint, msgspec.Struct)
 
 
 def decode_config(raw: dict[str, Any]) -> Config:
     """Validates a parsed TOML document into a Config, or raises a one-line ConfigError."""
+    task = raw.get("task")
+    if isinstance(task, dict) and "kind" not in task:
+        raw = {**raw, "task": {"kind": DEFAULT_TASK_KIND, **task}}
     try:
         return msgspec.convert(raw, Config)
     except msgspec.ValidationError as err:

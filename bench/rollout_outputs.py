@@ -46,7 +46,7 @@ class OutputFigures(msgspec.Struct, frozen=True, kw_only=True):
 async def measure(config_path: str, overrides: list[str], mode: str, groups: int,
                   core: int) -> OutputFigures:
     from async_rl.config_io import load_config
-    from async_rl.shell.launch import build_task
+    from async_rl.tasks.table import build_task
     from workers.rollout.worker import RolloutWorker
 
     config = load_config(config_path, overrides)

@@ -75,11 +75,12 @@ from scale_stubs import (
 )
 
 from async_rl.config import Config, RunConfig
-from async_rl.control.orchestrator import Orchestrator, each
+from async_rl.control.orchestrator import Orchestrator
 from async_rl.control.protocols import PublishedWeights, TrainerClient, Workers
 from async_rl.run.run_dir import RunWriter
 from async_rl.shell.adapters import RayRollout, RayTrainer
 from async_rl.tasks.sources import ArithmeticTask
+from buffers.concurrent_calls import each
 from buffers.config import QueueConfig
 from buffers.records import SequenceSlot, ShardBatch, ShardStepResult
 from buffers.reports import BroadcastTiming
@@ -165,16 +166,14 @@ class StubWeights:
                                 pause_s=0.0, load_s=0.0) for r in ranks], []
 
 
-class TimedWriter(RunWriter):
-    """A run directory that also notes the driver's clocks as each step's row lands."""
+class StepMarks:
+    """The driver's clocks as each step's row lands (``RunWriter``'s ``on_metrics``)."""
 
-    def __init__(self, out_dir: str, config: Config) -> None:
-        super().__init__(out_dir, config)
+    def __init__(self) -> None:
         self.marks: list[tuple[float, float, float, int]] = []
         """(wall, driver CPU, event-loop thread CPU, tokens) per step, in step order."""
 
-    def metrics(self, row: dict[str, Any]) -> None:
-        super().metrics(row)
+    def __call__(self, row: dict[str, Any]) -> None:
         # Called on the event loop's thread, so thread_time() is that thread's CPU.
         self.marks.append((time.perf_counter(), time.process_time(), time.thread_time(),
                            row["tokens"]))
@@ -205,22 +204,23 @@ def run_point(mode: str, tokens: int, workers: int, args: argparse.Namespace,
                                     for i, h in enumerate(trainers)]
     gc.collect()  # the previous point's garbage is not this point's cost
     with tempfile.TemporaryDirectory(prefix="async-rl-scale-") as out_dir:
-        out = TimedWriter(out_dir, config)
+        steps = StepMarks()
+        out = RunWriter(out_dir, config, on_metrics=steps)
         orchestrator = Orchestrator(
             config, out, ArithmeticTask(seed=args.seed), (),
             Workers(rollout={r: RayRollout(f"rollout-{r}", h, config) for r, h in handles.items()},
                     trainers=clients, weights=StubWeights(handles)))
         anyio.run(orchestrator.run)
     ray.get([h.quiesce.remote() for h in handles.values()])
-    (wall0, cpu0, loop0, _), (wall1, cpu1, loop1, _) = out.marks[0], out.marks[-1]
-    steps = len(out.marks) - 1
-    cpu_per_step = (cpu1 - cpu0) / steps
+    (wall0, cpu0, loop0, _), (wall1, cpu1, loop1, _) = steps.marks[0], steps.marks[-1]
+    measured = len(steps.marks) - 1
+    cpu_per_step = (cpu1 - cpu0) / measured
     return PointFigures(
-        mode=mode, tokens_target=tokens, workers=workers, runs=1, steps_measured=steps,
-        tokens_per_step=statistics.mean(n for *_, n in out.marks[1:]),
-        driver_cpu_s_per_step=cpu_per_step, loop_cpu_s_per_step=(loop1 - loop0) / steps,
+        mode=mode, tokens_target=tokens, workers=workers, runs=1, steps_measured=measured,
+        tokens_per_step=statistics.mean(n for *_, n in steps.marks[1:]),
+        driver_cpu_s_per_step=cpu_per_step, loop_cpu_s_per_step=(loop1 - loop0) / measured,
         driver_cpu_ms_per_group=cpu_per_step / args.groups_per_step * 1e3,
-        groups_per_s=args.groups_per_step * steps / (wall1 - wall0), wall_s=wall1 - wall0)
+        groups_per_s=args.groups_per_step * measured / (wall1 - wall0), wall_s=wall1 - wall0)
 
 
 def sweep(args: argparse.Namespace) -> list[PointFigures]:

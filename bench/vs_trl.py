@@ -113,7 +113,7 @@ from async_rl.run.inputs import check_inputs
 from async_rl.tasks.sources import IndexedSource, PromptSource
 from buffers.config import ConfigError
 from buffers.records import Prompt
-from workers.reward import RewardFn, guarded_reward
+from workers.rewards.function import RewardFn, guarded_reward
 
 CONFIGS = {"arithmetic": "examples/cpu_default.toml", "longtail": "examples/cpu_longtail.toml"}
 TRL_THREADS = 2
@@ -307,7 +307,7 @@ def run_trl(config: Config, *, steps: int, eval_every: int, target: float,
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
-    from async_rl.shell.launch import build_task
+    from async_rl.tasks.table import build_task
     from workers.eval.greedy import evaluate_accuracy
 
     torch.set_num_threads(threads)
@@ -411,8 +411,8 @@ def run_async_rl(config: Config, name: str, target: float) -> SystemFigures:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from async_rl.run.run_dir import FINAL_MODEL, read_ledger, read_metrics
-    from async_rl.shell.launch import build_task
     from async_rl.shell.ray_shell import run_training
+    from async_rl.tasks.table import build_task
     from workers.eval.greedy import evaluate_accuracy
 
     run_training(config)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeAlias, TypeVar
 
 import msgspec
 import numpy as np
@@ -143,6 +143,14 @@ class GroupTokens(msgspec.Struct, frozen=True, kw_only=True):
                              loss_mask=None if mask is None or mask.all() else mask)
 
 
+TokensRef: TypeAlias = Any
+"""Where a group's ``GroupTokens`` are kept: in a run, a Ray object-store reference to
+them (put there by the rollout worker that generated the group, fetched by the trainer
+shard that trains on it); in the tests and the simulator, the ``GroupTokens`` themselves
+(or None: no tokens at all). ``Any`` to the type checker, since buffers/ never imports
+ray; only the trainer shard resolves one (``workers.trainer``)."""
+
+
 class Group(msgspec.Struct, frozen=True, kw_only=True):
     """One prompt's scored samples, as metadata: the unit the queue, gate and plan see.
 
@@ -193,7 +201,7 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     """Which rollout worker produced the group."""
     finished_at: float = 0.0
     """Wall-clock time (time.time()) when the last sample finished."""
-    tokens: Any = None
+    tokens: TokensRef = None
     """Where the group's ``GroupTokens`` are: a reference only a trainer shard resolves."""
 
     @property
@@ -330,7 +338,7 @@ class ShardBatch(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     step: int
-    groups: tuple[Any, ...]
+    groups: tuple[TokensRef, ...]
     """Each group's ``GroupTokens``, or a reference the shard resolves to one."""
     micro_batches: tuple[tuple[SequenceSlot, ...], ...]
     updates: tuple[int, ...]

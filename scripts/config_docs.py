@@ -67,6 +67,8 @@ class Section(msgspec.Struct, frozen=True):
     name: str
     doc: str
     keys: tuple[Key, ...]
+    title: str = ""
+    """The heading, when it is not ``[name]``: one member of a tagged union."""
 
 
 def field_docs(cls: type) -> dict[str, str]:
@@ -176,9 +178,37 @@ def sections(config: type[msgspec.Struct] | None = None) -> Iterator[Section]:
     assert isinstance(root, msgspec.inspect.StructType)
     for section_field in root.fields:
         section_type = section_field.type
+        if isinstance(section_type, msgspec.inspect.UnionType) and all(
+                isinstance(member, msgspec.inspect.StructType) and member.tag_field
+                for member in section_type.types):
+            yield from _tagged_sections(section_field.encode_name, section_type.types)
+            continue
         if not isinstance(section_type, msgspec.inspect.StructType):
             raise TypeError(f"{config.__name__}.{section_field.name} is not a section Struct")
         yield from _section(section_field.encode_name, section_type)
+
+
+def _tagged_sections(name: str, members: Sequence[Any]) -> Iterator[Section]:
+    """A section that is a tagged union (``[task]``, one Struct per task.kind): the keys
+    every member has, under the tag key and its choices, then each member's own keys."""
+    base = members[0].cls.__mro__[1]  # the Struct every member extends
+    shared = msgspec.inspect.type_info(base)
+    tag_field = members[0].tag_field
+    tags = [member.tag for member in members]
+    tag = Key(section=name, name=tag_field, type=" | ".join(_toml(t) for t in tags),
+              default=_toml(tags[0]), doc=f"Which {name} section this is: one of the "
+              f"{name}.{tag_field} sections below, whose keys only it takes.")
+    common, *nested = _section(name, shared)
+    yield Section(name, common.doc, (tag, *common.keys))
+    yield from nested
+    for member in members:
+        hints = typing.get_type_hints(member.cls, include_extras=True)
+        docs = field_docs(member.cls)
+        keys = tuple(Key(section=name, name=field.encode_name, type=render_type(hints[field.name]),
+                         default=_default(field), doc=docs.get(field.name, ""))
+                     for field in member.fields if field.name not in base.__struct_fields__)
+        yield Section(name, inspect.cleandoc(member.cls.__doc__ or ""), keys,
+                      title=f"[{name}] with {tag_field} = {_toml(member.tag)}")
 
 
 def _section(name: str, section_type: msgspec.inspect.StructType) -> Iterator[Section]:
@@ -235,9 +265,12 @@ def render(config: type[msgspec.Struct] | None = None) -> str:
         " `--set section.key=value`.",
     ]
     for section in sections(config):
-        lines += ["", f"## [{section.name}]", ""]
+        lines += ["", f"## {section.title or f'[{section.name}]'}", ""]
         if section.doc:
             lines += [_prose(section.doc), ""]
+        if not section.keys:
+            lines += ["No keys besides those of every kind."]
+            continue
         lines += ["| key | type | default | description |", "| --- | --- | --- | --- |"]
         for key in section.keys:
             default = key.default if key.default == "required" else f"`{key.default}`"

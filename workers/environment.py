@@ -21,7 +21,7 @@ from typing import Any, Literal, Protocol, cast
 import msgspec
 
 from buffers.config import ConfigError, Positive, PositiveFloat, invalid
-from workers.reward_spec import absolute_target, import_object
+from workers.user_code import absolute_target, import_object
 
 ENV_KEY = "task.environment.class"
 """The config key every error about the environment class names."""

@@ -3,7 +3,7 @@ caller's loop.
 
 Owns: ``LoopThread`` (start the loop in a daemon thread, run a coroutine there and await
 it from another loop with a deadline, close it cancelling whatever still runs). The task's
-``async def`` rewards (``workers.reward_runner``) and the environments of multi-turn
+``async def`` rewards (``workers.rewards.runner``) and the environments of multi-turn
 rollouts (``workers.rollout.turns``) run on one each, so a slow or blocking user
 coroutine never holds the engine's event loop. Knows nothing about what runs on it.
 """

@@ -1,6 +1,7 @@
 """Placement: where the layout's workers run on a Ray cluster.
 
-Owns: the registry of worker identities the shell prints, and the Ray placement groups
+Owns: the registry of worker identities the shell prints, the node a placement group's
+bundle landed on (``bundle_node``), and the Ray placement groups
 of the two roles, either disaggregated (the default: rollout and trainer on their own
 devices) or co-located (both roles share one STRICT_PACK group), and refusing, in one
 line, a layout the cluster cannot hold: too few GPUs for the layout (``check_gpus``,
@@ -12,7 +13,12 @@ before any group is asked for) or a group that is still unplaced at its deadline
 from __future__ import annotations
 
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+from ray.util.placement_group import (
+    PlacementGroup,
+    placement_group,
+    placement_group_table,
+    remove_placement_group,
+)
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffers.config import ConfigError
@@ -112,6 +118,13 @@ def in_bundle(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStra
     return PlacementGroupSchedulingStrategy(
         placement_group=group, placement_group_bundle_index=index
     )
+
+
+def bundle_node(group: PlacementGroup, index: int) -> tuple[str, str]:
+    """(node id, IP address) of the node that placement group bundle ``index`` is on."""
+    node_id = str(placement_group_table(group)["bundles_to_node_id"][index])
+    ip = next(str(n["NodeManagerAddress"]) for n in ray.nodes() if n["NodeID"] == node_id)
+    return node_id, ip
 
 
 def registry_table(identities: list[WorkerIdentity]) -> str:

@@ -74,20 +74,22 @@ def shard_batches(
     ``trained_sample`` leaves out is in no batch (its reward still counted in its
     group's advantages); a step may then train fewer samples, or none.
     """
+    # Which members get a loss, and the rewards their group's advantages come from.
+    losses = [[trained_sample(group, k, trainer) for k in group.members] for group in groups]
+    rewards = [training_rewards(group, trainer, max_new_tokens) for group in groups]
     # Every trained member in group order: (group index, sample index, advantage, length).
     samples = [
         (g, k, advantage, group.sequence_lengths[k])
         for g, group in enumerate(groups)
-        for k, advantage in zip(group.members, group_advantages(
-            training_rewards(group, trainer, max_new_tokens), trainer.advantage_std),
+        for k, advantage, trained in zip(
+            group.members, group_advantages(rewards[g], trainer.advantage_std), losses[g],
             strict=True)
-        if trained_sample(group, k, trainer)
+        if trained
     ]
     # Mini-batches: consecutive runs of whole groups, one optimizer update each.
     chunks = np.array_split(np.arange(len(groups)),
                             max(1, min(trainer.mini_batches, len(groups))))
-    trained = [sum(trained_sample(group, k, trainer) for k in group.members)
-               for group in groups]
+    trained = [sum(members) for members in losses]
     plan = plan_step(
         [length for *_, length in samples],
         num_shards=num_shards,

@@ -7,7 +7,8 @@ and ``manifest.json`` with a SHA-256 per file), writing one in two halves (``beg
 a temporary folder the trainer snapshots its state into; ``finish_checkpoint``, once the
 trainer's background write is complete: state, manifest, the rename into place, the
 oldest beyond ``keep`` removed), refusing a checkpoint of the other trainer backend
-(``check_backend``), and finding the newest good one (a
+(``check_backend``), and finding the newest good one (``latest_checkpoint``, a
+``Checkpoint``: its folder and state; a
 missing or mismatching file refuses that checkpoint, in one line naming the file, and the
 one before it is tried). Knows nothing about Ray or what the trainer writes into its
 folder (``TrainerClient.save_checkpoint``).
@@ -20,6 +21,7 @@ import os
 import shutil
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import msgspec
 
@@ -145,13 +147,20 @@ def _check(folder: Path) -> RunState:
         raise CheckpointError(f"{folder / STATE}: {err}") from None
 
 
-def latest_checkpoint(run_dir: Path, warn: Callable[[str], None] = print
-                      ) -> tuple[Path, RunState]:
+class Checkpoint(NamedTuple):
+    """A verified checkpoint: where it is and the orchestrator's state in it."""
+
+    folder: Path
+    """``RUN_DIR/checkpoints/step-NNNNNN``: the trainer's state is in its ``trainer/``."""
+    state: RunState
+
+
+def latest_checkpoint(run_dir: Path, warn: Callable[[str], None] = print) -> Checkpoint:
     """The newest checkpoint that verifies; each refused one costs one ``warn`` line."""
     folders = sorted((run_dir / CHECKPOINTS).glob("step-*"), reverse=True)
     for folder in folders:
         try:
-            return folder, _check(folder)
+            return Checkpoint(folder=folder, state=_check(folder))
         except CheckpointError as err:
             warn(f"checkpoint refused: {err}")
     raise CheckpointError(f"{run_dir}: no usable checkpoint to resume from "

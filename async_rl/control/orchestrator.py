@@ -38,7 +38,6 @@ from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.config import Config
 from async_rl.control.batching import shard_batches, training_rewards, with_reward_failures
 from async_rl.control.checkpoint import RunState
-from async_rl.control.concurrent_calls import each
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.evaluation_runner import EvaluationRunner
 from async_rl.control.prompt_ledger import PromptLedger
@@ -60,6 +59,7 @@ from async_rl.run.run_dir import FINAL_MODEL, RunWriter
 from async_rl.run.summary import EvalPoint, RunSummary
 from async_rl.tasks.sources import PromptSource
 from buffers.advantages import has_signal
+from buffers.concurrent_calls import each
 from buffers.queue_records import Dropped
 from buffers.records import Group, Prompt
 from buffers.replay_queue import ReplayQueue
@@ -83,27 +83,7 @@ class Orchestrator:
         self.config, self.out, self.source = config, out, source
         self.clock = clock or time.perf_counter
         wall = clock or time.time
-        self.trainers = workers.trainers
-        self.totals = StepTotals(bucket_edges=config.queue.bucket_edges)
-        self.pool = RolloutPool(
-            workers.rollout, limit=config.rollout.max_inflight_prompts,
-            max_restarts=config.rollout.max_restarts, totals=self.totals,
-            restart=workers.restart_rollout, current_policy=self.current_policy)
-        self.weights = workers.weights
-        self.gate = AdmissionGate(
-            groups_per_step=config.trainer.groups_per_step,
-            max_staleness=config.staleness.max_staleness, clock=self.clock,
-        )
-        self.queue: ReplayQueue[Group] = ReplayQueue(
-            max_groups=config.queue.max_groups,
-            max_tokens=config.queue.max_tokens,
-            bucket_edges=config.queue.bucket_edges,
-            max_staleness=config.staleness.max_staleness,
-            # Called the moment a group goes stale, even while a take waits: the slot must
-            # come back at once or the gate could stay shut while training waits.
-            on_drop=self._on_drop,
-            wait_for_expiring=config.queue.wait_for_expiring, clock=self.clock,
-        )
+        self.trainers, self.weights = workers.trainers, workers.weights
         self.version = 0
         self.first_step = 1
         """The step this run starts at (after a checkpoint's, on resume)."""
@@ -119,6 +99,15 @@ class Orchestrator:
         self.step_lock = anyio.Lock()
         """Held while shards train and the version moves on: holding it, the trainer's
         weights are exactly ``self.version`` (a restarted engine starts from them)."""
+        self.timings: list[BroadcastTiming] = []
+        """Broadcast timings completed since the last metrics row."""
+
+        # The run's own bookkeeping, each part from the config sections it reads.
+        self.totals = StepTotals(bucket_edges=config.queue.bucket_edges)
+        self.pool = RolloutPool(
+            workers.rollout, limit=config.rollout.max_inflight_prompts,
+            max_restarts=config.rollout.max_restarts, totals=self.totals,
+            restart=workers.restart_rollout, current_policy=self.current_policy)
         self.health = RunHealth(self.totals,
                                 max_nonfinite_steps=config.trainer.max_nonfinite_steps,
                                 stall_timeout_s=config.rollout.stall_timeout_s,
@@ -131,16 +120,31 @@ class Orchestrator:
                                             self.health, out, evaluator=workers.evaluator,
                                             source=self.trainers[0])
         self.readings = WorkerReadings(self.pool, self.trainers, self.health)
-        self.checkpoints = RunCheckpoints(out, self.gate, source, self.totals, self.prompts,
-                                          self.evals, backend=config.trainer.backend,
-                                          keep=config.run.keep_checkpoints)
-        self.timings: list[BroadcastTiming] = []
-        """Broadcast timings completed since the last metrics row."""
         # The orchestrator's own tracks: what it waits on explains the workers' idle time.
         self.admission, self.training = (
             SpanRecorder(worker=track, role="controller", rank=0, device="driver",
                          cause="no_work", enabled=config.run.record_spans, clock=wall)
             for track in (ROLLOUT_TRACK, TRAINER_TRACK))
+
+        # The data path (buffers/): the gate in front of the workers, the queue behind.
+        self.gate = AdmissionGate(
+            groups_per_step=config.trainer.groups_per_step,
+            max_staleness=config.staleness.max_staleness, clock=self.clock,
+        )
+        self.queue: ReplayQueue[Group] = ReplayQueue(
+            max_groups=config.queue.max_groups,
+            max_tokens=config.queue.max_tokens,
+            bucket_edges=config.queue.bucket_edges,
+            max_staleness=config.staleness.max_staleness,
+            # Called the moment a group goes stale, even while a take waits: the slot must
+            # come back at once or the gate could stay shut while training waits.
+            on_drop=self._on_drop,
+            wait_for_expiring=config.queue.wait_for_expiring, clock=self.clock,
+        )
+        # What a checkpoint gathers from all of the above.
+        self.checkpoints = RunCheckpoints(out, self.gate, source, self.totals, self.prompts,
+                                          self.evals, backend=config.trainer.backend,
+                                          keep=config.run.keep_checkpoints)
 
     # ---- the run, top to bottom --------------------------------------------------------
 
@@ -310,7 +314,7 @@ class Orchestrator:
                         functools.partial(shard.train, batch)
                         for shard, batch in zip(self.trainers, batches, strict=True)
                     ])
-                    untrained = self.health.untrained(step, results)
+                    untrained = self.health.untrained_reason(step, results)
                     if not untrained:
                         self.version += 1
                 self.health.progressed()

@@ -26,6 +26,7 @@ from async_rl.control.step_metrics import StepTotals
 from async_rl.run.run_dir import RunWriter
 from async_rl.tasks.sources import PromptSource
 from buffers.staleness import AdmissionGate
+from workers.errors import first_line
 
 
 class RunCheckpoints:
@@ -92,7 +93,7 @@ class RunCheckpoints:
         try:
             await self.save(version, wall_s, live[0])
         except Exception as err:  # the failure itself may be what breaks saving
-            return f"no checkpoint ({type(err).__name__}: {str(err).splitlines()[0]})"
+            return f"no checkpoint ({first_line(err)})"
         return f"checkpoint of step {version} written"
 
     async def wait_written(self) -> None:

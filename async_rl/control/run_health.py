@@ -28,6 +28,7 @@ from async_rl.control.protocols import (
 from async_rl.control.step_metrics import StepTotals
 from async_rl.run.summary import describe_failures
 from buffers.records import ShardStepResult
+from workers.errors import first_line
 
 ERROR_LOG = "error.log"
 """The traceback of an unexpected error that stopped the run, in the run directory."""
@@ -83,7 +84,7 @@ class RunHealth:
         self.totals.out_of_memory += failed.out_of_memory
         self.totals.timeouts += failed.timed_out
 
-    def untrained(self, step: int, results: Sequence[ShardStepResult]) -> str:
+    def untrained_reason(self, step: int, results: Sequence[ShardStepResult]) -> str:
         """Why a step's shards trained nothing ("" when they trained): a shard could not
         fetch its groups (their rollout worker died), or the gradient was not finite
         (the update was skipped). Raises ``RunFailed`` at trainer.max_nonfinite_steps
@@ -135,8 +136,7 @@ class RunHealth:
         RUN_DIR/error.log and the run stops like any failure, with one line."""
         log = run_dir / ERROR_LOG
         log.write_text("".join(traceback.format_exception(error)))
-        first = (str(error).splitlines() or [""])[0]
-        return RunFailed(f"unexpected {type(error).__name__}: {first} (traceback in {log})")
+        return RunFailed(f"unexpected {first_line(error)} (traceback in {log})")
 
     def message(self, failure: Exception, saved: str) -> str:
         """The one line a failed run ends with: why, what was saved, the failure counts."""

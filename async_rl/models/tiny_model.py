@@ -39,7 +39,7 @@ from async_rl.tasks.longtail import RemainderTask
 from async_rl.tasks.rewards import EOS_TEXT, arithmetic_reward, remainder_reward
 from async_rl.tasks.sources import ArithmeticTask
 from workers.eval.greedy import evaluate_accuracy
-from workers.reward import RewardFn
+from workers.rewards.function import RewardFn
 
 PAD_TEXT: Final = "<pad>"
 UNK_TEXT: Final = "<unk>"

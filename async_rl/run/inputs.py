@@ -23,10 +23,11 @@ import msgspec
 from async_rl.config import Config
 from async_rl.run.loggers import check_installed
 from async_rl.run.model_source import resolve_model_path
+from async_rl.tasks.table import check_task
 from buffers.config import ConfigError
 from workers.environment import environment_class
-from workers.reward_callable import Reward, check_function
-from workers.reward_spec import DEFAULT_COLUMNS, load_reward, reward_name, unique_names
+from workers.rewards.callables import Reward, check_function
+from workers.rewards.spec import load_reward, reward_name, unique_names
 
 
 def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
@@ -44,7 +45,7 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
         check_shardable(config.model.path)
     if config.model.lora.enabled:
         check_lora_targets(config)
-    columns = check_dataset(config)
+    columns = check_task(config.task)  # the prompt file or dataset
     if config.task.chat_template:
         check_chat_template(config)
     check_rewards(config, columns)
@@ -52,17 +53,6 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
         check_environment(config)
     for index, reward in enumerate(rewards):
         check_function(reward, index=index, columns=columns)  # naming rewards[i]
-    if config.task.kind == "jsonl":
-        from async_rl.tasks.sources import PromptFileError, read_prompt_file
-
-        if not Path(config.task.jsonl_path).is_file():
-            raise ConfigError(
-                f"config error: task.jsonl_path = {config.task.jsonl_path!r}: file not found"
-            )
-        try:
-            read_prompt_file(config.task.jsonl_path)
-        except PromptFileError as err:
-            raise ConfigError(f"prompt file error: {err}") from None
     return config
 
 
@@ -89,20 +79,6 @@ def check_lora_targets(config: Config) -> None:
             f"config error: model.lora.target_modules = {list(config.model.lora.target_modules)}"
             f": {missing} not among the linear layers of model.path = "
             f"{config.model.path!r} ({sorted(present)})")
-
-
-def check_dataset(config: Config) -> tuple[str, ...]:
-    """task.path (and task.eval_path) read and have the task's columns; returns the
-    columns every row gives the rewards."""
-    if config.task.kind != "dataset":
-        return DEFAULT_COLUMNS
-    from async_rl.tasks.dataset import open_dataset
-
-    rows, held = open_dataset(config.task)
-    for data in (rows, held):  # the first row tells a wrong kind of prompt column
-        if data is not None:
-            data.prompt(0, "check")
-    return rows.reward_columns
 
 
 def check_chat_template(config: Config) -> None:

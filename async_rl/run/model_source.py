@@ -18,6 +18,7 @@ import logging
 from pathlib import Path
 
 from buffers.config import ConfigError
+from workers.errors import first_line
 
 log = logging.getLogger(__name__)
 
@@ -73,8 +74,7 @@ def _from_hub_cache(repo_id: str, make: str) -> Path:
         try:
             return Path(snapshot_download(repo_id, ignore_patterns=list(UNUSED_FILES)))
         except Exception as err:  # no connection, no such repository, gated, ...
-            reason = str(err).strip().splitlines()
-            where += f" (the hub: {type(err).__name__}: {reason[0] if reason else ''})"
+            where += f" (the hub: {first_line(err)})"
     else:
         where += " (HF_HUB_OFFLINE is set: nothing is downloaded)"
     raise ConfigError(f"config error: model.path = {repo_id!r}: {where}; get it with "

@@ -9,7 +9,7 @@ Knows nothing about how the figures are produced.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -54,14 +54,18 @@ class RunWriter:
 
     def __init__(self, out_dir: str | Path, config: Config,
                  positions: FilePositions | None = None, simulated: str = "", *,
-                 line_flushed: bool = True) -> None:
+                 line_flushed: bool = True,
+                 on_metrics: Callable[[dict[str, Any]], None] | None = None) -> None:
         """A new run directory, or with ``positions`` an existing one continued from a
         checkpoint: each JSONL file cut back to the lines it had then, appended after.
         ``simulated``: the hardware of a simulated run, recorded in run.json.
         ``line_flushed=False``: the JSONL files are written in blocks, complete once
         closed (a simulation: it is rerun rather than resumed, and a flush per ledger
-        event is a system call per event)."""
+        event is a system call per event). ``on_metrics``: called with each step's row once
+        it is written, on the thread that wrote it (the orchestrator's event loop): how a
+        benchmark times steps as they land."""
         self.path = Path(out_dir)
+        self._on_metrics = on_metrics
         self._line_flushed = line_flushed
         self.path.mkdir(parents=True, exist_ok=True)
         (self.path / CONFIG).write_text(to_toml(config))
@@ -102,6 +106,8 @@ class RunWriter:
             values = scalars(row, "train")
             for logger in self._loggers:
                 logger.metrics(row["step"], values)
+        if self._on_metrics is not None:
+            self._on_metrics(row)
 
     def ledger(self, entry: LedgerEntry) -> None:
         self._append(self._ledger, "ledger", entry)

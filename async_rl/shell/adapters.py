@@ -11,7 +11,7 @@ worker's span clock with the driver's. Knows nothing about the run's logic.
 from __future__ import annotations
 
 import abc
-import asyncio
+import functools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,9 +32,10 @@ from async_rl.control.protocols import (
     Workers,
 )
 from async_rl.shell.launch import StartedWorkers, restart_rollout
+from buffers.concurrent_calls import each
 from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
 from buffers.reports import BroadcastTiming, EvalResult, UsageReading
-from workers.errors import RolloutWorkerError
+from workers.errors import RolloutWorkerError, first_line
 from workers.spans import Span
 from workers.trainer.checkpoints import WAIT_GROUP
 from workers.weights.broadcast import Published, WeightBroadcast
@@ -57,11 +58,7 @@ def _reason(err: ray.exceptions.RayError) -> str:
     cause = getattr(err, "cause", None)
     if cause is None:
         return type(err).__name__
-    return f"{type(cause).__name__}: {_first_line(cause)}"
-
-
-def _first_line(err: BaseException) -> str:
-    return (str(err).splitlines() or [""])[0]
+    return first_line(cause)
 
 
 class _Adapter(abc.ABC):
@@ -166,9 +163,8 @@ class RayTrainer(_Worker):
 
     async def _everywhere(self, method: str, *args: Any, **options: Any) -> Any:
         """``method`` on this shard and its peers at once; this shard's answer."""
-        results = await asyncio.gather(self._call(method, *args, **options),
-                                       *(p._call(method, *args, **options)
-                                         for p in self.peers))
+        results = await each([functools.partial(shard._call, method, *args, **options)
+                               for shard in (self, *self.peers)])
         return results[0]
 
     def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:
@@ -226,7 +222,7 @@ class RayEvaluator(_Adapter):
     """An ``Evaluator`` over a ``workers.eval.evaluator.IdleCpuEvaluator`` actor."""
 
     def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:
-        return EvaluationFailed(f"{type(err).__name__}: {_first_line(err)}")
+        return EvaluationFailed(first_line(err))
 
     async def evaluate(self, prompts: Sequence[Prompt], weights: PolicyWeights) -> EvalResult:
         assert isinstance(weights, RayPolicyWeights)

@@ -1,123 +1,38 @@
-"""What a run starts: its task, and its workers as Ray actors.
+"""What a run starts: its workers as Ray actors.
 
-Owns: choosing the prompt source, reward and held-out prompts from ``task`` config
-(``build_task``; a dataset's too-long prompts are refused there, in the driver), the
-task knobs the workers get (``user_rewards_of``, ``prompt_format_of``,
-``environment_of``), and creating
-and starting the rollout and trainer actors on their cores or GPUs
+Owns: creating and starting the rollout and trainer actors on their cores or GPUs
 (``launch_workers``), the weight-transfer groups between trainer shard 0 and each
-rollout worker, and the idle-CPU evaluator of run.eval_on.
-Part of the Ray shell: knows nothing about the run's loops, which
-``async_rl.control.orchestrator`` drives through the adapters of ``async_rl.shell.ray_shell``.
+rollout worker, and the idle-CPU evaluator of run.eval_on. The task they run is built
+before (``async_rl.tasks.table``). Part of the Ray shell: knows nothing about the run's
+loops, which ``async_rl.control.orchestrator`` drives through the adapters of
+``async_rl.shell.ray_shell``.
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import msgspec
 import ray
-from ray.util.placement_group import PlacementGroup, placement_group_table
+from ray.util.placement_group import PlacementGroup
 
-from async_rl.config import Config, TaskConfig
-from async_rl.tasks.calculator import (
-    BUILT_IN_ENV,
-    CalculatorTask,
-    calculator_reward,
-    environment_factory,
-)
-from async_rl.tasks.dataset import DatasetPromptSource, load_dataset_task, model_fit
-from async_rl.tasks.longtail import RemainderTask
-from async_rl.tasks.rewards import arithmetic_reward, gsm8k_reward, remainder_reward
-from async_rl.tasks.sources import ArithmeticTask, JsonlPromptSource, PromptSource
-from buffers.records import Prompt
+from async_rl.config import Config
+from async_rl.tasks.table import Task, worker_task
+from buffers.concurrent_calls import each
 from workers.actors import RolloutActor, TrainerActor
-from workers.environment import EnvironmentConfig
 from workers.eval.evaluator import IdleCpuEvaluator
 from workers.layout import WorkerIdentity, assign_cpus
 from workers.model_config import ModelConfig
-from workers.placement import check_gpus, gpus_per_worker, in_bundle
+from workers.placement import bundle_node, check_gpus, gpus_per_worker, in_bundle
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.ports import free_port
-from workers.reward import RewardFn
-from workers.reward_callable import Reward
-from workers.reward_runner import UserRewards
-from workers.reward_spec import DEFAULT_COLUMNS, absolute_spec
+from workers.rewards.callables import Reward
 from workers.rollout.config import engine_dtype
-from workers.rollout.prompts import PromptFormat
 from workers.trainer.checkpoints import WAIT_GROUP
 from workers.weights.broadcast import SEND_GROUP
 from workers.weights.config import check_transport
-
-
-def build_task(config: Config) -> tuple[PromptSource, RewardFn, tuple[Prompt, ...]]:
-    """The prompt source, its reward function and the held-out evaluation prompts."""
-    task = config.task
-    if task.kind == "dataset":
-        fits = model_fit(config.model.path, task, config.rollout.max_new_tokens)
-        data = load_dataset_task(task, fits)
-        return data.source, gsm8k_reward, data.eval_prompts
-    if task.kind == "jsonl":
-        source = JsonlPromptSource(task.jsonl_path, seed=task.seed)
-        held_out = tuple(source.prompt_at(i) for i in range(min(task.eval_size, len(source))))
-        return source, gsm8k_reward, held_out
-    if task.kind == "longtail":
-        longtail = RemainderTask(seed=task.seed)
-        return longtail, remainder_reward, longtail.eval_prompts(task.eval_size)
-    if task.kind == "calculator":
-        calculator = CalculatorTask(seed=task.seed)
-        return calculator, calculator_reward, calculator.eval_prompts(task.eval_size)
-    arithmetic = ArithmeticTask(seed=task.seed)
-    return arithmetic, arithmetic_reward, arithmetic.eval_prompts(task.eval_size)
-
-
-def reward_columns(source: PromptSource) -> tuple[str, ...]:
-    """The dataset columns every prompt of ``source`` gives the rewards."""
-    return source.columns if isinstance(source, DatasetPromptSource) else DEFAULT_COLUMNS
-
-
-def user_rewards_of(task: TaskConfig, rewards: Sequence[Reward] = (),
-                    columns: tuple[str, ...] = DEFAULT_COLUMNS) -> UserRewards | None:
-    """The task's own rewards as workers run them: task.rewards, then a script's
-    callables (None: neither, the built-in reward); ``columns``: what every row gives
-    them (``reward_columns``)."""
-    if not task.rewards and not rewards:
-        return None
-    return UserRewards(specs=(*(absolute_spec(s) for s in task.rewards), *rewards),
-                       timeout_s=task.reward_timeout_s, workers=task.reward_workers,
-                       threads=task.reward_threads, chat=task.chat_template,
-                       columns=columns, eval_reward=task.eval_reward)
-
-
-def environment_of(task: TaskConfig) -> EnvironmentConfig | None:
-    """The environment the rollout workers play every sample with (task.environment, its
-    file path made absolute), or None: single-turn generation."""
-    env = task.environment
-    return env.absolute() if env.enabled else None
-
-
-def environment_maker(task: TaskConfig, rank: int) -> Callable[[], Any] | None:
-    """How rollout worker ``rank`` builds each trajectory's environment when the task
-    has its own (the calculator's, with task.tool_latency_ms, seeded per worker); None:
-    the class task.environment names, called with no arguments."""
-    if task.kind == "calculator" and task.environment.class_ == BUILT_IN_ENV:
-        return environment_factory(task.tool_latency_ms, seed=task.seed + rank)
-    return None
-
-
-def prompt_format_of(task: TaskConfig) -> PromptFormat:
-    """How the rollout workers and the evaluator render the task's prompts."""
-    return PromptFormat(chat_template=task.chat_template, system_prompt=task.system_prompt)
-
-
-def bundle_node(group: PlacementGroup, index: int) -> tuple[str, str]:
-    """(node id, IP address) of the node that placement group bundle ``index`` is on."""
-    node_id = str(placement_group_table(group)["bundles_to_node_id"][index])
-    ip = next(str(n["NodeManagerAddress"]) for n in ray.nodes() if n["NodeID"] == node_id)
-    return node_id, ip
 
 
 @dataclass
@@ -151,16 +66,16 @@ async def restart_rollout(started: StartedWorkers, rank: int, model: ModelConfig
     return worker
 
 
-async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
-                         rewards: Sequence[Reward] = (),
-                         columns: tuple[str, ...] = DEFAULT_COLUMNS) -> StartedWorkers:
+async def launch_workers(cfg: Config, built: Task, version: int = 0,
+                         rewards: Sequence[Reward] = ()) -> StartedWorkers:
     """Creates every rollout worker and trainer shard, starts them, and says where.
 
-    ``version``: the policy version of the weights at ``cfg.model.path`` (a checkpoint's,
-    when resuming): rollout engines label their tokens with it from the start.
-    ``rewards``: a script's reward callables, besides task.rewards. ``columns``: the
-    dataset columns every prompt gives the rewards (``reward_columns``).
+    ``built``: the run's task (``async_rl.tasks.table.build_task``); ``rewards``: a
+    script's reward callables, besides task.rewards. ``version``: the policy version of
+    the weights at ``cfg.model.path`` (a checkpoint's, when resuming): rollout engines
+    label their tokens with it from the start.
     """
+    task = worker_task(cfg.task, built, rewards)
     layout = assign_cpus(
         cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
         cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate is True,
@@ -173,8 +88,6 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
         layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus,
         timeout_s=cfg.run.call_timeout_s)
     started = StartedWorkers(placement_groups=list({id(g): g for g in groups.values()}.values()))
-    user_rewards = user_rewards_of(cfg.task, rewards, columns)
-    prompt_format = prompt_format_of(cfg.task)
     rollout_cls = ray.remote(RolloutActor)
 
     def new_rollout(rank: int, model: ModelConfig, version: int, name: str = "") -> Any:
@@ -186,11 +99,11 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
             scheduling_strategy=in_bundle(groups["rollout"], ident.rank),
         ).remote(
             rank=ident.rank, model=model, rollout=cfg.rollout, weights=cfg.weights,
-            reward_fn=reward_fn, seed=cfg.run.seed + ident.rank,
+            reward_fn=task.reward_fn, seed=cfg.run.seed + ident.rank,
             cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
-            version=version, user_rewards=user_rewards, prompt_format=prompt_format,
-            environment=environment_of(cfg.task),
-            make_environment=environment_maker(cfg.task, ident.rank),
+            version=version, user_rewards=task.user_rewards,
+            prompt_format=task.prompt_format, environment=task.environment,
+            make_environment=task.own_environment(ident.rank),
         )
 
     started.new_rollout = new_rollout
@@ -230,14 +143,14 @@ async def launch_workers(cfg: Config, reward_fn: RewardFn, version: int = 0,
         # its workers leave idle.
         started.evaluator = ray.remote(IdleCpuEvaluator).options(
             name="evaluator", num_cpus=0).remote(
-            model=cfg.model, reward_fn=reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
-            user_rewards=user_rewards, prompt_format=prompt_format)
-        evaluator_setup.append(started.evaluator.setup.remote())
+            model=cfg.model, reward_fn=task.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
+            user_rewards=task.user_rewards, prompt_format=task.prompt_format)
+        evaluator_setup.append(started.evaluator.setup.remote)
     # Shards, engines and the evaluator start side by side: each on cores of its own,
     # none waits for another, and each takes seconds to tens of seconds on a CPU.
-    pids: list[int] = await asyncio.gather(
-        *(t.setup.remote() for t in started.trainers),
-        *(w.start.remote() for w in started.rollout.values()), *evaluator_setup)
+    pids: list[int] = await each([*(t.setup.remote for t in started.trainers),
+                                  *(w.start.remote for w in started.rollout.values()),
+                                  *evaluator_setup])
     trainer_pids = pids[:len(started.trainers)]
     rollout_pids = pids[len(started.trainers):len(started.trainers) + len(started.rollout)]
     # Every rollout worker becomes a member of shard 0's weight-broadcast group (built

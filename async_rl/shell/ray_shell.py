@@ -9,13 +9,15 @@ here decides anything about it.
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
+import functools
 import logging
 import os
 import signal
 import threading
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
@@ -37,16 +39,13 @@ from async_rl.control.protocols import (
 from async_rl.run.run_dir import WORKERS_LOG, RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.shell.adapters import adapt
-from async_rl.shell.launch import (
-    StartedWorkers,
-    build_task,
-    launch_workers,
-    reward_columns,
-)
+from async_rl.shell.launch import StartedWorkers, launch_workers
 from async_rl.shell.worker_logs import ray_options
+from async_rl.tasks.table import build_task
+from buffers.concurrent_calls import each
 from buffers.config import ConfigError
 from workers.placement import registry_table
-from workers.reward_callable import Reward
+from workers.rewards.callables import Reward
 
 log = logging.getLogger(__name__)
 
@@ -58,9 +57,13 @@ async def _shutdown(started: StartedWorkers) -> None:
     """Stops the engines and process groups, then the actors and their placement groups:
     on a cluster the shell joined, nothing of the run is left behind."""
     actors = [*started.rollout.values(), *started.trainers]
+
+    async def shutdown(actor: Any) -> None:
+        with contextlib.suppress(Exception):  # a RayError: that actor had nothing left
+            await actor.shutdown.remote()
+
     # Side by side: an engine takes seconds to stop its processes.
-    await asyncio.gather(*(actor.shutdown.remote() for actor in actors),
-                         return_exceptions=True)  # a RayError: that actor had nothing left
+    await each([functools.partial(shutdown, actor) for actor in actors])
     for actor in actors:
         ray.kill(actor)
     if started.evaluator is not None:
@@ -136,18 +139,18 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
     checkpoint = latest_checkpoint(Path(config.run.output_dir), warn) if resume else None
     workers_config = config
     if checkpoint is not None:
-        check_backend(*checkpoint, config.trainer.backend)
+        check_backend(checkpoint.folder, checkpoint.state, config.trainer.backend)
         log.info("resuming %s from %s (version %d)", config.run.output_dir,
-                 checkpoint[0].name, checkpoint[1].version)
-        model = msgspec.structs.replace(config.model, path=str(checkpoint[0] / TRAINER))
+                 checkpoint.folder.name, checkpoint.state.version)
+        model = msgspec.structs.replace(config.model, path=str(checkpoint.folder / TRAINER))
         workers_config = msgspec.structs.replace(config, model=model)
     # Before Ray: a dataset's rows are read and measured here (a bad one is a ConfigError).
-    source, reward_fn, eval_prompts = build_task(config)
+    task = build_task(config)
     started_ray = not ray.is_initialized()
     if started_ray:
         _start_ray(config, verbose)
     out = RunWriter(config.run.output_dir, config,
-                    positions=checkpoint[1].files if checkpoint else None)
+                    positions=checkpoint.state.files if checkpoint else None)
     stops = StopSignals()
 
     async def main() -> RunSummary | None:
@@ -158,17 +161,17 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                     if threading.current_thread() is threading.main_thread():
                         signals.start_soon(stops.watch)  # signals reach the main thread only
                     started = await launch_workers(
-                        workers_config, reward_fn,
-                        version=checkpoint[1].version if checkpoint else 0, rewards=rewards,
-                        columns=reward_columns(source))
+                        workers_config, task,
+                        version=checkpoint.state.version if checkpoint else 0, rewards=rewards)
                     log.info("%s", registry_table(started.identities))
                     out.workers(started.identities)
-                    orchestrator = Orchestrator(config, out, source, eval_prompts,
+                    orchestrator = Orchestrator(config, out, task.source, task.eval_prompts,
                                                 adapt(started, config))
                     if checkpoint is not None:
-                        await asyncio.gather(*(t.load_training_state.remote(
-                            workers_config.model.path) for t in started.trainers))
-                        orchestrator.restore(checkpoint[1], refused=len(refused))
+                        await each([functools.partial(t.load_training_state.remote,
+                                                      workers_config.model.path)
+                                    for t in started.trainers])
+                        orchestrator.restore(checkpoint.state, refused=len(refused))
                     stops.orchestrator = orchestrator
                     summary = await orchestrator.run()
                     signals.cancel_scope.cancel()

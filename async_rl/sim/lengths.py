@@ -13,13 +13,13 @@ from __future__ import annotations
 import math
 import random
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Protocol
 
 from async_rl.config import Config
 from async_rl.run.run_dir import LEDGER, read_ledger
-from async_rl.tasks.longtail import parse_prompt, reference_completion
+from async_rl.tasks.table import reference_length
 from buffers.config import ConfigError
 from buffers.records import Prompt
 
@@ -43,15 +43,11 @@ def _rng(prompt: Prompt, salt: str) -> random.Random:
 class TaskReference:
     """The built-in task's reference completion, plus EOS, for every sample."""
 
-    def __init__(self, kind: str) -> None:
-        self.kind = kind
+    def __init__(self, length: Callable[[Prompt], int]) -> None:
+        self.length = length
 
     def completions(self, prompt: Prompt, samples: int) -> tuple[int, ...]:
-        if self.kind == "longtail":
-            length = len(reference_completion(*parse_prompt(prompt.text))) + 1
-        else:
-            length = len(prompt.answer) + 1
-        return (length,) * samples
+        return (self.length(prompt),) * samples
 
 
 class LogNormal:
@@ -106,11 +102,12 @@ def length_law(config: Config) -> LengthLaw:
     """The law ``simulate.lengths`` names; ``ConfigError`` naming the key if it cannot be."""
     sim, kind = config.simulate, config.simulate.lengths
     if kind == "task":
-        if config.task.kind not in ("arithmetic", "longtail"):
+        reference = reference_length(config.task)
+        if reference is None:
             raise ConfigError(f'config error: simulate.lengths = "task": task.kind = '
                               f'"{config.task.kind}" has no reference lengths: use '
                               '"lognormal", "empirical" or a run directory')
-        return TaskReference(config.task.kind)
+        return TaskReference(reference)
     if kind == "lognormal":
         return LogNormal(sim.length_median, sim.length_sigma, sim.group_spread)
     if kind == "empirical":

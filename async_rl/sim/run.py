@@ -31,8 +31,8 @@ from async_rl.sim.engine import SimEngine
 from async_rl.sim.lengths import length_law
 from async_rl.sim.timeshare import SimLocalWeights, check_time_shared, time_shared
 from async_rl.sim.workers import SimEvaluator, SimRollout, SimTrainer, SimTraining, SimWeights
-from async_rl.tasks.longtail import RemainderTask
 from async_rl.tasks.sources import ArithmeticTask, PromptSource
+from async_rl.tasks.table import build_task, reference_length
 from buffers.config import ConfigError
 from buffers.records import Prompt
 
@@ -57,12 +57,9 @@ def simulation_costs(config: Config) -> Costs:
 
 def _task(config: Config) -> tuple[PromptSource, Sequence[Prompt]]:
     task = config.task
-    if task.kind == "longtail":
-        longtail = RemainderTask(seed=task.seed)
-        return longtail, longtail.eval_prompts(task.eval_size)
-    if task.kind == "arithmetic":
-        arithmetic = ArithmeticTask(seed=task.seed)
-        return arithmetic, arithmetic.eval_prompts(task.eval_size)
+    if reference_length(task) is not None:  # a built-in task with reference completions
+        source, _, eval_prompts = build_task(config)
+        return source, eval_prompts
     # Other tasks' prompts matter only through their lengths: arithmetic's ids and texts.
     if not config.simulate.prompt_tokens:
         raise ConfigError(f'config error: simulate.prompt_tokens = 0: task.kind = '

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from async_rl.config import TaskConfig
+from async_rl.config import DatasetTaskConfig
 from async_rl.tasks.sources import IndexedSource, PassOrder
 from buffers.config import ConfigError
 from buffers.records import Prompt
@@ -116,7 +116,7 @@ class DatasetRows:
     """A dataset checked against the task's prompt and answer keys; row ``i`` as a
     ``Prompt`` (``prompt``)."""
 
-    def __init__(self, dataset: Dataset, task: TaskConfig, *, key: str, path: str,
+    def __init__(self, dataset: Dataset, task: DatasetTaskConfig, *, key: str, path: str,
                  name: str) -> None:
         """``key``, ``path``: the config key naming the file (task.path or
         task.eval_path) and its value; ``name``: the dataset's name (ids, and verl's
@@ -228,7 +228,7 @@ class Fit:
             <= self.context
 
 
-def model_fit(model_path: str, task: TaskConfig, max_new_tokens: int) -> Fit:
+def model_fit(model_path: str, task: DatasetTaskConfig, max_new_tokens: int) -> Fit:
     """The ``Fit`` of the model at ``model_path``: its tokenizer and context length
     (``max_position_embeddings``, what vLLM sizes the engine's context by)."""
     from transformers import AutoConfig, AutoTokenizer
@@ -262,7 +262,7 @@ class DatasetTask:
     eval_prompts: tuple[Prompt, ...]
 
 
-def open_dataset(task: TaskConfig) -> tuple[DatasetRows, DatasetRows | None]:
+def open_dataset(task: DatasetTaskConfig) -> tuple[DatasetRows, DatasetRows | None]:
     """task.path's rows, and task.eval_path's (None without one), checked against the
     keys; ``ConfigError`` naming the key on any problem."""
     name = Path(task.path).stem or Path(task.path).name
@@ -278,7 +278,7 @@ def open_dataset(task: TaskConfig) -> tuple[DatasetRows, DatasetRows | None]:
     return rows, held
 
 
-def load_dataset_task(task: TaskConfig, fits: Fit) -> DatasetTask:
+def load_dataset_task(task: DatasetTaskConfig, fits: Fit) -> DatasetTask:
     """The source and evaluation prompts of ``task`` (kind "dataset"), the rows whose
     prompts do not ``fits`` refused and counted (a ``ConfigError`` when none is left)."""
     rows, held = open_dataset(task)

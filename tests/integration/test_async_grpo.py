@@ -20,8 +20,8 @@ from async_rl.config import Config
 from async_rl.config_io import decode_config
 from async_rl.run.run_dir import FINAL_MODEL, read_evals, read_ledger, read_metrics
 from async_rl.run.summary import RunSummary
-from async_rl.shell.launch import build_task
 from async_rl.shell.ray_shell import run_training
+from async_rl.tasks.table import build_task
 from workers.eval.greedy import evaluate_accuracy
 
 pytestmark = pytest.mark.ray

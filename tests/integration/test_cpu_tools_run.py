@@ -6,7 +6,7 @@ start that calls the tool, see ``calculator_model_dir``), the output directory, 
 steps, a small evaluation, and a tool latency whose heavy tail passes a tight
 ``turn_timeout_s`` now and then. The run finishes every step; the tool is called and
 answers (observation tokens join the context but are not trained); the latency reaches
-the environments of the rollout worker (``launch.environment_maker`` builds the built-in
+the environments of the rollout worker (``async_rl.tasks.table`` builds the built-in
 ``CalculatorEnv`` with ``task.tool_latency_ms``: calls past the time-out are counted as
 ``env_timeouts``, which an instant tool never has); no environment raises; and the
 ledger shows every prompt trained once or accounted for.

@@ -27,8 +27,8 @@ from async_rl.run.run_dir import read_evals, read_ledger, read_metrics
 from async_rl.shell.ray_shell import run_training
 from buffers.records import Prompt
 from workers.model_config import ModelConfig
-from workers.reward_runner import UserRewards
-from workers.reward_spec import RewardSpec
+from workers.rewards.runner import UserRewards
+from workers.rewards.spec import RewardSpec
 from workers.rollout.config import RolloutConfig
 from workers.rollout.prompts import PromptFormat, conversation
 from workers.rollout.worker import RolloutWorker

@@ -184,7 +184,7 @@ def config(tmp_path: Path, *, steps: int = 6, max_staleness: int = 1, groups: in
            shards: int = 1, wait_for_expiring: bool = True) -> Config:
     return msgspec.convert({
         "model": {"path": "unused"},
-        "task": {"eval_size": 4},
+        "task": {"kind": "arithmetic", "eval_size": 4},
         "rollout": {"max_inflight_prompts": 4, "group_size": 4},
         "queue": {"wait_for_expiring": wait_for_expiring},
         "staleness": {"max_staleness": max_staleness},

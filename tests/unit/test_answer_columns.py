@@ -14,11 +14,11 @@ from typing import Any
 
 import pytest
 
-from async_rl.config import TaskConfig
+from async_rl.config import task_config
 from async_rl.tasks.dataset import Fit, load_dataset_task
 from buffers.records import Prompt, Sample
-from workers.reward_runner import UserRewards
-from workers.reward_spec import RewardSpec
+from workers.rewards.runner import UserRewards
+from workers.rewards.spec import RewardSpec
 from workers.rollout.prompts import PromptFormat
 from workers.rollout.scoring import Scorer
 
@@ -78,7 +78,7 @@ def score(tmp_path: Path, names: tuple[str, ...], columns: tuple[str, ...], prom
 
 def test_the_answer_keys_column_reaches_rewards_by_its_own_name(tmp_path: Path) -> None:
     rows = [{"question": "2+2=", "solution": "4", "level": 1}]
-    config = TaskConfig(kind="dataset", path=str(write_rows(tmp_path, rows)),
+    config = task_config(kind="dataset", path=str(write_rows(tmp_path, rows)),
                         prompt_key="question", answer_key="solution")
     source = load_dataset_task(config, ALL).source
     assert source.columns == ("answer", "solution", "level")
@@ -92,7 +92,7 @@ def test_the_answer_keys_column_reaches_rewards_by_its_own_name(tmp_path: Path) 
 
 def test_no_answer_key_keeps_an_answer_column_as_it_is(tmp_path: Path) -> None:
     rows = [{"question": "6*7=", "answer": 42, "level": 2}]
-    config = TaskConfig(kind="dataset", path=str(write_rows(tmp_path, rows)),
+    config = task_config(kind="dataset", path=str(write_rows(tmp_path, rows)),
                         prompt_key="question", answer_key="",
                         rewards=(RewardSpec(function="rewards.py:per_sample"),))
     source = load_dataset_task(config, ALL).source
@@ -118,7 +118,7 @@ def test_no_answer_key_keeps_an_answer_column_as_it_is(tmp_path: Path) -> None:
 def test_answer_and_columns_of_each_key(tmp_path: Path, answer_key: str,
                                         row: dict[str, Any], answer: str,
                                         columns: dict[str, Any]) -> None:
-    config = TaskConfig(kind="dataset", path=str(write_rows(tmp_path, [row, row])),
+    config = task_config(kind="dataset", path=str(write_rows(tmp_path, [row, row])),
                         prompt_key="q", answer_key=answer_key,
                         rewards=(RewardSpec(function="rewards.py:per_sample"),))
     source = load_dataset_task(config, ALL).source

@@ -19,7 +19,7 @@ import pytest
 import async_rl
 from async_rl.api import as_rewards
 from async_rl.run.inputs import check_inputs
-from workers.reward_callable import Reward, check_function, dumps
+from workers.rewards.callables import Reward, check_function, dumps
 
 REPO = Path(__file__).resolve().parents[2]
 CONFIG = """

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import tomllib
+import typing
 from pathlib import Path
 
 import msgspec
@@ -189,6 +190,40 @@ def test_cli_exits_2_with_one_line(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "Traceback" not in err
 
 
+@pytest.mark.parametrize(("task", "overrides", "key", "owner"), [
+    ('kind = "longtail"\npath = "rows.csv"\n', [], "task.path = 'rows.csv'", "dataset"),
+    ("", ["task.jsonl_path=p.jsonl"], "task.jsonl_path = 'p.jsonl'", "jsonl"),
+    ('kind = "dataset"\npath = "rows.csv"\n', ["task.tool_latency_ms=5"],
+     "task.tool_latency_ms = 5", "calculator"),
+    ('kind = "calculator"\n', ["task.prompt_key=q"], "task.prompt_key = 'q'", "dataset"),
+])
+def test_a_key_of_another_task_kind_exits_2_in_one_line_naming_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], task: str, overrides: list[str],
+    key: str, owner: str
+) -> None:
+    path = write(tmp_path, GOOD + "\n[task]\n" + task)
+    args = [arg for override in overrides for arg in ("--set", override)]
+    assert main(["config", "show", str(path), *args]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith(f"config error: {key}: not a key of task.kind")
+    assert f'only for task.kind = "{owner}"' in err
+
+
+def test_every_task_kind_decodes_with_its_own_keys(tmp_path: Path) -> None:
+    """Each kind's section takes its own keys; a [task] without kind is arithmetic."""
+    kinds = {"": {}, 'kind = "longtail"': {}, 'kind = "calculator"': {"tool_latency_ms": 5.0},
+             'kind = "jsonl"': {"jsonl_path": "p.jsonl"},
+             'kind = "dataset"': {"path": "rows.csv", "prompt_key": "q"}}
+    decoded = []
+    for kind, own in kinds.items():
+        lines = "\n".join(f"{k} = {v!r}".replace("'", '"') for k, v in own.items())
+        config = load_config(write(tmp_path, f"{GOOD}\n[task]\n{kind}\n{lines}\n"))
+        assert all(getattr(config.task, k) == v for k, v in own.items())
+        decoded.append(config.task.kind)
+    assert decoded == ["arithmetic", "longtail", "calculator", "jsonl", "dataset"]
+
+
 @pytest.mark.parametrize("override", ["trainer.mini_batches=3", "trainer.loss_agg=sum",
                                       "trainer.clip_ratio_c=1", "trainer.tis_mode=drop"])
 def test_cli_exits_2_naming_a_bad_loss_key(
@@ -224,11 +259,13 @@ def test_cli_show_prints_resolved_config(
 
 def test_every_field_is_documented() -> None:
     for section in msgspec.structs.fields(Config):
-        # Each section lives beside its component: read the file that defines it.
-        source = Path(inspect.getsourcefile(section.type) or "").read_text()
-        for field in msgspec.structs.fields(section.type):
-            after = source.split(f"    {field.name}: ", 1)[1].splitlines()[1].strip()
-            assert after.startswith('"""'), f"{section.name}.{field.name} has no docstring"
+        # [task] is one section per task.kind: each of them.
+        for section_type in typing.get_args(section.type) or (section.type,):
+            # Each section lives beside its component: read the file that defines it.
+            source = Path(inspect.getsourcefile(section_type) or "").read_text()
+            for field in msgspec.structs.fields(section_type):
+                after = source.split(f"    {field.name}: ", 1)[1].splitlines()[1].strip()
+                assert after.startswith('"""'), f"{section.name}.{field.name} has no docstring"
 
 
 def test_train_without_a_model_exits_2_naming_the_fix(

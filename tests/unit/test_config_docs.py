@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import msgspec
@@ -21,9 +22,11 @@ def _sections() -> list[tuple[str, type[msgspec.Struct]]]:
     """Config's sections, walked without the generator: (TOML name, Struct class)."""
     sections = []
     for field in msgspec.structs.fields(Config):
-        assert isinstance(field.type, type) and issubclass(field.type, msgspec.Struct), (
-            f"Config.{field.name} is not a section Struct")
-        sections.append((field.encode_name, field.type))
+        # [task] is one section per task.kind: each of them.
+        for section_type in typing.get_args(field.type) or (field.type,):
+            assert isinstance(section_type, type) and issubclass(section_type, msgspec.Struct), (
+                f"Config.{field.name} is not a section Struct")
+            sections.append((field.encode_name, section_type))
     return sections
 
 

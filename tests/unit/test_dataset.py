@@ -15,7 +15,7 @@ import pandas as pd
 import pytest
 
 from async_rl.cli import main
-from async_rl.config import Config, TaskConfig
+from async_rl.config import Config, TaskConfig, task_config
 from async_rl.config_io import decode_config
 from async_rl.models.tiny_model import build_tokenizer
 from async_rl.run.inputs import check_inputs
@@ -23,8 +23,8 @@ from async_rl.tasks.dataset import Fit, load_dataset_task, model_fit
 from async_rl.tasks.sources import SourceMismatchError
 from buffers.config import ConfigError
 from buffers.records import Prompt, Sample
-from workers.reward_runner import UserRewards
-from workers.reward_spec import RewardSpec
+from workers.rewards.runner import UserRewards
+from workers.rewards.spec import RewardSpec
 from workers.rollout.prompts import PromptFormat, conversation, prompt_tokens, render
 from workers.rollout.scoring import Scorer
 
@@ -55,7 +55,7 @@ def write(tmp_path: Path, fmt: str, rows: list[dict[str, Any]] = ROWS,
 
 
 def task(path: Path | str, **kw: Any) -> TaskConfig:
-    return TaskConfig(kind="dataset", path=str(path), prompt_key="question",
+    return task_config(kind="dataset", path=str(path), prompt_key="question",
                       answer_key="solution", **kw)
 
 
@@ -106,7 +106,7 @@ def test_a_messages_column_gives_chat_prompts(tmp_path: Path) -> None:
                           {"role": "user", "content": f"{i}+2="}], "answer": i + 2}
             for i in range(3)]
     path = write(tmp_path, "jsonl", rows)
-    config = TaskConfig(kind="dataset", path=str(path), prompt_key="messages",
+    config = task_config(kind="dataset", path=str(path), prompt_key="messages",
                         chat_template=True)
     data = load_dataset_task(config, ALL)
     prompt = data.source.prompt_at(0)
@@ -266,7 +266,7 @@ def test_scorer_hands_rewards_the_rows_columns_data_source_and_messages(
 ])
 def test_task_config_rules_name_the_key(kw: dict[str, Any], key: str, why: str) -> None:
     with pytest.raises(ValueError, match=rf"{key} = .*{why}"):
-        TaskConfig(**kw)
+        task_config(**kw)
 
 
 @pytest.mark.parametrize("fraction", [-0.1, 1.0])

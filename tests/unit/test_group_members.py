@@ -291,10 +291,12 @@ def test_the_new_keys_are_checked() -> None:
     for key, section, value in (("max_readmissions", "run", -1),
                                 ("stop_timeout_s", "run", 0),
                                 ("on_reward_failure", "task", "drop")):
+        kind = {"kind": "arithmetic"} if section == "task" else {}  # [task]'s tag
         with pytest.raises(msgspec.ValidationError, match=key):
-            msgspec.convert({**base, section: {key: value}}, Config)
+            msgspec.convert({**base, section: {**kind, key: value}}, Config)
     with pytest.raises(msgspec.ValidationError, match="on_error"):
-        msgspec.convert({**base, "task": {"environment": {"on_error": "zero"}}}, Config)
+        msgspec.convert({**base, "task": {"kind": "arithmetic",
+                                          "environment": {"on_error": "zero"}}}, Config)
 
 
 # ---- rewards of multi-turn tasks see the policy's turns apart from the observations -----
@@ -310,7 +312,7 @@ class NumberEnv(StepEnv):
 
 
 def test_trl_rewards_get_a_trajectory_as_assistant_and_tool_messages() -> None:
-    from workers.reward_runner import UserRewards
+    from workers.rewards.runner import UserRewards
     from workers.rollout.scoring import Scorer
 
     samples = play(NumberEnv, [3, 2], max_turns=2)

@@ -10,7 +10,6 @@ context of the tokens after it but adds no loss term of its own.
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterator
 
 import msgspec
 import numpy as np
@@ -34,17 +33,11 @@ from workers.trainer.loss import Normaliser, read_stats, token_loss
 from workers.trainer.packing import completion_logprobs, pack, packed_logits, token_entropy
 from workers.trainer.ppo_update import StepLoss
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 TEMPERATURE = 0.7
 # (prompt, completion) lengths and each completion's observation spans (start, stop).
 SHAPES = [(4, 12, [(3, 7)]), (6, 20, [(2, 5), (11, 16)]), (3, 6, [])]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

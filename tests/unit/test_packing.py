@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +45,8 @@ from workers.trainer.packing import (
 )
 from workers.trainer.ppo_update import StepLoss
 from workers.trainer.shard import TrainerShard
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 TEMPERATURE = 0.7
 # (prompt, completion) lengths: mixed, so padding would be most of a padded batch.
@@ -85,16 +86,6 @@ def shard_batch(micro_batches: list[list[TrainSequence]], updates: tuple[int, ..
         slots.append(tuple(row))
     return ShardBatch(step=1, groups=tuple(tokens), micro_batches=tuple(slots),
                       updates=updates or (len(slots),)), tokens
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    # Tiny matmuls: a second thread only adds synchronisation, which on a busy machine
-    # turns milliseconds into seconds.
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -15,10 +15,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from workers.reward_callable import Reward
-from workers.reward_guard import CallFailed
-from workers.reward_runner import GroupRewards, RewardRunner
-from workers.reward_threads import PoolSaturated, RewardThreads
+from workers.rewards.callables import Reward
+from workers.rewards.guard import CallFailed
+from workers.rewards.runner import GroupRewards, RewardRunner
+from workers.rewards.threads import PoolSaturated, RewardThreads
 
 TIMEOUT_S = 0.3
 
@@ -119,7 +119,7 @@ def test_saturation_reaches_the_run_summarys_failures(hanging: Hanging) -> None:
     from async_rl.control.step_metrics import StepTotals
     from async_rl.run.summary import describe_failures
     from buffers.records import Prompt, Sample, make_group
-    from workers.reward_runner import UserRewards
+    from workers.rewards.runner import UserRewards
     from workers.rollout.scoring import Scorer
 
     scorer = Scorer(lambda p, c: 0.0, UserRewards(specs=(Reward(fn=hanging),), threads=True,

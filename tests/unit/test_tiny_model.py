@@ -5,7 +5,6 @@ made-model record. Builds with a handful of warm-start steps so it stays fast; n
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import msgspec
@@ -168,20 +167,8 @@ def greedy_without_cache(model: torch.nn.Module, tok: PreTrainedTokenizerFast, t
     return str(tok.decode([*out, UNK_ID]))
 
 
-@pytest.fixture
-def one_thread() -> Iterator[None]:
-    # A tiny model gains nothing from intra-op threads; on a busy 2-core machine two
-    # threads made a few greedy tokens take seconds instead of milliseconds.
-    previous = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(previous)
-
-
 def test_longtail_model_fits_its_traces_and_cached_greedy_matches(
-    tmp_path: Path, one_thread: None
+    tmp_path: Path, one_torch_thread: None
 ) -> None:
     assert TASK_RECIPES["longtail"] is LONGTAIL
     made = make_model(tmp_path, task=LONGTAIL, size=TINY, sft_steps=2, eval_size=4, log=None)
@@ -210,7 +197,7 @@ def test_longtail_model_fits_its_traces_and_cached_greedy_matches(
 
 
 def test_calculator_model_is_measured_with_the_tool_and_fits_its_trajectories(
-    tmp_path: Path, one_thread: None
+    tmp_path: Path, one_torch_thread: None
 ) -> None:
     assert TASK_RECIPES["calculator"] is CALCULATOR
     made = make_model(tmp_path, task=CALCULATOR, size=TINY, sft_steps=2, eval_size=4, log=None)

@@ -15,7 +15,6 @@ from __future__ import annotations
 import collections
 import copy
 import itertools
-from collections.abc import Iterator
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -48,6 +47,8 @@ from workers.trainer.packing import (
 from workers.trainer.phase_clock import PhaseClock
 from workers.trainer.shard import TrainerShard
 
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
 HOST_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.nonzero,
                         torch.Tensor.nonzero, torch.Tensor.__bool__, torch.Tensor.__float__,
                         torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.cpu,
@@ -67,14 +68,6 @@ class HostReads(TorchFunctionMode):
         if func in HOST_READS:
             self.seen[func.__name__] += 1
         return func(*args, **(kwargs or {}))
-
-
-@pytest.fixture(scope="module", autouse=True)
-def one_thread() -> Iterator[None]:
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -220,7 +220,7 @@ def test_with_the_chat_template_an_observation_is_a_tool_turn() -> None:
 
 
 def test_the_task_s_own_rewards_add_to_the_environment_s() -> None:
-    from workers.reward_runner import UserRewards
+    from workers.rewards.runner import UserRewards
     from workers.rollout.scoring import Scorer
 
     def digits(prompt: str, completion: str) -> float:

@@ -13,21 +13,21 @@ import msgspec
 import pytest
 
 from buffers.config import ConfigError
-from workers.reward_calls import (
+from workers.rewards.calls import (
     RewardShapeError,
     chat_messages,
     is_async_reward,
     score_group,
     score_group_async,
 )
-from workers.reward_runner import RewardRunner
-from workers.reward_spec import (
+from workers.rewards.runner import RewardRunner
+from workers.rewards.spec import (
     RewardSpec,
     load_reward,
-    module_name_for,
     reward_style,
     unique_names,
 )
+from workers.user_code import module_name_for
 
 REWARDS = '''
 import asyncio

@@ -27,8 +27,8 @@ from buffers.records import Prompt, Sample
 from buffers.reports import EvalResult
 from workers.eval.greedy import greedy_completions
 from workers.model_config import ModelConfig
-from workers.reward import RewardFn
-from workers.reward_runner import UserRewards
+from workers.rewards.function import RewardFn
+from workers.rewards.runner import UserRewards
 from workers.rollout.prompts import PromptFormat, render
 from workers.rollout.scoring import Scorer
 

@@ -15,7 +15,7 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from buffers.records import Prompt
-from workers.reward import RewardFn
+from workers.rewards.function import RewardFn
 
 
 @torch.no_grad()

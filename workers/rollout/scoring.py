@@ -4,7 +4,7 @@ Owns: ``Scorer``, which the rollout worker and the idle-CPU evaluator score with
 ``UserRewards`` it calls the built-in task reward per sample, in the caller's event loop
 (those are pure and take microseconds), a raising or non-finite one scoring 0 and
 flagged. With ``UserRewards`` (task.rewards) it scores through a
-``workers.reward_runner.RewardRunner``: off the caller's event loop, every call bounded
+``workers.rewards.runner.RewardRunner``: off the caller's event loop, every call bounded
 by task.reward_timeout_s, failures and timeouts counted, each reward's group mean kept
 for the metrics; the rewards get the row's dataset columns (``answer`` among them) and
 its ``data_source``, and, with the chat template on, the prompt as messages. Multi-turn
@@ -19,8 +19,8 @@ from collections.abc import Sequence
 import msgspec
 
 from buffers.records import Prompt, Sample
-from workers.reward import RewardFn, guarded_reward
-from workers.reward_runner import RewardRunner, UserRewards
+from workers.rewards.function import RewardFn, guarded_reward
+from workers.rewards.runner import RewardRunner, UserRewards
 from workers.rollout.prompts import PromptFormat, reward_prompt
 
 

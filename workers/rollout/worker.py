@@ -30,8 +30,8 @@ from buffers.reports import BroadcastTiming, EvalResult, RolloutStatistics, Usag
 from workers.environment import EnvironmentConfig
 from workers.errors import RolloutWorkerError
 from workers.model_config import ModelConfig
-from workers.reward import RewardFn
-from workers.reward_runner import UserRewards
+from workers.rewards.function import RewardFn
+from workers.rewards.runner import UserRewards
 from workers.rollout.adapter_serving import serve_policy_adapter
 from workers.rollout.config import RolloutConfig
 from workers.rollout.engine import (

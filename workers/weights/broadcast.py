@@ -13,7 +13,7 @@ how an engine loads (the rollout worker does).
 
 from __future__ import annotations
 
-import asyncio
+import functools
 import logging
 import time
 from collections.abc import Sequence
@@ -21,6 +21,7 @@ from typing import Any
 
 import msgspec
 
+from buffers.concurrent_calls import each
 from buffers.reports import BroadcastTiming
 
 SEND_GROUP = "weights"
@@ -78,8 +79,8 @@ class WeightBroadcast:
         captures exactly the weights of ``version`` even if training goes on meanwhile.
         """
         started = time.perf_counter()
-        sizes = await asyncio.gather(*(shard.snapshot_weights.remote(version)
-                                       for shard in [self.source_shard, *self.gather_from]))
+        sizes = await each([functools.partial(shard.snapshot_weights.remote, version)
+                            for shard in [self.source_shard, *self.gather_from]])
         return Published(version=version, publish_s=time.perf_counter() - started,
                          bytes=sizes[0])
 

@@ -6,7 +6,7 @@ rewards, its timeout turned into a ``CallFailed``), ``describe`` (an exception a
 line) and what a reward process runs: ``child_init`` (pebble's initializer: load the
 rewards once) and ``child_score`` (one call there). Pickled by reference into those
 processes, so it stays light: no pool, no event loop of its own
-(``workers.reward_runner``).
+(``workers.rewards.runner``).
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from typing import Any
 
 import msgspec
 
-from workers.reward_calls import RewardValues, score_group, score_group_async
-from workers.reward_spec import RewardSpec, Style, import_reward, import_reward_file
+from workers.errors import first_line
+from workers.rewards.calls import RewardValues, score_group, score_group_async
+from workers.rewards.spec import RewardSpec, Style, import_reward
+from workers.user_code import import_user_file
 
 
 class CallFailed(msgspec.Struct, frozen=True):
@@ -34,8 +36,7 @@ class CallFailed(msgspec.Struct, frozen=True):
 
 def describe(err: BaseException) -> str:
     """One line: the exception, its first line of text and where in user code it rose."""
-    lines = str(err).strip().splitlines()
-    text = f"{type(err).__name__}: {lines[0]}" if lines else type(err).__name__
+    text = first_line(err)
     frames = traceback.extract_tb(err.__traceback__)
     return f"{text} (at {os.path.basename(frames[-1].filename)}:{frames[-1].lineno})" \
         if frames else text
@@ -78,7 +79,7 @@ def child_init(entries: Sequence[RewardSpec | bytes], files: Sequence[str]) -> N
     global _child_error
     try:
         for file in files:
-            import_reward_file(Path(file))
+            import_user_file(Path(file))
         _child_fns[:] = [import_reward(e) if isinstance(e, RewardSpec) else pickle.loads(e)
                          for e in entries]
     except BaseException as err:

@@ -20,7 +20,7 @@ it returns is run to completion); ``score_group_async`` awaits an ``async def`` 
 per-sample calls concurrently. A call that raises, or returns the wrong shape
 (``RewardShapeError``), fails the whole ``score_group``: the runner calls per-sample
 styles one sample at a time so that a failure costs that sample only. Knows nothing
-about processes, threads or timeouts (``workers.reward_runner``).
+about processes, threads or timeouts (``workers.rewards.runner``).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from typing import Any
 
 import msgspec
 
-from workers.reward_spec import TRL_ARGS, Style, parameters
+from workers.rewards.spec import TRL_ARGS, Style, parameters
 
 Message = dict[str, Any]
 Completion = str | list[Message]

@@ -1,27 +1,20 @@
 """Reward functions from user code: naming one in a config, loading it, reading its shape.
 
-Owns: ``RewardSpec`` (one ``[[task.rewards]]`` entry), ``import_object`` (what a
-``"file.py:name"`` or ``"package.module:name"`` names: rewards, and the environment
-class of ``workers.environment``), ``import_reward`` (the callable a spec names),
+Owns: ``RewardSpec`` (one ``[[task.rewards]]`` entry), ``import_reward`` (the callable a
+spec names, imported through ``workers.user_code``),
 ``load_reward`` (that, checked: it must be able to take a completion), ``reward_style``
 (the calling convention, TRL, verl or per-sample, guessed from the parameters unless
 forced), ``Parameters`` (what a callable accepts, for binding its arguments) and the
 metric names of several rewards (``unique_names``). A bad spec is a ``ConfigError`` of
 one line naming the key. Knows nothing about how rewards are called or where they run
-(``workers.reward_calls``, ``workers.reward_runner``).
+(``workers.rewards.calls``, ``workers.rewards.runner``).
 """
 
 from __future__ import annotations
 
 import functools
-import hashlib
-import importlib
-import importlib.util
 import inspect
 import math
-import os
-import re
-import sys
 from collections.abc import Callable, Collection, Sequence
 from pathlib import Path
 from typing import Any, Literal, cast
@@ -29,9 +22,11 @@ from typing import Any, Literal, cast
 import msgspec
 
 from buffers.config import ConfigError
+from workers.errors import first_line
+from workers.user_code import absolute_target, import_object
 
 Style = Literal["trl", "verl", "sample"]
-"""A reward's calling convention (see ``workers.reward_calls``)."""
+"""A reward's calling convention (see ``workers.rewards.calls``)."""
 STYLES: tuple[Style, ...] = ("trl", "verl", "sample")
 TRL_ARGS = frozenset({"prompts", "completions", "completion_ids"})
 """What a TRL-style reward is called with, besides the dataset columns (as lists)."""
@@ -65,101 +60,9 @@ def _fail(index: int, spec: RewardSpec, why: str, field: str = "function") -> Co
     return ConfigError(f"config error: task.rewards[{index}].{field} = {value!r}: {why}")
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
-
-
-def _is_file_target(target: str) -> bool:
-    return target.endswith(".py") or "/" in target or os.sep in target
-
-
-_MODULE_PREFIX = "_async_rl_reward_"
-
-
-def module_name_for(path: Path) -> str:
-    """The stable ``sys.modules`` name a reward file is loaded under: the same in every
-    process that loads the same absolute path, so its functions pickle by reference."""
-    digest = hashlib.sha1(str(path).encode()).hexdigest()[:12]
-    stem = re.sub(r"\W", "_", path.stem)
-    return f"{_MODULE_PREFIX}{stem}_{digest}"
-
-
-def loaded_reward_files() -> list[str]:
-    """The absolute paths of the reward files this process has loaded: another process
-    that loads them too (``import_reward_file``) can unpickle their functions."""
-    return [str(module.__file__) for name, module in list(sys.modules.items())
-            if name.startswith(_MODULE_PREFIX) and getattr(module, "__file__", None)]
-
-
-def absolute_target(where: str, base_dir: str | Path | None = None) -> str:
-    """``"file.py:name"`` with a relative file path made absolute against ``base_dir``
-    (default: the working directory), so that another process loads the very same file;
-    a module path as it is."""
-    target, sep, attr = where.rpartition(":")
-    if not sep or not _is_file_target(target):
-        return where
-    path = Path(target).expanduser()
-    if not path.is_absolute():
-        path = Path(base_dir or os.getcwd()) / path
-    return f"{path.resolve()}:{attr}"
-
-
 def absolute_spec(spec: RewardSpec, base_dir: str | Path | None = None) -> RewardSpec:
     """``spec`` with its file path made absolute (``absolute_target``)."""
     return msgspec.structs.replace(spec, function=absolute_target(spec.function, base_dir))
-
-
-def import_reward_file(path: Path) -> Any:
-    """The module of reward file ``path`` (absolute), loaded once per process under
-    ``module_name_for(path)``."""
-    name = module_name_for(path)
-    if name in sys.modules:
-        return sys.modules[name]
-    module_spec = importlib.util.spec_from_file_location(name, path)
-    if module_spec is None or module_spec.loader is None:
-        raise ImportError(f"not a Python module: {path}")
-    module = importlib.util.module_from_spec(module_spec)
-    sys.modules[name] = module
-    try:
-        module_spec.loader.exec_module(module)
-    except BaseException:
-        del sys.modules[name]
-        raise
-    return module
-
-
-def import_object(where: str, key: str, *, base_dir: str | Path | None = None,
-                  kind: str = "function") -> Any:
-    """The object ``where`` names (``"path/to/file.py:name"`` or
-    ``"package.module:name"``, a dotted name inside allowed), unchecked; raises
-    ``ConfigError`` naming ``key`` (``kind`` says what the name should be)."""
-
-    def fail(why: str) -> ConfigError:
-        return ConfigError(f"config error: {key} = {where!r}: {why}")
-
-    target, sep, attr = absolute_target(where, base_dir).rpartition(":")
-    if not sep or not target or not attr:
-        raise fail(f"expected 'path/to/file.py:{kind}' or 'package.module:{kind}'")
-    if _is_file_target(target):
-        path = Path(target)
-        if not path.is_file():
-            raise fail(f"file not found: {path}")
-        loader: Callable[[], Any] = functools.partial(import_reward_file, path)
-    else:
-        loader = functools.partial(importlib.import_module, target)
-    try:
-        module = loader()
-    except BaseException as err:  # SystemExit too: the user's module must not end the run
-        if isinstance(err, KeyboardInterrupt):
-            raise
-        raise fail(f"cannot import it: {_first_line(err)}") from None
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise fail(f"no {part!r} in {target}")
-        obj = getattr(obj, part)
-    return obj
 
 
 def import_reward(spec: RewardSpec, *, index: int = 0,
@@ -173,7 +76,7 @@ def import_reward(spec: RewardSpec, *, index: int = 0,
             obj = obj()
         except Exception as err:
             raise _fail(index, spec, f"cannot instantiate class {attr} with no "
-                                     f"arguments: {_first_line(err)}") from None
+                                     f"arguments: {first_line(err)}") from None
     if not callable(obj):
         raise _fail(index, spec, f"{attr} is not callable (type {type(obj).__name__})")
     return cast(Callable[..., Any], obj)

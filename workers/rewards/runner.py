@@ -11,11 +11,11 @@ score, or times out scores 0 for the samples it covers (one for per-sample style
 group for TRL) and is counted, per sample, in ``errors`` or ``timeouts``; the other
 samples' calls go on. A timed-out process is killed and replaced (pebble); a timed-out
 thread cannot be killed and runs on in its pool, and once every thread is stuck so,
-calls are refused at once and counted (``saturated``; ``workers.reward_threads``). The
+calls are refused at once and counted (``saturated``; ``workers.rewards.threads``). The
 processes start by forkserver (spawn where there is none; never fork, as the caller has
 threads), so, as with any multiprocessing, a script that makes a runner
 needs an ``if __name__ == "__main__":`` guard. How one call binds its arguments is
-``workers.reward_calls``'; the guarded call and the workers' side ``workers.reward_guard``'.
+``workers.rewards.calls``'; the guarded call and the workers' side ``workers.rewards.guard``'.
 """
 
 from __future__ import annotations
@@ -32,11 +32,11 @@ import msgspec
 import pebble
 
 from buffers.config import ConfigError
-from workers import reward_guard
 from workers.loop_thread import LoopThread
-from workers.reward_callable import Reward, dumps
-from workers.reward_calls import Message, RewardValues, chat_messages, is_async_reward
-from workers.reward_guard import (
+from workers.rewards import guard as reward_guard
+from workers.rewards.callables import Reward, dumps
+from workers.rewards.calls import Message, RewardValues, chat_messages, is_async_reward
+from workers.rewards.guard import (
     CallFailed,
     child_init,
     child_score,
@@ -44,19 +44,19 @@ from workers.reward_guard import (
     guarded,
     guarded_async,
 )
-from workers.reward_spec import (
+from workers.rewards.spec import (
     DEFAULT_COLUMNS,
     RewardSpec,
     Style,
     absolute_spec,
     check_reward,
     load_reward,
-    loaded_reward_files,
     reward_name,
     reward_style,
     unique_names,
 )
-from workers.reward_threads import PoolSaturated, RewardThreads
+from workers.rewards.threads import PoolSaturated, RewardThreads
+from workers.user_code import loaded_user_files
 
 log = logging.getLogger("async_rl.rewards")
 
@@ -230,7 +230,7 @@ class RewardRunner:
 
     def _new_pool(self) -> pebble.ProcessPool:
         return pebble.ProcessPool(max_workers=self._workers, initializer=child_init,
-                                  initargs=(self._entries, loaded_reward_files()),
+                                  initargs=(self._entries, loaded_user_files()),
                                   context=self._mp_context)
 
     async def score(self, *, prompts: Sequence[str | list[Message]],

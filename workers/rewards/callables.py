@@ -1,7 +1,7 @@
 """Reward functions passed as Python objects (a script's), not named in a config.
 
 Owns: ``Reward`` (a callable with its weight, metric name and style: the Python API's
-twin of a ``[[task.rewards]]`` entry, ``workers.reward_spec.RewardSpec``, which pickles
+twin of a ``[[task.rewards]]`` entry, ``workers.rewards.spec.RewardSpec``, which pickles
 its function with ``dumps``), ``dumps`` (a callable pickled for another process, by
 value when it is user code) and
 ``check_function`` (one ``Reward`` checked before anything starts: it can take a
@@ -24,7 +24,8 @@ from typing import Any, Literal
 import msgspec
 
 from buffers.config import ConfigError
-from workers.reward_spec import DEFAULT_COLUMNS, STYLES, check_reward, reward_name, reward_style
+from workers.errors import first_line
+from workers.rewards.spec import DEFAULT_COLUMNS, STYLES, check_reward, reward_name, reward_style
 
 
 class Reward(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,11 +86,6 @@ def dumps(fn: Callable[..., Any]) -> bytes:
         cloudpickle.unregister_pickle_by_value(module)
 
 
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip().splitlines()
-    return f"{type(err).__name__}: {text[0]}" if text else type(err).__name__
-
-
 def check_function(reward: Reward, *, index: int = 0,
                    columns: Collection[str] = DEFAULT_COLUMNS) -> None:
     """Raises ``ConfigError`` naming ``rewards[index]`` when ``reward`` cannot score: not
@@ -113,5 +109,5 @@ def check_function(reward: Reward, *, index: int = 0,
     try:
         dumps(fn)
     except Exception as err:
-        raise ConfigError(f"{key}: cannot be sent to the workers ({_first_line(err)}); "
+        raise ConfigError(f"{key}: cannot be sent to the workers ({first_line(err)}); "
                           "define it at module level") from None

@@ -1,6 +1,6 @@
 """Sync rewards in threads (task.reward_threads = true): deadlines, stuck threads, saturation.
 
-Owns: ``RewardThreads``, the thread pool ``workers.reward_runner`` runs sync rewards in
+Owns: ``RewardThreads``, the thread pool ``workers.rewards.runner`` runs sync rewards in
 when asked for threads, and ``PoolSaturated``. A thread cannot be killed: a call past
 its deadline is given up (a timeout) but its thread runs on, busy, and is counted
 ``stuck`` until the call returns, if ever. Once every thread is stuck the pool is
@@ -8,7 +8,7 @@ saturated: a call is refused at once (``PoolSaturated``, a timeout too) instead 
 queueing behind threads that may never come back and timing out in its turn, and one
 WARNING names task.reward_workers and task.reward_threads; a stuck call that returns
 frees its thread, and calls run again. Processes, the default, have none of this: pebble
-kills a process past its deadline and starts another (``workers.reward_runner``).
+kills a process past its deadline and starts another (``workers.rewards.runner``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import pebble
 
-from workers.reward_guard import CallFailed
+from workers.rewards.guard import CallFailed
 
 log = logging.getLogger("async_rl.rewards")
 
