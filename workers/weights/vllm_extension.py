@@ -66,7 +66,9 @@ class WorkerExtension:
         """Makes the gloo backend hand adapter versions to ``_load_adapter``: written
         into ``adapter_dir`` (the folder every request's ``LoRARequest`` names) and
         loaded in place, under the same adapter id, so requests in flight go on with the
-        new adapter from their next token, as they do with new weights."""
+        new adapter from their next token, as they do with new weights. (vLLM's worker
+        then drops its adapters after any weight update, ``reset_lora_state``, and the
+        next step loads the adapter again from the folder: the new version either way.)"""
         engine: Any = getattr(self, "weight_transfer_engine", None)
         if engine is None or not hasattr(engine, "adapter_loader"):
             raise RuntimeError("LoRA versions need the gloo weight-transfer backend "
