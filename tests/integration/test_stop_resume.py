@@ -127,8 +127,9 @@ def test_lora_stops_and_resumes_with_its_adapter_and_sends_only_adapters(
 
     full = sum(t.numel() * t.element_size()
                for t in load_file(tiny_model_dir / "model.safetensors").values())
+    # Versions delivered beside the next step, in each of the two runs.
     sent = [b["bytes"] for r in rows for b in r["broadcast"]]
-    assert len(sent) >= steps - 1 and len(set(sent)) == 1
+    assert len(sent) >= 2 and len(set(sent)) == 1
     print(f"bytes per version: {sent[0]} of {full} ({sent[0] / full:.1%})")
     assert 0 < sent[0] < 0.1 * full
 
