@@ -325,9 +325,10 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     lengths: str = "task"
     """Where completion lengths come from: "task" (the built-in task's reference
     completions: arithmetic, longtail), "lognormal" (simulate.length_median and
-    length_sigma), "empirical" (drawn from simulate.length_values), or a run directory,
-    whose ledger's generated lengths are replayed prompt by prompt. All are capped at
-    rollout.max_new_tokens."""
+    length_sigma), "empirical" (drawn from simulate.length_values), "file:PATH" (drawn
+    from the integers in a text file: a dataset's reference lengths, counted with its
+    tokenizer), or a run directory, whose ledger's generated lengths are replayed prompt
+    by prompt. All are capped at rollout.max_new_tokens."""
     length_median: PositiveFloat = 200.0
     """Median completion tokens of lengths = "lognormal"."""
     length_sigma: Annotated[float, msgspec.Meta(ge=0)] = 1.0

@@ -2,14 +2,17 @@
 
 Owns: the field bounds (``Positive``, ``NonNegative``, ...), ``ConfigError`` (a bad config
 or override, shown as one line naming the key) and ``invalid`` (how a section's
-``__post_init__`` names a bad key), plus the knobs of the replay queue (``QueueConfig``)
-and the admission gate (``StalenessConfig``). Each component's section lives beside the
-component; ``async_rl.config`` assembles them into one tree. Knows nothing about TOML.
+``__post_init__`` names a bad key), plus the knobs of the replay queue (``QueueConfig``,
+and ``bucket_index``: what its bucket_edges mean) and the admission gate
+(``StalenessConfig``). Each component's section lives beside the component;
+``async_rl.config`` assembles them into one tree. Knows nothing about TOML.
 """
 
 from __future__ import annotations
 
 import itertools
+from bisect import bisect_right
+from collections.abc import Sequence
 from typing import Annotated
 
 import msgspec
@@ -27,6 +30,12 @@ class ConfigError(Exception):
 def invalid(key: str, value: object, allowed: str) -> ValueError:
     # msgspec re-raises ValueErrors from __post_init__ as ValidationError with this text.
     return ValueError(f"{key} = {value!r}: {allowed}")
+
+
+def bucket_index(edges: Sequence[int], num_tokens: int) -> int:
+    """The bucket of a group of ``num_tokens`` by queue.bucket_edges: 0 below the first
+    edge, len(edges) at or above the last."""
+    return bisect_right(edges, num_tokens)
 
 
 class QueueConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):

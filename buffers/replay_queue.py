@@ -24,6 +24,7 @@ from typing import Generic
 
 import anyio
 
+from buffers.config import QueueConfig, StalenessConfig, bucket_index
 from buffers.drop_accounting import DropAccounting, DropHandler
 from buffers.errors import NotEnoughGroups, QueueClosed, QueueFull, QueueTooSmall
 from buffers.in_flight import InFlight
@@ -37,7 +38,7 @@ from buffers.queue_records import (
     T,
     WaitStatistics,
 )
-from buffers.replay_store import BucketedStore, bucket_index
+from buffers.replay_store import BucketedStore
 
 __all__ = ["QueueItem", "ReplayQueue"]
 
@@ -63,6 +64,16 @@ class ReplayQueue(Generic[T]):
     ``wait_for_expiring``: see ``take``. ``clock``: what waits are timed with (a
     simulation passes its virtual clock).
     """
+
+    @classmethod
+    def from_config(cls, queue: QueueConfig, staleness: StalenessConfig, *,
+                    on_drop: DropHandler[T] | None = None,
+                    clock: Callable[[], float] = time.perf_counter) -> ReplayQueue[T]:
+        """The queue its section describes (bounds, buckets, wait_for_expiring), keeping
+        staleness.max_staleness."""
+        return cls(max_groups=queue.max_groups, max_tokens=queue.max_tokens,
+                   bucket_edges=queue.bucket_edges, max_staleness=staleness.max_staleness,
+                   on_drop=on_drop, wait_for_expiring=queue.wait_for_expiring, clock=clock)
 
     def __init__(
         self,

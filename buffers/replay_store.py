@@ -15,13 +15,7 @@ from typing import Generic
 
 from buffers.queue_records import T
 
-__all__ = ["BucketedStore", "bucket_index"]
-
-
-def bucket_index(edges: Sequence[int], num_tokens: int) -> int:
-    """The bucket of a group of ``num_tokens``: 0 below the first edge, len(edges) at or
-    above the last."""
-    return bisect_right(edges, num_tokens)
+__all__ = ["BucketedStore"]
 
 
 class BucketedStore(Generic[T]):

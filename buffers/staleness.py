@@ -18,6 +18,7 @@ from collections.abc import Callable
 import anyio
 import msgspec
 
+from buffers.config import StalenessConfig
 from buffers.errors import GateShutDown
 
 __all__ = ["AdmissionGate", "GateSnapshot", "GateStatistics"]
@@ -66,6 +67,14 @@ class AdmissionGate:
     synchronous on-policy training. Slots are handed to waiters in FIFO order. Like the
     queue, ``acquire`` does not yield to the event loop when a slot is open.
     """
+
+    @classmethod
+    def from_config(cls, staleness: StalenessConfig, *, groups_per_step: int,
+                    clock: Callable[[], float] = time.perf_counter) -> AdmissionGate:
+        """The gate of staleness.max_staleness, for steps of ``groups_per_step`` groups
+        (trainer.groups_per_step)."""
+        return cls(groups_per_step=groups_per_step, max_staleness=staleness.max_staleness,
+                   clock=clock)
 
     def __init__(self, *, groups_per_step: int, max_staleness: int, version: int = 0,
                  clock: Callable[[], float] = time.perf_counter) -> None:

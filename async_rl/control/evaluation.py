@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 import anyio
 
+from async_rl.config import RunConfig
 from async_rl.control.protocols import PolicyWeights
 from async_rl.run.summary import EvalPoint
 from buffers.reports import EvalResult
@@ -77,6 +78,11 @@ class EvalLog:
     (times come from the same monotonic clock). ``due_steps`` yields the (step, weights)
     of each evaluation that fell due, until ``training_ended``.
     """
+
+    @classmethod
+    def from_config(cls, run: RunConfig) -> EvalLog:
+        """Evaluations every run.eval_every of run.num_steps steps."""
+        return cls(every=run.eval_every, num_steps=run.num_steps)
 
     def __init__(self, *, every: int, num_steps: int) -> None:
         self.schedule = EvalSchedule(every, num_steps)

@@ -102,20 +102,15 @@ class Orchestrator:
         self.timings: list[BroadcastTiming] = []
         """Broadcast timings completed since the last metrics row."""
 
-        # The run's own bookkeeping, each part from the config sections it reads.
+        # The run's own bookkeeping, each part built from the config sections it reads.
         self.totals = StepTotals(bucket_edges=config.queue.bucket_edges)
-        self.pool = RolloutPool(
-            workers.rollout, limit=config.rollout.max_inflight_prompts,
-            max_restarts=config.rollout.max_restarts, totals=self.totals,
-            restart=workers.restart_rollout, current_policy=self.current_policy)
-        self.health = RunHealth(self.totals,
-                                max_nonfinite_steps=config.trainer.max_nonfinite_steps,
-                                stall_timeout_s=config.rollout.stall_timeout_s,
-                                max_filtered_in_a_row=config.rollout.max_filtered_in_a_row,
-                                clock=self.clock)
-        self.prompts = PromptLedger(out, lambda: self.version, clock=wall,
-                                    max_readmissions=config.run.max_readmissions)
-        self.evals = EvalLog(every=config.run.eval_every, num_steps=config.run.num_steps)
+        self.pool = RolloutPool.from_config(config.rollout, workers, totals=self.totals,
+                                            current_policy=self.current_policy)
+        self.health = RunHealth.from_config(config.trainer, config.rollout, self.totals,
+                                            clock=self.clock)
+        self.prompts = PromptLedger.from_config(config.run, out, lambda: self.version,
+                                                clock=wall)
+        self.evals = EvalLog.from_config(config.run)
         self.evaluations = EvaluationRunner(eval_prompts, self.evals, self.pool,
                                             self.health, out, evaluator=workers.evaluator,
                                             source=self.trainers[0])
@@ -127,24 +122,17 @@ class Orchestrator:
             for track in (ROLLOUT_TRACK, TRAINER_TRACK))
 
         # The data path (buffers/): the gate in front of the workers, the queue behind.
-        self.gate = AdmissionGate(
-            groups_per_step=config.trainer.groups_per_step,
-            max_staleness=config.staleness.max_staleness, clock=self.clock,
-        )
-        self.queue: ReplayQueue[Group] = ReplayQueue(
-            max_groups=config.queue.max_groups,
-            max_tokens=config.queue.max_tokens,
-            bucket_edges=config.queue.bucket_edges,
-            max_staleness=config.staleness.max_staleness,
-            # Called the moment a group goes stale, even while a take waits: the slot must
-            # come back at once or the gate could stay shut while training waits.
-            on_drop=self._on_drop,
-            wait_for_expiring=config.queue.wait_for_expiring, clock=self.clock,
-        )
+        self.gate = AdmissionGate.from_config(
+            config.staleness, groups_per_step=config.trainer.groups_per_step,
+            clock=self.clock)
+        # on_drop is called the moment a group goes stale, even while a take waits: the
+        # slot must come back at once or the gate could stay shut while training waits.
+        self.queue: ReplayQueue[Group] = ReplayQueue.from_config(
+            config.queue, config.staleness, on_drop=self._on_drop, clock=self.clock)
         # What a checkpoint gathers from all of the above.
-        self.checkpoints = RunCheckpoints(out, self.gate, source, self.totals, self.prompts,
-                                          self.evals, backend=config.trainer.backend,
-                                          keep=config.run.keep_checkpoints)
+        self.checkpoints = RunCheckpoints.from_config(
+            config.run, config.trainer, out, self.gate, source, self.totals, self.prompts,
+            self.evals)
 
     # ---- the run, top to bottom --------------------------------------------------------
 

@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
+from async_rl.config import RunConfig
 from async_rl.run.run_dir import RunWriter
 from async_rl.tasks.sources import PromptSource
 from buffers.records import Prompt
@@ -32,6 +33,12 @@ READMISSIONS_EXHAUSTED = "readmissions_exhausted"
 
 class PromptLedger:
     """A run's prompts in flight, owed, and their events; ``version`` labels each event."""
+
+    @classmethod
+    def from_config(cls, run: RunConfig, out: RunWriter, version: Callable[[], int], *,
+                    clock: Callable[[], float] = time.time) -> PromptLedger:
+        """The ledger of ``out``, re-admitting a prompt at most run.max_readmissions times."""
+        return cls(out, version, clock=clock, max_readmissions=run.max_readmissions)
 
     def __init__(self, out: RunWriter, version: Callable[[], int],
                  clock: Callable[[], float] = time.time, max_readmissions: int = 4) -> None:

@@ -22,8 +22,9 @@ from contextlib import asynccontextmanager
 import anyio
 import anyio.abc
 
-from async_rl.control.protocols import RolloutClient, RunFailed
+from async_rl.control.protocols import RolloutClient, RunFailed, Workers
 from async_rl.control.step_metrics import StepTotals
+from workers.rollout.config import RolloutConfig
 
 Restart = Callable[[int, str, int], Awaitable[RolloutClient]]
 """(rank, model folder, its version) -> a started rollout worker."""
@@ -35,6 +36,15 @@ log = logging.getLogger(__name__)
 
 class RolloutPool:
     """See the module docstring."""
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig, workers: Workers, *, totals: StepTotals,
+                    current_policy: CurrentPolicy) -> RolloutPool:
+        """The pool of ``workers``' rollout workers, as its section says:
+        rollout.max_inflight_prompts per worker, rollout.max_restarts replacements."""
+        return cls(workers.rollout, limit=rollout.max_inflight_prompts,
+                   max_restarts=rollout.max_restarts, totals=totals,
+                   restart=workers.restart_rollout, current_policy=current_policy)
 
     def __init__(self, workers: Mapping[int, RolloutClient], *, limit: int, max_restarts: int,
                  totals: StepTotals, restart: Restart | None,

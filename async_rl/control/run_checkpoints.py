@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import anyio
 import anyio.abc
 
+from async_rl.config import RunConfig
 from async_rl.control.checkpoint import RunState, begin_checkpoint, finish_checkpoint
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.prompt_ledger import PromptLedger
@@ -27,10 +28,19 @@ from async_rl.run.run_dir import RunWriter
 from async_rl.tasks.sources import PromptSource
 from buffers.staleness import AdmissionGate
 from workers.errors import first_line
+from workers.trainer.config import TrainerConfig
 
 
 class RunCheckpoints:
     """Takes and restores the checkpoints of one run; see the module docstring."""
+
+    @classmethod
+    def from_config(cls, run: RunConfig, trainer: TrainerConfig, out: RunWriter,
+                    gate: AdmissionGate, source: PromptSource, totals: StepTotals,
+                    prompts: PromptLedger, evals: EvalLog) -> RunCheckpoints:
+        """Checkpoints of trainer.backend's state, run.keep_checkpoints of them kept."""
+        return cls(out, gate, source, totals, prompts, evals, backend=trainer.backend,
+                   keep=run.keep_checkpoints)
 
     def __init__(self, out: RunWriter, gate: AdmissionGate, source: PromptSource,
                  totals: StepTotals, prompts: PromptLedger, evals: EvalLog, *,

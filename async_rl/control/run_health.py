@@ -29,6 +29,8 @@ from async_rl.control.step_metrics import StepTotals
 from async_rl.run.summary import describe_failures
 from buffers.records import ShardStepResult
 from workers.errors import first_line
+from workers.rollout.config import RolloutConfig
+from workers.trainer.config import TrainerConfig
 
 ERROR_LOG = "error.log"
 """The traceback of an unexpected error that stopped the run, in the run directory."""
@@ -38,6 +40,15 @@ log = logging.getLogger(__name__)
 
 class RunHealth:
     """See the module docstring."""
+
+    @classmethod
+    def from_config(cls, trainer: TrainerConfig, rollout: RolloutConfig, totals: StepTotals,
+                    *, clock: Callable[[], float] = time.perf_counter) -> RunHealth:
+        """The rules of trainer.max_nonfinite_steps, rollout.stall_timeout_s and
+        rollout.max_filtered_in_a_row, counting into ``totals``."""
+        return cls(totals, max_nonfinite_steps=trainer.max_nonfinite_steps,
+                   stall_timeout_s=rollout.stall_timeout_s,
+                   max_filtered_in_a_row=rollout.max_filtered_in_a_row, clock=clock)
 
     def __init__(self, totals: StepTotals, *, max_nonfinite_steps: int,
                  stall_timeout_s: float, max_filtered_in_a_row: int,

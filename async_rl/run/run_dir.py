@@ -68,16 +68,16 @@ class RunWriter:
         self._on_metrics = on_metrics
         self._line_flushed = line_flushed
         self.path.mkdir(parents=True, exist_ok=True)
-        (self.path / CONFIG).write_text(to_toml(config))
-        self._encoder = msgspec.json.Encoder()
-        self.record = msgspec.structs.replace(collect(config), simulated=simulated)
-        self._write_record()
         start = positions or FilePositions(metrics=0, ledger=0, evals=0)
         # Lines written to each JSONL file so far: plain counters on the per-event path.
         self._lines = {"metrics": start.metrics, "ledger": start.ledger, "evals": start.evals}
         self._metrics = self._open(METRICS, start.metrics, positions is not None)
         self._ledger = self._open(LEDGER, start.ledger, positions is not None)
         self._evals = self._open(EVALS, start.evals, positions is not None)
+        (self.path / CONFIG).write_text(to_toml(config))
+        self._encoder = msgspec.json.Encoder()
+        self.record = msgspec.structs.replace(collect(config), simulated=simulated)
+        self._write_record()
         self._loggers = open_loggers(config.run.loggers, self.path, config)
 
     def _open(self, name: str, keep: int, resume: bool) -> IO[bytes]:

@@ -5,7 +5,9 @@ Owns: one adapter per protocol of ``async_rl.control.protocols`` (``RayRollout``
 its actor (``_Adapter._call``): with a deadline (``run.call_timeout_s`` unless the call
 has its own), Ray's errors turned into the adapter's protocol error, and a missed
 deadline into the error the call names (``WaitTimedOut`` by default). Also aligning a
-worker's span clock with the driver's. Knows nothing about the run's logic.
+worker's span clock with the driver's, and replacing a lost rollout worker
+(``restart_rollout``: a new actor on the same cores, joined to the weight group).
+Knows nothing about the run's logic.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from async_rl.control.protocols import (
     WaitTimedOut,
     Workers,
 )
-from async_rl.shell.launch import StartedWorkers, restart_rollout
+from async_rl.shell.launch import StartedWorkers
 from buffers.concurrent_calls import each
 from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
 from buffers.reports import BroadcastTiming, EvalResult, UsageReading
 from workers.errors import RolloutWorkerError, first_line
+from workers.model_config import ModelConfig
 from workers.spans import Span
 from workers.trainer.checkpoints import WAIT_GROUP
 from workers.weights.broadcast import Published, WeightBroadcast
@@ -247,6 +250,22 @@ class RayWeights:
                       ) -> tuple[list[BroadcastTiming], list[int]]:
         assert isinstance(published, Published)
         return await self._broadcast.deliver(published, ranks)
+
+
+async def restart_rollout(started: StartedWorkers, rank: int, model: ModelConfig,
+                          version: int) -> Any:
+    """Replaces rollout worker ``rank`` (dead or broken) by a new one on the same cores,
+    started from ``model`` labelled ``version`` and made a member of trainer shard 0's
+    weight group in its place (it joins at the next version)."""
+    assert started.new_rollout is not None
+    old = started.rollout.pop(rank, None)
+    if old is not None:
+        ray.kill(old)  # a broken worker may still hold its engine and cores
+    worker = started.new_rollout(rank, model, version, "")  # the old name may linger
+    await worker.start.remote()
+    await started.trainers[0].connect_rollout.remote(rank, worker)
+    started.rollout[rank] = worker
+    return worker
 
 
 def adapt(started: StartedWorkers, config: Config) -> Workers:

@@ -29,7 +29,7 @@ from workers.placement import bundle_node, check_gpus, gpus_per_worker, in_bundl
 from workers.placement import role_placement_groups as make_placement_groups
 from workers.ports import free_port
 from workers.rewards.callables import Reward
-from workers.rollout.config import engine_dtype
+from workers.rollout.config import sampling
 from workers.trainer.checkpoints import WAIT_GROUP
 from workers.weights.broadcast import SEND_GROUP
 from workers.weights.config import check_transport
@@ -50,22 +50,6 @@ class StartedWorkers:
     version: how a lost worker is replaced."""
 
 
-async def restart_rollout(started: StartedWorkers, rank: int, model: ModelConfig,
-                          version: int) -> Any:
-    """Replaces rollout worker ``rank`` (dead or broken) by a new one on the same cores,
-    started from ``model`` labelled ``version`` and made a member of trainer shard 0's
-    weight group in its place (it joins at the next version)."""
-    assert started.new_rollout is not None
-    old = started.rollout.pop(rank, None)
-    if old is not None:
-        ray.kill(old)  # a broken worker may still hold its engine and cores
-    worker = started.new_rollout(rank, model, version, "")  # the old name may linger
-    await worker.start.remote()
-    await started.trainers[0].connect_rollout.remote(rank, worker)
-    started.rollout[rank] = worker
-    return worker
-
-
 async def launch_workers(cfg: Config, built: Task, version: int = 0,
                          rewards: Sequence[Reward] = ()) -> StartedWorkers:
     """Creates every rollout worker and trainer shard, starts them, and says where.
@@ -81,8 +65,9 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
         cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate is True,
     )
     cluster_gpus = ray.cluster_resources().get("GPU", 0)
+    check_transport(cfg.weights, cuda=bool(cluster_gpus))
+    rollout_sampling = sampling(cfg.rollout, cfg.model)  # what the trainer shards must know
     gpus = gpus_per_worker(cluster_gpus, cfg.run.colocate is True)
-    check_transport(cfg.weights, cuda=bool(gpus))
     check_gpus(layout, cluster_gpus)
     groups = make_placement_groups(
         layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus,
@@ -125,9 +110,7 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
         ).remote(
             rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
             trainer=cfg.trainer, seed=cfg.run.seed, weights=cfg.weights,
-            temperature=cfg.rollout.temperature,
-            max_new_tokens=cfg.rollout.max_new_tokens,
-            rollout_dtype=engine_dtype(cfg.rollout, cfg.model),
+            sampling=rollout_sampling,
             cpu_ids=ident.devices,
             master_addr=master_addr, master_port=port, record_spans=cfg.run.record_spans,
             # ddp's shards are replicas: shard 0's copy is the checkpoint.

@@ -40,7 +40,7 @@ from async_rl.run.run_dir import WORKERS_LOG, RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.shell.adapters import adapt
 from async_rl.shell.launch import StartedWorkers, launch_workers
-from async_rl.shell.worker_logs import ray_options
+from async_rl.shell.worker_logs import ray_notices_to_log, ray_options
 from async_rl.tasks.table import build_task
 from buffers.concurrent_calls import each
 from buffers.config import ConfigError
@@ -103,19 +103,6 @@ class StopSignals:
                     return
 
 
-def _start_ray(config: Config, verbose: bool) -> None:
-    needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
-              + config.trainer.num_shards * config.trainer.cpus_per_shard)
-    console = ray_options(os.path.join(config.run.output_dir, WORKERS_LOG), verbose)
-    if config.run.ray_address:
-        ray.init(address=config.run.ray_address, namespace=NAMESPACE, **console)
-    else:
-        # "local": a new Ray for this run, never one already running on the machine.
-        ray.init(address="local", num_cpus=max(config.run.num_cpus, needed),
-                 include_dashboard=False, _node_ip_address="127.0.0.1", namespace=NAMESPACE,
-                 **console)
-
-
 def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                  rewards: Sequence[Reward] = ()) -> RunSummary:
     """Starts (or joins) Ray, runs the job, and always shuts Ray down if it started it.
@@ -148,7 +135,18 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
     task = build_task(config)
     started_ray = not ray.is_initialized()
     if started_ray:
-        _start_ray(config, verbose)
+        log_path = os.path.join(config.run.output_dir, WORKERS_LOG)
+        console = ray_options(log_path, verbose)
+        ray_notices_to_log(log_path, verbose)
+        if config.run.ray_address:
+            ray.init(address=config.run.ray_address, namespace=NAMESPACE, **console)
+        else:
+            # "local": a new Ray for this run, never one already running on the machine.
+            needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
+                      + config.trainer.num_shards * config.trainer.cpus_per_shard)
+            ray.init(address="local", num_cpus=max(config.run.num_cpus, needed),
+                     include_dashboard=False, _node_ip_address="127.0.0.1",
+                     namespace=NAMESPACE, **console)
     out = RunWriter(config.run.output_dir, config,
                     positions=checkpoint.state.files if checkpoint else None)
     stops = StopSignals()
@@ -165,12 +163,13 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                         version=checkpoint.state.version if checkpoint else 0, rewards=rewards)
                     log.info("%s", registry_table(started.identities))
                     out.workers(started.identities)
-                    orchestrator = Orchestrator(config, out, task.source, task.eval_prompts,
-                                                adapt(started, config))
-                    if checkpoint is not None:
+                    if checkpoint is not None:  # the shards' optimizer state and step
                         await each([functools.partial(t.load_training_state.remote,
                                                       workers_config.model.path)
                                     for t in started.trainers])
+                    orchestrator = Orchestrator(config, out, task.source, task.eval_prompts,
+                                                adapt(started, config))
+                    if checkpoint is not None:
                         orchestrator.restore(checkpoint.state, refused=len(refused))
                     stops.orchestrator = orchestrator
                     summary = await orchestrator.run()

@@ -1,13 +1,14 @@
 """Where the worker processes' output goes: RUN_DIR/workers.log, and warnings to the console.
 
 Owns: the ``ray.init`` options that install ``route_output`` in every worker process of
-a run, and the relay it starts. The relay gets everything the worker and the processes
-it spawns (vLLM's engine core and engine worker) write to stdout and stderr: vLLM's
-logs, C++ warnings, Python warnings, progress bars, prints, tracebacks. Every line goes
-to RUN_DIR/workers.log; warnings and errors (each distinct message once per worker) and
-tracebacks go on to the worker's original stderr, which Ray prints on the driver's
-console, except the known-benign warnings of ``BENIGN_WARNINGS``. With ``verbose`` every
-line goes on. Knows nothing about what the workers do.
+a run, the relay it starts, and the filter that moves Ray's token-authentication notice
+from the driver's console to the same file (``ray_notices_to_log``). The relay gets
+everything the worker and the processes it spawns (vLLM's engine core and engine
+worker) write to stdout and stderr: vLLM's logs, C++ warnings, Python warnings, progress
+bars, prints, tracebacks. Every line goes to RUN_DIR/workers.log; warnings and errors
+(each distinct message once per worker) and tracebacks go on to the worker's original
+stderr, which Ray prints on the driver's console, except the known-benign warnings of
+``BENIGN_WARNINGS``. With ``verbose`` every line goes on. Knows nothing about what the workers do.
 
 The relay is a process of its own, not a thread, so that what a dying worker writes
 last (a fatal error, a traceback) still reaches the log and the console.
@@ -73,6 +74,15 @@ BENIGN_WARNINGS = (
            "with V1 multiprocessing off (rollout.model_in_engine_core). The worker draws "
            "nothing from them: every sample request carries its own seed "
            "(workers.rollout.worker.request_seed)."),
+    Benign(re.compile(r"FutureWarning: `torch\.distributed\.reduce_op` is deprecated"),
+           "vLLM's Triton dispatcher (vllm/triton_utils/dispatcher.py) scans the attributes "
+           "of every loaded module when an engine starts, and merely reading "
+           "torch.distributed.reduce_op, an alias torch keeps for old code, warns. Neither "
+           "vLLM nor this project uses it."),
+    Benign(re.compile(r"Warning: NUMA binding: Using MEMBIND policy for memory allocation"),
+           "vLLM's CPU worker (init_cpu_memory_env, in C++) binds the engine's memory to "
+           "the NUMA node of the cores the layout gave it, as it should, and says so at "
+           "every engine start."),
     Benign(re.compile(r"\[shutdown\] Process manager: force killing remaining process"),
            "At the end of a run the rollout worker stops its engine and is then killed "
            "itself: an engine core still tearing down when vLLM's shutdown wait ends is "
@@ -101,6 +111,42 @@ def ray_options(log_path: str | Path, verbose: bool) -> dict[str, Any]:
         },
         "logging_level": logging.INFO if verbose else logging.WARNING,
     }
+
+
+RAY_AUTH_NOTICE = "Token authentication is enabled for this Ray cluster"
+"""Ray's notice, at every start of a local Ray, that token authentication is on and how
+to turn it off (ray/_private/authentication/authentication_token_setup.py)."""
+
+
+class RayNoticesToLog(logging.Filter):
+    """Takes Ray's token-authentication notice off the driver's console into workers.log.
+
+    Installed on the logger that emits it, where it is emitted: authentication stays on
+    (a run's local Ray is reachable only from this machine, with the token), the notice
+    asks nothing of the user, and any other record of that logger (a warning that
+    authentication is off, say) still reaches the console."""
+
+    def __init__(self, log_path: str | Path) -> None:
+        super().__init__()
+        self.log_path = Path(log_path)
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        message = record.getMessage()
+        if not message.startswith(RAY_AUTH_NOTICE):
+            return True
+        with open(self.log_path, "a") as log:  # the relays append to it too
+            log.write(f"(driver) {record.levelname} {record.name}: {message}\n")
+        return False
+
+
+def ray_notices_to_log(log_path: str | Path, verbose: bool) -> None:
+    """Installs ``RayNoticesToLog`` for this run's workers.log (replacing an earlier
+    run's in this process); with ``verbose`` the notice stays on the console."""
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    for old in [f for f in logger.filters if isinstance(f, RayNoticesToLog)]:
+        logger.removeFilter(old)
+    if not verbose:
+        logger.addFilter(RayNoticesToLog(log_path))
 
 
 def route_output() -> None:

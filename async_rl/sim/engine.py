@@ -5,7 +5,9 @@ the next step boundary (their prefill adds to that step), every step emits one t
 running sequence and costs ``Costs.decode_step`` of the running sequences and their
 context, a sequence leaves after its length, a request completes with its last
 sequence. A weight update pauses the engine at a step boundary (in-flight: requests kept;
-drain: once the running ones finish), and every token after it carries the new version.
+drain: once the running ones finish), waits there for the group's collective to begin
+(``weight_sync``), receives (``weight_wire``) and loads (``weight_load``), and every
+token after it carries the new version.
 The engine wakes only when a request completes, one arrives or a load is asked for:
 between those, time is summed in closed form (``Costs.decode_steps``) over the stretches
 between sequences' ends, so a run costs events per request, not per token. Spans as a
@@ -55,21 +57,33 @@ class Request:
 
 
 class Load:
-    """A weight update asked of an engine: when it was asked and when it was done."""
+    """A weight update asked of an engine: when it was asked, paused and done. Its pause
+    is ``wire_s`` of bytes arriving then ``load_s`` of loading them, after ``start``
+    (a collective begins once every member has paused: until then the engine stands
+    paused, waiting on the group; None: at once)."""
 
-    __slots__ = ("asked", "done", "done_at", "pause_s", "version")
+    __slots__ = ("asked", "done", "done_at", "load_s", "paused", "paused_at", "start",
+                 "version", "wire_s")
 
-    def __init__(self, version: int, pause_s: float, asked: float) -> None:
-        self.version, self.pause_s, self.asked = version, pause_s, asked
+    def __init__(self, version: int, wire_s: float, load_s: float, asked: float,
+                 start: asyncio.Future[None] | None = None) -> None:
+        self.version, self.wire_s, self.load_s, self.asked = version, wire_s, load_s, asked
+        self.start = start
+        loop = asyncio.get_running_loop()
         # A settled future is awaited without a trip through the loop (an anyio.Event's
         # wait yields even when set): a delivery awaits every engine's in turn.
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.done_at = asked
+        self.paused: asyncio.Future[None] = loop.create_future()
+        self.done: asyncio.Future[None] = loop.create_future()
+        self.paused_at = self.done_at = asked
+
+    @property
+    def pause_s(self) -> float:
+        return self.wire_s + self.load_s
 
     @property
     def waited(self) -> float:
-        """Seconds from the ask to the pause."""
-        return self.done_at - self.asked - self.pause_s
+        """Seconds from the ask to the pause (a drain, or the step in progress)."""
+        return self.paused_at - self.asked
 
 
 class SimEngine:
@@ -129,10 +143,13 @@ class SimEngine:
         await request.done
         return request
 
-    def load(self, version: int, pause_s: float) -> Load:
-        """Asks for a pause of ``pause_s`` at the next step boundary (drain: once nothing
-        runs), after which the engine runs ``version``; ``Load.done`` is set then."""
-        load = Load(version, pause_s, self.clock())
+    def load(self, version: int, wire_s: float, load_s: float,
+             start: asyncio.Future[None] | None = None) -> Load:
+        """Asks for a pause at the next step boundary (drain: once nothing runs): after
+        ``start`` is settled (None: at once), ``wire_s`` of bytes arriving and ``load_s``
+        of loading them, after which the engine runs ``version``; ``Load.paused`` is set
+        at the pause, ``Load.done`` at its end."""
+        load = Load(version, wire_s, load_s, self.clock(), start)
         self._loads.append(load)
         self._wake()
         return load
@@ -141,7 +158,7 @@ class SimEngine:
         """Asks the engine to free its devices at the next step boundary, after
         ``pause_s`` of releasing them (``Load.done`` then); it stays off them until
         ``take_back``."""
-        self._release = Load(self.version, pause_s, self.clock())
+        self._release = Load(self.version, 0.0, pause_s, self.clock())
         self._back = asyncio.get_running_loop().create_future()
         self._wake()
         return self._release
@@ -243,15 +260,25 @@ class SimEngine:
         self.busy_s += release.pause_s + reload
 
     async def _apply_loads(self) -> None:
+        """Each load asked, in order: paused, waiting on the group (``weight_sync``), the
+        bytes arriving (``weight_wire``), then loading them (``weight_load``), as a real
+        engine's spans split its pause."""
         loads, self._loads = self._loads, []
-        self.spans.switch("weight_sync", loads[-1].version)
-        pause = sum(load.pause_s for load in loads)
-        await asyncio.sleep(pause)
-        self.busy_s += pause
-        self.version = loads[-1].version
+        began = self.clock()
         for load in loads:
+            self.spans.switch("weight_sync", self.version)
+            load.paused_at = self.clock()
+            _settle(load.paused)
+            if load.start is not None:
+                await load.start
+            for phase, seconds in (("weight_wire", load.wire_s), ("weight_load", load.load_s)):
+                if seconds > 0:
+                    self.spans.switch(phase, self.version)
+                    await asyncio.sleep(seconds)
+            self.version = load.version
             load.done_at = self.clock()
             _settle(load.done)
+        self.busy_s += self.clock() - began
 
     def _admit(self) -> None:
         admitted = 0

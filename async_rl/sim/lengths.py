@@ -2,8 +2,9 @@
 
 Owns: the length laws of ``simulate.lengths`` (``length_law``): the built-in task's
 reference completions, a log-normal law (a group's samples share part of the spread, as
-a prompt's answers do), an empirical list, or a real run's ledger, replayed prompt by
-prompt (a prompt the run never generated draws one of its groups). Every law is seeded
+a prompt's answers do), an empirical list (given in the config, or a file of integers:
+``file:PATH``, e.g. a dataset's reference lengths), or a real run's ledger, replayed
+prompt by prompt (a prompt the run never generated draws one of its groups). Every law is seeded
 by the prompt's id and attempt, so a simulated run is the same every time, and a retried
 prompt draws anew. Knows nothing about engines or time.
 """
@@ -98,6 +99,29 @@ class Replayed:
         return tuple(group[k % len(group)] for k in range(samples))
 
 
+FILE = "file:"
+"""simulate.lengths = "file:PATH": lengths drawn from the integers in PATH."""
+
+
+def lengths_file(path: str) -> list[int]:
+    """The completion lengths in a text file: integers separated by white space or commas
+    (one a line, or a JSON list); ``ConfigError`` naming the key if there are none or one
+    is not a positive integer."""
+    key = f"config error: simulate.lengths = {FILE + path!r}"
+    try:
+        words = Path(path).read_text().replace(",", " ").replace("[", " ").replace("]", " ")
+    except OSError as err:
+        raise ConfigError(f"{key}: {err.strerror or err}") from None
+    values = []
+    for word in words.split():
+        if not word.isdigit() or int(word) < 1:
+            raise ConfigError(f"{key}: {word!r} is not a positive integer")
+        values.append(int(word))
+    if not values:
+        raise ConfigError(f"{key}: the file holds no lengths")
+    return values
+
+
 def length_law(config: Config) -> LengthLaw:
     """The law ``simulate.lengths`` names; ``ConfigError`` naming the key if it cannot be."""
     sim, kind = config.simulate, config.simulate.lengths
@@ -115,9 +139,11 @@ def length_law(config: Config) -> LengthLaw:
             raise ConfigError('config error: simulate.length_values = []: lengths = '
                               '"empirical" draws from them: give some')
         return Empirical(sim.length_values)
+    if kind.startswith(FILE):
+        return Empirical(lengths_file(kind.removeprefix(FILE)))
     if not (Path(kind) / LEDGER).is_file():
         raise ConfigError(f"config error: simulate.lengths = {kind!r}: not task, lognormal, "
-                          f"empirical or a run directory (no {LEDGER} there)")
+                          f"empirical, file:PATH or a run directory (no {LEDGER} there)")
     return Replayed(kind)
 
 

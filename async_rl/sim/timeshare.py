@@ -53,7 +53,8 @@ class SimLocalWeights:
     async def deliver(self, published: PublishedWeights, ranks: Sequence[int]
                       ) -> tuple[list[BroadcastTiming], list[int]]:
         assert isinstance(published, SimPublished)
-        asked = {rank: self.engines[rank].load(published.version, 0.0) for rank in ranks}
+        asked = {rank: self.engines[rank].load(published.version, 0.0, 0.0)
+                 for rank in ranks}
         timings = []
         for rank, loading in asked.items():
             await loading.done

@@ -16,6 +16,7 @@ rules: they are the real ones.
 
 from __future__ import annotations
 
+import asyncio
 import random
 import zlib
 from collections.abc import Callable, Sequence
@@ -349,7 +350,10 @@ class SimPublished(msgspec.Struct, frozen=True, kw_only=True):
 
 class SimWeights:
     """The weight path: snapshot, then one broadcast to every engine, which loads the
-    version once it holds all of it."""
+    version once it holds all of it. As the real collective, the broadcast begins once
+    every engine has paused (an engine that paused early waits on the group: in drain
+    mode, for the slowest drain); every engine stands paused for the whole wire
+    (``Costs.transfer``), then for its load (``weight_load_s``)."""
 
     def __init__(self, engines: dict[int, SimEngine], costs: Costs,
                  bucket_bytes: float = 16 << 20) -> None:
@@ -365,14 +369,20 @@ class SimWeights:
         assert isinstance(published, SimPublished)
         transfer = self.costs.transfer(len(ranks), self.bucket_bytes)
         load = self.costs.hardware.weight_load_s
-        asked = {rank: self.engines[rank].load(published.version, transfer + load)
-                 for rank in ranks}  # one collective: every engine paused for all of it
+        start: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        asked = {rank: self.engines[rank].load(published.version, transfer, load, start)
+                 for rank in ranks}
+        for loading in asked.values():
+            await loading.paused
+        start.set_result(None)  # every member paused: the collective's bytes flow
         timings = []
         for rank, loading in asked.items():
             await loading.done
+            # As a real engine reports it: the wire, and the rest of the pause as load.
             timings.append(BroadcastTiming(
                 version=published.version, rollout_rank=rank, publish_s=published.publish_s,
-                transfer_s=transfer, pause_s=loading.waited, load_s=load))
+                transfer_s=transfer, pause_s=loading.waited,
+                load_s=loading.done_at - loading.paused_at - transfer))
         return timings, []
 
 

@@ -35,6 +35,7 @@ from buffers.advantages import group_advantages, has_signal, overlong_penalty
 from buffers.config import ConfigError
 from buffers.records import Group, Prompt, Sample, make_group
 from workers.model_config import ModelConfig
+from workers.rollout.config import Sampling
 from workers.trainer.config import TrainerConfig
 from workers.trainer.shard import TrainerShard
 
@@ -146,7 +147,8 @@ def masked_step(model_dir: Path, groups: list[Group]) -> tuple[int, dict[str, to
     """One trainer step with trainer.overlong = "mask": (loss tokens, weights after)."""
     config = TrainerConfig(overlong="mask", groups_per_step=len(groups), max_grad_norm=1e9)
     shard = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
-                         trainer=config, seed=0, temperature=1.0, record_spans=False)
+                         trainer=config, seed=0, sampling=Sampling(temperature=1.0),
+                         record_spans=False)
     shard.setup()
     (batch,), _ = shard_batches(groups, 1, config, step=1)
     result = shard.train_step(batch, list(batch.groups))
@@ -171,7 +173,7 @@ def test_a_masked_step_has_no_loss_on_truncated_completions(model_dir: Path) -> 
     # Nothing to train: a step of truncated completions only leaves the weights be.
     none, unchanged = masked_step(model_dir, [group([8, 8], [0.0, 1.0], ["length"] * 2)])
     start = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
-                         trainer=TrainerConfig(), seed=0, temperature=1.0,
+                         trainer=TrainerConfig(), seed=0, sampling=Sampling(temperature=1.0),
                          record_spans=False)
     start.setup()
     assert none == 0

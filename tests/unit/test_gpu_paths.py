@@ -30,7 +30,7 @@ from buffers.records import TrainSequence
 from workers.layout import assign_cpus
 from workers.model_config import ModelConfig
 from workers.placement import check_gpus, gpus_per_worker, role_bundles
-from workers.rollout.config import RolloutConfig, engine_dtype
+from workers.rollout.config import RolloutConfig, Sampling, engine_dtype
 from workers.rollout.engine import transport_environment
 from workers.trainer.config import TrainerConfig
 from workers.trainer.ppo_update import StepLoss
@@ -165,7 +165,7 @@ def test_the_engine_dtype_defaults_to_the_model_and_published_weights_are_cast_t
     assert engine_dtype(RolloutConfig(), model) == "float32"
     assert engine_dtype(RolloutConfig(dtype="bfloat16"), model) == "bfloat16"
     shard = TrainerShard(rank=0, world_size=1, model=model, trainer=TrainerConfig(), seed=0,
-                         record_spans=False, rollout_dtype="bfloat16")
+                         record_spans=False, sampling=Sampling(dtype="bfloat16"))
     assert shard.rollout_dtype == "bfloat16"
     from workers.weights.sender import WeightSender
 

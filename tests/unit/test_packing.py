@@ -30,6 +30,7 @@ from buffers.records import (
     TrainSequence,
 )
 from workers.model_config import ModelConfig
+from workers.rollout.config import Sampling
 from workers.trainer.attention import PACKED_ATTENTION, use_packed_attention
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loss import Normaliser, read_stats, token_loss
@@ -234,7 +235,7 @@ def shard(model_dir: Path, packed: bool, compute_dtype: str = "float32",
                               "packed": packed, **trainer}, TrainerConfig)
     trainer = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
                            trainer=config, seed=0,
-                           temperature=TEMPERATURE, record_spans=False)
+                           sampling=Sampling(temperature=TEMPERATURE), record_spans=False)
     trainer.setup()
     return trainer
 

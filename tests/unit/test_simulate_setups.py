@@ -229,3 +229,26 @@ def test_the_held_out_setups_are_stated_as_published(tmp_path: Path) -> None:
             assert cfg.trainer.groups_per_step * run.samples // cfg.trainer.mini_batches == 512
     on, off = bench.COMPARISONS[0]
     assert bench.step_seconds(on, 3) > 0 and bench.step_seconds(off, 3) > 0
+
+
+def test_the_second_systems_setups_are_stated_as_published(tmp_path: Path) -> None:
+    """verl's one-step-off table: 16 H20s, colocate sync on all of them against 4 GPUs
+    generating and 12 training; 512 prompts, 16 updates a step."""
+    from script_modules import load_script
+
+    bench = load_script("bench/sim_published_unseen.py", "sim_published_unseen")
+    assert len(bench.SYSTEMS) >= 2
+    assert sum(len(pairs) for pairs in bench.SYSTEMS.values()) >= 4
+    assert len(bench.VERL_ONE_STEP_OFF) == 2
+    for on, off in bench.VERL_ONE_STEP_OFF:
+        for run in (on, off):
+            cfg = run.config(tmp_path / "run", 4)
+            hardware = simulation_costs(cfg).hardware
+            generating = cfg.rollout.num_workers * hardware.devices_per_rollout_worker
+            training = cfg.trainer.num_shards * hardware.devices_per_trainer_shard
+            assert (generating, training) == ((4, 12) if run.off_policy else (16, 16))
+            assert hardware.name == "H20" and hardware.device_memory == 96e9
+            assert cfg.trainer.groups_per_step == 512 and cfg.trainer.mini_batches == 16
+            assert cfg.weights.update_mode == "drain"
+        assert (on.samples, off.samples) == (16, 12)
+        assert on.name != off.name

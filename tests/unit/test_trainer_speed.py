@@ -30,6 +30,7 @@ from transformers import Qwen2ForCausalLM
 from async_rl.models.tiny_model import build_config
 from buffers.records import TrainSequence
 from workers.model_config import ModelConfig
+from workers.rollout.config import Sampling
 from workers.trainer import attention
 from workers.trainer.attention import round_up_pow2, use_packed_attention
 from workers.trainer.config import TrainerConfig
@@ -482,7 +483,7 @@ def test_fsdp2_takes_the_fused_head_through_its_root_as_a_plain_shard_does(
     plain = shard(model_dir, packed=True, mini_batches=len(updates))
     config = TrainerConfig(backend="fsdp2", max_grad_norm=1e9, mini_batches=len(updates))
     sharded = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
-                           trainer=config, seed=0, temperature=TEMPERATURE,
+                           trainer=config, seed=0, sampling=Sampling(temperature=TEMPERATURE),
                            record_spans=False, master_port=port)
     sharded.setup()
     try:

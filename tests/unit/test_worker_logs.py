@@ -3,6 +3,8 @@ errors, tracebacks and Ray's markers go on to the console, unless verbose."""
 
 from __future__ import annotations
 
+import logging
+import logging.handlers
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ from async_rl.shell.worker_logs import (
     LOG_ENV,
     VERBOSE_ENV,
     LineRouter,
+    ray_notices_to_log,
     ray_options,
     relay,
 )
@@ -76,6 +79,12 @@ BENIGN = [
     "manager: force killing remaining processes count=1",
     "(MainProcess pid=12) WARNING 12-02 02:39:13 [utils.py:653] [shutdown] Process "
     "manager: force killing remaining process EngineCore pid 21891",
+    "/x/.venv/lib/python3.11/site-packages/vllm/triton_utils/dispatcher.py:138: "
+    "FutureWarning: `torch.distributed.reduce_op` is deprecated, please use "
+    "`torch.distributed.ReduceOp` instead",
+    "[W1205 01:00:49.118693095 utils.cpp:68] Warning: NUMA binding: Using MEMBIND policy "
+    "for memory allocation on the NUMA nodes (0). Memory allocations will be strictly "
+    "bound to these NUMA nodes. (function init_cpu_memory_env)",
 ]
 
 
@@ -158,3 +167,30 @@ def test_verbose_worker_output_reaches_the_console(tmp_path: Path) -> None:
     assert VLLM_INFO in console.splitlines()
     assert console.count(VLLM_WARNING) == 2
     assert len(log.splitlines()) == 7
+
+
+def test_rays_authentication_notice_goes_to_the_log_not_the_console(tmp_path: Path) -> None:
+    """Authentication stays on; its notice moves to workers.log, any other record of
+    that logger still reaches the console, and a later run's filter replaces this one."""
+    log_path = tmp_path / "workers.log"
+    logger = logging.getLogger("ray._private.authentication.authentication_token_setup")
+    console = logging.handlers.BufferingHandler(100)
+    logger.addHandler(console)
+    try:
+        ray_notices_to_log(tmp_path / "earlier.log", verbose=False)
+        ray_notices_to_log(log_path, verbose=False)
+        logger.warning("Token authentication is enabled for this Ray cluster. Set "
+                       "RAY_AUTH_MODE=disabled to opt out.")
+        logger.warning("Token authentication is disabled for this Ray cluster.")
+        assert [r.getMessage() for r in console.buffer] == [
+            "Token authentication is disabled for this Ray cluster."]
+        (line,) = log_path.read_text().splitlines()
+        assert line.startswith("(driver) WARNING ray._private.authentication")
+        assert "Token authentication is enabled" in line
+        assert not (tmp_path / "earlier.log").exists()
+        ray_notices_to_log(log_path, verbose=True)  # verbose: every line on the console
+        logger.warning("Token authentication is enabled for this Ray cluster.")
+        assert len(console.buffer) == 2 and len(log_path.read_text().splitlines()) == 1
+    finally:
+        logger.removeHandler(console)
+        ray_notices_to_log(log_path, verbose=True)

@@ -101,3 +101,22 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
 def engine_dtype(rollout: RolloutConfig, model: ModelConfig) -> Dtype:
     """The dtype the rollout engines run and receive weights in."""
     return rollout.dtype or model.dtype
+
+
+class Sampling(msgspec.Struct, frozen=True, kw_only=True):
+    """What a trainer shard must know of how the rollout workers sampled: the one named
+    extra it takes from the rollout section (``sampling``)."""
+
+    temperature: float = 1.0
+    """rollout.temperature: behaviour logprobs are of logits / temperature."""
+    max_new_tokens: int = RolloutConfig().max_new_tokens
+    """rollout.max_new_tokens: loss_agg seq_mean_token_sum_norm divides by it."""
+    dtype: Dtype | None = None
+    """The engines' dtype (``engine_dtype``): published weights are cast to it; None:
+    the trainer's model.dtype."""
+
+
+def sampling(rollout: RolloutConfig, model: ModelConfig) -> Sampling:
+    """How ``rollout``'s workers sample a model of ``model``, for the trainer shards."""
+    return Sampling(temperature=rollout.temperature, max_new_tokens=rollout.max_new_tokens,
+                    dtype=engine_dtype(rollout, model))

@@ -25,7 +25,7 @@ import msgspec
 from buffers.records import ShardBatch, ShardStepResult
 from workers.model_config import ModelConfig
 from workers.ports import free_port
-from workers.rollout.config import RolloutConfig
+from workers.rollout.config import RolloutConfig, Sampling
 from workers.trainer.config import TrainerConfig
 
 
@@ -75,8 +75,9 @@ def _shard(rank: int, world: int, port: int, model: ModelConfig, trainer: Traine
 
     torch.set_num_threads(trainer.cpus_per_shard)
     shard = TrainerShard(rank=rank, world_size=world, model=model, trainer=trainer,
-                         seed=seed, temperature=rollout.temperature,
-                         max_new_tokens=rollout.max_new_tokens, master_port=port,
+                         seed=seed, sampling=Sampling(temperature=rollout.temperature,
+                                                      max_new_tokens=rollout.max_new_tokens),
+                         master_port=port,
                          record_spans=False)
     shard.setup()
     rss_setup = _rss_mb()

@@ -33,7 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 from buffers.records import GroupTokens, LossStats, ShardBatch, ShardStepResult
 from buffers.reports import UsageReading
 from workers.model_config import ModelConfig
-from workers.rollout.config import RolloutConfig
+from workers.rollout.config import Sampling
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 from workers.trainer.attention import use_packed_attention
 from workers.trainer.checkpoints import CheckpointWriter, load
@@ -75,13 +75,11 @@ class TrainerShard:
         trainer: TrainerConfig,
         seed: int,
         weights: WeightsConfig | None = None,
-        temperature: float = 1.0,
-        max_new_tokens: int = RolloutConfig().max_new_tokens,
+        sampling: Sampling | None = None,
         cpu_ids: tuple[int, ...] = (),
         master_addr: str = "127.0.0.1",
         master_port: int = 29500,
         record_spans: bool = True,
-        rollout_dtype: str | None = None,
         writes_checkpoints: bool = False,
         save_merged: bool = False,
     ) -> None:
@@ -93,11 +91,12 @@ class TrainerShard:
         self.weights = weights or WeightsConfig()
         self.sender: WeightSender | None = None
         """Shard 0's end of weight broadcasts, from the first ``connect_rollout``."""
-        self.temperature = temperature
+        sampling = sampling or Sampling()  # how the rollout workers sample, rollout's section
+        self.temperature = sampling.temperature
         """Rollout's sampling temperature: behaviour logprobs are of logits / temperature."""
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens = sampling.max_new_tokens
         """Rollout's completion cap: loss_agg seq_mean_token_sum_norm divides by it."""
-        self.rollout_dtype = rollout_dtype or model.dtype
+        self.rollout_dtype = sampling.dtype or model.dtype
         """The engines' dtype (rollout.dtype): published weights are cast to it."""
         self.writes_checkpoints = writes_checkpoints
         """``save_checkpoint`` will be called: make its buffers ahead (``prepare``)."""
