@@ -265,6 +265,10 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """After a graceful stop (Ctrl-C, SIGTERM), how long the run waits for the step in
     progress to get its groups; past it the step is abandoned, the last consistent
     checkpoint is written and the run exits as a clean stop does."""
+    save_merged: bool = False
+    """With LoRA (model.lora.rank > 0): besides the adapter (peft's format) in
+    RUN_DIR/final_model, write the policy with the adapters merged into the base weights,
+    a plain Hugging Face model, in RUN_DIR/final_model/merged."""
     loggers: tuple[Literal["jsonl", "tensorboard", "wandb"], ...] = ("jsonl",)
     """Where metrics go: "jsonl" (metrics.jsonl, always written: the reports read it),
     "tensorboard" (an event file in RUN_DIR/tensorboard) and "wandb" (a W&B run in
@@ -430,6 +434,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                           f"must be <= trainer.micro_batch_tokens "
                           f"({self.trainer.micro_batch_tokens}): a trajectory is one "
                           "training sequence")
+        if self.run.save_merged and not self.model.lora.enabled:
+            raise invalid("run.save_merged", True, "only with LoRA (model.lora.rank > 0): "
+                          "without it final_model is the whole policy already")
+        if self.model.lora.enabled and self.weights.transport != "gloo":
+            raise invalid("weights.transport", self.weights.transport,
+                          'LoRA (model.lora.rank > 0) delivers adapter versions over "gloo" '
+                          "only, so far (docs/lora.md)")
         buffer, limit = self.trainer.overlong_buffer, self.rollout.max_new_tokens
         if buffer >= limit:
             raise invalid("trainer.overlong_buffer", buffer,

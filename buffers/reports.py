@@ -30,6 +30,9 @@ class BroadcastTiming(msgspec.Struct, frozen=True, kw_only=True):
     load_s: float
     """Engine paused, the rest: preparing and finishing the reload, relabelling,
     resuming, and the calls between those steps."""
+    bytes: int = 0
+    """The version's size as sent (its snapshot on the source shard): the whole policy,
+    or with LoRA its adapters only."""
 
 
 class EvalResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -1,19 +1,54 @@
 """The model section: which policy the rollout engines and the trainer shards run.
 
-Owns: ``ModelConfig`` (the policy's directory, or hub id, and dtype) and
-``kv_bytes_per_token`` (what a token's keys and values take, from its config.json).
-Knows nothing about how either role loads it (a hub id is resolved to its directory
-before the workers see it: ``async_rl.run.model_source``).
+Owns: ``ModelConfig`` (the policy's directory, or hub id, and dtype), ``LoraConfig``
+(``[model.lora]``: low-rank adapters trained instead of the weights; what they do is
+``workers.trainer.lora``'s) and ``kv_bytes_per_token`` (what a token's keys and values
+take, from its config.json). Knows nothing about how either role loads it (a hub id is
+resolved to its directory before the workers see it: ``async_rl.run.model_source``).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import msgspec
 
+from buffers.config import invalid
+
 Dtype = Literal["float32", "bfloat16"]
+
+LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+"""Every linear layer of a Qwen2/Llama-style decoder layer (attention and MLP)."""
+
+
+class LoraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """``[model.lora]``: train low-rank adapters (LoRA, through ``peft``) instead of the
+    policy's weights; each weight version then carries only the adapters (docs/lora.md)."""
+
+    rank: Annotated[int, msgspec.Meta(ge=0, le=512)] = 0
+    """Rank of every adapter; > 0 turns LoRA on (the base weights are frozen, the
+    optimizer holds the adapters only). At most 512 (vLLM's largest)."""
+    alpha: Annotated[int, msgspec.Meta(ge=1)] = 16
+    """Scaling numerator: an adapter adds (alpha / rank) x B A to its layer's weight."""
+    dropout: Annotated[float, msgspec.Meta(ge=0.0, lt=1.0)] = 0.0
+    """Dropout on the adapters' input while training (the engines and the log-probs of
+    evaluation run without it)."""
+    target_modules: tuple[str, ...] = LORA_TARGETS
+    """Names of the linear layers that get an adapter (the last part of a module's name:
+    every layer's ``q_proj``...); each must be a linear layer the model has."""
+
+    def __post_init__(self) -> None:
+        if self.rank and not self.target_modules:
+            raise invalid("model.lora.target_modules", [], "name at least one linear layer "
+                          f"when model.lora.rank > 0, e.g. {list(LORA_TARGETS)}")
+        if len(set(self.target_modules)) < len(self.target_modules):
+            raise invalid("model.lora.target_modules", list(self.target_modules),
+                          "a module is named twice")
+
+    @property
+    def enabled(self) -> bool:
+        return self.rank > 0
 
 
 class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -28,6 +63,8 @@ class ModelConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     dtype: Dtype = "float32"
     """Parameter dtype of the trainer (its master weights, gradients and optimizer
     state) and of the rollout engine unless rollout.dtype says otherwise."""
+    lora: LoraConfig = msgspec.field(default_factory=LoraConfig)
+    """Low-rank adapters (``[model.lora]``, below); off by default (rank = 0)."""
 
 
 def kv_bytes_per_token(hf_config: Mapping[str, Any], width: float) -> float:

@@ -45,6 +45,8 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
     if config.trainer.backend == "fsdp2":
         check_shardable(config.model.path)
     check_role_models(config)
+    if config.model.lora.enabled:
+        check_lora_targets(config)
     columns = check_task(config.task)  # the prompt file or dataset
     if config.task.chat_template:
         check_chat_template(config)
@@ -98,6 +100,19 @@ def _architecture(model_dir: str) -> str:
     """A model folder's class and type, from its config.json."""
     hf_config = json.loads((Path(model_dir) / "config.json").read_text())
     return f"{','.join(hf_config.get('architectures') or [])}/{hf_config.get('model_type')}"
+
+
+def check_lora_targets(config: Config) -> None:
+    """model.lora.target_modules name linear layers the model has."""
+    from workers.trainer.lora import linear_names
+
+    present = linear_names(config.model.path)
+    missing = [name for name in config.model.lora.target_modules if name not in present]
+    if missing:
+        raise ConfigError(
+            f"config error: model.lora.target_modules = {list(config.model.lora.target_modules)}"
+            f": {missing} not among the linear layers of model.path = "
+            f"{config.model.path!r} ({sorted(present)})")
 
 
 def check_chat_template(config: Config) -> None:

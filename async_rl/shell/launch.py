@@ -117,6 +117,7 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
             writes_checkpoints=cfg.run.checkpoint_every > 0
             and (cfg.trainer.backend == "fsdp2" or ident.rank == 0),
             **role_models(cfg),
+            save_merged=cfg.run.save_merged,
         )
         for ident in layout.trainer
     ]

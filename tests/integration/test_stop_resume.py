@@ -3,6 +3,9 @@
 - In process: 6 steps straight against 3 steps, SIGINT, ``--resume``, 3 more, at
   max_staleness 0 with seeded sampling: the same prompts trained once each and final
   weights equal within float tolerance.
+- LoRA: a short run stopped by SIGINT and resumed trains every prompt once, its engines
+  resume with the checkpoint's adapter, each version carries only the adapters' bytes,
+  and final_model holds the peft adapter and the merged policy.
 - As a user's process: SIGTERM mid-run exits 143 with a checkpoint, a readable report,
   and no process of the run left behind.
 """
@@ -18,6 +21,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import psutil
@@ -27,7 +31,7 @@ from safetensors.torch import load_file
 
 from async_rl.config import Config
 from async_rl.config_io import decode_config
-from async_rl.control.checkpoint import CHECKPOINTS, latest_checkpoint
+from async_rl.control.checkpoint import CHECKPOINTS, TRAINER, latest_checkpoint
 from async_rl.run.run_dir import FINAL_MODEL, read_ledger, read_metrics
 from async_rl.shell.ray_shell import run_training
 
@@ -36,15 +40,17 @@ pytestmark = pytest.mark.ray
 STEPS = 6
 
 
-def config(model_dir: Path, out: Path, *, steps: int = STEPS) -> Config:
+def config(model_dir: Path, out: Path, *, steps: int = STEPS,
+           lora: dict[str, Any] | None = None) -> Config:
     return decode_config({
-        "model": {"path": str(model_dir)},
+        "model": {"path": str(model_dir), **({"lora": lora} if lora else {})},
         "task": {"eval_size": 0},
         "rollout": {"group_size": 4, "max_new_tokens": 6, "max_inflight_prompts": 4,
                     "sampling_seed": 7},
         "staleness": {"max_staleness": 0},
         "trainer": {"groups_per_step": 4, "micro_batch_tokens": 512, "lr": 1e-4},
-        "run": {"num_steps": steps, "output_dir": str(out), "progress": False},
+        "run": {"num_steps": steps, "output_dir": str(out), "progress": False,
+                "save_merged": bool(lora)},
     })
 
 
@@ -100,6 +106,43 @@ def test_stop_and_resume_trains_what_a_straight_run_trains(
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     print(f"largest weight difference, straight vs stopped and resumed: {worst:.3g}")
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a), worst
+
+
+def test_lora_stops_and_resumes_with_its_adapter_and_sends_only_adapters(
+    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
+) -> None:
+    out, steps = tmp_path / "lora", 4
+    lora = {"rank": 8, "alpha": 16}
+    signal_after_rows(out, 2, signal.SIGINT, os.getpid())
+    first = run_training(config(tiny_model_dir, out, steps=steps, lora=lora))
+    assert first.stopped == "SIGINT" and 2 <= first.steps < steps
+    checkpoint, state = latest_checkpoint(out)
+    assert state.version == first.steps
+    assert (checkpoint / TRAINER / "adapter" / "adapter_model.safetensors").is_file()
+    second = run_training(config(tiny_model_dir, out, steps=steps, lora=lora), resume=True)
+    assert second.stopped == "" and second.final_version == second.rollout_version == steps
+    assert len(trained(out)) == steps * 4 and set(trained(out).values()) == {1}
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+
+    full = sum(t.numel() * t.element_size()
+               for t in load_file(tiny_model_dir / "model.safetensors").values())
+    # Versions delivered beside the next step, in each of the two runs.
+    sent = [b["bytes"] for r in rows for b in r["broadcast"]]
+    assert len(sent) >= 2 and len(set(sent)) == 1
+    print(f"bytes per version: {sent[0]} of {full} ({sent[0] / full:.1%})")
+    assert 0 < sent[0] < 0.1 * full
+
+    final = out / FINAL_MODEL
+    adapter = load_file(final / "adapter_model.safetensors")
+    assert sum(t.numel() * t.element_size() for t in adapter.values()) == sent[0]
+    assert any(t.any() for k, t in adapter.items() if ".lora_B." in k)  # it trained
+    assert (final / "adapter_config.json").is_file()
+    merged = load_file(final / "merged" / "model.safetensors")
+    base = load_file(tiny_model_dir / "model.safetensors")
+    assert merged.keys() == base.keys()
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])
 
 
 def test_sigterm_exits_143_resumable_readable_and_leaves_nothing_behind(

@@ -18,7 +18,7 @@ from async_rl.control.batching import shard_batches
 from async_rl.shell.launch import free_port
 from buffers.records import Group, Prompt, Sample, ShardStepResult, make_group
 from workers.actors import TrainerActor
-from workers.model_config import ModelConfig
+from workers.model_config import LoraConfig, ModelConfig
 from workers.trainer.config import TrainerConfig
 
 pytestmark = pytest.mark.ray
@@ -56,12 +56,14 @@ def same(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
 
 
-def start_shards(model_dir: Path, world: int, trainer: TrainerConfig) -> list[Any]:
+def start_shards(model_dir: Path, world: int, trainer: TrainerConfig,
+                 lora: LoraConfig | None = None, **options: Any) -> list[Any]:
     cls = ray.remote(TrainerActor).options(num_cpus=0.5)
     port = free_port()
-    shards = [cls.remote(rank=r, world_size=world, model=ModelConfig(path=str(model_dir)),
-                         trainer=trainer, seed=0, master_port=port,
-                         writes_checkpoints=True) for r in range(world)]
+    model = ModelConfig(path=str(model_dir), lora=lora or LoraConfig())
+    shards = [cls.remote(rank=r, world_size=world, model=model, trainer=trainer, seed=0,
+                         master_port=port, writes_checkpoints=True, **options)
+              for r in range(world)]
     ray.get([s.setup.remote() for s in shards])
     return shards
 
@@ -186,22 +188,23 @@ def largest_difference(a: dict[str, Any], b: dict[str, Any]) -> float:
     return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
 
 
+@pytest.mark.parametrize("lora", [None, LoraConfig(rank=8)], ids=["full", "lora"])
 def test_fsdp2_trains_as_ddp_and_resumes_exactly_from_its_sharded_checkpoint(
-    tiny_model_dir: Path, ray_cluster: None, tmp_path: Path
+    tiny_model_dir: Path, ray_cluster: None, tmp_path: Path, lora: LoraConfig | None
 ) -> None:
     # Two updates a step (a proximal pass) and several micro-batches per update.
     common: dict[str, Any] = {"num_shards": 2, "groups_per_step": 8, "micro_batch_tokens": 64,
                               "max_grad_norm": 1e9, "mini_batches": 2}
     ddp, fsdp = TrainerConfig(**common), TrainerConfig(backend="fsdp2", **common)
     data, later = groups(8), groups(8, seed=1)
-    replicas = start_shards(tiny_model_dir, 2, ddp)
+    replicas = start_shards(tiny_model_dir, 2, ddp, lora)
     by_ddp = step(replicas, data, ddp)
     ddp_weights = whole_policy(replicas)
     for shard in replicas:
         ray.get(shard.shutdown.remote())
         ray.kill(shard)
 
-    sharded = start_shards(tiny_model_dir, 2, fsdp)
+    sharded = start_shards(tiny_model_dir, 2, fsdp, lora)
     by_fsdp = step(sharded, data, fsdp)
     assert len(by_fsdp) == len(by_ddp) == 2
     for a, b in zip(by_ddp, by_fsdp, strict=True):
@@ -219,13 +222,15 @@ def test_fsdp2_trains_as_ddp_and_resumes_exactly_from_its_sharded_checkpoint(
     assert (checkpoint / "sharded" / ".metadata").is_file()
     assert len(list((checkpoint / "sharded").glob("*.distcp"))) == 2  # one per shard
     assert (checkpoint / "model.safetensors").is_file()  # engines resume from it
+    if lora is not None:  # with the adapter beside the base weights
+        assert (checkpoint / "adapter" / "adapter_model.safetensors").is_file()
     straight = step(sharded, later, fsdp)
     straight_weights = whole_policy(sharded)
     for shard in sharded:
         ray.get(shard.shutdown.remote())
         ray.kill(shard)
 
-    resumed = start_shards(checkpoint, 2, fsdp)
+    resumed = start_shards(checkpoint, 2, fsdp, lora)
     ray.get([s.load_training_state.remote(str(checkpoint)) for s in resumed])
     again = step(resumed, later, fsdp)
     assert [r.loss.loss_sum for r in again] == [r.loss.loss_sum for r in straight]
@@ -257,3 +262,54 @@ def test_hybrid_sharding_trains_as_ddp(tiny_model_dir: Path, ray_cluster: None) 
         assert b.loss.loss_sum == pytest.approx(a.loss.loss_sum, abs=1e-5)
         assert b.grad_norm == pytest.approx(a.grad_norm, abs=1e-5)
     assert largest_difference(ddp_weights, hybrid_weights) < 1e-5
+
+
+def trainer_logprobs(shard: TrainerActor, batch: Any) -> tuple[list[Any], list[Any]]:
+    """The trainer's own log-probs of a batch (its packed forward, no gradient), and the
+    batch's (prompt, completion) token ids in the same order."""
+    sequences = batch.sequences(ray.get(list(batch.groups)))
+    logprobs = shard.losses.proximal(shard.losses.prepare(sequences))
+    return ([lp.detach().cpu() for lp in logprobs if lp is not None],
+            [(s.prompt_token_ids, s.completion_token_ids) for mb in sequences for s in mb])
+
+
+def test_lora_trains_adapters_only_and_peft_loads_what_the_trainer_computes(
+    tiny_model_dir: Path, ray_cluster: None, tmp_path: Path
+) -> None:
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    trainer = TrainerConfig(groups_per_step=4, micro_batch_tokens=512, lr=1e-2)
+    (shard,) = start_shards(tiny_model_dir, 1, trainer, LoraConfig(rank=8, alpha=16),
+                            save_merged=True)
+    before = weights_of(shard)
+    (result,) = step([shard], groups(4), trainer)
+    assert result.loss.tokens > 0 and math.isfinite(result.grad_norm)
+    after = weights_of(shard)
+    moved = sorted(k for k in before if not before[k].equal(after[k]))
+    assert moved and all(".lora_" in k for k in moved)  # the base is frozen
+    assert any(".lora_B." in k for k in moved)  # B leaves zero: the policy changed
+    final = tmp_path / "final_model"
+    assert ray.get(shard.save.remote(str(final)))
+    batches, _ = shard_batches(by_reference(groups(4, seed=2)), 1, trainer, step=2)
+    logprobs, sequences = ray.get(shard.__ray_call__.remote(trainer_logprobs, batches[0]))
+    ray.get(shard.shutdown.remote())
+    ray.kill(shard)
+
+    expected = torch.cat(logprobs)
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    loaded = {"peft": PeftModel.from_pretrained(base, final).eval(),
+              "merged": AutoModelForCausalLM.from_pretrained(final / "merged").eval()}
+    assert len(sequences) == 16 and expected.numel() == sum(len(c) for _, c in sequences)
+    for how, model in loaded.items():
+        got = []
+        with torch.no_grad():
+            for prompt, completion in sequences:
+                ids = torch.tensor([list(prompt) + list(completion)])
+                logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float()
+                got.append(torch.log_softmax(logits, -1).gather(
+                    -1, torch.tensor(completion)[:, None])[:, 0])
+        worst = float((torch.cat(got) - expected).abs().max())
+        print(f"largest log-prob difference, trainer vs {how}: {worst:.3g}")
+        assert worst < 1e-5, how

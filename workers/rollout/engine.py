@@ -184,6 +184,7 @@ def build_engine(
 
     return AsyncLLM.from_engine_args(
         AsyncEngineArgs(
+            **lora_engine_args(model),
             model=model.path,
             dtype=engine_dtype(rollout, model),
             seed=seed,
@@ -199,6 +200,20 @@ def build_engine(
             distributed_executor_backend="uni" if in_core else None,
         )
     )
+
+
+LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The adapter ranks vLLM's engines are built for (``max_lora_rank``); an adapter of a
+rank in between runs in the next one up."""
+
+
+def lora_engine_args(model: ModelConfig) -> dict[str, Any]:
+    """With model.lora on: the engine serves the policy as base model + one adapter
+    (``workers.rollout.adapter_serving``)."""
+    if not model.lora.enabled:
+        return {}
+    return dict(enable_lora=True, max_loras=1, max_cpu_loras=1,
+                max_lora_rank=next(r for r in LORA_RANKS if r >= model.lora.rank))
 
 
 def engine_request(engine: AsyncLLM, prompt: str | list[int]) -> Any:

@@ -20,6 +20,7 @@ import asyncio
 import hashlib
 import itertools
 import os
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -31,6 +32,7 @@ from workers.errors import RolloutWorkerError
 from workers.model_config import ModelConfig
 from workers.rewards.function import RewardFn
 from workers.rewards.runner import UserRewards
+from workers.rollout.adapter_serving import serve_policy_adapter
 from workers.rollout.config import RolloutConfig
 from workers.rollout.engine import (
     build_engine,
@@ -109,6 +111,8 @@ class RolloutWorker:
                                    device=device, enabled=record_spans)
 
         self._engine: AsyncLLM | None = None
+        self._lora_request: Any = None  # with model.lora on: the policy's adapter
+        self._adapter_dir = ""  # the engine's adapter folder, removed at shutdown
         self._tokenizer: Any = None  # the model's tokenizer, from start()
         self._environment = environment if environment and environment.enabled else None
         self._make_environment = make_environment
@@ -145,6 +149,9 @@ class RolloutWorker:
             self._usage = UsageMeter(gpu_uuid=cuda_uuid(0))
         # The engine labels every step's tokens with this: the version of model.path.
         await self._engine.update_weight_version(str(self._receiver.version))
+        if self._model.lora.enabled:
+            self._lora_request, self._adapter_dir = await serve_policy_adapter(
+                self._engine, self._model)
         await self._idle.start(self._engine, self._rollout)
         cfg = self._rollout
         from transformers import AutoTokenizer
@@ -177,6 +184,8 @@ class RolloutWorker:
             self._turns.close()
         if engine is not None:
             engine.shutdown()
+        if self._adapter_dir:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)
 
     def _ready(self) -> AsyncLLM:
         failed = self._failed or self._idle.failed or self._receiver.failed
@@ -239,7 +248,7 @@ class RolloutWorker:
             # A text prompt: vLLM tokenises it itself. Either way the ids it really used
             # come back on the outputs (the trainer must see exactly those).
             async for out in engine.generate(engine_request(engine, prompt), params,
-                                             request_id):
+                                             request_id, lora_request=self._lora_request):
                 prompt_ids = prompt_ids or tuple(out.prompt_token_ids or ())
                 completion = out.outputs[0]
                 new = list(completion.token_ids)

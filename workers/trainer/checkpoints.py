@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -166,11 +167,15 @@ class CheckpointWriter:
 
     def start(self, out_dir: str, *, module: torch.nn.Module,
               optimizer: torch.optim.Optimizer, whole: dict[str, torch.Tensor],
-              tokenizer: Any) -> None:
+              tokenizer: Any,
+              save_model: Callable[[Path, dict[str, torch.Tensor]], None] | None = None,
+              ) -> None:
         """Snapshots the state to resume from and starts writing it into ``out_dir``.
 
         ``whole``: the policy's state dict, whole, where this shard writes the Hugging
         Face model (empty on fsdp2's other shards). Waits for an earlier write first.
+        ``save_model``: writes the policy folder from (the copy of) ``whole`` instead of
+        a Hugging Face save of it with the tokenizer (LoRA: base files and adapter).
         """
         self.wait()
         out = Path(out_dir)
@@ -182,7 +187,9 @@ class CheckpointWriter:
 
         def write() -> None:
             out.mkdir(parents=True, exist_ok=True)
-            if whole:
+            if whole and save_model is not None:
+                save_model(out, whole)
+            elif whole:
                 module.save_pretrained(out, state_dict=whole)  # type: ignore[operator]
                 tokenizer.save_pretrained(out)
             if self.backend == "fsdp2":

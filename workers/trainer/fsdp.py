@@ -31,8 +31,11 @@ from torch.distributed.fsdp import (
 )
 from torch.distributed.tensor import DTensor, distribute_tensor
 
+from workers.model_config import LoraConfig
 from workers.trainer.config import FsdpDtype, TrainerConfig
 from workers.trainer.device_setup import decoder_layers
+from workers.trainer.lora import attach, base_name
+from workers.weights.adapter import is_adapter_tensor
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -65,18 +68,22 @@ def _policies(trainer: TrainerConfig, device: torch.device
 
 
 def build_sharded(model_path: str, *, dtype: torch.dtype, device: torch.device,
-                  trainer: TrainerConfig) -> torch.nn.Module:
+                  trainer: TrainerConfig, lora: LoraConfig | None = None) -> torch.nn.Module:
     """The policy, sharded over the default process group (which must be initialised).
 
     Built on the meta device (no memory), sharded, then each shard's memory allocated
     and filled from the safetensors files: a shard reads one whole tensor at a time
-    (memory-mapped) and keeps its own slice of it.
+    (memory-mapped) and keeps its own slice of it. With ``lora`` on, the adapters are
+    injected before sharding (each decoder layer's shard holds its adapters' slices;
+    ``workers.trainer.lora.init_adapters`` sets them).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         module: torch.nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if lora is not None and lora.enabled:
+        attach(module, lora, model_path)
     layers = decoder_layers(module)
     if not layers:
         raise ValueError(f"{model_path}: no decoder layers to shard (none of the classes "
@@ -124,7 +131,10 @@ def _load_shards(module: torch.nn.Module, model_dir: Path) -> None:
         where = {key: handle for handle in handles for key in handle.keys()}  # noqa: SIM118
         targets = [*module.named_parameters(), *module.named_buffers()]
         with torch.no_grad():
-            for name, target in targets:
+            for injected, target in targets:
+                if is_adapter_tensor(injected):
+                    continue  # not in the base files: init_adapters sets them
+                name = base_name(injected)
                 if name not in where:
                     if isinstance(target, DTensor):
                         raise KeyError(f"{model_dir}: no weights for {name}")

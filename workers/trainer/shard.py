@@ -42,6 +42,13 @@ from workers.trainer.checkpoints import CheckpointWriter, load
 from workers.trainer.config import TrainerConfig
 from workers.trainer.device_setup import speed_up
 from workers.trainer.fsdp import build_sharded, full_shapes, full_state, gather_buckets
+from workers.trainer.lora import (
+    LoraPolicy,
+    adapter_state,
+    attach,
+    init_adapters,
+    merged_state,
+)
 from workers.trainer.loss import Normaliser, PendingStats, read_stats
 from workers.trainer.phase_clock import PhaseClock
 from workers.trainer.ppo_update import Prepared, StepLoss
@@ -80,6 +87,7 @@ class TrainerShard:
         writes_checkpoints: bool = False,
         reference_path: str = "",
         critic: CriticConfig | None = None,
+        save_merged: bool = False,
     ) -> None:
         """``reference_path``: the frozen reference policy's weights ("" = none);
         ``critic``: the critic's section, its path resolved (None = none). Both live
@@ -101,6 +109,10 @@ class TrainerShard:
         """The engines' dtype (rollout.dtype): published weights are cast to it."""
         self.writes_checkpoints = writes_checkpoints
         """``save_checkpoint`` will be called: make its buffers ahead (``prepare``)."""
+        self.save_merged = save_merged
+        """With LoRA, ``save`` writes the merged policy too (run.save_merged)."""
+        self.lora: LoraPolicy | None = None
+        """With model.lora on (from setup): what versions, checkpoints and saves hold."""
         self.cpu_ids = cpu_ids
         self.master_addr = master_addr
         self.master_port = master_port
@@ -139,13 +151,19 @@ class TrainerShard:
                                master_port=self.master_port, rank=self.rank,
                                world_size=self.world_size, offload=self.config.offload)
         dtype = _DTYPES[self.model_config.dtype]
+        lora = self.model_config.lora
         module: torch.nn.Module
         if sharded:
             module = build_sharded(self.model_config.path, dtype=dtype, device=self.device,
-                                   trainer=self.config)
+                                   trainer=self.config, lora=lora)
         else:
             module = AutoModelForCausalLM.from_pretrained(self.model_config.path, dtype=dtype)
+            if lora.enabled:
+                attach(module, lora, self.model_config.path)
             module.to(self.device)  # type: ignore[arg-type]
+        if lora.enabled:
+            init_adapters(module, self.model_config.path, self.seed)
+            self.lora = LoraPolicy(lora, self.model_config.path)
         module.train()
         if self.config.packed:
             use_packed_attention(module)
@@ -158,7 +176,9 @@ class TrainerShard:
         )
         self.checkpoints = CheckpointWriter(rank=self.rank, backend=self.config.backend)
         self.optimizer = torch.optim.AdamW(
-            module.parameters(), lr=self.config.lr, weight_decay=self.config.weight_decay,
+            # All of them, or with LoRA the adapters only (the rest is frozen).
+            [p for p in module.parameters() if p.requires_grad], lr=self.config.lr,
+            weight_decay=self.config.weight_decay,
             # One fused kernel over every tensor: on CPU 3-5x faster than the default
             # per-tensor loop (bench/packing.py measures both).
             fused=self.device.type in ("cpu", "cuda"),
@@ -356,12 +376,19 @@ class TrainerShard:
             raise RuntimeError(f"trainer shard {self.rank}: no rollout worker connected")
         return self.sender
 
-    def _state(self) -> dict[str, torch.Tensor]:
-        """The policy's state dict, whole: ddp's replica itself; with fsdp2 gathered onto
-        rank 0 in CPU memory ({} on the other shards, which must call it too)."""
+    def _whole(self) -> dict[str, torch.Tensor]:
+        """The model's state dict, whole: ddp's replica itself; with fsdp2 gathered onto
+        rank 0 in CPU memory ({} on the other shards, which must call it too). With LoRA
+        it holds the base weights and the adapters apart."""
         if self.config.backend == "fsdp2":
             return full_state(self.module)
         return {name: t.detach() for name, t in self.module.state_dict().items()}
+
+    def _state(self) -> dict[str, torch.Tensor]:
+        """The policy's weights, whole, under the base model's names (with LoRA, the
+        adapters merged in); {} where ``_whole`` is."""
+        whole = self._whole()
+        return merged_state(whole, self.lora.lora) if self.lora and whole else whole
 
     def snapshot_weights(self, version: int) -> int:
         """Copies the weights as ``version`` for the sends to come; returns their bytes
@@ -371,7 +398,10 @@ class TrainerShard:
         sends then run beside the next steps. With fsdp2 every shard gathers the weights
         with shard 0 bucket by bucket (``weights.bucket_mb``), and shard 0 copies each
         bucket into its snapshot before the next is gathered: no rank holds a second
-        whole copy of the model."""
+        whole copy of the model. With LoRA the version is the adapters only."""
+        if self.lora is not None:  # the adapters only (docs/lora.md)
+            adapters = adapter_state(self._whole())
+            return self._connected().snapshot(version, adapters.items()) if adapters else 0
         params = list(self.module.named_parameters())
         shapes = [(name, p.shape, p.dtype) for name, p in params]
         if self.config.backend != "fsdp2":
@@ -404,6 +434,12 @@ class TrainerShard:
     def save(self, out_dir: str) -> bool:
         """Writes the current policy in Hugging Face format (model only); False on an
         fsdp2 shard that only took part in the gather (it writes nothing)."""
+        if self.lora is not None:  # the adapter in peft's format, and merged on request
+            whole = self._whole()
+            if whole:
+                self.lora.save_final(out_dir, whole, self.tokenizer, self.module,
+                                     merged=self.save_merged)
+            return bool(whole)
         state = self._state()
         if state:
             self.module.save_pretrained(out_dir, state_dict=state)  # type: ignore[operator]
@@ -411,8 +447,13 @@ class TrainerShard:
 
     def save_policy(self, out_dir: str) -> None:
         """The policy as a Hugging Face model with its tokenizer: an engine can start
-        from the folder (a restarted rollout worker, a resumed run)."""
-        if self.save(out_dir):
+        from the folder (a restarted rollout worker, a resumed run). With LoRA: the base
+        model's files and the adapter in ``adapter/``."""
+        if self.lora is not None:
+            whole = self._whole()
+            if whole:
+                self.lora.save_policy(out_dir, adapter_state(whole), self.tokenizer)
+        elif self.save(out_dir):
             self.tokenizer.save_pretrained(out_dir)
 
     def save_checkpoint(self, out_dir: str) -> None:
@@ -423,15 +464,22 @@ class TrainerShard:
         ddp: shards are replicas, so one shard's copy is the checkpoint; fsdp2: every
         shard is called and writes its own part.
         """
-        self.checkpoints.start(out_dir, module=self.module, optimizer=self.optimizer,
-                               whole=self._state(), tokenizer=self.tokenizer)
+        lora = self.lora
+        self.checkpoints.start(
+            out_dir, module=self.module, optimizer=self.optimizer,
+            whole=adapter_state(self._whole()) if lora else self._state(),
+            tokenizer=self.tokenizer,
+            save_model=(lambda out, adapters: lora.save_policy(out, adapters, self.tokenizer))
+            if lora else None)
         if self.roles is not None and self.roles.critic is not None:
             self.roles.critic.save(out_dir)  # small beside the policy: written here
 
     def _prepare_checkpoint(self) -> None:
         """Starts making the snapshot buffers (``CheckpointWriter.prepare``)."""
-        whole = (self._state() if self.config.backend == "ddp"
+        whole = (self._whole() if self.config.backend == "ddp"
                  else full_shapes(self.module) if self.rank == 0 else {})
+        if self.lora is not None:
+            whole = adapter_state(whole)
         self.checkpoints.prepare(module=self.module, optimizer=self.optimizer, whole=whole)
 
     def checkpoint_written(self) -> None:
@@ -449,6 +497,8 @@ class TrainerShard:
 
     def shutdown(self) -> None:
         self.checkpoints.close()
+        if self.lora is not None:
+            self.lora.close()
         if self.sender is not None:
             self.sender.shutdown()
         if dist.is_initialized():

@@ -58,6 +58,8 @@ class Published(msgspec.Struct, frozen=True, kw_only=True):
 
     version: int
     publish_s: float
+    bytes: int = 0
+    """The snapshot's size (the source shard's answer)."""
 
 
 class WeightBroadcast:
@@ -77,9 +79,10 @@ class WeightBroadcast:
         captures exactly the weights of ``version`` even if training goes on meanwhile.
         """
         started = time.perf_counter()
-        await each([functools.partial(shard.snapshot_weights.remote, version)
-                    for shard in [self.source_shard, *self.gather_from]])
-        return Published(version=version, publish_s=time.perf_counter() - started)
+        sizes = await each([functools.partial(shard.snapshot_weights.remote, version)
+                            for shard in [self.source_shard, *self.gather_from]])
+        return Published(version=version, publish_s=time.perf_counter() - started,
+                         bytes=sizes[0])
 
     async def deliver(self, published: Published, ranks: Sequence[int]
                       ) -> tuple[list[BroadcastTiming], list[int]]:
@@ -99,6 +102,7 @@ class WeightBroadcast:
                                 wire_end=0.0, attempts=0)
         release = self.source_shard.release_weights.options(concurrency_group=SEND_GROUP)
         await release.remote(published.version)
-        timings = [msgspec.structs.replace(t, publish_s=published.publish_s)
+        timings = [msgspec.structs.replace(t, publish_s=published.publish_s,
+                                           bytes=published.bytes)
                    for t in delivery.timings]
         return timings, list(delivery.failed)

@@ -31,6 +31,7 @@ into messages (``workers.weights.bucket_transfer``).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any, ClassVar, Self
@@ -50,6 +51,7 @@ from vllm.distributed.weight_transfer.factory import (
     WeightTransferTrainerFactory,
 )
 
+from workers.weights.adapter import is_adapter_version
 from workers.weights.bucket_plan import plan_buckets, segment_layout
 from workers.weights.bucket_transfer import (
     SENDER,
@@ -125,6 +127,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         """The trainer's shared segment, mapped (a local member), kept across versions."""
         self._segment_write = 0
         """The segment's write that ``_staged`` views (0: staged in this process's memory)."""
+        self.adapter_loader: Callable[[list[tuple[str, torch.Tensor]]], None] | None = None
+        """Set by the worker extension when the engine serves the policy as a LoRA
+        adapter (``serve_adapter``): a version of adapter tensors goes to it instead of
+        into the model's weights."""
 
     def init_transfer_engine(self, init_info: GlooInitInfo) -> None:
         """Joins a (new) group; called again whenever the trainer rebuilds it."""
@@ -204,6 +210,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if not staged:
             raise RuntimeError("gloo weight transfer: finish_weight_update before a whole "
                                "version was received")
+        if self.adapter_loader is not None and is_adapter_version(n for n, _ in staged):
+            self.adapter_loader(staged)
+            return
         load_weights: Any = self.model.load_weights  # every vLLM model defines it
         initialize_layerwise_reload(self.model)
         with disable_mtp_completeness_check():

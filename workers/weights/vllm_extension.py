@@ -6,7 +6,9 @@ through its import the "gloo" weight-transfer backend: vLLM imports this module 
 worker process before it builds the worker's weight-transfer engine, and importing
 ``workers.weights.gloo_transfer`` registers the backend with vLLM's factory there.
 
-The mix-in owns the worker process's idle wait: ``watch_idle_reads`` (once, after the
+The mix-in owns the worker process's LoRA adapter (``serve_adapter``: with model.lora on,
+each weight version arrives as adapter tensors and replaces the one adapter the engine
+serves, in place) and its idle wait: ``watch_idle_reads`` (once, after the
 engine is built) and ``stop_spinning`` (whenever the rollout worker has nothing in
 flight); see ``stop_spinning`` for why vLLM spins and what these change.
 
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import gc
 import math
+import os
 from typing import Any
 
 # Imported for its registration of the "gloo" backend (see the module docstring).
@@ -58,6 +61,32 @@ class WorkerExtension:
         shm_broadcast.SHM_READER_RECHECK_INTERVAL_MS = recheck_ms
         self._idle_readers = readers
         return len(readers)
+
+    def serve_adapter(self, adapter_dir: str) -> None:
+        """Makes the gloo backend hand adapter versions to ``_load_adapter``: written
+        into ``adapter_dir`` (the folder every request's ``LoRARequest`` names) and
+        loaded in place, under the same adapter id, so requests in flight go on with the
+        new adapter from their next token, as they do with new weights. (vLLM's worker
+        then drops its adapters after any weight update, ``reset_lora_state``, and the
+        next step loads the adapter again from the folder: the new version either way.)"""
+        engine: Any = getattr(self, "weight_transfer_engine", None)
+        if engine is None or not hasattr(engine, "adapter_loader"):
+            raise RuntimeError("LoRA versions need the gloo weight-transfer backend "
+                               f"(found {type(engine).__name__})")
+        engine.adapter_loader = lambda staged: self._load_adapter(adapter_dir, staged)
+
+    def _load_adapter(self, adapter_dir: str, staged: list[tuple[str, Any]]) -> None:
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        from workers.weights.adapter import WEIGHTS_FILE, policy_lora_request
+
+        path = os.path.join(adapter_dir, WEIGHTS_FILE)
+        # Copies: the staged tensors are views of the transfer's buckets.
+        save_file({name: t.clone() for name, t in staged}, path + ".tmp")
+        os.replace(path + ".tmp", path)
+        request: LoRARequest = policy_lora_request(adapter_dir, reload=True)
+        self.add_lora(request)  # type: ignore[attr-defined]  # the worker's own method
 
     def stop_spinning(self) -> None:
         """Makes this process's queue readers block now instead of spinning.
