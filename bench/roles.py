@@ -35,13 +35,12 @@ import msgspec
 from quiet_stdout import show, stdout_to_stderr
 from rich.console import Console
 from rich.table import Table
-from safetensors import safe_open
 
 from async_rl.analysis.report import idle_of, read_spans
 from async_rl.config import Config
 from async_rl.config_io import load_config
 from async_rl.run.inputs import check_inputs
-from async_rl.run.run_dir import FINAL_MODEL, read_metrics
+from async_rl.run.run_dir import read_metrics
 from buffers.config import ConfigError
 
 ARMS: list[tuple[str, tuple[str, ...]]] = [
@@ -49,6 +48,7 @@ ARMS: list[tuple[str, tuple[str, ...]]] = [
     ("grpo+kl", ("trainer.kl_coef=0.05",)),
     ("ppo", ("algorithm.advantage=gae", "critic.lr=1e-4", "critic.warmup_steps=5",
              "trainer.kl_coef=0.01", "trainer.kl_estimator=k1", "trainer.kl_in_reward=true")),
+    ("grpo+lora", ("model.lora.rank=8", "trainer.lr=1e-3")),
 ]
 """(name, overrides) per arm, in the order they run."""
 
@@ -97,13 +97,11 @@ def arm_config(task_config: str, task: str, arm: str, overrides: Sequence[str],
 
 
 def version_bytes(run_dir: Path) -> int:
-    """Bytes of the tensors of one full weight version (the final model's)."""
-    total = 0
-    with safe_open(str(run_dir / FINAL_MODEL / "model.safetensors"), "pt") as f:
-        for name in f.keys():  # noqa: SIM118 (safe_open has no __iter__)
-            tensor = f.get_tensor(name)
-            total += tensor.numel() * tensor.element_size()
-    return total
+    """Bytes of one weight version as the broadcasts sent it (metrics.jsonl's broadcast
+    entries: a full version, or with LoRA the adapters only); 0 if none was sent."""
+    sent = [entry["bytes"] for row in read_metrics(run_dir)
+            for entry in row.get("broadcast", ()) if entry.get("bytes")]
+    return max(sent, default=0)
 
 
 def measure(task: str, arm: str, config: Config) -> ArmFigures:
