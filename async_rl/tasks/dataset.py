@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from async_rl.config import DatasetTaskConfig
+from async_rl.task_config import DatasetTaskConfig
 from async_rl.tasks.sources import IndexedSource, PassOrder
 from buffers.config import ConfigError
 from buffers.records import Prompt

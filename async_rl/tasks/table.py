@@ -6,7 +6,7 @@ simulator, its own environment), ``build_task`` (a config's prompt source, rewar
 held-out prompts: the shell, the simulator and the benchmarks build a task through it),
 ``check_task`` (``async_rl.run.inputs``' check of the task's files) and ``worker_task``
 (what the rollout workers and the evaluator get of the task). This module is the one
-place a task's kind picks what happens; each kind's section (``async_rl.config``) holds
+place a task's kind picks what happens; each kind's section (``async_rl.task_config``) holds
 only its own keys. Knows nothing about Ray, engines or the run's loops.
 """
 
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from async_rl.config import (
+from async_rl.config import Config
+from async_rl.task_config import (
     CalculatorTaskConfig,
-    Config,
     DatasetTaskConfig,
     JsonlTaskConfig,
     TaskConfig,
@@ -143,7 +143,7 @@ TASKS: dict[str, TaskKind] = {
     "jsonl": TaskKind(build=_jsonl, check=_check_jsonl),
     "dataset": TaskKind(build=_dataset, check=_check_dataset),
 }
-"""Every task.kind (the keys of ``async_rl.config.TASK_SECTIONS``) and its row."""
+"""Every task.kind (the keys of ``async_rl.task_config.TASK_SECTIONS``) and its row."""
 
 
 def build_task(config: Config) -> Task:

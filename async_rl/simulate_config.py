@@ -1,0 +1,106 @@
+"""The ``[simulate]`` section: what ``async-rl simulate`` reads beside the run's config.
+
+Owns: ``SimulateConfig`` (hardware file, length law, model size, trace detail) and
+``HardwareOverrides`` (any hardware-file key, set from the config or ``--set``). The
+root ``async_rl.config.Config`` holds it; the simulator (``async_rl.sim``) reads it.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import msgspec
+
+from buffers.config import Fraction, NonNegative, Positive, PositiveFloat
+
+NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
+
+
+class HardwareOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+                        omit_defaults=True):
+    """``[simulate.hardware_overrides]``: any key of the hardware file, replacing its
+    value (``--set simulate.hardware_overrides.train_mfu=0.2``); unset keys keep the
+    file's. Each key means what it means in the file (docs/simulator.md, "The cost
+    model")."""
+
+    devices_per_rollout_worker: Positive | None = None
+    devices_per_trainer_shard: Positive | None = None
+    peak_flops: PositiveFloat | None = None
+    memory_bandwidth: PositiveFloat | None = None
+    interconnect_bandwidth: PositiveFloat | None = None
+    train_mfu: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    decode_mfu: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    memory_efficiency: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    device_memory: NonNegativeFloat | None = None
+    engine_release_s: NonNegativeFloat | None = None
+    engine_reload_s: NonNegativeFloat | None = None
+    decode_step_s: NonNegativeFloat | None = None
+    micro_batch_s: NonNegativeFloat | None = None
+    update_s: NonNegativeFloat | None = None
+    publish_s: NonNegativeFloat | None = None
+    weight_load_s: NonNegativeFloat | None = None
+    weight_member_s: NonNegativeFloat | None = None
+    call_s: NonNegativeFloat | None = None
+    cores: NonNegative | None = None
+    engine_processes: PositiveFloat | None = None
+    contention: NonNegativeFloat | None = None
+
+
+class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """What ``async-rl simulate`` needs besides the run's own sections: the hardware,
+    the lengths and the model's size (``async-rl train`` ignores this section)."""
+
+    hardware: str = "cpu"
+    """A hardware file (TOML: devices per worker, peak FLOP/s, memory bandwidth, MFUs,
+    interconnect bandwidth, fixed overheads; docs/simulator.md), or a shipped one by name:
+    cpu (this project's 2-core test machine, calibrated), h100, h200, a100, h20."""
+    lengths: str = "task"
+    """Where completion lengths come from: "task" (the built-in task's reference
+    completions: arithmetic, longtail), "lognormal" (simulate.length_median and
+    length_sigma), "empirical" (drawn from simulate.length_values), "file:PATH" (drawn
+    from the integers in a text file: a dataset's reference lengths, counted with its
+    tokenizer), or a run directory, whose ledger's generated lengths are replayed prompt
+    by prompt. All are capped at rollout.max_new_tokens."""
+    length_median: PositiveFloat = 200.0
+    """Median completion tokens of lengths = "lognormal"."""
+    length_sigma: Annotated[float, msgspec.Meta(ge=0)] = 1.0
+    """Standard deviation of log(length) of lengths = "lognormal"."""
+    group_spread: Annotated[float, msgspec.Meta(ge=0)] = 0.3
+    """lognormal: the part of length_sigma shared by a group's samples is the rest; this
+    is the standard deviation of log(length) between samples of one prompt."""
+    length_values: tuple[Annotated[int, msgspec.Meta(ge=1)], ...] = ()
+    """The completion lengths lengths = "empirical" draws from."""
+    prompt_tokens: NonNegative = 0
+    """Tokens of every prompt; 0 = each prompt's text length in bytes (the byte-level
+    tokenizer of the built-in models)."""
+    hardware_overrides: HardwareOverrides = msgspec.field(default_factory=HardwareOverrides)
+    """Keys of the hardware file replaced for this run (``[simulate.hardware_overrides]``
+    or ``--set simulate.hardware_overrides.KEY=VALUE``): devices per rollout worker and
+    per trainer shard, MFUs, bandwidths, device memory, fixed overheads."""
+    parameters: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Model parameters (all of them: what the weights weigh, in memory and on the wire);
+    0 = counted from model.path's config.json."""
+    active_parameters: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Parameters one token passes through (a mixture of experts': the shared ones and
+    the experts routed to): what training and decode FLOPs count; 0 = all of them
+    (simulate.parameters). Expert parallelism is not modelled: an engine or a trainer
+    shard holds every expert."""
+    kv_bytes_per_token: NonNegative = 0
+    """KV-cache bytes one token of context holds (2 x layers x kv heads x head dim x
+    bytes); 0 = from model.path's config.json."""
+    attention_width: NonNegative = 0
+    """Layers x query heads x head dim: training a sequence of T tokens costs 6 x this x
+    T^2 FLOPs of causal attention besides 6 x parameters x T; 0 = from model.path's
+    config.json, or not counted when it has none."""
+    reward_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Reward (or tool) latency of a group after its last sample; the engine goes on
+    generating meanwhile."""
+    reward_p: Fraction = 0.5
+    """Chance that a sample scores 1. Learning is not simulated: held-out accuracy stays
+    at this value."""
+    detail: Positive = 16
+    """Rollout engines the trace (trace.json) shows one by one when there are more:
+    this many evenly spaced ranks, plus the most idle few; every trainer shard is kept,
+    and idle.json and the idle table account for every device. Past 16 devices the
+    timeline draws one row per role and the most idle devices. (Read by the report of
+    any run directory, real or simulated.)"""
