@@ -3,7 +3,8 @@
 Owns: the order of a run, read top to bottom in ``Orchestrator.run``: evaluate the base
 policy, then two loops side by side —
 
-- ``rollout_loop``: prompt source -> AdmissionGate -> a rollout worker -> ReplayQueue;
+- the rollout side (``async_rl.control.rollout_admission``): prompt source ->
+  AdmissionGate -> a rollout worker -> ReplayQueue;
 - ``training_loop``: ReplayQueue -> plan -> trainer shards -> new version -> weights;
 
 with the evaluations due every ``run.eval_every`` steps beside them
@@ -36,20 +37,19 @@ import anyio.abc
 
 from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.config import Config
-from async_rl.control.batching import shard_batches, training_rewards, with_reward_failures
+from async_rl.control.batching import shard_batches
 from async_rl.control.checkpoint import RunState
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.evaluation_runner import EvaluationRunner
 from async_rl.control.prompt_ledger import PromptLedger
 from async_rl.control.protocols import (
     PublishedWeights,
-    RolloutClient,
-    RolloutFailed,
     RunFailed,
     Workers,
     first_error,
 )
 from async_rl.control.role_stages import RoleStages, role_metrics
+from async_rl.control.rollout_admission import RolloutAdmission
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.run_checkpoints import RunCheckpoints
 from async_rl.control.run_health import RunHealth
@@ -59,9 +59,7 @@ from async_rl.run.progress import RunProgress
 from async_rl.run.run_dir import FINAL_MODEL, RunWriter
 from async_rl.run.summary import EvalPoint, RunSummary
 from async_rl.tasks.sources import PromptSource
-from buffers.advantages import has_signal
 from buffers.concurrent_calls import each
-from buffers.queue_records import Dropped
 from buffers.records import Group, Prompt
 from buffers.replay_queue import ReplayQueue
 from buffers.reports import BroadcastTiming, CriticStepResult
@@ -134,7 +132,12 @@ class Orchestrator:
         # on_drop is called the moment a group goes stale, even while a take waits: the
         # slot must come back at once or the gate could stay shut while training waits.
         self.queue: ReplayQueue[Group] = ReplayQueue.from_config(
-            config.queue, config.staleness, on_drop=self._on_drop, clock=self.clock)
+            config.queue, config.staleness,
+            on_drop=lambda dropped: self.admitting.on_drop(dropped), clock=self.clock)
+        self.admitting = RolloutAdmission(
+            task=config.task, rollout=config.rollout, trainer=config.trainer, source=source,
+            gate=self.gate, pool=self.pool, prompts=self.prompts, totals=self.totals,
+            health=self.health, span=self.admission, queue=self.queue)
         # What a checkpoint gathers from all of the above.
         self.checkpoints = RunCheckpoints.from_config(
             config.run, config.trainer, out, self.gate, source, self.totals, self.prompts,
@@ -177,7 +180,7 @@ class Orchestrator:
         background.start_soon(self.health.stall_watch, lambda: len(self.pool))
         with RunProgress(self.config.run.num_steps, enabled=self.config.run.progress) as bar:
             async with anyio.create_task_group() as loops:
-                loops.start_soon(self.rollout_loop)
+                loops.start_soon(self.admitting.loop)
                 await self.training_loop(bar)
                 loops.cancel_scope.cancel()
         self.health.watching = False
@@ -215,62 +218,6 @@ class Orchestrator:
             evals=self.evals.points, target_accuracy=self.config.run.target_accuracy,
             stopped=stopped,
         )
-
-    async def rollout_loop(self) -> None:
-        """Admits prompts through the gate and hands each to the least-busy live worker."""
-
-        def waiting() -> None:
-            # Slots held by groups blocked on a full queue are backpressure.
-            full = self.queue.statistics().put_waits.waiting_now > 0
-            self.admission.switch("queue_full" if full else "admitting")
-
-        async with anyio.create_task_group() as generations:
-            while True:
-                if not self.gate.open_slots:
-                    self.admission.switch("gate_closed", self.gate.version)
-                await self.gate.acquire()
-                rank, worker = await self.pool.acquire(waiting)
-                self.admission.switch("admitting", self.gate.version)
-                prompt = self.prompts.admit(self.source)
-                generations.start_soon(self.generate, rank, worker, prompt)
-
-    async def generate(self, rank: int, worker: RolloutClient, prompt: Prompt) -> None:
-        """One prompt on one worker, then into the queue (waiting there is backpressure)."""
-        try:
-            # Every live engine runs the gate's version, so the group's tokens are no
-            # older: a take that must hold the group waits for it (wait_for_expiring).
-            with self.queue.expecting(self.gate.version):
-                group = await worker.generate(prompt)
-            if self.config.task.on_reward_failure == "zero":
-                group = with_reward_failures(group)
-            self.totals.generated(group)
-            # The members' lengths: what ``async-rl simulate --lengths RUN_DIR`` replays.
-            self.prompts.write(prompt, "generated", lengths=tuple(
-                group.completion_lengths[k] for k in group.members))
-            env = self.config.task.environment
-            if group.env_timeouts and env.on_timeout == "requeue":
-                self._requeue(prompt, "dropped", "env_timeout")  # the group runs again
-                return
-            if group.env_errors and env.on_error == "requeue":
-                self._requeue(prompt, "dropped", "env_error")
-                return
-            if len(group.members) < 2:  # no GRPO group: nothing to compare a member with
-                self.totals.too_few_members += 1
-                self._requeue(prompt, "dropped", "too_few_members")
-                return
-            if self._filtered(group):
-                return
-            # The worker's slot stays taken until the queue has room: backpressure. A
-            # group dropped as stale there is no progress (its prompt runs again).
-            if await self.queue.put(group):
-                self.health.progressed()
-        except RolloutFailed as failed:
-            self.health.rollout_failed(failed)
-            if failed.worker_gone:
-                self.pool.retire(rank, worker, failed.reason)  # dead, broken or stuck
-            self._requeue(prompt, "failed", f"rollout_error:{failed.reason}")
-        finally:
-            await self.pool.release(rank)
 
     async def training_loop(self, bar: RunProgress) -> None:
         """Take a step's groups, plan, train on every shard, publish the new version.
@@ -327,7 +274,7 @@ class Orchestrator:
                 self.health.progressed()
                 if untrained:  # nothing was trained: the step's prompts run again
                     for group in groups:
-                        self._requeue(group.prompt, "failed", untrained)
+                        self.admitting.requeue(group.prompt, "failed", untrained)
                     continue
                 t2 = self.clock()
                 staleness = [self.version - 1 - g.min_version for g in groups]
@@ -440,32 +387,5 @@ class Orchestrator:
                      self.stages.warmup_left, metrics.get("critic/value_loss", math.nan))
         self.health.progressed()
         for group in groups:
-            self._requeue(group.prompt, "failed" if lost else "dropped",
+            self.admitting.requeue(group.prompt, "failed" if lost else "dropped",
                           "samples_lost" if lost else "critic_warmup")
-
-    def _filtered(self, group: Group) -> bool:
-        """rollout.filter_groups (DAPO's dynamic sampling): a group whose rewards, as its
-        advantages see them, are all equal is dropped before the queue, for good (the
-        ledger accounts it; it is not run again), and its admission slot goes to a fresh
-        prompt. Too many in a row stop the run (``RunHealth.judged``)."""
-        cfg = self.config
-        if cfg.rollout.filter_groups == "none":
-            return False
-        informative = has_signal(training_rewards(group, cfg.trainer,
-                                                  cfg.rollout.max_new_tokens))
-        if not informative:
-            self.gate.release()
-            self.prompts.filtered(group.prompt, group.rewards)
-        self.health.judged(informative)
-        return not informative
-
-    def _on_drop(self, dropped: Dropped[Group]) -> None:
-        self.totals.dropped(dropped.item)
-        self._requeue(dropped.item.prompt, "dropped", dropped.reason)
-
-    def _requeue(self, prompt: Prompt, event: str, reason: str) -> None:
-        """Gives the prompt's admission slot back and runs it again: nothing is lost
-        (past run.max_readmissions it is dropped for good, and counted)."""
-        self.gate.release()
-        if not self.prompts.requeue(prompt, event, reason):
-            self.totals.readmissions_exhausted += 1
