@@ -37,22 +37,20 @@ from buffers.reports import UsageReading
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
 from workers.spans import UNRESOLVED, Span, SpanRecorder
-from workers.trainer.attention import use_packed_attention
 from workers.trainer.checkpoints import CheckpointWriter, load
 from workers.trainer.config import TrainerConfig
-from workers.trainer.device_setup import speed_up
-from workers.trainer.fsdp import build_sharded, full_shapes, full_state, gather_buckets
+from workers.trainer.fsdp import full_shapes, full_state
 from workers.trainer.lora import (
     LoraPolicy,
     adapter_state,
-    attach,
-    init_adapters,
     merged_state,
 )
 from workers.trainer.loss import Normaliser, PendingStats, read_stats
 from workers.trainer.phase_clock import PhaseClock
+from workers.trainer.policy_model import DTYPES, load_policy
 from workers.trainer.ppo_update import Prepared, StepLoss
 from workers.trainer.process import join_process_group, pin_to_cpus
+from workers.trainer.publisher import PolicyPublisher
 from workers.trainer.roles import StepRoles, build_roles
 from workers.trainer.roles_config import CriticConfig
 from workers.usage import UsageMeter, cuda_uuid
@@ -62,7 +60,6 @@ if TYPE_CHECKING:
     from workers.weights.broadcast import Delivery
     from workers.weights.sender import WeightSender
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 log = logging.getLogger(__name__)
 
 
@@ -98,8 +95,6 @@ class TrainerShard:
         self.config = trainer
         self.seed = seed
         self.weights = weights or WeightsConfig()
-        self.sender: WeightSender | None = None
-        """Shard 0's end of weight broadcasts, from the first ``connect_rollout``."""
         sampling = sampling or Sampling()  # how the rollout workers sample, rollout's section
         self.temperature = sampling.temperature
         """Rollout's sampling temperature: behaviour logprobs are of logits / temperature."""
@@ -117,6 +112,10 @@ class TrainerShard:
         self.master_addr = master_addr
         self.master_port = master_port
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.publisher = PolicyPublisher(
+            rank=rank, weights=self.weights, address=master_addr,
+            device=self.device, dtype=DTYPES[self.rollout_dtype],
+            sharded=trainer.backend == "fsdp2")
         label = (f"cuda:{torch.cuda.current_device()}" if self.device.type == "cuda"
                  else "cpu:" + ",".join(map(str, cpu_ids)))
         self.spans = SpanRecorder(worker=f"trainer-{rank}", role="trainer", rank=rank,
@@ -135,7 +134,7 @@ class TrainerShard:
 
     def setup(self) -> int:
         """Joins the process group, loads the model and builds the optimizer; returns pid."""
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         # Kept in memory for save_policy: model.path may be a checkpoint that a resumed
         # run later rotates away (run.keep_checkpoints).
@@ -150,24 +149,9 @@ class TrainerShard:
             join_process_group(self.device, master_addr=self.master_addr,
                                master_port=self.master_port, rank=self.rank,
                                world_size=self.world_size, offload=self.config.offload)
-        dtype = _DTYPES[self.model_config.dtype]
-        lora = self.model_config.lora
-        module: torch.nn.Module
-        if sharded:
-            module = build_sharded(self.model_config.path, dtype=dtype, device=self.device,
-                                   trainer=self.config, lora=lora)
-        else:
-            module = AutoModelForCausalLM.from_pretrained(self.model_config.path, dtype=dtype)
-            if lora.enabled:
-                attach(module, lora, self.model_config.path)
-            module.to(self.device)  # type: ignore[arg-type]
-        if lora.enabled:
-            init_adapters(module, self.model_config.path, self.seed)
-            self.lora = LoraPolicy(lora, self.model_config.path)
-        module.train()
-        if self.config.packed:
-            use_packed_attention(module)
-        self.compiled_layers = speed_up(module, self.config, self.device)
+        dtype = DTYPES[self.model_config.dtype]
+        module, self.lora, self.compiled_layers = load_policy(
+            self.model_config, self.config, self.device, self.seed)
         self.module = module
         """The model itself (with fsdp2, sharded: every forward is a collective)."""
         self.model: torch.nn.Module = (
@@ -360,21 +344,13 @@ class TrainerShard:
     # ---- weight broadcasts (the source shard only) -------------------------------------
 
     def connect_rollout(self, rank: int, actor: Any) -> None:
-        """Makes rollout worker ``rank`` a member of the weight-broadcast group (at
-        start-up, and when it is replaced)."""
-        if self.sender is None:
-            # vLLM is imported here, on the source shard only.
-            from workers.weights.sender import WeightSender
+        """Makes rollout worker ``rank`` a member of the weight-broadcast group."""
+        self.publisher.connect(rank, actor)
 
-            self.sender = WeightSender(self.weights, address=self.master_addr,
-                                       device=self.device,
-                                       dtype=_DTYPES[self.rollout_dtype])
-        self.sender.connect(rank, actor)
-
-    def _connected(self) -> WeightSender:
-        if self.sender is None:
-            raise RuntimeError(f"trainer shard {self.rank}: no rollout worker connected")
-        return self.sender
+    @property
+    def sender(self) -> WeightSender | None:
+        """Shard 0's end of weight broadcasts, from the first ``connect_rollout``."""
+        return self.publisher.sender
 
     def _whole(self) -> dict[str, torch.Tensor]:
         """The model's state dict, whole: ddp's replica itself; with fsdp2 gathered onto
@@ -391,38 +367,21 @@ class TrainerShard:
         return merged_state(whole, self.lora.lora) if self.lora and whole else whole
 
     def snapshot_weights(self, version: int) -> int:
-        """Copies the weights as ``version`` for the sends to come; returns their bytes
-        (0 on an fsdp2 shard that only takes part in the gather).
-
-        Called in order with training calls, so it captures exactly ``version``; the
-        sends then run beside the next steps. With fsdp2 every shard gathers the weights
-        with shard 0 bucket by bucket (``weights.bucket_mb``), and shard 0 copies each
-        bucket into its snapshot before the next is gathered: no rank holds a second
-        whole copy of the model. With LoRA the version is the adapters only."""
-        if self.lora is not None:  # the adapters only (docs/lora.md)
-            adapters = adapter_state(self._whole())
-            return self._connected().snapshot(version, adapters.items()) if adapters else 0
-        params = list(self.module.named_parameters())
-        shapes = [(name, p.shape, p.dtype) for name, p in params]
-        if self.config.backend != "fsdp2":
-            return self._connected().snapshot(version, params, shapes)
-        buckets = gather_buckets(self.module, self.weights.bucket_mb << 20)
-        if self.rank != 0:
-            for _ in buckets:
-                pass  # taking part in each gather
-            return 0
-        return self._connected().snapshot(
-            version, (pair for bucket in buckets for pair in bucket), shapes)
+        """Copies the weights as ``version`` for the sends to come (with LoRA the
+        adapters only); returns their bytes (0 on an fsdp2 shard that only takes part in
+        the gather). Called in order with training calls, so it captures exactly
+        ``version``; the sends then run beside the next steps."""
+        adapters = adapter_state(self._whole()) if self.lora is not None else None
+        return self.publisher.snapshot(version, self.module, adapters)
 
     def send_weights(self, version: int, ranks: Sequence[int], mode: UpdateMode | None = None
                      ) -> Delivery:
-        """Makes the snapshot of ``version`` the policy of rollout workers ``ranks``, in
-        one broadcast."""
-        return self._connected().send(version, ranks, mode)
+        """Makes the snapshot of ``version`` the policy of rollout workers ``ranks``."""
+        return self.publisher.send(version, ranks, mode)
 
     def release_weights(self, version: int) -> None:
         """Frees the snapshot of ``version`` (every send of it is done)."""
-        self._connected().release(version)
+        self.publisher.release(version)
 
     def policy_state(self) -> dict[str, torch.Tensor]:
         """The policy's weights (what the evaluator loads). Called in order with training
@@ -499,7 +458,6 @@ class TrainerShard:
         self.checkpoints.close()
         if self.lora is not None:
             self.lora.close()
-        if self.sender is not None:
-            self.sender.shutdown()
+        self.publisher.shutdown()
         if dist.is_initialized():
             dist.destroy_process_group()
