@@ -38,7 +38,7 @@ def publish(rank: int, port: int, model_dir: str, out: Any) -> None:
     the real snapshot path, counting the gathered bytes alive at each bucket."""
     import torch
 
-    import workers.trainer.shard as shard_module
+    import workers.trainer.publisher as publisher_module
     from workers.model_config import ModelConfig
     from workers.trainer.config import TrainerConfig
     from workers.trainer.fsdp import full_state, gather_buckets
@@ -61,7 +61,7 @@ def publish(rank: int, port: int, model_dir: str, out: Any) -> None:
             buckets[0] += 1
             yield bucket
 
-    shard_module.gather_buckets = counted  # the shard's own call, counted
+    publisher_module.gather_buckets = counted  # the publisher's own call, counted
     shard = TrainerShard(rank=rank, world_size=2, model=ModelConfig(path=model_dir),
                          trainer=TrainerConfig(backend="fsdp2", num_shards=2),
                          weights=WeightsConfig(bucket_mb=BUCKET_MB), seed=0,
