@@ -59,6 +59,7 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
     the weights at ``cfg.model.path`` (a checkpoint's, when resuming): rollout engines
     label their tokens with it from the start.
     """
+    roles = role_models(cfg)  # what each trainer shard builds beside the policy
     task = worker_task(cfg.task, built, rewards)
     layout = assign_cpus(
         cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
@@ -116,7 +117,7 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
             # ddp's shards are replicas: shard 0's copy is the checkpoint.
             writes_checkpoints=cfg.run.checkpoint_every > 0
             and (cfg.trainer.backend == "fsdp2" or ident.rank == 0),
-            **role_models(cfg),
+            **roles,
             save_merged=cfg.run.save_merged,
         )
         for ident in layout.trainer
