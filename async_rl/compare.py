@@ -24,12 +24,12 @@ import msgspec
 
 from async_rl.config import Config
 from async_rl.config_io import apply_overrides, decode_config, load_config
-from async_rl.control.batching import shard_batches
+from async_rl.control.loss_stats import merge_stats
 from async_rl.tasks.synthetic import long_tail_groups
+from buffers.batching import shard_batches
 from buffers.config import ConfigError
 from buffers.records import Group
 from workers.trainer.compare import ShardFigures, run_setup
-from workers.trainer.loss_stats import merge_stats
 
 if TYPE_CHECKING:
     from rich.table import Table

@@ -89,8 +89,8 @@ def main() -> None:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from async_rl.control.batching import shard_batches
     from async_rl.models.tiny_model import MODEL_SIZES, size_config
+    from buffers.batching import shard_batches
     from buffers.records import ShardStepResult
     from workers.model_config import ModelConfig
     from workers.trainer.config import TrainerConfig

@@ -64,9 +64,9 @@ import msgspec
 import numpy as np
 import torch
 
-from async_rl.control.batching import shard_batches
 from async_rl.models.tiny_model import MODEL_SIZES, build_config, size_config
 from async_rl.tasks.synthetic import long_tail_groups
+from buffers.batching import shard_batches
 from buffers.records import Group, GroupTokens, ShardBatch
 from workers.model_config import ModelConfig
 from workers.trainer.config import TrainerConfig

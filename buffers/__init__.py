@@ -1,4 +1,6 @@
-"""Data plane: replay queue, admission gate, balancing. Pure Python + anyio + msgspec."""
+"""Data plane: replay queue, admission gate, batching and balancing.
+
+Pure Python + anyio + msgspec."""
 
 from buffers.balance import ShardPlan, StepPlan, pack, plan_step, sequence_costs
 from buffers.drop_accounting import DropHandler

@@ -56,7 +56,8 @@ class EvaluationRunner:
         """Training just produced ``version`` (before the next step starts): with an
         evaluator, takes its weights now if its evaluation is due."""
         if self.evaluator is not None and (step := self._due(version)) is not None:
-            self.evals.queue(step, await self._weights(version))
+            weights = await self._weights(version)
+            self.evals.queue(step, weights)
 
     def version_delivered(self, version: int) -> None:
         """Every rollout engine runs ``version`` now: due on the rollout workers."""

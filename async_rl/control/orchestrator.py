@@ -37,7 +37,6 @@ import anyio.abc
 
 from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.config import Config
-from async_rl.control.batching import shard_batches
 from async_rl.control.checkpoint import RunState
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.evaluation_runner import EvaluationRunner
@@ -59,14 +58,18 @@ from async_rl.run.progress import RunProgress
 from async_rl.run.run_dir import FINAL_MODEL, RunWriter
 from async_rl.run.summary import EvalPoint, RunSummary
 from async_rl.tasks.sources import PromptSource
+from buffers.batching import shard_batches
 from buffers.concurrent_calls import each
-from buffers.records import Group, Prompt
+from buffers.records import Group, Prompt, ShardStepResult
 from buffers.replay_queue import ReplayQueue
 from buffers.reports import BroadcastTiming, CriticStepResult
 from buffers.staleness import AdmissionGate
 from workers.spans import SpanRecorder
 
 log = logging.getLogger(__name__)
+
+CRITIC_WARMUP = "critic_warmup"
+"""The ledger's reason for a prompt run again after a critic.warmup_steps step."""
 
 
 class Orchestrator:
@@ -251,6 +254,7 @@ class Orchestrator:
                 batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step,
                                               max_new_tokens=cfg.rollout.max_new_tokens)
                 critic: list[CriticStepResult] = []
+                results: list[ShardStepResult] = []
                 async with self.step_lock:
                     stages = self.stages
                     if stages is not None:  # the PPO dataflow, in order, on every shard
@@ -258,23 +262,25 @@ class Orchestrator:
                         await stages.reference_logprobs(step)
                         await stages.critic_values(step)
                         await stages.advantages(step)
-                    if stages is not None and stages.warming_up:
-                        critic = await stages.critic_update(step)
-                        self._warmed_up(groups, critic)
-                        continue  # the policy did not move: its steps start later
-                    results = await each([  # the policy's update
-                        functools.partial(shard.train, batch)
-                        for shard, batch in zip(self.trainers, batches, strict=True)
-                    ])
+                    # critic.warmup_steps: the critic alone trains; the policy's steps
+                    # start later.
+                    warming_up = stages is not None and stages.warming_up
+                    if not warming_up:
+                        results = await each([  # the policy's update
+                            functools.partial(shard.train, batch)
+                            for shard, batch in zip(self.trainers, batches, strict=True)
+                        ])
                     if stages is not None:
                         critic = await stages.critic_update(step)
-                    untrained = self.health.untrained_reason(step, results)
+                    untrained = (self._critic_warm_up(critic) if warming_up
+                                 else self.health.untrained_reason(step, results))
                     if not untrained:
                         self.version += 1
                 self.health.progressed()
-                if untrained:  # nothing was trained: the step's prompts run again
+                if untrained:  # the policy did not move: the step's prompts run again
+                    event = "dropped" if untrained == CRITIC_WARMUP else "failed"
                     for group in groups:
-                        self.admitting.requeue(group.prompt, "failed", untrained)
+                        self.admitting.requeue(group.prompt, event, untrained)
                     continue
                 t2 = self.clock()
                 staleness = [self.version - 1 - g.min_version for g in groups]
@@ -350,9 +356,10 @@ class Orchestrator:
         wall_s = self.clock() - self.evals.started
         saved = await self.checkpoints.save_after_failure(self.version, wall_s,
                                                           self.trainers, dead)
+        message = self.health.message(failure, saved)
         self.out.summary(self._summary(wall_s, None, None, (), f"failed: {failure}"))
         self.out.close()
-        return self.health.message(failure, saved)
+        return message
 
     def restore(self, state: RunState, refused: int = 0) -> None:
         """Continues from a checkpoint: its version (the workers were started from its
@@ -375,17 +382,16 @@ class Orchestrator:
             await self.trainers[0].save_policy(str(model_dir))
             return str(model_dir), self.version
 
-    def _warmed_up(self, groups: Sequence[Group], critic: Sequence[CriticStepResult]) -> None:
-        """A critic.warmup_steps step: the critic fitted the groups and the policy did
-        not train on them, so their prompts run again (for the policy)."""
+    def _critic_warm_up(self, critic: Sequence[CriticStepResult]) -> str:
+        """Why a critic.warmup_steps step's prompts run again (for the policy, which did
+        not train on them): ``CRITIC_WARMUP`` once the critic fitted them, or
+        "samples_lost" when a shard could not fetch them (the warm-up step is taken
+        anew)."""
         assert self.stages is not None
-        lost = any(c.samples_lost for c in critic)
-        if not lost:
-            self.stages.warmup_left -= 1
-            metrics = role_metrics((), critic, measured_kl=False)
-            log.info("critic warm-up step (%d left): value loss %.4g",
-                     self.stages.warmup_left, metrics.get("critic/value_loss", math.nan))
-        self.health.progressed()
-        for group in groups:
-            self.admitting.requeue(group.prompt, "failed" if lost else "dropped",
-                          "samples_lost" if lost else "critic_warmup")
+        if any(c.samples_lost for c in critic):
+            return "samples_lost"
+        self.stages.warmup_left -= 1
+        metrics = role_metrics((), critic, measured_kl=False)
+        log.info("critic warm-up step (%d left): value loss %.4g",
+                 self.stages.warmup_left, metrics.get("critic/value_loss", math.nan))
+        return CRITIC_WARMUP

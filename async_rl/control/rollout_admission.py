@@ -15,7 +15,6 @@ from __future__ import annotations
 import anyio
 
 from async_rl.config import TaskConfig
-from async_rl.control.batching import training_rewards, with_reward_failures
 from async_rl.control.prompt_ledger import PromptLedger
 from async_rl.control.protocols import RolloutClient, RolloutFailed
 from async_rl.control.rollout_pool import RolloutPool
@@ -23,6 +22,7 @@ from async_rl.control.run_health import RunHealth
 from async_rl.control.step_metrics import StepTotals
 from async_rl.tasks.sources import PromptSource
 from buffers.advantages import has_signal
+from buffers.batching import training_rewards, with_reward_failures
 from buffers.queue_records import Dropped
 from buffers.records import Group, Prompt
 from buffers.replay_queue import ReplayQueue

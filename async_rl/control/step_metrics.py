@@ -14,13 +14,13 @@ from typing import Any
 import msgspec
 
 from async_rl.control.evaluation import first_at_target
+from async_rl.control.loss_stats import merge_stats, summarise
 from async_rl.run.summary import BucketDrops, EvalPoint, RunSummary
 from buffers.balance import StepPlan
 from buffers.config import bucket_index
 from buffers.queue_records import ReplayQueueStatistics
 from buffers.records import Group, ShardStepResult
 from buffers.reports import BroadcastTiming
-from workers.trainer.loss_stats import merge_stats, summarise
 
 
 class Counters(msgspec.Struct, frozen=True, kw_only=True):

@@ -268,8 +268,8 @@ class RayWeights:
     """A ``WeightPath`` over ``workers.weights.broadcast.WeightBroadcast``: trainer shard 0
     sends to each rollout worker it was connected to, by rank."""
 
-    def __init__(self, source_shard: Any, gather_from: Sequence[Any] = ()) -> None:
-        self._broadcast = WeightBroadcast(source_shard, gather_from)
+    def __init__(self, broadcast: WeightBroadcast) -> None:
+        self._broadcast = broadcast
 
     async def publish(self, version: int) -> Published:
         return await self._broadcast.publish(version)
@@ -306,14 +306,15 @@ def adapt(started: StartedWorkers, config: Config) -> Workers:
 
     trainers = [RayTrainer(rank, handle, config)
                 for rank, handle in enumerate(started.trainers)]
-    # fsdp2: shard 0's client gathers the whole policy from every shard; ddp: replicas.
-    peers = started.trainers[1:] if config.trainer.backend == "fsdp2" else []
-    trainers[0].peers = trainers[1:] if peers else []
+    # fsdp2: shard 0's client gathers the whole policy from every shard, as its
+    # broadcasts do; ddp: replicas.
+    assert started.broadcast is not None
+    trainers[0].peers = trainers[1:] if started.broadcast.gather_from else []
     return Workers(
         rollout={rank: RayRollout(f"rollout-{rank}", handle, config)
                  for rank, handle in started.rollout.items()},
         trainers=[*trainers],
-        weights=RayWeights(started.trainers[0], gather_from=peers),
+        weights=RayWeights(started.broadcast),
         evaluator=(RayEvaluator("evaluator", started.evaluator, config)
                    if started.evaluator is not None else None),
         restart_rollout=restart,

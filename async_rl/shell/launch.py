@@ -31,7 +31,7 @@ from workers.ports import free_port
 from workers.rewards.callables import Reward
 from workers.rollout.config import sampling
 from workers.trainer.checkpoints import WAIT_GROUP
-from workers.weights.broadcast import SEND_GROUP
+from workers.weights.broadcast import SEND_GROUP, WeightBroadcast
 from workers.weights.config import check_transport
 
 
@@ -48,6 +48,8 @@ class StartedWorkers:
     new_rollout: Callable[[int, ModelConfig, int, str], Any] | None = None
     """Creates (does not start) rollout worker ``rank`` on its cores from a model at a
     version: how a lost worker is replaced."""
+    broadcast: WeightBroadcast | None = None
+    """Trainer shard 0's broadcasts of each version to the rollout workers."""
 
 
 async def launch_workers(cfg: Config, built: Task, version: int = 0,
@@ -142,6 +144,10 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
     # at the first broadcast, and again whenever its members change).
     for rank, worker in started.rollout.items():
         await started.trainers[0].connect_rollout.remote(rank, worker)
+    # fsdp2: shard 0 gathers the whole policy from every shard; ddp's are replicas.
+    started.broadcast = WeightBroadcast(
+        started.trainers[0],
+        gather_from=started.trainers[1:] if cfg.trainer.backend == "fsdp2" else ())
     started.identities = []
     for ident, pid in zip([*layout.rollout, *layout.trainer], [*rollout_pids, *trainer_pids],
                           strict=True):

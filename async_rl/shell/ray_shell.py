@@ -123,8 +123,8 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
         refused.append(line)
         log.warning("%s", line)
 
-    checkpoint = latest_checkpoint(Path(config.run.output_dir), warn) if resume else None
     config = config.with_role_paths()  # the reference stays the initial policy on resume
+    checkpoint = latest_checkpoint(Path(config.run.output_dir), warn) if resume else None
     workers_config = config
     if checkpoint is not None:
         check_backend(checkpoint.folder, checkpoint.state, config.trainer.backend)

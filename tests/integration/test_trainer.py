@@ -14,8 +14,8 @@ import numpy as np
 import pytest
 import ray
 
-from async_rl.control.batching import shard_batches
 from async_rl.shell.launch import free_port
+from buffers.batching import shard_batches
 from buffers.records import Group, Prompt, Sample, ShardStepResult, make_group
 from workers.actors import TrainerActor
 from workers.model_config import LoraConfig, ModelConfig

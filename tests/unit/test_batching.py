@@ -11,9 +11,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from async_rl.control.batching import shard_batches
 from buffers import SequenceTooLong
 from buffers.advantages import group_advantages
+from buffers.batching import shard_batches
 from buffers.records import Group, Prompt, Sample, ShardBatch, TrainSequence, make_group
 from workers.trainer.config import TrainerConfig
 

@@ -18,10 +18,10 @@ import msgspec
 import pytest
 
 from async_rl.config import Config
-from async_rl.control.batching import shard_batches, training_rewards, with_reward_failures
 from async_rl.control.checkpoint import latest_checkpoint
 from async_rl.control.orchestrator import Orchestrator
 from buffers.advantages import has_signal
+from buffers.batching import shard_batches, training_rewards, with_reward_failures
 from buffers.records import (
     NO_POLICY_TOKEN,
     NO_VERSION,

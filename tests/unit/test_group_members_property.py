@@ -17,9 +17,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from async_rl.control.batching import shard_batches, training_rewards, with_reward_failures
 from async_rl.control.protocols import RunFailed
 from buffers.advantages import group_advantages, has_signal
+from buffers.batching import shard_batches, training_rewards, with_reward_failures
 from buffers.errors import NotEnoughGroups
 from buffers.records import NO_VERSION, Group, Prompt, Sample, make_group
 from buffers.replay_queue import ReplayQueue

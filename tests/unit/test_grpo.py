@@ -17,11 +17,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from async_rl.control.loss_stats import merge_stats, summarise
 from buffers.advantages import group_advantages
 from buffers.records import LossStats
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loss import Normaliser, read_stats, token_loss
-from workers.trainer.loss_stats import merge_stats, summarise
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 HALF = math.log(0.5)

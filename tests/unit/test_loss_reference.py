@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 
+from async_rl.control.loss_stats import summarise
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loss import Normaliser, read_stats, token_loss
-from workers.trainer.loss_stats import summarise
 
 SEEDS = range(5)
 BATCH, WIDTH = 7, 13

@@ -10,8 +10,8 @@ import msgspec
 import pytest
 import torch
 
-from async_rl.control.batching import shard_batches
 from async_rl.models.tiny_model import build_config
+from buffers.batching import shard_batches
 from buffers.records import NO_VERSION, Group, Prompt, Sample, make_group
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling

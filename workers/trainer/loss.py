@@ -4,7 +4,7 @@ Owns: the token-loss formula (``token_loss``), how an update's token losses are
 aggregated (``Normaliser``), and a micro-batch's statistics kept on the device until a
 step reads them all in one host read (``PendingStats``, ``read_stats``). Advantages are
 ``buffers.advantages``'; adding shards' statistics and summarising them is
-``workers.trainer.loss_stats``'. Knows nothing about
+``async_rl.control.loss_stats``'. Knows nothing about
 batching, devices or distribution: callers pass flat token tensors and the counts every
 shard agreed on, and sum the returned loss across micro-batches and shards.
 

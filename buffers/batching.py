@@ -21,14 +21,34 @@ computes them all (only the loss skips the tokens the policy did not write).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Protocol
 
 import msgspec
 import numpy as np
 
-from buffers.advantages import group_advantages, overlong_penalty
+from buffers.advantages import AdvantageStd, group_advantages, overlong_penalty
 from buffers.balance import StepPlan, plan_step
 from buffers.records import REWARD_FAILED, Group, SequenceSlot, ShardBatch
-from workers.trainer.config import TrainerConfig
+
+
+class TrainerRules(Protocol):
+    """The trainer.* keys batching reads, as ``workers.trainer.config.TrainerConfig``
+    holds them: the data plane names what it needs and imports nothing above it."""
+
+    @property
+    def overlong(self) -> str: ...
+    @property
+    def overlong_buffer(self) -> int: ...
+    @property
+    def advantage_std(self) -> AdvantageStd: ...
+    @property
+    def mini_batches(self) -> int: ...
+    @property
+    def micro_batch_tokens(self) -> int: ...
+    @property
+    def cost_a(self) -> float: ...
+    @property
+    def cost_b(self) -> float: ...
 
 
 def with_reward_failures(group: Group) -> Group:
@@ -40,7 +60,7 @@ def with_reward_failures(group: Group) -> Group:
     return msgspec.structs.replace(group, excluded=excluded if any(excluded) else ())
 
 
-def training_rewards(group: Group, trainer: TrainerConfig,
+def training_rewards(group: Group, trainer: TrainerRules,
                      max_new_tokens: int | None = None) -> list[float]:
     """The rewards the group's advantages are computed from, one per member
     (``Group.members``, in order): its reward, plus ``overlong_penalty`` of its longest
@@ -57,14 +77,14 @@ def training_rewards(group: Group, trainer: TrainerConfig,
             for k in members]
 
 
-def trained_sample(group: Group, sample: int, trainer: TrainerConfig) -> bool:
+def trained_sample(group: Group, sample: int, trainer: TrainerRules) -> bool:
     """Whether a member gets a loss: not with trainer.overlong = "mask" when one of its
     turns was cut at max_new_tokens (finish reason "length")."""
     return trainer.overlong != "mask" or group.finish_reasons[sample] != "length"
 
 
 def shard_batches(
-    groups: Sequence[Group], num_shards: int, trainer: TrainerConfig, step: int,
+    groups: Sequence[Group], num_shards: int, trainer: TrainerRules, step: int,
     *, max_new_tokens: int | None = None,
 ) -> tuple[list[ShardBatch], StepPlan]:
     """The per-shard batches of one optimizer step and the plan that laid them out

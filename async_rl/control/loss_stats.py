@@ -1,8 +1,10 @@
-"""A step's loss statistics: adding micro-batches' and shards' ``LossStats``, and their
-per-token means for the metrics log.
+"""A step's loss statistics as the metrics log shows them: the shards' ``LossStats``
+added up, and their per-token means.
 
-Owns: ``merge_stats`` and ``summarise``. Pure Python (no torch), so the control plane
-can summarise a step's results without importing the trainer's tensor code.
+Owns: ``merge_stats`` and ``summarise``. The shards count their statistics
+(``workers.trainer.loss``) and report them in ``buffers.records.LossStats``; reading them
+is the control plane's, beside the metrics row (``async_rl.control.step_metrics``).
+Knows nothing about the loss's formula or torch.
 """
 
 from __future__ import annotations
