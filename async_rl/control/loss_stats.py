@@ -1,17 +1,22 @@
 """A step's loss statistics as the metrics log shows them: the shards' ``LossStats``
 added up, and their per-token means.
 
-Owns: ``merge_stats`` and ``summarise``. The shards count their statistics
-(``workers.trainer.loss``) and report them in ``buffers.records.LossStats``; reading them
-is the control plane's, beside the metrics row (``async_rl.control.step_metrics``).
-Knows nothing about the loss's formula or torch.
+Owns: ``merge_stats`` and ``summarise`` (the policy's loss), and the PPO roles' columns
+(``role_metrics``: ``kl/mean``, ``kl/max`` from the policy's update, ``critic/*`` from
+the critic's). The shards count their statistics (``workers.trainer.loss``) and report
+them in ``buffers.records``' records; reading them is the control plane's, beside the
+metrics row (``async_rl.control.step_metrics``). Knows nothing about the loss's
+formula or torch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
+from typing import Any
 
-from buffers.records import LossStats
+from buffers.records import LossStats, ShardStepResult
+from buffers.reports import CriticStepResult
 
 
 def merge_stats(parts: Sequence[LossStats]) -> LossStats:
@@ -47,3 +52,25 @@ def summarise(stats: LossStats) -> dict[str, float]:
         "kl_behaviour": stats.kl_sum / n,
         "entropy": stats.entropy_sum / n,
     }
+
+
+def role_metrics(results: Sequence[ShardStepResult], critic: Sequence[CriticStepResult],
+                 *, measured_kl: bool) -> dict[str, Any]:
+    """The roles' columns of a step's metrics row: the KL to the reference over the
+    policy's trained tokens (``kl/mean``, ``kl/max``; ``measured_kl``: the run has a
+    reference) and the critic's update (``critic/*``; with a critic)."""
+    row: dict[str, Any] = {}
+    tokens = sum(r.loss.tokens for r in results)
+    if measured_kl and tokens:
+        row["kl/mean"] = sum(r.kl_sum for r in results) / tokens
+        row["kl/max"] = max(r.kl_max for r in results)
+    counted = sum(c.tokens for c in critic)
+    if counted:
+        row["critic/value_loss"] = sum(c.value_loss_sum for c in critic) / counted
+        row["critic/clip_fraction"] = sum(c.clipped for c in critic) / counted
+        row["critic/value_mean"] = sum(c.value_sum for c in critic) / counted
+        row["critic/return_mean"] = sum(c.return_sum for c in critic) / counted
+        norms = [c.grad_norm for c in critic]
+        row["critic/grad_norm"] = max(norms, key=lambda n: n if math.isfinite(n) else math.inf)
+        row["critic/update_s"] = max(c.seconds for c in critic)
+    return row

@@ -40,6 +40,7 @@ from async_rl.config import Config
 from async_rl.control.checkpoint import RunState
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.evaluation_runner import EvaluationRunner
+from async_rl.control.loss_stats import role_metrics
 from async_rl.control.prompt_ledger import PromptLedger
 from async_rl.control.protocols import (
     PublishedWeights,
@@ -47,7 +48,7 @@ from async_rl.control.protocols import (
     Workers,
     first_error,
 )
-from async_rl.control.role_stages import RoleStages, role_metrics
+from async_rl.control.role_stages import RoleStages
 from async_rl.control.rollout_admission import RolloutAdmission
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.run_checkpoints import RunCheckpoints
