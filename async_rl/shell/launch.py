@@ -124,6 +124,11 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
         )
         for ident in layout.trainer
     ]
+    # Shard 0 sends each version to the rollout workers; with fsdp2 it gathers the whole
+    # policy from every shard first (ddp's shards are replicas).
+    started.broadcast = WeightBroadcast(
+        started.trainers[0],
+        gather_from=started.trainers[1:] if cfg.trainer.backend == "fsdp2" else ())
     evaluator_setup = []
     if cfg.run.eval_on == "idle_cpu":
         # No cores of its own (num_cpus=0): it runs at idle priority on whichever core
@@ -144,10 +149,6 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
     # at the first broadcast, and again whenever its members change).
     for rank, worker in started.rollout.items():
         await started.trainers[0].connect_rollout.remote(rank, worker)
-    # fsdp2: shard 0 gathers the whole policy from every shard; ddp's are replicas.
-    started.broadcast = WeightBroadcast(
-        started.trainers[0],
-        gather_from=started.trainers[1:] if cfg.trainer.backend == "fsdp2" else ())
     started.identities = []
     for ident, pid in zip([*layout.rollout, *layout.trainer], [*rollout_pids, *trainer_pids],
                           strict=True):
