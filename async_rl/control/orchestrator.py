@@ -176,9 +176,8 @@ class Orchestrator:
                                 samples=self.totals.samples_trained,
                                 groups=self.totals.groups_trained,
                                 tokens=self.totals.tokens_trained)
-        # Idle accounting covers the training window only: drop setup and evaluation.
-        self.admission.flush()
-        self.training.flush()
+        # Idle accounting covers the training window only: the workers' usage from here,
+        # and each loop's track from its start (setup and evaluation dropped).
         usage_first = await self.readings.usage()
         background.start_soon(self.evaluations.due_loop)
         background.start_soon(self.health.stall_watch, lambda: len(self.pool))
@@ -233,6 +232,7 @@ class Orchestrator:
         """
         cfg = self.config
         step = self.first_step
+        self.training.flush()  # the track starts with the loop: setup and evaluation dropped
         # Published versions go to the rollout workers one at a time, in version order,
         # beside the next steps; leaving the block waits for the last delivery.
         to_deliver, published_versions = anyio.create_memory_object_stream[PublishedWeights](

@@ -56,6 +56,7 @@ class RolloutAdmission:
             full = self.queue.statistics().put_waits.waiting_now > 0
             self.admission.switch("queue_full" if full else "admitting")
 
+        self.admission.flush()  # the track starts with the loop: setup and evaluation dropped
         async with anyio.create_task_group() as generations:
             while True:
                 if not self.gate.open_slots:
