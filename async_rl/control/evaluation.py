@@ -73,10 +73,11 @@ def first_at_target(points: Sequence[EvalPoint], target: float) -> EvalPoint | N
 class EvalLog:
     """A run's evaluation points and the training progress they are charged against.
 
-    ``start`` when training starts, ``produced`` after every optimizer step, ``due`` and
-    ``queue`` when a version can be evaluated, ``record`` for every finished evaluation
-    (times come from the same monotonic clock). ``due_steps`` yields the (step, weights)
-    of each evaluation that fell due, until ``training_ended``.
+    ``restore`` on resume, ``start`` when training starts, ``produced`` after every
+    optimizer step, ``due`` and ``queue`` when a version can be evaluated, ``record`` for
+    every finished evaluation (times come from the same monotonic clock). ``due_steps``
+    yields the (step, weights) of each evaluation that fell due, until
+    ``training_ended``.
     """
 
     @classmethod
@@ -104,6 +105,15 @@ class EvalLog:
                  tokens: int) -> None:
         """Training produced ``version`` at ``now``, having trained these totals."""
         self._produced[version] = (now - self.started, samples, groups, tokens)
+
+    def restore(self, points: Sequence[EvalPoint], version: int, wall_s: float, *,
+                samples: int, groups: int, tokens: int) -> None:
+        """A checkpoint's evaluation points, and its ``version`` as produced ``wall_s``
+        into training with these totals (what a resumed run's evaluations are charged
+        from; the initial weights, version 0, stay charged with nothing)."""
+        self.points.extend(points)
+        if version > 0:
+            self._produced[version] = (wall_s, samples, groups, tokens)
 
     def due(self, version: int) -> int | None:
         """The step whose evaluation ``version`` stands for, or None (``EvalSchedule``):

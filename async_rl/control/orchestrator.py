@@ -171,11 +171,6 @@ class Orchestrator:
                  if self.first_step == 1 else None)
         started = self.clock() - self.wall_offset
         self.evals.start(started)
-        if self.first_step > 1:  # what the resumed version was charged with
-            self.evals.produced(self.version, started + self.wall_offset,
-                                samples=self.totals.samples_trained,
-                                groups=self.totals.groups_trained,
-                                tokens=self.totals.tokens_trained)
         # Idle accounting covers the training window only: the workers' usage from here,
         # and each loop's track from its start (setup and evaluation dropped).
         usage_first = await self.readings.usage()

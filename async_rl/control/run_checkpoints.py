@@ -122,5 +122,7 @@ class RunCheckpoints:
         self.source.restore(state.source)
         self.totals.restore(state.counters)
         self.totals.restore_failures += refused
-        self.evals.points.extend(state.evals)
+        self.evals.restore(state.evals, state.version, state.wall_s,
+                           samples=self.totals.samples_trained,
+                           groups=self.totals.groups_trained, tokens=self.totals.tokens_trained)
         self.prompts.reissue(state.reissue)
