@@ -80,6 +80,29 @@ def test_log_charges_the_newest_scored_version() -> None:
     assert "version 1-2: 0.500" in describe(mixed) and "step 2" in describe(mixed)
 
 
+def test_restored_log_charges_from_the_checkpoints_version() -> None:
+    saved = point(0.25, 3.0, 8, version=2)
+    log = EvalLog(every=2, num_steps=6)
+    log.restore([saved], 2, 40.0, samples=16, groups=4, tokens=170)
+    log.start(500.0 - 40.0)  # the resumed clock, earlier by the 40 s already trained
+    assert log.points == [saved]
+    resumed = log.record(3, result(0.5, 2))  # scored the checkpoint's own weights
+    assert (resumed.wall_s, resumed.samples_trained, resumed.groups_trained,
+            resumed.tokens_trained) == (40.0, 16, 4, 170)
+    log.produced(3, 512.5, samples=24, groups=6, tokens=250)
+    later = log.record(4, result(0.75, 3))
+    assert (later.wall_s, later.samples_trained) == (52.5, 24)
+    assert log.points == [saved, resumed, later]
+
+
+def test_restored_log_at_version_zero_keeps_the_initial_weights_uncharged() -> None:
+    log = EvalLog(every=2, num_steps=6)
+    log.restore([], 0, 7.0, samples=0, groups=0, tokens=0)  # stopped before a step
+    start = log.record(0, result(0.25, 0))
+    assert (start.wall_s, start.samples_trained, start.version) == (0.0, 0, 0)
+    assert log.points == [start]
+
+
 def test_log_hands_due_steps_to_the_evaluation_loop() -> None:
     log = EvalLog(every=2, num_steps=6)
     for version in range(1, 7):
