@@ -488,7 +488,7 @@ def test_fsdp2_takes_the_fused_head_through_its_root_as_a_plain_shard_does(
     sharded.setup()
     try:
         a, b = plain.train_step(batch, tokens), sharded.train_step(batch, tokens)
-        after = {k: v.clone() for k, v in sharded._state().items()}
+        after = {k: v.clone() for k, v in sharded.policy_state().items()}
     finally:
         sharded.shutdown()
     assert a.loss.tokens == b.loss.tokens == sum(c for _, c in SHAPES)
