@@ -259,6 +259,22 @@ def test_the_kernel_is_picked_by_device_and_dtype_and_the_torch_signature(
     assert attention._varlen_attn_call() is None  # a torch without it
 
 
+def test_kernel_name_says_which_kernel_varlen_kernel_picked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The name bench/gpu_check.py reports its attention rows under."""
+    cuda = torch.device("cuda")
+    assert attention.kernel_name(attention.varlen_kernel(torch.device("cpu"),
+                                                         torch.bfloat16)) == "per-sequence loop"
+    assert attention.kernel_name(attention.varlen_kernel(cuda, torch.float32)) \
+        == "per-sequence loop"
+    monkeypatch.setattr(attention, "TORCH_VARLEN", lambda *args: args[0])
+    assert attention.kernel_name(attention.varlen_kernel(cuda, torch.bfloat16)) \
+        == "torch varlen_attn"
+    monkeypatch.setattr(attention, "TORCH_VARLEN", None)
+    assert attention.kernel_name(attention.varlen_kernel(cuda, torch.bfloat16)) \
+        == "aten._flash_attention_forward"
+
+
 # -- the fused head ---------------------------------------------------------------------
 
 
