@@ -12,7 +12,9 @@ reference's pass is the policy's ``forward`` (busy), the critic's passes are the
 trainer's ``critic`` cause and the critic's own ``forward`` / ``backward`` on its track
 (``critic-N``), which waits as ``policy`` while the policy trains. The critic has the
 policy's shape (its value head in place of the LM head is not told apart). The order
-of the stages is the real orchestrator's; so are the critic's warm-up steps.
+of the stages is the real orchestrator's; so are the critic's warm-up steps. With
+run.colocate = "time" the engines free the devices for the whole step, the roles'
+passes included.
 """
 
 from __future__ import annotations
@@ -81,8 +83,14 @@ class SimRoles:
                                               self.costs.model.parameters))
 
     async def prepare(self, rank: int, batch: ShardBatch) -> bool:
+        """The step's layout; time-shared engines free the devices for the passes."""
         self.batches[rank] = batch
-        await self._stage(rank, batch.step, lambda r: 0.0, ())
+
+        async def run(_: list[int]) -> list[float]:
+            await self.training.release_devices()
+            return await self.training.beside_step([0.0] * self.training.shards, ())
+
+        await self.training.together(rank, batch.step, run)
         return False
 
     async def reference_logprobs(self, rank: int, step: int) -> None:
@@ -112,6 +120,7 @@ class SimRoles:
             return CriticStepResult(rank=rank, step=step)
         seconds = await self._stage(rank, step, self._critic_update,
                                     self._critic_tracks("backward"))
+        self.training.return_devices()  # the step's last pass (time-shared engines)
         completion = sum(self._completion_tokens(rank))
         self.batches[rank] = None
         return CriticStepResult(rank=rank, step=step, tokens=completion, seconds=seconds)

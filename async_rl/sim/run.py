@@ -31,9 +31,10 @@ from async_rl.sim.costs import Costs, adapter_parameters, load_hardware, model_s
 from async_rl.sim.engine import SimEngine
 from async_rl.sim.lengths import length_law
 from async_rl.sim.roles import SimRoles, SimRoleStages
+from async_rl.sim.rollout import SimEvaluator, SimRollout
 from async_rl.sim.timeshare import SimLocalWeights, check_time_shared, time_shared
 from async_rl.sim.weight_path import SimWeights
-from async_rl.sim.workers import SimEvaluator, SimRollout, SimTrainer, SimTraining
+from async_rl.sim.workers import SimTrainer, SimTraining
 from async_rl.tasks.sources import ArithmeticTask, PromptSource
 from async_rl.tasks.table import build_task, reference_length
 from buffers.config import ConfigError

@@ -1,22 +1,20 @@
-"""Simulated workers behind the orchestrator's protocols (``async_rl.control.protocols``).
+"""The simulated trainer shards behind the orchestrator's protocols
+(``async_rl.control.protocols``).
 
-Owns: ``SimRollout`` (a ``RolloutClient`` over a ``SimEngine``: a group's lengths from the
-length law, its rewards drawn with ``simulate.reward_p``, the reward latency after its
-last sample), ``SimTraining`` and its ``SimTrainer`` shards (``TrainerClient``: a step
-costs what the plan the orchestrator made says, micro-batch by micro-batch, every update
-waiting for the slowest shard before its all-reduce, as DDP does; on a CPU machine
-laid out as a real run, busy engines slow a step, and one on a shard's cores takes turns
-with it), ``SimEvaluator`` (run.eval_on = "idle_cpu": it
-takes only idle cores, so it costs the run nothing). Every span and timing is on the
-virtual clock. With run.colocate = "time", every engine releases its devices for each
-training step (``async_rl.sim.timeshare``). Knows nothing about the orchestrator's
-rules: they are the real ones.
+Owns: ``SimTraining`` and its ``SimTrainer`` shards (``TrainerClient``: a step costs what
+the plan the orchestrator made says, micro-batch by micro-batch, every update waiting
+for the slowest shard before its all-reduce, as DDP does; on a CPU machine laid out as
+a real run, busy engines slow a step, and one on a shard's cores takes turns with it),
+the shards' calls met together (``SimTraining.together``) and work of other roles on
+their devices (``beside_step``: ``async_rl.sim.roles``'s passes). Every span and timing
+is on the virtual clock. With run.colocate = "time", every engine releases its devices
+for each training step (``async_rl.sim.timeshare``). The rollout side is
+``async_rl.sim.rollout``'s. Knows nothing about the orchestrator's rules: they are the
+real ones.
 """
 
 from __future__ import annotations
 
-import random
-import zlib
 from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -27,87 +25,15 @@ import msgspec
 from async_rl.config import Config
 from async_rl.sim.costs import Costs
 from async_rl.sim.engine import SimEngine
-from async_rl.sim.lengths import LengthLaw, prompt_tokens
-from buffers.records import Group, LossStats, Prompt, ShardBatch, ShardStepResult
-from buffers.reports import EvalResult, UsageReading
+from async_rl.sim.rollout import Clock, SimTokens
+from buffers.records import LossStats, ShardBatch, ShardStepResult
+from buffers.reports import UsageReading
 from workers.layout import assign_cpus
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 
-Clock = Callable[[], float]
 CONTENTION_SLICES = 8
 """A step beside engines on its machine is run in this many slices, each as slowed as
 the engines busy as it starts make it."""
-
-
-class SimTokens(msgspec.Struct, frozen=True, kw_only=True):
-    """What a simulated group's token reference holds: its lengths (all a shard costs)."""
-
-    prompt_length: int
-    completion_lengths: tuple[int, ...]
-
-
-class SimRollout:
-    """One rollout worker: see the module docstring."""
-
-    def __init__(self, rank: int, engine: SimEngine, config: Config, lengths: LengthLaw,
-                 clock: Clock) -> None:
-        self.rank, self.engine, self.config, self.lengths = rank, engine, config, lengths
-        self.clock = clock
-        self._call_s = engine.costs.hardware.call_s
-        self._rng = random.Random()
-        """Reseeded per group (cheaper than a new one): its rewards' draws."""
-
-    @property
-    def name(self) -> str:
-        return f"rollout-{self.rank}"
-
-    def _completions(self, prompt: Prompt, samples: int) -> tuple[int, ...]:
-        cap = self.config.rollout.max_new_tokens
-        return tuple(min(n, cap) for n in self.lengths.completions(prompt, samples))
-
-    async def generate(self, prompt: Prompt) -> Group:
-        cfg = self.config
-        completions = self._completions(prompt, cfg.rollout.group_size)
-        length = prompt_tokens(cfg, prompt)
-        request = await self.engine.generate(length, completions,
-                                             after=cfg.simulate.reward_s + self._call_s)
-        rng = self._rng
-        rng.seed(zlib.crc32(f"reward:{prompt.prompt_id}:{prompt.attempt}".encode()))
-        cap = cfg.rollout.max_new_tokens
-        return Group(
-            prompt=prompt, prompt_length=length, completion_lengths=completions,
-            rewards=tuple(float(rng.random() < cfg.simulate.reward_p) for _ in completions),
-            finish_reasons=tuple("length" if n >= cap else "stop" for n in completions),
-            min_version=request.min_version, max_version=request.max_version,
-            num_tokens=sum(length + n for n in completions), rollout_rank=self.rank,
-            finished_at=self.clock(),
-            tokens=SimTokens(prompt_length=length, completion_lengths=completions))
-
-    async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
-        began = self.clock()
-        requests: list[object] = []
-
-        async def one(prompt: Prompt) -> None:
-            requests.append(await self.engine.generate(
-                prompt_tokens(self.config, prompt), self._completions(prompt, 1),
-                evaluate=True))
-
-        version = self.engine.version
-        async with anyio.create_task_group() as group:
-            for prompt in prompts:
-                group.start_soon(one, prompt)
-        return EvalResult(accuracy=self.config.simulate.reward_p, version_min=version,
-                          version_max=self.engine.version, num_prompts=len(prompts),
-                          rollout_rank=self.rank, seconds=self.clock() - began)
-
-    async def version(self) -> int:
-        return self.engine.version
-
-    async def usage(self) -> UsageReading:
-        return UsageReading(wall=self.clock(), cpu_s=self.engine.busy_s)
-
-    async def spans(self) -> list[Span]:
-        return self.engine.drain_spans()
 
 
 class _Cursor:
@@ -129,6 +55,7 @@ class SimTraining:
         self.shards = config.trainer.num_shards
         self.time_shared = config.run.colocate == "time"
         """Engines release their devices for every step (run.colocate = "time")."""
+        self._released = False
         self.sharing = engines_on_trainer_cores(config, costs.hardware.cores)
         """Per shard, the ranks of the engines on its cores (empty list: no CPU machine
         laid out, no contention)."""
@@ -168,20 +95,33 @@ class SimTraining:
         return result
 
     async def _train(self, ordered: list[ShardBatch]) -> list[ShardStepResult]:
-        if self.time_shared:  # the engines free the devices first, at a step boundary
-            releases = [engine.release(self.costs.hardware.engine_release_s)
-                        for engine in self.engines.values()]
-            for release in releases:
-                await release.done
+        await self.release_devices()
         compute = self._compute(ordered)
         began = self.clock()
         slowdowns = await self._slowdowns(self._solo_seconds(ordered[0], compute))
         seconds, results = self._step(ordered, compute, slowdowns, start=began)
         await anyio.sleep(max(began + seconds - self.clock(), 0.0))
-        if self.time_shared:
+        if not self.waiting:  # else the critic's update ends the step on the devices
+            self.return_devices()
+        return results
+
+    async def release_devices(self) -> None:
+        """run.colocate = "time": the engines free the devices at a step boundary, before
+        the step's first work on them (the roles' passes, or the policy's update); a
+        no-op when they already have, or without time-sharing."""
+        if self.time_shared and not self._released:
+            self._released = True
+            releases = [engine.release(self.costs.hardware.engine_release_s)
+                        for engine in self.engines.values()]
+            for release in releases:
+                await release.done
+
+    def return_devices(self) -> None:
+        """The step's last work on the devices is done: the engines take them back."""
+        if self._released:
+            self._released = False
             for engine in self.engines.values():
                 engine.take_back()
-        return results
 
     async def beside_step(self, work: Sequence[float],
                           tracks: Sequence[tuple[Sequence[SpanRecorder], str]]) -> list[float]:
@@ -391,15 +331,3 @@ class SimTrainer:
         training.cursor.at = training.clock()
         beside = training.waiting[self.rank].flush() if training.waiting else []
         return training.recorders[self.rank].flush() + beside
-
-
-class SimEvaluator:
-    """run.eval_on = "idle_cpu": scores on cores the workers leave idle (no cost here)."""
-
-    def __init__(self, reward_p: float) -> None:
-        self.reward_p = reward_p
-
-    async def evaluate(self, prompts: Sequence[Prompt], weights: object) -> EvalResult:
-        version = weights.version  # type: ignore[attr-defined]
-        return EvalResult(accuracy=self.reward_p, version_min=version, version_max=version,
-                          num_prompts=len(prompts), rollout_rank=-1, seconds=0.0)

@@ -23,6 +23,7 @@ from async_rl.sim.roles import step_passes
 from async_rl.sim.run import simulation_costs
 from buffers.config import ConfigError
 from workers.model_config import LORA_TARGETS, LoraConfig, lora_features
+from workers.spans import BUSY
 from workers.weights.adapter import adapter_shapes
 
 QWEN_05B = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,
@@ -212,6 +213,25 @@ def test_roles_beside_busy_engines_slow_as_the_policy_does(tmp_path: Path) -> No
         (trainer,) = [r for r in idle.roles if r.role == "trainer"]
         lent[name] = trainer.idle_by_cause["critic"]
     assert lent["shared"] > 1.05 * lent["alone"] > 0
+
+
+def test_time_shared_engines_free_the_devices_for_the_roles_passes_too(
+        tmp_path: Path) -> None:
+    out = tmp_path / "run"
+    simulate(config(out, steps=6, rollout={"num_workers": 1},
+                    run={"colocate": "time", "num_steps": 6},
+                    algorithm={"advantage": "gae"}, trainer={"kl_coef": 0.1}))
+    stats = json.loads((out / "sim.json").read_text())
+    assert stats["time_shared"] and stats["releases"] == 6  # once a step, not per stage
+    spans = read_spans(out)
+    generating = [(s.start, s.end) for s in spans
+                  if s.role == "rollout" and s.cause in BUSY["rollout"]]
+    on_devices = [(s.start, s.end) for s in spans
+                  if s.role in ("trainer", "critic") and s.cause in BUSY[s.role]]
+    assert len(generating) > 6 and len(on_devices) > 3 * 6
+    overlaps = [(g, d) for g in generating for d in on_devices
+                if min(g[1], d[1]) - max(g[0], d[0]) > 1e-9]
+    assert not overlaps
 
 
 def test_calibration_from_a_ppo_run_fits_the_policy_s_cost_alone(tmp_path: Path) -> None:
