@@ -191,6 +191,7 @@ def test_a_gae_config_is_accepted_and_its_idle_table_shows_the_roles(
     adapters = adapter_parameters(str(folder), LoraConfig(rank=8))
     sent = [b["bytes"] for r in rows for b in r["broadcast"]]
     assert sent and set(sent) == {adapters * 4}  # float32 adapters, every version
+    assert f"a version of {adapters * 4 / 2**20:,.1f} MiB into every engine" in printed
 
 
 def test_a_full_version_carries_every_weight(tmp_path: Path) -> None:
