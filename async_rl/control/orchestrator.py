@@ -245,6 +245,10 @@ class Orchestrator:
                 self._taking = None
                 if taking.cancelled_caught:
                     break  # a stop's deadline passed before the step had its groups
+                # Prompt order, not arrival order: the same groups then train in the same
+                # mini-batches and sums whatever the generation's timing (a whitened step's
+                # near-zero gradients would otherwise flip sign with the order under Adam).
+                groups.sort(key=lambda g: (g.prompt.prompt_id, g.prompt.attempt))
                 self.training.switch("training")
                 t1 = self.clock()
                 batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step,
