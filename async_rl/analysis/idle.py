@@ -21,7 +21,7 @@ import msgspec
 from buffers.reports import UsageReading
 from workers.spans import BUSY, IDLE, UNRESOLVED, Span
 
-ROLE_ORDER = ("rollout", "trainer", "critic")
+ROLE_ORDER = ("rollout", "trainer", "critic", "reference")
 """Roles in the order tables and pictures list them (others after)."""
 ROLLOUT_TRACK = "controller-admission"
 """Controller track whose causes explain rollout idleness (gate_closed, queue_full)."""
