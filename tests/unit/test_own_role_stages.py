@@ -3,7 +3,8 @@
 shard takes its own share of their outputs (critic shard r serves trainer shards r,
 r + N, ...), the critic's update is started before the policy's and awaited after it,
 a step that any worker lost computes nothing anywhere, the warm-up trains the critic
-only, and the roles' workers are read for usage and spans."""
+only, the roles' workers are read for usage and spans, and a dead critic worker stops
+the run in one line with a checkpoint from the live trainer shards."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import pytest
 from orchestrator_fakes import LOST, FakeRollout, FakeTrainer, config, run
 
 from async_rl.config import Config
-from async_rl.control.protocols import OwnRoles, RoleOutput
+from async_rl.control.checkpoint import latest_checkpoint
+from async_rl.control.protocols import OwnRoles, RoleFailed, RoleOutput, RunFailed
 from async_rl.run.run_dir import read_metrics
 from buffers.records import ShardBatch, ShardStepResult
 from buffers.reports import CriticStepResult, UsageReading
@@ -247,3 +250,38 @@ def test_the_warm_up_trains_the_own_critic_only(tmp_path: Path) -> None:
     names = roles.names(1)
     assert names.count("critic_result") == 2 and names.count("train") == 1
     assert names.index("critic_result") < names.index("train")
+
+
+class DyingCritic(FakeCritic):
+    """Its process dies during the update of ``step``."""
+
+    def __init__(self, rank: int, log: Log, step: int) -> None:
+        super().__init__(rank, log)
+        self.dies_at = step
+
+    def start_update(self, step: int) -> Pending:
+        pending = super().start_update(step)
+        if step != self.dies_at:
+            return pending
+
+        class Died(Pending):
+            async def result(self) -> CriticStepResult:
+                raise RoleFailed("critic-0", "update of step 2: RayActorError", dead=True)
+
+        return Died(self, step)
+
+
+def test_a_dead_own_critic_stops_the_run_in_one_line_with_a_checkpoint(
+        tmp_path: Path) -> None:
+    roles = Roles(shards=1, critics=0)
+    roles.critics = [DyingCritic(0, roles.log, step=2)]
+    roles.own = OwnRoles(reference=roles.reference, critics=list(roles.critics),
+                         reference_to_critic=True)
+    with pytest.raises(RunFailed) as failed:
+        roles.run(ppo(tmp_path, shards=1, critics=1))
+    message = str(failed.value)
+    assert "\n" not in message and message.startswith("critic-0 died: update of step 2")
+    # The trainer shard is alive: it writes the checkpoint of the last completed step.
+    assert "checkpoint of step 1 written" in message
+    folder, state = latest_checkpoint(tmp_path)
+    assert state.version == 1 and folder.is_dir()
