@@ -93,7 +93,8 @@ class RayCritic(RayOwnRole):
     async def advantages(self, step: int, reference: Sequence[RoleOutput]
                          ) -> list[RoleOutput]:
         # References as arguments: Ray hands the critic the tensors themselves.
-        refs = [out.ref for out in reference if isinstance(out, RayRoleOutput)]
+        assert all(isinstance(out, RayRoleOutput) for out in reference)
+        refs = [out.ref for out in reference]  # type: ignore[attr-defined]
         found = await self._call("advantages_refs", step, *refs,
                                  **self._stage(step, "advantages_refs"))
         return _outputs(found)
