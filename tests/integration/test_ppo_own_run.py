@@ -75,7 +75,7 @@ def test_ppo_with_roles_on_workers_of_their_own_trains_and_resumes(
 
     # The critic's update (its backward) overlaps the policy's update.
     critic = spans_of(out, "critic-0", ("backward",))
-    policy = spans_of(out, "trainer-0", ("forward", "backward", "optimizer"))
+    policy = spans_of(out, "trainer-0", ("barrier", "forward", "backward", "optimizer"))
     assert len(critic) >= 3 and policy
     assert any(c0 < p1 and p0 < c1 for c0, c1 in critic for p0, p1 in policy)
 
