@@ -253,22 +253,16 @@ def test_the_warm_up_trains_the_own_critic_only(tmp_path: Path) -> None:
 
 
 class DyingCritic(FakeCritic):
-    """Its process dies during the update of ``step``."""
+    """Its process dies as it computes the values of ``step``."""
 
     def __init__(self, rank: int, log: Log, step: int) -> None:
         super().__init__(rank, log)
         self.dies_at = step
 
-    def start_update(self, step: int) -> Pending:
-        pending = super().start_update(step)
-        if step != self.dies_at:
-            return pending
-
-        class Died(Pending):
-            async def result(self) -> CriticStepResult:
-                raise RoleFailed("critic-0", "update of step 2: RayActorError", dead=True)
-
-        return Died(self, step)
+    async def critic_values(self, step: int) -> None:
+        if step == self.dies_at:
+            raise RoleFailed("critic-0", f"values of step {step}: RayActorError", dead=True)
+        await super().critic_values(step)
 
 
 def test_a_dead_own_critic_stops_the_run_in_one_line_with_a_checkpoint(
@@ -280,7 +274,7 @@ def test_a_dead_own_critic_stops_the_run_in_one_line_with_a_checkpoint(
     with pytest.raises(RunFailed) as failed:
         roles.run(ppo(tmp_path, shards=1, critics=1))
     message = str(failed.value)
-    assert "\n" not in message and message.startswith("critic-0 died: update of step 2")
+    assert "\n" not in message and message.startswith("critic-0 died: values of step 2")
     # The trainer shard is alive: it writes the checkpoint of the last completed step.
     assert "checkpoint of step 1 written" in message
     folder, state = latest_checkpoint(tmp_path)
