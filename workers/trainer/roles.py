@@ -13,9 +13,8 @@ gradient). With a role on workers of its own (placement "own",
 (``take_reference``, ``take_advantages``, ``step_lost``) and its idle time waiting for
 it has a cause of its own. The stages' arithmetic is ``workers.trainer.ppo_stages``'s
 (GAE's ``workers.trainer.gae``'s, the KL estimators ``workers.trainer.kl``'s), the value
-model ``workers.trainer.critic``'s. Knows nothing
-about Ray, queues or versions: the reference is fixed, so staleness and per-token
-versions are untouched.
+model ``workers.trainer.critic``'s. Knows nothing about Ray, queues or versions: the
+reference is fixed, so staleness and per-token versions are untouched.
 """
 
 from __future__ import annotations
