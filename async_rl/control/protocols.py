@@ -5,7 +5,8 @@ Owns: the orchestrator's whole view of the compute plane — a rollout worker
 (``WeightPath``), the evaluator beside them (``Evaluator``), what every worker reports
 for the idle accounting (``ObservedWorker``), the PPO dataflow's stages on the trainer
 shards (``RoleStagesClient``) and on the roles' own workers (``ReferenceClient``,
-``CriticClient``, together ``OwnRoles``), the bundle the shell hands over (``Workers``)
+``CriticClient``; the shards take their outputs, ``RoleOutputsClient``; together
+``OwnRoles``), the bundle the shell hands over (``Workers``)
 and the failures: a worker's (``RolloutFailed``, ``EvaluationFailed``) and the run's
 (``RunFailed``, ``TrainerFailed``, ``RoleFailed``). Knows nothing about Ray:
 ``async_rl.shell.ray_shell`` adapts actor handles to these protocols, and the unit tests
@@ -124,9 +125,7 @@ class RoleStagesClient(Protocol):
     """The reference and the critic beside one trainer shard (placement "trainer"): the
     PPO dataflow's stages around the policy's update (``TrainerClient.train``), each on
     the step's data, which stays on the shard. A failure is the shard's
-    (``TrainerFailed``): a dead critic is a dead trainer shard. With a role on workers
-    of its own (placement "own") the shard takes that role's output instead
-    (``take_reference``, ``take_advantages``)."""
+    (``TrainerFailed``): a dead critic is a dead trainer shard."""
 
     async def prepare_step(self, batch: ShardBatch) -> bool:
         """Fetches and lays out the shard's batch; True when some shard lost its groups
@@ -148,6 +147,11 @@ class RoleStagesClient(Protocol):
     async def critic_update(self, step: int) -> CriticStepResult:
         """The critic's updates on the step (it ends the step on the shard)."""
         ...
+
+
+class RoleOutputsClient(Protocol):
+    """One trainer shard taking its share of the outputs of the roles on workers of
+    their own (placement "own") for the step it prepared (``prepare_step``)."""
 
     async def take_reference(self, step: int, logprobs: RoleOutput) -> None:
         """The reference's logprobs of the shard's micro-batches, from its own worker."""
@@ -220,6 +224,8 @@ class OwnRoles:
     reference: ReferenceClient | None = None
     critics: list[CriticClient] = field(default_factory=list)
     """critic.num_shards of them, in rank order."""
+    shards: list[RoleOutputsClient] = field(default_factory=list)
+    """The trainer shards, in rank order, taking their share of the roles' outputs."""
     reference_to_critic: bool = False
     """The critic needs the reference's logprobs (trainer.kl_in_reward)."""
 

@@ -65,7 +65,7 @@ class RoleStages:
         self.lost, self._reference, self._updates = any(lost), [], []
         if self.lost and not any(lost[:len(self.shards)]):
             step = batches[0].step
-            await each([functools.partial(s.step_lost, step) for s in self.shards])
+            await each([functools.partial(s.step_lost, step) for s in self.own.shards])
         return self.lost
 
     async def reference_logprobs(self, step: int) -> None:
@@ -75,7 +75,7 @@ class RoleStages:
         elif not self.lost:
             self._reference = await reference.reference_logprobs(step)
             await each([functools.partial(s.take_reference, step, out)
-                        for s, out in zip(self.shards, self._reference, strict=True)])
+                        for s, out in zip(self.own.shards, self._reference, strict=True)])
 
     async def critic_values(self, step: int) -> None:
         if not self.own.critics:
@@ -100,7 +100,7 @@ class RoleStages:
         # Critic shard r holds trainer shards r, r + count, ...: back into shard order.
         per_shard = [parts[shard % count][shard // count] for shard in range(len(self.shards))]
         await each([functools.partial(s.take_advantages, step, out)
-                    for s, out in zip(self.shards, per_shard, strict=True)])
+                    for s, out in zip(self.own.shards, per_shard, strict=True)])
         self._updates = [critic.start_update(step) for critic in critics]
 
     async def critic_update(self, step: int) -> list[CriticStepResult]:

@@ -14,6 +14,7 @@ The reference's and critic's workers of their own have their adapters beside the
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -350,6 +351,8 @@ def adapt(started: StartedWorkers, config: Config, own: OwnRoles | None = None) 
     peers = started.trainers[1:] if config.trainer.backend == "fsdp2" else []
     trainers[0].peers = trainers[1:] if peers else []
     own = own or OwnRoles()
+    if own.workers:  # every shard takes its share of the roles' outputs
+        own = dataclasses.replace(own, shards=[*trainers])
     for trainer in trainers:
         trainer.critics = own.critics
     return Workers(

@@ -108,7 +108,8 @@ class RayCritic(RayOwnRole):
 
 
 def adapt_own_roles(started: StartedWorkers, config: Config) -> OwnRoles:
-    """The started workers of the roles placed on their own, as the protocols."""
+    """The started workers of the roles placed on their own, as the protocols (the
+    trainer shards that take their outputs are added by ``adapters.adapt``)."""
     own = started.own
     return OwnRoles(
         reference=(RayReference("reference-0", own.reference, config)

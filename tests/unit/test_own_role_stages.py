@@ -178,7 +178,7 @@ class Roles:
         self.reference = FakeReference("reference-0", self.log, lose)
         self.critics = [FakeCritic(rank, self.log) for rank in range(critics)]
         self.own = OwnRoles(reference=self.reference, critics=list(self.critics),
-                            reference_to_critic=True)
+                            shards=list(self.stages), reference_to_critic=True)
 
     def run(self, cfg: Config) -> Any:
         return run(cfg, {0: FakeRollout(0)}, self.trainers, stages=self.stages, own=self.own)
@@ -270,7 +270,7 @@ def test_a_dead_own_critic_stops_the_run_in_one_line_with_a_checkpoint(
     roles = Roles(shards=1, critics=0)
     roles.critics = [DyingCritic(0, roles.log, step=2)]
     roles.own = OwnRoles(reference=roles.reference, critics=list(roles.critics),
-                         reference_to_critic=True)
+                         shards=list(roles.stages), reference_to_critic=True)
     with pytest.raises(RunFailed) as failed:
         roles.run(ppo(tmp_path, shards=1, critics=1))
     message = str(failed.value)
