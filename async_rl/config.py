@@ -222,20 +222,13 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         return msgspec.structs.replace(self, reference=reference, critic=critic)
 
     def _check_roles(self) -> None:
-        """The reference and the critic sit beside the trainer shards, on the packed
-        layout, as DDP replicas."""
+        """The reference and the critic compute on the packed layout, beside the
+        trainer shards (as DDP replicas) or on workers of their own."""
         trainer = self.trainer
         if trainer.kl_in_reward and not self.has_critic:
             raise invalid("trainer.kl_in_reward", True,
                           'needs algorithm.advantage = "gae" (a per-token reward needs '
                           "per-token advantages); GRPO takes the KL as a loss term")
-        for role, placement, wanted in (("reference", self.reference.placement,
-                                         self.has_reference),
-                                        ("critic", self.critic.placement, self.has_critic)):
-            if wanted and placement == "own":
-                raise invalid(f"{role}.placement", placement,
-                              'not built yet: use "trainer" (its forward runs on the '
-                              "trainer shards' devices)")
         if not (self.has_reference or self.has_critic):
             return
         why = "the reference" if self.has_reference else "the critic"
@@ -245,8 +238,22 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         if self.has_critic and trainer.backend != "ddp":
             raise invalid("trainer.backend", trainer.backend,
                           'the critic is built for "ddp" only')
-        if self.has_critic and self.critic.num_shards != trainer.num_shards:
-            raise invalid("critic.num_shards", self.critic.num_shards,
+        critic = self.critic
+        if self.has_critic and critic.placement == "trainer" and (
+                critic.num_shards != trainer.num_shards):
+            raise invalid("critic.num_shards", critic.num_shards,
                           f'with critic.placement = "trainer" one critic shard sits beside '
                           f"each trainer shard: must equal trainer.num_shards "
                           f"({trainer.num_shards})")
+        if self.has_critic and critic.placement == "own" and (
+                trainer.num_shards % critic.num_shards):
+            raise invalid("critic.num_shards", critic.num_shards,
+                          f'with critic.placement = "own" each critic shard fits the batches '
+                          f"of as many trainer shards: must divide trainer.num_shards "
+                          f"({trainer.num_shards})")
+        if (self.has_critic and critic.placement == "own" and trainer.kl_in_reward
+                and self.reference.placement != "own"):
+            raise invalid("reference.placement", self.reference.placement,
+                          'with critic.placement = "own" and trainer.kl_in_reward the critic '
+                          "takes the reference's logprobs from the reference's own worker: "
+                          'needs "own"')

@@ -1,5 +1,6 @@
 """Benchmark: the algorithms' roles side by side at equal samples. GRPO, GRPO with a KL
-term, PPO with a critic and GAE, on the CPU default and the long-tail task.
+term, PPO with a critic and GAE (its roles beside the trainer, and on workers of their
+own), GRPO with LoRA, on the CPU default and the long-tail task.
 
 Each arm is a (name, config overrides) pair on top of a task's example config; every arm
 of a task trains the same steps of the same groups per step (equal samples), with the
@@ -11,7 +12,10 @@ same seeds, one run after another in this process. Per run it prints:
   a KL term measure it too, through a reference.path set with kl_coef = 0);
 - the trainer's and the critic's idle share by cause (``async_rl.analysis.report``):
   with the critic co-located, the trainer's ``critic`` is the device lent to it, the
-  critic's ``policy`` the device lent back;
+  critic's ``policy`` the device lent back; with the reference and the critic on
+  workers of their own (the ``ppo-own`` arm), the trainer's ``wait_reference`` and
+  ``wait_critic`` are its waits for them (on this 2-core machine their workers share
+  the rollout's and the trainer's cores: "own" cores here are time-shared);
 - bytes per weight version: the tensors one published version carries (the final
   model's, as the engines load them).
 
@@ -52,11 +56,13 @@ from buffers.config import ConfigError
 KL_ARM = "grpo+kl"
 KL_COEF = 0.05
 """The GRPO + KL arm's coefficient unless ``--kl-coefs`` gives others."""
+PPO = ("algorithm.advantage=gae", "critic.lr=1e-4", "critic.warmup_steps=5",
+       "trainer.kl_coef=0.01", "trainer.kl_estimator=k1", "trainer.kl_in_reward=true")
 ARMS: list[tuple[str, tuple[str, ...]]] = [
     ("grpo", ()),
     (KL_ARM, (f"trainer.kl_coef={KL_COEF}",)),
-    ("ppo", ("algorithm.advantage=gae", "critic.lr=1e-4", "critic.warmup_steps=5",
-             "trainer.kl_coef=0.01", "trainer.kl_estimator=k1", "trainer.kl_in_reward=true")),
+    ("ppo", PPO),
+    ("ppo-own", (*PPO, "reference.placement=own", "critic.placement=own")),
     ("grpo+lora", ("model.lora.rank=8", "trainer.lr=1e-3")),
 ]
 """(name, overrides) per arm, in the order they run."""
@@ -148,8 +154,8 @@ def print_result(result: Result, console: Console) -> None:
     table = Table(title=f"roles at equal samples: {result.steps} steps per arm")
     for column in ("task", "arm", "samples", "accuracy start -> end", "groups/s",
                    "kl/mean (last steps)", "trainer busy", "trainer idle: wait_data",
-                   "trainer idle: critic", "critic busy", "critic idle: policy",
-                   "MB per version"):
+                   "trainer idle: critic", "trainer idle: wait_reference, wait_critic",
+                   "critic busy", "critic idle: policy", "MB per version"):
         table.add_column(column, justify="right")
     for a in result.arms:
         trainer, critic = a.idle.get("trainer", {}), a.idle.get("critic", {})
@@ -162,6 +168,7 @@ def print_result(result: Result, console: Console) -> None:
                       f"{a.groups_per_s:.2f}",
                       "-" if a.kl_mean is None else f"{a.kl_mean:.4f}",
                       pct(trainer, "busy"), pct(trainer, "wait_data"), pct(trainer, "critic"),
+                      f"{pct(trainer, 'wait_reference')}, {pct(trainer, 'wait_critic')}",
                       pct(critic, "busy"), pct(critic, "policy"),
                       f"{a.bytes_per_version / 2**20:.2f}")
     console.print(table)

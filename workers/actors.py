@@ -1,4 +1,5 @@
-"""The Ray actors: the plain rollout worker and trainer shard, plus moving tokens by reference.
+"""The Ray actors: the plain rollout worker, trainer shard and roles of their own, plus
+moving tokens by reference.
 
 Owns: the only two things the actors add to the plain classes — a rollout actor leaves
 each group's ``GroupTokens`` in Ray's object store and returns the group's metadata with
@@ -7,8 +8,11 @@ batch straight from the object store before training (``train_step_by_ref``, or
 ``prepare_step_by_ref`` when the PPO dataflow's stages run first: their entry points
 are here too). So a
 token goes from the engine that sampled it to the shard that trains it without passing
-through the driver. Knows nothing about the run's logic; ``async_rl.shell.launch`` creates
-these actors with ``ray.remote(...)``.
+through the driver. The reference and the critic on workers of their own
+(``ReferenceActor``, ``CriticActor``) fetch their groups the same way and leave each
+shard's share of their outputs in the object store, which the driver hands to that
+shard by reference (``take_reference``, ``take_advantages``). Knows nothing about the
+run's logic; ``async_rl.shell.launch`` creates these actors with ``ray.remote(...)``.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import ray
 from buffers.records import Group, GroupTokens, Prompt, ShardBatch, ShardStepResult
 from buffers.reports import CriticStepResult
 from workers.rollout.worker import RolloutWorker
+from workers.trainer.own_roles import CriticWorker, ReferenceWorker
+from workers.trainer.ppo_stages import Tensors
 from workers.trainer.shard import TrainerShard
 
 
@@ -65,6 +71,44 @@ class TrainerActor(TrainerShard):
     def critic_update(self, step: int) -> CriticStepResult:
         return self.stages().critic_update(step, self.rank)
 
+    # ---- what roles on workers of their own send (placement "own") ----------------------
+
+    def take_reference(self, step: int, logprobs: Tensors) -> None:
+        """``logprobs``: passed by reference, resolved by Ray from the reference
+        worker's store before this runs."""
+        self.stages().take_reference(step, logprobs)
+
+    def take_advantages(self, step: int, advantages: Tensors) -> None:
+        self.stages().take_advantages(step, advantages)
+
+    def step_lost(self, step: int) -> None:
+        self.stages().step_lost(step)
+
+
+class ReferenceActor(ReferenceWorker):
+    """The reference on a worker of its own: fetches its groups, leaves its outputs in
+    the object store for the shards."""
+
+    def prepare_step_by_ref(self, batches: list[ShardBatch]) -> bool:
+        return self.prepare(batches, _fetch_all(batches))
+
+    def reference_logprobs_refs(self, step: int) -> list[ray.ObjectRef[Tensors]]:
+        """One reference per batch prepared: that shard's logprobs, owned by this actor."""
+        return [ray.put(part) for part in self.logprobs(step)]
+
+
+class CriticActor(CriticWorker):
+    """A critic shard on a worker of its own: fetches its groups, leaves the advantages
+    in the object store for the shards."""
+
+    def prepare_step_by_ref(self, batches: list[ShardBatch]) -> bool:
+        return self.prepare(batches, _fetch_all(batches))
+
+    def advantages_refs(self, step: int, *reference: Tensors) -> list[ray.ObjectRef[Tensors]]:
+        """One reference per batch prepared: that shard's advantages. ``reference``: the
+        reference's logprobs of each batch, passed by reference (resolved by Ray)."""
+        return [ray.put(part) for part in self.advantages(step, reference)]
+
 
 def _fetch(batch: ShardBatch) -> list[GroupTokens] | None:
     """The batch's groups from the object store; None when one was lost (its rollout
@@ -75,3 +119,14 @@ def _fetch(batch: ShardBatch) -> list[GroupTokens] | None:
     except ray.exceptions.ObjectLostError:
         return None
     return tokens
+
+
+def _fetch_all(batches: list[ShardBatch]) -> list[list[GroupTokens]] | None:
+    """``_fetch`` of every batch; None when any lost a group."""
+    fetched: list[list[GroupTokens]] = []
+    for batch in batches:
+        tokens = _fetch(batch)
+        if tokens is None:
+            return None
+        fetched.append(tokens)
+    return fetched

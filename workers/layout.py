@@ -3,18 +3,20 @@
 Owns: the explicit identity of every worker (``WorkerIdentity``: role, rank, node,
 devices), the planned identities of a run's workers before any actor exists (``Layout``)
 and ``assign_cpus``, which hands each worker its own cores so that rollout and training
-behave like separate accelerators. Plain Python: the simulator lays a CPU machine out as
+behave like separate accelerators (``own_role_identities`` for the reference and the
+critic on cores of their own). Plain Python: the simulator lays a CPU machine out as
 a real run would. Knows nothing about Ray or what workers do.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
 
-Role = Literal["rollout", "trainer", "critic"]
+Role = Literal["rollout", "trainer", "critic", "reference"]
 
 
 class WorkerIdentity(msgspec.Struct, frozen=True, kw_only=True):
@@ -81,3 +83,21 @@ def assign_cpus(
         ),
         colocated=colocated,
     )
+
+
+def own_role_identities(layout: Layout, roles: Sequence[tuple[Role, int]], cpus_each: int,
+                        *, available: tuple[int, ...] | None = None
+                        ) -> tuple[WorkerIdentity, ...]:
+    """The workers of the roles placed on devices of their own (``roles``: each role and
+    its count), ``cpus_each`` cores each, on the cores after the trainer shards' and
+    round-robin over the node's cores when there are too few (as ``assign_cpus``)."""
+    cores = tuple(sorted(available if available is not None else os.sched_getaffinity(0)))
+    taken = [c for w in (*layout.rollout, *layout.trainer) for c in w.devices]
+    start = cores.index(taken[-1]) + 1 if taken and taken[-1] in cores else 0
+    out: list[WorkerIdentity] = []
+    for role, count in roles:
+        for rank in range(count):
+            out.append(WorkerIdentity(role=role, rank=rank, devices=tuple(
+                cores[(start + j) % len(cores)] for j in range(cpus_each))))
+            start += cpus_each
+    return tuple(out)

@@ -2,7 +2,8 @@
 
 Owns: the registry of worker identities the shell prints, the node a placement group's
 bundle landed on (``bundle_node``), and the Ray placement groups
-of the two roles, either disaggregated (the default: rollout and trainer on their own
+of the two roles (and of the reference's and critic's workers of their own,
+``own_roles_placement_group``), either disaggregated (the default: rollout and trainer on their own
 devices) or co-located (both roles share one STRICT_PACK group), and refusing, in one
 line, a layout the cluster cannot hold: too few GPUs for the layout (``check_gpus``,
 before any group is asked for) or a group that is still unplaced at its deadline
@@ -33,26 +34,30 @@ def gpus_per_worker(cluster_gpus: float, colocated: bool) -> float:
     return 0.5 if colocated else 1.0
 
 
-def check_gpus(layout: Layout, cluster_gpus: float) -> None:
+def check_gpus(layout: Layout, cluster_gpus: float, own_roles: int = 0) -> None:
     """Refuses a layout that needs more GPUs than the cluster has (none: the CPU path).
 
     Disaggregated, every rollout worker and every trainer shard needs a GPU of its own;
-    co-located, pair i shares GPU i. Without this, Ray would wait forever for bundles no
+    co-located, pair i shares GPU i; each worker of a role placed on its own
+    (``own_roles`` of them: reference.placement, critic.placement) needs one more.
+    Without this, Ray would wait forever for bundles no
     node can hold (one GPU and the default split layout is the common case).
     """
     if not cluster_gpus:
         return
     pairs = max(len(layout.rollout), len(layout.trainer))
-    needed = pairs if layout.colocated else len(layout.rollout) + len(layout.trainer)
+    needed = own_roles + (pairs if layout.colocated
+                          else len(layout.rollout) + len(layout.trainer))
     if needed <= cluster_gpus:
         return
     workers = (f"{len(layout.rollout)} rollout worker(s) and {len(layout.trainer)} trainer "
-               f"shard(s)")
+               f"shard(s)" + (f" and {own_roles} reference/critic worker(s) of their own"
+                              if own_roles else ""))
     if layout.colocated:
         raise ConfigError(f"config error: run.colocate = true: {workers} need {needed} GPU(s) "
                           f"(pair i shares GPU i), and the cluster has {cluster_gpus:g}")
     hint = ("; set run.colocate = true (rollout worker i and trainer shard i share GPU i)"
-            if pairs <= cluster_gpus else "")
+            if pairs + own_roles <= cluster_gpus else "")
     raise ConfigError(f"config error: run.colocate = false: {workers} need {needed} GPUs "
                       f"(one each), and the cluster has {cluster_gpus:g}{hint}")
 
@@ -111,6 +116,24 @@ def role_placement_groups(layout: Layout, cpus_per_rollout: int, cpus_per_traine
             f"placement error: no placement within {timeout_s:g}s (run.call_timeout_s) for "
             f"{asked}; the cluster has {_resources(ray.cluster_resources())} in all") from None
     return groups
+
+
+def own_roles_placement_group(count: int, cpus_each: int, gpus: float = 0.0, *,
+                              timeout_s: float) -> PlacementGroup:
+    """The placement group of the reference's and the critic's workers of their own
+    (placement "own"): one bundle each, apart from the rollout and trainer groups.
+    Raises ``ConfigError`` as ``role_placement_groups`` does."""
+    bundle: dict[str, float] = {"CPU": float(cpus_each)} | ({"GPU": gpus} if gpus else {})
+    group = placement_group([dict(bundle) for _ in range(count)], "PACK")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise ConfigError(
+            f"placement error: no placement within {timeout_s:g}s (run.call_timeout_s) for "
+            f"reference/critic: {count} x {{{_resources(bundle)}}}; the cluster has "
+            f"{_resources(ray.cluster_resources())} in all") from None
+    return group
 
 
 def in_bundle(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:

@@ -27,14 +27,23 @@ WEIGHT_UPDATE = ("weight_sync", "weight_wire", "weight_load")
 snapshot is the trainer's ``weight_publish``."""
 ROLLOUT_IDLE = (*WEIGHT_UPDATE, "gate_closed", "queue_full", "no_work")
 TRAINER_BUSY = ("forward", "backward", "optimizer")
-TRAINER_IDLE = ("wait_data", "barrier", "weight_publish", "checkpoint", "critic", "no_work")
+TRAINER_IDLE = ("wait_data", "barrier", "weight_publish", "checkpoint", "critic",
+                "wait_reference", "wait_critic", "no_work")
 """``checkpoint``: the shard snapshots its state for a checkpoint, or the run waits for
 an earlier checkpoint's background write to complete. ``critic``: the shard's device
-computes the critic co-located with it (critic.placement = "trainer")."""
+computes the critic co-located with it (critic.placement = "trainer").
+``wait_reference`` / ``wait_critic``: the shard holds its step and waits for the
+reference's logprobs / the critic's advantages from their own workers (placement
+"own")."""
 CRITIC_BUSY = TRAINER_BUSY
 CRITIC_IDLE = ("policy", "wait_data", "barrier", "weight_publish", "checkpoint", "no_work")
 """``policy``: the device the critic shares computes the policy (its shard's forward,
 backward and optimizer, the reference's forward); the rest as for a trainer shard."""
+REFERENCE_BUSY = ("forward",)
+REFERENCE_IDLE = ("wait_data", "weight_publish", "checkpoint", "no_work")
+"""A reference on its own workers (reference.placement = "own"): its one forward per
+step is its work; the rest it waits, resolved from the controller as a trainer shard's
+waits are (during the policy's update it has no work)."""
 UNRESOLVED = "idle"
 """Recorded by a worker that cannot tell why it waits; resolved from controller spans."""
 
@@ -44,8 +53,10 @@ weights, a trainer shard copies its snapshot (of weights, or of a checkpoint's s
 which its writer thread then serialises), a co-located role computes. Not busy (no
 samples or gradients come of it), but the OS CPU-time cross-check counts it as work."""
 
-BUSY = {"rollout": ROLLOUT_BUSY, "trainer": TRAINER_BUSY, "critic": CRITIC_BUSY}
-IDLE = {"rollout": ROLLOUT_IDLE, "trainer": TRAINER_IDLE, "critic": CRITIC_IDLE}
+BUSY = {"rollout": ROLLOUT_BUSY, "trainer": TRAINER_BUSY, "critic": CRITIC_BUSY,
+        "reference": REFERENCE_BUSY}
+IDLE = {"rollout": ROLLOUT_IDLE, "trainer": TRAINER_IDLE, "critic": CRITIC_IDLE,
+        "reference": REFERENCE_IDLE}
 
 
 class Span(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
@@ -54,7 +65,7 @@ class Span(msgspec.Struct, frozen=True, kw_only=True, array_like=True):
     worker: str
     """Worker name, e.g. "rollout-0", "trainer-1", or "controller"."""
     role: str
-    """rollout | trainer | critic | controller"""
+    """rollout | trainer | critic | reference | controller"""
     rank: int
     device: str
     """e.g. "cpu:0" or "cuda:3"."""

@@ -21,7 +21,7 @@ import msgspec
 from buffers.reports import UsageReading
 from workers.spans import BUSY, IDLE, UNRESOLVED, Span
 
-ROLE_ORDER = ("rollout", "trainer", "critic")
+ROLE_ORDER = ("rollout", "trainer", "critic", "reference")
 """Roles in the order tables and pictures list them (others after)."""
 ROLLOUT_TRACK = "controller-admission"
 """Controller track whose causes explain rollout idleness (gate_closed, queue_full)."""
@@ -233,6 +233,10 @@ HINTS = {
                             "or add cost_b so the plan balances better",
     ("trainer", "no_work"): "trainer has nothing scheduled: the controller is the "
                             "bottleneck (evaluation, planning)",
+    ("trainer", "wait_reference"): "trainer waits for the reference's own worker: give it "
+                                   'a device of its own or set reference.placement = "trainer"',
+    ("trainer", "wait_critic"): "trainer waits for the critic's own workers: raise "
+                                'critic.num_shards or set critic.placement = "trainer"',
     ("rollout", "gate_closed"): "rollout waits at the staleness gate: raise max_staleness "
                                 "or add trainer shards",
     ("rollout", "queue_full"): "rollout waits on a full queue: raise queue.max_groups or "

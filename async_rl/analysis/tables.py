@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from rich.console import Console
 from rich.table import Table
 
-from async_rl.analysis.idle import Breakdown, natural_key
+from async_rl.analysis.idle import ROLE_ORDER, Breakdown, natural_key
 from workers.spans import IDLE
 
 DEVICE_ROWS = 16
@@ -56,7 +56,7 @@ def idle_table(workers: Sequence[Breakdown], roles: Sequence[Breakdown], title: 
                every: bool = False) -> Table:
     """Per-role rows, then the workers ``listed_workers`` picks; a caption says how many
     were left out."""
-    causes = list(dict.fromkeys(c for role in ("rollout", "trainer", "critic")
+    causes = list(dict.fromkeys(c for role in ROLE_ORDER
                                 for c in IDLE[role]))
     listed = listed_workers(workers, every)
     left = len(workers) - len(listed)

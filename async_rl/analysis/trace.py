@@ -19,6 +19,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
+from async_rl.analysis.idle import ROLE_ORDER
 from workers.spans import WEIGHT_UPDATE, Span
 
 # One colour per cause, busy causes in greens/blues, idle causes in warm colours, so the
@@ -54,9 +55,10 @@ FOOTER_LINE_IN = 0.19
 
 
 def _order(spans: Sequence[Span]) -> list[str]:
-    """Track order: rollout workers, trainer shards, then controller tracks."""
-    rank = {"rollout": 0, "trainer": 1}
-    names = {s.worker: (rank.get(s.role, 2), s.rank, s.worker) for s in spans}
+    """Track order: the roles' workers (rollout, trainer, critic, reference), then
+    controller tracks."""
+    rank = {role: i for i, role in enumerate(ROLE_ORDER)}
+    names = {s.worker: (rank.get(s.role, len(rank)), s.rank, s.worker) for s in spans}
     return sorted(names, key=lambda n: names[n])
 
 

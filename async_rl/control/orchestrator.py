@@ -88,7 +88,7 @@ class Orchestrator:
         wall = clock or time.time
         self.trainers, self.weights = workers.trainers, workers.weights
         self.stages = (RoleStages(workers.stages, warmup_steps=config.critic.warmup_steps
-                                  if config.has_critic else 0)
+                                  if config.has_critic else 0, own=workers.own)
                        if workers.stages else None)
         """The reference's and the critic's stages on the trainer shards (PPO's dataflow);
         None: GRPO's."""
@@ -122,7 +122,8 @@ class Orchestrator:
         self.evaluations = EvaluationRunner(eval_prompts, self.evals, self.pool,
                                             self.health, out, evaluator=workers.evaluator,
                                             source=self.trainers[0])
-        self.readings = WorkerReadings(self.pool, self.trainers, self.health)
+        self.readings = WorkerReadings(self.pool, self.trainers, self.health,
+                                       roles=workers.own.workers)
         # The orchestrator's own tracks: what it waits on explains the workers' idle time.
         self.admission, self.training = (
             SpanRecorder(worker=track, role="controller", rank=0, device="driver",

@@ -3,12 +3,14 @@
 Owns: the orchestrator's whole view of the compute plane — a rollout worker
 (``RolloutClient``), a trainer shard (``TrainerClient``), the weight path
 (``WeightPath``), the evaluator beside them (``Evaluator``), what every worker reports
-for the idle accounting (``ObservedWorker``), the PPO dataflow's stages on the trainer shards
-(``RoleStagesClient``), the bundle the shell hands over
-(``Workers``) and the failures: a worker's (``RolloutFailed``, ``EvaluationFailed``)
-and the run's (``RunFailed``). Knows nothing about Ray: ``async_rl.shell.ray_shell`` adapts
-actor handles to these protocols, and the unit tests pass in-process fakes, so the
-orchestrator's loops run the same against both.
+for the idle accounting (``ObservedWorker``), the PPO dataflow's stages on the trainer
+shards (``RoleStagesClient``) and on the roles' own workers (``ReferenceClient``,
+``CriticClient``; the shards take their outputs, ``RoleOutputsClient``; together
+``OwnRoles``), the bundle the shell hands over (``Workers``)
+and the failures: a worker's (``RolloutFailed``, ``EvaluationFailed``) and the run's
+(``RunFailed``, ``TrainerFailed``, ``RoleFailed``). Knows nothing about Ray:
+``async_rl.shell.ray_shell`` adapts actor handles to these protocols, and the unit tests
+pass in-process fakes, so the orchestrator's loops run the same against both.
 
 Data moves by reference: a ``Group`` a rollout worker returns carries no tokens, only a
 reference (``Group.tokens``) that the trainer shards resolve themselves.
@@ -113,6 +115,12 @@ class TrainerClient(ObservedWorker, Protocol):
         ...
 
 
+class RoleOutput(Protocol):
+    """One trainer shard's share of a role's output for a step (what it holds is the
+    shell's own: on Ray, a reference into the object store, so the data goes from the
+    role's worker to the shard without passing through the orchestrator)."""
+
+
 class RoleStagesClient(Protocol):
     """The reference and the critic beside one trainer shard (placement "trainer"): the
     PPO dataflow's stages around the policy's update (``TrainerClient.train``), each on
@@ -139,6 +147,91 @@ class RoleStagesClient(Protocol):
     async def critic_update(self, step: int) -> CriticStepResult:
         """The critic's updates on the step (it ends the step on the shard)."""
         ...
+
+
+class RoleOutputsClient(Protocol):
+    """One trainer shard taking its share of the outputs of the roles on workers of
+    their own (placement "own") for the step it prepared (``prepare_step``)."""
+
+    async def take_reference(self, step: int, logprobs: RoleOutput) -> None:
+        """The reference's logprobs of the shard's micro-batches, from its own worker."""
+        ...
+
+    async def take_advantages(self, step: int, advantages: RoleOutput) -> None:
+        """The shard's per-token advantages, from the critic's own workers."""
+        ...
+
+    async def step_lost(self, step: int) -> None:
+        """A role's own worker could not fetch the step's groups: nothing trains on them."""
+        ...
+
+
+class ReferenceClient(ObservedWorker, Protocol):
+    """The frozen reference on a worker of its own (reference.placement = "own")."""
+
+    async def mean_cores(self) -> float: ...
+
+    async def prepare_step(self, batches: Sequence[ShardBatch]) -> bool:
+        """Fetches and lays out every shard's batch; True when it lost some groups."""
+        ...
+
+    async def reference_logprobs(self, step: int) -> list[RoleOutput]:
+        """The reference's logprobs of the step's tokens, one output per shard."""
+        ...
+
+
+class PendingCriticUpdate(Protocol):
+    """A critic update under way on the critic's own worker."""
+
+    async def result(self) -> CriticStepResult: ...
+
+
+class CriticClient(ObservedWorker, Protocol):
+    """One critic shard on a worker of its own (critic.placement = "own"): it holds the
+    batches of trainer shards ``rank, rank + critic.num_shards, ...``."""
+
+    async def mean_cores(self) -> float: ...
+
+    async def prepare_step(self, batches: Sequence[ShardBatch]) -> bool:
+        """Fetches and lays out its shards' batches; True when it lost some groups."""
+        ...
+
+    async def critic_values(self, step: int) -> None:
+        """The critic's values of the step's tokens, with its current weights."""
+        ...
+
+    async def advantages(self, step: int, reference: Sequence[RoleOutput]
+                         ) -> list[RoleOutput]:
+        """GAE's advantages (whitened over every critic shard's tokens), one output per
+        batch it holds; ``reference``: the reference's logprobs of those batches (for
+        trainer.kl_in_reward; empty otherwise). The returns stay for its update."""
+        ...
+
+    def start_update(self, step: int) -> PendingCriticUpdate:
+        """Starts the critic's updates on the step and returns at once (they run while
+        the policy's update does)."""
+        ...
+
+    async def save_checkpoint(self, out_dir: str) -> None:
+        """Writes the critic's weights and optimizer state into a checkpoint's folder."""
+        ...
+
+
+@dataclass
+class OwnRoles:
+    """The roles on workers of their own (placement "own"); empty: none."""
+
+    reference: ReferenceClient | None = None
+    critics: list[CriticClient] = field(default_factory=list)
+    """critic.num_shards of them, in rank order."""
+    shards: list[RoleOutputsClient] = field(default_factory=list)
+    """The trainer shards, in rank order, taking their share of the roles' outputs."""
+    reference_to_critic: bool = False
+    """The critic needs the reference's logprobs (trainer.kl_in_reward)."""
+
+    @property
+    def workers(self) -> list[ReferenceClient | CriticClient]:
+        return [*([self.reference] if self.reference is not None else []), *self.critics]
 
 
 class PolicyWeights(Protocol):
@@ -186,6 +279,18 @@ class WeightPath(Protocol):
 
 class RunFailed(Exception):
     """The run cannot go on (every rollout worker gone, restarts used up): one line."""
+
+
+class RoleFailed(RunFailed):
+    """A reference or critic worker of its own failed a stage (``dead``: its process
+    is gone or stuck). The run stops as for a failed trainer shard; the trainer shards
+    are alive, so they write its checkpoint (a dead critic's state cannot be in it)."""
+
+    def __init__(self, name: str, reason: str, *, dead: bool, timed_out: bool = False) -> None:
+        super().__init__(f"{name} {'died' if dead else 'failed'}: {reason}")
+        self.name = name
+        self.dead = dead
+        self.timed_out = timed_out
 
 
 class WaitTimedOut(RunFailed):
@@ -248,3 +353,5 @@ class Workers:
     stages: list[RoleStagesClient] = field(default_factory=list)
     """One per trainer shard, in rank order, when the run has a reference or a critic;
     empty: GRPO's dataflow (advantages from the groups' rewards, no other role)."""
+    own: OwnRoles = field(default_factory=OwnRoles)
+    """The reference and the critic where they run on workers of their own."""

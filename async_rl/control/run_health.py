@@ -19,6 +19,7 @@ from pathlib import Path
 import anyio
 
 from async_rl.control.protocols import (
+    RoleFailed,
     RolloutFailed,
     RunFailed,
     TrainerFailed,
@@ -134,11 +135,14 @@ class RunHealth:
     def failed(self, failure: Exception, group: BaseExceptionGroup[BaseException]
                ) -> set[int]:
         """Counts a failure that stops the run; returns the ranks of the trainer shards
-        it left dead or stuck (they cannot write a checkpoint)."""
+        it left dead or stuck (they cannot write a checkpoint). A reference or critic
+        worker of its own that died (``RoleFailed``) leaves every shard alive: they
+        write the checkpoint (with the critic's state, if a critic worker still lives)."""
         faults = all_errors(group, TrainerFailed)
         for fault in faults:
             self.totals.out_of_memory += fault.out_of_memory
             self.totals.timeouts += fault.timed_out
+        self.totals.timeouts += sum(role.timed_out for role in all_errors(group, RoleFailed))
         self.totals.timeouts += isinstance(failure, WaitTimedOut)
         return {fault.rank for fault in faults if fault.dead}
 

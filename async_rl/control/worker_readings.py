@@ -5,7 +5,8 @@ the training window (CPU-time and NVML counters for the cross-check, spans for i
 accounting, the versions the engines end on). A rollout worker found lost while being
 read is retired and left out, its figures with it, as during training; trainer shards
 are read as they are (a lost shard has already failed the run). Knows nothing about the
-run's loops or what the readings mean.
+run's loops or what the readings mean. The reference's and critic's workers of their
+own are read as trainer shards are.
 """
 
 from __future__ import annotations
@@ -13,7 +14,14 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
-from async_rl.control.protocols import ObservedWorker, RolloutClient, RolloutFailed, TrainerClient
+from async_rl.control.protocols import (
+    CriticClient,
+    ObservedWorker,
+    ReferenceClient,
+    RolloutClient,
+    RolloutFailed,
+    TrainerClient,
+)
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.run_health import RunHealth
 from buffers.reports import UsageReading
@@ -26,8 +34,13 @@ class WorkerReadings:
     """See the module docstring."""
 
     def __init__(self, pool: RolloutPool, trainers: Sequence[TrainerClient],
-                 health: RunHealth) -> None:
-        self._pool, self._trainers, self._health = pool, trainers, health
+                 health: RunHealth, roles: Sequence[ReferenceClient | CriticClient] = ()
+                 ) -> None:
+        """``roles``: the reference's and the critic's workers of their own, read as
+        trainer shards are."""
+        self._pool, self._health = pool, health
+        self._trainers: list[TrainerClient | ReferenceClient | CriticClient] = [*trainers,
+                                                                                *roles]
 
     async def from_rollout(self, call: Callable[[RolloutClient], Awaitable[T]]
                            ) -> list[tuple[RolloutClient, T]]:
@@ -44,7 +57,7 @@ class WorkerReadings:
 
     async def from_every(self, call: Callable[[ObservedWorker], Awaitable[T]]
                          ) -> dict[str, T]:
-        """``call`` on every live rollout worker and every trainer shard, by name."""
+        """``call`` on every live rollout worker, trainer shard and role worker, by name."""
         rollout = {w.name: value for w, value in await self.from_rollout(call)}
         return rollout | {t.name: await call(t) for t in self._trainers}
 

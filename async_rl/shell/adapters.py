@@ -7,12 +7,14 @@ has its own), Ray's errors turned into the adapter's protocol error, and a misse
 deadline into the error the call names (``WaitTimedOut`` by default). Also aligning a
 worker's span clock with the driver's, and replacing a lost rollout worker
 (``restart_rollout``: a new actor on the same cores, joined to the weight group).
-Knows nothing about the run's logic.
+The reference's and critic's workers of their own have their adapters beside these
+(``async_rl.shell.role_adapters``). Knows nothing about the run's logic.
 """
 
 from __future__ import annotations
 
 import abc
+import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -25,9 +27,13 @@ import ray
 
 from async_rl.config import Config
 from async_rl.control.protocols import (
+    CriticClient,
     EvaluationFailed,
+    OwnRoles,
     PolicyWeights,
     PublishedWeights,
+    RoleFailed,
+    RoleOutput,
     RolloutFailed,
     TrainerFailed,
     WaitTimedOut,
@@ -79,22 +85,26 @@ class _Adapter(abc.ABC):
     def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:
         """The protocol's error for ``err``, raised by the call to ``what``."""
 
-    async def _call(self, method: str, *args: Any, seconds: float | None = None,
-                    key: str = "run.call_timeout_s", what: str = "",
-                    on_timeout: OnTimeout | None = None,
-                    concurrency_group: str | None = None) -> Any:
-        """``handle.method.remote(*args)`` within ``seconds`` (default
-        run.call_timeout_s, named by ``key``), in the actor's ``concurrency_group`` if
-        given. Ray's errors raise ``_failed(err, what)`` (``what`` defaults to the
-        method); a missed deadline raises ``on_timeout`` of the wait, or
-        ``WaitTimedOut`` naming the call."""
-        seconds = self.config.run.call_timeout_s if seconds is None else seconds
+    async def _call(self, method: str, *args: Any, concurrency_group: str | None = None,
+                    **wait: Any) -> Any:
+        """``handle.method.remote(*args)``, in the actor's ``concurrency_group`` if
+        given, waited for as ``_result`` says (``wait``: its keywords)."""
         call = getattr(self.handle, method)
         if concurrency_group is not None:
             call = call.options(concurrency_group=concurrency_group)
+        return await self._result(call.remote(*args), method, **wait)
+
+    async def _result(self, pending: Any, method: str, *, seconds: float | None = None,
+                      key: str = "run.call_timeout_s", what: str = "",
+                      on_timeout: OnTimeout | None = None) -> Any:
+        """The result of a call to ``method`` already made (``pending``: its reference)
+        within ``seconds`` (default run.call_timeout_s, named by ``key``). Ray's errors
+        raise ``_failed(err, what)`` (``what`` defaults to the method); a missed
+        deadline raises ``on_timeout`` of the wait, or ``WaitTimedOut`` naming the call."""
+        seconds = self.config.run.call_timeout_s if seconds is None else seconds
         try:
             with anyio.move_on_after(seconds):
-                return await call.remote(*args)
+                return await pending
         except ray.exceptions.RayError as err:
             raise self._failed(err, what or method) from err
         if on_timeout is None:
@@ -102,7 +112,7 @@ class _Adapter(abc.ABC):
         raise on_timeout(f"after {seconds:g} s ({key})")
 
 
-class _Worker(_Adapter):
+class WorkerAdapter(_Adapter):
     """What every worker adapter reports: OS usage and clock-aligned spans."""
 
     async def usage(self) -> UsageReading:
@@ -120,7 +130,7 @@ class _Worker(_Adapter):
                 for s in spans]
 
 
-class RayRollout(_Worker):
+class RayRollout(WorkerAdapter):
     """A ``RolloutClient`` over a ``workers.actors.RolloutActor`` handle."""
 
     def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:
@@ -153,7 +163,7 @@ class RayRollout(_Worker):
         return version
 
 
-class RayTrainer(_Worker):
+class RayTrainer(WorkerAdapter):
     """A ``TrainerClient`` over a ``workers.actors.TrainerActor`` handle."""
 
     def __init__(self, rank: int, handle: Any, config: Config) -> None:
@@ -163,6 +173,10 @@ class RayTrainer(_Worker):
         """The shards that take part in each of this one's calls that read the whole
         policy or write a checkpoint (trainer.backend = "fsdp2", shard 0's client: the
         others hold the rest of the state); empty with ddp, whose shards are replicas."""
+        self.critics: Sequence[CriticClient] = ()
+        """The critic's workers of their own (critic.placement = "own"): a checkpoint
+        this shard writes holds their state too (they are replicas: the first live one
+        writes it)."""
 
     async def _everywhere(self, method: str, *args: Any, **options: Any) -> Any:
         """``method`` on this shard and its peers at once; this shard's answer."""
@@ -218,6 +232,18 @@ class RayTrainer(_Worker):
         result: CriticStepResult = await self._stage("critic_update", step, step)
         return result
 
+    async def take_reference(self, step: int, logprobs: RoleOutput) -> None:
+        assert isinstance(logprobs, RayRoleOutput)
+        # A reference as an argument: Ray hands the shard the tensors themselves.
+        await self._stage("take_reference", step, step, logprobs.ref)
+
+    async def take_advantages(self, step: int, advantages: RoleOutput) -> None:
+        assert isinstance(advantages, RayRoleOutput)
+        await self._stage("take_advantages", step, step, advantages.ref)
+
+    async def step_lost(self, step: int) -> None:
+        await self._stage("step_lost", step, step)
+
     async def policy_weights(self, version: int) -> RayPolicyWeights:
         # Not awaited: submitted before the next step's call, the copy runs in order with
         # training calls, and the evaluator fetches it from the object store itself.
@@ -234,11 +260,25 @@ class RayTrainer(_Worker):
 
     async def save_checkpoint(self, out_dir: str) -> None:
         await self._everywhere("save_checkpoint", out_dir)
+        for index, critic in enumerate(self.critics):
+            try:
+                await critic.save_checkpoint(out_dir)
+                break
+            except RoleFailed:
+                if index == len(self.critics) - 1:
+                    raise  # the critic's state died with its last worker
 
     async def checkpoint_written(self) -> None:
         # Beside training calls; a write takes about as long as a step may.
         await self._everywhere("checkpoint_written", seconds=self.config.trainer.step_timeout_s,
                                key="trainer.step_timeout_s", concurrency_group=WAIT_GROUP)
+
+
+@dataclass(frozen=True)
+class RayRoleOutput:
+    """A ``RoleOutput``: a reference to one shard's share, in its role worker's store."""
+
+    ref: ray.ObjectRef[Any]
 
 
 @dataclass(frozen=True)
@@ -296,8 +336,9 @@ async def restart_rollout(started: StartedWorkers, rank: int, model: ModelConfig
     return worker
 
 
-def adapt(started: StartedWorkers, config: Config) -> Workers:
-    """The started actors as the orchestrator's protocols."""
+def adapt(started: StartedWorkers, config: Config, own: OwnRoles | None = None) -> Workers:
+    """The started actors as the orchestrator's protocols; ``own``: the roles' workers
+    of their own, already adapted (``async_rl.shell.role_adapters``)."""
 
     async def restart(rank: int, model_dir: str, version: int) -> RayRollout:
         model = msgspec.structs.replace(config.model, path=model_dir)
@@ -310,6 +351,11 @@ def adapt(started: StartedWorkers, config: Config) -> Workers:
     # broadcasts do; ddp: replicas.
     assert started.broadcast is not None
     trainers[0].peers = trainers[1:] if started.broadcast.gather_from else []
+    own = own or OwnRoles()
+    if own.workers:  # every shard takes its share of the roles' outputs
+        own = dataclasses.replace(own, shards=[*trainers])
+    for trainer in trainers:
+        trainer.critics = own.critics
     return Workers(
         rollout={rank: RayRollout(f"rollout-{rank}", handle, config)
                  for rank, handle in started.rollout.items()},
@@ -319,4 +365,5 @@ def adapt(started: StartedWorkers, config: Config) -> Workers:
                    if started.evaluator is not None else None),
         restart_rollout=restart,
         stages=[*trainers] if config.has_reference or config.has_critic else [],
+        own=own,
     )

@@ -2,7 +2,8 @@
 
 Owns: creating and starting the rollout and trainer actors on their cores or GPUs
 (``launch_workers``), the weight-transfer groups between trainer shard 0 and each
-rollout worker, and the idle-CPU evaluator of run.eval_on. The task they run is built
+rollout worker, the idle-CPU evaluator of run.eval_on, and the reference's and critic's
+workers of their own (``async_rl.shell.role_launch``). The task they run is built
 before (``async_rl.tasks.table``). Part of the Ray shell: knows nothing about the run's
 loops, which ``async_rl.control.orchestrator`` drives through the adapters of
 ``async_rl.shell.ray_shell``.
@@ -19,6 +20,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 
 from async_rl.config import Config
+from async_rl.shell.role_launch import OwnRoleActors, create_own_roles, own_roles
 from async_rl.tasks.table import Task, worker_task
 from buffers.concurrent_calls import each
 from workers.actors import RolloutActor, TrainerActor
@@ -50,6 +52,8 @@ class StartedWorkers:
     version: how a lost worker is replaced."""
     broadcast: WeightBroadcast | None = None
     """Trainer shard 0's broadcasts of each version to the rollout workers."""
+    own: OwnRoleActors = field(default_factory=OwnRoleActors)
+    """The reference's and the critic's workers of their own (placement "own")."""
 
 
 async def launch_workers(cfg: Config, built: Task, version: int = 0,
@@ -71,7 +75,7 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
     check_transport(cfg.weights, cuda=bool(cluster_gpus))
     rollout_sampling = sampling(cfg.rollout, cfg.model)  # what the trainer shards must know
     gpus = gpus_per_worker(cluster_gpus, cfg.run.colocate is True)
-    check_gpus(layout, cluster_gpus)
+    check_gpus(layout, cluster_gpus, own_roles=sum(count for _, count in own_roles(cfg)))
     groups = make_placement_groups(
         layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus,
         timeout_s=cfg.run.call_timeout_s)
@@ -124,6 +128,10 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
     started.broadcast = WeightBroadcast(
         started.trainers[0],
         gather_from=started.trainers[1:] if cfg.trainer.backend == "fsdp2" else ())
+    # One GPU each (on a GPU cluster) or cores of their own, apart from both roles'.
+    own = started.own = create_own_roles(cfg, layout, rollout_sampling,
+                                         gpus_per_worker(cluster_gpus, colocated=False))
+    started.placement_groups += [own.group] if own.group is not None else []
     evaluator_setup = []
     if cfg.run.eval_on == "idle_cpu":
         # No cores of its own (num_cpus=0): it runs at idle priority on whichever core
@@ -136,7 +144,7 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
     # none waits for another, and each takes seconds to tens of seconds on a CPU.
     pids: list[int] = await each([*(t.setup.remote for t in started.trainers),
                                   *(w.start.remote for w in started.rollout.values()),
-                                  *evaluator_setup])
+                                  *own.setups, *evaluator_setup])
     trainer_pids = pids[:len(started.trainers)]
     rollout_pids = pids[len(started.trainers):len(started.trainers) + len(started.rollout)]
     # Every rollout worker becomes a member of shard 0's weight-broadcast group (built
@@ -149,17 +157,22 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
         node_id, ip = bundle_node(groups[ident.role], ident.rank)
         started.identities.append(
             msgspec.structs.replace(ident, node=ip, node_id=node_id, pid=pid))
-    if cfg.has_critic:  # critic.placement = "trainer": shard i's process and devices
+    if cfg.has_critic and cfg.critic.placement == "trainer":  # shard i's process, devices
         started.identities += [msgspec.structs.replace(ident, role="critic")
                                for ident in started.identities if ident.role == "trainer"]
+    first_own = len(started.trainers) + len(started.rollout)
+    started.identities += own.started(pids[first_own:first_own + len(own.actors)])
     return started
 
 
 def role_models(cfg: Config) -> dict[str, Any]:
     """What each trainer shard builds beside the policy: the reference's weights and
-    the critic's section, their paths resolved ("" = the policy's initial weights)."""
-    return {"reference_path": (cfg.reference.path or cfg.model.path) if cfg.has_reference
-            else "",
+    the critic's section, their paths resolved ("" = the policy's initial weights),
+    where they are placed "trainer"; and which roles run on workers of their own."""
+    own = tuple(role for role, _ in own_roles(cfg))
+    return {"reference_path": (cfg.reference.path or cfg.model.path)
+            if cfg.has_reference and "reference" not in own else "",
             "critic": msgspec.structs.replace(cfg.critic,
                                               path=cfg.critic.path or cfg.model.path)
-            if cfg.has_critic else None}
+            if cfg.has_critic and "critic" not in own else None,
+            "own_roles": own}

@@ -40,6 +40,8 @@ from async_rl.run.run_dir import WORKERS_LOG, RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.shell.adapters import adapt
 from async_rl.shell.launch import StartedWorkers, launch_workers
+from async_rl.shell.role_adapters import adapt_own_roles
+from async_rl.shell.role_launch import own_roles
 from async_rl.shell.worker_logs import ray_notices_to_log, ray_options
 from async_rl.tasks.table import build_task
 from buffers.concurrent_calls import each
@@ -56,7 +58,7 @@ NAMESPACE = "async-rl"
 async def _shutdown(started: StartedWorkers) -> None:
     """Stops the engines and process groups, then the actors and their placement groups:
     on a cluster the shell joined, nothing of the run is left behind."""
-    actors = [*started.rollout.values(), *started.trainers]
+    actors = [*started.rollout.values(), *started.trainers, *started.own.actors]
 
     async def shutdown(actor: Any) -> None:
         with contextlib.suppress(Exception):  # a RayError: that actor had nothing left
@@ -144,7 +146,8 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
         else:
             # "local": a new Ray for this run, never one already running on the machine.
             needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
-                      + config.trainer.num_shards * config.trainer.cpus_per_shard)
+                      + (config.trainer.num_shards + sum(n for _, n in own_roles(config)))
+                      * config.trainer.cpus_per_shard)
             ray.init(address="local", num_cpus=max(config.run.num_cpus, needed),
                      include_dashboard=False, _node_ip_address="127.0.0.1",
                      namespace=NAMESPACE, **console)
@@ -164,12 +167,13 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                         version=checkpoint.state.version if checkpoint else 0, rewards=rewards)
                     log.info("%s", registry_table(started.identities))
                     out.workers(started.identities)
-                    if checkpoint is not None:  # the shards' optimizer state and step
+                    if checkpoint is not None:  # the shards' (and critic's) training state
                         await each([functools.partial(t.load_training_state.remote,
                                                       workers_config.model.path)
-                                    for t in started.trainers])
+                                    for t in [*started.trainers, *started.own.critics]])
+                    workers = adapt(started, config, adapt_own_roles(started, config))
                     orchestrator = Orchestrator(config, out, task.source, task.eval_prompts,
-                                                adapt(started, config))
+                                                workers)
                     if checkpoint is not None:
                         orchestrator.restore(checkpoint.state, refused=len(refused))
                     stops.orchestrator = orchestrator

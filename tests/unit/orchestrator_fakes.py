@@ -21,6 +21,7 @@ from async_rl.control.checkpoint import latest_checkpoint
 from async_rl.control.orchestrator import Orchestrator
 from async_rl.control.protocols import (
     EvaluationFailed,
+    OwnRoles,
     PolicyWeights,
     RoleStagesClient,
     RolloutFailed,
@@ -206,13 +207,14 @@ def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer
         resume: bool = False, restart: Callable[[int], FakeRollout] | None = None,
         virtual: bool = False,
         beside: Callable[[Orchestrator], Awaitable[None]] | None = None,
-        stages: Sequence[RoleStagesClient] = ()) -> RunSummary:
+        stages: Sequence[RoleStagesClient] = (), own: OwnRoles | None = None) -> RunSummary:
     """One run on fresh fakes; ``stop_after``: request a clean stop once that many
     steps have trained; ``resume``: continue the run directory's newest checkpoint;
     ``virtual``: on the simulator's virtual clock, so that the fakes' sleeps order the
     run the same way however loaded the machine is (a test that needs groups to finish
     out of order by a margin); ``beside``: runs beside the orchestrator (a signal
-    arriving mid-run, say); ``stages``: the PPO dataflow's stages, one per shard."""
+    arriving mid-run, say); ``stages``: the PPO dataflow's stages, one per shard;
+    ``own``: the roles on workers of their own."""
     task = ArithmeticTask(seed=0)
     async def restart_rollout(rank: int, model_dir: str, version: int) -> FakeRollout:
         assert restart is not None and Path(model_dir).is_dir()  # the trainer saved it
@@ -224,7 +226,7 @@ def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer
     workers = Workers(rollout=dict(rollout), trainers=list(trainers),
                       weights=weights or FakeWeights(rollout), evaluator=evaluator,
                       restart_rollout=restart_rollout if restart else None,
-                      stages=list(stages))
+                      stages=list(stages), own=own or OwnRoles())
     state = latest_checkpoint(Path(cfg.run.output_dir))[1] if resume else None
     out = RunWriter(cfg.run.output_dir, cfg, positions=state.files if state else None)
     def build() -> Orchestrator:

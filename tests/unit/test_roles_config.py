@@ -20,9 +20,10 @@ BAD = [
     (["trainer.kl_coef=-0.1"], "trainer.kl_coef", ">= 0"),
     (["trainer.kl_estimator=k4"], "trainer.kl_estimator", "k1"),
     (["trainer.kl_in_reward=true"], "trainer.kl_in_reward", 'algorithm.advantage = "gae"'),
-    (["trainer.kl_coef=0.1", "reference.placement=own"], "reference.placement",
-     "not built yet"),
-    (["algorithm.advantage=gae", "critic.placement=own"], "critic.placement", "not built yet"),
+    (["algorithm.advantage=gae", "critic.placement=own", "trainer.kl_coef=0.1",
+      "trainer.kl_in_reward=true"], "reference.placement", 'needs "own"'),
+    (["algorithm.advantage=gae", "critic.placement=own", "critic.num_shards=2",
+      "trainer.num_shards=3"], "critic.num_shards", "must divide trainer.num_shards"),
     (["algorithm.advantage=ppo"], "algorithm.advantage", "grpo"),
     (["algorithm.advantage=gae", "critic.num_shards=2"], "critic.num_shards",
      "must equal trainer.num_shards"),
@@ -34,6 +35,26 @@ BAD = [
     (["critic.value_clip=-1"], "critic.value_clip", ">= 0"),
     (["critic.warmup_steps=-1"], "critic.warmup_steps", ">= 0"),
 ]
+
+
+OWN = [
+    ["trainer.kl_coef=0.1", "reference.placement=own"],
+    ["algorithm.advantage=gae", "critic.placement=own"],
+    ["algorithm.advantage=gae", "critic.placement=own", "critic.num_shards=2",
+     "trainer.num_shards=4", "trainer.kl_coef=0.1", "trainer.kl_in_reward=true",
+     "reference.placement=own"],
+    ["algorithm.advantage=gae", "trainer.kl_coef=0.1", "trainer.kl_in_reward=true",
+     "reference.placement=own"],
+]
+
+
+@pytest.mark.parametrize("overrides", OWN)
+def test_roles_on_workers_of_their_own_are_accepted(tmp_path: Path,
+                                                    overrides: list[str]) -> None:
+    path = tmp_path / "config.toml"
+    path.write_text(BASE)
+    config = load_config(path, overrides)
+    assert "own" in (config.reference.placement, config.critic.placement)
 
 
 @pytest.mark.parametrize(("overrides", "key", "allowed"), BAD)

@@ -51,6 +51,22 @@ class Prepared:
     normaliser's and seq_mean's, counts."""
 
 
+def lay_out(micro_batches: Sequence[MicroBatch], device: torch.device, *, packed: bool = True
+            ) -> list[Prepared]:
+    """The step's micro-batches laid out once (packed rows sent to the device now;
+    ``packed`` False: the padded layout, laid out at each forward). A shard and a role
+    of its own (``workers.trainer.own_roles``) lay one batch out alike."""
+    return [Prepared(sequences=mb, lengths=tuple(s.trained_tokens for s in mb),
+                     packed=pack(mb, device) if packed and mb else None)
+            for mb in micro_batches]
+
+
+def compute_autocast(device: torch.device, config: TrainerConfig) -> torch.autocast:
+    """bfloat16 autocast on ``device`` where trainer.compute_dtype says so."""
+    return torch.autocast(device.type, dtype=torch.bfloat16,
+                          enabled=config.compute_dtype == "bfloat16")
+
+
 @dataclass(frozen=True, kw_only=True, slots=True)
 class ForwardPass:
     """One micro-batch's forward pass (``StepLoss.forward``), one value per trained
@@ -116,15 +132,11 @@ class StepLoss:
     def autocast(self) -> torch.autocast:
         """The context every forward of the step runs in: bf16 autocast with
         trainer.compute_dtype = "bfloat16", else a disabled one."""
-        return torch.autocast(self.device.type, dtype=torch.bfloat16,
-                              enabled=self.config.compute_dtype == "bfloat16")
+        return compute_autocast(self.device, self.config)
 
     def prepare(self, micro_batches: Sequence[MicroBatch]) -> list[Prepared]:
-        """The step's micro-batches laid out once (packed rows sent to the device now),
-        for the proximal pass and every epoch."""
-        return [Prepared(sequences=mb, lengths=tuple(s.trained_tokens for s in mb),
-                         packed=pack(mb, self.device) if self.packed and mb else None)
-                for mb in micro_batches]
+        """The step's micro-batches laid out once, for the proximal pass and every epoch."""
+        return lay_out(micro_batches, self.device, packed=self.packed)
 
     def forward(self, model: torch.nn.Module, micro_batch: Prepared) -> ForwardPass:
         """``model`` (the DDP-wrapped one, or the bare module for a no-grad pass) over

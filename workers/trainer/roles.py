@@ -8,16 +8,18 @@ orchestrator makes in order (``StepRoles.prepare``, ``reference_logprobs``,
 ``critic_values``, ``advantages``, ``critic_update``; the policy's update between the
 last two is ``TrainerShard.train_step``, which takes the laid-out step from here), and
 the frozen reference itself (a copy of the initial weights, or reference.path, with no
-gradient). GAE's arithmetic is ``workers.trainer.gae``'s, the KL estimators
-``workers.trainer.kl``'s, the value model ``workers.trainer.critic``'s. Knows nothing
-about Ray, queues or versions: the reference is fixed, so staleness and per-token
-versions are untouched.
+gradient). With a role on workers of its own (placement "own",
+``workers.trainer.own_roles``) the shard takes that role's output for its step instead
+(``take_reference``, ``take_advantages``, ``step_lost``) and its idle time waiting for
+it has a cause of its own. The stages' arithmetic is ``workers.trainer.ppo_stages``'s
+(GAE's ``workers.trainer.gae``'s, the KL estimators ``workers.trainer.kl``'s), the value
+model ``workers.trainer.critic``'s. Knows nothing about Ray, queues or versions: the
+reference is fixed, so staleness and per-token versions are untouched.
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -30,14 +32,10 @@ from workers.spans import UNRESOLVED, SpanRecorder
 from workers.trainer.attention import use_packed_attention
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import Critic
-from workers.trainer.gae import from_rows, gae, moments, to_rows, token_rewards, whiten
-from workers.trainer.kl import kl_estimate
 from workers.trainer.packing import packed_forward
+from workers.trainer.ppo_stages import Tensors, critic_step, step_advantages, with_advantages
 from workers.trainer.ppo_update import Prepared, StepLoss
 from workers.trainer.roles_config import CriticConfig
-
-Tensors = list[torch.Tensor | None]
-"""One entry per micro-batch of the step; None for a pad."""
 
 
 @dataclass
@@ -75,9 +73,12 @@ class StepRoles:
 
     def __init__(self, *, trainer: TrainerConfig, losses: StepLoss, device: torch.device,
                  world_size: int, temperature: float, reference: torch.nn.Module | None,
-                 critic: Critic | None, spans: tuple[SpanRecorder, SpanRecorder]) -> None:
+                 critic: Critic | None, spans: tuple[SpanRecorder, SpanRecorder],
+                 awaited: tuple[str, ...] = ()) -> None:
         """``spans``: the policy's track and the critic's (the critic's device time is
-        the policy's ``critic`` idle cause)."""
+        the policy's ``critic`` idle cause). ``awaited``: what the shard waits for from
+        roles on workers of their own, in stage order ("wait_reference",
+        "wait_critic"): the policy's idle causes from ``prepare`` until they deliver."""
         self.trainer = trainer
         self.losses = losses
         self.device = device
@@ -86,6 +87,7 @@ class StepRoles:
         self.reference = reference
         self.critic = critic
         self.spans, self.critic_spans = spans
+        self.awaited = awaited
         self.step: PpoStep | None = None
         """The step in progress: from ``prepare`` to the end of ``critic_update`` (or of
         the policy's update, without a critic)."""
@@ -137,6 +139,8 @@ class StepRoles:
                          else ((),) * len(batch.micro_batches))
             self.step = PpoStep(batch=batch, tokens=tokens, sequences=sequences,
                                 prepared=self.losses.prepare(sequences), lost=lost)
+        if not lost:
+            self._awaiting()
         return lost
 
     def reference_logprobs(self, step: int) -> None:
@@ -172,45 +176,43 @@ class StepRoles:
             self._advantages(current)
 
     def _advantages(self, current: PpoStep) -> None:
-        raw: Tensors = []
-        totals = torch.zeros(3, dtype=torch.float64)
-        current.returns = []
-        for index, mb in enumerate(current.prepared):
-            if mb.packed is None or current.lost:
-                raw.append(None)
-                current.returns.append(None)
-                continue
-            advantages, returns = self._gae(mb, current.values[index],
-                                            current.reference[index] if current.reference
-                                            else None)
-            raw.append(advantages)
-            current.returns.append(returns)
-            totals += moments(advantages).cpu()
-        totals = self._all_reduce(totals, dist.ReduceOp.SUM)
-        current.prepared = [
-            mb if advantages is None or mb.packed is None
-            else dataclasses.replace(mb, packed=dataclasses.replace(
-                mb.packed, advantages=whiten(advantages, totals).float()))
-            for mb, advantages in zip(current.prepared, raw, strict=True)]
+        if current.lost:
+            return  # every shard agreed in ``prepare``: none calls the collective
+        assert self.critic is not None
+        advantages, current.returns = step_advantages(
+            current.prepared, current.values, current.reference, trainer=self.trainer,
+            critic=self.critic.config,
+            sum_shards=lambda totals: self._all_reduce(totals, dist.ReduceOp.SUM))
+        current.prepared = with_advantages(current.prepared, advantages)
 
-    def _gae(self, micro_batch: Prepared, values: torch.Tensor | None,
-             reference: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-        """One micro-batch's raw advantages and returns, flat over its trained tokens."""
-        assert micro_batch.packed is not None and values is not None
-        values = values.double()
-        rows, mask = to_rows(values, micro_batch.lengths)
-        outcome = torch.tensor([s.reward for s in micro_batch.sequences],
-                               dtype=torch.float64, device=values.device)
-        rewards = token_rewards(outcome, mask)
-        if self.trainer.kl_in_reward and reference is not None:
-            kl = kl_estimate(micro_batch.packed.behaviour_logprobs.double(),
-                             reference.double(), self.trainer.kl_estimator)
-            rewards = rewards - self.trainer.kl_coef * to_rows(kl, micro_batch.lengths)[0]
-        critic = self.critic
-        assert critic is not None
-        advantages, returns = gae(rewards, rows, mask, gamma=critic.config.gamma,
-                                  lam=critic.config.lam)
-        return from_rows(advantages, mask), from_rows(returns, mask).float()
+    # ---- what roles on workers of their own send (placement "own") ------------------------
+
+    def _awaiting(self, done: str = "") -> None:
+        """The policy's track waits for the next role of its own still to deliver
+        (``awaited``, in stage order, after ``done``)."""
+        later = self.awaited[self.awaited.index(done) + 1:] if done else self.awaited
+        self.spans.switch(later[0] if later else UNRESOLVED)
+
+    def take_reference(self, step: int, logprobs: Tensors) -> None:
+        """The reference's logprobs of this shard's micro-batches, from its own worker."""
+        current = self.current(step)
+        if not current.lost:
+            current.reference = [None if t is None else t.to(self.device) for t in logprobs]
+        self._awaiting("wait_reference")
+
+    def take_advantages(self, step: int, advantages: Tensors) -> None:
+        """The per-token advantages of this shard's micro-batches, from the critic's own
+        workers (whitened over the whole step there)."""
+        current = self.current(step)
+        if not current.lost:
+            current.prepared = with_advantages(current.prepared, advantages)
+        self._awaiting("wait_critic")
+
+    def step_lost(self, step: int) -> None:
+        """A role of its own could not fetch the step's groups: no shard trains on them
+        (the policy's update agrees on it in its first all-reduce)."""
+        self.current(step).lost = True
+        self.spans.switch(UNRESOLVED)
 
     def critic_update(self, step: int, rank: int) -> CriticStepResult:
         """The critic's updates on the step (cut as the policy's are), towards the
@@ -223,13 +225,11 @@ class StepRoles:
         if current.lost:
             return CriticStepResult(rank=rank, step=step, samples_lost=True)
         batch = current.batch
-        updates = batch.per_update(current.prepared)
-        counts = torch.tensor([sum(sum(mb.lengths) for mb in update) for update in updates],
-                              dtype=torch.long)
-        tokens = [int(c) for c in self._all_reduce(counts, dist.ReduceOp.SUM).tolist()]
         with self._critic_busy("backward"), self.losses.autocast():
-            return critic.update(step, updates, batch.per_update(current.values),
-                                 batch.per_update(current.returns), tokens)
+            return critic_step(critic, step, batch.per_update(current.prepared),
+                               batch.per_update(current.values),
+                               batch.per_update(current.returns),
+                               lambda counts: self._all_reduce(counts, dist.ReduceOp.SUM))
 
     def policy_done(self) -> None:
         """The policy's update used the step: without a critic, nothing more needs it."""
@@ -240,12 +240,15 @@ class StepRoles:
 def build_roles(*, trainer: TrainerConfig, losses: StepLoss, device: torch.device,
                 dtype: torch.dtype, world_size: int, rank: int, temperature: float,
                 reference_path: str, critic: CriticConfig | None,
-                spans: tuple[SpanRecorder, SpanRecorder]) -> StepRoles:
+                spans: tuple[SpanRecorder, SpanRecorder], own_roles: tuple[str, ...] = ()
+                ) -> StepRoles:
     """The roles a shard holds: a reference when ``reference_path`` is set, a critic
-    when ``critic`` is (its path resolved)."""
+    when ``critic`` is (its path resolved); ``own_roles``: the roles on workers of
+    their own ("reference", "critic") whose outputs the shard takes."""
     return StepRoles(
         trainer=trainer, losses=losses, device=device, world_size=world_size,
         temperature=temperature, spans=spans,
+        awaited=tuple(f"wait_{role}" for role in ("reference", "critic") if role in own_roles),
         reference=(load_reference(reference_path, dtype=dtype, device=device)
                    if reference_path else None),
         critic=(Critic(critic, dtype=dtype, device=device, world_size=world_size, rank=rank)

@@ -3,7 +3,8 @@
 Owns: ``ReferenceConfig`` ([reference]), ``CriticConfig`` ([critic]) and
 ``AlgorithmConfig`` ([algorithm]) with their defaults, bounds and the rules among their
 own fields. The rules tying them to the trainer (a KL weight needs a reference, a critic
-sits beside every trainer shard) are ``async_rl.config.Config``'s. Knows nothing about
+sits beside every trainer shard or on workers of its own) are
+``async_rl.config.Config``'s. Knows nothing about
 TOML or how the roles run (``workers.trainer.reference``, ``workers.trainer.critic``).
 """
 
@@ -26,8 +27,9 @@ class ReferenceConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     policy's initial weights (model.path)."""
     placement: Placement = "trainer"
     """trainer: every trainer shard holds a frozen copy and runs its forward beside the
-    policy's, on the same packed micro-batches. own: its own workers (not built yet: a
-    config error)."""
+    policy's, on the same packed micro-batches. own: one worker of its own (its own
+    cores or GPU) computes every shard's micro-batches and hands each shard its
+    logprobs through Ray's object store."""
 
 
 class AlgorithmConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -47,11 +49,15 @@ class CriticConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     tokenizer, with a fresh scalar value head; "" = the policy's initial weights."""
     num_shards: Positive = 1
     """Data-parallel critic shards (DDP); with placement "trainer" one beside each
-    trainer shard, so it must equal trainer.num_shards."""
+    trainer shard, so it must equal trainer.num_shards; with "own" a DDP group of their
+    own, each fitting the batches of trainer.num_shards / num_shards trainer shards (it
+    must divide trainer.num_shards)."""
     placement: Placement = "trainer"
     """trainer: each critic shard lives in a trainer shard's process, on its device,
-    computing on the same packed micro-batches. own: its own workers (not built yet: a
-    config error)."""
+    computing on the same packed micro-batches. own: workers of its own (their own
+    cores or GPUs): values and advantages there, each shard's advantages handed over
+    through Ray's object store, and the critic's update running while the policy's does
+    (with trainer.kl_in_reward the reference must be "own" too)."""
     lr: PositiveFloat = 1e-5
     """AdamW learning rate of the critic."""
     value_clip: Annotated[float, msgspec.Meta(ge=0)] = 0.2

@@ -79,11 +79,14 @@ class TrainerShard:
         writes_checkpoints: bool = False,
         reference_path: str = "",
         critic: CriticConfig | None = None,
+        own_roles: tuple[str, ...] = (),
         save_merged: bool = False,
     ) -> None:
         """``reference_path``: the frozen reference policy's weights ("" = none);
         ``critic``: the critic's section, its path resolved (None = none). Both live
-        beside the policy on this shard's device (``workers.trainer.roles``)."""
+        beside the policy on this shard's device (``workers.trainer.roles``).
+        ``own_roles``: the roles on workers of their own ("reference", "critic"), whose
+        outputs this shard takes for each step."""
         self.rank = rank
         self.world_size = world_size
         self.model_config = model
@@ -121,6 +124,7 @@ class TrainerShard:
         """Decoder layers ``trainer.compile`` compiled; the first step logs its time."""
         self.reference_path = reference_path
         self.critic_config = critic
+        self.own_roles = own_roles
         self.roles: StepRoles | None = None
         """The reference and the critic beside the policy, when the run has either."""
         self.critic_spans = SpanRecorder(worker=f"critic-{rank}", role="critic", rank=rank,
@@ -163,12 +167,12 @@ class TrainerShard:
                                packed=self.config.packed, temperature=self.temperature,
                                max_response_tokens=self.max_new_tokens,
                                sharded=sharded)
-        if self.reference_path or self.critic_config is not None:
+        if self.reference_path or self.critic_config is not None or self.own_roles:
             self.roles = build_roles(
                 trainer=self.config, losses=self.losses, device=self.device, dtype=dtype,
                 world_size=self.world_size, rank=self.rank, temperature=self.temperature,
                 reference_path=self.reference_path, critic=self.critic_config,
-                spans=(self.spans, self.critic_spans))
+                spans=(self.spans, self.critic_spans), own_roles=self.own_roles)
         self.saves = ShardSaves(
             rank=self.rank, backend=self.config.backend, module=module,
             optimizer=self.optimizer, tokenizer=tokenizer, lora=self.lora,

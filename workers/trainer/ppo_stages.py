@@ -1,0 +1,113 @@
+"""The PPO stages' arithmetic on laid-out micro-batches, wherever the roles are placed.
+
+Owns: one step's GAE over a list of packed micro-batches (``step_advantages``: the
+outcome reward on each sequence's last policy token, minus kl_coef * KL per token with
+trainer.kl_in_reward, GAE per sequence, whitened over every shard's trained tokens),
+swapping advantages into the packed rows (``with_advantages``), the critic's update over
+a step cut into the policy's updates (``critic_step``: its token counts summed over every
+critic shard, as the policy's loss divides), and cutting several shards' batches into
+those updates at once (``merged_updates``). The critic beside a trainer shard
+(``workers.trainer.roles``) and the critic on workers of its own
+(``workers.trainer.own_roles``) both run these, so the two placements compute the same
+numbers. Knows nothing about Ray, processes or spans: collectives come in as
+``sum_shards``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Sequence
+from typing import TypeVar
+
+import torch
+
+from buffers.records import ShardBatch
+from buffers.reports import CriticStepResult
+from workers.trainer.config import TrainerConfig
+from workers.trainer.critic import Critic
+from workers.trainer.gae import from_rows, gae, moments, to_rows, token_rewards, whiten
+from workers.trainer.kl import kl_estimate
+from workers.trainer.ppo_update import Prepared
+from workers.trainer.roles_config import CriticConfig
+
+T = TypeVar("T")
+Tensors = list[torch.Tensor | None]
+"""One entry per micro-batch of the step; None for a pad."""
+SumShards = Callable[[torch.Tensor], torch.Tensor]
+"""A host tensor summed over every shard of the role (identity with one shard)."""
+
+
+def _micro_batch_gae(micro_batch: Prepared, values: torch.Tensor, reference: torch.Tensor | None,
+                     *, trainer: TrainerConfig, critic: CriticConfig
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's raw advantages and returns, flat over its trained tokens."""
+    assert micro_batch.packed is not None
+    values = values.double()
+    rows, mask = to_rows(values, micro_batch.lengths)
+    outcome = torch.tensor([s.reward for s in micro_batch.sequences],
+                           dtype=torch.float64, device=values.device)
+    rewards = token_rewards(outcome, mask)
+    if trainer.kl_in_reward and reference is not None:
+        kl = kl_estimate(micro_batch.packed.behaviour_logprobs.double(),
+                         reference.double().to(values.device), trainer.kl_estimator)
+        rewards = rewards - trainer.kl_coef * to_rows(kl, micro_batch.lengths)[0]
+    advantages, returns = gae(rewards, rows, mask, gamma=critic.gamma, lam=critic.lam)
+    return from_rows(advantages, mask), from_rows(returns, mask).float()
+
+
+def step_advantages(prepared: Sequence[Prepared], values: Tensors, reference: Tensors, *,
+                    trainer: TrainerConfig, critic: CriticConfig, sum_shards: SumShards
+                    ) -> tuple[Tensors, Tensors]:
+    """(advantages whitened over every shard's trained tokens, returns), one entry per
+    micro-batch (None for a pad). ``reference``: the reference's logprobs per
+    micro-batch (empty without a reference); the KL in the reward is that of the
+    behaviour policy that sampled the tokens. Every shard calls ``sum_shards`` once."""
+    raw: Tensors = []
+    returns: Tensors = []
+    totals = torch.zeros(3, dtype=torch.float64)
+    for index, mb in enumerate(prepared):
+        value = values[index]
+        if mb.packed is None or value is None:
+            raw.append(None)
+            returns.append(None)
+            continue
+        advantages, target = _micro_batch_gae(mb, value, reference[index] if reference else None,
+                                              trainer=trainer, critic=critic)
+        raw.append(advantages)
+        returns.append(target)
+        totals += moments(advantages).cpu()
+    totals = sum_shards(totals)
+    return [None if a is None else whiten(a, totals).float() for a in raw], returns
+
+
+def with_advantages(prepared: Sequence[Prepared], advantages: Sequence[torch.Tensor | None]
+                    ) -> list[Prepared]:
+    """``prepared`` with each packed row's per-token advantages replaced (on its device)."""
+    return [mb if a is None or mb.packed is None
+            else dataclasses.replace(mb, packed=dataclasses.replace(
+                mb.packed, advantages=a.to(mb.packed.advantages.device)))
+            for mb, a in zip(prepared, advantages, strict=True)]
+
+
+def merged_updates(batches: Sequence[ShardBatch], items: Sequence[Sequence[T]]
+                   ) -> tuple[tuple[T, ...], ...]:
+    """Per optimizer update, the items (one per micro-batch of each batch, ``items[i]``
+    for ``batches[i]``) of every batch's share of it, batch after batch: every shard's
+    batch is cut into the same updates, so one critic shard can fit several."""
+    cuts = [batch.per_update(list(per_batch))
+            for batch, per_batch in zip(batches, items, strict=True)]
+    return tuple(tuple(item for cut in cuts for item in cut[update])
+                 for update in range(len(cuts[0]) if cuts else 0))
+
+
+def critic_step(critic: Critic, step: int, updates: Sequence[Sequence[Prepared]],
+                values: Sequence[Sequence[torch.Tensor | None]],
+                returns: Sequence[Sequence[torch.Tensor | None]], sum_shards: SumShards
+                ) -> CriticStepResult:
+    """The critic's updates on a step cut into ``updates``, towards ``returns``, clipped
+    around ``values`` (what the advantages came from); each update's loss divides by its
+    trained tokens over every critic shard."""
+    counts = torch.tensor([sum(sum(mb.lengths) for mb in update) for update in updates],
+                          dtype=torch.long)
+    tokens = [int(c) for c in sum_shards(counts).tolist()]
+    return critic.update(step, updates, values, returns, tokens)
