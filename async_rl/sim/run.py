@@ -45,6 +45,10 @@ def simulation_costs(config: Config) -> Costs:
     """The cost model of ``config``'s simulate.hardware (with its hardware_overrides)
     and model."""
     sim = config.simulate
+    for section, role in (("reference", config.reference), ("critic", config.critic)):
+        if role.placement == "own":  # the simulator models the roles on the shards' devices
+            raise ConfigError(f'config error: {section}.placement = "own": the simulator '
+                              f'models the roles beside the trainer shards only ("trainer")')
     shape = model_shape(config.model.path, config.model.dtype, parameters=sim.parameters,
                         kv_bytes_per_token=sim.kv_bytes_per_token,
                         attention_width=sim.attention_width,

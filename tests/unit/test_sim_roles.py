@@ -242,3 +242,21 @@ def test_calibration_from_a_ppo_run_fits_the_policy_s_cost_alone(tmp_path: Path)
                               "length_sigma": 0.8, "hardware": "cpu"}))
     fit = calibrate(real, tmp_path / "fitted.toml", mfus=(0.1,), bisections=2)
     assert fit.hardware.train_mfu == pytest.approx(load_hardware("cpu").train_mfu, rel=0.1)
+
+
+@pytest.mark.parametrize("section", ["reference", "critic"])
+def test_a_role_on_workers_of_its_own_is_refused_naming_the_key(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], section: str) -> None:
+    """The simulator models the roles on the trainer shards' devices only: an "own"
+    placement exits 2 rather than being simulated as "trainer"."""
+    job = tmp_path / "own.toml"
+    folder = model_dir(tmp_path, SMALL)
+    job.write_text(f'[model]\npath = {json.dumps(str(folder))}\n'
+                   '[trainer]\nkl_coef = 0.05\n[algorithm]\nadvantage = "gae"\n'
+                   f'[{section}]\nplacement = "own"\n'
+                   '[simulate]\nhardware = "h100"\n')
+    out = tmp_path / "run"
+    assert main(["simulate", str(job), "--set", "run.progress=false", "--set",
+                 f"run.output_dir={json.dumps(str(out))}"]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 1 and f'{section}.placement = "own"' in errors[0], errors
