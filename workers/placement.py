@@ -1,11 +1,10 @@
 """Placement: where the layout's workers run on a Ray cluster.
 
-Owns: the registry of worker identities the shell prints, the node a placement group's
-bundle landed on (``bundle_node``), and the Ray placement groups
-of the two roles (and of the reference's and critic's workers of their own,
-``own_roles_placement_group``), either disaggregated (the default: rollout and trainer on their own
-devices) or co-located (both roles share one STRICT_PACK group), and refusing, in one
-line, a layout the cluster cannot hold: too few GPUs for the layout (``check_gpus``,
+Owns: the node a placement group's bundle landed on (``bundle_node``), and the Ray
+placement groups of the two roles (and of the reference's and critic's workers of their
+own, ``own_roles_placement_group``), either disaggregated (the default: rollout and
+trainer on their own devices) or co-located (both roles share one STRICT_PACK group),
+and refusing, in one line, a layout the cluster cannot hold: too few GPUs for the layout (``check_gpus``,
 before any group is asked for) or a group that is still unplaced at its deadline
 (``role_placement_groups``). The layout itself (who owns which cores) is
 ``workers.layout``'s. Knows nothing about what workers do.
@@ -23,7 +22,7 @@ from ray.util.placement_group import (
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from buffers.config import ConfigError
-from workers.layout import Layout, Role, WorkerIdentity
+from workers.layout import Layout, Role
 
 
 def gpus_per_worker(cluster_gpus: float, colocated: bool) -> float:
@@ -148,11 +147,3 @@ def bundle_node(group: PlacementGroup, index: int) -> tuple[str, str]:
     node_id = str(placement_group_table(group)["bundles_to_node_id"][index])
     ip = next(str(n["NodeManagerAddress"]) for n in ray.nodes() if n["NodeID"] == node_id)
     return node_id, ip
-
-
-def registry_table(identities: list[WorkerIdentity]) -> str:
-    """The registry as a small fixed-width table, for the shell to print."""
-    rows = [("worker", "node", "devices", "pid")]
-    rows += [(w.name, w.node or "-", w.device_label, str(w.pid or "-")) for w in identities]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)

@@ -39,14 +39,13 @@ from async_rl.control.protocols import (
 from async_rl.run.run_dir import WORKERS_LOG, RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.shell.adapters import adapt
-from async_rl.shell.launch import StartedWorkers, launch_workers
+from async_rl.shell.launch import StartedWorkers, launch_workers, registry_table
 from async_rl.shell.role_adapters import adapt_own_roles
 from async_rl.shell.role_launch import own_roles
 from async_rl.shell.worker_logs import ray_notices_to_log, ray_options
-from async_rl.tasks.table import build_task
+from async_rl.tasks.table import build_task, worker_task
 from buffers.concurrent_calls import each
 from buffers.config import ConfigError
-from workers.placement import registry_table
 from workers.rewards.callables import Reward
 
 log = logging.getLogger(__name__)
@@ -136,6 +135,7 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
         workers_config = msgspec.structs.replace(config, model=model)
     # Before Ray: a dataset's rows are read and measured here (a bad one is a ConfigError).
     task = build_task(config)
+    workers_task = worker_task(config.task, task, rewards)  # what the workers get of it
     started_ray = not ray.is_initialized()
     if started_ray:
         log_path = os.path.join(config.run.output_dir, WORKERS_LOG)
@@ -163,14 +163,11 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                     if threading.current_thread() is threading.main_thread():
                         signals.start_soon(stops.watch)  # signals reach the main thread only
                     started = await launch_workers(
-                        workers_config, task,
-                        version=checkpoint.state.version if checkpoint else 0, rewards=rewards)
+                        workers_config, workers_task,
+                        version=checkpoint.state.version if checkpoint else 0,
+                        resuming=checkpoint is not None)
                     log.info("%s", registry_table(started.identities))
                     out.workers(started.identities)
-                    if checkpoint is not None:  # the shards' (and critic's) training state
-                        await each([functools.partial(t.load_training_state.remote,
-                                                      workers_config.model.path)
-                                    for t in [*started.trainers, *started.own.critics]])
                     workers = adapt(started, config, adapt_own_roles(started, config))
                     orchestrator = Orchestrator(config, out, task.source, task.eval_prompts,
                                                 workers)

@@ -66,12 +66,11 @@ class OwnRoleActors:
         return out
 
 
-def create_own_roles(cfg: Config, layout: Layout, sampling: Sampling, gpus: float
-                     ) -> OwnRoleActors:
-    """The actors of the roles ``cfg`` places on their own (none: an empty set); paths
-    resolved as for the trainer shards ("" = the policy's initial weights). ``gpus``:
-    per actor (0 on the CPU)."""
-    roles = own_roles(cfg)
+def create_own_roles(cfg: Config, roles: Sequence[tuple[Role, int]], layout: Layout,
+                     sampling: Sampling, gpus: float) -> OwnRoleActors:
+    """The actors of ``roles`` (``own_roles(cfg)``; none: an empty set); paths resolved
+    as for the trainer shards ("" = the policy's initial weights). ``gpus``: per actor
+    (0 on the CPU)."""
     if not roles:
         return OwnRoleActors()
     cpus = cfg.trainer.cpus_per_shard

@@ -14,7 +14,7 @@ import pytest
 import torch
 from test_ppo_roles import GROUPS, group, model_dir, shard  # noqa: F401 (a fixture)
 
-from async_rl.control.batching import shard_batches
+from buffers.batching import shard_batches
 from buffers.records import Group
 from buffers.reports import CriticStepResult
 from workers.model_config import ModelConfig
