@@ -4,8 +4,8 @@ Owns: the node a placement group's bundle landed on (``bundle_node``), and the R
 placement groups of the two roles (and of the reference's and critic's workers of their
 own, ``own_roles_placement_group``), either disaggregated (the default: rollout and
 trainer on their own devices) or co-located (both roles share one STRICT_PACK group),
-and refusing, in one line, a layout the cluster cannot hold: too few GPUs for the layout (``check_gpus``,
-before any group is asked for) or a group that is still unplaced at its deadline
+and refusing, in one line, a layout the cluster cannot hold: too few GPUs for the
+layout (``check_gpus``, before any group is asked for) or a group that is still unplaced at its deadline
 (``role_placement_groups``). The layout itself (who owns which cores) is
 ``workers.layout``'s. Knows nothing about what workers do.
 """
