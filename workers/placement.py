@@ -5,9 +5,9 @@ placement groups of the two roles (and of the reference's and critic's workers o
 own, ``own_roles_placement_group``), either disaggregated (the default: rollout and
 trainer on their own devices) or co-located (both roles share one STRICT_PACK group),
 and refusing, in one line, a layout the cluster cannot hold: too few GPUs for the
-layout (``check_gpus``, before any group is asked for) or a group that is still unplaced at its deadline
-(``role_placement_groups``). The layout itself (who owns which cores) is
-``workers.layout``'s. Knows nothing about what workers do.
+layout (``check_gpus``, before any group is asked for) or a group that is still
+unplaced at its deadline (``role_placement_groups``). The layout itself (who owns which
+cores) is ``workers.layout``'s. Knows nothing about what workers do.
 """
 
 from __future__ import annotations
