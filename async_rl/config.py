@@ -242,9 +242,6 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         if not trainer.packed:
             raise invalid("trainer.packed", False,
                           f"{why} computes on the packed micro-batches: needs true")
-        if self.has_critic and trainer.backend != "ddp":
-            raise invalid("trainer.backend", trainer.backend,
-                          'the critic is built for "ddp" only')
         if self.has_critic and self.critic.num_shards != trainer.num_shards:
             raise invalid("critic.num_shards", self.critic.num_shards,
                           f'with critic.placement = "trainer" one critic shard sits beside '

@@ -248,5 +248,6 @@ def build_roles(*, trainer: TrainerConfig, losses: StepLoss, device: torch.devic
         temperature=temperature, spans=spans,
         reference=(load_reference(reference_path, dtype=dtype, device=device)
                    if reference_path else None),
-        critic=(Critic(critic, dtype=dtype, device=device, world_size=world_size, rank=rank)
+        critic=(Critic(critic, trainer=trainer, dtype=dtype, device=device,
+                       world_size=world_size, rank=rank)
                 if critic is not None else None))
