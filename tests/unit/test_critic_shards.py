@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.distributed.tensor import DTensor
 
 from async_rl.control.batching import shard_batches
 from async_rl.models.tiny_model import build_config
@@ -24,6 +25,7 @@ from buffers.records import Group, Prompt, Sample, make_group
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
 from workers.trainer.config import Backend, TrainerConfig
+from workers.trainer.critic import CRITIC_SHARDED
 from workers.trainer.roles_config import CriticConfig
 from workers.trainer.shard import TrainerShard
 
@@ -56,6 +58,7 @@ WEIGHTS_ATOL = LR * 5e-3
 """Weights of two layouts of one update agree to 0.5% of an AdamW step (its first steps
 move every weight by about LR; summation order differs between the layouts)."""
 RESUME_STEP = 2
+BACKENDS: tuple[Backend, ...] = ("ddp", "fsdp2")
 """FSDP2: the critic state saved before this step is loaded after it, and it runs again."""
 
 
@@ -112,9 +115,8 @@ def run_step(trainer: TrainerShard, groups: list[Group], step: int, world: int
     return seen | {"result": result, "weights": critic_weights(trainer)}
 
 
-def _shard(rank: int, world: int, backend: Backend, model_dir: str, port: int,
-           folder: str) -> None:
-    torch.set_num_threads(1)
+def _backend(rank: int, world: int, backend: Backend, model_dir: str, port: int,
+             folder: Path) -> tuple[int, list[dict[str, Any]], dict[str, Any] | None]:
     trainer = TrainerShard(rank=rank, world_size=world, model=ModelConfig(path=model_dir),
                            trainer=trainer_config(world, backend), seed=0,
                            sampling=Sampling(temperature=1.0), record_spans=False,
@@ -122,8 +124,6 @@ def _shard(rank: int, world: int, backend: Backend, model_dir: str, port: int,
     trainer.setup()
     critic = trainer.stages().critic
     assert critic is not None
-    from torch.distributed.tensor import DTensor
-
     params = list(critic.module.parameters())
     assert len(params) > 0
     assert all(isinstance(p, DTensor) for p in params) == (backend == "fsdp2")
@@ -131,18 +131,28 @@ def _shard(rank: int, world: int, backend: Backend, model_dir: str, port: int,
     resumed = None
     for step, groups in enumerate(STEPS, start=1):
         if backend == "fsdp2" and step == RESUME_STEP:
-            critic.save(folder)
+            critic.save(str(folder))
             before = critic_weights(trainer)
             steps.append(run_step(trainer, groups, step, world))
-            critic.load(folder)
+            critic.load(str(folder))
             loaded = critic_weights(trainer)
             resumed = {"loaded": all(torch.equal(loaded[k], before[k]) for k in before),
                        "again": run_step(trainer, groups, step, world)["weights"]}
         else:
             steps.append(run_step(trainer, groups, step, world))
     trainer.shutdown()
-    # A file, not a queue: tensors sent through one die with their process.
-    torch.save((rank, steps, resumed), Path(folder) / f"rank{rank}.pt")
+    return rank, steps, resumed
+
+
+def _shard(rank: int, world: int, model_dir: str, ports: list[int], folder: str) -> None:
+    """One process of the pair: DDP's steps, then (a fresh process group: the first
+    shard's shutdown left its own) FSDP2's."""
+    torch.set_num_threads(1)
+    for backend, port in zip(BACKENDS, ports, strict=True):
+        out = Path(folder) / backend
+        got = _backend(rank, world, backend, model_dir, port, out)
+        # A file, not a queue: tensors sent through one die with their process.
+        torch.save(got, out / f"rank{rank}.pt")
 
 
 def _free_port() -> int:
@@ -151,12 +161,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def two_shards(backend: Backend, model_dir: Path, folder: Path) -> list[tuple[Any, ...]]:
-    folder.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_shard, args=(2, backend, str(model_dir), _free_port(), str(folder)), nprocs=2)
-    got = [torch.load(folder / f"rank{rank}.pt", weights_only=False) for rank in (0, 1)]
-    assert [rank for rank, *_ in got] == [0, 1]
-    return got
+@pytest.fixture(scope="module")
+def two_shards(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+               ) -> dict[Backend, tuple[Path, list[tuple[Any, ...]]]]:
+    """Both backends' runs on two processes (one spawn: a process's start is most of
+    the cost): per backend, its folder (FSDP2's checkpoint) and each rank's results."""
+    folder = tmp_path_factory.mktemp("two-shards")
+    for backend in BACKENDS:
+        (folder / backend).mkdir()
+    mp.spawn(_shard, args=(2, str(model_dir), [_free_port(), _free_port()], str(folder)),
+             nprocs=2)
+    out: dict[Backend, tuple[Path, list[tuple[Any, ...]]]] = {}
+    for backend in BACKENDS:
+        got = [torch.load(folder / backend / f"rank{rank}.pt", weights_only=False)
+               for rank in (0, 1)]
+        assert [rank for rank, *_ in got] == [0, 1]
+        out[backend] = (folder / backend, got)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -181,8 +202,9 @@ def one_shard(model_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def ddp(model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Any, ...]]:
-    return two_shards("ddp", model_dir, tmp_path_factory.mktemp("ddp"))
+def ddp(two_shards: dict[Backend, tuple[Path, list[tuple[Any, ...]]]]
+        ) -> list[tuple[Any, ...]]:
+    return two_shards["ddp"][1]
 
 
 def merged(shards: list[tuple[Any, ...]], step: int, what: str) -> dict[Key, list[float]]:
@@ -228,9 +250,10 @@ def test_two_ddp_critic_shards_equal_one_holding_the_whole_step(
 
 
 def test_fsdp2_critic_updates_as_ddp_and_resumes_exactly(
-        model_dir: Path, ddp: list[tuple[Any, ...]], tmp_path: Path) -> None:
-    fsdp2 = two_shards("fsdp2", model_dir, tmp_path / "checkpoint")
-    assert (tmp_path / "checkpoint" / "critic_sharded").is_dir()
+        two_shards: dict[Backend, tuple[Path, list[tuple[Any, ...]]]],
+        ddp: list[tuple[Any, ...]]) -> None:
+    folder, fsdp2 = two_shards["fsdp2"]
+    assert (folder / CRITIC_SHARDED).is_dir()
     (_, ours, resumed), (_, others, resumed_other) = fsdp2
     (_, theirs, _), _ = ddp
     assert len(ours) == len(theirs) == len(STEPS)

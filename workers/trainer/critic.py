@@ -61,12 +61,12 @@ class ValueModel(torch.nn.Module):
             self.head.weight.zero_()
             self.head.bias.zero_()
 
-    def forward(self, batch: PackedBatch | None) -> torch.Tensor:
+    def forward(self, batch: PackedBatch | None, device: torch.device) -> torch.Tensor:
         """float32 ``(N,)``: the value at each position that predicts a trained token;
-        None (a pad micro-batch): the model on one dummy position, times 0, so DDP's
-        gradient hooks fire on every shard."""
+        None (a pad micro-batch): the model on one dummy position on ``device`` (the
+        shard's: with FSDP2's offload the weights live in CPU memory), times 0, so
+        DDP's gradient hooks fire and FSDP2's collectives run on every shard."""
         if batch is None:
-            device = self.head.weight.device
             dummy = torch.zeros((1, 1), dtype=torch.long, device=device)
             out = self.decoder(input_ids=dummy, use_cache=False).last_hidden_state
             return self.head(out[0]).sum().float() * 0.0
@@ -133,10 +133,10 @@ class Critic:
         with torch.no_grad():
             for mb in micro_batches:
                 if mb.packed is not None:
-                    out.append(self.module(mb.packed))
+                    out.append(self.module(mb.packed, self.device))
                     continue
                 if self.sharded:
-                    self.module(None)
+                    self.module(None, self.device)
                 out.append(None)
         return out
 
@@ -182,7 +182,7 @@ class Critic:
     def _micro_batch_loss(self, micro_batch: Prepared, old: torch.Tensor | None,
                           target: torch.Tensor | None, tokens: int,
                           sums: torch.Tensor) -> torch.Tensor:
-        values = self.model(micro_batch.packed)
+        values = self.model(micro_batch.packed, self.device)
         if micro_batch.packed is None or old is None or target is None:
             return values  # a pad: zero loss, gradient hooks fired
         per_token, clipped = _value_loss(values, old, target, self.config.value_clip)

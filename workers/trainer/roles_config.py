@@ -46,8 +46,9 @@ class CriticConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Its initial weights: a Hugging Face model of the policy's architecture and
     tokenizer, with a fresh scalar value head; "" = the policy's initial weights."""
     num_shards: Positive = 1
-    """Data-parallel critic shards (DDP); with placement "trainer" one beside each
-    trainer shard, so it must equal trainer.num_shards."""
+    """Data-parallel critic shards, held as trainer.backend holds the policy (DDP
+    replicas or FSDP2 shards); with placement "trainer" one beside each trainer shard,
+    so it must equal trainer.num_shards."""
     placement: Placement = "trainer"
     """trainer: each critic shard lives in a trainer shard's process, on its device,
     computing on the same packed micro-batches. own: its own workers (not built yet: a
