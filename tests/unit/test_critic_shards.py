@@ -3,9 +3,10 @@
 - DDP: the values, GAE's whitening over both shards' tokens and the clipped value loss's
   token-mean over both shards equal one shard holding the whole step; both replicas
   hold identical critic weights after each update.
-- FSDP2: the critic's update equals DDP's on the same data, a shard with only a pad
-  micro-batch takes part in every collective, and its sharded checkpoint resumes
-  exactly (weights and AdamW state: the step after the load equals the one before).
+- FSDP2 (plain, and with offload and hybrid sharding): the critic's update equals
+  DDP's on the same data, a shard with only a pad micro-batch takes part in every
+  collective, and its sharded checkpoint resumes exactly (weights and AdamW state: the
+  step after the load equals the one before).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from async_rl.models.tiny_model import build_config
 from buffers.records import Group, Prompt, Sample, make_group
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
-from workers.trainer.config import Backend, TrainerConfig
+from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import CRITIC_SHARDED
 from workers.trainer.roles_config import CriticConfig
 from workers.trainer.shard import TrainerShard
@@ -58,12 +59,18 @@ WEIGHTS_ATOL = LR * 5e-3
 """Weights of two layouts of one update agree to 0.5% of an AdamW step (its first steps
 move every weight by about LR; summation order differs between the layouts)."""
 RESUME_STEP = 2
-BACKENDS: tuple[Backend, ...] = ("ddp", "fsdp2")
+SETUPS: dict[str, dict[str, Any]] = {
+    "ddp": {"backend": "ddp"},
+    "fsdp2": {"backend": "fsdp2"},
+    # The rest of FSDP2's settings, applied to the critic by the same helper.
+    "fsdp2-offload-hsdp": {"backend": "fsdp2", "offload": True, "shard_group": 1},
+}
+"""The trainer settings each run of the pair of processes trains under, in order."""
 """FSDP2: the critic state saved before this step is loaded after it, and it runs again."""
 
 
-def trainer_config(world: int, backend: Backend) -> TrainerConfig:
-    return TrainerConfig(num_shards=world, groups_per_step=4, backend=backend,
+def trainer_config(world: int, setup: str) -> TrainerConfig:
+    return TrainerConfig(num_shards=world, groups_per_step=4, **SETUPS[setup],
                          micro_batch_tokens=24)
 
 
@@ -89,9 +96,10 @@ def critic_weights(trainer: TrainerShard) -> dict[str, torch.Tensor]:
 
     critic = trainer.stages().critic
     assert critic is not None
-    if critic.sharded:
-        return full_state(critic.module)
-    return {k: v.detach().clone() for k, v in critic.module.state_dict().items()}
+    # Copies: offloaded and unsharded (HSDP with shard_group 1), the gathered state is the
+    # live parameters' memory, which the next update changes.
+    whole = full_state(critic.module) if critic.sharded else critic.module.state_dict()
+    return {k: v.detach().clone() for k, v in whole.items()}
 
 
 def run_step(trainer: TrainerShard, groups: list[Group], step: int, world: int
@@ -115,10 +123,10 @@ def run_step(trainer: TrainerShard, groups: list[Group], step: int, world: int
     return seen | {"result": result, "weights": critic_weights(trainer)}
 
 
-def _backend(rank: int, world: int, backend: Backend, model_dir: str, port: int,
+def _setup(rank: int, world: int, setup: str, model_dir: str, port: int,
              folder: Path) -> tuple[int, list[dict[str, Any]], dict[str, Any] | None]:
     trainer = TrainerShard(rank=rank, world_size=world, model=ModelConfig(path=model_dir),
-                           trainer=trainer_config(world, backend), seed=0,
+                           trainer=trainer_config(world, setup), seed=0,
                            sampling=Sampling(temperature=1.0), record_spans=False,
                            master_port=port, critic=critic_config(model_dir, world))
     trainer.setup()
@@ -126,11 +134,11 @@ def _backend(rank: int, world: int, backend: Backend, model_dir: str, port: int,
     assert critic is not None
     params = list(critic.module.parameters())
     assert len(params) > 0
-    assert all(isinstance(p, DTensor) for p in params) == (backend == "fsdp2")
+    assert all(isinstance(p, DTensor) for p in params) == critic.sharded
     steps = []
     resumed = None
     for step, groups in enumerate(STEPS, start=1):
-        if backend == "fsdp2" and step == RESUME_STEP:
+        if critic.sharded and step == RESUME_STEP:
             critic.save(str(folder))
             before = critic_weights(trainer)
             steps.append(run_step(trainer, groups, step, world))
@@ -145,12 +153,12 @@ def _backend(rank: int, world: int, backend: Backend, model_dir: str, port: int,
 
 
 def _shard(rank: int, world: int, model_dir: str, ports: list[int], folder: str) -> None:
-    """One process of the pair: DDP's steps, then (a fresh process group: the first
-    shard's shutdown left its own) FSDP2's."""
+    """One process of the pair: each setup's steps in turn (each in a fresh process
+    group: a shard's shutdown leaves its own)."""
     torch.set_num_threads(1)
-    for backend, port in zip(BACKENDS, ports, strict=True):
-        out = Path(folder) / backend
-        got = _backend(rank, world, backend, model_dir, port, out)
+    for setup, port in zip(SETUPS, ports, strict=True):
+        out = Path(folder) / setup
+        got = _setup(rank, world, setup, model_dir, port, out)
         # A file, not a queue: tensors sent through one die with their process.
         torch.save(got, out / f"rank{rank}.pt")
 
@@ -163,20 +171,20 @@ def _free_port() -> int:
 
 @pytest.fixture(scope="module")
 def two_shards(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
-               ) -> dict[Backend, tuple[Path, list[tuple[Any, ...]]]]:
-    """Both backends' runs on two processes (one spawn: a process's start is most of
-    the cost): per backend, its folder (FSDP2's checkpoint) and each rank's results."""
+               ) -> dict[str, tuple[Path, list[tuple[Any, ...]]]]:
+    """Every setup's run on two processes (one spawn: a process's start is most of the
+    cost): per setup, its folder (FSDP2's checkpoint) and each rank's results."""
     folder = tmp_path_factory.mktemp("two-shards")
-    for backend in BACKENDS:
-        (folder / backend).mkdir()
-    mp.spawn(_shard, args=(2, str(model_dir), [_free_port(), _free_port()], str(folder)),
+    for setup in SETUPS:
+        (folder / setup).mkdir()
+    mp.spawn(_shard, args=(2, str(model_dir), [_free_port() for _ in SETUPS], str(folder)),
              nprocs=2)
-    out: dict[Backend, tuple[Path, list[tuple[Any, ...]]]] = {}
-    for backend in BACKENDS:
-        got = [torch.load(folder / backend / f"rank{rank}.pt", weights_only=False)
+    out: dict[str, tuple[Path, list[tuple[Any, ...]]]] = {}
+    for setup in SETUPS:
+        got = [torch.load(folder / setup / f"rank{rank}.pt", weights_only=False)
                for rank in (0, 1)]
         assert [rank for rank, *_ in got] == [0, 1]
-        out[backend] = (folder / backend, got)
+        out[setup] = (folder / setup, got)
     return out
 
 
@@ -202,7 +210,7 @@ def one_shard(model_dir: Path) -> list[dict[str, Any]]:
 
 
 @pytest.fixture(scope="module")
-def ddp(two_shards: dict[Backend, tuple[Path, list[tuple[Any, ...]]]]
+def ddp(two_shards: dict[str, tuple[Path, list[tuple[Any, ...]]]]
         ) -> list[tuple[Any, ...]]:
     return two_shards["ddp"][1]
 
@@ -249,10 +257,11 @@ def test_two_ddp_critic_shards_equal_one_holding_the_whole_step(
     assert sorted(steps[2]["pads"] for _, steps, _ in ddp) == [0, 1]
 
 
+@pytest.mark.parametrize("setup", ["fsdp2", "fsdp2-offload-hsdp"])
 def test_fsdp2_critic_updates_as_ddp_and_resumes_exactly(
-        two_shards: dict[Backend, tuple[Path, list[tuple[Any, ...]]]],
-        ddp: list[tuple[Any, ...]]) -> None:
-    folder, fsdp2 = two_shards["fsdp2"]
+        two_shards: dict[str, tuple[Path, list[tuple[Any, ...]]]],
+        ddp: list[tuple[Any, ...]], setup: str) -> None:
+    folder, fsdp2 = two_shards[setup]
     assert (folder / CRITIC_SHARDED).is_dir()
     (_, ours, resumed), (_, others, resumed_other) = fsdp2
     (_, theirs, _), _ = ddp

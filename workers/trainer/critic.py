@@ -74,7 +74,8 @@ class ValueModel(torch.nn.Module):
                            use_cache=False,
                            **attention_kwargs(batch.cu_seqlens, batch.max_len, batch.lengths))
         hidden = out.last_hidden_state[0].index_select(0, batch.predict_at)
-        return self.head(hidden).squeeze(-1).float()
+        # A copy, not a view: FSDP2's backward hook on a view output is fragile.
+        return self.head(hidden).squeeze(-1).to(torch.float32, copy=True)
 
 
 def _value_loss(values: torch.Tensor, old: torch.Tensor, returns: torch.Tensor,
