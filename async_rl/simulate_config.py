@@ -92,6 +92,11 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Layers x query heads x head dim: training a sequence of T tokens costs 6 x this x
     T^2 FLOPs of causal attention besides 6 x parameters x T; 0 = from model.path's
     config.json, or not counted when it has none."""
+    lora_parameters_per_rank: NonNegativeFloat = 0.0
+    """With model.lora.rank > 0: the adapters' parameters per unit of rank (the in + out
+    features summed over every linear layer model.lora.target_modules names); a version
+    then carries rank x this many parameters, and the shards all-reduce their gradients
+    alone; 0 = counted from model.path's config.json."""
     reward_s: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Reward (or tool) latency of a group after its last sample; the engine goes on
     generating meanwhile."""

@@ -78,14 +78,15 @@ async def measure(config_path: str, overrides: list[str], mode: str, groups: int
                   core: int) -> AllocatorFigures:
     from async_rl.config_io import load_config
     from async_rl.tasks.table import build_task
+    from workers.rollout.task import WorkerTask
     from workers.rollout.worker import RolloutWorker
 
     config = load_config(config_path, overrides)
     source, reward_fn, _ = build_task(config)
     rollout = msgspec.structs.replace(config.rollout, prefix_caching=True, kv_cache_gib=1,
                                       preload_cpu_libs=mode == AFTER)
-    worker = RolloutWorker(0, config.model, rollout, config.weights, reward_fn,
-                           cpu_ids=(core,))
+    worker = RolloutWorker(0, config.model, rollout, config.weights,
+                           WorkerTask(reward_fn=reward_fn), cpu_ids=(core,))
     await worker.start()
     ld_preload = os.environ.get("LD_PRELOAD", "")
     try:

@@ -136,8 +136,7 @@ def attention_row(total: int, device: torch.device) -> Row:
     from workers.trainer import attention
 
     kernel = attention.varlen_kernel(device, torch.bfloat16)
-    name = ("aten._flash_attention_forward" if kernel is attention._flash_forward
-            else "torch varlen_attn")
+    name = attention.kernel_name(kernel)
     c = QWEN25_05B
     head_dim = c.hidden_size // c.num_heads
     lengths, rng = [], np.random.default_rng(total)
@@ -155,8 +154,8 @@ def attention_row(total: int, device: torch.device) -> Row:
                            dtype=torch.bfloat16, generator=gen)
     module = torch.nn.Module().eval()
     ways = {"varlen": lambda: attention.packed_attention(module, q, k, v, None, **kwargs)[0],
-            "loop": lambda: attention._per_sequence(q, k, v, lengths, 0.0, None
-                                                    ).transpose(1, 2)}
+            "loop": lambda: attention.per_sequence_attention(q, k, v, lengths, 0.0, None
+                                                             ).transpose(1, 2)}
     results, times = [], []
     for run in ways.values():
         out = run()
@@ -187,7 +186,7 @@ def trainer_checks(root: Path) -> list[Row]:
     for dtype in ("float32", "bfloat16"):
         packed = trainer_step.make_shard(model_dir, "new", 16384, dtype, compile=False)
         padded = trainer_step.make_shard(model_dir, "trl", 16384, dtype)
-        with torch.no_grad(), packed.losses._autocast():
+        with torch.no_grad(), packed.losses.autocast():
             a = packed_logprobs(packed.module, pack(seqs, packed.device), 1.0)
             b, _ = padded_logprobs(padded.module, seqs, 1.0, padded.device)
         diff = float((a - b).abs().max())

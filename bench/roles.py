@@ -22,6 +22,12 @@ compare arms of the same invocation.
     python bench/roles.py --tasks cpu_default --steps 30
     python bench/roles.py --tasks longtail --steps 30 --set task.eval_size=100
     python bench/roles.py --json
+    python bench/roles.py --tasks cpu_default --arms grpo grpo+kl --kl-coefs 0.5 1.0
+
+``--kl-coefs`` replaces the one GRPO + KL arm (kl_coef 0.05) with one arm per
+coefficient (``grpo+kl0.5``, ...), each with the k3 estimator, so a stronger pull can be
+set beside the same run at kl_coef = 0 (the ``grpo`` arm, which measures the KL
+through its reference).
 """
 
 from __future__ import annotations
@@ -43,9 +49,12 @@ from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import read_metrics
 from buffers.config import ConfigError
 
+KL_ARM = "grpo+kl"
+KL_COEF = 0.05
+"""The GRPO + KL arm's coefficient unless ``--kl-coefs`` gives others."""
 ARMS: list[tuple[str, tuple[str, ...]]] = [
     ("grpo", ()),
-    ("grpo+kl", ("trainer.kl_coef=0.05",)),
+    (KL_ARM, (f"trainer.kl_coef={KL_COEF}",)),
     ("ppo", ("algorithm.advantage=gae", "critic.lr=1e-4", "critic.warmup_steps=5",
              "trainer.kl_coef=0.01", "trainer.kl_estimator=k1", "trainer.kl_in_reward=true")),
     ("grpo+lora", ("model.lora.rank=8", "trainer.lr=1e-3")),
@@ -80,6 +89,13 @@ class ArmFigures(msgspec.Struct, frozen=True, kw_only=True):
 class Result(msgspec.Struct, frozen=True, kw_only=True):
     steps: int
     arms: tuple[ArmFigures, ...]
+
+
+def kl_arms(coefs: Sequence[float]) -> list[tuple[str, tuple[str, ...]]]:
+    """The GRPO + KL arm once per coefficient, with the k3 estimator (verl's
+    low_var_kl)."""
+    return [(f"{KL_ARM}{coef:g}", (f"trainer.kl_coef={coef:g}", "trainer.kl_estimator=k3"))
+            for coef in coefs]
 
 
 def arm_config(task_config: str, task: str, arm: str, overrides: Sequence[str],
@@ -158,11 +174,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                         default=[name for name, _ in ARMS])
     parser.add_argument("--steps", type=int, default=60, help="optimizer steps per arm")
     parser.add_argument("--out-dir", default="runs/bench-roles")
+    parser.add_argument("--kl-coefs", nargs="+", type=float, default=[], metavar="COEF",
+                        help=f"the {KL_ARM} arm once per coefficient (k3 estimator) "
+                             f"instead of once at {KL_COEF}")
     parser.add_argument("--set", dest="common", action="append", default=[],
                         metavar="SECTION.KEY=VALUE", help="override for every arm")
     parser.add_argument("--json", action="store_true", help="one JSON object on stdout")
     args = parser.parse_args(argv)
     arms = [(name, overrides) for name, overrides in ARMS if name in args.arms]
+    if args.kl_coefs and KL_ARM in args.arms:
+        at = [name for name, _ in arms].index(KL_ARM)
+        arms[at:at + 1] = kl_arms(args.kl_coefs)
     with stdout_to_stderr(args.json):
         try:
             configs = [(task, name, overrides,

@@ -72,7 +72,7 @@ from workers.model_config import ModelConfig
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loss import Normaliser, PendingStats, read_stats
 from workers.trainer.packing import completion_logprobs, pack, token_entropy
-from workers.trainer.ppo_update import Prepared, StepLoss, _Forward
+from workers.trainer.ppo_update import ForwardPass, Prepared, StepLoss
 from workers.trainer.shard import TrainerShard
 
 WAYS = ("new", "today", "trl")
@@ -137,19 +137,20 @@ class TodayStepLoss(StepLoss):
     """``StepLoss`` with today's micro-batch: packed again at every forward, the full
     ``(N, V)`` logits, statistics read after every micro-batch, a sync per phase on CUDA."""
 
-    def _forward(self, model: torch.nn.Module, micro_batch: Prepared) -> _Forward:
+    def forward(self, model: torch.nn.Module, micro_batch: Prepared) -> ForwardPass:
         batch = pack(micro_batch.sequences, self.device)
         logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                        use_cache=False, logits_to_keep=batch.predict_at).logits[0]
-        return _Forward(logprobs=completion_logprobs(logits, batch.targets, self.temperature),
-                        entropy=token_entropy(logits, self.temperature),
-                        behaviour=batch.behaviour_logprobs, advantages=batch.advantages,
-                        positions=batch.num_tokens)
+        return ForwardPass(logprobs=completion_logprobs(logits, batch.targets, self.temperature),
+                           entropy=token_entropy(logits, self.temperature),
+                           behaviour=batch.behaviour_logprobs, advantages=batch.advantages,
+                           positions=batch.num_tokens)
 
     def micro_batch(self, micro_batch: Prepared, norm: Normaliser,
-                    proximal: torch.Tensor | None = None
+                    proximal: torch.Tensor | None = None,
+                    reference: torch.Tensor | None = None,
                     ) -> tuple[torch.Tensor, PendingStats | None, int]:
-        loss, stats, positions = super().micro_batch(micro_batch, norm, proximal)
+        loss, stats, positions = super().micro_batch(micro_batch, norm, proximal, reference)
         if stats is not None:
             read_stats([stats])  # today: the statistics' floats read per micro-batch
         if self.device.type == "cuda":

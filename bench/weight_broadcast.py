@@ -263,6 +263,7 @@ async def run(model_dir: Path, counts: list[int], updates: int, bucket_mb: int,
 
     from workers.model_config import ModelConfig
     from workers.rollout.config import RolloutConfig
+    from workers.rollout.task import WorkerTask
     from workers.rollout.worker import RolloutWorker
     from workers.weights.config import WeightsConfig
 
@@ -271,7 +272,8 @@ async def run(model_dir: Path, counts: list[int], updates: int, bucket_mb: int,
     engines = [engine_cls.remote(
         rank=rank, model=model, weights=WeightsConfig(transport="gloo"),
         rollout=RolloutConfig(group_size=2, max_inflight_prompts=1, kv_cache_gib=kv_cache_gib),
-        reward_fn=lambda prompt, text: 0.0, cpu_ids=(rank % 2,), record_spans=False)
+        task=WorkerTask(reward_fn=lambda prompt, text: 0.0), cpu_ids=(rank % 2,),
+        record_spans=False)
         for rank in range(max(counts))]
     # One at a time: four engines starting at once on two cores take longer in all.
     for engine in engines:

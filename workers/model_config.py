@@ -2,9 +2,11 @@
 
 Owns: ``ModelConfig`` (the policy's directory, or hub id, and dtype), ``LoraConfig``
 (``[model.lora]``: low-rank adapters trained instead of the weights; what they do is
-``workers.trainer.lora``'s) and ``kv_bytes_per_token`` (what a token's keys and values
-take, from its config.json). Knows nothing about how either role loads it (a hub id is
-resolved to its directory before the workers see it: ``async_rl.run.model_source``).
+``workers.trainer.lora``'s), ``kv_bytes_per_token`` (what a token's keys and values
+take, from its config.json) and ``lora_features`` (what LoRA adapters of each target
+module hold per unit of rank, from the same file: the simulator's bytes per version).
+Knows nothing about how either role loads it (a hub id is resolved to its directory
+before the workers see it: ``async_rl.run.model_source``).
 """
 
 from __future__ import annotations
@@ -74,3 +76,22 @@ def kv_bytes_per_token(hf_config: Mapping[str, Any], width: float) -> float:
     head_dim = hf_config.get("head_dim") or hf_config["hidden_size"] // heads
     kv_heads = hf_config.get("num_key_value_heads", heads)
     return float(2 * hf_config["num_hidden_layers"] * kv_heads * head_dim * width)
+
+
+def lora_features(hf_config: Mapping[str, Any]) -> dict[str, int]:
+    """Per module name LoRA can target in a Qwen2/Llama-style decoder (``hf_config``: its
+    config.json), its in + out features summed over the model's modules of that name (every
+    decoder layer's ``q_proj``, ...; the head and the embeddings once). An adapter of rank
+    r on a linear layer of ``in`` x ``out`` features holds r x (in + out) parameters (A is r
+    x in, B out x r; an embedding's alike, vocabulary by hidden), so the adapters of
+    ``target_modules`` hold r x the sum of their entries."""
+    hidden, layers = hf_config["hidden_size"], hf_config["num_hidden_layers"]
+    heads = hf_config["num_attention_heads"]
+    head_dim = hf_config.get("head_dim") or hidden // heads
+    kv = hf_config.get("num_key_value_heads", heads) * head_dim
+    mlp, vocab = hf_config["intermediate_size"], hf_config["vocab_size"]
+    per_layer = {"q_proj": hidden + heads * head_dim, "k_proj": hidden + kv,
+                 "v_proj": hidden + kv, "o_proj": heads * head_dim + hidden,
+                 "gate_proj": hidden + mlp, "up_proj": hidden + mlp, "down_proj": mlp + hidden}
+    return {name: layers * features for name, features in per_layer.items()} | {
+        "lm_head": hidden + vocab, "embed_tokens": vocab + hidden}

@@ -65,6 +65,9 @@ class StepSplit(msgspec.Struct, frozen=True, kw_only=True):
     delivery_s: float
     """A version's delivery into the engines, from the ask to the last engine loaded
     (beside the next step)."""
+    version_bytes: int = 0
+    """What a version carries (the whole policy, or with LoRA its adapters); 0: not
+    recorded."""
     groups_per_s: float
     tokens_per_s: float
     fill_s: float
@@ -96,6 +99,8 @@ def step_split(rows: Sequence[dict[str, Any]], max_staleness: int) -> StepSplit 
         step_s=mean(step_s), wait_s=mean([r["wait_s"] for r in kept]),
         train_s=mean([r["train_s"] for r in kept]), sync_s=mean([r["sync_s"] for r in kept]),
         delivery_s=mean(deliveries),
+        version_bytes=max((b.get("bytes", 0) for r in kept for b in r.get("broadcast", ())),
+                          default=0),
         groups_per_s=sum(r["groups"] for r in kept) / seconds if seconds else 0.0,
         tokens_per_s=sum(r["tokens"] for r in kept) / seconds if seconds else 0.0,
         fill_s=mean([r["wait_s"] + r["train_s"] + r["sync_s"] for r in rows[:fill]]))
@@ -140,8 +145,9 @@ def result_table(run_dir: Path, roles: Sequence[Breakdown]) -> Table:
                                ("  weight sync", split.sync_s)):
             table.add_row(label, f"{seconds:.2f} s ({pct(seconds, split.step_s)})")
         if split.delivery_s:
-            table.add_row("  weight delivery", f"{split.delivery_s:.2f} s a version into "
-                          "every engine, beside the next step")
+            size = f" of {split.version_bytes / 2**20:,.1f} MiB" if split.version_bytes else ""
+            table.add_row("  weight delivery", f"{split.delivery_s:.2f} s a version{size} "
+                          "into every engine, beside the next step")
     for role in roles:
         table.add_row(f"{role.role} idle", _idle_line(role))
     table.add_row("staleness", f"histogram {list(s.staleness_histogram)}; "

@@ -82,14 +82,9 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
             num_cpus=cfg.rollout.cpus_per_worker, num_gpus=gpus,
             max_concurrency=4 * cfg.rollout.max_inflight_prompts + 16,
             scheduling_strategy=in_bundle(groups["rollout"], ident.rank),
-        ).remote(
-            rank=ident.rank, model=model, rollout=cfg.rollout, weights=cfg.weights,
-            reward_fn=task.reward_fn, seed=cfg.run.seed + ident.rank,
-            cpu_ids=ident.devices, record_spans=cfg.run.record_spans,
-            version=version, user_rewards=task.user_rewards,
-            prompt_format=task.prompt_format, environment=task.environment,
-            make_environment=task.own_environment(ident.rank),
-        )
+        ).remote(ident.rank, model, cfg.rollout, cfg.weights, task,
+                 seed=cfg.run.seed + ident.rank, cpu_ids=ident.devices,
+                 record_spans=cfg.run.record_spans, version=version)
 
     started.new_rollout = new_rollout
     for ident in layout.rollout:
@@ -127,8 +122,7 @@ async def launch_workers(cfg: Config, built: Task, version: int = 0,
         # its workers leave idle.
         started.evaluator = ray.remote(IdleCpuEvaluator).options(
             name="evaluator", num_cpus=0).remote(
-            model=cfg.model, reward_fn=task.reward_fn, max_new_tokens=cfg.rollout.max_new_tokens,
-            user_rewards=task.user_rewards, prompt_format=task.prompt_format)
+            model=cfg.model, task=task, max_new_tokens=cfg.rollout.max_new_tokens)
         evaluator_setup.append(started.evaluator.setup.remote)
     # Shards, engines and the evaluator start side by side: each on cores of its own,
     # none waits for another, and each takes seconds to tens of seconds on a CPU.

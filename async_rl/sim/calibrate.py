@@ -40,6 +40,7 @@ from async_rl.config import Config
 from async_rl.config_io import load_config
 from async_rl.run.run_dir import CONFIG, read_ledger, read_metrics, read_summary
 from async_rl.sim.costs import Costs, Hardware, hardware_toml
+from async_rl.sim.roles import step_passes
 from async_rl.sim.run import simulate, simulation_costs
 from buffers.reports import LedgerEntry
 from workers.spans import Span
@@ -208,9 +209,11 @@ def calibrate(run_dir: str | Path, out: str | Path, overrides: Sequence[str] = (
         # Laid out on this machine's cores: the simulation lays them out the same way.
         base = msgspec.structs.replace(base, cores=len(os.sched_getaffinity(0)))
     attention = costs.attention_share(trained_lengths(config, rows, read_ledger(path)))
-    hardware = _fit_trainer(config, rows, base, shape.parameters * (1 + attention),
+    # A PPO run's steps hold the reference's and the critic's passes too (step_passes).
+    hardware = _fit_trainer(config, rows, base,
+                            shape.parameters * (1 + attention) * step_passes(config),
                             generating_beside(spans))
-    hardware = _fit_weights(rows, hardware, Costs(hardware, shape).weight_bytes,
+    hardware = _fit_weights(rows, hardware, Costs(hardware, shape).version_bytes,
                             config.weights.bucket_mb << 20)
     real = measure(path)
 

@@ -21,7 +21,14 @@ seconds:
   slice over its own link);
 - a weight version: its snapshot (bytes at the memory bandwidth, plus a fixed part) and
   its delivery (bytes over the interconnect, plus a fixed engine pause); shard 0 sends
-  to every engine at once over one pair group each, so the sends share its link.
+  to every engine at once over one pair group each, so the sends share its link. With
+  LoRA (model.lora.rank > 0) a version, and the gradients all-reduced, are the adapters'
+  (``adapter_parameters``) alone;
+- the PPO roles beside a trainer shard (placement "trainer", on its devices): a forward
+  pass (the frozen reference's logprobs, the critic's values) costs a third of a
+  micro-batch's forward and backward, the critic's update a micro-batch's forward and
+  backward and an optimizer update of its own (``forward_pass``; the critic has the
+  policy's shape).
 
 Knows nothing about the orchestrator or the event loop.
 """
@@ -36,10 +43,14 @@ from pathlib import Path
 import msgspec
 
 from buffers.config import ConfigError
+from workers.model_config import LoraConfig, lora_features
 from workers.model_config import kv_bytes_per_token as kv_bytes
 
 SHIPPED = Path(__file__).parent / "hardware"
 """The shipped hardware files: cpu.toml (calibrated here), h100, h200, a100, h20."""
+FORWARD_SHARE = 1 / 3
+"""A forward pass alone over a forward and backward: 2 of the 6 FLOPs per parameter and
+token (``Costs.forward_pass``)."""
 
 
 class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -145,6 +156,9 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     attention_width: float = 0.0
     """Layers x query heads x head dim: what attention's FLOPs grow with (0: not
     counted)."""
+    adapter_parameters: float = 0.0
+    """With LoRA, the adapters' parameters: all a weight version carries and all the
+    gradients the shards all-reduce (0: no LoRA, the whole model's)."""
 
 
 def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
@@ -181,6 +195,28 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
                       attention_width=attention_width or float(layers * heads * head_dim))
 
 
+def adapter_parameters(model_path: str, lora: LoraConfig, per_rank: float = 0.0) -> float:
+    """Parameters of ``lora``'s adapters on the model at ``model_path``: rank x
+    ``per_rank`` when given (simulate.lora_parameters_per_rank), else rank x the in + out
+    features of the target modules, counted from its config.json
+    (``workers.model_config.lora_features``)."""
+    if per_rank:
+        return lora.rank * per_rank
+    path = Path(model_path) / "config.json"
+    if not path.is_file():
+        raise ConfigError(f"config error: model.lora.rank = {lora.rank}: model.path "
+                          f"{model_path!r} has no config.json to count the adapters from: "
+                          "give simulate.lora_parameters_per_rank")
+    features = lora_features(json.loads(path.read_text()))
+    missing = [name for name in lora.target_modules if name not in features]
+    if missing:
+        raise ConfigError(f"config error: model.lora.target_modules = "
+                          f"{list(lora.target_modules)}: {missing} not among the linear "
+                          f"layers the simulator counts ({sorted(features)}): give "
+                          "simulate.lora_parameters_per_rank")
+    return float(lora.rank * sum(features[name] for name in lora.target_modules))
+
+
 class Costs:
     """Seconds of each piece of work of ``model`` on ``hardware``."""
 
@@ -191,6 +227,10 @@ class Costs:
         n = model.active_parameters or model.parameters
         rollout, trainer = h.devices_per_rollout_worker, h.devices_per_trainer_shard
         self.weight_bytes = model.parameters * model.bytes_per_parameter
+        self.trained_parameters = model.adapter_parameters or model.parameters
+        """What the optimizer updates and the shards all-reduce: with LoRA, the adapters."""
+        self.version_bytes = self.trained_parameters * model.bytes_per_parameter
+        """What a weight version carries: with LoRA, the adapters alone."""
         self._decode_flop_s = 2 * n / (h.peak_flops * rollout * h.decode_mfu)
         """Seconds of compute per sequence per decode step (and per prefill token)."""
         bandwidth = h.memory_bandwidth * rollout * h.memory_efficiency
@@ -228,6 +268,13 @@ class Costs:
         return (self.hardware.micro_batch_s + self._train_token_s * sum(lengths)
                 + self._train_square_s * sum(t * t for t in lengths))
 
+    def forward_pass(self, lengths: Sequence[int]) -> float:
+        """A forward pass alone (no gradient) over a micro-batch of ``lengths``: a third of
+        ``micro_batch`` (2 of its 6 FLOPs per parameter and token, and of its fixed
+        part), as the proximal pass is counted. The reference's logprobs and the
+        critic's values are such a pass of a model of the policy's shape."""
+        return self.micro_batch(lengths) * FORWARD_SHARE
+
     def attention_share(self, lengths: Sequence[int]) -> float:
         """Attention's FLOPs over the weights' in training sequences of ``lengths``."""
         return self._train_square_s * sum(t * t for t in lengths) / max(
@@ -246,13 +293,15 @@ class Costs:
         shards share its cores."""
         return 1 + shards / self.hardware.engine_processes
 
-    def update(self, shards: int) -> float:
+    def update(self, shards: int, parameters: float | None = None) -> float:
         """An optimizer update's fixed part, with the all-reduce of fp32 gradients between
-        ``shards``. A shard's devices hold a slice each (sharded or tensor-parallel
+        ``shards`` (of ``parameters``; default the policy's trained ones: with LoRA, the
+        adapters). A shard's devices hold a slice each (sharded or tensor-parallel
         weights), so each reduces its slice over its own link: the ring's bytes divide by
         ``devices_per_trainer_shard``."""
         h = self.hardware
-        ring = 2 * (shards - 1) / shards * self.model.parameters * 4 if shards > 1 else 0.0
+        trained = self.trained_parameters if parameters is None else parameters
+        ring = 2 * (shards - 1) / shards * trained * 4 if shards > 1 else 0.0
         return h.update_s + ring / (h.interconnect_bandwidth * h.devices_per_trainer_shard)
 
     def kv_tokens(self, memory_fraction: float) -> float | None:
@@ -273,14 +322,15 @@ class Costs:
 
     def reload(self) -> float:
         """run.colocate = "time": an engine takes its devices back after a training step
-        and copies the new weights from the trainer's memory on the same devices."""
+        and copies the new version (with LoRA, the adapters) from the trainer's memory on
+        the same devices."""
         h = self.hardware
-        return h.engine_reload_s + self.weight_bytes / (
+        return h.engine_reload_s + self.version_bytes / (
             h.memory_bandwidth * h.devices_per_rollout_worker * h.memory_efficiency)
 
     def publish(self) -> float:
         h = self.hardware
-        return h.publish_s + self.weight_bytes / (h.memory_bandwidth * h.memory_efficiency)
+        return h.publish_s + self.version_bytes / (h.memory_bandwidth * h.memory_efficiency)
 
     def transfer(self, receivers: int = 1, bucket_bytes: float = 16 << 20) -> float:
         """Seconds of a version's broadcast to ``receivers`` engines in ``bucket_bytes``
@@ -288,8 +338,8 @@ class Costs:
         broadcast pipelines the same way), where every link carries the weights once and
         the last engine holds the last bucket ``receivers - 1`` bucket times after the
         first: ``(S + (N - 1) B) / bandwidth + N m`` (docs/simulator.md)."""
-        h, bucket = self.hardware, min(bucket_bytes, self.weight_bytes)
-        return ((self.weight_bytes + (receivers - 1) * bucket) / h.interconnect_bandwidth
+        h, bucket = self.hardware, min(bucket_bytes, self.version_bytes)
+        return ((self.version_bytes + (receivers - 1) * bucket) / h.interconnect_bandwidth
                 + receivers * h.weight_member_s)
 
 

@@ -2,7 +2,8 @@
 
 Owns: ``simulate`` (the hardware file, the model's size, the length law and the task's
 prompts; the simulated engines, trainer shards and weight path handed to the real
-orchestrator as its protocols; the run directory it writes, marked simulated in run.json)
+orchestrator as its protocols, with the reference and the critic beside the shards when
+the run has them; the run directory it writes, marked simulated in run.json)
 and ``simulation_costs``. Checkpoints are off (run.checkpoint_every = 0: the end of the
 run still writes one, of no weights). Admission, the queue, the staleness rules, the
 balancing plan, the ledger and the evaluation schedule are the real ones. Writes
@@ -26,11 +27,14 @@ from async_rl.control.protocols import RolloutClient, TrainerClient, Workers
 from async_rl.run.run_dir import USAGE, RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.sim.clock import run_virtual
-from async_rl.sim.costs import Costs, load_hardware, model_shape
+from async_rl.sim.costs import Costs, adapter_parameters, load_hardware, model_shape
 from async_rl.sim.engine import SimEngine
 from async_rl.sim.lengths import length_law
+from async_rl.sim.roles import SimRoles, SimRoleStages
+from async_rl.sim.rollout import SimEvaluator, SimRollout
 from async_rl.sim.timeshare import SimLocalWeights, check_time_shared, time_shared
-from async_rl.sim.workers import SimEvaluator, SimRollout, SimTrainer, SimTraining, SimWeights
+from async_rl.sim.weight_path import SimWeights
+from async_rl.sim.workers import SimTrainer, SimTraining
 from async_rl.tasks.sources import ArithmeticTask, PromptSource
 from async_rl.tasks.table import build_task, reference_length
 from buffers.config import ConfigError
@@ -45,6 +49,10 @@ def simulation_costs(config: Config) -> Costs:
                         kv_bytes_per_token=sim.kv_bytes_per_token,
                         attention_width=sim.attention_width,
                         active_parameters=sim.active_parameters)
+    lora = config.model.lora
+    if lora.enabled:  # a version, and the gradients, are the adapters'
+        shape = msgspec.structs.replace(shape, adapter_parameters=adapter_parameters(
+            config.model.path, lora, sim.lora_parameters_per_rank))
     if sim.active_parameters > shape.parameters:
         raise ConfigError(f"config error: simulate.active_parameters = "
                           f"{sim.active_parameters:g}: more than the model's "
@@ -102,8 +110,13 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
         # Time-shared devices: the weights never leave them (no branch into SimWeights).
         weights = (SimLocalWeights(engines) if time_shared(config)
                    else SimWeights(engines, costs, config.weights.bucket_mb << 20))
+        # The reference and the critic beside every shard (PPO's dataflow), as real runs.
+        roles = (SimRoles(config, training)
+                 if config.has_reference or config.has_critic else None)
         workers = Workers(rollout=rollout, trainers=trainers, weights=weights,
-                          evaluator=evaluator)
+                          evaluator=evaluator,
+                          stages=[SimRoleStages(rank, roles)
+                                  for rank in range(config.trainer.num_shards)] if roles else [])
         orchestrator = Orchestrator(config, out, source, eval_prompts, workers, clock=clock)
         async with anyio.create_task_group() as running:
             for engine in engines.values():

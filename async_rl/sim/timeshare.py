@@ -17,7 +17,7 @@ from async_rl.config import Config
 from async_rl.control.protocols import PublishedWeights
 from async_rl.sim.costs import Costs
 from async_rl.sim.engine import SimEngine
-from async_rl.sim.workers import SimPublished
+from async_rl.sim.weight_path import SimPublished
 from buffers.config import ConfigError
 from buffers.reports import BroadcastTiming
 

@@ -1,115 +1,39 @@
-"""Simulated workers behind the orchestrator's protocols (``async_rl.control.protocols``).
+"""The simulated trainer shards behind the orchestrator's protocols
+(``async_rl.control.protocols``).
 
-Owns: ``SimRollout`` (a ``RolloutClient`` over a ``SimEngine``: a group's lengths from the
-length law, its rewards drawn with ``simulate.reward_p``, the reward latency after its
-last sample), ``SimTraining`` and its ``SimTrainer`` shards (``TrainerClient``: a step
-costs what the plan the orchestrator made says, micro-batch by micro-batch, every update
-waiting for the slowest shard before its all-reduce, as DDP does; on a CPU machine
-laid out as a real run, busy engines slow a step, and one on a shard's cores takes turns
-with it), ``SimWeights`` (the ``WeightPath``: snapshot on shard 0, then delivery into
-every engine, which pauses for it) and ``SimEvaluator`` (run.eval_on = "idle_cpu": it
-takes only idle cores, so it costs the run nothing). Every span and timing is on the
-virtual clock. With run.colocate = "time", every engine releases its devices for each
-training step (``async_rl.sim.timeshare``). Knows nothing about the orchestrator's
-rules: they are the real ones.
+Owns: ``SimTraining`` and its ``SimTrainer`` shards (``TrainerClient``: a step costs what
+the plan the orchestrator made says, micro-batch by micro-batch, every update waiting
+for the slowest shard before its all-reduce, as DDP does; on a CPU machine laid out as
+a real run, busy engines slow a step, and one on a shard's cores takes turns with it),
+the shards' calls met together (``SimTraining.together``) and work of other roles on
+their devices (``beside_step``: ``async_rl.sim.roles``'s passes). Every span and timing
+is on the virtual clock. With run.colocate = "time", every engine releases its devices
+for each training step (``async_rl.sim.timeshare``). The rollout side is
+``async_rl.sim.rollout``'s. Knows nothing about the orchestrator's rules: they are the
+real ones.
 """
 
 from __future__ import annotations
 
-import asyncio
-import random
-import zlib
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import anyio
 import msgspec
 
 from async_rl.config import Config
-from async_rl.control.protocols import PublishedWeights
 from async_rl.sim.costs import Costs
 from async_rl.sim.engine import SimEngine
-from async_rl.sim.lengths import LengthLaw, prompt_tokens
-from buffers.records import Group, LossStats, Prompt, ShardBatch, ShardStepResult
-from buffers.reports import BroadcastTiming, EvalResult, UsageReading
+from async_rl.sim.rollout import Clock, SimTokens
+from buffers.records import LossStats, ShardBatch, ShardStepResult
+from buffers.reports import UsageReading
 from workers.layout import assign_cpus
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 
-Clock = Callable[[], float]
 CONTENTION_SLICES = 8
 """A step beside engines on its machine is run in this many slices, each as slowed as
 the engines busy as it starts make it."""
-
-
-class SimTokens(msgspec.Struct, frozen=True, kw_only=True):
-    """What a simulated group's token reference holds: its lengths (all a shard costs)."""
-
-    prompt_length: int
-    completion_lengths: tuple[int, ...]
-
-
-class SimRollout:
-    """One rollout worker: see the module docstring."""
-
-    def __init__(self, rank: int, engine: SimEngine, config: Config, lengths: LengthLaw,
-                 clock: Clock) -> None:
-        self.rank, self.engine, self.config, self.lengths = rank, engine, config, lengths
-        self.clock = clock
-        self._call_s = engine.costs.hardware.call_s
-        self._rng = random.Random()
-        """Reseeded per group (cheaper than a new one): its rewards' draws."""
-
-    @property
-    def name(self) -> str:
-        return f"rollout-{self.rank}"
-
-    def _completions(self, prompt: Prompt, samples: int) -> tuple[int, ...]:
-        cap = self.config.rollout.max_new_tokens
-        return tuple(min(n, cap) for n in self.lengths.completions(prompt, samples))
-
-    async def generate(self, prompt: Prompt) -> Group:
-        cfg = self.config
-        completions = self._completions(prompt, cfg.rollout.group_size)
-        length = prompt_tokens(cfg, prompt)
-        request = await self.engine.generate(length, completions,
-                                             after=cfg.simulate.reward_s + self._call_s)
-        rng = self._rng
-        rng.seed(zlib.crc32(f"reward:{prompt.prompt_id}:{prompt.attempt}".encode()))
-        cap = cfg.rollout.max_new_tokens
-        return Group(
-            prompt=prompt, prompt_length=length, completion_lengths=completions,
-            rewards=tuple(float(rng.random() < cfg.simulate.reward_p) for _ in completions),
-            finish_reasons=tuple("length" if n >= cap else "stop" for n in completions),
-            min_version=request.min_version, max_version=request.max_version,
-            num_tokens=sum(length + n for n in completions), rollout_rank=self.rank,
-            finished_at=self.clock(),
-            tokens=SimTokens(prompt_length=length, completion_lengths=completions))
-
-    async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
-        began = self.clock()
-        requests: list[object] = []
-
-        async def one(prompt: Prompt) -> None:
-            requests.append(await self.engine.generate(
-                prompt_tokens(self.config, prompt), self._completions(prompt, 1),
-                evaluate=True))
-
-        version = self.engine.version
-        async with anyio.create_task_group() as group:
-            for prompt in prompts:
-                group.start_soon(one, prompt)
-        return EvalResult(accuracy=self.config.simulate.reward_p, version_min=version,
-                          version_max=self.engine.version, num_prompts=len(prompts),
-                          rollout_rank=self.rank, seconds=self.clock() - began)
-
-    async def version(self) -> int:
-        return self.engine.version
-
-    async def usage(self) -> UsageReading:
-        return UsageReading(wall=self.clock(), cpu_s=self.engine.busy_s)
-
-    async def spans(self) -> list[Span]:
-        return self.engine.drain_spans()
 
 
 class _Cursor:
@@ -131,48 +55,100 @@ class SimTraining:
         self.shards = config.trainer.num_shards
         self.time_shared = config.run.colocate == "time"
         """Engines release their devices for every step (run.colocate = "time")."""
+        self._released = False
         self.sharing = engines_on_trainer_cores(config, costs.hardware.cores)
         """Per shard, the ranks of the engines on its cores (empty list: no CPU machine
         laid out, no contention)."""
-        self._batches: dict[int, ShardBatch] = {}
-        self._results: dict[int, ShardStepResult] = {}
-        self._stepped = anyio.Event()
+        self._arrived: dict[int, Any] = {}
+        self._results: dict[int, Any] = {}
+        self._done = anyio.Event()
         self.cursor = _Cursor()
         self.busy_s = [0.0] * self.shards
         self.recorders = [SpanRecorder(worker=f"trainer-{r}", role="trainer", rank=r,
                                        device=f"sim:{r}", clock=self.cursor,
                                        enabled=config.run.record_spans)
                           for r in range(self.shards)]
+        self.waiting: list[SpanRecorder] = []
+        """Per shard, the track of a role co-located on its devices that waits while the
+        policy trains (the critic's: its cause ``policy``); empty without one."""
+
+    async def together(self, rank: int, payload: Any,
+                       run: Callable[[list[Any]], Awaitable[list[Any]]]) -> Any:
+        """Every shard calls with its ``payload``; once all have, ``run`` gets them in rank
+        order and returns each shard's result (the orchestrator awaits every shard's
+        call before its next, so calls of two kinds never interleave)."""
+        self._arrived[rank] = payload
+        done = self._done
+        if len(self._arrived) < self.shards:
+            await done.wait()
+        else:
+            arrived, self._arrived = self._arrived, {}
+            self._done = anyio.Event()
+            self._results = dict(enumerate(await run([arrived[r]
+                                                      for r in range(self.shards)])))
+            done.set()
+        return self._results.pop(rank)
 
     async def train(self, rank: int, batch: ShardBatch) -> ShardStepResult:
         """Every shard calls with its batch; the step runs once all have."""
-        self._batches[rank] = batch
-        stepped = self._stepped
-        if len(self._batches) < self.shards:
-            await stepped.wait()
-            return self._results.pop(rank)
-        batches, self._batches = self._batches, {}
-        self._stepped = anyio.Event()
-        if self.time_shared:  # the engines free the devices first, at a step boundary
+        result: ShardStepResult = await self.together(rank, batch, self._train)
+        return result
+
+    async def _train(self, ordered: list[ShardBatch]) -> list[ShardStepResult]:
+        await self.release_devices()
+        compute = self._compute(ordered)
+        began = self.clock()
+        slowdowns = await self._slowdowns(self._solo_seconds(ordered[0], compute))
+        seconds, results = self._step(ordered, compute, slowdowns, start=began)
+        await anyio.sleep(max(began + seconds - self.clock(), 0.0))
+        if not self.waiting:  # else the critic's update ends the step on the devices
+            self.return_devices()
+        return results
+
+    async def release_devices(self) -> None:
+        """run.colocate = "time": the engines free the devices at a step boundary, before
+        the step's first work on them (the roles' passes, or the policy's update); a
+        no-op when they already have, or without time-sharing."""
+        if self.time_shared and not self._released:
+            self._released = True
             releases = [engine.release(self.costs.hardware.engine_release_s)
                         for engine in self.engines.values()]
             for release in releases:
                 await release.done
-        ordered = [batches[r] for r in range(self.shards)]
-        compute = self._compute(ordered)
-        if self.sharing:
-            began = self.clock()
-            slowdowns = await self._contended(self._solo_seconds(ordered[0], compute))
-            seconds = self._step(ordered, compute, slowdowns, start=began)
-            await anyio.sleep(max(began + seconds - self.clock(), 0.0))
-        else:
-            await anyio.sleep(self._step(ordered, compute, [1.0] * self.shards,
-                                         start=self.clock()))
-        if self.time_shared:
+
+    def return_devices(self) -> None:
+        """The step's last work on the devices is done: the engines take them back."""
+        if self._released:
+            self._released = False
             for engine in self.engines.values():
                 engine.take_back()
-        stepped.set()
-        return self._results.pop(rank)
+
+    async def beside_step(self, work: Sequence[float],
+                          tracks: Sequence[tuple[Sequence[SpanRecorder], str]]) -> list[float]:
+        """A stage of the PPO dataflow on every shard's devices (placement "trainer"):
+        after the call, each shard computes its ``work`` seconds (slowed as a step is
+        beside busy engines), recorded as each of ``tracks``' cause (its recorders, by
+        shard); the stage ends with the slowest shard. Returns each shard's seconds."""
+        began = self.clock()
+        start = began + self.costs.hardware.call_s
+        slowdowns = await self._slowdowns(self.costs.hardware.call_s + max(work))
+        seconds = [slow * w for slow, w in zip(slowdowns, work, strict=True)]
+        for rank, spent in enumerate(seconds):
+            for recorders, cause in tracks:
+                for at, now in ((start, cause), (start + spent, UNRESOLVED)):
+                    self.cursor.at = at
+                    recorders[rank].switch(now)
+            self.busy_s[rank] += spent
+        self.cursor.at = start + max(seconds)
+        await anyio.sleep(max(start + max(seconds) - self.clock(), 0.0))
+        return seconds
+
+    async def _slowdowns(self, solo: float) -> list[float]:
+        """Each shard's compute slowdown over ``solo`` seconds of work (1 without a CPU
+        machine laid out; else waits out the contended slices)."""
+        if not self.sharing:
+            return [1.0] * self.shards
+        return await self._contended(solo)
 
     async def _contended(self, solo: float) -> list[float]:
         """Runs a step of ``solo`` seconds on a machine the engines share, in
@@ -199,8 +175,8 @@ class SimTraining:
     def _compute(self, batches: list[ShardBatch]) -> list[list[float]]:
         """Per shard, each micro-batch's forward and backward seconds (costed once a step:
         the updates, the proximal pass and the contention estimate all read them)."""
-        return [[self.costs.micro_batch([_sequence(batch, slot) for slot in mb])
-                 for mb in batch.micro_batches] for batch in batches]
+        return [[self.costs.micro_batch(mb) for mb in sim_sequences(batch)]
+                for batch in batches]
 
     def _solo_seconds(self, batch: ShardBatch, compute: list[list[float]]) -> float:
         """About the step's seconds with nothing beside it (what its slices divide): the
@@ -214,16 +190,20 @@ class SimTraining:
                 + updates * costs.update(self.shards))
 
     def _step(self, batches: list[ShardBatch], compute: list[list[float]],
-              slowdowns: list[float], *, start: float) -> float:
+              slowdowns: list[float], *, start: float
+              ) -> tuple[float, list[ShardStepResult]]:
         """Lays out every shard's spans of the step from ``start`` (its compute
         ``slowdowns`` times its cost; ``compute``: ``_compute(batches)``); returns its
-        seconds."""
+        seconds and every shard's result."""
         cfg, costs = self.config.trainer, self.costs
         updates = batches[0].updates
         proximal = len(updates) * cfg.epochs > 1 and cfg.tis_cap > 0
         began = start
         start += costs.hardware.call_s
         now = start
+        self.cursor.at = start
+        for waiting in self.waiting:
+            waiting.switch("policy")  # a co-located critic waits on the device
         forward = [0.0] * self.shards
         backward = [0.0] * self.shards
         waited = [0.0] * self.shards
@@ -241,13 +221,15 @@ class SimTraining:
                 extra = [0.0] * self.shards
         self.cursor.at = now
         step = batches[0].step
+        for waiting in self.waiting:
+            waiting.switch(UNRESOLVED)
+        results = []
         for rank, (recorder, batch) in enumerate(zip(self.recorders, batches, strict=True)):
             recorder.switch(UNRESOLVED, step)
-            completion = sum(_sequence(batch, s, completion=True)
-                             for mb in batch.micro_batches for s in mb)
-            real = sum(_sequence(batch, s) for mb in batch.micro_batches for s in mb)
+            completion = sum(map(sum, sim_sequences(batch, completion=True)))
+            real = sum(map(sum, sim_sequences(batch)))
             self.busy_s[rank] += now - start - waited[rank]
-            self._results[rank] = ShardStepResult(
+            results.append(ShardStepResult(
                 rank=rank, step=step, grad_norm=1.0,
                 loss=LossStats(tokens=completion, loss_sum=0.0, clipped=0,
                                is_weight_sum=float(completion),
@@ -255,8 +237,8 @@ class SimTraining:
                                kl_sum=0.0),
                 forward_s=forward[rank], backward_s=backward[rank],
                 optimizer_s=len(updates) * cfg.epochs * costs.update(self.shards),
-                barrier_s=waited[rank], input_tokens=real, computed_positions=real)
-        return now - began
+                barrier_s=waited[rank], input_tokens=real, computed_positions=real))
+        return now - began, results
 
     def _update(self, now: float, work: list[float], extra: list[float],
                 forward: list[float], backward: list[float], waited: list[float]) -> float:
@@ -291,6 +273,12 @@ def engines_on_trainer_cores(config: Config, cores: int) -> list[frozenset[int]]
     return [frozenset(engine.rank for engine in layout.rollout
                       if set(engine.devices) & set(shard.devices))
             for shard in layout.trainer]
+
+
+def sim_sequences(batch: ShardBatch, *, completion: bool = False) -> list[list[int]]:
+    """Each micro-batch's sequence lengths (``completion``: their completions' alone)."""
+    return [[_sequence(batch, slot, completion=completion) for slot in mb]
+            for mb in batch.micro_batches]
 
 
 def _sequence(batch: ShardBatch, slot: object, *, completion: bool = False) -> int:
@@ -339,60 +327,7 @@ class SimTrainer:
         return UsageReading(wall=self.training.clock(), cpu_s=self.training.busy_s[self.rank])
 
     async def spans(self) -> list[Span]:
-        self.training.cursor.at = self.training.clock()
-        return self.training.recorders[self.rank].flush()
-
-
-class SimPublished(msgspec.Struct, frozen=True, kw_only=True):
-    version: int
-    publish_s: float
-
-
-class SimWeights:
-    """The weight path: snapshot, then one broadcast to every engine, which loads the
-    version once it holds all of it. As the real collective, the broadcast begins once
-    every engine has paused (an engine that paused early waits on the group: in drain
-    mode, for the slowest drain); every engine stands paused for the whole wire
-    (``Costs.transfer``), then for its load (``weight_load_s``)."""
-
-    def __init__(self, engines: dict[int, SimEngine], costs: Costs,
-                 bucket_bytes: float = 16 << 20) -> None:
-        self.engines, self.costs, self.bucket_bytes = engines, costs, bucket_bytes
-
-    async def publish(self, version: int) -> SimPublished:
-        seconds = self.costs.publish()
-        await anyio.sleep(seconds)
-        return SimPublished(version=version, publish_s=seconds)
-
-    async def deliver(self, published: PublishedWeights, ranks: Sequence[int]
-                      ) -> tuple[list[BroadcastTiming], list[int]]:
-        assert isinstance(published, SimPublished)
-        transfer = self.costs.transfer(len(ranks), self.bucket_bytes)
-        load = self.costs.hardware.weight_load_s
-        start: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        asked = {rank: self.engines[rank].load(published.version, transfer, load, start)
-                 for rank in ranks}
-        for loading in asked.values():
-            await loading.paused
-        start.set_result(None)  # every member paused: the collective's bytes flow
-        timings = []
-        for rank, loading in asked.items():
-            await loading.done
-            # As a real engine reports it: the wire, and the rest of the pause as load.
-            timings.append(BroadcastTiming(
-                version=published.version, rollout_rank=rank, publish_s=published.publish_s,
-                transfer_s=transfer, pause_s=loading.waited,
-                load_s=loading.done_at - loading.paused_at - transfer))
-        return timings, []
-
-
-class SimEvaluator:
-    """run.eval_on = "idle_cpu": scores on cores the workers leave idle (no cost here)."""
-
-    def __init__(self, reward_p: float) -> None:
-        self.reward_p = reward_p
-
-    async def evaluate(self, prompts: Sequence[Prompt], weights: object) -> EvalResult:
-        version = weights.version  # type: ignore[attr-defined]
-        return EvalResult(accuracy=self.reward_p, version_min=version, version_max=version,
-                          num_prompts=len(prompts), rollout_rank=-1, seconds=0.0)
+        training = self.training
+        training.cursor.at = training.clock()
+        beside = training.waiting[self.rank].flush() if training.waiting else []
+        return training.recorders[self.rank].flush() + beside

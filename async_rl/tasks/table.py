@@ -12,6 +12,7 @@ only its own keys. Knows nothing about Ray, engines or the run's loops.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,12 +44,12 @@ from async_rl.tasks.sources import (
 )
 from buffers.config import ConfigError
 from buffers.records import Prompt
-from workers.environment import EnvironmentConfig
 from workers.rewards.callables import Reward
 from workers.rewards.function import RewardFn
 from workers.rewards.runner import UserRewards
 from workers.rewards.spec import DEFAULT_COLUMNS, absolute_spec
 from workers.rollout.prompts import PromptFormat
+from workers.rollout.task import WorkerTask, named_environment
 
 
 class Task(NamedTuple):
@@ -166,22 +167,6 @@ def reference_length(task: TaskConfig) -> Callable[[Prompt], int] | None:
     return TASKS[task.kind].reference_length
 
 
-@dataclass(frozen=True)
-class WorkerTask:
-    """What the rollout workers and the evaluator get of the task."""
-
-    reward_fn: RewardFn
-    """The built-in reward."""
-    user_rewards: UserRewards | None
-    """task.rewards and a script's callables; None: the built-in reward scores."""
-    prompt_format: PromptFormat
-    environment: EnvironmentConfig | None
-    """task.environment (its file made absolute), or None: single-turn generation."""
-    own_environment: Callable[[int], Callable[[], Any] | None]
-    """rank -> how that rollout worker builds each trajectory's environment when the
-    task has its own (None: the class task.environment names)."""
-
-
 def worker_task(task: TaskConfig, built: Task, rewards: Sequence[Reward] = ()) -> WorkerTask:
     """What the workers get of ``task`` built as ``built``; ``rewards``: a script's reward
     callables, besides task.rewards."""
@@ -194,14 +179,11 @@ def worker_task(task: TaskConfig, built: Task, rewards: Sequence[Reward] = ()) -
                            threads=task.reward_threads, chat=task.chat_template,
                            columns=columns, eval_reward=task.eval_reward)
     own = TASKS[task.kind].own_environment
-
-    def own_environment(rank: int) -> Callable[[], Any] | None:
-        return own(task, rank) if own is not None else None
-
     env = task.environment
     return WorkerTask(
         reward_fn=built.reward_fn, user_rewards=user,
         prompt_format=PromptFormat(chat_template=task.chat_template,
                                    system_prompt=task.system_prompt),
         environment=env.absolute() if env.enabled else None,
-        own_environment=own_environment)
+        own_environment=functools.partial(own, task) if own is not None
+        else named_environment)

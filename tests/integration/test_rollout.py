@@ -25,6 +25,7 @@ from buffers.records import Group, Prompt
 from buffers.reports import BroadcastTiming
 from workers.model_config import ModelConfig
 from workers.rollout.config import RolloutConfig
+from workers.rollout.task import WorkerTask
 from workers.rollout.worker import RolloutWorker
 from workers.weights.broadcast import Delivery
 from workers.weights.config import WeightsConfig
@@ -124,7 +125,7 @@ def make_worker(model_dir: Path) -> Any:
                               # wait_until_generating reads tokens_in_flight
                               stream_tokens=True),
         weights=WEIGHTS,
-        reward_fn=starts_with_digit,
+        task=WorkerTask(reward_fn=starts_with_digit),
         seed=0,
         cpu_ids=(0,),
     )

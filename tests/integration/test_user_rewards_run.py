@@ -31,6 +31,7 @@ from workers.rewards.runner import UserRewards
 from workers.rewards.spec import RewardSpec
 from workers.rollout.config import RolloutConfig
 from workers.rollout.prompts import PromptFormat, conversation
+from workers.rollout.task import WorkerTask
 from workers.rollout.worker import RolloutWorker
 from workers.weights.config import WeightsConfig
 
@@ -220,10 +221,11 @@ def test_the_engine_sees_the_chat_templates_prompt_token_ids(
     worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16).remote(
         rank=0, model=ModelConfig(path=str(tiny_model_dir)),
         rollout=RolloutConfig(group_size=2, max_new_tokens=4, max_inflight_prompts=1),
-        weights=WeightsConfig(transport="gloo"), reward_fn=lambda p, c: 0.0, cpu_ids=(0,),
-        user_rewards=UserRewards(specs=(RewardSpec(function=f"{rewards}:compute_score"),),
-                                 threads=True, chat=True, columns=("answer", "level")),
-        prompt_format=fmt)
+        weights=WeightsConfig(transport="gloo"), cpu_ids=(0,),
+        task=WorkerTask(
+            reward_fn=lambda p, c: 0.0, prompt_format=fmt,
+            user_rewards=UserRewards(specs=(RewardSpec(function=f"{rewards}:compute_score"),),
+                                     threads=True, chat=True, columns=("answer", "level"))))
     ray.get(worker.start.remote(), timeout=300)
     prompt = Prompt(prompt_id="sums-0", text="3+4=", answer="7", columns={"level": 1},
                     data_source="sums")

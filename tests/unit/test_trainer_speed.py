@@ -259,6 +259,22 @@ def test_the_kernel_is_picked_by_device_and_dtype_and_the_torch_signature(
     assert attention._varlen_attn_call() is None  # a torch without it
 
 
+def test_kernel_name_says_which_kernel_varlen_kernel_picked(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The name bench/gpu_check.py reports its attention rows under."""
+    cuda = torch.device("cuda")
+    assert attention.kernel_name(attention.varlen_kernel(torch.device("cpu"),
+                                                         torch.bfloat16)) == "per-sequence loop"
+    assert attention.kernel_name(attention.varlen_kernel(cuda, torch.float32)) \
+        == "per-sequence loop"
+    monkeypatch.setattr(attention, "TORCH_VARLEN", lambda *args: args[0])
+    assert attention.kernel_name(attention.varlen_kernel(cuda, torch.bfloat16)) \
+        == "torch varlen_attn"
+    monkeypatch.setattr(attention, "TORCH_VARLEN", None)
+    assert attention.kernel_name(attention.varlen_kernel(cuda, torch.bfloat16)) \
+        == "aten._flash_attention_forward"
+
+
 # -- the fused head ---------------------------------------------------------------------
 
 
@@ -488,7 +504,7 @@ def test_fsdp2_takes_the_fused_head_through_its_root_as_a_plain_shard_does(
     sharded.setup()
     try:
         a, b = plain.train_step(batch, tokens), sharded.train_step(batch, tokens)
-        after = {k: v.clone() for k, v in sharded._state().items()}
+        after = {k: v.clone() for k, v in sharded.policy_state().items()}
     finally:
         sharded.shutdown()
     assert a.loss.tokens == b.loss.tokens == sum(c for _, c in SHAPES)

@@ -27,10 +27,9 @@ from buffers.records import Prompt, Sample
 from buffers.reports import EvalResult
 from workers.eval.greedy import greedy_completions
 from workers.model_config import ModelConfig
-from workers.rewards.function import RewardFn
-from workers.rewards.runner import UserRewards
-from workers.rollout.prompts import PromptFormat, render
+from workers.rollout.prompts import render
 from workers.rollout.scoring import Scorer
+from workers.rollout.task import WorkerTask
 
 EVALUATOR_RANK = -1
 """``EvalResult.rollout_rank`` of this evaluator's results (no rollout worker ran them)."""
@@ -45,13 +44,14 @@ def idle_priority() -> None:
 class IdleCpuEvaluator:
     """See the module docstring. ``setup`` once, then ``evaluate`` per version."""
 
-    def __init__(self, *, model: ModelConfig, reward_fn: RewardFn, max_new_tokens: int,
-                 user_rewards: UserRewards | None = None,
-                 prompt_format: PromptFormat | None = None) -> None:
+    def __init__(self, *, model: ModelConfig, task: WorkerTask, max_new_tokens: int) -> None:
+        """The model section it loads, what the rollout workers get of the task (its
+        environment unused: evaluation here is single-turn), and rollout.max_new_tokens,
+        the completion cap a rollout worker's greedy evaluation has too."""
         self.model_config = model
-        self.prompt_format = prompt_format or PromptFormat()
+        self.prompt_format = task.prompt_format
         """Renders prompts as a rollout worker does (``workers.rollout.prompts``)."""
-        self.scorer = Scorer(reward_fn, user_rewards, self.prompt_format)
+        self.scorer = Scorer(task.reward_fn, task.user_rewards, self.prompt_format)
         """Scores as a rollout worker does (the task's own rewards when it has them)."""
         self.max_new_tokens = max_new_tokens
 

@@ -22,16 +22,13 @@ import itertools
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from buffers.records import NO_VERSION, Group, Prompt, Sample, make_group
 from buffers.reports import BroadcastTiming, EvalResult, RolloutStatistics, UsageReading
-from workers.environment import EnvironmentConfig
 from workers.errors import RolloutWorkerError
 from workers.model_config import ModelConfig
-from workers.rewards.function import RewardFn
-from workers.rewards.runner import UserRewards
 from workers.rollout.adapter_serving import serve_policy_adapter
 from workers.rollout.config import RolloutConfig
 from workers.rollout.engine import (
@@ -42,8 +39,9 @@ from workers.rollout.engine import (
     versions_from_spans,
 )
 from workers.rollout.idle_spin import IdleSpin
-from workers.rollout.prompts import PromptFormat, render
+from workers.rollout.prompts import render
 from workers.rollout.scoring import Scorer
+from workers.rollout.task import WorkerTask
 from workers.rollout.turns import TurnRunner
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 from workers.usage import UsageMeter, cuda_uuid
@@ -73,38 +71,31 @@ class RolloutWorker:
         model: ModelConfig,
         rollout: RolloutConfig,
         weights: WeightsConfig,
-        reward_fn: RewardFn,
+        task: WorkerTask,
         *,
         seed: int = 0,
         cpu_ids: tuple[int, ...] = (),
         record_spans: bool = True,
         version: int = 0,
-        user_rewards: UserRewards | None = None,
-        prompt_format: PromptFormat | None = None,
-        environment: EnvironmentConfig | None = None,
-        make_environment: Callable[[], Any] | None = None,
     ) -> None:
         """Cheap: records the arguments; ``start()`` builds the engine.
 
+        The sections it owns (rollout) or runs (model, weights: how its weights arrive),
+        what it gets of the task (``workers.rollout.task``: the reward, the prompts'
+        format, the environment of a multi-turn task, this rank's own), and:
+        seed: the engine's (run.seed + rank: each worker its own stream).
         cpu_ids: cores this worker owns (CPU build only; ignored when CUDA is present).
             The engine's OpenMP threads are bound to them and the actor process, with
             the engine processes it spawns, is pinned to them. Empty: vLLM's automatic
             binding, no pinning.
+        record_spans: run.record_spans.
         version: policy version of the weights at ``model.path`` (a resumed run starts
             its engines from the checkpoint of that version).
-        user_rewards: the task's own rewards (task.rewards), which replace ``reward_fn``;
-            they run off the engine's event loop (``workers.rollout.scoring``).
-        prompt_format: raw text or the chat template (``workers.rollout.prompts``), the
-            same for generation and greedy evaluation.
-        environment: task.environment; with a class named, every sample (and greedy
-            evaluation) is a multi-turn trajectory (``workers.rollout.turns``).
-        make_environment: builds each trajectory's environment instead of calling the
-            named class bare (a built-in task's environments, made with its knobs).
         """
         self._rank, self._model, self._rollout = rank, model, rollout
         self._transport, self._seed = weights.transport, seed
-        self._format = prompt_format or PromptFormat()
-        self._scorer = Scorer(reward_fn, user_rewards, self._format)
+        self._format = task.prompt_format
+        self._scorer = Scorer(task.reward_fn, task.user_rewards, self._format)
         self._cpu_ids = tuple(cpu_ids)
         device = "cpu:" + ",".join(map(str, self._cpu_ids)) if self._cpu_ids else "cpu"
         self._spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
@@ -114,8 +105,9 @@ class RolloutWorker:
         self._lora_request: Any = None  # with model.lora on: the policy's adapter
         self._adapter_dir = ""  # the engine's adapter folder, removed at shutdown
         self._tokenizer: Any = None  # the model's tokenizer, from start()
+        environment = task.environment
         self._environment = environment if environment and environment.enabled else None
-        self._make_environment = make_environment
+        self._make_environment = task.own_environment(rank)
         self._turns: TurnRunner | None = None  # from start(), with an environment
         self._usage = UsageMeter()
         self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()

@@ -2,7 +2,8 @@
 host already knows.
 
 Owns: the transformers attention function the trainer registers (``packed_attention``,
-``use_packed_attention``) and the kernel it runs per device and dtype (``varlen_kernel``).
+``use_packed_attention``) and the kernel it runs per device and dtype (``varlen_kernel``,
+named by ``kernel_name``; ``per_sequence_attention`` where there is none).
 ``workers.trainer.packing.pack`` computes a micro-batch's offsets once, on the host; the
 forward passes them as keyword arguments (``attention_kwargs``), which transformers hands
 unchanged to every layer's attention call. Nothing here reads a device value on the
@@ -93,6 +94,13 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype) -> VarlenKernel | No
     return TORCH_VARLEN or _flash_forward
 
 
+def kernel_name(kernel: VarlenKernel | None) -> str:
+    """What ``varlen_kernel`` picked, by name, for reports."""
+    if kernel is None:
+        return "per-sequence loop"
+    return "aten._flash_attention_forward" if kernel is _flash_forward else "torch varlen_attn"
+
+
 def round_up_pow2(n: int) -> int:
     """``max_len`` as the kernels get it: an upper bound is all flash needs, and a power
     of two gives a compiled layer a handful of distinct values, not one per micro-batch."""
@@ -119,10 +127,13 @@ def _compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return torch.promote_types(torch.promote_types(query.dtype, key.dtype), value.dtype)
 
 
-def _per_sequence(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  lengths: tuple[int, ...] | list[int], dropout_p: float,
-                  scaling: float | None) -> torch.Tensor:
-    """Causal SDPA on each sequence's slice of a ``(1, H, T, d)`` row; ``(1, H, T, d)``."""
+def per_sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                           lengths: tuple[int, ...] | list[int], dropout_p: float,
+                           scaling: float | None) -> torch.Tensor:
+    """Causal SDPA on each sequence's slice of a ``(1, H, T, d)`` row; ``(1, H, T, d)``.
+
+    The per-sequence loop: what ``packed_attention`` runs where ``varlen_kernel`` has
+    no kernel, and the reference a kernel is checked against (``bench/gpu_check.py``)."""
     gqa = key.shape[1] != query.shape[1]
     parts = [
         F.scaled_dot_product_attention(q, k, v, dropout_p=dropout_p, is_causal=True,
@@ -171,7 +182,7 @@ def packed_attention(
                      value[0].transpose(0, 1), cu_seq_lens_q, max_length_q, scaling)
         return out.unsqueeze(0), None
     lengths = packed_lengths or (query.shape[2],)
-    out = _per_sequence(query, key, value, lengths, dropout_p, scaling)
+    out = per_sequence_attention(query, key, value, lengths, dropout_p, scaling)
     return out.transpose(1, 2).contiguous(), None
 
 

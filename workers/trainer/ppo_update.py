@@ -52,8 +52,9 @@ class Prepared:
 
 
 @dataclass(frozen=True, kw_only=True, slots=True)
-class _Forward:
-    """One micro-batch's forward pass, one value per trained completion token."""
+class ForwardPass:
+    """One micro-batch's forward pass (``StepLoss.forward``), one value per trained
+    completion token."""
 
     logprobs: torch.Tensor
     entropy: torch.Tensor
@@ -113,6 +114,8 @@ class StepLoss:
         return norms, bool(counts[0])
 
     def autocast(self) -> torch.autocast:
+        """The context every forward of the step runs in: bf16 autocast with
+        trainer.compute_dtype = "bfloat16", else a disabled one."""
         return torch.autocast(self.device.type, dtype=torch.bfloat16,
                               enabled=self.config.compute_dtype == "bfloat16")
 
@@ -123,11 +126,15 @@ class StepLoss:
                          packed=pack(mb, self.device) if self.packed and mb else None)
                 for mb in micro_batches]
 
-    def _forward(self, model: torch.nn.Module, micro_batch: Prepared) -> _Forward:
+    def forward(self, model: torch.nn.Module, micro_batch: Prepared) -> ForwardPass:
+        """``model`` (the DDP-wrapped one, or the bare module for a no-grad pass) over
+        one non-empty micro-batch, in its layout. Every micro-batch's loss and proximal
+        pass runs it, so a subclass that replaces it changes how each is computed
+        (``bench/trainer_step.py`` runs an earlier trainer's forward through it)."""
         batch = micro_batch.packed
         if batch is not None:
             logprobs, entropy = packed_forward(model, self.module, batch, self.temperature)
-            return _Forward(logprobs=logprobs, entropy=entropy,
+            return ForwardPass(logprobs=logprobs, entropy=entropy,
                             behaviour=batch.behaviour_logprobs, advantages=batch.advantages,
                             positions=batch.num_tokens)
         sequences = micro_batch.sequences
@@ -140,10 +147,10 @@ class StepLoss:
         keep = trained_positions(sequences)
         if keep is not None:
             behaviour, advantages = behaviour[keep], advantages[keep]
-        return _Forward(logprobs=completion_logprobs(logits, targets, self.temperature),
-                        entropy=token_entropy(logits, self.temperature),
-                        behaviour=behaviour.to(self.device),
-                        advantages=advantages.to(self.device), positions=positions)
+        return ForwardPass(logprobs=completion_logprobs(logits, targets, self.temperature),
+                           entropy=token_entropy(logits, self.temperature),
+                           behaviour=behaviour.to(self.device),
+                           advantages=advantages.to(self.device), positions=positions)
 
     def _pad_logits(self, model: torch.nn.Module) -> torch.Tensor:
         """The model run on one dummy position (a pad's forward)."""
@@ -162,7 +169,7 @@ class StepLoss:
                         self._pad_logits(self.module)
                     out.append(None)
                     continue
-                out.append(self._forward(self.module, micro_batch).logprobs)
+                out.append(self.forward(self.module, micro_batch).logprobs)
         return out
 
     def micro_batch(self, micro_batch: Prepared, norm: Normaliser,
@@ -184,7 +191,7 @@ class StepLoss:
             # A pad still runs the model so DDP's gradient hooks fire on every shard.
             return self._pad_logits(self.model).sum() * 0.0, None, 0
         with self.autocast():
-            run = self._forward(self.model, micro_batch)
+            run = self.forward(self.model, micro_batch)
         loss, stats = token_loss(
             run.logprobs, run.behaviour, run.advantages, lengths=micro_batch.lengths,
             norm=norm, config=self.config, proximal_logprobs=proximal, entropy=run.entropy,

@@ -10,10 +10,10 @@ is not finite) and micro-batch by micro-batch (each one a padding-free packed ro
 micro-batch loop (the statistics are read once a step, the gradient norm once an update
 for the non-finite skip; phase times from ``workers.trainer.phase_clock``), on the shard
 that is the source of weight broadcasts, the calls that snapshot and send its weights
-(``workers.weights.sender`` does both), and the calls that write and read its part of a
-checkpoint (``workers.trainer.checkpoints``, in the background). With a reference or a
-critic (``workers.trainer.roles``) a step's data is laid out by the PPO dataflow's stages
-first and its policy update takes it from there. Knows nothing about
+(``workers.weights.sender`` does both), and the entry points that write and read its
+saves and its part of a checkpoint (``workers.trainer.shard_saves`` does both). With a
+reference or a critic (``workers.trainer.roles``) a step's data is laid out by the PPO
+dataflow's stages first and its policy update takes it from there. Knows nothing about
 Ray (``workers.actors`` wraps this class for Ray and resolves the batch's group
 references), queues, versions or how the plan was made.
 """
@@ -36,14 +36,9 @@ from buffers.reports import UsageReading
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
 from workers.spans import UNRESOLVED, Span, SpanRecorder
-from workers.trainer.checkpoints import CheckpointWriter, load
 from workers.trainer.config import TrainerConfig
-from workers.trainer.fsdp import clip_grad_norm, full_shapes, full_state
-from workers.trainer.lora import (
-    LoraPolicy,
-    adapter_state,
-    merged_state,
-)
+from workers.trainer.fsdp import clip_grad_norm
+from workers.trainer.lora import LoraPolicy, adapter_state
 from workers.trainer.loss import Normaliser, PendingStats, read_stats
 from workers.trainer.phase_clock import PhaseClock
 from workers.trainer.policy_model import DTYPES, load_policy
@@ -52,6 +47,7 @@ from workers.trainer.process import join_process_group, pin_to_cpus
 from workers.trainer.publisher import PolicyPublisher
 from workers.trainer.roles import StepRoles, build_roles
 from workers.trainer.roles_config import CriticConfig
+from workers.trainer.shard_saves import ShardSaves
 from workers.usage import UsageMeter, cuda_uuid
 from workers.weights.config import UpdateMode, WeightsConfig
 
@@ -128,16 +124,13 @@ class TrainerShard:
         self.roles: StepRoles | None = None
         """The reference and the critic beside the policy, when the run has either."""
         self.critic_spans = SpanRecorder(worker=f"critic-{rank}", role="critic", rank=rank,
-                                         device=label,
-                                         enabled=record_spans and critic is not None)
+                                         device=label, enabled=record_spans and critic is not None)
 
     def setup(self) -> int:
         """Joins the process group, loads the model and builds the optimizer; returns pid."""
         from transformers import AutoTokenizer
 
-        # Kept in memory for save_policy: model.path may be a checkpoint that a resumed
-        # run later rotates away (run.keep_checkpoints).
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_config.path)
+        tokenizer = AutoTokenizer.from_pretrained(self.model_config.path)  # for the saves
 
         pin_to_cpus(self.cpu_ids)
         self.usage_meter = UsageMeter(gpu_uuid=cuda_uuid(torch.cuda.current_device())
@@ -157,7 +150,6 @@ class TrainerShard:
             DistributedDataParallel(module) if self.world_size > 1 and not sharded
             else module
         )
-        self.checkpoints = CheckpointWriter(rank=self.rank, backend=self.config.backend)
         self.optimizer = torch.optim.AdamW(
             # All of them, or with LoRA the adapters only (the rest is frozen).
             [p for p in module.parameters() if p.requires_grad], lr=self.config.lr,
@@ -177,6 +169,11 @@ class TrainerShard:
                 world_size=self.world_size, rank=self.rank, temperature=self.temperature,
                 reference_path=self.reference_path, critic=self.critic_config,
                 spans=(self.spans, self.critic_spans))
+        self.saves = ShardSaves(
+            rank=self.rank, backend=self.config.backend, module=module,
+            optimizer=self.optimizer, tokenizer=tokenizer, lora=self.lora,
+            critic=self.roles.critic if self.roles is not None else None,
+            save_merged=self.save_merged)
         return os.getpid()
 
     def train_step(self, batch: ShardBatch,
@@ -243,8 +240,8 @@ class TrainerShard:
                      "the first step includes compiling them)", self.rank, batch.step,
                      time.perf_counter() - began, self.compiled_layers)
             self.compiled_layers = 0  # logged once
-        if self.writes_checkpoints and not self.checkpoints.prepared and self.optimizer.state:
-            self._prepare_checkpoint()
+        if self.writes_checkpoints:
+            self.saves.prepare_checkpoint()
         self.spans.switch(UNRESOLVED, batch.step)
         self.critic_spans.switch(UNRESOLVED)
         return ShardStepResult(
@@ -348,26 +345,12 @@ class TrainerShard:
         """Shard 0's end of weight broadcasts, from the first ``connect_rollout``."""
         return self.publisher.sender
 
-    def _whole(self) -> dict[str, torch.Tensor]:
-        """The model's state dict, whole: ddp's replica itself; with fsdp2 gathered onto
-        rank 0 in CPU memory ({} on the other shards, which must call it too). With LoRA
-        it holds the base weights and the adapters apart."""
-        if self.config.backend == "fsdp2":
-            return full_state(self.module)
-        return {name: t.detach() for name, t in self.module.state_dict().items()}
-
-    def _state(self) -> dict[str, torch.Tensor]:
-        """The policy's weights, whole, under the base model's names (with LoRA, the
-        adapters merged in); {} where ``_whole`` is."""
-        whole = self._whole()
-        return merged_state(whole, self.lora.lora) if self.lora and whole else whole
-
     def snapshot_weights(self, version: int) -> int:
         """Copies the weights as ``version`` for the sends to come (with LoRA the
         adapters only); returns their bytes (0 on an fsdp2 shard that only takes part in
         the gather). Called in order with training calls, so it captures exactly
         ``version``; the sends then run beside the next steps."""
-        adapters = adapter_state(self._whole()) if self.lora is not None else None
+        adapters = adapter_state(self.saves.whole()) if self.lora is not None else None
         return self.publisher.snapshot(version, self.module, adapters)
 
     def send_weights(self, version: int, ranks: Sequence[int], mode: UpdateMode | None = None
@@ -384,74 +367,32 @@ class TrainerShard:
         calls, so they are exactly the version just trained; the actor's return value is
         copied into the object store before its next call runs, so no clone is needed.
         With fsdp2 every shard calls it; the others' are empty."""
-        return self._state()
+        return self.saves.policy()
+
+    # ---- saves and checkpoints (workers.trainer.shard_saves) ---------------------------
 
     def save(self, out_dir: str) -> bool:
-        """Writes the current policy in Hugging Face format (model only); False on an
-        fsdp2 shard that only took part in the gather (it writes nothing)."""
-        if self.lora is not None:  # the adapter in peft's format, and merged on request
-            whole = self._whole()
-            if whole:
-                self.lora.save_final(out_dir, whole, self.tokenizer, self.module,
-                                     merged=self.save_merged)
-            return bool(whole)
-        state = self._state()
-        if state:
-            self.module.save_pretrained(out_dir, state_dict=state)  # type: ignore[operator]
-        return bool(state)
+        """``ShardSaves.save``: the final model; False where this shard wrote nothing."""
+        return self.saves.save(out_dir)
 
     def save_policy(self, out_dir: str) -> None:
-        """The policy as a Hugging Face model with its tokenizer: an engine can start
-        from the folder (a restarted rollout worker, a resumed run). With LoRA: the base
-        model's files and the adapter in ``adapter/``."""
-        if self.lora is not None:
-            whole = self._whole()
-            if whole:
-                self.lora.save_policy(out_dir, adapter_state(whole), self.tokenizer)
-        elif self.save(out_dir):
-            self.tokenizer.save_pretrained(out_dir)
+        """``ShardSaves.save_policy``: a folder an engine can start from."""
+        self.saves.save_policy(out_dir)
 
     def save_checkpoint(self, out_dir: str) -> None:
-        """Snapshots what a resumed run needs (``save_policy``'s folder, the optimizer
-        and RNG state; ``workers.trainer.checkpoints`` has the layout) and writes it in
-        the background: ``checkpoint_written`` waits for it.
-
-        ddp: shards are replicas, so one shard's copy is the checkpoint; fsdp2: every
-        shard is called and writes its own part.
-        """
-        lora = self.lora
-        self.checkpoints.start(
-            out_dir, module=self.module, optimizer=self.optimizer,
-            whole=adapter_state(self._whole()) if lora else self._state(),
-            tokenizer=self.tokenizer,
-            save_model=(lambda out, adapters: lora.save_policy(out, adapters, self.tokenizer))
-            if lora else None)
-        if self.roles is not None and self.roles.critic is not None:
-            self.roles.critic.save(out_dir)  # small beside the policy: written here
-
-    def _prepare_checkpoint(self) -> None:
-        """Starts making the snapshot buffers (``CheckpointWriter.prepare``)."""
-        whole = (self._whole() if self.config.backend == "ddp"
-                 else full_shapes(self.module) if self.rank == 0 else {})
-        if self.lora is not None:
-            whole = adapter_state(whole)
-        self.checkpoints.prepare(module=self.module, optimizer=self.optimizer, whole=whole)
+        """``ShardSaves.save_checkpoint``: this shard's part, written in the background."""
+        self.saves.save_checkpoint(out_dir)
 
     def checkpoint_written(self) -> None:
         """Returns once the last ``save_checkpoint`` is on disk; raises its error."""
-        self.checkpoints.wait()
+        self.saves.checkpoint_written()
 
     def load_training_state(self, checkpoint_dir: str) -> None:
-        """Restores the optimizer (fsdp2: and model shards) and RNG state saved by
-        ``save_checkpoint`` (the weights came with ``model.path`` pointing at the same
-        folder); raises ``BackendMismatch`` for the other backend's checkpoint."""
-        load(checkpoint_dir, backend=self.config.backend, module=self.module,
-             optimizer=self.optimizer)
-        if self.roles is not None and self.roles.critic is not None:
-            self.roles.critic.load(checkpoint_dir)
+        """``ShardSaves.load_training_state``: what ``save_checkpoint`` wrote."""
+        self.saves.load_training_state(checkpoint_dir)
 
     def shutdown(self) -> None:
-        self.checkpoints.close()
+        self.saves.close()
         if self.lora is not None:
             self.lora.close()
         self.publisher.shutdown()

@@ -1,0 +1,113 @@
+"""The simulated rollout side behind the orchestrator's protocols
+(``async_rl.control.protocols``).
+
+Owns: ``SimRollout`` (a ``RolloutClient`` over a ``SimEngine``: a group's lengths from the
+length law, its rewards drawn with ``simulate.reward_p``, the reward latency after its
+last sample), what a simulated group's token reference holds (``SimTokens``: its
+lengths, all a trainer shard costs) and ``SimEvaluator`` (run.eval_on = "idle_cpu": it
+takes only idle cores, so it costs the run nothing). Every timing is on the virtual
+clock.
+"""
+
+from __future__ import annotations
+
+import random
+import zlib
+from collections.abc import Callable, Sequence
+
+import anyio
+import msgspec
+
+from async_rl.config import Config
+from async_rl.sim.engine import SimEngine
+from async_rl.sim.lengths import LengthLaw, prompt_tokens
+from buffers.records import Group, Prompt
+from buffers.reports import EvalResult, UsageReading
+from workers.spans import Span
+
+Clock = Callable[[], float]
+"""The virtual clock every simulated worker reads."""
+
+
+class SimTokens(msgspec.Struct, frozen=True, kw_only=True):
+    """What a simulated group's token reference holds: its lengths (all a shard costs)."""
+
+    prompt_length: int
+    completion_lengths: tuple[int, ...]
+
+
+class SimRollout:
+    """One rollout worker: see the module docstring."""
+
+    def __init__(self, rank: int, engine: SimEngine, config: Config, lengths: LengthLaw,
+                 clock: Clock) -> None:
+        self.rank, self.engine, self.config, self.lengths = rank, engine, config, lengths
+        self.clock = clock
+        self._call_s = engine.costs.hardware.call_s
+        self._rng = random.Random()
+        """Reseeded per group (cheaper than a new one): its rewards' draws."""
+
+    @property
+    def name(self) -> str:
+        return f"rollout-{self.rank}"
+
+    def _completions(self, prompt: Prompt, samples: int) -> tuple[int, ...]:
+        cap = self.config.rollout.max_new_tokens
+        return tuple(min(n, cap) for n in self.lengths.completions(prompt, samples))
+
+    async def generate(self, prompt: Prompt) -> Group:
+        cfg = self.config
+        completions = self._completions(prompt, cfg.rollout.group_size)
+        length = prompt_tokens(cfg, prompt)
+        request = await self.engine.generate(length, completions,
+                                             after=cfg.simulate.reward_s + self._call_s)
+        rng = self._rng
+        rng.seed(zlib.crc32(f"reward:{prompt.prompt_id}:{prompt.attempt}".encode()))
+        cap = cfg.rollout.max_new_tokens
+        return Group(
+            prompt=prompt, prompt_length=length, completion_lengths=completions,
+            rewards=tuple(float(rng.random() < cfg.simulate.reward_p) for _ in completions),
+            finish_reasons=tuple("length" if n >= cap else "stop" for n in completions),
+            min_version=request.min_version, max_version=request.max_version,
+            num_tokens=sum(length + n for n in completions), rollout_rank=self.rank,
+            finished_at=self.clock(),
+            tokens=SimTokens(prompt_length=length, completion_lengths=completions))
+
+    async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
+        began = self.clock()
+        requests: list[object] = []
+
+        async def one(prompt: Prompt) -> None:
+            requests.append(await self.engine.generate(
+                prompt_tokens(self.config, prompt), self._completions(prompt, 1),
+                evaluate=True))
+
+        version = self.engine.version
+        async with anyio.create_task_group() as group:
+            for prompt in prompts:
+                group.start_soon(one, prompt)
+        return EvalResult(accuracy=self.config.simulate.reward_p, version_min=version,
+                          version_max=self.engine.version, num_prompts=len(prompts),
+                          rollout_rank=self.rank, seconds=self.clock() - began)
+
+    async def version(self) -> int:
+        return self.engine.version
+
+    async def usage(self) -> UsageReading:
+        return UsageReading(wall=self.clock(), cpu_s=self.engine.busy_s)
+
+    async def spans(self) -> list[Span]:
+        return self.engine.drain_spans()
+
+
+
+class SimEvaluator:
+    """run.eval_on = "idle_cpu": scores on cores the workers leave idle (no cost here)."""
+
+    def __init__(self, reward_p: float) -> None:
+        self.reward_p = reward_p
+
+    async def evaluate(self, prompts: Sequence[Prompt], weights: object) -> EvalResult:
+        version = weights.version  # type: ignore[attr-defined]
+        return EvalResult(accuracy=self.reward_p, version_min=version, version_max=version,
+                          num_prompts=len(prompts), rollout_rank=-1, seconds=0.0)
