@@ -235,10 +235,11 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
         if not trainer.packed:
             raise invalid("trainer.packed", False,
                           f"{why} computes on the packed micro-batches: needs true")
-        if self.has_critic and trainer.backend != "ddp":
-            raise invalid("trainer.backend", trainer.backend,
-                          'the critic is built for "ddp" only')
         critic = self.critic
+        if self.has_critic and critic.placement == "own" and trainer.backend != "ddp":
+            raise invalid("trainer.backend", trainer.backend,
+                          'a critic on workers of its own (critic.placement = "own") is '
+                          'built for "ddp" only')
         if self.has_critic and critic.placement == "trainer" and (
                 critic.num_shards != trainer.num_shards):
             raise invalid("critic.num_shards", critic.num_shards,

@@ -4,6 +4,8 @@
   straight against 2 steps, SIGINT, ``--resume``, 2 more, at max_staleness 0 with seeded
   sampling: the same final policy and critic (weights and optimizer state), the critic
   in the registry, the idle accounting and the trace.
+- PPO with the critic on FSDP2 over two trainer shards: critic metrics in every row,
+  its sharded state in the checkpoint, one critic per shard in the registry.
 - GRPO with the KL term in the loss to a reference of its own (reference.path):
   ``kl/mean`` and ``kl/max`` in every row (0 at the first step with the initial policy
   as the reference: ``tests/unit/test_ppo_roles.py``).
@@ -29,7 +31,7 @@ from async_rl.control.checkpoint import TRAINER, latest_checkpoint
 from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import FINAL_MODEL, read_metrics
 from async_rl.shell.ray_shell import run_training
-from workers.trainer.critic import CRITIC_STATE
+from workers.trainer.critic import CRITIC_SHARDED, CRITIC_STATE
 
 pytestmark = pytest.mark.ray
 
@@ -111,6 +113,30 @@ def test_ppo_stops_and_resumes_to_the_same_policy_and_critic(
                for k in ours["model"]), worst
     steps = [s["step"] for s in ours["optimizer"]["state"].values()]
     assert steps and steps == [s["step"] for s in theirs["optimizer"]["state"].values()]
+
+
+def test_ppo_on_two_fsdp2_shards_trains_and_checkpoints_the_sharded_critic(
+    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
+) -> None:
+    """The critic sharded by FSDP2 over two trainer shards, in a real run: its metrics in
+    every row and its sharded state in the checkpoint (its arithmetic against DDP's and
+    its exact resume: ``tests/unit/test_critic_shards.py``)."""
+    out = tmp_path / "fsdp2"
+    steps = 2
+    run_training(config(tiny_model_dir, out, algorithm={"advantage": "gae"},
+                        critic={"num_shards": 2, "lr": 1e-3},
+                        trainer={"backend": "fsdp2", "num_shards": 2},
+                        run={"num_steps": steps}))
+    rows = read_metrics(out)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    for row in rows:
+        assert row["critic/value_loss"] >= 0 and 0 <= row["critic/clip_fraction"] <= 1
+        assert row["critic/grad_norm"] >= 0 and row["critic/update_s"] > 0
+    folder, _ = latest_checkpoint(out)
+    assert (folder / TRAINER / CRITIC_SHARDED).is_dir()
+    assert not (folder / TRAINER / CRITIC_STATE).exists()
+    workers = json.loads((out / "workers.json").read_text())
+    assert [w["role"] for w in workers].count("critic") == 2
 
 
 def test_grpo_with_a_kl_term_reports_the_kl_to_the_reference(

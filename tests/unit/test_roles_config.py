@@ -24,11 +24,12 @@ BAD = [
       "trainer.kl_in_reward=true"], "reference.placement", 'needs "own"'),
     (["algorithm.advantage=gae", "critic.placement=own", "critic.num_shards=2",
       "trainer.num_shards=3"], "critic.num_shards", "must divide trainer.num_shards"),
+    (["algorithm.advantage=gae", "critic.placement=own", "trainer.backend=fsdp2"],
+     "trainer.backend", '"ddp" only'),
     (["algorithm.advantage=ppo"], "algorithm.advantage", "grpo"),
     (["algorithm.advantage=gae", "critic.num_shards=2"], "critic.num_shards",
      "must equal trainer.num_shards"),
     (["trainer.kl_coef=0.1", "trainer.packed=false"], "trainer.packed", "packed"),
-    (["algorithm.advantage=gae", "trainer.backend=fsdp2"], "trainer.backend", "ddp"),
     (["critic.gamma=1.5"], "critic.gamma", "<= 1"),
     (["critic.lam=-0.1"], "critic.lam", ">= 0"),
     (["critic.lr=0"], "critic.lr", "> 0"),
@@ -87,6 +88,10 @@ def test_role_defaults_build_nothing(tmp_path: Path) -> None:
     ppo = load_config(path, ["algorithm.advantage=gae", "trainer.kl_coef=0.05",
                              "trainer.kl_in_reward=true"])
     assert ppo.has_reference and ppo.has_critic
+    sharded = load_config(path, ["algorithm.advantage=gae", "trainer.backend=fsdp2",
+                                 "trainer.num_shards=2", "critic.num_shards=2",
+                                 "trainer.groups_per_step=2"])
+    assert sharded.has_critic and sharded.trainer.backend == "fsdp2"  # FSDP2 shards it
 
 
 def _role_model(tmp_path: Path, source: Path, name: str) -> Path:

@@ -5,7 +5,8 @@ Owns: the folder's layout per ``trainer.backend`` — both: a Hugging Face model
 tokenizer (rollout engines of a resumed run start from it); ddp: ``TRAINING_STATE``
 (optimizer and RNG state, written by one shard: shards are replicas); fsdp2: ``SHARDED``,
 the sharded model and optimizer state through ``torch.distributed.checkpoint`` (each
-shard writes its own part), and ``RNG`` — and ``CheckpointWriter``, which snapshots that
+shard writes its own part: ``sharded_state``, read back by ``load_sharded``, which the
+critic's sharded state uses too), and ``RNG`` — and ``CheckpointWriter``, which snapshots that
 state (a copy, taken in order with training, into CPU buffers it keeps from one
 checkpoint to the next) and writes the copy in a thread of its own at the lowest CPU
 priority, so the next step trains meanwhile; ``wait`` blocks until the write is
@@ -161,8 +162,7 @@ class CheckpointWriter:
         """What this backend's checkpoint holds besides the Hugging Face model (live
         tensors, not copies)."""
         if self.backend == "fsdp2":
-            model_state, optim_state = get_state_dict(module, optimizer)
-            return {"model": model_state, "optim": optim_state}
+            return sharded_state(module, optimizer)
         return {"optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
 
     def start(self, out_dir: str, *, module: torch.nn.Module,
@@ -214,6 +214,25 @@ class CheckpointWriter:
         self._pool.shutdown()
 
 
+def sharded_state(module: torch.nn.Module, optimizer: torch.optim.Optimizer
+                  ) -> dict[str, Any]:
+    """An FSDP2 module's and its optimizer's state as ``torch.distributed.checkpoint``
+    saves it: each shard's own slices (live tensors, not copies)."""
+    model_state, optim_state = get_state_dict(module, optimizer)
+    return {"model": model_state, "optim": optim_state}
+
+
+def load_sharded(folder: Path, *, module: torch.nn.Module,
+                 optimizer: torch.optim.Optimizer) -> None:
+    """Restores what ``dcp.save`` wrote of ``sharded_state`` into ``folder``, each shard
+    its own slices. Collective: every shard calls it."""
+    state = sharded_state(module, optimizer)
+    dcp.load(state, checkpoint_id=folder)
+    # DCP loads in place: the dicts now hold the checkpoint's values.
+    set_state_dict(module, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+
+
 def load(folder: str, *, backend: Backend, module: torch.nn.Module,
          optimizer: torch.optim.Optimizer) -> None:
     """Restores the optimizer (and with fsdp2 the model shards) and RNG state from a
@@ -226,11 +245,7 @@ def load(folder: str, *, backend: Backend, module: torch.nn.Module,
             f"resume with trainer.backend = {found!r}" if found else
             f"{path}: no {SHARDED}/ or {TRAINING_STATE} (not a trainer checkpoint)")
     if backend == "fsdp2":
-        model_state, optim_state = get_state_dict(module, optimizer)
-        dcp.load({"model": model_state, "optim": optim_state}, checkpoint_id=path / SHARDED)
-        # DCP loads in place: the dicts now hold the checkpoint's values.
-        set_state_dict(module, optimizer, model_state_dict=model_state,
-                       optim_state_dict=optim_state)
+        load_sharded(path / SHARDED, module=module, optimizer=optimizer)
         torch.set_rng_state(torch.load(path / RNG, weights_only=True))
         return
     state = torch.load(path / TRAINING_STATE, weights_only=True)

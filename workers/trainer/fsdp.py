@@ -9,13 +9,17 @@ model's safetensors files one tensor at a time, so no shard ever holds the whole
 (``build_sharded``), and gathering the whole weights onto rank 0: at once
 (``full_state``: for evaluation and Hugging Face saves) or bucket by bucket
 (``gather_buckets``: for weight publishing, so no rank holds a second whole copy beside
-the snapshot it fills). Knows nothing about the loss, the optimizer, checkpoints or Ray.
+the snapshot it fills), and clipping gradients that are DTensors to a norm of the whole
+model (``clip_grad_norm``). ``build_sharded`` also shards a module built around the
+causal LM (``wrap``: the critic's value model around its decoder). Knows nothing about
+the loss, the optimizer, checkpoints or Ray.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import ExitStack
+from itertools import chain
 from pathlib import Path
 
 import torch
@@ -68,27 +72,34 @@ def _policies(trainer: TrainerConfig, device: torch.device
 
 
 def build_sharded(model_path: str, *, dtype: torch.dtype, device: torch.device,
-                  trainer: TrainerConfig, lora: LoraConfig | None = None) -> torch.nn.Module:
+                  trainer: TrainerConfig, lora: LoraConfig | None = None,
+                  wrap: Callable[[torch.nn.Module], torch.nn.Module] | None = None,
+                  ) -> torch.nn.Module:
     """The policy, sharded over the default process group (which must be initialised).
 
     Built on the meta device (no memory), sharded, then each shard's memory allocated
     and filled from the safetensors files: a shard reads one whole tensor at a time
     (memory-mapped) and keeps its own slice of it. With ``lora`` on, the adapters are
     injected before sharding (each decoder layer's shard holds its adapters' slices;
-    ``workers.trainer.lora.init_adapters`` sets them).
+    ``workers.trainer.lora.init_adapters`` sets them). ``wrap``: builds the module to
+    shard around the (meta) causal LM instead of the causal LM itself; the tensors it
+    takes from the causal LM are loaded under their names there, the ones it adds are
+    left for the caller to set (they are not in the weight files).
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
-        module: torch.nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    if lora is not None and lora.enabled:
-        attach(module, lora, model_path)
-    layers = decoder_layers(module)
+        causal: torch.nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        if lora is not None and lora.enabled:
+            attach(causal, lora, model_path)
+        module = wrap(causal) if wrap is not None else causal
+    layers = decoder_layers(causal)
     if not layers:
         raise ValueError(f"{model_path}: no decoder layers to shard (none of the classes "
-                         f"{sorted(getattr(module, '_no_split_modules', None) or ())} in "
+                         f"{sorted(getattr(causal, '_no_split_modules', None) or ())} in "
                          "the model)")
+    names = _causal_names(module, causal)
     world = dist.get_world_size()
     group = trainer.shard_group or world
     # 2-D: FSDP2 shards over the last dimension and replicates over the first (HSDP).
@@ -100,15 +111,26 @@ def build_sharded(model_path: str, *, dtype: torch.dtype, device: torch.device,
         fully_shard(layer, mesh=mesh, mp_policy=precision, offload_policy=offload)
     fully_shard(module, mesh=mesh, mp_policy=precision, offload_policy=offload)
     module.to_empty(device="cpu" if trainer.offload else device)
-    _init_buffers(module, device)
-    _load_shards(module, Path(model_path))
+    _init_buffers(module, device, getattr(causal, "_init_weights", None))
+    _load_shards(module, Path(model_path), names)
     return module
 
 
-def _init_buffers(module: torch.nn.Module, device: torch.device) -> None:
+def _causal_names(module: torch.nn.Module, causal: torch.nn.Module) -> dict[str, str]:
+    """Each of ``module``'s parameters and buffers that is one of ``causal``'s: its name
+    in ``module`` -> its name in ``causal`` (the weight files' names)."""
+    def named(m: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+        return chain(m.named_parameters(), m.named_buffers())
+
+    in_causal = {id(tensor): name for name, tensor in named(causal)}
+    return {name: in_causal[id(tensor)] for name, tensor in named(module)
+            if id(tensor) in in_causal}
+
+
+def _init_buffers(module: torch.nn.Module, device: torch.device,
+                  init: Callable[[torch.nn.Module], None] | None) -> None:
     """Computes the buffers ``to_empty`` left unset (rotary frequencies: not in the
-    weight files) with the model's own initialiser, on ``device``."""
-    init = getattr(module, "_init_weights", None)
+    weight files) with the model's own initialiser ``init``, on ``device``."""
     with torch.no_grad():
         for sub in module.modules():
             if not sub._buffers:
@@ -120,8 +142,10 @@ def _init_buffers(module: torch.nn.Module, device: torch.device) -> None:
                     sub._buffers[name] = buffer.to(device)
 
 
-def _load_shards(module: torch.nn.Module, model_dir: Path) -> None:
-    """Copies every parameter's (and saved buffer's) own shard from the weight files."""
+def _load_shards(module: torch.nn.Module, model_dir: Path, names: dict[str, str]) -> None:
+    """Copies every parameter's (and saved buffer's) own shard from the weight files;
+    ``names``: the causal LM's name of each of ``module``'s tensors (``_causal_names``;
+    the others are a wrapper's own)."""
     files = sorted(model_dir.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"{model_dir}: no *.safetensors weights to load shards from")
@@ -131,7 +155,10 @@ def _load_shards(module: torch.nn.Module, model_dir: Path) -> None:
         where = {key: handle for handle in handles for key in handle.keys()}  # noqa: SIM118
         targets = [*module.named_parameters(), *module.named_buffers()]
         with torch.no_grad():
-            for injected, target in targets:
+            for own, target in targets:
+                if own not in names:
+                    continue  # the wrapper's own: its builder sets it
+                injected = names[own]
                 if is_adapter_tensor(injected):
                     continue  # not in the base files: init_adapters sets them
                 name = base_name(injected)
@@ -191,3 +218,12 @@ def gather_buckets(module: torch.nn.Module, bucket_bytes: int
             del whole
     if bucket:
         yield bucket
+
+
+def clip_grad_norm(parameters: Iterable[torch.nn.Parameter], max_norm: float) -> float:
+    """Clips the gradients to ``max_norm`` in place; returns their norm before, of the
+    whole model. FSDP2: each shard's norm is of its slice (a DTensor), the whole norm is
+    one all-reduce away; every shard gets the same, so all agree to skip a non-finite
+    update."""
+    total = torch.nn.utils.clip_grad_norm_(parameters, max_norm)
+    return float(total.full_tensor() if isinstance(total, DTensor) else total)

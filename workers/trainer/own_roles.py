@@ -188,8 +188,8 @@ class CriticWorker(OwnRole):
             join_process_group(self.device, master_addr=self.master_addr,
                                master_port=self.master_port, rank=self.rank,
                                world_size=self.world_size)
-        self.critic = Critic(self.config, dtype=self.dtype, device=self.device,
-                             world_size=self.world_size, rank=self.rank)
+        self.critic = Critic(self.config, trainer=self.trainer, dtype=self.dtype,
+                             device=self.device, world_size=self.world_size, rank=self.rank)
         return os.getpid()
 
     def _sum_shards(self, values: torch.Tensor) -> torch.Tensor:

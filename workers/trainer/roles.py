@@ -251,5 +251,6 @@ def build_roles(*, trainer: TrainerConfig, losses: StepLoss, device: torch.devic
         awaited=tuple(f"wait_{role}" for role in ("reference", "critic") if role in own_roles),
         reference=(load_reference(reference_path, dtype=dtype, device=device)
                    if reference_path else None),
-        critic=(Critic(critic, dtype=dtype, device=device, world_size=world_size, rank=rank)
+        critic=(Critic(critic, trainer=trainer, dtype=dtype, device=device,
+                       world_size=world_size, rank=rank)
                 if critic is not None else None))

@@ -48,10 +48,11 @@ class CriticConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Its initial weights: a Hugging Face model of the policy's architecture and
     tokenizer, with a fresh scalar value head; "" = the policy's initial weights."""
     num_shards: Positive = 1
-    """Data-parallel critic shards (DDP); with placement "trainer" one beside each
-    trainer shard, so it must equal trainer.num_shards; with "own" a DDP group of their
-    own, each fitting the batches of trainer.num_shards / num_shards trainer shards (it
-    must divide trainer.num_shards)."""
+    """Data-parallel critic shards. With placement "trainer" one beside each trainer
+    shard, held as trainer.backend holds the policy (DDP replicas or FSDP2 shards), so it
+    must equal trainer.num_shards; with "own" a DDP group of their own, each fitting the
+    batches of trainer.num_shards / num_shards trainer shards (it must divide
+    trainer.num_shards)."""
     placement: Placement = "trainer"
     """trainer: each critic shard lives in a trainer shard's process, on its device,
     computing on the same packed micro-batches. own: workers of its own (their own

@@ -29,7 +29,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 
 from buffers.records import GroupTokens, LossStats, ShardBatch, ShardStepResult
@@ -38,6 +37,7 @@ from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 from workers.trainer.config import TrainerConfig
+from workers.trainer.fsdp import clip_grad_norm
 from workers.trainer.lora import LoraPolicy, adapter_state
 from workers.trainer.loss import Normaliser, PendingStats, read_stats
 from workers.trainer.phase_clock import PhaseClock
@@ -307,10 +307,7 @@ class TrainerShard:
                 parts.append(stats)
         self.spans.switch("optimizer")
         clock.start("optimizer")
-        total = torch.nn.utils.clip_grad_norm_(self.module.parameters(),
-                                               self.config.max_grad_norm)
-        # FSDP2: each shard's norm is of its slice; the whole norm is one all-reduce away.
-        grad_norm = float(total.full_tensor() if isinstance(total, DTensor) else total)
+        grad_norm = clip_grad_norm(self.module.parameters(), self.config.max_grad_norm)
         # Every shard sees the same all-reduced gradient, so they all agree to skip.
         if math.isfinite(grad_norm):
             self.optimizer.step()
