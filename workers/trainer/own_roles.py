@@ -41,10 +41,9 @@ from workers.trainer.ppo_stages import (
     step_advantages,
 )
 from workers.trainer.ppo_update import Prepared, compute_autocast, lay_out
-from workers.trainer.process import join_process_group, pin_to_cpus
+from workers.trainer.process import device_label, join_process_group, start_process
 from workers.trainer.roles import load_reference
 from workers.trainer.roles_config import CriticConfig
-from workers.usage import UsageMeter, cuda_uuid
 
 
 @dataclass
@@ -77,16 +76,13 @@ class OwnRole:
         self.dtype = DTYPES[model.dtype]
         self.cpu_ids = cpu_ids
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        label = (f"cuda:{torch.cuda.current_device()}" if self.device.type == "cuda"
-                 else "cpu:" + ",".join(map(str, cpu_ids)))
         self.spans = SpanRecorder(worker=f"{role}-{rank}", role=role, rank=rank,
-                                  device=label, enabled=record_spans)
+                                  device=device_label(self.device, cpu_ids),
+                                  enabled=record_spans)
         self.step: OwnStep | None = None
 
     def _setup_process(self) -> None:
-        pin_to_cpus(self.cpu_ids)
-        self.usage_meter = UsageMeter(gpu_uuid=cuda_uuid(torch.cuda.current_device())
-                                      if self.device.type == "cuda" else None)
+        self.usage_meter = start_process(self.device, self.cpu_ids)
 
     @contextlib.contextmanager
     def _busy(self, cause: str, version: int | None = None) -> Iterator[None]:

@@ -1,9 +1,10 @@
 """A trainer shard's process: the cores it runs on and the process group it joins.
 
 Owns: pinning the process to its cores (so that roles on one CPU machine behave like
-separate devices) and the choice of collective backend per device (a CPU backend beside
-the accelerator's when FSDP2 offloads to CPU). Knows nothing about the model, the
-optimizer or Ray.
+separate devices), the device label its span tracks carry and its usage meter (what a
+trainer shard and a role's worker of its own share), and the choice of collective
+backend per device (a CPU backend beside the accelerator's when FSDP2 offloads to CPU).
+Knows nothing about the model, the optimizer or Ray.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from workers.usage import UsageMeter, cuda_uuid
+
 
 def pin_to_cpus(cpu_ids: tuple[int, ...]) -> None:
     """Gives this process its own cores so roles behave like separate devices."""
@@ -22,6 +25,21 @@ def pin_to_cpus(cpu_ids: tuple[int, ...]) -> None:
         wanted = {c for c in cpu_ids if c in available} or available
         os.sched_setaffinity(0, wanted)
         torch.set_num_threads(len(wanted))
+
+
+def device_label(device: torch.device, cpu_ids: tuple[int, ...]) -> str:
+    """What this process computes on, as its span tracks name it: ``cuda:N`` or
+    ``cpu:<its cores>``."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu:" + ",".join(map(str, cpu_ids))
+
+
+def start_process(device: torch.device, cpu_ids: tuple[int, ...]) -> UsageMeter:
+    """Pins this process to its cores; returns its usage meter (NVML's on CUDA)."""
+    pin_to_cpus(cpu_ids)
+    return UsageMeter(gpu_uuid=cuda_uuid(torch.cuda.current_device())
+                      if device.type == "cuda" else None)
 
 
 def process_group_backend(device: torch.device, *, offload: bool = False,

@@ -43,12 +43,11 @@ from workers.trainer.loss import Normaliser, PendingStats, read_stats
 from workers.trainer.phase_clock import PhaseClock
 from workers.trainer.policy_model import DTYPES, load_policy
 from workers.trainer.ppo_update import Prepared, StepLoss
-from workers.trainer.process import join_process_group, pin_to_cpus
+from workers.trainer.process import device_label, join_process_group, start_process
 from workers.trainer.publisher import PolicyPublisher
 from workers.trainer.roles import StepRoles, build_roles
 from workers.trainer.roles_config import CriticConfig
 from workers.trainer.shard_saves import ShardSaves
-from workers.usage import UsageMeter, cuda_uuid
 from workers.weights.config import UpdateMode, WeightsConfig
 
 if TYPE_CHECKING:
@@ -114,8 +113,7 @@ class TrainerShard:
             rank=rank, weights=self.weights, address=master_addr,
             device=self.device, dtype=DTYPES[self.rollout_dtype],
             sharded=trainer.backend == "fsdp2")
-        label = (f"cuda:{torch.cuda.current_device()}" if self.device.type == "cuda"
-                 else "cpu:" + ",".join(map(str, cpu_ids)))
+        label = device_label(self.device, cpu_ids)
         self.spans = SpanRecorder(worker=f"trainer-{rank}", role="trainer", rank=rank,
                                   device=label, enabled=record_spans)
         """Phase spans on the host's clock: on CUDA the kernels run behind them (the
@@ -136,9 +134,7 @@ class TrainerShard:
 
         tokenizer = AutoTokenizer.from_pretrained(self.model_config.path)  # for the saves
 
-        pin_to_cpus(self.cpu_ids)
-        self.usage_meter = UsageMeter(gpu_uuid=cuda_uuid(torch.cuda.current_device())
-                                      if self.device.type == "cuda" else None)
+        self.usage_meter = start_process(self.device, self.cpu_ids)
         torch.manual_seed(self.seed)
         sharded = self.config.backend == "fsdp2"
         if self.world_size > 1 or sharded:  # FSDP2's device mesh needs a group, even of one
