@@ -4,7 +4,8 @@ each piece of work takes on it.
 Owns: ``Hardware`` (one TOML file: devices per worker, peak FLOP/s, memory bandwidth,
 MFUs, interconnect bandwidth, fixed overheads; the shipped ones are in
 ``async_rl/sim/hardware/``), the model's size as the costs need it (``ModelShape``: from
-model.path's config.json, or the simulate section), and ``Costs``, which turns them into
+model.path's config.json, a mixture of experts' total and active parameters counted from
+its experts, or the simulate section), and ``Costs``, which turns them into
 seconds:
 
 - a decode step of ``n`` running sequences holding ``context`` tokens: a fixed overhead
@@ -39,6 +40,7 @@ import json
 import tomllib
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -165,8 +167,10 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
                 kv_bytes_per_token: float = 0.0, attention_width: float = 0.0,
                 active_parameters: float = 0.0) -> ModelShape:
     """The model's size: given figures win, the rest is counted from its config.json (a
-    Qwen2/Llama-style decoder). With parameters and kv_bytes_per_token given and no
-    config.json, attention is counted only if ``attention_width`` is given."""
+    Qwen2/Llama-style decoder, its feed-forward layers dense or mixtures of experts:
+    ``mlp_parameters``). A mixture of experts' active parameters are counted with its
+    parameters, when neither is given. With parameters and kv_bytes_per_token given and
+    no config.json, attention is counted only if ``attention_width`` is given."""
     width = 2.0 if dtype in ("bfloat16", "float16", "auto") else 4.0
     path = Path(model_path) / "config.json"
     if parameters and kv_bytes_per_token and (attention_width or not path.is_file()):
@@ -178,6 +182,7 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
                           f"{model_path!r} has no config.json to count them from: give "
                           "simulate.parameters and simulate.kv_bytes_per_token")
     c = json.loads(path.read_text())
+    c = {**c, **c.get("text_config", {})}  # a multimodal config: its language model's
     hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
     heads = c["num_attention_heads"]
     kv_heads = c.get("num_key_value_heads", heads)
@@ -185,14 +190,45 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
     if c.get("attention_bias", c.get("model_type") == "qwen2"):  # Qwen2: q, k, v biases
         attention += head_dim * (heads + 2 * kv_heads)
-    mlp = 3 * hidden * c["intermediate_size"]
+    mlp, active_mlp = mlp_parameters(c)
     embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
-    counted = layers * (attention + mlp + 2 * hidden) + embeddings + hidden
-    return ModelShape(parameters=parameters or float(counted),
+    rest = layers * (attention + 2 * hidden) + embeddings + hidden
+    if not active_parameters and not parameters and active_mlp < mlp:  # counted: a MoE's
+        active_parameters = float(rest + active_mlp)
+    return ModelShape(parameters=parameters or float(rest + mlp),
                       active_parameters=active_parameters,
                       kv_bytes_per_token=kv_bytes_per_token or kv_bytes(c, width),
                       bytes_per_parameter=width,
                       attention_width=attention_width or float(layers * heads * head_dim))
+
+
+def mlp_parameters(c: dict[str, Any]) -> tuple[int, int]:
+    """The feed-forward parameters of every layer of the decoder whose config.json is
+    ``c``: all of them, and those one token passes through.
+
+    A dense layer has gate, up and down projections of ``intermediate_size``. A
+    mixture-of-experts layer (``num_experts`` or ``num_local_experts`` experts, of
+    ``moe_intermediate_size``, else ``intermediate_size``, each) holds its router
+    (hidden x experts), every expert and the shared expert of
+    ``shared_expert_intermediate_size`` with its one-output gate, if any; a token passes
+    through the router, ``num_experts_per_tok`` experts and the shared one. Layers in
+    ``mlp_only_layers``, or off the ``decoder_sparse_step`` (Qwen's MoE configs), are
+    dense. Biases and a MoE's router biases are not counted. Dense: the two are equal.
+    """
+    hidden, layers = c["hidden_size"], c["num_hidden_layers"]
+    dense = 3 * hidden * c["intermediate_size"]
+    experts = c.get("num_experts") or c.get("num_local_experts") or 0
+    if not experts:
+        return layers * dense, layers * dense
+    routed = c.get("num_experts_per_tok") or c.get("experts_per_token") or 1
+    expert = 3 * hidden * (c.get("moe_intermediate_size") or c["intermediate_size"])
+    shared_width = c.get("shared_expert_intermediate_size") or 0
+    shared = 3 * hidden * shared_width + (hidden if shared_width else 0)
+    dense_only, step = set(c.get("mlp_only_layers") or ()), c.get("decoder_sparse_step") or 1
+    moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+    fixed = (layers - moe_layers) * dense + moe_layers * (hidden * experts + shared)
+    return (fixed + moe_layers * experts * expert,
+            fixed + moe_layers * min(routed, experts) * expert)
 
 
 def adapter_parameters(model_path: str, lora: LoraConfig, per_rank: float = 0.0) -> float:

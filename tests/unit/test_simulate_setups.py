@@ -4,6 +4,7 @@ models (active < total parameters), a KV-cache bound per engine, time-shared dev
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import msgspec
@@ -14,7 +15,7 @@ from async_rl.api import simulate, train
 from async_rl.config import Config, HardwareOverrides
 from async_rl.config_io import load_config
 from async_rl.run.run_dir import read_metrics
-from async_rl.sim.costs import Costs, Hardware, ModelShape, load_hardware
+from async_rl.sim.costs import Costs, Hardware, ModelShape, load_hardware, model_shape
 from async_rl.sim.run import simulation_costs
 from buffers.config import ConfigError
 from workers.spans import Span
@@ -110,6 +111,80 @@ def test_active_parameters_reach_the_simulation_and_are_checked(tmp_path: Path) 
     assert costs.model.active_parameters == 1.0e6 and costs.model.parameters == 4.0e6
     with pytest.raises(ConfigError, match=r"simulate\.active_parameters"):
         simulation_costs(config(tmp_path, active_parameters=5.0e6))
+
+
+QWEN3_MOE = {"model_type": "qwen3_moe", "hidden_size": 128, "intermediate_size": 256,
+             "moe_intermediate_size": 64, "num_experts": 4, "num_experts_per_tok": 2,
+             "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 32, "vocab_size": 264, "tie_word_embeddings": False,
+             "attention_bias": False, "mlp_only_layers": [], "decoder_sparse_step": 1}
+"""A tiny Qwen3-MoE's config.json: 4 experts of width 64, 2 routed to per token."""
+
+
+def test_a_mixture_of_experts_config_gives_its_total_and_active_parameters(
+        tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
+    shape = model_shape(str(tmp_path), "float32")
+    # Per layer: attention 128·32·(2·4 + 2·2) = 49152 and two norms 256; the router
+    # 128·4 = 512 and 4 experts of 3·128·64 = 24576 each, 2 of them per token.
+    # Untied embeddings 2·264·128 = 67584, final norm 128.
+    rest = 2 * (49152 + 256) + 67584 + 128
+    assert shape.parameters == rest + 2 * (512 + 4 * 24576) == 364160
+    assert shape.active_parameters == rest + 2 * (512 + 2 * 24576) == 265856
+    # Qwen's sparse step: layer 0 (step 2) is a dense MLP of 3·128·256 = 98304.
+    (tmp_path / "config.json").write_text(json.dumps({**QWEN3_MOE, "decoder_sparse_step": 2}))
+    stepped = model_shape(str(tmp_path), "float32")
+    assert stepped.parameters == rest + 98304 + 512 + 4 * 24576
+    assert stepped.active_parameters == rest + 98304 + 512 + 2 * 24576
+    # Given figures win; with simulate.parameters given, all of them are active.
+    given = model_shape(str(tmp_path), "float32", active_parameters=1e5)
+    assert (given.parameters, given.active_parameters) == (stepped.parameters, 1e5)
+    assert model_shape(str(tmp_path), "float32", parameters=1e6).active_parameters == 0.0
+    # What `async-rl simulate` costs a run of that model with: FLOPs of the active ones.
+    cfg = config(tmp_path / "run")
+    cfg = msgspec.structs.replace(
+        cfg, model=msgspec.structs.replace(cfg.model, path=str(tmp_path)),
+        simulate=msgspec.structs.replace(cfg.simulate, parameters=0.0, kv_bytes_per_token=0))
+    costs = simulation_costs(cfg)
+    assert costs.weight_bytes == 4 * stepped.parameters
+    assert costs.micro_batch([100]) < Costs(costs.hardware, msgspec.structs.replace(
+        stepped, active_parameters=0.0)).micro_batch([100])
+
+
+def test_a_shared_expert_counts_in_both_and_a_dense_model_has_no_active_count(
+        tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(
+        {**QWEN3_MOE, "model_type": "qwen3_next", "shared_expert_intermediate_size": 64}))
+    shared = model_shape(str(tmp_path), "float32")
+    # The shared expert (3·128·64) and its gate (128 -> 1), in every MoE layer.
+    assert shared.parameters == 364160 + 2 * (24576 + 128)
+    assert shared.active_parameters == 265856 + 2 * (24576 + 128)
+    dense = {k: v for k, v in QWEN3_MOE.items() if "expert" not in k} | {"model_type": "qwen3"}
+    (tmp_path / "config.json").write_text(json.dumps(dense))
+    shape = model_shape(str(tmp_path), "float32")
+    assert shape.parameters == 2 * (49152 + 256 + 3 * 128 * 256) + 67584 + 128
+    assert shape.active_parameters == 0.0  # all of them: Costs counts parameters
+
+
+def test_a_moe_models_counts_are_those_of_its_transformers_class(tmp_path: Path) -> None:
+    """Against the real classes (up to the q/k norms of Qwen3 and OLMoE, not counted)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    families = {"qwen3_moe": {"moe_intermediate_size": 64, "num_experts": 4},
+                "mixtral": {"num_local_experts": 4}, "olmoe": {"num_experts": 4}}
+    assert len(families) == 3
+    for model_type, experts in families.items():
+        hf_config = AutoConfig.for_model(
+            model_type, vocab_size=264, hidden_size=128, intermediate_size=96,
+            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            num_experts_per_tok=2, tie_word_embeddings=False, **experts)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+        folder = tmp_path / model_type
+        hf_config.save_pretrained(folder)
+        shape = model_shape(str(folder), "float32")
+        assert shape.parameters == pytest.approx(model.num_parameters(), rel=2e-3), model_type
+        assert 0 < shape.active_parameters < 0.75 * shape.parameters, model_type
 
 
 def test_the_kv_bound_holds_each_engine_under_its_limit_and_says_how_often(
