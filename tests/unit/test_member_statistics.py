@@ -34,13 +34,16 @@ def sample(reward: float, tokens: int, *, finish: str = "stop", excluded: str = 
                   env_outcome="error" if excluded == "env_error" else "")
 
 
-def mixed(prompt: Prompt = PROMPT, **scores: tuple[float | None, ...]) -> Group:
+def mixed_samples() -> list[Sample]:
     """Three members (one cut at max_new_tokens), an excluded environment failure with a
     stray reward of 1 and a lost score: sequences of 5, 6, 4 | 7, 8 tokens."""
-    return make_group(prompt, PROMPT_IDS, [
-        sample(1.0, 3), sample(0.0, 4, finish="length"), sample(0.0, 2),
-        sample(1.0, 5, excluded="env_error"), sample(0.0, 6, failed=True)],
-        reward_scores=scores)
+    return [sample(1.0, 3), sample(0.0, 4, finish="length"), sample(0.0, 2),
+            sample(1.0, 5, excluded="env_error"), sample(0.0, 6, failed=True)]
+
+
+def mixed(**scores: tuple[float | None, ...]) -> Group:
+    """``mixed_samples`` with each reward's per-sample ``scores``."""
+    return make_group(PROMPT, PROMPT_IDS, mixed_samples(), reward_scores=scores)
 
 
 def row_of(groups: list[Group], trainer: TrainerConfig = MASK,
@@ -127,7 +130,7 @@ class MixedRollout(FakeRollout):
         self.flat_odd = flat_odd
 
     async def generate(self, prompt: Prompt) -> Group:
-        group = mixed(prompt)
+        group = make_group(prompt, PROMPT_IDS, mixed_samples())
         if self.flat_odd and int(prompt.prompt_id.rsplit("-", 1)[-1]) % 2:
             group = msgspec.structs.replace(group, rewards=(1.0, 1.0, 1.0, 0.0, 0.0))
         self.generated += 1
@@ -153,7 +156,8 @@ def test_a_run_s_rows_summary_and_ledger_count_members_and_trained_samples(
     for row in rows:
         groups = row["groups"]
         assert groups == 2
-        assert (row["samples"], row["tokens"]) == (3 * groups, 15 * groups)
+        assert row["tokens"] == 15 * groups  # today 30: every sample's tokens
+        assert row["samples"] == 3 * groups
         assert (row["samples_trained"], row["tokens_trained"]) == (2 * groups, 9 * groups)
         assert (row["samples_excluded"], row["tokens_excluded"]) == (2 * groups, 15 * groups)
         assert row["excluded"] == {"env_error": groups, "reward_failed": groups}

@@ -5,14 +5,15 @@ Owns: ``Scorer``, which the rollout worker and the idle-CPU evaluator score with
 (those are pure and take microseconds), a raising or non-finite one scoring 0 and
 flagged. With ``UserRewards`` (task.rewards) it scores through a
 ``workers.rewards.runner.RewardRunner``: off the caller's event loop, every call bounded
-by task.reward_timeout_s, failures and timeouts counted, each reward's group mean kept
-for the metrics; the rewards get the row's dataset columns (``answer`` among them) and
-its ``data_source``, and, with the chat template on, the prompt as messages. Multi-turn
-trajectories keep their environment's reward, plus the task's own rewards' when there
-are any (``score_trajectories``). Only a group's members are scored
-(``scored_by_task``): an excluded sample is never sent to a reward, and a trajectory an
-environment failure ended under task.environment.on_error / on_timeout = "train" scores
-0 by every reward without a call. Knows nothing about engines or groups' tokens.
+by task.reward_timeout_s, failures and timeouts counted, each reward's value of each
+sample kept for the metrics (None where it has none); the rewards get the row's dataset
+columns (``answer`` among them) and its ``data_source``, and, with the chat template on,
+the prompt as messages. Multi-turn trajectories keep their environment's reward, plus
+the task's own rewards' when there are any (``score_trajectories``). Only a group's
+members are scored (``scored_by_task``): an excluded sample is never sent to a reward,
+and a trajectory an environment failure ended under task.environment.on_error /
+on_timeout = "train" scores 0 by every reward without a call. Knows nothing about
+engines or groups' tokens.
 """
 
 from __future__ import annotations
