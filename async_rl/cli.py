@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -55,6 +57,12 @@ def _parser() -> argparse.ArgumentParser:
         "--threads", type=_positive_int, default=None,
         help="torch threads for the warm start (same seed and threads: same weights); "
              "default 1 for tiny, min(2, cores) for small",
+    )
+    make.add_argument(
+        "--arch", default=None, metavar="ARCH",
+        help="instead: a tiny randomly initialised model of this Hugging Face architecture "
+             "(llama, qwen3_moe, mixtral, gemma2, ...: the families docs/models.md lists), "
+             "fp32, with the byte tokenizer; no warm start",
     )
     make.add_argument("--seed", type=int, default=0, help="seed of weights and warm start")
     make.add_argument(
@@ -179,6 +187,34 @@ def _make_real_size(args: argparse.Namespace) -> int:
     print(f"model written to {made.path}: {made.num_parameters:,} parameters, "
           f"random weights, {made.seconds:.1f}s")
     return 0
+
+
+def _make_family(args: argparse.Namespace) -> int:
+    from async_rl.models.families import ARCHITECTURES, build_family_model
+
+    if args.arch not in ARCHITECTURES:
+        raise ConfigError(f"usage error: --arch {args.arch}: not an architecture make-model "
+                          f"builds ({', '.join(ARCHITECTURES)})")
+    if args.size or args.sft_steps:
+        raise ConfigError(f"usage error: --arch {args.arch} is randomly initialised: it takes "
+                          "no --size or --sft-steps")
+    start = time.perf_counter()
+    out = build_family_model(args.arch, args.out, seed=args.seed)
+    print(f"model written to {out}: a tiny {args.arch}, {_stored_parameters(out):,} "
+          f"parameters, random weights, {time.perf_counter() - start:.1f}s")
+    return 0
+
+
+def _stored_parameters(model_dir: Path) -> int:
+    """Parameters in a model folder's safetensors files."""
+    from safetensors import safe_open
+
+    total = 0
+    for path in sorted(model_dir.glob("*.safetensors")):
+        with safe_open(str(path), framework="pt") as stored:
+            total += sum(math.prod(stored.get_slice(name).get_shape())
+                         for name in stored.keys())  # noqa: SIM118 (not a dict)
+    return total
 
 
 STOP_EXIT = {"SIGINT": 130, "SIGTERM": 143}
@@ -353,6 +389,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(to_toml(load_config(args.config, args.overrides)), end="")
             return 0
         if args.command == "make-model":
+            if args.arch is not None:
+                return _make_family(args)
             if args.size == "0.5b":
                 return _make_real_size(args)
             from async_rl.models.tiny_model import MODEL_SIZES, TASK_RECIPES, make_model

@@ -84,8 +84,8 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Parameters one token passes through (a mixture of experts': the shared ones and
     the experts routed to): what training and decode FLOPs count; 0 = counted from
     model.path's config.json with simulate.parameters (its experts, experts per token
-    and shared expert), else all of them (simulate.parameters). Expert parallelism is not modelled: an engine or a trainer
-    shard holds every expert."""
+    and shared expert), else all of them (simulate.parameters). Expert parallelism is
+    not modelled: an engine or a trainer shard holds every expert."""
     kv_bytes_per_token: NonNegative = 0
     """KV-cache bytes one token of context holds (2 x layers x kv heads x head dim x
     bytes); 0 = from model.path's config.json."""
