@@ -2,9 +2,10 @@
 
 Owns: ``PolicyPublisher``: the ``WeightSender`` (made when the first rollout worker
 connects, so vLLM is imported on the source shard only), what a version's snapshot holds
-(every parameter; with fsdp2 gathered bucket by bucket on every shard; with LoRA the
-adapters only), and its sends and release. Knows nothing about training: the shard hands
-it the module (and the adapters) in order with its training calls.
+(every parameter, as the model's checkpoint names and lays it out:
+``workers.trainer.engine_names``; with fsdp2 gathered bucket by bucket on every shard;
+with LoRA the adapters only), and its sends and release. Knows nothing about training:
+the shard hands it the module (and the adapters) in order with its training calls.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from workers.trainer.engine_names import engine_shapes, engine_weights
 from workers.trainer.fsdp import gather_buckets
 from workers.weights.config import UpdateMode, WeightsConfig
 
@@ -33,6 +35,8 @@ class PolicyPublisher:
         self.device, self.dtype, self.sharded = device, dtype, sharded
         self.sender: WeightSender | None = None
         """Shard 0's end of weight broadcasts, from the first ``connect``."""
+        self.shapes: list[tuple[str, torch.Size, torch.dtype]] | None = None
+        """What a whole version holds (``engine_shapes``), from the first snapshot."""
 
     def connect(self, rank: int, actor: Any) -> None:
         """Makes rollout worker ``rank`` a member of the weight-broadcast group (at
@@ -59,17 +63,22 @@ class PolicyPublisher:
         rank holds a second whole copy of the model."""
         if adapters is not None:  # the adapters only (docs/lora.md)
             return self._connected().snapshot(version, adapters.items()) if adapters else 0
-        params = list(module.named_parameters())
-        shapes = [(name, p.shape, p.dtype) for name, p in params]
         if not self.sharded:
-            return self._connected().snapshot(version, params, shapes)
+            return self._connected().snapshot(
+                version, engine_weights(module, module.named_parameters()),
+                self._shapes(module))
         buckets = gather_buckets(module, self.weights.bucket_mb << 20)
         if self.rank != 0:
             for _ in buckets:
                 pass  # taking part in each gather
             return 0
-        return self._connected().snapshot(
-            version, (pair for bucket in buckets for pair in bucket), shapes)
+        return self._connected().snapshot(version, engine_weights(
+            module, (pair for bucket in buckets for pair in bucket)), self._shapes(module))
+
+    def _shapes(self, module: torch.nn.Module) -> list[tuple[str, torch.Size, torch.dtype]]:
+        if self.shapes is None:
+            self.shapes = engine_shapes(module)
+        return self.shapes
 
     def send(self, version: int, ranks: Sequence[int], mode: UpdateMode | None = None
              ) -> Delivery:

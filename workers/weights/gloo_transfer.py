@@ -4,7 +4,9 @@ torch.distributed gloo group, so CPU runs and CI drive the same API.
 Owns: ``GlooWeightTransferEngine`` (built by vLLM in the engine's worker process when the
 engine's ``weight_transfer_config`` backend is "gloo": joins the broadcast group at its
 rank, receives and forwards the buckets, stages the whole version and loads it at
-``finish_weight_update`` with the same layerwise reload NCCL and IPC use),
+``finish_weight_update`` with the same layerwise reload NCCL and IPC use, then redoes the
+post-load steps that reload leaves stale on the CPU build: a tied head's and a mixture
+of experts' packed weights),
 ``GlooTrainerWeightTransferEngine`` (the trainer's end, rank 0: opens the group, drives
 the inference side through a ``VLLMWeightSyncClient`` and broadcasts the buckets), their
 init and update infos, and registering both with vLLM's two factories.
@@ -219,6 +221,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             load_weights(staged)
         finalize_layerwise_reload(self.model, self.model_config)
         self._refresh_tied_head()
+        self._repack_experts()
         if write and self._segment is not None and self._segment.seq != write:
             # Never expected (the sender writes again only after every member loaded or
             # was given up); if it happens the model is a mix: not INTERRUPTED.
@@ -236,6 +239,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         config = getattr(self.model, "config", None)
         if getattr(config, "tie_word_embeddings", False) and method is not None:
             method.process_weights_after_loading(head)
+
+    def _repack_experts(self) -> None:
+        # A mixture of experts' expert weights: vLLM 0.32 reloads them in the layout its
+        # checkpoint loader makes but runs the experts' own post-load step (on the CPU
+        # build: repacking them into its grouped-GEMM layout) only at the first load, so
+        # after an update its CPU kernel read raw weights as packed ones (log-probs 0.06
+        # nats off on a tiny Qwen3-MoE reloaded with unchanged weights). A version is
+        # whole, so every MoE layer's experts were just loaded: run that step again.
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
+            UnquantizedFusedMoEMethod,
+        )
+
+        for layer in self.model.modules():
+            method = getattr(layer, "quant_method", None)
+            if isinstance(method, UnquantizedFusedMoEMethod) and method.moe_kernel is not None:
+                method.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
     def shutdown(self) -> None:
         self._group = self._store = self._info = self._segment = None
