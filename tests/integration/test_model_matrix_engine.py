@@ -186,6 +186,7 @@ def _error_line(err: BaseException, model_dir: Path) -> str:
             try:
                 ModelRegistry.models[name].load_model_cls()
             except Exception as cause:
+                line = line.replace(" Please check the logs for more details.", "")
                 return f"{line} ({type(cause).__name__}: {cause})"
     return line
 
