@@ -322,7 +322,7 @@ def offload_clip_check(device: torch.device, accelerator_backend: str = "nccl",
     reference = mlp()
     reference(inputs).square().sum().backward()
     expected = float(torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3))
-    backend = process_group_backend(torch.device("cuda"), offload=True,
+    backend = process_group_backend(torch.device("cuda"),
                                     accelerator_backend=accelerator_backend)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=0,
                             world_size=1)

@@ -1,13 +1,14 @@
 """The CUDA path's logic, checked on CPU with what needs a GPU swapped out.
 
-What can go wrong there without any GPU test noticing: a collective's tensor left on the
-CPU (NCCL accepts only CUDA tensors: the first multi-shard step would fail), the wrong
+What can go wrong there without any GPU test noticing: the host's own values (a step's
+counts, the lost flag) sent to the device and read back for their all-reduce, the wrong
 process-group backend for a device, placement bundles that ask for no GPU (or for two
 per GPU when co-located), a layout needing more GPUs than the cluster has (Ray would
 wait forever), the IPC transport's serialisation switch, NVML sampling a GPU by index
 (the wrong one under CUDA_VISIBLE_DEVICES), the engine's dtype split from the trainer's,
-and an NCCL send with no deadline. (Phase times from CUDA events, without a sync:
-tests/unit/test_trainer_speed.py.)
+and an NCCL send with no deadline. (Phase times from CUDA events, without a sync, and
+the host syncs of a step: tests/unit/test_trainer_speed.py; the weight group's
+handshake and rendezvous: tests/unit/test_weight_join.py.)
 """
 
 from __future__ import annotations
@@ -15,7 +16,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 from uuid import UUID
@@ -24,6 +24,7 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
+from test_packing import shard_batch
 
 from buffers.config import ConfigError
 from buffers.records import TrainSequence
@@ -32,33 +33,30 @@ from workers.model_config import ModelConfig
 from workers.placement import check_gpus, gpus_per_worker, role_bundles
 from workers.rollout.config import RolloutConfig, Sampling, engine_dtype
 from workers.rollout.engine import transport_environment
+from workers.spans import SpanRecorder
 from workers.trainer.config import TrainerConfig
 from workers.trainer.ppo_update import StepLoss
 from workers.trainer.process import process_group_backend
+from workers.trainer.roles import StepRoles
 from workers.trainer.shard import TrainerShard
 from workers.usage import UsageMeter, cuda_uuid
 from workers.weights.config import WeightsConfig
 
 
 def test_each_device_gets_the_backend_that_accepts_its_tensors() -> None:
-    assert process_group_backend(torch.device("cuda", 0)) == "nccl"
+    # On CUDA, gloo beside NCCL reduces the values the host holds (counts, flags,
+    # moments) where they are.
+    assert process_group_backend(torch.device("cuda", 0)) == "cpu:gloo,cuda:nccl"
     assert process_group_backend(torch.device("cpu")) == "gloo"
 
 
-@pytest.fixture
-def tensors_default_to_meta() -> Iterator[None]:
-    """Any tensor made without an explicit device lands on "meta", so a collective fed
-    one is caught even though the shard's own device here is the CPU."""
-    torch.set_default_device("meta")
-    try:
-        yield
-    finally:
-        torch.set_default_device(None)
-
-
-def test_the_step_all_reduce_is_placed_on_the_shard_device(
-    monkeypatch: pytest.MonkeyPatch, tensors_default_to_meta: None
+def test_the_host_values_of_a_step_are_all_reduced_on_the_host(
+    monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """A step's counts and lost flag are the host's: reduced by the group's CPU backend,
+    never copied to the device and read back (two waits for the device each). The
+    shard's device is "meta" here, standing in for CUDA: a tensor sent there would
+    have no values to read back."""
     reduced: list[torch.Tensor] = []
 
     def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> None:
@@ -66,11 +64,11 @@ def test_the_step_all_reduce_is_placed_on_the_shard_device(
         tensor.mul_(2)  # as if a second shard held the same counts
 
     monkeypatch.setattr(dist, "all_reduce", all_reduce)
-    shard = TrainerShard(rank=0, world_size=2, model=ModelConfig(path="unused"),
-                         trainer=TrainerConfig(num_shards=2), seed=0, record_spans=False)
-    losses = StepLoss(config=shard.config, model=torch.nn.Identity(),
-                      module=torch.nn.Identity(), device=shard.device, world_size=2,
-                      packed=True, temperature=1.0, max_response_tokens=8)
+    meta = torch.device("meta")
+    config = TrainerConfig(num_shards=2)
+    losses = StepLoss(config=config, model=torch.nn.Identity(), module=torch.nn.Identity(),
+                      device=meta, world_size=2, packed=True, temperature=1.0,
+                      max_response_tokens=8)
     seq = TrainSequence(prompt_token_ids=np.ones(2, np.int32),
                         completion_token_ids=np.ones(7, np.int32),
                         behaviour_logprobs=np.zeros(7, np.float32), advantage=1.0)
@@ -78,8 +76,14 @@ def test_the_step_all_reduce_is_placed_on_the_shard_device(
     assert not lost
     assert [(n.tokens, n.sequences) for n in norms] == [(14, 2), (0, 0)]
     assert losses.agree([[()]], lost=True)[1]
-    assert len(reduced) == 2
-    assert all(t.device == shard.device for t in reduced)
+    spans = SpanRecorder(worker="trainer-0", role="trainer", rank=0, device="meta",
+                         enabled=False)
+    roles = StepRoles(trainer=config, losses=losses, device=meta, world_size=2,
+                      temperature=1.0, reference=None, critic=None, spans=(spans, spans))
+    batch, _ = shard_batch([[seq]])
+    assert roles.prepare(batch, None)  # this shard lost its groups: every shard knows
+    assert len(reduced) == 3
+    assert all(t.device.type == "cpu" for t in reduced)
 
 
 def test_placement_bundles_ask_for_gpus_only_on_a_gpu_cluster() -> None:

@@ -4,11 +4,13 @@ lost groups, and the critic's state through a checkpoint."""
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import msgspec
 import pytest
 import torch
+from host_reads import HostReads
 
 from async_rl.models.tiny_model import build_config
 from buffers.batching import shard_batches
@@ -142,6 +144,35 @@ def test_multi_turn_observation_tokens_get_no_advantage_or_value(model_dir: Path
     result = trainer.train_step(batch, None)
     assert result.loss.tokens == trained
     assert stages.critic_update(1, 0).tokens == trained
+
+
+def test_gae_and_the_critic_update_wait_for_the_device_as_designed(model_dir: Path) -> None:
+    """Counted as CUDA syncs on the CPU (tests/unit/host_reads.py: C++-side reads such
+    as boolean-mask indexing included): a step's GAE reads the device once (every
+    micro-batch's moments at once); the critic's update once per optimizer update (its
+    gradient norm, for the non-finite skip) and once for its statistics."""
+    # Two optimizer updates of two micro-batches or more each.
+    config = TrainerConfig(groups_per_step=2, mini_batches=2, micro_batch_tokens=16,
+                           kl_coef=0.1, kl_in_reward=True)
+    trainer = shard(model_dir, config, reference=True,
+                    critic=CriticConfig(path=str(model_dir), gamma=0.9, lam=0.8))
+    stages = trainer.stages()
+    (batch,), _ = shard_batches(GROUPS, 1, config, step=1)
+    updates = batch.per_update(batch.micro_batches)
+    assert len(updates) == 2 and all(len(update) > 1 for update in updates)
+    stages.prepare(batch, list(batch.groups))
+    stages.reference_logprobs(1)
+    stages.critic_values(1)
+    assert stages.step is not None
+    with HostReads() as gae_reads:
+        stages.advantages(1)
+    assert gae_reads.seen == collections.Counter({"cpu": 1})
+    assert all(mb.packed is None or bool(mb.packed.advantages.abs().sum() > 0)
+               for mb in stages.step.prepared)
+    with HostReads() as update_reads:
+        result = stages.critic_update(1, 0)
+    assert update_reads.seen == collections.Counter({"__float__": 2, "tolist": 1})
+    assert result.tokens == 28 and result.value_loss_sum > 0
 
 
 def test_lost_groups_train_nothing_anywhere(model_dir: Path) -> None:

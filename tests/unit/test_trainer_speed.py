@@ -1,7 +1,8 @@
 """The trainer's accelerator path, checked on the CPU: host offsets and one copy per
 micro-batch, the CUDA attention layout (one varlen call per layer) emulated, the fused
-LM head, no host read inside a micro-batch, statistics read once a step, phase times
-from CUDA events, the compile switch.
+LM head, no host read inside a micro-batch, statistics read once a step (on several
+shards too, whose wait for each other blocks no accelerator's host), phase times from
+CUDA events, the compile switch.
 
 What needs a GPU (the flash kernels themselves, sync counts, MFU) is a row of
 ``scripts/gpu-check.sh``; here the kernel is swapped for a CPU emulation that takes the
@@ -22,9 +23,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from host_reads import HostReads
 from test_packing import SHAPES, TEMPERATURE, sequences, shard, shard_batch
-from torch.overrides import TorchFunctionMode
 from transformers import Qwen2ForCausalLM
 
 from async_rl.models.tiny_model import build_config
@@ -49,27 +51,6 @@ from workers.trainer.phase_clock import PhaseClock
 from workers.trainer.shard import TrainerShard
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-HOST_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.nonzero,
-                        torch.Tensor.nonzero, torch.Tensor.__bool__, torch.Tensor.__float__,
-                        torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.cpu,
-                        torch.Tensor.numpy})
-"""Python-level calls that read a tensor's value on the host (on CUDA: a sync each)."""
-
-
-class HostReads(TorchFunctionMode):
-    """Counts ``HOST_READS`` calls made while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: collections.Counter[str] = collections.Counter()
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        if func in HOST_READS:
-            self.seen[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
 
 @pytest.fixture(scope="module")
 def reference() -> Qwen2ForCausalLM:
@@ -373,6 +354,46 @@ def test_a_step_reads_the_host_twice_statistics_and_gradient_norm(model_dir: Pat
     assert reads.seen == collections.Counter({"tolist": 1, "__float__": 1})
     assert result.loss.tokens == sum(c for _, c in SHAPES)
     assert result.forward_s > 0 and result.backward_s > 0 and result.optimizer_s > 0
+
+
+def test_a_step_on_several_shards_still_reads_the_host_twice(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counts every shard agrees on are the host's: summed where they are (the
+    group's CPU backend), not sent to the device and read back."""
+    seqs = sequences()
+    batch, tokens = shard_batch([seqs[:2], seqs[2:]])
+    trainer = shard(model_dir, packed=True)
+    trainer.world_size = trainer.losses.world_size = 2  # the collectives faked below
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: tensor.mul_(2))
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+    with HostReads() as reads:
+        result = trainer.train_step(batch, tokens)
+    assert reads.seen == collections.Counter({"tolist": 1, "__float__": 1})
+    assert result.loss.tokens == sum(c for _, c in SHAPES)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_shards_wait_for_each_other_on_the_host_only_on_the_cpu(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """Before an update's last backward the shards wait for each other, so that the
+    phases tell that wait from the gradient all-reduce. On the CPU the host waits (a
+    gloo barrier); on an accelerator ("meta" stands in for CUDA) a barrier would block
+    the host at every update (NCCL's does), so only the device's stream waits, on a
+    one-element all-reduce."""
+    waited: list[str] = []
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: waited.append("host"))
+    monkeypatch.setattr(dist, "all_reduce",
+                        lambda tensor, *a, **k: waited.append(f"{tensor.device.type} stream"))
+    trainer = shard(model_dir, packed=True)
+    trainer.world_size = 2
+    trainer.device = torch.device(device)  # what the wait is on; the model stays on the CPU
+    seqs = sequences()
+    micro_batches = trainer.losses.prepare([tuple(seqs[:2]), tuple(seqs[2:])])
+    norm = Normaliser(agg="token_mean", tokens=sum(c for _, c in SHAPES), sequences=4)
+    _, grad_norm = trainer._update(micro_batches, norm, [None, None], [None, None], [],
+                                   PhaseClock(torch.device("cpu")))
+    assert grad_norm > 0
+    assert waited == (["host"] if device == "cpu" else ["meta stream"])
 
 
 def test_statistics_read_once_equal_each_micro_batch_read_alone(model_dir: Path) -> None:

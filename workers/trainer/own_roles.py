@@ -189,10 +189,11 @@ class CriticWorker(OwnRole):
         return os.getpid()
 
     def _sum_shards(self, values: torch.Tensor) -> torch.Tensor:
+        """Host ``values`` summed over the critic workers, on the host (the group's CPU
+        backend)."""
         if self.world_size > 1:
-            values = values.to(self.device)
             dist.all_reduce(values)
-        return values.cpu()
+        return values
 
     def values(self, step: int) -> None:
         """The critic's current weights' value of every trained token of the step."""

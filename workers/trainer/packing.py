@@ -1,7 +1,8 @@
 """Padding-free micro-batches: one packed row per micro-batch, attention kept per sequence.
 
 Owns: laying a micro-batch's sequences end to end in one row (``pack``: every index and
-offset computed once on the host, the tensors sent to the device in one copy; only
+offset computed once on the host, the tensors sent to the device in one copy that does
+not make the host wait, ``to_device``; only
 trained completion tokens, loss mask 1, are predicted: ``trained_positions``), the
 packed forward that returns each completion token's logprob and entropy through the
 fused LM head (``packed_forward``, ``packed_logprobs``; ``workers.trainer.attention``
@@ -84,9 +85,11 @@ def trained_positions(sequences: Sequence[TrainSequence]) -> torch.Tensor | None
     return None if keep is None else torch.from_numpy(keep)
 
 
-def _to_device(parts: Sequence[torch.Tensor], device: torch.device
-               ) -> list[torch.Tensor]:
-    """``parts`` on ``device`` in one host-to-device copy; on the CPU as they are."""
+def to_device(parts: Sequence[torch.Tensor], device: torch.device
+              ) -> list[torch.Tensor]:
+    """Host tensors ``parts`` on ``device`` in one host-to-device copy that does not make
+    the host wait (``torch.tensor(..., device=...)`` would: a blocking copy from pageable
+    memory waits for the stream); on the CPU as they are."""
     return list(parts) if device.type == "cpu" else _through_one_buffer(parts, device)
 
 
@@ -142,7 +145,7 @@ def pack(sequences: Sequence[TrainSequence], device: torch.device | str = "cpu")
     host = [torch.from_numpy(a) for a in (ids[None], positions[None], predict_at,
                                           ids[predict_at + 1])]
     host += [cu_host, torch.from_numpy(behaviour), torch.from_numpy(advantages)]
-    on_device = _to_device(host, torch.device(device))
+    on_device = to_device(host, torch.device(device))
     input_ids, position_ids, predict, targets, cu_seqlens, behaviour_t, advantages_t = on_device
     return PackedBatch(
         input_ids=input_ids, position_ids=position_ids, predict_at=predict, targets=targets,

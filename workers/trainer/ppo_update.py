@@ -112,17 +112,19 @@ class StepLoss:
 
         One all-reduce carries every update's tokens and sequences and the lost flag, so
         a shard that could not fetch its groups makes every shard skip the step together
-        rather than leave the others waiting in the gradient all-reduce. The tensor lives
-        on the group's device: NCCL takes only CUDA tensors.
+        rather than leave the others waiting in the gradient all-reduce. The counts are
+        the host's and stay there: the group's CPU backend (gloo, beside NCCL on CUDA:
+        ``workers.trainer.process``) sums them, so the step neither copies them to the
+        device nor waits for the device to read them back.
         """
         counts = [int(lost)]
         for micro_batches in updates:
             counts += [sum(s.trained_tokens for mb in micro_batches for s in mb),
                        sum(len(mb) for mb in micro_batches)]
         if self.world_size > 1:
-            summed = torch.tensor(counts, dtype=torch.long, device=self.device)
+            summed = torch.tensor(counts, dtype=torch.long)
             dist.all_reduce(summed)
-            counts = [int(c) for c in summed.tolist()]
+            counts = summed.tolist()
         norms = [Normaliser(agg=self.config.loss_agg, tokens=int(tokens),
                             sequences=int(sequences),
                             max_response_tokens=self.max_response_tokens)

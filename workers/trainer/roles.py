@@ -93,10 +93,11 @@ class StepRoles:
         the policy's update, without a critic)."""
 
     def _all_reduce(self, values: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+        """Host ``values`` reduced over every shard, on the host: the group's CPU backend
+        takes them, so they never go to the device and back."""
         if self.world_size > 1:
-            values = values.to(self.device)
             dist.all_reduce(values, op=op)
-        return values.cpu()
+        return values
 
     @contextlib.contextmanager
     def _policy_busy(self, version: int | None = None) -> Iterator[None]:

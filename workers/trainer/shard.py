@@ -140,7 +140,7 @@ class TrainerShard:
         if self.world_size > 1 or sharded:  # FSDP2's device mesh needs a group, even of one
             join_process_group(self.device, master_addr=self.master_addr,
                                master_port=self.master_port, rank=self.rank,
-                               world_size=self.world_size, offload=self.config.offload)
+                               world_size=self.world_size)
         dtype = DTYPES[self.model_config.dtype]
         module, self.lora, self.compiled_layers = load_policy(
             self.model_config, self.config, self.device, self.seed)
@@ -288,7 +288,7 @@ class TrainerShard:
                 # Time spent here is waiting on slower shards, not communication.
                 self.spans.switch("barrier")
                 clock.start("barrier")
-                dist.barrier()
+                self._wait_for_shards()
             self.spans.switch("backward")
             clock.start("backward")
             if index != last and isinstance(self.model, DistributedDataParallel):
@@ -310,6 +310,19 @@ class TrainerShard:
         else:
             self.optimizer.zero_grad(set_to_none=True)
         return positions, grad_norm
+
+    def _wait_for_shards(self) -> None:
+        """Waits for every shard to reach its update's last backward, so that the
+        phases tell waiting on slower shards (``barrier``) from the gradient all-reduce
+        (``backward``). Not needed for correctness: that all-reduce synchronises the
+        shards anyway. On the CPU the host waits (gloo). On an accelerator only its
+        stream does: a one-element all-reduce the stream waits on, while the host goes
+        on queueing the backward (NCCL's ``barrier`` would block the host until every
+        shard arrived: a host sync at every update)."""
+        if self.device.type == "cpu":
+            dist.barrier()
+        else:
+            dist.all_reduce(torch.zeros(1, device=self.device))
 
     def stages(self) -> StepRoles:
         """The PPO dataflow's stages on this shard (the actor's entry points call them)."""
