@@ -28,6 +28,7 @@ from torch.utils.checkpoint import checkpoint
 
 from buffers.records import TrainSequence
 from workers.trainer.attention import attention_kwargs
+from workers.trainer.head_transform import head_transform
 from workers.trainer.lm_head import head_logprobs
 
 
@@ -191,13 +192,20 @@ def packed_forward(model: torch.nn.Module, module: torch.nn.Module, batch: Packe
     ``model`` runs the forward (DDP-wrapped on several shards); ``module`` is the bare
     model, whose output embedding is the head. The model's own head runs on no row
     (``logits_to_keep`` empty); its final hidden states, gathered at the predicting
-    positions, go through ``head_logprobs`` instead. With FSDP2 the root's parameters
-    (the head's weight among them) stay unsharded from its forward to the end of
-    backward, and the first layer's backward queues the root's gradient reduction.
+    positions, go through ``head_logprobs`` instead, with the head's own logit transform
+    (``head_transform`` of the model's config: Granite's scaling, Gemma 2's soft cap).
+    With FSDP2 the root's parameters (the head's weight among them) stay unsharded from
+    its forward to the end of backward, and the first layer's backward queues the root's
+    gradient reduction.
     """
-    hidden = _final_hidden(model, module, batch)[0].index_select(0, batch.predict_at)
     head = module.get_output_embeddings()  # type: ignore[operator]
-    return head_logprobs(hidden, head.weight, head.bias, batch.targets, temperature)
+    if hasattr(head, "base_layer"):
+        # An adapter on the head: the fused head would read its base weight only.
+        raise ValueError("the packed trainer's fused LM head does not apply LoRA on the "
+                         "output embedding (model.lora.target_modules)")
+    hidden = _final_hidden(model, module, batch)[0].index_select(0, batch.predict_at)
+    return head_logprobs(hidden, head.weight, head.bias, batch.targets, temperature,
+                         transform=head_transform(module.config))
 
 
 def packed_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float
