@@ -106,10 +106,10 @@ def check_lora_targets(config: Config) -> None:
     """model.lora.target_modules name linear layers the model has, and not its output
     embedding: the packed trainer's fused head reads the head's base weight, and vLLM
     serves an adapter on the head only for some architectures (not Qwen2's)."""
-    from workers.trainer.lora import head_targets, linear_names
+    from workers.trainer.lora import head_targets, layer_names
 
     targets = list(config.model.lora.target_modules)
-    present, head = linear_names(config.model.path)
+    present, head = layer_names(config.model.path)
     missing = [name for name in targets if name not in present]
     if missing:
         raise ConfigError(

@@ -25,7 +25,7 @@ from workers.trainer.lora import (
     attach,
     head_targets,
     init_adapters,
-    linear_names,
+    layer_names,
     merged_state,
     save_policy_folder,
 )
@@ -94,8 +94,8 @@ def test_target_modules_the_model_lacks_exit_2_before_anything_starts(
     assert not (tmp_path / "r").exists()  # nothing started, nothing written
 
 
-def test_linear_names_are_the_decoder_layers_and_the_head(tmp_path: Path) -> None:
-    names, head = linear_names(str(tiny(tmp_path)))
+def test_layer_names_are_the_linear_layers_and_the_head_s_full_name(tmp_path: Path) -> None:
+    names, head = layer_names(str(tiny(tmp_path)))
     assert set(LoraConfig().target_modules) <= names and "lm_head" in names
     assert head == "lm_head"
 

@@ -10,7 +10,7 @@ tensors as a weight version carries them (``adapter_state``), the merged weights
 alpha/rank x B A: what evaluation and ``run.save_merged`` use, ``merged_state``), the base
 weight file names behind the injected ones (``base_name``), the policy folder of a LoRA
 policy (``save_policy_folder``: the base files linked beside the adapter) and what
-target modules may name (``linear_names``; ``head_targets``: the ones that would wrap
+target modules may name (``layer_names``; ``head_targets``: the ones that would wrap
 the output embedding). Knows nothing about the loss, optimizers or Ray.
 """
 
@@ -142,7 +142,7 @@ def save_policy_folder(out_dir: str | Path, *, base_dir: str | Path,
     write_adapter(out / ADAPTER_DIR, adapter, lora)
 
 
-def linear_names(model_path: str) -> tuple[set[str], str]:
+def layer_names(model_path: str) -> tuple[set[str], str]:
     """The last part of the name of every linear layer of the model at ``model_path``
     (built on the meta device), and the full name of its output embedding (the head)."""
     from transformers import AutoConfig, AutoModelForCausalLM
