@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from workers.trainer.lm_head import _matmul_dtype, head_logprobs
+from workers.trainer.lm_head import head_logprobs
 
 
 class _OldChunk(torch.autograd.Function):
@@ -41,7 +41,8 @@ class _OldChunk(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor,
                 targets: torch.Tensor, temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-        dtype = _matmul_dtype(hidden, weight)
+        dtype = (torch.get_autocast_dtype("cpu") if torch.is_autocast_enabled("cpu")
+                 else torch.promote_types(hidden.dtype, weight.dtype))
         with torch.autocast(hidden.device.type, enabled=False):
             logits = F.linear(hidden.to(dtype), weight.to(dtype)).float() / temperature
             normaliser = torch.logsumexp(logits, dim=-1)
