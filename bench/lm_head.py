@@ -8,8 +8,9 @@ warm-up call each), medians:
 - ``old``: the head before (a faithful reimplementation): one autograd function per
   chunk, each casting the weight to the matmul's dtype in forward and twice in backward
   and returning its own ``(V, hidden)`` weight gradient, which autograd sums;
-- ``new``: ``workers.trainer.lm_head.head_logprobs``: the weight cast once a pass, one
-  float32 weight gradient every chunk adds into.
+- ``new``: ``workers.trainer.lm_head.head_logprobs``: the weight cast once a pass,
+  backward in blocks of the vocabulary, each writing its rows of one float32 weight
+  gradient once.
 
 Twice: float32 throughout, and float32 weights under bf16 autocast
 (``trainer.compute_dtype = "bfloat16"``). One torch thread, so both ways see the same

@@ -3,7 +3,7 @@
 The head's own logit transform (Granite's ``logits_scaling``, Cohere's ``logit_scale``,
 Gemma's ``final_logit_softcapping``) read from each family's config and applied in
 forward and backward; the packed forward taking it from the model; the weight cast once
-per pass and its gradient accumulated in one float32 buffer, counted at the dispatcher.
+a pass and its gradient made in one float32 buffer, counted at the dispatcher.
 """
 
 from __future__ import annotations
@@ -171,7 +171,7 @@ def test_a_call_casts_the_weight_once_a_pass_and_makes_one_weight_gradient(
     assert weight.grad is not None and weight.grad.dtype == torch.float32
 
 
-def test_a_bf16_head_accumulates_its_weight_gradient_in_float32() -> None:
+def test_a_bf16_head_s_gradients_are_within_bf16_of_the_exact_ones() -> None:
     n, hidden, vocab = 64, 32, 200
     gen = torch.Generator().manual_seed(4)
     h32 = torch.randn(n, hidden, generator=gen)

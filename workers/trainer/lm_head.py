@@ -1,31 +1,32 @@
-"""The LM head fused with the token log-probability and entropy, a chunk of rows at a time.
+"""The LM head fused with the token log-probability and entropy, a chunk at a time.
 
 Owns: ``head_logprobs``: from the hidden states at the positions that predict a
 completion token, ``log softmax(f(h W^T + b) / temperature)[target]`` (``f``: the model's
 own logit transform, ``workers.trainer.head_transform``) and the entropy of that
 distribution, with no ``(N, V)`` tensor ever held. One autograd function
-(``_FusedHead``) runs every chunk of ``chunk_rows(V)`` rows through ``h @ W^T``, the
-transform, log-sum-exp, gather and entropy, checkpointed by hand: forward keeps only its
-inputs and the ``(N,)`` log-sum-exp; backward recomputes each chunk's logits once and
-turns them into their gradient in place (``softmax - onehot``, times the transform's
-slope), so it holds one chunk of logits, and the entropy (a statistic) is not
-recomputed. The weight is cast to the matmul's dtype once per pass, not per chunk, and
-its gradient is one float32 ``(V, hidden)`` buffer every chunk adds into, cast to the
-weight's dtype once at the end: at Qwen's 151,936-token vocabulary and 16k tokens,
-per-chunk casts and per-chunk ``(V, hidden)`` gradients summed by autograd moved about
-100 GB more per micro-batch. Pure torch: Liger's fused cross entropy assumes a scalar
-upstream gradient (a mean cross-entropy), while the GRPO loss weights every token's
-logprob differently.
+(``_FusedHead``) checkpoints the whole head by hand. Forward runs ``chunk_rows(V)`` rows
+at a time through ``h @ W^T``, the transform, log-sum-exp, gather and entropy, and keeps
+only its inputs and the ``(N,)`` log-sum-exp. Backward recomputes the logits once in
+blocks of the vocabulary, all N rows each and as many logits as a forward chunk, and
+turns each block into its gradient in place (``softmax - onehot``, times the transform's
+slope): the block's rows of the weight's gradient come whole from one GEMM over the N
+rows, written once into one float32 ``(V, hidden)`` buffer, and what is summed over
+blocks is the hidden states' float32 ``(N, hidden)`` gradient. The weight is cast to the
+matmul's dtype once a pass. The per-chunk form before (a cast of the weight in forward
+and two in backward, and a ``(V, hidden)`` gradient, per chunk, summed by autograd) moved
+about 100 GB more per micro-batch at Qwen's 151,936-token vocabulary and 16k tokens. The
+entropy (a statistic) is not recomputed. Pure torch: Liger's fused cross entropy assumes
+a scalar upstream gradient (a mean cross-entropy), while the GRPO loss weights every
+token's logprob differently.
 
 At Qwen's vocabulary and 16k completion tokens the full logits are about 5 GB in bf16,
 their float32 softmax 10 GB and the gradient as much again; here the peak is a few
-chunk-sized float32 temporaries (``CHUNK_ELEMENTS``: 256 MiB each) and the weight's
-float32 gradient.
+chunk-sized float32 temporaries (``CHUNK_ELEMENTS``: 256 MiB each) beside the float32
+gradients of the weight and the hidden states.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import torch
@@ -57,30 +58,13 @@ def _cast(tensor: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | Non
     return None if tensor is None else tensor.to(dtype)
 
 
-@functools.cache
-def _one_gemm_into_float32(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether this torch adds a product of two ``dtype`` matrices into a float32 one in
-    one GEMM on ``device``: ``addmm``'s ``out_dtype`` is CUDA's only, and some torch
-    versions want the added matrix in ``dtype``. Tried once, on a 1 x 1 product."""
-    acc = torch.zeros(1, 1, device=device)
-    one = torch.ones(1, 1, device=device, dtype=dtype)
-    try:
-        torch.addmm(acc, one, one, out_dtype=torch.float32, out=acc)
-    except (RuntimeError, NotImplementedError):
-        return False
-    return True
-
-
-def _add_product(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-    """``acc += a @ b`` for a float32 ``acc``: from bf16/fp16 factors one GEMM
-    accumulating in float32 where torch has it, else the factors' float32 copies (as
-    exact: the product of two bf16 values is a float32 one)."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif _one_gemm_into_float32(acc.device, a.dtype):
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+def _mm_into(out: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """``out = a @ b``: straight into ``out`` where the dtypes agree, else the product
+    in the factors' dtype (a bf16 GEMM rounds its float32 sums once) cast into it."""
+    if out.dtype == a.dtype:
+        torch.mm(a, b, out=out)
     else:
-        acc.addmm_(a.float(), b.float())
+        out.copy_(a @ b)
 
 
 def _logits(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -128,37 +112,50 @@ class _FusedHead(torch.autograd.Function):
         hidden, weight, bias, targets, normaliser = ctx.saved_tensors
         dtype, transform, temperature = ctx.dtype, ctx.transform, ctx.temperature
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        # One float32 buffer for the whole call: a chunk's share is added in, never held.
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) \
+        n, vocab = hidden.shape[0], weight.shape[0]
+        # Blocks of the vocabulary, each all N rows, as many logits as a forward chunk:
+        # each block's rows of the weight's gradient come whole from one GEMM over the N
+        # rows, written once; what is summed over blocks is the smaller (N, hidden).
+        width = max(1, ctx.rows * vocab // max(n, 1))
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device) \
+            if need_hidden else None
+        grad_weight = torch.empty(weight.shape, dtype=torch.float32, device=weight.device) \
             if need_weight else None
-        grad_bias = torch.zeros(bias.shape, dtype=torch.float32, device=bias.device) \
+        grad_bias = torch.empty(bias.shape, dtype=torch.float32, device=bias.device) \
             if need_bias else None
-        upstream = grad.float().unsqueeze(-1)
+        upstream, lse = grad.float().unsqueeze(-1), normaliser.unsqueeze(-1)
         with torch.autocast(hidden.device.type, enabled=False):
-            cast_weight, cast_bias = weight.to(dtype), _cast(bias, dtype)
-            for span in _spans(hidden.shape[0], ctx.rows):
-                inputs = hidden[span].to(dtype)
-                logits = _logits(inputs, cast_weight, cast_bias, transform, temperature)
+            inputs, cast_weight = hidden.to(dtype), weight.to(dtype)
+            cast_bias = _cast(bias, dtype)
+            for block in _spans(vocab, width):
+                block_weight = cast_weight[block]
+                logits = _logits(inputs, block_weight,
+                                 None if cast_bias is None else cast_bias[block],
+                                 transform, temperature)
                 slope = transform.slope(logits, temperature)
                 # d logprob / d logits = onehot - softmax, times the upstream gradient and
-                # the transform's slope, in place: the chunk's logits become their gradient.
-                scale = upstream[span]
-                logits.sub_(normaliser[span].unsqueeze(-1)).exp_().mul_(-scale)
-                logits.scatter_add_(-1, targets[span].unsqueeze(-1), scale)
+                # the transform's slope, in place: the block's logits become their
+                # gradient. The onehot only for the rows whose target is in the block
+                # (masked, not indexed: nothing is read on the host).
+                logits.sub_(lse).exp_().mul_(-upstream)
+                local = targets - block.start
+                inside = (local >= 0) & (local < logits.shape[1])
+                logits.scatter_add_(-1, local.clamp(0, logits.shape[1] - 1).unsqueeze(-1),
+                                    upstream * inside.unsqueeze(-1))
                 logits.mul_(slope)
                 if grad_bias is not None:
-                    grad_bias += logits.sum(0)
+                    grad_bias[block] = logits.sum(0)
                 grad_logits = logits.to(dtype)
-                if grad_hidden is not None:
-                    grad_hidden[span] = grad_logits @ cast_weight
                 if grad_weight is not None:
-                    _add_product(grad_weight, grad_logits.T, inputs)
-        if grad_weight is not None:
-            grad_weight = grad_weight.to(weight.dtype)  # the one cast, if any
-        if grad_bias is not None:
-            grad_bias = grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+                    _mm_into(grad_weight[block], grad_logits.T, inputs)
+                if grad_hidden is not None:
+                    if grad_logits.dtype == grad_hidden.dtype:
+                        grad_hidden.addmm_(grad_logits, block_weight)
+                    else:
+                        grad_hidden += grad_logits @ block_weight
+        return (_cast(grad_hidden, hidden.dtype), _cast(grad_weight, weight.dtype),
+                None if grad_bias is None else grad_bias.to(bias.dtype),
+                None, None, None, None)
 
 
 def head_logprobs(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
