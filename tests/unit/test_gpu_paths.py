@@ -343,3 +343,25 @@ def test_the_kernel_label_names_what_runs_for_grouped_query_heads(
         "2.11": ("torch varlen_attn", "aten._flash_attention_forward"),
         "newer": ("torch varlen_attn", "torch varlen_attn")}
     assert attention.kernel_name(None, gqa=True) == "per-sequence loop"
+
+
+def test_tf32_is_on_in_every_trainer_side_process_computing_float32_on_cuda(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Process-wide on purpose (docs/gpu.md); a reference or critic on a worker of its
+    # own computed in full float32 while the policy it is compared with ran TF32.
+    from workers.trainer import own_roles
+
+    matmul, cudnn = SimpleNamespace(allow_tf32=False), SimpleNamespace(allow_tf32=False)
+    monkeypatch.setattr(torch.backends.cuda, "matmul", matmul)
+    monkeypatch.setattr(torch.backends, "cudnn", cudnn)
+    monkeypatch.setattr(own_roles, "start_process", lambda device, cpu_ids: None)
+    worker = own_roles.ReferenceWorker(
+        path="unused", rank=0, model=ModelConfig(path="unused"),
+        trainer=TrainerConfig(compute_dtype="bfloat16"), temperature=1.0,
+        record_spans=False)
+    worker.device = torch.device("cuda", 0)
+    worker._setup_process()
+    assert not matmul.allow_tf32 and not cudnn.allow_tf32  # bf16 compute: nothing to do
+    worker.trainer = TrainerConfig()
+    worker._setup_process()
+    assert matmul.allow_tf32 and cudnn.allow_tf32

@@ -1,9 +1,10 @@
-"""What a trainer shard switches on for its device before training: TF32 and compiled layers.
+"""What a trainer-side process switches on for its device before training: TF32, compiled layers.
 
-Owns: ``speed_up``: TF32 matmuls for float32 compute on CUDA (10-bit mantissa products,
+Owns: ``use_tf32``: TF32 matmuls for float32 compute on CUDA (10-bit mantissa products,
 float32 accumulation: what every recipe training in float32 on Ampere or later uses),
-switched on for the whole process, which runs nothing but this shard's compute (its
-policy, and the critic and reference beside it); and ``trainer.compile``:
+switched on for the whole process, which runs nothing but the trainer's compute (a
+shard's policy, and the critic and reference beside it, or a reference or critic on a
+worker of its own); and, in ``speed_up`` with it, ``trainer.compile``:
 ``torch.compile`` on each decoder layer's ``forward`` (dynamic shapes, so micro-batches
 of any length share one graph; the attention's ``max_len`` arrives rounded up to a power
 of two, ``workers.trainer.attention.round_up_pow2``), by default only where the packed
@@ -60,13 +61,19 @@ def compiles(config: TrainerConfig, device: torch.device, dtype: torch.dtype) ->
     return config.packed and varlen_kernel(device, dtype) is not None
 
 
-def speed_up(module: torch.nn.Module, config: TrainerConfig, device: torch.device) -> int:
-    """Switches on TF32 (float32 compute on CUDA) and compiles the decoder layers where
-    ``trainer.compile`` says so; returns the layers compiled."""
+def use_tf32(config: TrainerConfig, device: torch.device) -> None:
+    """TF32 matmuls for the whole process where ``trainer.compute_dtype`` is float32 on
+    CUDA: on purpose, since a trainer-side process (a shard's, or a reference's or
+    critic's of its own) runs nothing but that compute, and all of it alike."""
     if device.type == "cuda" and config.compute_dtype == "float32":
-        # Process-wide on purpose: this process runs only this shard's compute.
         torch.backends.cuda.matmul.allow_tf32 = True
         torch.backends.cudnn.allow_tf32 = True
+
+
+def speed_up(module: torch.nn.Module, config: TrainerConfig, device: torch.device) -> int:
+    """Switches on TF32 (``use_tf32``) and compiles the decoder layers where
+    ``trainer.compile`` says so; returns the layers compiled."""
+    use_tf32(config, device)
     if not compiles(config, device, attention_dtype(module, config)):
         return 0
     layers = decoder_layers(module)
