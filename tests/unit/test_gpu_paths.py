@@ -282,14 +282,22 @@ def test_compile_is_on_by_default_only_where_the_attention_is_one_varlen_call(
     assert attention_dtype(tiny_model.to(torch.bfloat16), TrainerConfig()) == torch.bfloat16
 
 
+@pytest.mark.parametrize("attention", ["loop", "varlen"])
 def test_a_compiled_layer_keeps_its_graphs_whatever_the_sequence_count(
-        tiny_model: Qwen2ForCausalLM) -> None:
+        tiny_model: Qwen2ForCausalLM, attention: str, monkeypatch: pytest.MonkeyPatch
+        ) -> None:
     # The per-sequence loop (CPU, float32 on CUDA) with trainer.compile = true: traced,
     # it unrolled into one SDPA call per sequence and compiled again for every new
-    # sequence count (6 micro-batches, 5 graphs).
+    # sequence count (5 micro-batches, 5 graphs). The varlen path (CUDA, bf16), a
+    # traceable stand-in for its kernel here, never reads the lengths.
     import torch._dynamo
     from torch._dynamo.testing import CompileCounter
 
+    from workers.trainer import attention as module
+
+    if attention == "varlen":
+        monkeypatch.setattr(module, "varlen_kernel", lambda device, dtype: (
+            lambda q, k, v, cu, max_len, scale: q * cu[-1].to(q.dtype) / cu[-1]))
     use_packed_attention(tiny_model)
     layer, rotary = tiny_model.model.layers[0], tiny_model.model.rotary_emb
     counter = CompileCounter()
