@@ -38,7 +38,7 @@ from workers.weights.bucket_transfer import (
     send_buckets,
 )
 from workers.weights.gloo_transfer import GlooWeightTransferEngine, _shared
-from workers.weights.shared_segment import PREFIX, WRITING, SharedSegment, remove_orphans
+from workers.weights.shared_segment import WRITING, SharedSegment
 
 
 @given(st.lists(st.integers(0, 5000), max_size=40), st.integers(ALIGN, 4096))
@@ -98,9 +98,9 @@ def dead_pid() -> int:
 
 def test_segments_of_gone_processes_are_removed_at_start_and_others_kept(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    dead = dead_pid()
-    files = {"orphan": f"{PREFIX}{dead}-0a1b", "live": f"{PREFIX}{os.getpid()}-0a1b",
-             "held": f"{PREFIX}{dead}-2c3d", "other": "someone-else-123-0a1b"}
+    dead, prefix = dead_pid(), shared_segment.PREFIX
+    files = {"orphan": f"{prefix}{dead}-0a1b", "live": f"{prefix}{os.getpid()}-0a1b",
+             "held": f"{prefix}{dead}-2c3d", "other": "someone-else-123-0a1b"}
     for index, name in enumerate(files.values()):
         (tmp_path / name).write_bytes(b"x" * (1000 + index))
     # A maker alive in another pid namespace holds its file's lock.
@@ -108,17 +108,17 @@ def test_segments_of_gone_processes_are_removed_at_start_and_others_kept(
     fcntl.flock(held, fcntl.LOCK_SH)
     caplog.set_level(logging.INFO, logger="workers.weights.shared_segment")
     try:
-        assert remove_orphans(tmp_path) == (1, 1000)
+        assert shared_segment.remove_orphans(tmp_path) == (1, 1000)
     finally:
         os.close(held)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         files[k] for k in ("live", "held", "other"))
     (line,) = [r.getMessage() for r in caplog.records]
     assert "removed 1 " in line and "(1000 bytes)" in line
-    assert remove_orphans(tmp_path) == (1, 1002)  # its lock is free now
-    assert remove_orphans(tmp_path) == (0, 0)
+    assert shared_segment.remove_orphans(tmp_path) == (1, 1002)  # its lock is free now
+    assert shared_segment.remove_orphans(tmp_path) == (0, 0)
     assert len(caplog.records) == 2  # nothing removed, nothing said
-    assert remove_orphans(tmp_path / "missing") == (0, 0)
+    assert shared_segment.remove_orphans(tmp_path / "missing") == (0, 0)
 
 
 def test_a_segment_is_locked_by_its_maker_until_unlinked(
@@ -126,11 +126,11 @@ def test_a_segment_is_locked_by_its_maker_until_unlinked(
     monkeypatch.setattr(shared_segment, "ROOT", tmp_path)
     segment = SharedSegment.create(64)
     # Under a dead pid's name (its maker seen from another pid namespace): still held.
-    orphan = tmp_path / f"{PREFIX}{dead_pid()}-0a1b"
+    orphan = tmp_path / f"{shared_segment.PREFIX}{dead_pid()}-0a1b"
     segment.path.rename(orphan)
-    assert remove_orphans(tmp_path) == (0, 0) and orphan.exists()
+    assert shared_segment.remove_orphans(tmp_path) == (0, 0) and orphan.exists()
     segment.unlink()  # its name (already gone) and its lock
-    assert remove_orphans(tmp_path) == (1, 64 + shared_segment.HEADER)
+    assert shared_segment.remove_orphans(tmp_path) == (1, 64 + shared_segment.HEADER)
     assert not orphan.exists()
 
 
