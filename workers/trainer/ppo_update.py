@@ -5,7 +5,9 @@ and sequence counts of all shards, agreed in one all-reduce: ``StepLoss.agree``)
 out the step's micro-batches once (``StepLoss.prepare``: packed rows on the device,
 reused by the proximal pass and every epoch), the proximal logprobs (one no-grad
 forward over the step's micro-batches before any update, only when the step makes more
-than one update: ``StepLoss.proximal``), and each micro-batch's forward pass and loss
+than one update or the model has dropout: ``StepLoss.proximal``), running such no-grad
+passes with dropout off (``without_dropout``: model.lora.dropout, or the model's own, is
+for the gradient pass only), and each micro-batch's forward pass and loss
 (``StepLoss.micro_batch``), all over trained tokens only (loss mask 1: an observation's
 tokens are context, never counted or trained). Statistics stay on the device
 (``workers.trainer.loss.PendingStats``). Knows nothing about the optimizer, DDP's
@@ -14,7 +16,8 @@ gradient sync, spans or cores: ``workers.trainer.shard`` runs the updates.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -61,6 +64,37 @@ def lay_out(micro_batches: Sequence[MicroBatch], device: torch.device, *, packed
             for mb in micro_batches]
 
 
+def has_dropout(module: torch.nn.Module) -> bool:
+    """Whether ``module`` in train mode draws dropout masks: a dropout layer with p > 0
+    (peft's ``lora_dropout`` among them) or an attention dropout rate above 0."""
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.Dropout) and sub.p > 0:
+            return True
+        rate = getattr(sub, "attention_dropout", 0.0)
+        if isinstance(rate, float) and rate > 0:
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def without_dropout(module: torch.nn.Module) -> Iterator[None]:
+    """``module`` in eval mode for the block when it has dropout (``has_dropout``), each
+    submodule's own mode restored after. A no-grad pass whose logprobs serve as a
+    policy's (the proximal pass, the KL in the reward's) runs in it: under a random mask
+    two such passes differ, and so would the ratios and weights built on them. A module
+    without dropout is left as it is (``trainer.compile``'s layers see one mode)."""
+    if not has_dropout(module):
+        yield
+        return
+    modes = [(sub, sub.training) for sub in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for sub, training in modes:
+            sub.training = training
+
+
 def compute_autocast(device: torch.device, config: TrainerConfig) -> torch.autocast:
     """bfloat16 autocast on ``device`` where trainer.compute_dtype says so."""
     return torch.autocast(device.type, dtype=torch.bfloat16,
@@ -104,6 +138,9 @@ class StepLoss:
         as many forwards as the others, pads included."""
         self.kl_parts: list[torch.Tensor] = []
         """Each micro-batch's (sum, max) of the KL to the reference since ``read_kl``."""
+        self.dropout = has_dropout(module)
+        """The gradient pass draws dropout masks, so its logprobs are not the policy's:
+        even a one-update step takes its proximal logprobs from a pass without them."""
 
     def agree(self, updates: Sequence[Sequence[MicroBatch]], lost: bool
               ) -> tuple[list[Normaliser], bool]:
@@ -170,11 +207,18 @@ class StepLoss:
         logits: torch.Tensor = model(input_ids=dummy, use_cache=False).logits
         return logits
 
+    def needs_proximal(self, updates: int) -> bool:
+        """Whether a step of ``updates`` optimizer updates (each epoch's) needs the
+        proximal pass: in the decoupled form (tis_cap > 0), with more than one update
+        (the policy moves within the step) or with dropout (the gradient pass's logprobs
+        carry its mask). Otherwise the current policy, detached, is the proximal one."""
+        return self.config.tis_cap > 0 and (updates * self.config.epochs > 1 or self.dropout)
+
     def proximal(self, micro_batches: Sequence[Prepared]) -> list[torch.Tensor | None]:
         """The step-start policy's logprobs of each micro-batch (None for a pad), without
-        gradient: call before the step's first update."""
+        gradient and without dropout: call before the step's first update."""
         out: list[torch.Tensor | None] = []
-        with torch.no_grad(), self.autocast():
+        with torch.no_grad(), self.autocast(), without_dropout(self.module):
             for micro_batch in micro_batches:
                 if not micro_batch.sequences:
                     if self.sharded:
