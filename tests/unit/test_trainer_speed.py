@@ -139,7 +139,8 @@ class EmulatedVarlen:
         self.calls: list[tuple[tuple[int, ...], int]] = []
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
-                 max_len: int, scale: float | None) -> torch.Tensor:
+                 max_len: int, scale: float | None, window: int | None) -> torch.Tensor:
+        assert window is None  # Qwen2 here has no sliding window
         assert q.dim() == k.dim() == v.dim() == 3 and q.shape[0] == k.shape[0] == v.shape[0]
         assert cu.dtype == torch.int32 and q.dtype == k.dtype == v.dtype
         offsets = cu.tolist()  # the kernel reads them on the device; the emulation here
@@ -156,7 +157,7 @@ class EmulatedVarlen:
 @pytest.fixture
 def emulated(monkeypatch: pytest.MonkeyPatch) -> EmulatedVarlen:
     kernel = EmulatedVarlen()
-    monkeypatch.setattr(attention, "varlen_kernel", lambda device, dtype: kernel)
+    monkeypatch.setattr(attention, "varlen_kernel", lambda device, dtype, windowed: kernel)
     return kernel
 
 
@@ -210,7 +211,7 @@ def test_a_varlen_call_gets_q_k_v_in_autocasts_dtype(
         dtypes.append(q.dtype)
         return emulated(q, *rest)
 
-    monkeypatch.setattr(attention, "varlen_kernel", lambda device, dtype: kernel)
+    monkeypatch.setattr(attention, "varlen_kernel", lambda device, dtype, windowed: kernel)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         packed_forward(packed_model, packed_model, pack(sequences()), TEMPERATURE)
     assert dtypes == [torch.bfloat16] * build_config().num_hidden_layers
@@ -225,7 +226,7 @@ def test_the_kernel_is_picked_by_device_and_dtype_and_the_torch_signature(
     assert attention.varlen_kernel(cuda, torch.float32) is None  # flash takes no fp32
     flashed: list[int] = []
     monkeypatch.setattr(attention, "_flash_forward",
-                        lambda q, k, v, cu, n, scale: flashed.append(k.shape[1]) or q)
+                        lambda q, k, v, cu, n, scale, window: flashed.append(k.shape[1]) or q)
     seen: list[dict[str, Any]] = []
 
     def newer(*args: Any, scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
@@ -245,8 +246,8 @@ def test_the_kernel_is_picked_by_device_and_dtype_and_the_torch_signature(
         monkeypatch.setattr(attention, "TORCH_VARLEN", attention._varlen_attn_call())
         kernel = attention.varlen_kernel(cuda, torch.bfloat16)
         assert kernel is not None and kernel is not attention._flash_forward
-        kernel(q, q, q, cu, 4, 0.5)  # equal heads: always torch's call
-        kernel(q, kv, kv, cu, 4, 0.5)  # grouped-query heads
+        kernel(q, q, q, cu, 4, 0.5, None)  # equal heads: always torch's call
+        kernel(q, kv, kv, cu, 4, 0.5, None)  # grouped-query heads
     assert seen == [{"window_size": (-1, 0), "enable_gqa": False, "scale": 0.5},
                     {"window_size": (-1, 0), "enable_gqa": True, "scale": 0.5},
                     {"is_causal": True, "scale": 0.5}]
