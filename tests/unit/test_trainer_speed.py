@@ -133,25 +133,41 @@ def test_max_len_is_rounded_up_to_a_power_of_two() -> None:
 
 
 class EmulatedVarlen:
-    """What the flash varlen call computes, on the CPU, from the same arguments."""
+    """What the flash varlen call computes, on the CPU, from the same arguments: causal
+    attention per sequence, within ``window`` tokens where the call gives one (the mask
+    transformers' own sliding-window layers build)."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[tuple[int, ...], int]] = []
+        self.calls: list[tuple[tuple[int, ...], int, int | None]] = []
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
                  max_len: int, scale: float | None, window: int | None) -> torch.Tensor:
-        assert window is None  # Qwen2 here has no sliding window
         assert q.dim() == k.dim() == v.dim() == 3 and q.shape[0] == k.shape[0] == v.shape[0]
         assert cu.dtype == torch.int32 and q.dtype == k.dtype == v.dtype
         offsets = cu.tolist()  # the kernel reads them on the device; the emulation here
         lengths = [b - a for a, b in itertools.pairwise(offsets)]
         assert offsets[-1] == q.shape[0] and max(lengths) <= max_len
-        self.calls.append((tuple(lengths), max_len))
+        self.calls.append((tuple(lengths), max_len, window))
         parts = [F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-            is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]).transpose(0, 1)
+            attn_mask=transformers_mask(b - a, window), scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1]).transpose(0, 1)
             for a, b in itertools.pairwise(offsets)]
         return torch.cat(parts)
+
+
+def transformers_mask(length: int, window: int | None) -> torch.Tensor:
+    """``(length, length)``: which keys each query sees in transformers' own causal
+    (``window`` None) or sliding-window mask."""
+    from transformers.masking_utils import (
+        causal_mask_function,
+        sliding_window_causal_mask_function,
+    )
+
+    allowed = (causal_mask_function if window is None
+               else sliding_window_causal_mask_function(window))
+    index = torch.arange(length)
+    return allowed(0, 0, index[:, None], index[None, :])
 
 
 @pytest.fixture
@@ -176,7 +192,7 @@ def test_the_varlen_layout_equals_the_padded_reference_in_value_and_gradient(
     batch = pack(seqs)
     logprobs, entropy = packed_forward(packed_model, packed_model, batch, TEMPERATURE)
     layers = build_config().num_hidden_layers
-    assert emulated.calls == [(batch.lengths, round_up_pow2(batch.max_len))] * layers
+    assert emulated.calls == [(batch.lengths, round_up_pow2(batch.max_len), None)] * layers
     logits, targets, _ = padded_logits(reference, seqs)
     want = completion_logprobs(logits, targets, TEMPERATURE)
     assert logprobs.shape == want.shape == (sum(c for _, c in SHAPES),)
