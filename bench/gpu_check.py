@@ -7,7 +7,8 @@ Qwen2.5-0.5B-shaped model (``async_rl.models.real_size``):
 
 - the attention kernels (``workers.trainer.attention``): the one-call varlen kernel against
   the per-sequence loop on 2.5k and 16k tokens of Qwen2.5-0.5B's heads in bf16
-  (outputs, q/k/v gradients, forward + backward time);
+  (outputs, q/k/v gradients, forward + backward time), and on 2.5k as a sliding-window
+  layer of 128 tokens (the window handed to flash against the loop's mask);
 - packed against padded logprobs on a long-tail batch, float32 and bf16 compute;
 - ``TrainerShard`` steps (``bench/trainer_step.py`` builds them), each with ms, tokens/s,
   MFU (6 N per token plus causal attention, against the GPU's dense bf16 peak), host
@@ -130,12 +131,13 @@ def step_row(label: str, shard: TrainerShard, batch: ShardBatch, tokens: list[Gr
             f"{busy:.0%}; {len(batch.micro_batches)} micro-batches, {real:,} tokens")
 
 
-def attention_row(total: int, device: torch.device) -> Row:
+def attention_row(total: int, device: torch.device, window: int | None = None) -> Row:
     """The varlen kernel against the per-sequence loop on ``total`` long-tail tokens of
-    Qwen2.5-0.5B's heads (bf16): outputs, q/k/v gradients, forward + backward time."""
+    Qwen2.5-0.5B's heads (bf16): outputs, q/k/v gradients, forward + backward time;
+    ``window``: as a sliding-window layer of that many tokens."""
     from workers.trainer import attention
 
-    kernel = attention.varlen_kernel(device, torch.bfloat16)
+    kernel = attention.varlen_kernel(device, torch.bfloat16, windowed=window is not None)
     name = attention.kernel_name(kernel)
     c = QWEN25_05B
     head_dim = c.hidden_size // c.num_heads
@@ -153,9 +155,10 @@ def attention_row(total: int, device: torch.device) -> Row:
     upstream = torch.randn(1, total, c.num_heads, head_dim, device=device,
                            dtype=torch.bfloat16, generator=gen)
     module = torch.nn.Module().eval()
-    ways = {"varlen": lambda: attention.packed_attention(module, q, k, v, None, **kwargs)[0],
-            "loop": lambda: attention.per_sequence_attention(q, k, v, lengths, 0.0, None
-                                                             ).transpose(1, 2)}
+    ways = {"varlen": lambda: attention.packed_attention(module, q, k, v, None,
+                                                         sliding_window=window, **kwargs)[0],
+            "loop": lambda: attention.per_sequence_attention(q, k, v, lengths, 0.0, None,
+                                                             window).transpose(1, 2)}
     results, times = [], []
     for run in ways.values():
         out = run()
@@ -170,7 +173,9 @@ def attention_row(total: int, device: torch.device) -> Row:
     diff = max(float((a.detach().float() - b.detach().float()).abs().max()
                      / b.detach().float().abs().max().clamp(min=1e-6))
                for a, b in zip(results[0], results[1], strict=True))
-    return (f"varlen attention = loop ({total} tokens)", "ok" if diff <= 0.05 else "MISMATCH",
+    windowed = f", window {window}" if window is not None else ""
+    return (f"varlen attention = loop ({total} tokens{windowed})",
+            "ok" if diff <= 0.05 else "MISMATCH",
             f"{name}: max |diff| / max |loop| of output and q/k/v grads {diff:.1e}; fwd+bwd "
             f"{times[0]:.2f} ms vs loop {times[1]:.2f} ms over {len(lengths)} sequences")
 
@@ -378,7 +383,8 @@ def main() -> int:
                         f"{msgspec.__version__}")]
     with tempfile.TemporaryDirectory(prefix="async-rl-gpu-check-") as root:
         rows += run_check("attention kernels", lambda: [
-            attention_row(total, torch.device("cuda")) for total in (2500, 16384)])
+            *(attention_row(total, torch.device("cuda")) for total in (2500, 16384)),
+            attention_row(2500, torch.device("cuda"), window=128)])  # gpt-oss's window
         rows += run_check("TrainerShard", lambda: trainer_checks(Path(root)))
         model_dir = Path(root) / "model-0.5b"
         rows += run_check("NVML by UUID", nvml_check)
