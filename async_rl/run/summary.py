@@ -72,8 +72,11 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     wall_s: float
     groups_trained: int
     tokens_trained: int
+    """Prompt plus completion tokens of the samples that carried a loss (group members
+    that trainer.overlong = "mask" did not leave out)."""
     groups_per_s: float
     tokens_per_s: float
+    """``tokens_trained`` over ``wall_s``."""
     accuracy_start: float | None
     accuracy_end: float | None
     staleness_histogram: tuple[int, ...]
@@ -101,6 +104,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     max_staleness: int
     # Defaults: summaries written before periodic evaluation existed still read.
     samples_trained: int = 0
+    """Group members that carried a loss (an excluded sample never does)."""
     target_accuracy: float = 0.8
     """run.target_accuracy: what time_to_target_s and samples_to_target measure against."""
     time_to_target_s: float | None = None
