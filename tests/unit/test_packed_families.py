@@ -2,7 +2,8 @@
 (mistral, gemma2, gemma3's local layers, gpt-oss's alternate layers), Gemma 2's
 attention soft-capping, gpt-oss's attention sinks, and the hybrid models' linear
 attention (qwen3_next, qwen3_5_moe), each against the model's own padded eager forward;
-the CUDA kernels' window arguments, built on the CPU with the kernels stubbed.
+the CUDA kernels' window arguments, built on the CPU with the kernels stubbed; their
+layers compiled (trainer.compile) without a graph break.
 
 The models are ``async_rl.models.families``' tiny random ones (a window of 8 tokens, so
 it binds on these sequences). The log-probs here come through the model's own head
@@ -14,17 +15,24 @@ from __future__ import annotations
 
 import copy
 import itertools
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from test_packing import TEMPERATURE, sequences
-from test_trainer_speed import EmulatedVarlen, transformers_mask, weighted_grads
+from test_trainer_speed import (
+    EmulatedVarlen,
+    compiled_and_eager_steps,
+    transformers_mask,
+    weighted_grads,
+)
 from transformers import AutoModelForCausalLM
 
-from async_rl.models.families import SLIDING_WINDOW, tiny_config
+from async_rl.models.families import SLIDING_WINDOW, build_family_model, tiny_config
 from workers.trainer import attention
 from workers.trainer.attention import round_up_pow2, use_packed_attention
+from workers.trainer.device_setup import decoder_layers
 from workers.trainer.linear_attention import PerSequence, split_linear_attention
 from workers.trainer.packing import (
     completion_logprobs,
@@ -242,3 +250,17 @@ def test_each_packed_sequence_starts_the_recurrence_from_zero() -> None:
     with torch.no_grad():  # what the row gave before: the state carried over
         whole = forward(hidden_states=hidden)
     assert float((whole[:, 7:] - want[:, 7:]).detach().abs().max()) > 1e-3
+
+
+# -- trainer.compile ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["gemma2", "gpt_oss", "qwen3_next"])
+def test_compiled_layers_of_the_families_trace_whole_and_train_as_eager_ones(
+        arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """trainer.compile (on by default on CUDA) over windows, soft-capping, sinks and the
+    per-sequence linear attention."""
+    model_dir = build_family_model(arch, tmp_path / arch)
+    compiled, step, _ = compiled_and_eager_steps(model_dir, sequences(SHAPES), monkeypatch)
+    assert len(decoder_layers(compiled.module)) == tiny_config(arch).num_hidden_layers
+    assert step.loss.tokens == sum(c for _, c in SHAPES)

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from transformers import Qwen2ForCausalLM
 
 from async_rl.models.tiny_model import build_config
-from buffers.records import TrainSequence
+from buffers.records import ShardStepResult, TrainSequence
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
 from workers.trainer import attention
@@ -533,10 +533,12 @@ def test_fsdp2_takes_the_fused_head_through_its_root_as_a_plain_shard_does(
         torch.testing.assert_close(value, want[name], atol=1e-6, rtol=1e-5)
 
 
-def test_compiled_layers_trace_whole_and_train_as_eager_ones(
-        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Dynamo with its eager backend: the tracing (what a graph break would cut) without
-    # inductor's code generation.
+def compiled_and_eager_steps(model_dir: Path, seqs: list[TrainSequence],
+                             monkeypatch: pytest.MonkeyPatch
+                             ) -> tuple[TrainerShard, ShardStepResult, ShardStepResult]:
+    """(the compiled shard, its step, an eager shard's step) on ``seqs`` in two
+    micro-batches, compiled with dynamo's eager backend: the tracing (what a graph break
+    would cut) without inductor's code generation. Asserts no graph break."""
     import functools
 
     import torch._dynamo
@@ -546,11 +548,10 @@ def test_compiled_layers_trace_whole_and_train_as_eager_ones(
     torch._dynamo.reset()
     counters.clear()
     try:
-        seqs = sequences()
         batch, tokens = shard_batch([seqs[:2], seqs[2:]])
         eager, compiled = shard(model_dir, packed=True), shard(model_dir, packed=True,
                                                                compile=True)
-        assert compiled.compiled_layers == build_config().num_hidden_layers
+        assert compiled.compiled_layers == len(decoder_layers(compiled.module)) > 0
         a, b = eager.train_step(batch, tokens), compiled.train_step(batch, tokens)
         assert dict(counters["graph_break"]) == {}
         assert counters["stats"]["unique_graphs"] >= 1
@@ -559,4 +560,11 @@ def test_compiled_layers_trace_whole_and_train_as_eager_ones(
     assert b.loss.tokens == a.loss.tokens > 0
     assert b.loss.loss_sum == pytest.approx(a.loss.loss_sum, rel=1e-6)
     assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-6)
+    return compiled, b, a
+
+
+def test_compiled_layers_trace_whole_and_train_as_eager_ones(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled, _, _ = compiled_and_eager_steps(model_dir, sequences(), monkeypatch)
+    assert len(decoder_layers(compiled.module)) == build_config().num_hidden_layers
     assert compiled.compiled_layers == 0  # the first step logged its time once
