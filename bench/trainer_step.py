@@ -162,7 +162,11 @@ class TodayStepLoss(StepLoss):
 
 def make_shard(model_dir: Path, way: str, cap: int, compute_dtype: str = "float32",
                **trainer: Any) -> TrainerShard:
-    """A set-up single shard stepping ``way``."""
+    """A set-up single shard stepping ``way``; TRL's way, the reference, is never
+    compiled (whatever ``trainer`` says): only its values count, and its padded rows
+    would compile again for every batch shape."""
+    if way == "trl":
+        trainer = {**trainer, "compile": False}
     config = msgspec.convert({"micro_batch_tokens": cap, "packed": way != "trl",
                               "compute_dtype": compute_dtype, "max_grad_norm": 1e9,
                               **trainer}, TrainerConfig)

@@ -119,16 +119,23 @@ def _architecture(model_dir: str) -> str:
 
 
 def check_lora_targets(config: Config) -> None:
-    """model.lora.target_modules name linear layers the model has."""
-    from workers.trainer.lora import linear_names
+    """model.lora.target_modules name linear layers the model has, and not its output
+    embedding: the packed trainer's fused head reads the head's base weight, and vLLM
+    serves an adapter on the head only for some architectures (not Qwen2's)."""
+    from workers.trainer.lora import head_targets, layer_names
 
-    present = linear_names(config.model.path)
-    missing = [name for name in config.model.lora.target_modules if name not in present]
+    targets = list(config.model.lora.target_modules)
+    present, head = layer_names(config.model.path)
+    missing = [name for name in targets if name not in present]
     if missing:
         raise ConfigError(
-            f"config error: model.lora.target_modules = {list(config.model.lora.target_modules)}"
-            f": {missing} not among the linear layers of model.path = "
-            f"{config.model.path!r} ({sorted(present)})")
+            f"config error: model.lora.target_modules = {targets}: {missing} not among the "
+            f"linear layers of model.path = {config.model.path!r} ({sorted(present)})")
+    if on_head := head_targets(targets, head):
+        raise ConfigError(
+            f"config error: model.lora.target_modules = {targets}: {on_head} is the output "
+            f"embedding ({head!r}) of model.path = {config.model.path!r}; LoRA on the LM "
+            "head is not supported, remove it")
 
 
 def check_chat_template(config: Config) -> None:

@@ -31,7 +31,7 @@ from transformers import AutoModelForCausalLM
 
 from async_rl.models.families import SLIDING_WINDOW, build_family_model, tiny_config
 from workers.trainer import attention
-from workers.trainer.attention import round_up_pow2, use_packed_attention
+from workers.trainer.attention import HostLengths, round_up_pow2, use_packed_attention
 from workers.trainer.device_setup import decoder_layers
 from workers.trainer.linear_attention import PerSequence, split_linear_attention
 from workers.trainer.packing import (
@@ -243,7 +243,7 @@ def test_each_packed_sequence_starts_the_recurrence_from_zero() -> None:
     lengths = (7, 1, 12)
     hidden = torch.randn(1, sum(lengths), model.config.hidden_size)
     offsets = torch.tensor([0, 7, 8, 20], dtype=torch.int32)
-    got = mixer(hidden_states=hidden, packed_lengths=lengths, cu_seq_lens_q=offsets,
+    got = mixer(hidden_states=hidden, packed_lengths=HostLengths(lengths), cu_seq_lens_q=offsets,
                 cu_seq_lens_k=offsets, max_length_q=16, max_length_k=16)
     want = torch.cat([forward(hidden_states=part) for part in hidden.split(lengths, 1)], 1)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-6)

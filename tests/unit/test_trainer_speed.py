@@ -34,7 +34,7 @@ from workers.rollout.config import Sampling
 from workers.trainer import attention
 from workers.trainer.attention import round_up_pow2, use_packed_attention
 from workers.trainer.config import TrainerConfig
-from workers.trainer.device_setup import compiles, decoder_layers, speed_up
+from workers.trainer.device_setup import decoder_layers, speed_up
 from workers.trainer.lm_head import CHUNK_ELEMENTS, chunk_rows, head_logprobs
 from workers.trainer.loss import Normaliser, read_stats
 from workers.trainer.packing import (
@@ -453,12 +453,10 @@ def test_phase_times_on_cuda_come_from_events_without_a_sync(
     assert list(times) == ["forward"] and times["forward"] >= 0
 
 
-def test_compile_defaults_to_cuda_only_and_keeps_state_dict_names(
+def test_compile_defaults_off_on_the_cpu_and_keeps_state_dict_names(
         reference: Qwen2ForCausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert not compiles(TrainerConfig(), cpu) and compiles(TrainerConfig(), cuda)
-    assert compiles(TrainerConfig(compile=True), cpu)
-    assert not compiles(TrainerConfig(compile=False), cuda)
+    # Where else it is on by default: tests/unit/test_gpu_paths.py.
+    cpu = torch.device("cpu")
     compiled: list[Any] = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
     model = copy.deepcopy(reference)
@@ -538,7 +536,10 @@ def compiled_and_eager_steps(model_dir: Path, seqs: list[TrainSequence],
                              ) -> tuple[TrainerShard, ShardStepResult, ShardStepResult]:
     """(the compiled shard, its step, an eager shard's step) on ``seqs`` in two
     micro-batches, compiled with dynamo's eager backend: the tracing (what a graph break
-    would cut) without inductor's code generation. Asserts no graph break."""
+    would cut) without inductor's code generation. Asserts the graphs break only at the
+    per-sequence loops, which stay out of the graph on purpose (on the CPU the attention
+    is ``attention._uncompiled_loop``; a linear-attention layer runs
+    ``linear_attention._each_sequence``)."""
     import functools
 
     import torch._dynamo
@@ -553,7 +554,9 @@ def compiled_and_eager_steps(model_dir: Path, seqs: list[TrainSequence],
                                                                compile=True)
         assert compiled.compiled_layers == len(decoder_layers(compiled.module)) > 0
         a, b = eager.train_step(batch, tokens), compiled.train_step(batch, tokens)
-        assert dict(counters["graph_break"]) == {}
+        breaks = dict(counters["graph_break"])
+        assert breaks and all("_uncompiled_loop" in reason or "_each_sequence" in reason
+                              for reason in breaks), breaks
         assert counters["stats"]["unique_graphs"] >= 1
     finally:
         torch._dynamo.reset()
@@ -563,7 +566,7 @@ def compiled_and_eager_steps(model_dir: Path, seqs: list[TrainSequence],
     return compiled, b, a
 
 
-def test_compiled_layers_trace_whole_and_train_as_eager_ones(
+def test_compiled_layers_break_only_at_the_loop_and_train_as_eager_ones(
         model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     compiled, _, _ = compiled_and_eager_steps(model_dir, sequences(), monkeypatch)
     assert len(decoder_layers(compiled.module)) == build_config().num_hidden_layers

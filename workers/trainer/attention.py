@@ -17,8 +17,9 @@ unchanged to every layer's attention call. Nothing here reads a device value on 
 host, so the CPU can queue a whole micro-batch ahead of a GPU.
 
 - CPU, and float32 compute on CUDA: causal SDPA on each sequence's slice, split on the
-  host lengths (on CPU nothing is faster: FlexAttention has no CPU backward here and the
-  varlen flash kernel no CPU build). Flash kernels take no float32, so a float32 CUDA
+  host lengths (``HostLengths``), never inside a compiled graph (``_uncompiled_loop``)
+  (on CPU nothing is faster: FlexAttention has no CPU backward here and the varlen flash
+  kernel no CPU build). Flash kernels take no float32, so a float32 CUDA
   run keeps this loop (now without a sync per layer): use ``trainer.compute_dtype =
   "bfloat16"`` there (docs/fsdp.md).
   A sliding window shorter than a sequence masks it (SDPA's boolean mask); soft-capping
@@ -134,11 +135,24 @@ def varlen_kernel(device: torch.device, dtype: torch.dtype, *, windowed: bool = 
     return TORCH_VARLEN or _flash_forward
 
 
-def kernel_name(kernel: VarlenKernel | None) -> str:
-    """What ``varlen_kernel`` picked, by name, for reports."""
+def _varlen_takes_gqa() -> bool:
+    """Whether this torch's ``varlen_attn`` has ``enable_gqa`` (torch 2.11's has not)."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return False
+    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+
+
+def kernel_name(kernel: VarlenKernel | None, *, gqa: bool = False) -> str:
+    """What runs for ``varlen_kernel``'s pick, by name, for reports; ``gqa``: the model
+    has fewer key/value heads than query heads, which torch's call hands to
+    ``aten._flash_attention_forward`` where its ``varlen_attn`` cannot take them."""
     if kernel is None:
         return "per-sequence loop"
-    return "aten._flash_attention_forward" if kernel is _flash_forward else "torch varlen_attn"
+    if kernel is _flash_forward or (gqa and not _varlen_takes_gqa()):
+        return "aten._flash_attention_forward"
+    return "torch varlen_attn"
 
 
 def round_up_pow2(n: int) -> int:
@@ -154,7 +168,20 @@ def attention_kwargs(cu_seqlens: torch.Tensor, max_len: int,
     device), plus the host lengths the per-sequence loop splits on."""
     bound = round_up_pow2(max_len)
     return {"cu_seq_lens_q": cu_seqlens, "cu_seq_lens_k": cu_seqlens,
-            "max_length_q": bound, "max_length_k": bound, "packed_lengths": lengths}
+            "max_length_q": bound, "max_length_k": bound,
+            "packed_lengths": HostLengths(lengths)}
+
+
+class HostLengths:
+    """A packed row's sequence lengths on the host, for the per-sequence loops. A holder,
+    not the tuple itself: a compiled layer guards on a tuple's length (one graph per
+    sequence count) but on this only by its type, and only the loops outside the graph
+    (``_uncompiled_loop``, ``workers.trainer.linear_attention``) read it."""
+
+    __slots__ = ("lengths",)
+
+    def __init__(self, lengths: tuple[int, ...]) -> None:
+        self.lengths = lengths
 
 
 def _compute_dtype(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
@@ -237,6 +264,20 @@ def per_sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     return parts[0] if len(parts) == 1 else torch.cat(parts, 2)
 
 
+@torch.compiler.disable
+def _uncompiled_loop(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     lengths: HostLengths | None, dropout_p: float, scaling: float | None,
+                     window: int | None, softcap: float | None, sinks: torch.Tensor | None
+                     ) -> torch.Tensor:
+    """``per_sequence_attention`` over ``lengths`` (None: the row is one sequence) as
+    ``(1, T, H, d)``, never compiled: traced, the loop would unroll into one SDPA call
+    per sequence, and its layer compile again for every new sequence count."""
+    split = lengths.lengths if lengths is not None else (query.shape[2],)
+    out = per_sequence_attention(query, key, value, split, dropout_p, scaling, window,
+                                 softcap, sinks)
+    return out.transpose(1, 2).contiguous()
+
+
 def packed_attention(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -251,7 +292,7 @@ def packed_attention(
     s_aux: torch.Tensor | None = None,
     cu_seq_lens_q: torch.Tensor | None = None,
     max_length_q: int | None = None,
-    packed_lengths: tuple[int, ...] | None = None,
+    packed_lengths: HostLengths | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, None]:
     """transformers attention function: causal attention within each packed sequence.
@@ -281,10 +322,8 @@ def packed_attention(
         out = kernel(query[0].transpose(0, 1), key[0].transpose(0, 1),
                      value[0].transpose(0, 1), cu_seq_lens_q, max_length_q, scaling, window)
         return out.unsqueeze(0), None
-    lengths = packed_lengths or (query.shape[2],)
-    out = per_sequence_attention(query, key, value, lengths, dropout_p, scaling, window,
-                                 softcap, s_aux)
-    return out.transpose(1, 2).contiguous(), None
+    return _uncompiled_loop(query, key, value, packed_lengths, dropout_p, scaling, window,
+                            softcap, s_aux), None
 
 
 def use_packed_attention(model: torch.nn.Module) -> bool:

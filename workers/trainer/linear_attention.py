@@ -8,19 +8,32 @@ carry state from one token to the next, and transformers' torch path takes no se
 offsets (``causal_conv1d_fn`` and ``torch_chunk_gated_delta_rule`` ignore
 ``cu_seqlens``): over a whole packed row a sequence would start from the state its
 predecessor left. Per sequence, each starts from zero, exactly as in its own padded
-forward (right padding follows the real tokens, so a causal layer never sees it).
+forward (right padding follows the real tokens, so a causal layer never sees it). Like
+the attention's per-sequence loop, the split runs outside a compiled graph
+(``_each_sequence``): traced, a layer would compile again for every sequence count.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from workers.trainer.attention import HostLengths
 
 PACKING_KEYS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """The row's offsets (``workers.trainer.attention.attention_kwargs``): a slice holding one
 sequence gets none of them, as a forward of that sequence alone would."""
+
+
+@torch.compiler.disable
+def _each_sequence(forward: Callable[..., torch.Tensor], hidden_states: torch.Tensor,
+                   lengths: HostLengths, kwargs: dict[str, Any]) -> torch.Tensor:
+    """``forward`` on each sequence's slice of the ``(1, T, hidden)`` row, end to end."""
+    parts = [forward(part, **kwargs) for part in hidden_states.split(lengths.lengths, 1)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
 
 
 class PerSequence:
@@ -33,7 +46,7 @@ class PerSequence:
         """The module's own forward, bound to it."""
 
     def __call__(self, hidden_states: torch.Tensor, *args: Any,
-                 packed_lengths: tuple[int, ...] | None = None, **kwargs: Any
+                 packed_lengths: HostLengths | None = None, **kwargs: Any
                  ) -> torch.Tensor:
         if packed_lengths is None:
             return self.forward(hidden_states, *args, **kwargs)
@@ -41,9 +54,7 @@ class PerSequence:
             raise ValueError("a packed row is one row, for training: no cache, no batch")
         for key in PACKING_KEYS:
             kwargs.pop(key, None)
-        parts = [self.forward(part, **kwargs)
-                 for part in hidden_states.split(packed_lengths, 1)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, 1)
+        return _each_sequence(self.forward, hidden_states, packed_lengths, kwargs)
 
 
 def split_linear_attention(model: torch.nn.Module) -> int:

@@ -32,6 +32,7 @@ from workers.model_config import ModelConfig
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import Critic
+from workers.trainer.device_setup import use_tf32
 from workers.trainer.packing import packed_forward
 from workers.trainer.policy_model import DTYPES
 from workers.trainer.ppo_stages import (
@@ -83,6 +84,7 @@ class OwnRole:
 
     def _setup_process(self) -> None:
         self.usage_meter = start_process(self.device, self.cpu_ids)
+        use_tf32(self.trainer, self.device)  # its matmuls as precise as the policy's
 
     @contextlib.contextmanager
     def _busy(self, cause: str, version: int | None = None) -> Iterator[None]:

@@ -29,6 +29,7 @@ from torch.utils.checkpoint import checkpoint
 
 from buffers.records import TrainSequence
 from workers.trainer.attention import attention_kwargs
+from workers.trainer.head_transform import head_transform
 from workers.trainer.lm_head import head_logprobs
 
 
@@ -189,10 +190,16 @@ def _final_hidden(model: torch.nn.Module, module: torch.nn.Module, batch: Packed
 
 def _head(module: torch.nn.Module, batch: PackedBatch, hidden: torch.Tensor,
           temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``head_logprobs`` of the completion tokens from the row's final hidden states."""
+    """``head_logprobs`` of the completion tokens from the row's final hidden states,
+    with the head's own logit transform."""
     head = module.get_output_embeddings()  # type: ignore[operator]
+    if hasattr(head, "base_layer"):
+        # An adapter on the head: the fused head would read its base weight only.
+        raise ValueError("the packed trainer's fused LM head does not apply LoRA on the "
+                         "output embedding (model.lora.target_modules)")
     return head_logprobs(hidden[0].index_select(0, batch.predict_at), head.weight,
-                         head.bias, batch.targets, temperature)
+                         head.bias, batch.targets, temperature,
+                         transform=head_transform(module.config))
 
 
 def packed_forward(model: torch.nn.Module, module: torch.nn.Module, batch: PackedBatch,
@@ -203,9 +210,11 @@ def packed_forward(model: torch.nn.Module, module: torch.nn.Module, batch: Packe
     ``model`` runs the forward (DDP-wrapped on several shards); ``module`` is the bare
     model, whose output embedding is the head. The model's own head runs on no row
     (``logits_to_keep`` empty); its final hidden states, gathered at the predicting
-    positions, go through ``head_logprobs`` instead. With FSDP2 the root's parameters
-    (the head's weight among them) stay unsharded from its forward to the end of
-    backward, and the first layer's backward queues the root's gradient reduction.
+    positions, go through ``head_logprobs`` instead, with the head's own logit transform
+    (``head_transform`` of the model's config: Granite's scaling, Gemma 2's soft cap).
+    With FSDP2 the root's parameters (the head's weight among them) stay unsharded from
+    its forward to the end of backward, and the first layer's backward queues the root's
+    gradient reduction.
     """
     return _head(module, batch, _final_hidden(model, module, batch)[0], temperature)
 
