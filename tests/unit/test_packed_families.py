@@ -31,7 +31,12 @@ from transformers import AutoModelForCausalLM
 
 from async_rl.models.families import SLIDING_WINDOW, build_family_model, tiny_config
 from workers.trainer import attention
-from workers.trainer.attention import HostLengths, round_up_pow2, use_packed_attention
+from workers.trainer.attention import (
+    HostLengths,
+    attention_kwargs,
+    round_up_pow2,
+    use_packed_attention,
+)
 from workers.trainer.device_setup import decoder_layers
 from workers.trainer.linear_attention import PerSequence, split_linear_attention
 from workers.trainer.packing import (
@@ -256,11 +261,44 @@ def test_each_packed_sequence_starts_the_recurrence_from_zero() -> None:
 
 
 @pytest.mark.parametrize("arch", ["gemma2", "gpt_oss", "qwen3_next"])
-def test_compiled_layers_of_the_families_trace_whole_and_train_as_eager_ones(
+def test_compiled_layers_of_the_families_break_only_at_the_loops_and_train_as_eager_ones(
         arch: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """trainer.compile (on by default on CUDA) over windows, soft-capping, sinks and the
-    per-sequence linear attention."""
+    """trainer.compile over windows, soft-capping, sinks and the per-sequence linear
+    attention."""
     model_dir = build_family_model(arch, tmp_path / arch)
     compiled, step, _ = compiled_and_eager_steps(model_dir, sequences(SHAPES), monkeypatch)
     assert len(decoder_layers(compiled.module)) == tiny_config(arch).num_hidden_layers
     assert step.loss.tokens == sum(c for _, c in SHAPES)
+
+
+def test_a_compiled_linear_attention_layer_keeps_its_graphs_whatever_the_sequence_count(
+        ) -> None:
+    """The split runs outside the graph (``linear_attention._each_sequence``): traced, it
+    would compile the layer again for every new sequence count."""
+    import numpy as np
+    import torch._dynamo
+    from torch._dynamo.testing import CompileCounter
+
+    model = eager_model("qwen3_next")
+    use_packed_attention(model)
+    layer, rotary = model.model.layers[0], model.model.rotary_emb
+    assert layer.linear_attn is not None and model.config.layer_types[0] == "linear_attention"
+    counter = CompileCounter()
+    torch._dynamo.reset()
+    forward = torch.compile(layer.forward, dynamic=True, backend=counter)
+    frames = []
+    try:
+        for lengths in [(5, 7), (3, 4, 6), (9, 2, 3, 4), (4, 4, 4, 4, 4)]:
+            hidden = torch.randn(1, sum(lengths), model.config.hidden_size)
+            positions = torch.cat([torch.arange(n) for n in lengths])[None]
+            cu = torch.tensor(np.cumsum((0, *lengths)), dtype=torch.int32)
+            kwargs = {"position_embeddings": rotary(hidden, positions),
+                      "position_ids": positions, "attention_mask": None,
+                      **attention_kwargs(cu, max(lengths), lengths)}
+            with torch.no_grad():
+                torch.testing.assert_close(forward(hidden, **kwargs), layer(hidden, **kwargs))
+            frames.append(counter.frame_count)
+    finally:
+        torch._dynamo.reset()
+    assert frames[0] >= 1
+    assert frames == [frames[0]] * 4  # compiled once, for every sequence count
