@@ -12,7 +12,8 @@ every row it made:
 - the attention kernels (``workers.trainer.attention``): the one-call varlen kernel against
   the per-sequence loop on 2.5k and 16k tokens of Qwen2.5-0.5B's heads in bf16
   (outputs, q/k/v gradients, forward + backward time; the row names the kernel that
-  runs for grouped-query heads);
+  runs for grouped-query heads), and on 2.5k as a sliding-window layer of ``WINDOW``
+  tokens (the window handed to the kernel against the loop's mask);
 - packed against padded logprobs on a long-tail batch, float32 (TF32 off: the row
   checks the packing) and bf16 compute; the padded reference is never compiled;
 - ``TrainerShard`` steps (``bench/trainer_step.py`` builds them), each with ms, tokens/s,
@@ -67,6 +68,8 @@ FAILED = ("FAILED", "MISMATCH", "NON-FINITE")
 """Results that make the check exit 1."""
 Check = tuple[str, Callable[[], list[Row]]]
 """(name, the rows it makes): one guarded unit."""
+WINDOW = 128
+"""The sliding window of the windowed attention row: gpt-oss's."""
 
 
 def checks(setup: Setup) -> list[Check]:
@@ -82,6 +85,9 @@ def checks(setup: Setup) -> list[Check]:
     return [
         *[(f"varlen attention = loop ({n} tokens)", one(functools.partial(
             attention_row, n, setup))) for n in setup.scale.attention_tokens],
+        (f"varlen attention = loop ({setup.scale.attention_tokens[0]} tokens, window "
+         f"{WINDOW})", one(functools.partial(attention_row, setup.scale.attention_tokens[0],
+                                             setup, WINDOW))),
         ("packed = padded logprobs (float32)", one(lambda: logprob_row(setup, "float32"))),
         # TF32 matmuls, the attention loop: bf16 is the GPU setup
         step("(b') new path, float32 compute", "new", "float32", "check", False),

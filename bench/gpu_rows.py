@@ -181,13 +181,14 @@ def step_row(label: str, setup: Setup, way: str, compute_dtype: str, batch_name:
             f"micro-batches, {real:,} tokens")
 
 
-def attention_row(total: int, setup: Setup) -> Row:
+def attention_row(total: int, setup: Setup, window: int | None = None) -> Row:
     """The varlen kernel against the per-sequence loop on ``total`` long-tail tokens of
-    the model's heads (bf16): outputs, q/k/v gradients, forward + backward time."""
+    the model's heads (bf16): outputs, q/k/v gradients, forward + backward time;
+    ``window``: as a sliding-window layer of that many tokens."""
     from workers.trainer import attention
 
     device, c = setup.device, setup.scale.model
-    kernel = attention.varlen_kernel(device, torch.bfloat16)
+    kernel = attention.varlen_kernel(device, torch.bfloat16, windowed=window is not None)
     name = attention.kernel_name(kernel, gqa=c.num_kv_heads != c.num_heads)
     head_dim = c.hidden_size // c.num_heads
     lengths, rng = [], np.random.default_rng(total)
@@ -204,9 +205,10 @@ def attention_row(total: int, setup: Setup) -> Row:
     upstream = torch.randn(1, total, c.num_heads, head_dim, device=device,
                            dtype=torch.bfloat16, generator=gen)
     module = torch.nn.Module().eval()
-    ways = {"varlen": lambda: attention.packed_attention(module, q, k, v, None, **kwargs)[0],
-            "loop": lambda: attention.per_sequence_attention(q, k, v, lengths, 0.0, None
-                                                             ).transpose(1, 2)}
+    ways = {"varlen": lambda: attention.packed_attention(module, q, k, v, None,
+                                                         sliding_window=window, **kwargs)[0],
+            "loop": lambda: attention.per_sequence_attention(q, k, v, lengths, 0.0, None,
+                                                             window).transpose(1, 2)}
     results, times = [], []
     for run in ways.values():
         out = run()
@@ -221,7 +223,9 @@ def attention_row(total: int, setup: Setup) -> Row:
     diff = max(float((a.detach().float() - b.detach().float()).abs().max()
                      / b.detach().float().abs().max().clamp(min=1e-6))
                for a, b in zip(results[0], results[1], strict=True))
-    return (f"varlen attention = loop ({total} tokens)", "ok" if diff <= 0.05 else "MISMATCH",
+    windowed = f", window {window}" if window is not None else ""
+    return (f"varlen attention = loop ({total} tokens{windowed})",
+            "ok" if diff <= 0.05 else "MISMATCH",
             f"{name}: max |diff| / max |loop| of output and q/k/v grads {diff:.1e}; fwd+bwd "
             f"{times[0]:.2f} ms vs loop {times[1]:.2f} ms over {len(lengths)} sequences")
 

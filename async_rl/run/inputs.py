@@ -7,7 +7,8 @@ task's own reward functions, named in task.rewards or passed as callables, impor
 can take a completion on those columns; task.eval_reward names one; the environment
 class of task.environment imports and has its methods; the optional loggers are
 installed; trainer.backend = "fsdp2" finds the model's decoder layers; reference.path and
-critic.path are models of the policy's architecture and tokenizer), raising
+critic.path are models of the policy's architecture and tokenizer;
+trainer.router_aux_coef > 0 has a model with routers), raising
 ``ConfigError`` with one line. Used by
 ``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl sweep``
 before it is launched.
@@ -44,6 +45,8 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
         config, model=msgspec.structs.replace(config.model, path=path))
     if config.trainer.backend == "fsdp2":
         check_shardable(config.model.path)
+    if config.trainer.router_aux_coef > 0:
+        check_router(config.model.path, config.trainer.router_aux_coef)
     check_role_models(config)
     if config.model.lora.enabled:
         check_lora_targets(config)
@@ -68,6 +71,19 @@ def check_shardable(model_path: str) -> None:
             f"config error: trainer.backend = 'fsdp2': the decoder layers of model.path = "
             f"{model_path!r} cannot be found (its transformers class names none in "
             "_no_split_modules); use trainer.backend = 'ddp'")
+
+
+def check_router(model_path: str, coef: float) -> None:
+    """trainer.router_aux_coef > 0 needs a mixture-of-experts model: one whose
+    transformers config has ``output_router_logits`` (its class then returns the router
+    load-balancing loss)."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_path)
+    if not hasattr(hf_config, "output_router_logits"):
+        raise ConfigError(
+            f"config error: trainer.router_aux_coef = {coef}: model.path = {model_path!r} "
+            f"({hf_config.model_type}) has no mixture-of-experts routers; set it to 0")
 
 
 def check_role_models(config: Config) -> None:

@@ -133,7 +133,8 @@ DRY_SCALE = {"model": TINY, "sequences": 6, "long_sequences": 8, "long_micro_bat
              "attention_tokens": (300,), "wide_vocab": 1024, "repeats": 1,
              "fsdp_batch": (2, 32)}
 ROWS = [
-    "device", "varlen attention = loop (300 tokens)", "packed = padded logprobs (float32)",
+    "device", "varlen attention = loop (300 tokens)",
+    "varlen attention = loop (300 tokens, window 128)", "packed = padded logprobs (float32)",
     "(b') new path, float32 compute", "packed = padded logprobs (bfloat16)",
     "(a) today's path, check batch", "(b) new path, check batch", "(c) 4 x 16k eager",
     "(d) 4 x 16k compiled", "(e) 151,936 vocab, today's path",

@@ -296,8 +296,8 @@ def test_a_compiled_layer_keeps_its_graphs_whatever_the_sequence_count(
     from workers.trainer import attention as module
 
     if attention == "varlen":
-        monkeypatch.setattr(module, "varlen_kernel", lambda device, dtype: (
-            lambda q, k, v, cu, max_len, scale: q * cu[-1].to(q.dtype) / cu[-1]))
+        monkeypatch.setattr(module, "varlen_kernel", lambda device, dtype, windowed: (
+            lambda q, k, v, cu, max_len, scale, window: q * cu[-1].to(q.dtype) / cu[-1]))
     use_packed_attention(tiny_model)
     layer, rotary = tiny_model.model.layers[0], tiny_model.model.rotary_emb
     counter = CompileCounter()

@@ -145,6 +145,14 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     kl_in_reward: bool = False
     """true: -kl_coef * KL per token folded into the reward before GAE (PPO style; needs
     algorithm.advantage = "gae"); false: kl_coef * KL a term of the loss (GRPO style)."""
+    router_aux_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Mixture-of-experts policies: weight of the model's own router load-balancing loss
+    (transformers' ``load_balancing_loss_func`` over every layer's router logits, the
+    Switch Transformer's auxiliary loss) added to the policy loss; 0 (the default) adds
+    nothing and computes nothing. Each micro-batch's value is computed over its packed
+    row (real tokens only: a packed row has no padding) and weighs as its share of the
+    update's trained tokens; the step's token-weighted mean is logged as router_aux.
+    Needs trainer.packed and a model with routers."""
     packed: bool = True
     """One padding-free row per micro-batch, attention kept per sequence
     (``workers.trainer.packing``); false runs the padded reference layout, slower, for
@@ -171,6 +179,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise invalid("trainer.shard_group", self.shard_group,
                           f"must divide trainer.num_shards ({self.num_shards}): the mesh "
                           "is (num_shards / shard_group, shard_group)")
+        if self.router_aux_coef and not self.packed:
+            raise invalid("trainer.router_aux_coef", self.router_aux_coef,
+                          "needs trainer.packed = true (the padded layout has no router loss)")
         if self.groups_per_step % self.mini_batches:
             raise invalid(
                 "trainer.mini_batches",

@@ -33,6 +33,7 @@ from workers.trainer.packing import (
     completion_logprobs,
     pack,
     packed_forward,
+    packed_forward_router_aux,
     padded_logits,
     token_entropy,
     trained_positions,
@@ -113,6 +114,9 @@ class ForwardPass:
     advantages: torch.Tensor
     positions: int
     """Positions the model computed (padding included)."""
+    router_aux: torch.Tensor | None = None
+    """The model's router load-balancing loss over the micro-batch (a scalar, with
+    gradient) when trainer.router_aux_coef > 0; else None."""
 
 
 class StepLoss:
@@ -175,17 +179,27 @@ class StepLoss:
         """The step's micro-batches laid out once, for the proximal pass and every epoch."""
         return lay_out(micro_batches, self.device, packed=self.packed)
 
-    def forward(self, model: torch.nn.Module, micro_batch: Prepared) -> ForwardPass:
+    def forward(self, model: torch.nn.Module, micro_batch: Prepared, *,
+                router_aux: bool = False) -> ForwardPass:
         """``model`` (the DDP-wrapped one, or the bare module for a no-grad pass) over
-        one non-empty micro-batch, in its layout. Every micro-batch's loss and proximal
-        pass runs it, so a subclass that replaces it changes how each is computed
-        (``bench/trainer_step.py`` runs an earlier trainer's forward through it)."""
+        one non-empty micro-batch, in its layout; ``router_aux``: with the model's
+        router load-balancing loss (packed layout only: trainer.router_aux_coef needs
+        it). Every micro-batch's loss and proximal pass runs it, so a subclass that
+        replaces it changes how each is computed (``bench/trainer_step.py`` runs an
+        earlier trainer's forward through it)."""
         batch = micro_batch.packed
         if batch is not None:
-            logprobs, entropy = packed_forward(model, self.module, batch, self.temperature)
+            aux = None
+            if router_aux:
+                logprobs, entropy, aux = packed_forward_router_aux(
+                    model, self.module, batch, self.temperature)
+            else:
+                logprobs, entropy = packed_forward(model, self.module, batch,
+                                                   self.temperature)
             return ForwardPass(logprobs=logprobs, entropy=entropy,
-                            behaviour=batch.behaviour_logprobs, advantages=batch.advantages,
-                            positions=batch.num_tokens)
+                               behaviour=batch.behaviour_logprobs,
+                               advantages=batch.advantages, positions=batch.num_tokens,
+                               router_aux=aux)
         sequences = micro_batch.sequences
         logits, targets, positions = padded_logits(model, sequences, self.device)
         behaviour = torch.from_numpy(
@@ -240,18 +254,25 @@ class StepLoss:
         extra forward). ``reference``: the reference policy's logprobs of its tokens
         (``workers.trainer.roles``): the KL to it is measured, and with trainer.kl_coef
         > 0 and not trainer.kl_in_reward, kl_coef times it (aggregated as the loss is)
-        is added to the loss. An empty micro-batch is a zero-loss pad (no statistics;
-        its one dummy position is not counted).
+        is added to the loss. With trainer.router_aux_coef > 0, coef times the model's
+        router load-balancing loss, weighted by the micro-batch's share of the update's
+        trained tokens, is added too. An empty micro-batch is a zero-loss pad (no
+        statistics; its one dummy position is not counted).
         """
         if not micro_batch.sequences:
             # A pad still runs the model so DDP's gradient hooks fire on every shard.
             return self._pad_logits(self.model).sum() * 0.0, None, 0
+        coef = self.config.router_aux_coef
         with self.autocast():
-            run = self.forward(self.model, micro_batch)
+            run = self.forward(self.model, micro_batch, router_aux=coef > 0)
         loss, stats = token_loss(
             run.logprobs, run.behaviour, run.advantages, lengths=micro_batch.lengths,
             norm=norm, config=self.config, proximal_logprobs=proximal, entropy=run.entropy,
+            router_aux=run.router_aux,
         )
+        if run.router_aux is not None:
+            share = run.logprobs.numel() / max(norm.tokens, 1)
+            loss = loss + coef * share * run.router_aux
         if reference is not None and run.logprobs.numel():
             kl = kl_estimate(run.logprobs, reference, self.config.kl_estimator)
             if self.config.kl_coef > 0 and not self.config.kl_in_reward:
