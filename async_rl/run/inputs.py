@@ -6,7 +6,9 @@ columns the task names; the tokenizer has the chat template the task asks for; t
 task's own reward functions, named in task.rewards or passed as callables, import and
 can take a completion on those columns; task.eval_reward names one; the environment
 class of task.environment imports and has its methods; the optional loggers are
-installed; trainer.backend = "fsdp2" finds the model's decoder layers; reference.path and
+installed; trainer.backend = "fsdp2" finds the model's decoder layers; trainer.packed =
+true is not asked of a model whose features the packed path cannot compute
+(``workers.trainer.packed_support``); reference.path and
 critic.path are models of the policy's architecture and tokenizer), raising
 ``ConfigError`` with one line. Used by
 ``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl sweep``
@@ -44,6 +46,8 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
         config, model=msgspec.structs.replace(config.model, path=path))
     if config.trainer.backend == "fsdp2":
         check_shardable(config.model.path)
+    if config.trainer.packed:
+        check_packed(config.model.path)
     check_role_models(config)
     if config.model.lora.enabled:
         check_lora_targets(config)
@@ -68,6 +72,18 @@ def check_shardable(model_path: str) -> None:
             f"config error: trainer.backend = 'fsdp2': the decoder layers of model.path = "
             f"{model_path!r} cannot be found (its transformers class names none in "
             "_no_split_modules); use trainer.backend = 'ddp'")
+
+
+def check_packed(model_path: str) -> None:
+    """trainer.packed = true: the model has no feature the packed layout computes
+    otherwise than the model itself (its config.json read, no weights)."""
+    from transformers import AutoConfig
+
+    from workers.trainer.packed_support import packed_support
+
+    reason = packed_support(AutoConfig.from_pretrained(model_path))
+    if reason is not None:
+        raise ConfigError(f"config error: trainer.packed = true: {reason}")
 
 
 def check_role_models(config: Config) -> None:
