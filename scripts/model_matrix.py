@@ -44,7 +44,7 @@ COMMAND = "python scripts/model_matrix.py"
 VALUES = "test_packed_logprobs_and_entropy_equal_the_padded_eager_forward"
 GRADIENTS = "test_packed_gradients_equal_the_padded_eager_forward"
 LORA = "test_with_lora_packed_logprobs_and_adapter_gradients_equal_the_padded"
-REFUSAL = "test_a_refused_family_stops_at_start_in_one_line"
+REFUSAL = "test_a_refused_model_stops_at_start_in_one_line"
 NOT_RUN = "not run"
 
 
@@ -109,6 +109,11 @@ def lora_cell(cases: Mapping[tuple[str, str], Case], arch: str) -> str:
     return cell
 
 
+def _refusal(case: Case) -> str:
+    """A refusal row's cell: the reason its test saw the check give, or why it failed."""
+    return case.properties.get("reason", "") if case.passed else f"fails: {case.message}"
+
+
 def engine_cell(engine: Mapping[str, str], arch: str) -> str:
     return engine.get(arch, NOT_RUN)
 
@@ -135,7 +140,11 @@ def render(cases: Mapping[tuple[str, str], Case], engine: Mapping[str, str]) -> 
         name = arch if model_type(arch) == arch else f"{arch} ({model_type(arch)})"
         rows.append(f"| {name} | {_escape(trainer)} | {_escape(engine_cell(engine, arch))} "
                     f"| {_escape(lora_cell(cases, arch))} | {_escape(notes)} |")
+    others = [f"| {name} | {_escape(_refusal(case))} |"
+              for (test, name), case in sorted(cases.items())
+              if test == REFUSAL and name not in ARCHITECTURES]
     return TEMPLATE.format(
+        others="\n".join(others) or f"| (none) | {NOT_RUN} |",
         command=COMMAND, tests=TESTS, total=len(ARCHITECTURES),
         exact=trainer_cells.count("exact"), refused=trainer_cells.count("refused"),
         failing=len(ARCHITECTURES) - trainer_cells.count("exact")
@@ -174,6 +183,17 @@ switched on) checked by a test; nothing here is claimed that a test did not chec
 | architecture | trainer | engine | LoRA | notes |
 |---|---|---|---|---|
 {rows}
+
+## Refused at start
+
+Models outside the families above that the packed path must not train, each a row of
+the same test: the one line `async-rl train` stops with (exit 2), which names the
+feature. `trainer.packed = false` trains them on the model's own layers (not checked
+here).
+
+| model | refusal |
+|---|---|
+{others}
 
 ## How to add a family
 

@@ -13,7 +13,10 @@ than the families' sliding window three times over):
   rank 8 on the default target modules the family has (adapters drawn non-zero, so the
   adapters change the function);
 - refused: ``packed_support`` names the family and the feature, and ``check_inputs``
-  stops the run with that one line (``async-rl train`` exits 2 with it).
+  stops the run with that one line (``async-rl train`` exits 2 with it). Besides the
+  families, models the packed path must refuse (``OUTSIDE``: a bidirectional gemma3,
+  and families with chunked, indexed or other linear attention, or state-space layers)
+  are rows of their own.
 
 ``scripts/model_matrix.py`` runs this file and renders docs/models.md from its outcome.
 """
@@ -30,11 +33,11 @@ import msgspec
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 
 from async_rl.cli import main
 from async_rl.config import Config
-from async_rl.models.families import ARCHITECTURES, build_family_model, tiny_config
+from async_rl.models.families import ARCHITECTURES, tiny_config
 from async_rl.run.inputs import check_inputs
 from buffers.config import ConfigError
 from buffers.records import TrainSequence
@@ -62,7 +65,6 @@ LORA_RANK = 8
 
 REASONS = {arch: packed_support(tiny_config(arch)) for arch in ARCHITECTURES}
 EXACT = [arch for arch, reason in REASONS.items() if reason is None]
-REFUSED = [arch for arch, reason in REASONS.items() if reason is not None]
 
 
 def micro_batch(seed: int = 0) -> list[TrainSequence]:
@@ -203,19 +205,35 @@ def test_with_lora_packed_logprobs_and_adapter_gradients_equal_the_padded(
 
 # -- refusals -----------------------------------------------------------------------------
 
+OUTSIDE = {
+    "gemma3_bidirectional": "bidirectional attention",
+    "llama4_text": "chunked_attention layers",
+    "deepseek_v32": "indexed_attention layers",
+    "kimi_linear": "linear_attention layers",
+    "granitemoehybrid": "recurrent, state-space or convolution layers (mamba_d_state)",
+    "lfm2": "recurrent, state-space or convolution layers (conv_L_cache)",
+    "mamba2": "recurrent, state-space or convolution layers (state_size)",
+}
+"""Models outside the families that the packed path must refuse, and the feature each
+refusal names: gemma3's bidirectional variant, and transformers' default configs of
+families with layers the packed path has no rule for (only their config.json is
+written: the check reads nothing else)."""
+REFUSED = [*(arch for arch, reason in REASONS.items() if reason is not None), *OUTSIDE]
 
-def test_most_families_train_exactly_and_each_refusal_names_its_family() -> None:
+
+def refused_config(name: str) -> PretrainedConfig:
+    if name == "gemma3_bidirectional":
+        config = tiny_config("gemma3")
+        config.use_bidirectional_attention = True
+        return config
+    if name in OUTSIDE:
+        return AutoConfig.for_model(name)
+    return tiny_config(name)
+
+
+def test_most_families_train_exactly() -> None:
     assert len(EXACT) >= 12
-    for arch in REFUSED:
-        reason = REASONS[arch]
-        assert reason is not None and "\n" not in reason
-        assert reason.startswith(f"{tiny_config(arch).model_type}: ")
-        assert reason.endswith("set trainer.packed = false")
-
-
-@functools.cache
-def family_dir(arch: str, root: Path) -> Path:
-    return build_family_model(arch, root / arch)
+    assert len(EXACT) + len(REFUSED) - len(OUTSIDE) == len(ARCHITECTURES)
 
 
 def run_config(model: Path, out: Path, *, packed: bool) -> Config:
@@ -224,28 +242,32 @@ def run_config(model: Path, out: Path, *, packed: bool) -> Config:
 
 
 @pytest.mark.parametrize("refused", REFUSED)
-def test_a_refused_family_stops_at_start_in_one_line(
-        refused: str, tmp_path_factory: pytest.TempPathFactory,
-        record_property: Callable[[str, object], None]) -> None:
-    record_property("reason", REASONS[refused])  # for docs/models.md
-    root = tmp_path_factory.getbasetemp()
-    model, out = family_dir(refused, root), root / "run"
+def test_a_refused_model_stops_at_start_in_one_line(
+        refused: str, tmp_path: Path, record_property: Callable[[str, object], None]) -> None:
+    config = refused_config(refused)
+    reason = packed_support(config)
+    assert reason is not None
+    record_property("reason", reason)  # for docs/models.md
+    assert "\n" not in reason and reason.endswith("; set trainer.packed = false")
+    assert reason.startswith(f"{config.get_text_config().model_type}: "
+                             f"{OUTSIDE.get(refused, '')}")
+    config.save_pretrained(tmp_path / "model")  # config.json: all the check reads
     with pytest.raises(ConfigError) as err:
-        check_inputs(run_config(model, out, packed=True))
-    assert str(err.value) == f"config error: trainer.packed = true: {REASONS[refused]}"
-    # The padded layout runs the model's own attention and head: let through.
-    assert check_inputs(run_config(model, out, packed=False)).model.path == str(model)
+        check_inputs(run_config(tmp_path / "model", tmp_path / "run", packed=True))
+    assert str(err.value) == f"config error: trainer.packed = true: {reason}"
+    # The padded layout runs the model's own layers: let through.
+    checked = check_inputs(run_config(tmp_path / "model", tmp_path / "run", packed=False))
+    assert checked.model.path == str(tmp_path / "model")
 
 
-def test_async_rl_train_on_a_refused_family_exits_2_in_one_line(
-        tmp_path_factory: pytest.TempPathFactory, capsys: pytest.CaptureFixture[str]) -> None:
-    assert REFUSED
-    refused = REFUSED[0]
-    root = tmp_path_factory.getbasetemp()
-    config = root / "refused.toml"
-    config.write_text(f'[model]\npath = "{family_dir(refused, root)}"\n'
-                      f'[run]\noutput_dir = "{root / "refused-run"}"\n')
-    assert main(["train", str(config)]) == 2
+def test_async_rl_train_on_a_refused_model_exits_2_in_one_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = refused_config("gemma3_bidirectional")
+    config.save_pretrained(tmp_path / "model")
+    toml = tmp_path / "refused.toml"
+    toml.write_text(f'[model]\npath = "{tmp_path / "model"}"\n'
+                    f'[run]\noutput_dir = "{tmp_path / "run"}"\n')
+    assert main(["train", str(toml)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err == [f"config error: trainer.packed = true: {REASONS[refused]}"]
-    assert not (root / "refused-run").exists()
+    assert err == [f"config error: trainer.packed = true: {packed_support(config)}"]
+    assert not (tmp_path / "run").exists()

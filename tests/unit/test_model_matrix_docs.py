@@ -30,13 +30,18 @@ REPORT = f"""<?xml version="1.0" encoding="utf-8"?>
 <testcase classname="tests.unit.test_model_matrix" name="{matrix.REFUSAL}[gemma2]">
   <properties><property name="reason" value="gemma2: attention soft-capping"/>
   </properties></testcase>
+<testcase classname="tests.unit.test_model_matrix" name="{matrix.REFUSAL}[mamba2]">
+  <properties><property name="reason" value="mamba2: state-space"/></properties></testcase>
+<testcase classname="tests.unit.test_model_matrix" name="{matrix.REFUSAL}[lfm2]">
+  <failure message="AssertionError: no refusal">trace</failure></testcase>
 <testcase classname="tests.unit.test_model_matrix" name="test_no_family"/>
 </testsuite></testsuites>
 """
 
 
 def rows(page: str) -> dict[str, list[str]]:
-    table = [line for line in page.splitlines() if line.startswith("| ")][1:]
+    families = page.split("## Refused at start")[0]
+    table = [line for line in families.splitlines() if line.startswith("| ")][1:]
     cells = {}
     for line in table:
         parts = [p.strip() for p in line.strip("|").split(" | ")]
@@ -48,7 +53,7 @@ def test_each_cell_is_a_recorded_outcome(tmp_path: Path) -> None:
     report = tmp_path / "trainer.xml"
     report.write_text(REPORT)
     cases = matrix.read_report(report)
-    assert len(cases) == 7  # the case without an architecture is not a row
+    assert len(cases) == 9  # the case without an architecture is not a row
     page = matrix.render(cases, {"llama": "exact", "gemma2": "not on CPU: no kernel"})
     cells = rows(page)
     assert list(cells) == list(ARCHITECTURES)
@@ -63,6 +68,9 @@ def test_each_cell_is_a_recorded_outcome(tmp_path: Path) -> None:
     assert gemma2[3].startswith("refused: gemma2: attention soft-capping. ")
     assert cells["qwen2"][:3] == ["not run"] * 3
     assert f"{len(ARCHITECTURES)} architectures; in the trainer 1 train exactly, 1 are" in page
+    others = page.split("## Refused at start")[1]
+    assert "| lfm2 | fails: AssertionError: no refusal |" in others
+    assert "| mamba2 | mamba2: state-space |" in others
 
 
 def test_the_script_reads_the_engine_rows_file_and_writes_the_page(
