@@ -6,9 +6,11 @@ columns the task names; the tokenizer has the chat template the task asks for; t
 task's own reward functions, named in task.rewards or passed as callables, import and
 can take a completion on those columns; task.eval_reward names one; the environment
 class of task.environment imports and has its methods; the optional loggers are
-installed; trainer.backend = "fsdp2" finds the model's decoder layers; reference.path and
-critic.path are models of the policy's architecture and tokenizer;
-trainer.router_aux_coef > 0 has a model with routers), raising
+installed; trainer.backend = "fsdp2" finds the model's decoder layers; trainer.packed =
+true is not asked of a model whose features the packed path cannot compute
+(``workers.trainer.packed_support``); trainer.router_aux_coef > 0 has a model with
+routers; reference.path and critic.path are models of the policy's architecture and
+tokenizer), raising
 ``ConfigError`` with one line. Used by
 ``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl sweep``
 before it is launched.
@@ -45,6 +47,8 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
         config, model=msgspec.structs.replace(config.model, path=path))
     if config.trainer.backend == "fsdp2":
         check_shardable(config.model.path)
+    if config.trainer.packed:
+        check_packed(config.model.path)
     if config.trainer.router_aux_coef > 0:
         check_router(config.model.path, config.trainer.router_aux_coef)
     check_role_models(config)
@@ -84,6 +88,18 @@ def check_router(model_path: str, coef: float) -> None:
         raise ConfigError(
             f"config error: trainer.router_aux_coef = {coef}: model.path = {model_path!r} "
             f"({hf_config.model_type}) has no mixture-of-experts routers; set it to 0")
+
+
+def check_packed(model_path: str) -> None:
+    """trainer.packed = true: the model has no feature the packed layout computes
+    otherwise than the model itself (its config.json read, no weights)."""
+    from transformers import AutoConfig
+
+    from workers.trainer.packed_support import packed_support
+
+    reason = packed_support(AutoConfig.from_pretrained(model_path))
+    if reason is not None:
+        raise ConfigError(f"config error: trainer.packed = true: {reason}")
 
 
 def check_role_models(config: Config) -> None:
