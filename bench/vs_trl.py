@@ -422,8 +422,9 @@ def run_async_rl(config: Config, name: str, target: float) -> SystemFigures:
     tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     group_size = config.rollout.group_size
 
-    # Completion tokens per step: the run counts prompt + completion tokens; take the
-    # trained prompts' tokens (ledger: "trained" at version step - 1) back out.
+    # Completion tokens per step: the run counts its members' prompt + completion tokens;
+    # take the trained prompts' tokens (ledger: "trained" at version step - 1, one
+    # reward per member) back out.
     trained = [e for e in read_ledger(run_dir) if e.event == "trained"]
     last = _max_index(e.prompt_id for e in trained)
     stream = [_indexed(source).prompt_at(i) for i in range(last + 1)]
@@ -431,7 +432,7 @@ def run_async_rl(config: Config, name: str, target: float) -> SystemFigures:
     prompt_tokens_at: dict[int, int] = {}
     for entry in trained:
         prompt_tokens_at[entry.version + 1] = (prompt_tokens_at.get(entry.version + 1, 0)
-                                               + group_size * lengths[entry.prompt_id])
+                                               + len(entry.rewards) * lengths[entry.prompt_id])
     completion_by_step: dict[int, int] = {0: 0}
     groups_by_step: dict[int, int] = {0: 0}
     total = groups = 0

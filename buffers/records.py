@@ -177,8 +177,11 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     reward_pool_saturated: int = 0
     """Of ``reward_timeouts``, the scores whose call was refused at once: every reward
     thread was stuck in an earlier call (task.reward_threads)."""
-    reward_means: dict[str, float] = {}
-    """Per reward of the task's own (task.rewards): its mean over the group, unweighted."""
+    reward_scores: dict[str, tuple[float | None, ...]] = {}
+    """Per reward of the task's own (task.rewards), and per extra metric ``<name>/<key>``
+    of a verl-style one: each sample's value, unweighted; None where there is none (an
+    excluded sample, never scored; a lost score; a metric the sample did not give). The
+    step's reward/<name> averages the members' values that are not None."""
     env_timeouts: int = 0
     """Multi-turn trajectories ended by an environment call past
     task.environment.turn_timeout_s."""
@@ -225,6 +228,11 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
         return tuple(k for k, why in enumerate(self.excluded) if not why)
 
     @property
+    def member_rewards(self) -> tuple[float, ...]:
+        """The members' rewards, in order (the excluded samples' left out)."""
+        return tuple(self.rewards[k] for k in self.members)
+
+    @property
     def turn_lengths(self) -> tuple[int, ...]:
         """Per sample: the tokens rollout.max_new_tokens capped (its longest turn)."""
         return self.longest_turns or self.completion_lengths
@@ -240,7 +248,7 @@ def make_group(
     reward_failures: int | None = None,
     reward_timeouts: int = 0,
     reward_pool_saturated: int = 0,
-    reward_means: Mapping[str, float] | None = None,
+    reward_scores: Mapping[str, tuple[float | None, ...]] | None = None,
 ) -> Group:
     """A Group holding its own ``GroupTokens`` (the rollout actor swaps in a reference),
     with its version range, lengths and token count derived from the samples
@@ -278,7 +286,7 @@ def make_group(
                          else reward_failures),
         reward_timeouts=reward_timeouts,
         reward_pool_saturated=reward_pool_saturated,
-        reward_means=dict(reward_means or {}),
+        reward_scores=dict(reward_scores or {}),
         min_version=min((low for low, _ in versions), default=NO_VERSION),
         max_version=max((high for _, high in versions), default=NO_VERSION),
         env_timeouts=sum(s.env_outcome == "timeout" for s in samples),
@@ -389,6 +397,9 @@ class LossStats(msgspec.Struct, frozen=True, kw_only=True):
     """Sum of the k3 estimator of KL(behaviour || current) per token."""
     entropy_sum: float = 0.0
     """Sum of the current policy's entropy at each trained token's position."""
+    router_aux_sum: float = 0.0
+    """With trainer.router_aux_coef > 0: each micro-batch's router load-balancing loss
+    times its trained tokens, summed (0 otherwise)."""
 
 
 class ShardStepResult(msgspec.Struct, frozen=True, kw_only=True):

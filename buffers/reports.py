@@ -65,7 +65,8 @@ class LedgerEntry(msgspec.Struct, frozen=True, kw_only=True):
     reason "filtered" (rollout.filter_groups) is final: the prompt is not run again."""
     time: float = 0.0
     rewards: tuple[float, ...] = ()
-    """The group's sample rewards, on its trained and filtered events."""
+    """The group's members' rewards (``Group.member_rewards``: an excluded sample's left
+    out), on its trained and filtered events."""
     lengths: tuple[int, ...] = ()
     """Completion tokens of each sample, on its generated events (what
     ``async-rl simulate --lengths RUN_DIR`` replays)."""
@@ -83,6 +84,9 @@ class RolloutStatistics(msgspec.Struct, frozen=True, kw_only=True):
     """Completion tokens of finished group samples (not evaluation)."""
     reward_failures: int
     """Completions whose reward function raised or returned a non-finite value."""
+    rewards_skipped: int
+    """Samples no reward was called on: no group member, or a trajectory an environment
+    failure ended (scored 0 without a call)."""
     weight_updates: int
     requests_running: int
     """Sample requests submitted to the engine and not finished."""

@@ -79,7 +79,8 @@ class EnvironmentConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     on_timeout: Literal["exclude", "train", "requeue"] = "exclude"
     """What becomes of a trajectory ended by an environment call past turn_timeout_s:
     exclude (it leaves its group's statistics and loss; a group left with fewer than two
-    members runs again), train (it is scored 0 beside its group's others) or requeue
+    members runs again), train (it is scored 0 beside its group's others, by every
+    reward: the task's own rewards are not called on it) or requeue
     (the whole group is dropped and its prompt runs again; ledger reason env_timeout). A
     reset that timed out gave no prompt: excluded unless requeue."""
     on_error: Literal["exclude", "train", "requeue"] = "exclude"

@@ -113,7 +113,8 @@ class Orchestrator:
         # The run's own bookkeeping, each part built from the config sections it reads.
         self.totals = StepTotals(bucket_edges=config.queue.bucket_edges)
         self.pool = RolloutPool.from_config(config.rollout, workers, totals=self.totals,
-                                            current_policy=self.current_policy)
+                                            current_policy=self.current_policy,
+                                            call_timeout_s=config.run.call_timeout_s)
         self.health = RunHealth.from_config(config.trainer, config.rollout, self.totals,
                                             clock=self.clock)
         self.prompts = PromptLedger.from_config(config.run, out, lambda: self.version,
@@ -286,8 +287,7 @@ class Orchestrator:
                 t2 = self.clock()
                 staleness = [self.version - 1 - g.min_version for g in groups]
                 for group in groups:
-                    self.prompts.trained(group.prompt, version=self.version - 1,
-                                         rewards=group.rewards)
+                    self.prompts.trained(group, version=self.version - 1)
                 if self.version % cfg.weights.sync_every == 0:
                     self.training.switch("weight_publish", self.version)
                     to_deliver.send_nowait(await self.weights.publish(self.version))
@@ -296,7 +296,7 @@ class Orchestrator:
                     step=step, version=self.version, groups=groups, results=results,
                     plan=plan, staleness=staleness, wait_s=t1 - t0, train_s=t2 - t1,
                     sync_s=self.clock() - t2, timings=timings,
-                    queue=self.queue.statistics(), totals=self.totals,
+                    queue=self.queue.statistics(), totals=self.totals, trainer=cfg.trainer,
                 ) | role_metrics(results, critic, measured_kl=cfg.has_reference)
                 self.out.metrics(row)
                 self.evals.produced(self.version, t2, samples=self.totals.samples_trained,

@@ -5,7 +5,9 @@ dropped or failed and re-queued with a reason, dropped for good as filtered, unf
 the end) and the two sets
 behind the run's "nothing lost, nothing trained twice": the prompts admitted and not yet
 trained (``open``) and those waiting to run again (``requeued``, handed out before new
-ones). A filtered prompt (its group had no GRPO signal, rollout.filter_groups) is
+ones). Trained and filtered events carry the group's members' rewards only, as
+generated events carry the members' lengths. A filtered prompt (its group had no GRPO
+signal, rollout.filter_groups) is
 accounted, not owed: it leaves ``open`` and is not re-queued, as DAPO samples more
 instead. Knows nothing about the gate, the queue or workers: the orchestrator says what
 happened.
@@ -22,7 +24,7 @@ import msgspec
 from async_rl.config import RunConfig
 from async_rl.run.run_dir import RunWriter
 from async_rl.tasks.sources import PromptSource
-from buffers.records import Prompt
+from buffers.records import Group, Prompt
 from buffers.reports import LedgerEntry
 
 FILTERED = "filtered"
@@ -66,14 +68,17 @@ class PromptLedger:
         self.open[prompt.prompt_id] = prompt
         return prompt
 
-    def trained(self, prompt: Prompt, version: int, rewards: tuple[float, ...]) -> None:
-        self.open.pop(prompt.prompt_id, None)
-        self.write(prompt, "trained", version=version, rewards=rewards)
+    def trained(self, group: Group, version: int) -> None:
+        """``group`` trained at ``version``: its prompt is done; the event carries the
+        members' rewards (``Group.member_rewards``: an excluded sample's are left out)."""
+        self.open.pop(group.prompt_id, None)
+        self.write(group.prompt, "trained", version=version, rewards=group.member_rewards)
 
-    def filtered(self, prompt: Prompt, rewards: tuple[float, ...]) -> None:
-        """Its group had no signal: dropped (reason filtered) and done, not run again."""
-        self.open.pop(prompt.prompt_id, None)
-        self.write(prompt, "dropped", reason=FILTERED, rewards=rewards)
+    def filtered(self, group: Group) -> None:
+        """``group`` had no signal: dropped (reason filtered) and done, not run again; the
+        event carries the members' rewards, as ``trained``'s."""
+        self.open.pop(group.prompt_id, None)
+        self.write(group.prompt, "dropped", reason=FILTERED, rewards=group.member_rewards)
 
     def requeue(self, prompt: Prompt, event: str, reason: str) -> bool:
         """``event`` (dropped, failed) and the prompt runs again, as its next attempt;

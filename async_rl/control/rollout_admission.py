@@ -117,7 +117,7 @@ class RolloutAdmission:
                                                   self.rollout.max_new_tokens))
         if not informative:
             self.gate.release()
-            self.prompts.filtered(group.prompt, group.rewards)
+            self.prompts.filtered(group)
         self.health.judged(informative)
         return not informative
 

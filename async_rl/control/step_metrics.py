@@ -17,6 +17,7 @@ from async_rl.control.evaluation import first_at_target
 from async_rl.control.loss_stats import merge_stats, summarise
 from async_rl.run.summary import BucketDrops, EvalPoint, RunSummary
 from buffers.balance import StepPlan
+from buffers.batching import TrainerRules, trained_sample
 from buffers.config import bucket_index
 from buffers.queue_records import ReplayQueueStatistics
 from buffers.records import Group, ShardStepResult
@@ -52,6 +53,7 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     too_few_members: int = 0
     readmissions_exhausted: int = 0
     reward_pool_saturated: int = 0
+    failed_restarts: int = 0
 
 
 class StepTotals:
@@ -61,7 +63,10 @@ class StepTotals:
     def __init__(self, bucket_edges: Sequence[int] = ()) -> None:
         self.groups_trained = 0
         self.samples_trained = 0
+        """Group members that carried a loss (no excluded sample, none that
+        trainer.overlong = "mask" left out)."""
         self.tokens_trained = 0
+        """Their prompt plus completion tokens (each trained sequence once)."""
         self.dropped_stale = 0
         self.rollout_failures = 0
         self.reward_failures = 0
@@ -89,6 +94,9 @@ class StepTotals:
         """Prompts dropped for good after run.max_readmissions re-admissions."""
         self.reward_pool_saturated = 0
         """Of reward_timeouts, scores refused at once: every reward thread was stuck."""
+        self.failed_restarts = 0
+        """Of restarts, replacements that did not start or join in time (or were
+        cancelled at the run's end)."""
         self.row_mark = (0, 0)
         """(groups_generated, filtered_groups) at the last metrics row."""
         self.nonfinite_in_a_row = 0
@@ -137,7 +145,8 @@ class StepTotals:
             env_errors=self.env_errors, excluded_members=dict(self.excluded_members),
             too_few_members=self.too_few_members,
             readmissions_exhausted=self.readmissions_exhausted,
-            reward_pool_saturated=self.reward_pool_saturated)
+            reward_pool_saturated=self.reward_pool_saturated,
+            failed_restarts=self.failed_restarts)
 
     def restore(self, counters: Counters) -> None:
         for name in Counters.__struct_fields__:
@@ -166,6 +175,7 @@ class StepTotals:
             "out_of_memory": self.out_of_memory,
             "rollout_stall": self.rollout_stalls,
             "worker_restarts": self.restarts,
+            "failed_restarts": self.failed_restarts,
             "rollout_errors": self.rollout_failures,
             "timeouts": self.timeouts,
             "restore_failures": self.restore_failures,
@@ -242,29 +252,45 @@ def step_row(
     timings: Sequence[BroadcastTiming],
     queue: ReplayQueueStatistics,
     totals: StepTotals,
+    trainer: TrainerRules,
 ) -> dict[str, Any]:
-    """One metrics row; also folds the step into ``totals``. Rewards, finish reasons and
-    lengths are the groups' members' (``Group.members``)."""
-    rewards = [g.rewards[k] for g in groups for k in g.members]
-    finishes = [g.finish_reasons[k] for g in groups for k in g.members]
-    tokens = sum(g.num_tokens for g in groups)
+    """One metrics row; also folds the step into ``totals``. ``trainer``: the rules that
+    say which members carried a loss (``buffers.batching.trained_sample``).
+
+    Every statistic is the groups' members' (``Group.members``): rewards, accuracy,
+    reward/<name> (each reward's member values that are not lost), finish reasons,
+    lengths, and ``tokens`` (the members' prompt plus completion tokens, each member's
+    sequence once, trained or not; ``tokens_per_s`` is it over the step's seconds).
+    ``samples_trained`` and ``tokens_trained`` are the members that carried a loss and
+    their sequences' tokens: not those trainer.overlong = "mask" left out. The excluded
+    samples are counted apart: ``samples_excluded``, ``tokens_excluded`` and
+    ``excluded`` (by reason)."""
+    members = [(g, k) for g in groups for k in g.members]
+    trained = [(g, k) for g, k in members if trained_sample(g, k, trainer)]
+    excluded = [(g, k, why) for g in groups for k, why in enumerate(g.excluded) if why]
+    rewards = [g.rewards[k] for g, k in members]
+    finishes = [g.finish_reasons[k] for g, k in members]
+    tokens = sum(g.sequence_lengths[k] for g, k in members)
+    tokens_trained = sum(g.sequence_lengths[k] for g, k in trained)
     totals.groups_trained += len(groups)
-    totals.samples_trained += sum(len(g.members) for g in groups)
-    totals.tokens_trained += tokens
+    totals.samples_trained += len(trained)
+    totals.tokens_trained += tokens_trained
     totals.staleness.update(staleness)
     histogram = Counter(staleness)
     step_s = wait_s + train_s + sync_s
-    lengths = sorted(g.completion_lengths[k] for g in groups for k in g.members)
+    lengths = sorted(g.completion_lengths[k] for g, k in members)
     by_reward: dict[str, list[float]] = {}
-    for group in groups:
-        for name, mean in group.reward_means.items():
-            by_reward.setdefault(name, []).append(mean)
+    for g, k in members:
+        for name, values in g.reward_scores.items():
+            if (value := values[k]) is not None:
+                by_reward.setdefault(name, []).append(value)
     return {
         "step": step,
         "version": version,
         "reward_mean": sum(rewards) / len(rewards) if rewards else 0.0,
         "accuracy": sum(r >= 1.0 for r in rewards) / len(rewards) if rewards else 0.0,
-        # Each of the task's own rewards (task.rewards), unweighted: reward/<name>.
+        # Each of the task's own rewards (task.rewards), unweighted, over the members it
+        # scored: reward/<name> (none when it scored no member this step).
         **{f"reward/{name}": sum(v) / len(v) for name, v in by_reward.items()},
         **summarise(merge_stats([r.loss for r in results])),
         "grad_norm": results[0].grad_norm if results else 0.0,
@@ -278,8 +304,15 @@ def step_row(
         "staleness_histogram": [histogram[s] for s in range(max(histogram, default=0) + 1)],
         "staleness_max": max(staleness, default=0),
         "groups": len(groups),
+        "samples": len(members),
         "tokens": tokens,
         "tokens_per_s": tokens / step_s if step_s else 0.0,
+        "samples_trained": len(trained),
+        "tokens_trained": tokens_trained,
+        # Samples that were no group member (``Group.excluded``), apart from the above.
+        "samples_excluded": len(excluded),
+        "tokens_excluded": sum(g.sequence_lengths[k] for g, k, _ in excluded),
+        "excluded": dict(Counter(why for *_, why in excluded)),
         # The long tail the buckets and the balancer exist for.
         "completion_tokens": {"mean": sum(lengths) / len(lengths),
                               "p50": lengths[len(lengths) // 2],

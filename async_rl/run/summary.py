@@ -72,8 +72,11 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     wall_s: float
     groups_trained: int
     tokens_trained: int
+    """Prompt plus completion tokens of the samples that carried a loss (group members
+    that trainer.overlong = "mask" did not leave out)."""
     groups_per_s: float
     tokens_per_s: float
+    """``tokens_trained`` over ``wall_s``."""
     accuracy_start: float | None
     accuracy_end: float | None
     staleness_histogram: tuple[int, ...]
@@ -92,7 +95,8 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     with the one-line reason); "" when it finished."""
     failures: dict[str, int] = {}
     """Count of each failure class (``StepTotals.failures``): out_of_memory,
-    rollout_stall, worker_restarts, rollout_errors, timeouts, restore_failures,
+    rollout_stall, worker_restarts, failed_restarts (of those, replacements that did not
+    start or join in time), rollout_errors, timeouts, restore_failures,
     nonfinite_steps, lost_steps, reward_errors, reward_timeouts, env_timeouts (multi-turn
     trajectories ended by an environment call past task.environment.turn_timeout_s),
     env_errors (ended by an environment that raised), stale_drops,
@@ -101,6 +105,7 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     max_staleness: int
     # Defaults: summaries written before periodic evaluation existed still read.
     samples_trained: int = 0
+    """Group members that carried a loss (an excluded sample never does)."""
     target_accuracy: float = 0.8
     """run.target_accuracy: what time_to_target_s and samples_to_target measure against."""
     time_to_target_s: float | None = None

@@ -120,14 +120,14 @@ def generating_beside(spans: Sequence[Span]) -> dict[int, float]:
     return beside
 
 
-def trained_lengths(config: Config, rows: Sequence[dict[str, object]],
+def trained_lengths(rows: Sequence[dict[str, object]],
                     ledger: Sequence[LedgerEntry]) -> list[int]:
     """The run's sequences as the trainer saw them, near enough for attention's share:
-    each generated completion (ledger) after the mean prompt (metrics: a step's tokens
-    less its completions)."""
+    each generated completion (ledger) after the mean prompt (metrics: a step's members'
+    tokens less their completions)."""
     samples = tokens = completions = 0.0
     for row in rows:
-        count = float(row["groups"]) * config.rollout.group_size  # type: ignore[arg-type]
+        count = float(row["samples"])  # type: ignore[arg-type]
         mean = row["completion_tokens"] or {"mean": 0.0}
         samples += count
         tokens += float(row["tokens"])  # type: ignore[arg-type]
@@ -143,7 +143,7 @@ def _fit_trainer(config: Config, rows: Sequence[dict[str, object]], base: Hardwa
     had them and some did not: the contention)."""
     steps = rows[2:] if len(rows) > 4 else rows  # the first steps run cold
     train = np.array([float(r["train_s"]) for r in steps])  # type: ignore[arg-type]
-    tokens = np.array([float(r["tokens"]) for r in steps])  # type: ignore[arg-type]
+    tokens = np.array([float(r["tokens_trained"]) for r in steps])  # type: ignore[arg-type]
     engines = np.array([beside.get(int(r["step"]), 0.0) for r in steps])  # type: ignore[call-overload]
     updates = config.trainer.mini_batches * config.trainer.epochs
     # The base file's contention, when it has one, is the machine's: kept, not fitted.
@@ -208,7 +208,7 @@ def calibrate(run_dir: str | Path, out: str | Path, overrides: Sequence[str] = (
     if any(span.device.startswith("cpu:") for span in spans if span.role == "trainer"):
         # Laid out on this machine's cores: the simulation lays them out the same way.
         base = msgspec.structs.replace(base, cores=len(os.sched_getaffinity(0)))
-    attention = costs.attention_share(trained_lengths(config, rows, read_ledger(path)))
+    attention = costs.attention_share(trained_lengths(rows, read_ledger(path)))
     # A PPO run's steps hold the reference's and the critic's passes too (step_passes).
     hardware = _fit_trainer(config, rows, base,
                             shape.parameters * (1 + attention) * step_passes(config),

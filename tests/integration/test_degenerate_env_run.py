@@ -56,3 +56,11 @@ def test_over_long_and_failing_resets_are_counted_and_never_wedge_a_run(
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
     assert all(r["groups"] == GROUPS for r in rows)
+    for r in rows:
+        # Members and the excluded samples (counted apart, by reason) make up the groups.
+        assert r["samples"] + r["samples_excluded"] == GROUPS * 4
+        assert sum(r["excluded"].values()) == r["samples_excluded"]
+        assert r["samples_trained"] == r["samples"]  # trainer.overlong keeps every member
+        assert 0 < r["tokens_trained"] == r["tokens"]
+    # Failed resets land in trained groups too: they are no member and train nothing.
+    assert sum(r["samples_excluded"] for r in rows) > 0

@@ -68,7 +68,7 @@ def test_longtail_run_trains_varied_lengths_packed(
         assert len(row["queue"]["bucket_groups"]) == len(config.queue.bucket_edges) + 1, row
         assert sum(row["queue"]["bucket_groups"]) == row["queue"]["groups"], row
         assert 0.0 <= row["reward_mean"] <= 1.0 and 0.0 <= row["accuracy"] <= 1.0
-    assert sum(row["tokens"] for row in rows) == summary.tokens_trained
+    assert sum(row["tokens_trained"] for row in rows) == summary.tokens_trained
     assert sum(row["staleness_histogram"][0] for row in rows) == summary.staleness_histogram[0]
 
     # The ledger: each trained prompt once, at the version it was trained at.

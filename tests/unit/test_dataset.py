@@ -245,7 +245,8 @@ def test_scorer_hands_rewards_the_rows_columns_data_source_and_messages(
                         finish_reason="stop", text="42")
         scored = asyncio.run(scorer.score(prompt, [sample, sample]))
         assert [s.reward for s in scored.samples] == [3.0, 3.0]
-        assert scored.means == {"trl": 1.0, "verl": 2.0} and scored.errors == 0
+        assert scored.scores == {"trl": (1.0, 1.0), "verl": (2.0, 2.0)}
+        assert scored.errors == 0
         # An evaluation's accuracy is task.eval_reward's value, not the weighted sum.
         assert asyncio.run(scorer.score_greedy(prompt, sample)).reward == 2.0
     finally:

@@ -334,7 +334,7 @@ def test_trl_rewards_get_a_trajectory_as_assistant_and_tool_messages() -> None:
         scored = asyncio.run(scorer.score_trajectories(PROMPT, samples))
     finally:
         scorer.close()
-    assert scored.means == {"last_turn_length": 2.0, "whole_text": 1.0}
+    assert scored.scores == {"last_turn_length": (2.0, 2.0), "whole_text": (1.0, 1.0)}
 
 
 def async_rl_reward(fn: Any) -> Any:

@@ -93,10 +93,11 @@ def test_clipping_offloaded_gradients_needs_the_cpu_backend(tmp_path: Path) -> N
 
 
 def test_the_gpu_check_row_runs_the_same_groups_on_cpu() -> None:
-    """bench/gpu_check.py's offload row, with gloo standing in for NCCL: one rank."""
-    gpu_check = load_script("bench/gpu_check.py", "gpu_check_offload", siblings=True)
-    rows = gpu_check.offload_clip_check(torch.device("cpu"), accelerator_backend="gloo",
-                                        port=_free_port())
+    """The GPU check's offload row (bench/gpu_rows.py), with gloo standing in for NCCL:
+    one rank."""
+    gpu_rows = load_script("bench/gpu_rows.py", "gpu_rows_offload", siblings=True)
+    rows = gpu_rows.offload_clip_check(torch.device("cpu"), accelerator_backend="gloo",
+                                       port=_free_port())
     assert len(rows) == 1
     name, result, figures = rows[0]
     assert name == "FSDP2 offload clip (cpu:gloo,cuda:gloo, 1 rank)"

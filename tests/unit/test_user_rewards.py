@@ -323,9 +323,10 @@ async def test_runner_sums_weighted_rewards_in_processes(rewards_py: Path) -> No
         runner.close()
     # sample 0: 2*1 + 0.5*1 + len("4") + 1 - 0.5; sample 1: 0 + 0 + None->0 + 0 - 0.5
     assert result.total == (4.0, -0.5)
-    assert result.per_reward == {"correctness": 0.5, "correctness_2": 0.5, "trl_len": 0.5,
-                                 "verl": 0.5, "async_trl": 0.5}
-    assert result.extra == {"verl/acc": 0.5, "verl/level": 3.0}
+    assert result.scores == {"correctness": (1.0, 0.0), "correctness_2": (1.0, 0.0),
+                             "trl_len": (1.0, 0.0), "verl": (1.0, 0.0),
+                             "async_trl": (0.5, 0.5), "verl/acc": (1.0, 0.0),
+                             "verl/level": (3.0, 3.0)}
     assert (result.errors, result.timeouts, result.failed) == (0, 0, (False, False))
 
 
@@ -342,7 +343,11 @@ async def test_failing_rewards_score_zero_and_are_counted(rewards_py: Path) -> N
     assert result.errors == 5 and result.timeouts == 0
     assert result.total == (2.0, 0.0)  # sometimes_nan's 1.0 + correctness' 1.0, then nothing
     assert result.failed == (True, True)
-    assert result.per_reward["boom"] == 0.0 and result.per_reward["sometimes_nan"] == 0.5
+    # A lost score is None, never a 0 a mean would count.
+    assert result.scores["boom"] == (None, None)
+    assert result.scores["sometimes_nan"] == (1.0, None)
+    assert result.scores["trl_short"] == (None, None)
+    assert result.scores["correctness"] == (1.0, 0.0)
 
 
 @pytest.mark.asyncio
@@ -360,7 +365,7 @@ async def test_sync_timeout_kills_the_process_and_the_next_call_works(rewards_py
         assert result.failed == (True, False)
         again = await runner.score(completions=["4", "4"], **GROUP)
         assert again.total == (1.0, 1.0) and again.timeouts == 0
-        assert again.per_reward["pid"] != warm.per_reward["pid"]  # the killed one replaced
+        assert again.scores["pid"] != warm.scores["pid"]  # the killed one replaced
     finally:
         runner.close()
 

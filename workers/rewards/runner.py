@@ -72,10 +72,10 @@ class GroupRewards(msgspec.Struct, frozen=True, kw_only=True):
 
     total: tuple[float, ...]
     """Per sample: the weighted sum of the rewards (a failed one counts 0)."""
-    per_reward: dict[str, float]
-    """Per reward name: its mean over the group, unweighted (logged as reward/<name>)."""
-    extra: dict[str, float]
-    """Per ``<reward name>/<key>``: the mean of a verl-style reward's extra metric."""
+    scores: dict[str, tuple[float | None, ...]]
+    """Per reward name, and per ``<reward name>/<key>`` extra metric of a verl-style
+    reward: each sample's value, unweighted; None where its score was lost or it gave
+    no such metric (a lost score is no 0: it stays out of reward/<name>)."""
     errors: int = 0
     """Scores lost to a call that raised, returned the wrong shape or a non-finite score
     (per sample and reward: a failed TRL call loses the whole group's)."""
@@ -96,10 +96,6 @@ class _Reward(msgspec.Struct, frozen=True, kw_only=True):
     is_async: bool
     slot: int
     """Its index in the process workers' list of sync rewards (-1: not there)."""
-
-
-def _mean(values: Sequence[float]) -> float:
-    return sum(values) / len(values) if values else 0.0
 
 
 class _Loaded(NamedTuple):
@@ -262,28 +258,27 @@ class RewardRunner:
                                         for r in self._rewards))
         total = [0.0] * n
         failed = [False] * n
-        per_reward: dict[str, float] = {}
-        extra: dict[str, float] = {}
+        scores: dict[str, tuple[float | None, ...]] = {}
         errors = timeouts = saturated = 0
         for reward, (values, lost, extras, n_errors, n_timeouts, n_saturated) in zip(
                 self._rewards, scored, strict=True):
             for i in range(n):
                 total[i] += reward.weight * values[i]
                 failed[i] = failed[i] or lost[i]
-            per_reward[reward.name] = _mean(values)
-            extra |= {f"{reward.name}/{key}": _mean(v) for key, v in extras.items()}
+            scores[reward.name] = tuple(None if lost[i] else values[i] for i in range(n))
+            scores |= {f"{reward.name}/{key}": tuple(v) for key, v in extras.items()}
             errors, timeouts = errors + n_errors, timeouts + n_timeouts
             saturated += n_saturated
-        return GroupRewards(total=tuple(total), per_reward=per_reward, extra=extra,
-                            errors=errors, timeouts=timeouts, failed=tuple(failed),
-                            saturated=saturated)
+        return GroupRewards(total=tuple(total), scores=scores, errors=errors,
+                            timeouts=timeouts, failed=tuple(failed), saturated=saturated)
 
     async def _score_one(self, reward: _Reward, inputs: dict[str, Any], n: int,
                          turns: list[list[Message]] | None = None
-                         ) -> tuple[list[float], list[bool], dict[str, list[float]], int, int,
-                                    int]:
+                         ) -> tuple[list[float], list[bool], dict[str, list[float | None]],
+                                    int, int, int]:
         """One reward on the group: its per-sample values (0 where lost), which were
-        lost, its extra metrics' values, and the errors, timeouts and saturated ones."""
+        lost, its extra metrics' per-sample values (None where a sample gave none), and
+        the errors, timeouts and saturated ones."""
         if reward.style == "trl":
             trl = inputs if turns is None else {**inputs, "completions": turns}
             calls = [(list(range(n)), self._trl_inputs(trl))]
@@ -294,7 +289,7 @@ class RewardRunner:
                      for i in range(n)]
         outcomes = await asyncio.gather(*(self._call(reward, sub) for _, sub in calls))
         values, lost = [0.0] * n, [False] * n
-        extras: dict[str, list[float]] = {}
+        extras: dict[str, list[float | None]] = {}
         errors = timeouts = saturated = 0
         for (indices, _), outcome in zip(calls, outcomes, strict=True):
             if isinstance(outcome, CallFailed):
@@ -315,8 +310,10 @@ class RewardRunner:
                 errors += len(outcome.nonfinite)
                 self._log_failure(reward, len(outcome.nonfinite),
                                   CallFailed("returned a non-finite score"))
+            # Extra metrics come from per-sample calls only: one value at most per call.
             for key, metric in outcome.extra.items():
-                extras.setdefault(key, []).extend(metric)
+                for i, value in zip(indices, metric, strict=False):
+                    extras.setdefault(key, [None] * n)[i] = value
         return values, lost, extras, errors, timeouts, saturated
 
     def _trl_inputs(self, inputs: dict[str, Any]) -> dict[str, Any]:

@@ -16,10 +16,11 @@ event loop of its own (``workers.loop_thread``), never the engine's, bounded by
 task.environment.turn_timeout_s: a call past it ends its trajectory (outcome "timeout"),
 one that raises or returns no ``EnvStep`` ends it likewise (outcome "error"); with
 on_timeout / on_error = "exclude" (the default) that trajectory is no member of its
-group (``Sample.excluded``), with "train" it scores 0; a failed reset gave no prompt and
-is never a member. The group's other trajectories go on. Knows nothing about vLLM (the
-worker hands in how to run one request), rewards of task.rewards
-(``workers.rollout.scoring``), queues or training.
+group (``Sample.excluded``), with "train" it scores 0 (its environment reward here, the
+task's own rewards in ``workers.rollout.scoring``, which never call them on it); a
+failed reset gave no prompt and is never a member. The group's other trajectories go
+on. Knows nothing about vLLM (the worker hands in how to run one request), rewards of
+task.rewards (``workers.rollout.scoring``), queues or training.
 """
 
 from __future__ import annotations

@@ -324,7 +324,7 @@ class RolloutWorker:
                           rollout_rank=self._rank, finished_at=time.time(),
                           reward_failures=scored.errors, reward_timeouts=scored.timeouts,
                           reward_pool_saturated=scored.saturated,
-                          reward_means=scored.means)
+                          reward_scores=scored.scores)
 
     async def generate_greedy(self, prompts: Sequence[Prompt]) -> list[Sample]:
         """One greedy (temperature 0) completion per prompt, stopping at EOS, scored as
@@ -409,7 +409,8 @@ class RolloutWorker:
         return RolloutStatistics(
             rank=self._rank, version=self._receiver.version, groups_generated=self._groups,
             samples_generated=self._samples, tokens_generated=self._tokens,
-            reward_failures=self._scorer.failures, weight_updates=self._receiver.updates,
+            reward_failures=self._scorer.failures, rewards_skipped=self._scorer.skipped,
+            weight_updates=self._receiver.updates,
             requests_running=len(self._in_flight),
             tokens_in_flight=sum(self._in_flight.values()),
             engine_start_s=self._engine_start_s, warmup_s=self._warmup_s,

@@ -34,7 +34,7 @@ from workers.trainer.checkpoints import load_sharded, sharded_state
 from workers.trainer.config import TrainerConfig
 from workers.trainer.fsdp import build_sharded, clip_grad_norm
 from workers.trainer.packing import PackedBatch
-from workers.trainer.ppo_update import Prepared
+from workers.trainer.ppo_update import Prepared, without_dropout
 from workers.trainer.roles_config import CriticConfig
 
 log = logging.getLogger(__name__)
@@ -128,10 +128,10 @@ class Critic:
 
     def values(self, micro_batches: Sequence[Prepared]) -> list[torch.Tensor | None]:
         """The current weights' value of each micro-batch's trained tokens (None for a
-        pad), without gradient: the bare model, so DDP issues no collective (FSDP2's
-        forwards are collectives: a pad runs the dummy forward on every shard)."""
+        pad), without gradient or dropout: the bare model, so DDP issues no collective
+        (FSDP2's forwards are collectives: a pad runs the dummy forward on every shard)."""
         out: list[torch.Tensor | None] = []
-        with torch.no_grad():
+        with torch.no_grad(), without_dropout(self.module):
             for mb in micro_batches:
                 if mb.packed is not None:
                     out.append(self.module(mb.packed, self.device))

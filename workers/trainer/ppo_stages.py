@@ -2,7 +2,9 @@
 
 Owns: one step's GAE over a list of packed micro-batches (``step_advantages``: the
 outcome reward on each sequence's last policy token, minus kl_coef * KL per token with
-trainer.kl_in_reward, GAE per sequence, whitened over every shard's trained tokens),
+trainer.kl_in_reward (the KL of the trainer's step-start policy, its logprobs recomputed
+as verl's old logprobs are: not the engine's, whose numerics differ from the trainer's),
+GAE per sequence, whitened over every shard's trained tokens),
 swapping advantages into the packed rows (``with_advantages``), the critic's update over
 a step cut into the policy's updates (``critic_step``: its token counts summed over every
 critic shard, as the policy's loss divides), and cutting several shards' batches into
@@ -49,8 +51,8 @@ SumShards = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _micro_batch_gae(micro_batch: Prepared, values: torch.Tensor, reference: torch.Tensor | None,
-                     *, trainer: TrainerConfig, critic: CriticConfig
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     policy: torch.Tensor | None, *, trainer: TrainerConfig,
+                     critic: CriticConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch's raw advantages and returns, flat over its trained tokens."""
     assert micro_batch.packed is not None
     values = values.double()
@@ -60,8 +62,8 @@ def _micro_batch_gae(micro_batch: Prepared, values: torch.Tensor, reference: tor
         values.device)
     rows = Rows.of(micro_batch.lengths, index)
     rewards = token_rewards(outcome, rows.mask)
-    if trainer.kl_in_reward and reference is not None:
-        kl = kl_estimate(micro_batch.packed.behaviour_logprobs.double(),
+    if trainer.kl_in_reward and reference is not None and policy is not None:
+        kl = kl_estimate(policy.double().to(values.device),
                          reference.double().to(values.device), trainer.kl_estimator)
         rewards = rewards - trainer.kl_coef * to_rows(kl, rows)
     advantages, returns = gae(rewards, to_rows(values, rows), rows.mask, gamma=critic.gamma,
@@ -69,13 +71,14 @@ def _micro_batch_gae(micro_batch: Prepared, values: torch.Tensor, reference: tor
     return from_rows(advantages, rows), from_rows(returns, rows).float()
 
 
-def step_advantages(prepared: Sequence[Prepared], values: Tensors, reference: Tensors, *,
-                    trainer: TrainerConfig, critic: CriticConfig, sum_shards: SumShards
-                    ) -> tuple[Tensors, Tensors]:
+def step_advantages(prepared: Sequence[Prepared], values: Tensors, reference: Tensors,
+                    policy: Tensors, *, trainer: TrainerConfig, critic: CriticConfig,
+                    sum_shards: SumShards) -> tuple[Tensors, Tensors]:
     """(advantages whitened over every shard's trained tokens, returns), one entry per
-    micro-batch (None for a pad). ``reference``: the reference's logprobs per
-    micro-batch (empty without a reference); the KL in the reward is that of the
-    behaviour policy that sampled the tokens. Every shard calls ``sum_shards`` once."""
+    micro-batch (None for a pad). ``reference`` and ``policy``: the reference's and the
+    step-start policy's logprobs per micro-batch (empty without the KL in the reward),
+    the policy's recomputed by the trainer, so that a policy equal to the reference
+    pays no penalty for the engine's numerics. Every shard calls ``sum_shards`` once."""
     raw: Tensors = []
     returns: Tensors = []
     device_totals: torch.Tensor | None = None
@@ -85,8 +88,9 @@ def step_advantages(prepared: Sequence[Prepared], values: Tensors, reference: Te
             raw.append(None)
             returns.append(None)
             continue
-        advantages, target = _micro_batch_gae(mb, value, reference[index] if reference else None,
-                                              trainer=trainer, critic=critic)
+        advantages, target = _micro_batch_gae(
+            mb, value, reference[index] if reference else None,
+            policy[index] if policy else None, trainer=trainer, critic=critic)
         raw.append(advantages)
         returns.append(target)
         part = moments(advantages)

@@ -209,12 +209,15 @@ class TrainerShard:
         prepared = ppo.prepared if ppo is not None else self.losses.prepare(sequences)
         references = batch.per_update(ppo.reference if ppo is not None and ppo.reference
                                       else [None] * len(prepared))
-        # The proximal policy is the one this step starts from; with a single update it
-        # is the current policy itself, so no extra forward pass is needed (nor in the
-        # plain form, tis_cap = 0, which has no proximal policy).
-        several = len(updates) * self.config.epochs > 1 and self.config.tis_cap > 0
-        proximal = batch.per_update(self.losses.proximal(prepared) if several
-                                    else [None] * len(prepared))
+        # The proximal policy is the one this step starts from; with a single update and
+        # no dropout it is the current policy itself, so no extra forward pass is needed
+        # (nor in the plain form, tis_cap = 0, which has no proximal policy). The PPO
+        # dataflow may have computed it already (the KL in the reward's policy).
+        start: list[torch.Tensor | None] = [None] * len(prepared)
+        if self.losses.needs_proximal(len(updates)):
+            start = (ppo.policy if ppo is not None and ppo.policy
+                     else self.losses.proximal(prepared))
+        proximal = batch.per_update(start)
         parts: list[PendingStats] = []
         norms_seen: list[float] = []
         positions = 0

@@ -9,7 +9,9 @@ and "ipc" are vLLM's) driving a ``workers.weights.group_client.GroupClient`` ove
 member. One collective per version, whatever the number of engines. The group is
 built at the first send and again whenever its members change: a member lost in a
 broadcast is left out and the others take the version again over the new group in the
-same delivery; a member connected since (a replacement) joins at the next version.
+same delivery; a member connected since (a replacement) joins at the next version. At
+start it removes the shared-memory segments that killed senders left on this machine
+(``workers.weights.shared_segment.remove_orphans``).
 
 Knows nothing about when to publish or deliver (the controller, through
 ``workers.weights.broadcast``) or how an engine pauses and loads (``workers.weights.receiver``).
@@ -42,6 +44,7 @@ from workers.weights.broadcast import Delivery
 from workers.weights.config import UpdateMode, WeightsConfig
 from workers.weights.gloo_transfer import GlooTrainerInitInfo
 from workers.weights.group_client import GroupClient, GroupFailed
+from workers.weights.shared_segment import remove_orphans
 
 log = logging.getLogger(__name__)
 
@@ -124,6 +127,7 @@ class WeightSender:
         self._group: _Group | None = None
         self._rebuild = False  # a member (re)connected since the group was built
         self._source = SnapshotSource()
+        remove_orphans()  # once per run, on the one machine that makes segments
 
     def connect(self, rank: int, actor: Any) -> None:
         """Makes rollout worker ``rank`` (a new actor, if it replaces one) a member: the
