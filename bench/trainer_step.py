@@ -137,7 +137,9 @@ class TodayStepLoss(StepLoss):
     """``StepLoss`` with today's micro-batch: packed again at every forward, the full
     ``(N, V)`` logits, statistics read after every micro-batch, a sync per phase on CUDA."""
 
-    def forward(self, model: torch.nn.Module, micro_batch: Prepared) -> ForwardPass:
+    def forward(self, model: torch.nn.Module, micro_batch: Prepared, *,
+                router_aux: bool = False) -> ForwardPass:
+        del router_aux  # a dense benchmark model: trainer.router_aux_coef stays 0
         batch = pack(micro_batch.sequences, self.device)
         logits = model(input_ids=batch.input_ids, position_ids=batch.position_ids,
                        use_cache=False, logits_to_keep=batch.predict_at).logits[0]
@@ -160,7 +162,11 @@ class TodayStepLoss(StepLoss):
 
 def make_shard(model_dir: Path, way: str, cap: int, compute_dtype: str = "float32",
                **trainer: Any) -> TrainerShard:
-    """A set-up single shard stepping ``way``."""
+    """A set-up single shard stepping ``way``; TRL's way, the reference, is never
+    compiled (whatever ``trainer`` says): only its values count, and its padded rows
+    would compile again for every batch shape."""
+    if way == "trl":
+        trainer = {**trainer, "compile": False}
     config = msgspec.convert({"micro_batch_tokens": cap, "packed": way != "trl",
                               "compute_dtype": compute_dtype, "max_grad_norm": 1e9,
                               **trainer}, TrainerConfig)

@@ -397,6 +397,9 @@ class LossStats(msgspec.Struct, frozen=True, kw_only=True):
     """Sum of the k3 estimator of KL(behaviour || current) per token."""
     entropy_sum: float = 0.0
     """Sum of the current policy's entropy at each trained token's position."""
+    router_aux_sum: float = 0.0
+    """With trainer.router_aux_coef > 0: each micro-batch's router load-balancing loss
+    times its trained tokens, summed (0 otherwise)."""
 
 
 class ShardStepResult(msgspec.Struct, frozen=True, kw_only=True):

@@ -11,8 +11,10 @@ token goes from the engine that sampled it to the shard that trains it without p
 through the driver. The reference and the critic on workers of their own
 (``ReferenceActor``, ``CriticActor``) fetch their groups the same way and leave each
 shard's share of their outputs in the object store, which the driver hands to that
-shard by reference (``take_reference``, ``take_advantages``). Knows nothing about the
-run's logic; ``async_rl.shell.launch`` creates these actors with ``ray.remote(...)``.
+shard by reference (``take_reference``, ``take_advantages``); a trainer shard leaves its
+step-start policy's logprobs there for the critic's workers the same way
+(``policy_logprobs_ref``, trainer.kl_in_reward). Knows nothing about the run's logic;
+``async_rl.shell.launch`` creates these actors with ``ray.remote(...)``.
 """
 
 from __future__ import annotations
@@ -81,6 +83,12 @@ class TrainerActor(TrainerShard):
     def take_advantages(self, step: int, advantages: Tensors) -> None:
         self.stages().take_advantages(step, advantages)
 
+    def policy_logprobs_ref(self, step: int) -> ray.ObjectRef[Tensors]:
+        """The step-start policy's logprobs of this shard's micro-batches, left in the
+        object store (owned by this actor) for the critic's own workers."""
+        return ray.put([None if t is None else t.cpu()
+                        for t in self.stages().policy_logprobs(step)])
+
     def step_lost(self, step: int) -> None:
         self.stages().step_lost(step)
 
@@ -104,10 +112,13 @@ class CriticActor(CriticWorker):
     def prepare_step_by_ref(self, batches: list[ShardBatch]) -> bool:
         return self.prepare(batches, _fetch_all(batches))
 
-    def advantages_refs(self, step: int, *reference: Tensors) -> list[ray.ObjectRef[Tensors]]:
-        """One reference per batch prepared: that shard's advantages. ``reference``: the
-        reference's logprobs of each batch, passed by reference (resolved by Ray)."""
-        return [ray.put(part) for part in self.advantages(step, reference)]
+    def advantages_refs(self, step: int, *logprobs: Tensors) -> list[ray.ObjectRef[Tensors]]:
+        """One reference per batch prepared: that shard's advantages. ``logprobs``: the
+        reference's logprobs of each batch, then the step-start policy's (for the KL in
+        the reward; none without it), passed by reference (resolved by Ray)."""
+        half = len(logprobs) // 2
+        return [ray.put(part) for part in self.advantages(step, logprobs[:half],
+                                                          logprobs[half:])]
 
 
 def _fetch(batch: ShardBatch) -> list[GroupTokens] | None:

@@ -38,7 +38,8 @@ class LoraConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     evaluation run without it)."""
     target_modules: tuple[str, ...] = LORA_TARGETS
     """Names of the linear layers that get an adapter (the last part of a module's name:
-    every layer's ``q_proj``...); each must be a linear layer the model has."""
+    every layer's ``q_proj``...); each must be a linear layer the model has, other than
+    its LM head (``lm_head``: the fused head trains no adapter)."""
 
     def __post_init__(self) -> None:
         if self.rank and not self.target_modules:

@@ -32,15 +32,18 @@ def merge_stats(parts: Sequence[LossStats]) -> LossStats:
         is_weight_max=max((p.is_weight_max for p in parts), default=0.0),
         kl_sum=sum(p.kl_sum for p in parts),
         entropy_sum=sum(p.entropy_sum for p in parts),
+        router_aux_sum=sum(p.router_aux_sum for p in parts),
     )
 
 
 def summarise(stats: LossStats) -> dict[str, float]:
-    """Per-token means of a step's statistics, for the metrics log."""
+    """Per-token means of a step's statistics, for the metrics log (``router_aux`` only
+    where the router loss was on: trainer.router_aux_coef > 0)."""
     n = max(stats.tokens, 1)
     ess = (
         stats.is_weight_sum**2 / (n * stats.is_weight_sq_sum) if stats.is_weight_sq_sum else 1.0
     )
+    router = {"router_aux": stats.router_aux_sum / n} if stats.router_aux_sum else {}
     return {
         "loss": stats.loss_sum / n,
         "clip_fraction": stats.clipped / n,
@@ -51,6 +54,7 @@ def summarise(stats: LossStats) -> dict[str, float]:
         "ess": ess,
         "kl_behaviour": stats.kl_sum / n,
         "entropy": stats.entropy_sum / n,
+        **router,
     }
 
 

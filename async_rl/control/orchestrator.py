@@ -113,7 +113,8 @@ class Orchestrator:
         # The run's own bookkeeping, each part built from the config sections it reads.
         self.totals = StepTotals(bucket_edges=config.queue.bucket_edges)
         self.pool = RolloutPool.from_config(config.rollout, workers, totals=self.totals,
-                                            current_policy=self.current_policy)
+                                            current_policy=self.current_policy,
+                                            call_timeout_s=config.run.call_timeout_s)
         self.health = RunHealth.from_config(config.trainer, config.rollout, self.totals,
                                             clock=self.clock)
         self.prompts = PromptLedger.from_config(config.run, out, lambda: self.version,

@@ -161,6 +161,11 @@ class RoleOutputsClient(Protocol):
         """The shard's per-token advantages, from the critic's own workers."""
         ...
 
+    async def policy_logprobs(self, step: int) -> RoleOutput:
+        """The shard's step-start policy's logprobs of its micro-batches (no gradient),
+        for the KL in the reward on the critic's own workers (trainer.kl_in_reward)."""
+        ...
+
     async def step_lost(self, step: int) -> None:
         """A role's own worker could not fetch the step's groups: nothing trains on them."""
         ...
@@ -200,11 +205,12 @@ class CriticClient(ObservedWorker, Protocol):
         """The critic's values of the step's tokens, with its current weights."""
         ...
 
-    async def advantages(self, step: int, reference: Sequence[RoleOutput]
-                         ) -> list[RoleOutput]:
+    async def advantages(self, step: int, reference: Sequence[RoleOutput],
+                         policy: Sequence[RoleOutput]) -> list[RoleOutput]:
         """GAE's advantages (whitened over every critic shard's tokens), one output per
-        batch it holds; ``reference``: the reference's logprobs of those batches (for
-        trainer.kl_in_reward; empty otherwise). The returns stay for its update."""
+        batch it holds; ``reference`` and ``policy``: the reference's and the trainer
+        shards' step-start policy's logprobs of those batches (for trainer.kl_in_reward;
+        empty otherwise). The returns stay for its update."""
         ...
 
     def start_update(self, step: int) -> PendingCriticUpdate:
@@ -227,7 +233,8 @@ class OwnRoles:
     shards: list[RoleOutputsClient] = field(default_factory=list)
     """The trainer shards, in rank order, taking their share of the roles' outputs."""
     reference_to_critic: bool = False
-    """The critic needs the reference's logprobs (trainer.kl_in_reward)."""
+    """The critic needs the reference's logprobs, and the shards' policy's
+    (trainer.kl_in_reward)."""
 
     @property
     def workers(self) -> list[ReferenceClient | CriticClient]:

@@ -15,7 +15,8 @@ Knows nothing about Ray or torch; the order of the stages is the orchestrator's 
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
 
 from async_rl.control.protocols import (
     OwnRoles,
@@ -45,6 +46,9 @@ class RoleStages:
         """Some shard or role worker lost the step's groups: no stage computes on it."""
         self._reference: list[RoleOutput] = []
         """The own reference's logprobs of the step, one per shard."""
+        self._policy: list[RoleOutput] = []
+        """Each shard's step-start policy's logprobs of the step (for the critic's KL
+        in the reward)."""
         self._updates: list[PendingCriticUpdate] = []
         """The own critic's updates of the step, under way."""
 
@@ -59,7 +63,7 @@ class RoleStages:
         calls += [functools.partial(critic.prepare_step, list(batches[rank::len(critics)]))
                   for rank, critic in enumerate(critics)]
         lost = await each(calls)
-        self.lost, self._reference, self._updates = any(lost), [], []
+        self.lost, self._reference, self._policy, self._updates = any(lost), [], [], []
         if self.lost and not any(lost[:len(self.shards)]):
             step = batches[0].step
             await each([functools.partial(s.step_lost, step) for s in self.own.shards])
@@ -70,7 +74,14 @@ class RoleStages:
         if reference is None:
             await each([functools.partial(s.reference_logprobs, step) for s in self.shards])
         elif not self.lost:
-            self._reference = await reference.reference_logprobs(step)
+            # With the KL in the reward on the critic's own workers, the shards compute
+            # their policy's logprobs meanwhile (those workers need both).
+            policies = self.own.shards if self.own.reference_to_critic and self.own.critics else []
+            calls: list[Callable[[], Awaitable[Any]]] = [
+                functools.partial(reference.reference_logprobs, step),
+                *(functools.partial(s.policy_logprobs, step) for s in policies)]
+            outputs: list[Any] = await each(calls)
+            self._reference, self._policy = outputs[0], outputs[1:]
             await each([functools.partial(s.take_reference, step, out)
                         for s, out in zip(self.own.shards, self._reference, strict=True)])
 
@@ -92,7 +103,8 @@ class RoleStages:
         count = len(critics)
         reference = self._reference if self.own.reference_to_critic else []
         parts: list[list[RoleOutput]] = await each(
-            [functools.partial(c.advantages, step, reference[rank::count])
+            [functools.partial(c.advantages, step, reference[rank::count],
+                               self._policy[rank::count])
              for rank, c in enumerate(critics)])
         # Critic shard r holds trainer shards r, r + count, ...: back into shard order.
         per_shard = [parts[shard % count][shard // count] for shard in range(len(self.shards))]

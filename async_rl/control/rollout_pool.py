@@ -5,8 +5,12 @@ Owns: the one map of live rollout workers (rank -> worker: only the pool changes
 others get copies), prompts in flight on each, and the restart policy: a dead, broken or
 stuck worker is retired and a new one started in its place from the trainer's current
 policy, up to ``rollout.max_restarts`` in all (counted in the run's totals, so a resumed
-run keeps its count); past that, once no worker is left, the run fails. Restarts run in
-the pool's own task group, open while ``replacing()`` is. Knows nothing about prompts,
+run keeps its count); past that, once no worker is left, the run fails. A replacement
+that fails to start (or to answer within its deadline) is a failed restart, counted, and
+its rank is lost like a worker: replaced again while restarts are left. Restarts run in
+the pool's own task group, open while ``replacing()`` is; at its exit a restart still
+under way gets run.call_timeout_s more, then it is cancelled and counted as failed, so a
+replacement that hangs cannot stall the end of a run. Knows nothing about prompts,
 versions or the queue: the orchestrator passes in how to get the current policy as a
 model folder.
 """
@@ -22,7 +26,7 @@ from contextlib import asynccontextmanager
 import anyio
 import anyio.abc
 
-from async_rl.control.protocols import RolloutClient, RunFailed, Workers
+from async_rl.control.protocols import RolloutClient, RolloutFailed, RunFailed, Workers
 from async_rl.control.step_metrics import StepTotals
 from workers.rollout.config import RolloutConfig
 
@@ -39,16 +43,18 @@ class RolloutPool:
 
     @classmethod
     def from_config(cls, rollout: RolloutConfig, workers: Workers, *, totals: StepTotals,
-                    current_policy: CurrentPolicy) -> RolloutPool:
+                    current_policy: CurrentPolicy, call_timeout_s: float) -> RolloutPool:
         """The pool of ``workers``' rollout workers, as its section says:
-        rollout.max_inflight_prompts per worker, rollout.max_restarts replacements."""
+        rollout.max_inflight_prompts per worker, rollout.max_restarts replacements;
+        ``call_timeout_s``: run.call_timeout_s, what ``replacing()`` waits at its exit."""
         return cls(workers.rollout, limit=rollout.max_inflight_prompts,
                    max_restarts=rollout.max_restarts, totals=totals,
-                   restart=workers.restart_rollout, current_policy=current_policy)
+                   restart=workers.restart_rollout, current_policy=current_policy,
+                   exit_wait_s=call_timeout_s)
 
     def __init__(self, workers: Mapping[int, RolloutClient], *, limit: int, max_restarts: int,
                  totals: StepTotals, restart: Restart | None,
-                 current_policy: CurrentPolicy) -> None:
+                 current_policy: CurrentPolicy, exit_wait_s: float) -> None:
         self._workers = dict(workers)
         self.limit = limit
         """Prompts one worker generates at once (rollout.max_inflight_prompts)."""
@@ -56,8 +62,13 @@ class RolloutPool:
         self.totals = totals
         self.restart = restart
         self.current_policy = current_policy
+        self.exit_wait_s = exit_wait_s
+        """How long ``replacing()`` waits at its exit for restarts under way before it
+        cancels them."""
         self._restarts: anyio.abc.TaskGroup | None = None
         """Where restarts run, while ``replacing()`` is open; None: lost workers stay lost."""
+        self._cancelled_why = "the run stopped"
+        """What a restart cancelled now was cancelled for (logged)."""
         # Kept across restarts: calls on a dead worker give their slot back as they fail.
         self.busy = {rank: 0 for rank in workers}
         self._positions = itertools.count()
@@ -86,11 +97,21 @@ class RolloutPool:
     @asynccontextmanager
     async def replacing(self) -> AsyncIterator[None]:
         """While open, a lost worker is replaced (restarts left permitting); on exit it
-        waits for restarts under way. Outside it, lost workers stay lost."""
+        waits ``exit_wait_s`` at most for restarts under way, then cancels them (each a
+        failed restart). Outside it, lost workers stay lost."""
         async with anyio.create_task_group() as restarts:
             self._restarts = restarts
             try:
                 yield
+                self._restarts = None  # no new restart from here
+                with anyio.move_on_after(self.exit_wait_s):
+                    async with self._changed:
+                        while self._restarting:
+                            await self._changed.wait()
+                if self._restarting:
+                    self._cancelled_why = (f"still under way {self.exit_wait_s:g} s after "
+                                           "the run ended (run.call_timeout_s)")
+                    restarts.cancel_scope.cancel()
             finally:
                 self._restarts = None
 
@@ -159,6 +180,11 @@ class RolloutPool:
         del self._workers[rank]
         self._unplace(rank)
         self.totals.retired_workers += 1
+        self._replace_or_give_up(rank, why)
+
+    def _replace_or_give_up(self, rank: int, why: str) -> None:
+        """Starts a new worker for lost ``rank`` while restarts are left; raises
+        ``RunFailed`` once no worker is left and none is starting."""
         if (self.restart is not None and self._restarts is not None
                 and self.totals.restarts < self.max_restarts):
             self.totals.restarts += 1
@@ -173,7 +199,9 @@ class RolloutPool:
             log.info("rollout-%d retired: %s", rank, why)
 
     async def _replace(self, rank: int) -> None:
-        """A new engine for ``rank`` from the trainer's current policy and version."""
+        """A new engine for ``rank`` from the trainer's current policy and version; one
+        that fails to start is lost in its turn."""
+        failed = ""
         try:
             model_dir, version = await self.current_policy(rank)
             assert self.restart is not None  # retire starts no restart without one
@@ -181,7 +209,19 @@ class RolloutPool:
             self._workers[rank] = worker
             self._place(rank)
             log.info("rollout-%d restarted at version %d", rank, version)
+        except RolloutFailed as err:  # the replacement died, broke or did not answer
+            failed = err.reason
+        except anyio.get_cancelled_exc_class():
+            self.totals.failed_restarts += 1
+            log.warning("rollout-%d: its restart was cancelled, %s", rank,
+                        self._cancelled_why)
+            raise
         finally:
             self._restarting -= 1
             async with self._changed:  # admission or an evaluation may wait for it
                 self._changed.notify_all()
+        if failed:
+            self.totals.failed_restarts += 1
+            log.warning("rollout-%d: its restart failed: %s", rank, failed)
+            if self._restarts is not None:  # not at the run's end: lost like a worker
+                self._replace_or_give_up(rank, f"its restart failed: {failed}")

@@ -53,6 +53,7 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     too_few_members: int = 0
     readmissions_exhausted: int = 0
     reward_pool_saturated: int = 0
+    failed_restarts: int = 0
 
 
 class StepTotals:
@@ -93,6 +94,9 @@ class StepTotals:
         """Prompts dropped for good after run.max_readmissions re-admissions."""
         self.reward_pool_saturated = 0
         """Of reward_timeouts, scores refused at once: every reward thread was stuck."""
+        self.failed_restarts = 0
+        """Of restarts, replacements that did not start or join in time (or were
+        cancelled at the run's end)."""
         self.row_mark = (0, 0)
         """(groups_generated, filtered_groups) at the last metrics row."""
         self.nonfinite_in_a_row = 0
@@ -141,7 +145,8 @@ class StepTotals:
             env_errors=self.env_errors, excluded_members=dict(self.excluded_members),
             too_few_members=self.too_few_members,
             readmissions_exhausted=self.readmissions_exhausted,
-            reward_pool_saturated=self.reward_pool_saturated)
+            reward_pool_saturated=self.reward_pool_saturated,
+            failed_restarts=self.failed_restarts)
 
     def restore(self, counters: Counters) -> None:
         for name in Counters.__struct_fields__:
@@ -170,6 +175,7 @@ class StepTotals:
             "out_of_memory": self.out_of_memory,
             "rollout_stall": self.rollout_stalls,
             "worker_restarts": self.restarts,
+            "failed_restarts": self.failed_restarts,
             "rollout_errors": self.rollout_failures,
             "timeouts": self.timeouts,
             "restore_failures": self.restore_failures,

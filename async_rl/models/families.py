@@ -128,6 +128,37 @@ switched on where the default leaves it off or too weak to show on a random mode
 random model's small values: without it the log-probs move by 0.24 and 0.003)."""
 
 
+FEATURES: Final = {
+    "llama": "the plain decoder: RoPE, SwiGLU, grouped-query attention",
+    "qwen2": "q/k/v biases",
+    "qwen3": "per-head q/k RMSNorm",
+    "qwen3_moe": "mixture of experts (4, top 2, normalised), per-head q/k norm",
+    "mixtral": "mixture of experts (4, top 2)",
+    "olmoe": "mixture of experts (4, top 2), q/k norm over all heads",
+    "mistral": f"sliding window ({SLIDING_WINDOW}) on every layer",
+    "gemma2": f"logit soft-capping (1.0), attention soft-capping (0.2), sliding window "
+              f"({SLIDING_WINDOW}) on alternate layers, query_pre_attn_scalar, tied head",
+    "gemma3": f"sliding window ({SLIDING_WINDOW}) on alternate layers, q/k norm, "
+              "query_pre_attn_scalar, tied head",
+    "granite": "logits_scaling 4 (the head divides by it), embedding, residual and "
+               "attention multipliers",
+    "granitemoe": "granite's multipliers and logits_scaling, mixture of experts (4, top 2)",
+    "cohere": "logit_scale 0.25 (the head multiplies by it), parallel attention and MLP, "
+              "LayerNorm, tied head",
+    "phi3": "fused qkv_proj and gate_up_proj",
+    "olmo2": "q/k norm over all heads, norms after attention and MLP",
+    "smollm3": "a layer without RoPE (NoPE), tied head",
+    "gpt_oss": f"attention sinks, sliding window ({SLIDING_WINDOW}) on alternate layers, "
+               "mixture of experts (4, top 2) with biases, YaRN RoPE",
+    "qwen3_next": "hybrid: a gated-delta-net (linear attention) layer and a gated "
+                  "full-attention layer; mixture of experts with a shared expert",
+    "qwen3_5": "hybrid linear/full attention, dense MLP (the text model)",
+    "qwen3_5_moe": "hybrid linear/full attention, mixture of experts with a shared "
+                   "expert (the text model)",
+}
+"""What each family's tiny model exercises beyond the plain decoder (docs/models.md)."""
+
+
 def model_type(arch: str) -> str:
     """The ``model_type`` config.json holds for ``arch``."""
     return MODEL_TYPES.get(arch, arch)

@@ -6,8 +6,11 @@ columns the task names; the tokenizer has the chat template the task asks for; t
 task's own reward functions, named in task.rewards or passed as callables, import and
 can take a completion on those columns; task.eval_reward names one; the environment
 class of task.environment imports and has its methods; the optional loggers are
-installed; trainer.backend = "fsdp2" finds the model's decoder layers; reference.path and
-critic.path are models of the policy's architecture and tokenizer), raising
+installed; trainer.backend = "fsdp2" finds the model's decoder layers; trainer.packed =
+true is not asked of a model whose features the packed path cannot compute
+(``workers.trainer.packed_support``); trainer.router_aux_coef > 0 has a model with
+routers; reference.path and critic.path are models of the policy's architecture and
+tokenizer), raising
 ``ConfigError`` with one line. Used by
 ``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl sweep``
 before it is launched.
@@ -44,6 +47,10 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
         config, model=msgspec.structs.replace(config.model, path=path))
     if config.trainer.backend == "fsdp2":
         check_shardable(config.model.path)
+    if config.trainer.packed:
+        check_packed(config.model.path)
+    if config.trainer.router_aux_coef > 0:
+        check_router(config.model.path, config.trainer.router_aux_coef)
     check_role_models(config)
     if config.model.lora.enabled:
         check_lora_targets(config)
@@ -68,6 +75,31 @@ def check_shardable(model_path: str) -> None:
             f"config error: trainer.backend = 'fsdp2': the decoder layers of model.path = "
             f"{model_path!r} cannot be found (its transformers class names none in "
             "_no_split_modules); use trainer.backend = 'ddp'")
+
+
+def check_router(model_path: str, coef: float) -> None:
+    """trainer.router_aux_coef > 0 needs a mixture-of-experts model: one whose
+    transformers config has ``output_router_logits`` (its class then returns the router
+    load-balancing loss)."""
+    from transformers import AutoConfig
+
+    hf_config = AutoConfig.from_pretrained(model_path)
+    if not hasattr(hf_config, "output_router_logits"):
+        raise ConfigError(
+            f"config error: trainer.router_aux_coef = {coef}: model.path = {model_path!r} "
+            f"({hf_config.model_type}) has no mixture-of-experts routers; set it to 0")
+
+
+def check_packed(model_path: str) -> None:
+    """trainer.packed = true: the model has no feature the packed layout computes
+    otherwise than the model itself (its config.json read, no weights)."""
+    from transformers import AutoConfig
+
+    from workers.trainer.packed_support import packed_support
+
+    reason = packed_support(AutoConfig.from_pretrained(model_path))
+    if reason is not None:
+        raise ConfigError(f"config error: trainer.packed = true: {reason}")
 
 
 def check_role_models(config: Config) -> None:
@@ -103,16 +135,23 @@ def _architecture(model_dir: str) -> str:
 
 
 def check_lora_targets(config: Config) -> None:
-    """model.lora.target_modules name linear layers the model has."""
-    from workers.trainer.lora import linear_names
+    """model.lora.target_modules name linear layers the model has, and not its output
+    embedding: the packed trainer's fused head reads the head's base weight, and vLLM
+    serves an adapter on the head only for some architectures (not Qwen2's)."""
+    from workers.trainer.lora import head_targets, layer_names
 
-    present = linear_names(config.model.path)
-    missing = [name for name in config.model.lora.target_modules if name not in present]
+    targets = list(config.model.lora.target_modules)
+    present, head = layer_names(config.model.path)
+    missing = [name for name in targets if name not in present]
     if missing:
         raise ConfigError(
-            f"config error: model.lora.target_modules = {list(config.model.lora.target_modules)}"
-            f": {missing} not among the linear layers of model.path = "
-            f"{config.model.path!r} ({sorted(present)})")
+            f"config error: model.lora.target_modules = {targets}: {missing} not among the "
+            f"linear layers of model.path = {config.model.path!r} ({sorted(present)})")
+    if on_head := head_targets(targets, head):
+        raise ConfigError(
+            f"config error: model.lora.target_modules = {targets}: {on_head} is the output "
+            f"embedding ({head!r}) of model.path = {config.model.path!r}; LoRA on the LM "
+            "head is not supported, remove it")
 
 
 def check_chat_template(config: Config) -> None:

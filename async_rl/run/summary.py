@@ -95,7 +95,8 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     with the one-line reason); "" when it finished."""
     failures: dict[str, int] = {}
     """Count of each failure class (``StepTotals.failures``): out_of_memory,
-    rollout_stall, worker_restarts, rollout_errors, timeouts, restore_failures,
+    rollout_stall, worker_restarts, failed_restarts (of those, replacements that did not
+    start or join in time), rollout_errors, timeouts, restore_failures,
     nonfinite_steps, lost_steps, reward_errors, reward_timeouts, env_timeouts (multi-turn
     trajectories ended by an environment call past task.environment.turn_timeout_s),
     env_errors (ended by an environment that raised), stale_drops,

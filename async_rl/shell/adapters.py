@@ -162,6 +162,12 @@ class RayRollout(WorkerAdapter):
         version: int = await self._call("version")
         return version
 
+    async def start(self) -> None:
+        """Starts a replacement's engine (``restart_rollout``), within
+        run.call_timeout_s: one that does not is stuck, like a worker that stops
+        answering (``RolloutFailed``)."""
+        await self._call("start", on_timeout=self._stuck("start"))
+
 
 class RayTrainer(WorkerAdapter):
     """A ``TrainerClient`` over a ``workers.actors.TrainerActor`` handle."""
@@ -204,6 +210,14 @@ class RayTrainer(WorkerAdapter):
         cores: float = await self._call("mean_cores")
         return cores
 
+    async def connect_rollout(self, rank: int, handle: Any) -> None:
+        """Makes rollout worker ``rank`` (the actor ``handle``, a replacement) a member
+        of this shard's weight group. Queued behind a step in progress, so within
+        trainer.step_timeout_s."""
+        await self._call("connect_rollout", rank, handle,
+                         seconds=self.config.trainer.step_timeout_s,
+                         key="trainer.step_timeout_s", what=f"connect_rollout of rollout-{rank}")
+
     # ---- the PPO dataflow's stages (a RoleStagesClient: the same actor) ----------------
 
     async def _stage(self, method: str, step: int, *args: Any) -> Any:
@@ -243,6 +257,10 @@ class RayTrainer(WorkerAdapter):
 
     async def step_lost(self, step: int) -> None:
         await self._stage("step_lost", step, step)
+
+    async def policy_logprobs(self, step: int) -> RoleOutput:
+        ref = await self._stage("policy_logprobs_ref", step, step)
+        return RayRoleOutput(ref)
 
     async def policy_weights(self, version: int) -> RayPolicyWeights:
         # Not awaited: submitted before the next step's call, the copy runs in order with
@@ -320,19 +338,26 @@ class RayWeights:
         return await self._broadcast.deliver(published, ranks)
 
 
-async def restart_rollout(started: StartedWorkers, rank: int, model: ModelConfig,
-                          version: int) -> Any:
+async def restart_rollout(started: StartedWorkers, source: RayTrainer, rank: int,
+                          model: ModelConfig, version: int, config: Config) -> RayRollout:
     """Replaces rollout worker ``rank`` (dead or broken) by a new one on the same cores,
-    started from ``model`` labelled ``version`` and made a member of trainer shard 0's
-    weight group in its place (it joins at the next version)."""
+    started from ``model`` labelled ``version`` and made a member of the weight group of
+    ``source`` (trainer shard 0) in its place (it joins at the next version). Both calls
+    have their deadlines (``RayRollout.start``, ``RayTrainer.connect_rollout``); a
+    replacement that fails to start is killed, freeing its cores."""
     assert started.new_rollout is not None
     old = started.rollout.pop(rank, None)
     if old is not None:
         ray.kill(old)  # a broken worker may still hold its engine and cores
-    worker = started.new_rollout(rank, model, version, "")  # the old name may linger
-    await worker.start.remote()
-    await started.trainers[0].connect_rollout.remote(rank, worker)
-    started.rollout[rank] = worker
+    handle = started.new_rollout(rank, model, version, "")  # the old name may linger
+    worker = RayRollout(f"rollout-{rank}", handle, config)
+    try:
+        await worker.start()
+    except BaseException:  # failed, timed out or cancelled
+        ray.kill(handle)
+        raise
+    await source.connect_rollout(rank, handle)
+    started.rollout[rank] = handle
     return worker
 
 
@@ -340,13 +365,12 @@ def adapt(started: StartedWorkers, config: Config, own: OwnRoles | None = None) 
     """The started actors as the orchestrator's protocols; ``own``: the roles' workers
     of their own, already adapted (``async_rl.shell.role_adapters``)."""
 
-    async def restart(rank: int, model_dir: str, version: int) -> RayRollout:
-        model = msgspec.structs.replace(config.model, path=model_dir)
-        handle = await restart_rollout(started, rank, model, version)
-        return RayRollout(f"rollout-{rank}", handle, config)
-
     trainers = [RayTrainer(rank, handle, config)
                 for rank, handle in enumerate(started.trainers)]
+
+    async def restart(rank: int, model_dir: str, version: int) -> RayRollout:
+        model = msgspec.structs.replace(config.model, path=model_dir)
+        return await restart_rollout(started, trainers[0], rank, model, version, config)
     # fsdp2: shard 0's client gathers the whole policy from every shard, as its
     # broadcasts do; ddp: replicas.
     assert started.broadcast is not None

@@ -90,11 +90,14 @@ class RayCritic(RayOwnRole):
     async def critic_values(self, step: int) -> None:
         await self._call("values", step, **self._stage(step, "values"))
 
-    async def advantages(self, step: int, reference: Sequence[RoleOutput]
-                         ) -> list[RoleOutput]:
-        # References as arguments: Ray hands the critic the tensors themselves.
-        assert all(isinstance(out, RayRoleOutput) for out in reference)
-        refs = [out.ref for out in reference]  # type: ignore[attr-defined]
+    async def advantages(self, step: int, reference: Sequence[RoleOutput],
+                         policy: Sequence[RoleOutput]) -> list[RoleOutput]:
+        # References as arguments: Ray hands the critic the tensors themselves (the
+        # reference's, then the policy's: as many of each).
+        outputs = [*reference, *policy]
+        assert len(reference) == len(policy)
+        assert all(isinstance(out, RayRoleOutput) for out in outputs)
+        refs = [out.ref for out in outputs]  # type: ignore[attr-defined]
         found = await self._call("advantages_refs", step, *refs,
                                  **self._stage(step, "advantages_refs"))
         return _outputs(found)

@@ -4,7 +4,8 @@
 
 Owns: ``SimRoles`` (each stage of the PPO dataflow on every shard, costed from the step's
 micro-batches: the reference's logprobs and the critic's values a forward pass each
-(``Costs.forward_pass``), the advantages nothing but the call, the critic's update a
+(``Costs.forward_pass``), the advantages nothing but the call (with trainer.kl_in_reward
+after the policy's own forward pass, on its track), the critic's update a
 forward and backward per micro-batch and an optimizer update of its own per policy
 update, its full gradients all-reduced) and ``SimRoleStages`` (one shard's
 ``RoleStagesClient``). The spans are the real shard's (``workers.trainer.roles``): the
@@ -23,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 from async_rl.config import Config
 from async_rl.sim.costs import FORWARD_SHARE
-from async_rl.sim.workers import SimTraining, sim_sequences
+from async_rl.sim.workers import SimTraining, policy_pass, sim_sequences
 from buffers.records import ShardBatch
 from buffers.reports import CriticStepResult
 from workers.spans import SpanRecorder
@@ -32,8 +33,9 @@ from workers.spans import SpanRecorder
 def step_passes(config: Config) -> float:
     """A step's compute on a trainer shard's devices over the policy's forward and
     backward alone: the reference's forward, the critic's forward and its forward and
-    backward added (a calibration divides a run's step time by this)."""
-    return (1 + FORWARD_SHARE * config.has_reference
+    backward added, and the policy's own forward for the KL in the reward (a
+    calibration divides a run's step time by this)."""
+    return (1 + FORWARD_SHARE * (config.has_reference + policy_pass(config))
             + (FORWARD_SHARE + 1) * config.has_critic)
 
 
@@ -45,6 +47,7 @@ class SimRoles:
         self.costs = training.costs
         self.reference = config.has_reference
         self.critic = config.has_critic
+        self.policy_pass = policy_pass(config)
         shards = training.shards
         self.recorders = [SpanRecorder(worker=f"critic-{r}", role="critic", rank=r,
                                        device=f"sim:{r}", clock=training.cursor,
@@ -110,7 +113,10 @@ class SimRoles:
             await self._stage(rank, step, lambda r: 0.0, ())
 
     async def advantages(self, rank: int, step: int) -> None:
-        """GAE over the step's tokens: arithmetic the passes dwarf, so the call alone."""
+        """GAE over the step's tokens: arithmetic the passes dwarf, so the call alone,
+        after the policy's own forward when the KL is in the reward."""
+        if self.policy_pass:
+            await self._stage(rank, step, self._forward, ((self.training.recorders, "forward"),))
         await self._stage(rank, step, lambda r: 0.0,
                           self._critic_tracks("forward") if self.critic else ())
 

@@ -36,6 +36,22 @@ CONTENTION_SLICES = 8
 the engines busy as it starts make it."""
 
 
+def policy_pass(config: Config) -> bool:
+    """The PPO stages run a no-grad forward of the policy before its update: its
+    logprobs are the KL in the reward's (trainer.kl_in_reward)."""
+    return config.trainer.kl_in_reward and config.has_reference
+
+
+def proximal_pass(config: Config, updates: int) -> bool:
+    """The policy's update of ``updates`` optimizer updates (every epoch's) makes the
+    proximal pass, as the real shard does (``StepLoss.needs_proximal``: several updates,
+    or LoRA dropout), unless ``policy_pass`` made it already."""
+    cfg = config.trainer
+    lora = config.model.lora
+    return (cfg.tis_cap > 0 and (updates > 1 or (lora.enabled and lora.dropout > 0))
+            and not policy_pass(config))
+
+
 class _Cursor:
     """A clock a span recorder reads that the trainer moves: spans at computed times."""
 
@@ -184,7 +200,7 @@ class SimTraining:
         call."""
         cfg, costs = self.config.trainer, self.costs
         updates = len(batch.updates) * cfg.epochs
-        proximal = 4 / 3 if updates > 1 and cfg.tis_cap > 0 else 1.0
+        proximal = 4 / 3 if proximal_pass(self.config, updates) else 1.0
         slowest = max(sum(per) for per in compute)
         return (costs.hardware.call_s + slowest * (cfg.epochs + proximal - 1)
                 + updates * costs.update(self.shards))
@@ -197,7 +213,7 @@ class SimTraining:
         seconds and every shard's result."""
         cfg, costs = self.config.trainer, self.costs
         updates = batches[0].updates
-        proximal = len(updates) * cfg.epochs > 1 and cfg.tis_cap > 0
+        proximal = proximal_pass(self.config, len(updates) * cfg.epochs)
         began = start
         start += costs.hardware.call_s
         now = start
@@ -207,7 +223,7 @@ class SimTraining:
         forward = [0.0] * self.shards
         backward = [0.0] * self.shards
         waited = [0.0] * self.shards
-        # The proximal pass (several updates a step): one more forward over the step.
+        # The proximal pass: one more forward over the step.
         extra = ([slow * sum(per) / 3
                   for slow, per in zip(slowdowns, compute, strict=True)] if proximal
                  else [0.0] * self.shards)

@@ -28,11 +28,20 @@ from workers.trainer.critic import CRITIC_STATE
 pytestmark = pytest.mark.ray
 
 
+LENGTH = "def length(completions, **kwargs):\n    return [len(c) / 10 for c in completions]\n"
+"""A reward the tiny model's completions differ in from the first step: its arithmetic
+accuracy is 0, and the KL in the reward is exactly 0 while the policy is its reference,
+so without it nothing would move."""
+
+
 def own(model_dir: Path, out: Path, steps: int) -> Config:
+    rewards = out.parent / "length.py"
+    rewards.write_text(LENGTH)
     return config(model_dir, out, algorithm={"advantage": "gae"},
                   critic={"lr": 1e-3, "lam": 0.95, "placement": "own"},
                   reference={"placement": "own"},
                   trainer={"kl_coef": 0.05, "kl_in_reward": True},
+                  task={"rewards": [{"function": f"{rewards}:length"}]},
                   run={"num_steps": steps})
 
 

@@ -12,6 +12,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_rl.models.families import (
     ARCHITECTURES,
+    FAMILY_KEYWORDS,
+    FEATURES,
     HEAD_DIM,
     NUM_EXPERTS,
     SLIDING_WINDOW,
@@ -32,6 +34,7 @@ MOE = ("qwen3_moe", "mixtral", "olmoe", "granitemoe", "gpt_oss", "qwen3_next",
 def test_the_families_are_the_issue_s_list() -> None:
     assert len(ARCHITECTURES) == len(set(ARCHITECTURES)) >= 18
     assert {*SLIDING, *HYBRID, *MOE} <= set(ARCHITECTURES)
+    assert list(FEATURES) == list(FAMILY_KEYWORDS) == list(ARCHITECTURES)
     with pytest.raises(ValueError, match="unknown architecture 'bert'"):
         tiny_config("bert")
 

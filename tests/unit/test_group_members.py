@@ -8,7 +8,6 @@ run.stop_timeout_s, and over-long penalties and masks read each policy turn."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -40,6 +39,7 @@ from tests.unit.orchestrator_fakes import (
     run,
     trained_once_or_unfinished,
 )
+from tests.unit.turn_fakes import ByteTokenizer, Params
 from workers.environment import EnvironmentConfig
 from workers.rollout.prompts import PromptFormat
 from workers.rollout.turns import TurnRunner
@@ -140,25 +140,6 @@ class StepEnv:
 class TooLongEnv(StepEnv):
     async def reset(self, row: dict[str, Any]) -> str:
         return "x" * 40
-
-
-class ByteTokenizer:
-    eos_token_id = 0
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
-        return "".join(chr(i) for i in ids)
-
-
-class Params:
-    def __init__(self) -> None:
-        self.max_tokens, self.stop, self.detokenize = 8, [], False
-        self.include_stop_str_in_output, self.seed = False, None
-
-    def clone(self) -> Params:
-        return copy.copy(self)
 
 
 def play(env: type, lengths: list[int], **knobs: Any) -> list[Sample]:

@@ -16,7 +16,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 
-from workers.trainer.gae import from_rows, gae, moments, to_rows, token_rewards, whiten
+from workers.trainer.gae import Rows, from_rows, gae, moments, to_rows, token_rewards, whiten
 from workers.trainer.kl import kl_estimate
 
 # ---- the references ------------------------------------------------------------------
@@ -147,15 +147,17 @@ def test_the_flat_layout_skipping_observations_equals_verls_multi_turn_gae(
     # The flat layout: each row's policy tokens, end to end.
     lengths = [int(n) for n in mask.sum(1)]
     flat_values = values[mask]
-    value_rows, pad = to_rows(flat_values, lengths)
-    advantages, returns = gae(token_rewards(outcome, pad), value_rows, pad,
+    layout = Rows.of(lengths)
+    pad = layout.mask
+    advantages, returns = gae(token_rewards(outcome, pad), to_rows(flat_values, layout), pad,
                               gamma=0.95, lam=0.9)
-    flat_advantages = from_rows(advantages, pad)
+    flat_advantages = from_rows(advantages, layout)
     assert flat_advantages.shape == (sum(lengths),)
     if sum(lengths) >= 2:
         torch.testing.assert_close(whiten(flat_advantages, moments(flat_advantages)),
                                    verl_advantages[mask], atol=1e-6, rtol=0)
-    torch.testing.assert_close(from_rows(returns, pad), verl_returns[mask], atol=1e-6, rtol=0)
+    torch.testing.assert_close(from_rows(returns, layout), verl_returns[mask], atol=1e-6,
+                               rtol=0)
 
 
 def test_outcome_reward_sits_on_the_last_policy_token() -> None:
@@ -188,8 +190,14 @@ def test_whitening_degenerate_cases() -> None:
 
 def test_rows_round_trip_and_empty() -> None:
     flat = torch.arange(6.0)
-    rows, mask = to_rows(flat, [3, 1, 2])
+    layout = Rows.of([3, 1, 2])
+    rows = to_rows(flat, layout)
     assert rows.tolist() == [[0, 1, 2], [3, 0, 0], [4, 5, 0]]
-    assert torch.equal(from_rows(rows, mask), flat)
-    rows, mask = to_rows(torch.zeros(0), [])
-    assert rows.shape == (0, 0) and from_rows(rows, mask).numel() == 0
+    assert layout.mask.tolist() == [[True, True, True], [True, False, False],
+                                    [True, True, False]]
+    assert torch.equal(from_rows(rows, layout), flat)
+    empty = Rows.of([])
+    rows = to_rows(torch.zeros(0), empty)
+    assert rows.shape == (0, 0) and from_rows(rows, empty).numel() == 0
+    # A sequence with no trained token: an empty row.
+    assert to_rows(torch.arange(2.0), Rows.of([0, 2])).tolist() == [[0, 0], [0, 1]]

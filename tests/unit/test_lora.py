@@ -3,27 +3,33 @@ against peft's own, policy folders, and the bytes a version carries."""
 
 from __future__ import annotations
 
+import json
 import math
 import tomllib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from async_rl.cli import main
 from async_rl.config_io import apply_overrides, decode_config
+from async_rl.run.inputs import check_lora_targets
 from buffers.config import ConfigError
+from buffers.records import TrainSequence
 from workers.model_config import LoraConfig
 from workers.trainer.checkpoints import TRAINING_STATE
 from workers.trainer.lora import (
     adapter_state,
     attach,
+    head_targets,
     init_adapters,
-    linear_names,
+    layer_names,
     merged_state,
     save_policy_folder,
 )
+from workers.trainer.packing import pack, packed_forward
 from workers.weights.adapter import (
     ADAPTER_DIR,
     adapter_shapes,
@@ -88,9 +94,43 @@ def test_target_modules_the_model_lacks_exit_2_before_anything_starts(
     assert not (tmp_path / "r").exists()  # nothing started, nothing written
 
 
-def test_linear_names_are_the_decoder_layers_and_the_head(tmp_path: Path) -> None:
-    names = linear_names(str(tiny(tmp_path)))
+def test_layer_names_are_the_linear_layers_and_the_head_s_full_name(tmp_path: Path) -> None:
+    names, head = layer_names(str(tiny(tmp_path)))
     assert set(LoraConfig().target_modules) <= names and "lm_head" in names
+    assert head == "lm_head"
+
+
+@pytest.mark.parametrize("targets", [["q_proj", "lm_head"], ["lm_head"]])
+def test_lora_on_the_lm_head_is_refused_in_one_line_naming_the_key(
+        tmp_path: Path, targets: list[str]) -> None:
+    # The fused head reads the head's base weight: an adapter there would be served by the
+    # engines untrained while the trainer's log-probs ignored it.
+    model = tiny(tmp_path)
+    raw = tomllib.loads(f'[model]\npath = "{model}"\n')
+    config = decode_config(apply_overrides(raw, [
+        "model.lora.rank=8", f"model.lora.target_modules={json.dumps(targets)}"]))
+    with pytest.raises(ConfigError) as info:
+        check_lora_targets(config)
+    message = str(info.value)
+    assert "model.lora.target_modules" in message and "'lm_head'" in message
+    assert "\n" not in message
+
+
+def test_only_the_output_embedding_s_own_name_is_the_head() -> None:
+    assert head_targets(["lm_head", "q_proj", "head"], "lm_head") == ["lm_head"]
+    assert head_targets(["embed_out", "out"], "gpt_neox.embed_out") == ["embed_out"]
+    assert head_targets(["lm_head"], "model.lm_head_norm") == []
+
+
+def test_the_packed_forward_refuses_an_adapter_on_the_head(tmp_path: Path) -> None:
+    path = tiny(tmp_path)
+    module = attach(Qwen2ForCausalLM.from_pretrained(path),
+                    LoraConfig(rank=2, target_modules=("q_proj", "lm_head")), str(path))
+    ids = np.arange(1, 8, dtype=np.int32)  # within the tiny vocabulary
+    batch = pack([TrainSequence(prompt_token_ids=ids[:3], completion_token_ids=ids[3:],
+                                behaviour_logprobs=np.zeros(4, np.float32), advantage=1.0)])
+    with pytest.raises(ValueError, match="LoRA on the output embedding"):
+        packed_forward(module, module, batch, 1.0)
 
 
 @pytest.mark.parametrize("name", ["model.layers.0.self_attn.q_proj.lora_A.default.weight",

@@ -7,7 +7,6 @@ Rewards that always return 1.0 and count their calls; a fake engine and environm
 from __future__ import annotations
 
 import asyncio
-import copy
 import threading
 from collections import Counter
 from typing import Any
@@ -16,6 +15,7 @@ import pytest
 
 import async_rl
 from buffers.records import NO_POLICY_TOKEN, Prompt, Sample
+from tests.unit.turn_fakes import ByteTokenizer, Params
 from workers.environment import EnvironmentConfig
 from workers.rewards.runner import UserRewards
 from workers.rollout.prompts import PromptFormat
@@ -91,25 +91,6 @@ class CrashesEveryOther:
         if self.crashes:
             raise RuntimeError("sandbox crashed")
         return async_rl.EnvStep(None, 0.0, True)
-
-
-class ByteTokenizer:
-    eos_token_id = 0
-
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return [ord(c) for c in text]
-
-    def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
-        return "".join(chr(i) for i in ids)
-
-
-class Params:
-    def __init__(self) -> None:
-        self.max_tokens, self.stop, self.detokenize = 8, [], False
-        self.include_stop_str_in_output, self.seed = False, None
-
-    def clone(self) -> Params:
-        return copy.copy(self)
 
 
 async def answer_4(context: list[int], params: Any) -> Sample:

@@ -4,8 +4,8 @@ CUDA's group is NCCL, a backend for the cuda device type only; with
 ``CPUOffloadPolicy`` the sharded gradients are CPU tensors, and ``clip_grad_norm_``
 all-reduces their norms there. On a CPU machine the same group is built with gloo
 registered for the cuda device type alone ("cuda:gloo"): the clip fails as on GPUs, and
-the backend string ``process_group_backend`` makes for offload (gloo standing in for
-NCCL) lets it through. Two real processes; nothing here needs a GPU.
+the backend string ``process_group_backend`` makes for an accelerator (gloo standing in
+for NCCL) lets it through. Two real processes; nothing here needs a GPU.
 """
 
 from __future__ import annotations
@@ -40,15 +40,14 @@ def _reference_norm() -> float:
 
 
 def _shard(rank: int, rendezvous: str, results: mp.SimpleQueue) -> None:  # type: ignore[type-arg]
-    """One of two ranks: the default group is the offload backend string; a clip over a
+    """One of two ranks: the default group is the accelerator's backend string; a clip over a
     group of the accelerator's backend alone runs first, then FSDP2's."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
     from torch.distributed.tensor import DTensor, Shard
 
-    backend = process_group_backend(torch.device("cuda"), offload=True,
-                                    accelerator_backend="gloo")
+    backend = process_group_backend(torch.device("cuda"), accelerator_backend="gloo")
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank,
                             world_size=2)
     try:
@@ -75,11 +74,8 @@ def _shard(rank: int, rendezvous: str, results: mp.SimpleQueue) -> None:  # type
 
 
 def test_backend_strings() -> None:
-    cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert process_group_backend(cuda) == "nccl"
-    assert process_group_backend(cuda, offload=True) == "cpu:gloo,cuda:nccl"
-    assert process_group_backend(cpu) == "gloo"
-    assert process_group_backend(cpu, offload=True) == "gloo"  # gloo takes CPU tensors
+    assert process_group_backend(torch.device("cuda")) == "cpu:gloo,cuda:nccl"
+    assert process_group_backend(torch.device("cpu")) == "gloo"  # gloo takes CPU tensors
 
 
 def test_clipping_offloaded_gradients_needs_the_cpu_backend(tmp_path: Path) -> None:
@@ -97,10 +93,11 @@ def test_clipping_offloaded_gradients_needs_the_cpu_backend(tmp_path: Path) -> N
 
 
 def test_the_gpu_check_row_runs_the_same_groups_on_cpu() -> None:
-    """bench/gpu_check.py's offload row, with gloo standing in for NCCL: one rank."""
-    gpu_check = load_script("bench/gpu_check.py", "gpu_check_offload", siblings=True)
-    rows = gpu_check.offload_clip_check(torch.device("cpu"), accelerator_backend="gloo",
-                                        port=_free_port())
+    """The GPU check's offload row (bench/gpu_rows.py), with gloo standing in for NCCL:
+    one rank."""
+    gpu_rows = load_script("bench/gpu_rows.py", "gpu_rows_offload", siblings=True)
+    rows = gpu_rows.offload_clip_check(torch.device("cpu"), accelerator_backend="gloo",
+                                       port=_free_port())
     assert len(rows) == 1
     name, result, figures = rows[0]
     assert name == "FSDP2 offload clip (cpu:gloo,cuda:gloo, 1 rank)"

@@ -77,6 +77,10 @@ class FakeShardStages:
     async def take_advantages(self, step: int, advantages: RoleOutput) -> None:
         self.log.append(("take_advantages", step, self.rank, advantages))
 
+    async def policy_logprobs(self, step: int) -> RoleOutput:
+        self.log.append(("policy", step, self.rank))
+        return Output(f"trainer-{self.rank}", 0, step)
+
     async def step_lost(self, step: int) -> None:
         self.told_lost.add(step)
         self.log.append(("step_lost", step, self.rank))
@@ -142,13 +146,16 @@ class FakeCritic(FakeOwn):
         super().__init__(f"critic-{rank}", log)
         self.rank = rank
         self.references: dict[int, tuple[RoleOutput, ...]] = {}
+        self.policies: dict[int, tuple[RoleOutput, ...]] = {}
 
     async def critic_values(self, step: int) -> None:
         self.log.append(("values", step, self.name))
 
-    async def advantages(self, step: int, reference: Sequence[RoleOutput]) -> list[RoleOutput]:
+    async def advantages(self, step: int, reference: Sequence[RoleOutput],
+                         policy: Sequence[RoleOutput]) -> list[RoleOutput]:
         self.log.append(("advantages", step, self.name))
         self.references[step] = tuple(reference)
+        self.policies[step] = tuple(policy)
         return self.outputs(step)
 
     def start_update(self, step: int) -> Pending:
@@ -208,10 +215,14 @@ def test_own_roles_compute_the_stages_and_hand_each_shard_its_share(tmp_path: Pa
         assert taken == {s: Output("reference-0", s, step) for s in range(4)}
         for rank, critic in enumerate(roles.critics):
             # Critic shard r fits trainer shards r, r + 2: their batches, their
-            # reference logprobs.
+            # reference logprobs and their policies' (from the shards: the KL in the
+            # reward is the trainer's policy's).
             assert critic.batches[step] == batches[rank::2]
             assert critic.references[step] == tuple(
                 Output("reference-0", s, step) for s in range(rank, 4, 2))
+            assert critic.policies[step] == tuple(
+                Output(f"trainer-{s}", 0, step) for s in range(rank, 4, 2))
+        assert names.index("policy") < names.index("advantages")
         advantages = {entry[2]: entry[3] for entry in roles.log
                       if entry[0] == "take_advantages" and entry[1] == step}
         assert advantages == {s: Output(f"critic-{s % 2}", s // 2, step) for s in range(4)}

@@ -78,7 +78,8 @@ def test_own_roles_compute_what_the_roles_beside_the_shard_compute(
         torch.testing.assert_close([r for r in logprobs if r is not None], references)
         ours.take_reference(step, logprobs)
         critic_worker.values(step)
-        (advantages,) = critic_worker.advantages(step, [logprobs])
+        (advantages,) = critic_worker.advantages(step, [logprobs],
+                                                 [ours.policy_logprobs(step)])
         ours.take_advantages(step, advantages)
         assert ours.step is not None
         got = [mb.packed.advantages for mb in ours.step.prepared if mb.packed]
@@ -96,6 +97,29 @@ def test_own_roles_compute_what_the_roles_beside_the_shard_compute(
     for (name, x), (_, y) in zip(beside.roles.critic.module.state_dict().items(),
                                  critic_worker.critic.module.state_dict().items(), strict=True):
         torch.testing.assert_close(y, x, atol=1e-6, rtol=1e-5, msg=name)
+
+
+def test_the_own_critics_kl_in_the_reward_is_zero_while_the_policy_is_its_reference(
+        model_dir: Path) -> None:  # noqa: F811
+    """As beside the shard: the behaviour logprobs (-0.5) are the engine's, the KL in
+    the reward the trainer's policy's (sent by the shard), so its advantages are those
+    without the term."""
+    critic = CriticConfig(path=str(model_dir), lr=1e-3)
+    out = {}
+    for coef in (5.0, 0.0):
+        config = TrainerConfig(groups_per_step=2, kl_coef=coef, kl_in_reward=True)
+        policy, reference, critic_worker = own_workers(model_dir, config, critic)
+        (batch,), _ = shard_batches(GROUPS, 1, config, step=1)
+        tokens = list(batch.groups)
+        assert not policy.stages().prepare(batch, tokens)
+        assert not reference.prepare([batch], [tokens])
+        assert not critic_worker.prepare([batch], [tokens])
+        critic_worker.values(1)
+        (advantages,) = critic_worker.advantages(1, reference.logprobs(1),
+                                                 [policy.stages().policy_logprobs(1)])
+        out[coef] = [a for a in advantages if a is not None]
+    assert len(out[5.0]) == len(out[0.0]) > 0
+    assert all(torch.equal(a, b) for a, b in zip(out[5.0], out[0.0], strict=True))
 
 
 def test_a_step_an_own_role_lost_trains_nothing(model_dir: Path) -> None:  # noqa: F811

@@ -1,14 +1,17 @@
 """The PPO dataflow on one trainer shard, without Ray: the reference's logprobs and the KL
-term, the critic's values, GAE's advantages on the packed layout, the critic's update,
-lost groups, and the critic's state through a checkpoint."""
+term (in the loss, and in the reward, of the trainer's policy), the critic's values,
+GAE's advantages on the packed layout, the critic's update, lost groups, and the
+critic's state through a checkpoint."""
 
 from __future__ import annotations
 
+import collections
 from pathlib import Path
 
 import msgspec
 import pytest
 import torch
+from host_reads import HostReads
 
 from async_rl.models.tiny_model import build_config
 from buffers.batching import shard_batches
@@ -119,6 +122,38 @@ def test_gae_advantages_from_a_fresh_critic_are_the_whitened_rewards(model_dir: 
     assert any(bool((v != 0).any()) for v in moved)  # the critic learned
 
 
+def test_the_kl_in_the_reward_is_zero_while_the_policy_is_its_reference(
+        model_dir: Path) -> None:
+    """The groups' behaviour logprobs (-0.5 a token) are not the policy's: the engine's
+    numerics. The KL in the reward is the trainer's policy's, which is its reference:
+    exactly 0 a token, so the advantages and returns are those without the term."""
+    critic = CriticConfig(path=str(model_dir), lr=1e-3)
+    out, kept = {}, {}
+    for in_reward in (True, False):
+        config = TrainerConfig(groups_per_step=2, kl_coef=5.0, kl_in_reward=in_reward,
+                               kl_estimator="k3")
+        stages = shard(model_dir, config, reference=True, critic=critic).stages()
+        (batch,), _ = shard_batches(GROUPS, 1, config, step=1)
+        assert not stages.prepare(batch, list(batch.groups))
+        stages.reference_logprobs(1)
+        stages.critic_values(1)
+        stages.advantages(1)
+        assert stages.step is not None
+        out[in_reward] = ([mb.packed.advantages for mb in stages.step.prepared if mb.packed],
+                          [r for r in stages.step.returns if r is not None])
+        kept[in_reward] = stages
+    for got, want in zip(out[True], out[False], strict=True):
+        assert len(got) == len(want) > 0
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+    # What the term compared: the policy's logprobs, the reference's equal to them.
+    with_term = kept[True]
+    assert with_term.step is not None
+    policy = [p for p in with_term.step.policy if p is not None]
+    reference = [r for r in with_term.step.reference if r is not None]
+    assert len(policy) == len(batch.micro_batches) > 0
+    assert all(torch.equal(p, r) for p, r in zip(policy, reference, strict=True))
+
+
 def test_multi_turn_observation_tokens_get_no_advantage_or_value(model_dir: Path) -> None:
     masked = group([5, 4], [1.0, 0.0], "m", masks=[(1, 0, 0, 1, 1), (1, 1, 0, 1)])
     plain = group([3, 3], [1.0, 0.0], "n")
@@ -142,6 +177,35 @@ def test_multi_turn_observation_tokens_get_no_advantage_or_value(model_dir: Path
     result = trainer.train_step(batch, None)
     assert result.loss.tokens == trained
     assert stages.critic_update(1, 0).tokens == trained
+
+
+def test_gae_and_the_critic_update_wait_for_the_device_as_designed(model_dir: Path) -> None:
+    """Counted as CUDA syncs on the CPU (tests/unit/host_reads.py: C++-side reads such
+    as boolean-mask indexing included): a step's GAE reads the device once (every
+    micro-batch's moments at once); the critic's update once per optimizer update (its
+    gradient norm, for the non-finite skip) and once for its statistics."""
+    # Two optimizer updates of two micro-batches or more each.
+    config = TrainerConfig(groups_per_step=2, mini_batches=2, micro_batch_tokens=16,
+                           kl_coef=0.1, kl_in_reward=True)
+    trainer = shard(model_dir, config, reference=True,
+                    critic=CriticConfig(path=str(model_dir), gamma=0.9, lam=0.8))
+    stages = trainer.stages()
+    (batch,), _ = shard_batches(GROUPS, 1, config, step=1)
+    updates = batch.per_update(batch.micro_batches)
+    assert len(updates) == 2 and all(len(update) > 1 for update in updates)
+    stages.prepare(batch, list(batch.groups))
+    stages.reference_logprobs(1)
+    stages.critic_values(1)
+    assert stages.step is not None
+    with HostReads() as gae_reads:
+        stages.advantages(1)
+    assert gae_reads.seen == collections.Counter({"cpu": 1})
+    assert all(mb.packed is None or bool(mb.packed.advantages.abs().sum() > 0)
+               for mb in stages.step.prepared)
+    with HostReads() as update_reads:
+        result = stages.critic_update(1, 0)
+    assert update_reads.seen == collections.Counter({"__float__": 2, "tolist": 1})
+    assert result.tokens == 28 and result.value_loss_sum > 0
 
 
 def test_lost_groups_train_nothing_anywhere(model_dir: Path) -> None:

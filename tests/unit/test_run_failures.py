@@ -24,7 +24,9 @@ from orchestrator_fakes import (
 from async_rl.config import Config
 from async_rl.control.checkpoint import latest_checkpoint
 from async_rl.control.protocols import RolloutFailed, RunFailed, TrainerFailed, WaitTimedOut
+from async_rl.shell import adapters
 from async_rl.shell.adapters import RayRollout, RayTrainer
+from async_rl.shell.launch import StartedWorkers
 from buffers.records import Prompt, ShardBatch, ShardStepResult
 from buffers.reports import EvalResult
 
@@ -207,6 +209,46 @@ def test_every_worker_call_has_a_deadline_that_names_what_was_waited_for(
                            r"after 0.05 s \(trainer.step_timeout_s\)$") as stuck:
             await trainer.train(batch)
         assert stuck.value.dead and stuck.value.timed_out
+
+    anyio.run(main)
+
+
+class Starts:
+    """A Ray actor handle whose every method call answers at once."""
+
+    def __getattr__(self, method: str) -> Any:
+        class Method:
+            @staticmethod
+            async def remote(*args: Any) -> None:
+                return None
+
+        return Method
+
+
+def test_a_replacements_start_and_connect_have_their_deadlines(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    cfg = with_keys(config(tmp_path), run={"call_timeout_s": 0.05},
+                    trainer={"step_timeout_s": 0.1})
+    killed: list[Any] = []
+    monkeypatch.setattr(adapters.ray, "kill", killed.append)
+    hangs, starts = Silent(), Starts()
+
+    async def restart(new: Any, shard: Any) -> RayRollout:
+        started = StartedWorkers(new_rollout=lambda *args: new)
+        return await adapters.restart_rollout(started, RayTrainer(0, shard, cfg), 1,
+                                              cfg.model, 3, cfg)
+
+    async def main() -> None:
+        with pytest.raises(RolloutFailed, match=r"^no answer to start after 0.05 s "
+                           r"\(run.call_timeout_s\)$") as failed:
+            await restart(hangs, starts)
+        assert failed.value.worker_gone and failed.value.timed_out
+        assert killed == [hangs]  # it must not keep its cores
+        with pytest.raises(WaitTimedOut, match=r"^timed out after 0.1 s waiting for "
+                           r"trainer-0.connect_rollout \(trainer.step_timeout_s\)$"):
+            await restart(starts, hangs)
+        worker = await restart(starts, starts)
+        assert worker.name == "rollout-1" and worker.handle is starts
 
     anyio.run(main)
 

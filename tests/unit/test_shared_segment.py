@@ -1,15 +1,24 @@
-"""Local members of a weight broadcast: the shared segment, its layout (pure), and
-broadcasts over real gloo groups inside one process (a thread per rank; no Ray, no
-vLLM) where some members read the shared segment and the others form the chain: every
-member gets every tensor exactly, the span is measured, and a member that never
-receives fails the broadcast while the local members are told at once."""
+"""Local members of a weight broadcast: the shared segment, its layout (pure), the sweep
+of segments left by killed senders, the check that a version read from the segment was
+not written again meanwhile (LoRA adapter versions too), and broadcasts over real gloo
+groups inside one
+process (a thread per rank; no Ray, no vLLM) where some members read the shared segment
+and the others form the chain: every member gets every tensor exactly, the span is
+measured, and a member that never receives fails the broadcast while the local members
+are told at once."""
 
 from __future__ import annotations
 
+import fcntl
 import itertools
+import logging
+import os
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -28,7 +37,7 @@ from workers.weights.bucket_transfer import (
     segment_views,
     send_buckets,
 )
-from workers.weights.gloo_transfer import _shared
+from workers.weights.gloo_transfer import GlooWeightTransferEngine, _shared
 from workers.weights.shared_segment import WRITING, SharedSegment
 
 
@@ -78,6 +87,51 @@ def test_no_room_in_shared_memory_falls_back_to_the_chain(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setattr(shared_segment, "ROOT", tmp_path / "missing")
     assert _shared(1024) is None
+
+
+def dead_pid() -> int:
+    """The pid of a process that has ended and been reaped."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_segments_of_gone_processes_are_removed_at_start_and_others_kept(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    dead, prefix = dead_pid(), shared_segment.PREFIX
+    files = {"orphan": f"{prefix}{dead}-0a1b", "live": f"{prefix}{os.getpid()}-0a1b",
+             "held": f"{prefix}{dead}-2c3d", "other": "someone-else-123-0a1b"}
+    for index, name in enumerate(files.values()):
+        (tmp_path / name).write_bytes(b"x" * (1000 + index))
+    # A maker alive in another pid namespace holds its file's lock.
+    held = os.open(tmp_path / files["held"], os.O_RDONLY)
+    fcntl.flock(held, fcntl.LOCK_SH)
+    caplog.set_level(logging.INFO, logger="workers.weights.shared_segment")
+    try:
+        assert shared_segment.remove_orphans(tmp_path) == (1, 1000)
+    finally:
+        os.close(held)
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        files[k] for k in ("live", "held", "other"))
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "removed 1 " in line and "(1000 bytes)" in line
+    assert shared_segment.remove_orphans(tmp_path) == (1, 1002)  # its lock is free now
+    assert shared_segment.remove_orphans(tmp_path) == (0, 0)
+    assert len(caplog.records) == 2  # nothing removed, nothing said
+    assert shared_segment.remove_orphans(tmp_path / "missing") == (0, 0)
+
+
+def test_a_segment_is_locked_by_its_maker_until_unlinked(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.setattr(shared_segment, "ROOT", tmp_path)
+    segment = SharedSegment.create(64)
+    # Under a dead pid's name (its maker seen from another pid namespace): still held.
+    orphan = tmp_path / f"{shared_segment.PREFIX}{dead_pid()}-0a1b"
+    segment.path.rename(orphan)
+    assert shared_segment.remove_orphans(tmp_path) == (0, 0) and orphan.exists()
+    segment.unlink()  # its name (already gone) and its lock
+    assert shared_segment.remove_orphans(tmp_path) == (1, 64 + shared_segment.HEADER)
+    assert not orphan.exists()
 
 
 TENSORS = [torch.randn(40, 30, generator=torch.Generator().manual_seed(2)),  # split
@@ -168,6 +222,49 @@ def test_local_members_need_a_segment() -> None:
     groups = open_group(2, timeout_s=5)
     with pytest.raises(ValueError, match="segment"):
         send_buckets(groups[SENDER], TENSORS, BUCKET, 5.0, local=[1])
+
+
+ADAPTER = ["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight",
+           "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight"]
+
+
+@pytest.mark.parametrize("torn", [False, True])
+def test_an_adapter_version_read_from_the_segment_is_loaded_only_whole(torn: bool) -> None:
+    """An engine serving the policy as a LoRA adapter stages a version as views of the
+    segment (write 1): if the segment was written again before the adapter is loaded,
+    the version is refused as a full one would be, and the adapter is not loaded."""
+    tensors = [torch.randn(4, 16, generator=torch.Generator().manual_seed(3)),
+               torch.randn(16, 4, generator=torch.Generator().manual_seed(4))]
+    specs = [(tuple(t.shape), t.dtype) for t in tensors]
+    segment = segment_for(tensors)
+    try:
+        views = segment_views(segment, specs, BUCKET)
+        for (_, view), tensor in zip(views, tensors, strict=True):
+            view.copy_(tensor)
+        segment.seq = 1
+        engine = GlooWeightTransferEngine(
+            None, SimpleNamespace(parallel_config=None, model_config=None),  # type: ignore[arg-type]
+            torch.device("cpu"), torch.nn.Module())
+        loaded: list[list[tuple[str, torch.Tensor]]] = []
+        engine.adapter_loader = loaded.append
+        engine._segment = segment
+        engine._staged = [(ADAPTER[i], view) for i, view in views]
+        engine._segment_write = 1
+        if torn:
+            segment.seq = WRITING  # the sender began the next version's write
+            with pytest.raises(RuntimeError, match="written again"):
+                engine.finish_weight_update()
+            assert loaded == []
+            return
+        engine.finish_weight_update()
+        (version,) = loaded
+        assert [name for name, _ in version] == ADAPTER
+        for _, view in views:
+            view.zero_()  # the next write: what was loaded is a copy, whole
+        assert all(torch.equal(got, want) for (_, got), want in zip(version, tensors,
+                                                                   strict=True))
+    finally:
+        segment.unlink()
 
 
 @pytest.mark.parametrize("missing", ["dead", "stuck"])

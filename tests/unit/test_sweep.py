@@ -149,7 +149,7 @@ def test_a_trial_on_a_hub_id_is_skipped_once_it_finished(
     hub = tmp_path / "hub"
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
-    snapshot = add_to_hub_cache(hub, "org/tiny", files={"config.json": '{"model_type": "x"}'})
+    snapshot = add_to_hub_cache(hub, "org/tiny", files={"config.json": '{"model_type": "qwen2"}'})
     config_path = tmp_path / "c.toml"
     config_path.write_text('[model]\npath = "org/tiny"\n')
     run_dir = tmp_path / "sweep" / "run.seed=1"

@@ -1,7 +1,8 @@
 """The trainer's accelerator path, checked on the CPU: host offsets and one copy per
 micro-batch, the CUDA attention layout (one varlen call per layer) emulated, the fused
-LM head, no host read inside a micro-batch, statistics read once a step, phase times
-from CUDA events, the compile switch.
+LM head, no host read inside a micro-batch, statistics read once a step (on several
+shards too, whose wait for each other blocks no accelerator's host), phase times from
+CUDA events, the compile switch.
 
 What needs a GPU (the flash kernels themselves, sync counts, MFU) is a row of
 ``scripts/gpu-check.sh``; here the kernel is swapped for a CPU emulation that takes the
@@ -22,19 +23,20 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from host_reads import HostReads
 from test_packing import SHAPES, TEMPERATURE, sequences, shard, shard_batch
-from torch.overrides import TorchFunctionMode
 from transformers import Qwen2ForCausalLM
 
 from async_rl.models.tiny_model import build_config
-from buffers.records import TrainSequence
+from buffers.records import ShardStepResult, TrainSequence
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
 from workers.trainer import attention
 from workers.trainer.attention import round_up_pow2, use_packed_attention
 from workers.trainer.config import TrainerConfig
-from workers.trainer.device_setup import compiles, decoder_layers, speed_up
+from workers.trainer.device_setup import decoder_layers, speed_up
 from workers.trainer.lm_head import CHUNK_ELEMENTS, chunk_rows, head_logprobs
 from workers.trainer.loss import Normaliser, read_stats
 from workers.trainer.packing import (
@@ -49,27 +51,6 @@ from workers.trainer.phase_clock import PhaseClock
 from workers.trainer.shard import TrainerShard
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-HOST_READS = frozenset({torch.Tensor.item, torch.Tensor.tolist, torch.nonzero,
-                        torch.Tensor.nonzero, torch.Tensor.__bool__, torch.Tensor.__float__,
-                        torch.Tensor.__int__, torch.Tensor.__index__, torch.Tensor.cpu,
-                        torch.Tensor.numpy})
-"""Python-level calls that read a tensor's value on the host (on CUDA: a sync each)."""
-
-
-class HostReads(TorchFunctionMode):
-    """Counts ``HOST_READS`` calls made while active."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.seen: collections.Counter[str] = collections.Counter()
-
-    def __torch_function__(self, func: Any, types: Any, args: Any = (),
-                           kwargs: Any = None) -> Any:
-        if func in HOST_READS:
-            self.seen[func.__name__] += 1
-        return func(*args, **(kwargs or {}))
-
 
 @pytest.fixture(scope="module")
 def reference() -> Qwen2ForCausalLM:
@@ -133,30 +114,47 @@ def test_max_len_is_rounded_up_to_a_power_of_two() -> None:
 
 
 class EmulatedVarlen:
-    """What the flash varlen call computes, on the CPU, from the same arguments."""
+    """What the flash varlen call computes, on the CPU, from the same arguments: causal
+    attention per sequence, within ``window`` tokens where the call gives one (the mask
+    transformers' own sliding-window layers build)."""
 
     def __init__(self) -> None:
-        self.calls: list[tuple[tuple[int, ...], int]] = []
+        self.calls: list[tuple[tuple[int, ...], int, int | None]] = []
 
     def __call__(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor,
-                 max_len: int, scale: float | None) -> torch.Tensor:
+                 max_len: int, scale: float | None, window: int | None) -> torch.Tensor:
         assert q.dim() == k.dim() == v.dim() == 3 and q.shape[0] == k.shape[0] == v.shape[0]
         assert cu.dtype == torch.int32 and q.dtype == k.dtype == v.dtype
         offsets = cu.tolist()  # the kernel reads them on the device; the emulation here
         lengths = [b - a for a, b in itertools.pairwise(offsets)]
         assert offsets[-1] == q.shape[0] and max(lengths) <= max_len
-        self.calls.append((tuple(lengths), max_len))
+        self.calls.append((tuple(lengths), max_len, window))
         parts = [F.scaled_dot_product_attention(
             q[a:b].transpose(0, 1), k[a:b].transpose(0, 1), v[a:b].transpose(0, 1),
-            is_causal=True, scale=scale, enable_gqa=k.shape[1] != q.shape[1]).transpose(0, 1)
+            attn_mask=transformers_mask(b - a, window), scale=scale,
+            enable_gqa=k.shape[1] != q.shape[1]).transpose(0, 1)
             for a, b in itertools.pairwise(offsets)]
         return torch.cat(parts)
+
+
+def transformers_mask(length: int, window: int | None) -> torch.Tensor:
+    """``(length, length)``: which keys each query sees in transformers' own causal
+    (``window`` None) or sliding-window mask."""
+    from transformers.masking_utils import (
+        causal_mask_function,
+        sliding_window_causal_mask_function,
+    )
+
+    allowed = (causal_mask_function if window is None
+               else sliding_window_causal_mask_function(window))
+    index = torch.arange(length)
+    return allowed(0, 0, index[:, None], index[None, :])
 
 
 @pytest.fixture
 def emulated(monkeypatch: pytest.MonkeyPatch) -> EmulatedVarlen:
     kernel = EmulatedVarlen()
-    monkeypatch.setattr(attention, "varlen_kernel", lambda device, dtype: kernel)
+    monkeypatch.setattr(attention, "varlen_kernel", lambda device, dtype, windowed: kernel)
     return kernel
 
 
@@ -175,7 +173,7 @@ def test_the_varlen_layout_equals_the_padded_reference_in_value_and_gradient(
     batch = pack(seqs)
     logprobs, entropy = packed_forward(packed_model, packed_model, batch, TEMPERATURE)
     layers = build_config().num_hidden_layers
-    assert emulated.calls == [(batch.lengths, round_up_pow2(batch.max_len))] * layers
+    assert emulated.calls == [(batch.lengths, round_up_pow2(batch.max_len), None)] * layers
     logits, targets, _ = padded_logits(reference, seqs)
     want = completion_logprobs(logits, targets, TEMPERATURE)
     assert logprobs.shape == want.shape == (sum(c for _, c in SHAPES),)
@@ -210,7 +208,7 @@ def test_a_varlen_call_gets_q_k_v_in_autocasts_dtype(
         dtypes.append(q.dtype)
         return emulated(q, *rest)
 
-    monkeypatch.setattr(attention, "varlen_kernel", lambda device, dtype: kernel)
+    monkeypatch.setattr(attention, "varlen_kernel", lambda device, dtype, windowed: kernel)
     with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
         packed_forward(packed_model, packed_model, pack(sequences()), TEMPERATURE)
     assert dtypes == [torch.bfloat16] * build_config().num_hidden_layers
@@ -225,7 +223,7 @@ def test_the_kernel_is_picked_by_device_and_dtype_and_the_torch_signature(
     assert attention.varlen_kernel(cuda, torch.float32) is None  # flash takes no fp32
     flashed: list[int] = []
     monkeypatch.setattr(attention, "_flash_forward",
-                        lambda q, k, v, cu, n, scale: flashed.append(k.shape[1]) or q)
+                        lambda q, k, v, cu, n, scale, window: flashed.append(k.shape[1]) or q)
     seen: list[dict[str, Any]] = []
 
     def newer(*args: Any, scale: float | None = None, window_size: tuple[int, int] = (-1, -1),
@@ -245,8 +243,8 @@ def test_the_kernel_is_picked_by_device_and_dtype_and_the_torch_signature(
         monkeypatch.setattr(attention, "TORCH_VARLEN", attention._varlen_attn_call())
         kernel = attention.varlen_kernel(cuda, torch.bfloat16)
         assert kernel is not None and kernel is not attention._flash_forward
-        kernel(q, q, q, cu, 4, 0.5)  # equal heads: always torch's call
-        kernel(q, kv, kv, cu, 4, 0.5)  # grouped-query heads
+        kernel(q, q, q, cu, 4, 0.5, None)  # equal heads: always torch's call
+        kernel(q, kv, kv, cu, 4, 0.5, None)  # grouped-query heads
     assert seen == [{"window_size": (-1, 0), "enable_gqa": False, "scale": 0.5},
                     {"window_size": (-1, 0), "enable_gqa": True, "scale": 0.5},
                     {"is_causal": True, "scale": 0.5}]
@@ -375,6 +373,46 @@ def test_a_step_reads_the_host_twice_statistics_and_gradient_norm(model_dir: Pat
     assert result.forward_s > 0 and result.backward_s > 0 and result.optimizer_s > 0
 
 
+def test_a_step_on_several_shards_still_reads_the_host_twice(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The counts every shard agrees on are the host's: summed where they are (the
+    group's CPU backend), not sent to the device and read back."""
+    seqs = sequences()
+    batch, tokens = shard_batch([seqs[:2], seqs[2:]])
+    trainer = shard(model_dir, packed=True)
+    trainer.world_size = trainer.losses.world_size = 2  # the collectives faked below
+    monkeypatch.setattr(dist, "all_reduce", lambda tensor, *a, **k: tensor.mul_(2))
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: None)
+    with HostReads() as reads:
+        result = trainer.train_step(batch, tokens)
+    assert reads.seen == collections.Counter({"tolist": 1, "__float__": 1})
+    assert result.loss.tokens == sum(c for _, c in SHAPES)
+
+
+@pytest.mark.parametrize("device", ["cpu", "meta"])
+def test_shards_wait_for_each_other_on_the_host_only_on_the_cpu(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch, device: str) -> None:
+    """Before an update's last backward the shards wait for each other, so that the
+    phases tell that wait from the gradient all-reduce. On the CPU the host waits (a
+    gloo barrier); on an accelerator ("meta" stands in for CUDA) a barrier would block
+    the host at every update (NCCL's does), so only the device's stream waits, on a
+    one-element all-reduce."""
+    waited: list[str] = []
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: waited.append("host"))
+    monkeypatch.setattr(dist, "all_reduce",
+                        lambda tensor, *a, **k: waited.append(f"{tensor.device.type} stream"))
+    trainer = shard(model_dir, packed=True)
+    trainer.world_size = 2
+    trainer.device = torch.device(device)  # what the wait is on; the model stays on the CPU
+    seqs = sequences()
+    micro_batches = trainer.losses.prepare([tuple(seqs[:2]), tuple(seqs[2:])])
+    norm = Normaliser(agg="token_mean", tokens=sum(c for _, c in SHAPES), sequences=4)
+    _, grad_norm = trainer._update(micro_batches, norm, [None, None], [None, None], [],
+                                   PhaseClock(torch.device("cpu")))
+    assert grad_norm > 0
+    assert waited == (["host"] if device == "cpu" else ["meta stream"])
+
+
 def test_statistics_read_once_equal_each_micro_batch_read_alone(model_dir: Path) -> None:
     trainer = shard(model_dir, packed=True)
     seqs = sequences()
@@ -436,12 +474,10 @@ def test_phase_times_on_cuda_come_from_events_without_a_sync(
     assert list(times) == ["forward"] and times["forward"] >= 0
 
 
-def test_compile_defaults_to_cuda_only_and_keeps_state_dict_names(
+def test_compile_defaults_off_on_the_cpu_and_keeps_state_dict_names(
         reference: Qwen2ForCausalLM, monkeypatch: pytest.MonkeyPatch) -> None:
-    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
-    assert not compiles(TrainerConfig(), cpu) and compiles(TrainerConfig(), cuda)
-    assert compiles(TrainerConfig(compile=True), cpu)
-    assert not compiles(TrainerConfig(compile=False), cuda)
+    # Where else it is on by default: tests/unit/test_gpu_paths.py.
+    cpu = torch.device("cpu")
     compiled: list[Any] = []
     monkeypatch.setattr(torch, "compile", lambda fn, **kw: compiled.append(kw) or fn)
     model = copy.deepcopy(reference)
@@ -516,10 +552,15 @@ def test_fsdp2_takes_the_fused_head_through_its_root_as_a_plain_shard_does(
         torch.testing.assert_close(value, want[name], atol=1e-6, rtol=1e-5)
 
 
-def test_compiled_layers_trace_whole_and_train_as_eager_ones(
-        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    # Dynamo with its eager backend: the tracing (what a graph break would cut) without
-    # inductor's code generation.
+def compiled_and_eager_steps(model_dir: Path, seqs: list[TrainSequence],
+                             monkeypatch: pytest.MonkeyPatch
+                             ) -> tuple[TrainerShard, ShardStepResult, ShardStepResult]:
+    """(the compiled shard, its step, an eager shard's step) on ``seqs`` in two
+    micro-batches, compiled with dynamo's eager backend: the tracing (what a graph break
+    would cut) without inductor's code generation. Asserts the graphs break only at the
+    per-sequence loops, which stay out of the graph on purpose (on the CPU the attention
+    is ``attention._uncompiled_loop``; a linear-attention layer runs
+    ``linear_attention._each_sequence``)."""
     import functools
 
     import torch._dynamo
@@ -529,17 +570,25 @@ def test_compiled_layers_trace_whole_and_train_as_eager_ones(
     torch._dynamo.reset()
     counters.clear()
     try:
-        seqs = sequences()
         batch, tokens = shard_batch([seqs[:2], seqs[2:]])
         eager, compiled = shard(model_dir, packed=True), shard(model_dir, packed=True,
                                                                compile=True)
-        assert compiled.compiled_layers == build_config().num_hidden_layers
+        assert compiled.compiled_layers == len(decoder_layers(compiled.module)) > 0
         a, b = eager.train_step(batch, tokens), compiled.train_step(batch, tokens)
-        assert dict(counters["graph_break"]) == {}
+        breaks = dict(counters["graph_break"])
+        assert breaks and all("_uncompiled_loop" in reason or "_each_sequence" in reason
+                              for reason in breaks), breaks
         assert counters["stats"]["unique_graphs"] >= 1
     finally:
         torch._dynamo.reset()
     assert b.loss.tokens == a.loss.tokens > 0
     assert b.loss.loss_sum == pytest.approx(a.loss.loss_sum, rel=1e-6)
     assert b.grad_norm == pytest.approx(a.grad_norm, rel=1e-6)
+    return compiled, b, a
+
+
+def test_compiled_layers_break_only_at_the_loop_and_train_as_eager_ones(
+        model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    compiled, _, _ = compiled_and_eager_steps(model_dir, sequences(), monkeypatch)
+    assert len(decoder_layers(compiled.module)) == build_config().num_hidden_layers
     assert compiled.compiled_layers == 0  # the first step logged its time once

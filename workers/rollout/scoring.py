@@ -46,13 +46,17 @@ class Scored(msgspec.Struct, frozen=True, kw_only=True):
     trained with reward 0 has 0 for every reward and no extra metric."""
 
 
-def scored_by_task(sample: Sample) -> bool:
+def scored_by_task(sample: Sample, greedy: bool = False) -> bool:
     """Whether the rewards score ``sample``: not when it is no group member
     (``Sample.exclusion``: no reward call is spent on it), nor when an environment error
     or timeout ended its trajectory and it is kept anyway (on_error / on_timeout =
     "train", or "requeue"): a crashed, half-finished trajectory scores 0 by every
-    reward, whatever its text would earn."""
-    return not sample.exclusion and sample.env_outcome not in (TIMEOUT, ERROR)
+    reward, whatever its text would earn. An evaluation's ``greedy`` answer is no group
+    member: it is scored whatever its tokens (an empty answer is a wrong one), unless an
+    environment failure ended it."""
+    if sample.env_outcome in (TIMEOUT, ERROR):
+        return False
+    return greedy or not sample.exclusion
 
 
 class Scorer:
@@ -82,10 +86,11 @@ class Scorer:
             self._runner.close()
             self._runner = None
 
-    async def score(self, prompt: Prompt, samples: Sequence[Sample]) -> Scored:
+    async def score(self, prompt: Prompt, samples: Sequence[Sample],
+                    greedy: bool = False) -> Scored:
         """``samples`` (completions of ``prompt``) with their rewards set: those
         ``scored_by_task`` by the rewards, the others 0 without a call."""
-        picked = [k for k, s in enumerate(samples) if scored_by_task(s)]
+        picked = [k for k, s in enumerate(samples) if scored_by_task(s, greedy)]
         self.skipped += len(samples) - len(picked)
         if self._user is None:
             got = {k: guarded_reward(self._reward_fn, prompt, samples[k].text) for k in picked}
@@ -135,7 +140,7 @@ class Scorer:
         scored by task.eval_reward alone when it names one."""
         if self._user is None:
             return Scored(samples=tuple(samples))
-        scored = await self.score(prompt, samples)
+        scored = await self.score(prompt, samples, greedy)
         name = self._user.eval_reward if greedy else ""
         return msgspec.structs.replace(scored, samples=tuple(
             msgspec.structs.replace(s, reward=(scored.scores[name][k] or 0.0) if name
@@ -146,7 +151,7 @@ class Scorer:
         """An evaluation's greedy ``sample`` of ``prompt``, its reward what accuracy
         averages: the reward named by task.eval_reward when there is one, else the
         weighted sum training uses."""
-        scored = await self.score(prompt, [sample])
+        scored = await self.score(prompt, [sample], greedy=True)
         name = self._user.eval_reward if self._user is not None else ""
         if not name:
             return scored.samples[0]

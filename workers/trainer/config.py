@@ -131,7 +131,10 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Precision of the trainer's matmuls (torch autocast over forward and backward).
     Weights, gradients, optimizer state and the loss stay in model.dtype. bfloat16 makes
     a CPU step with AVX-512 bf16 about 1.5-2x faster, at the price of logprobs that
-    differ from the engine's by bf16 rounding (the truncated IS weight absorbs it)."""
+    differ from the engine's by bf16 rounding (the truncated IS weight absorbs it).
+    float32 on CUDA runs its matmuls in TF32 (10-bit mantissa products, float32 sums),
+    switched on for each trainer-side process as a whole on purpose: a trainer shard's,
+    or a reference's or critic's worker of its own, runs nothing but this compute."""
 
     kl_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
     """Weight of the KL term to the reference policy ([reference]); > 0 builds one. 0
@@ -142,14 +145,26 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     kl_in_reward: bool = False
     """true: -kl_coef * KL per token folded into the reward before GAE (PPO style; needs
     algorithm.advantage = "gae"); false: kl_coef * KL a term of the loss (GRPO style)."""
+    router_aux_coef: Annotated[float, msgspec.Meta(ge=0)] = 0.0
+    """Mixture-of-experts policies: weight of the model's own router load-balancing loss
+    (transformers' ``load_balancing_loss_func`` over every layer's router logits, the
+    Switch Transformer's auxiliary loss) added to the policy loss; 0 (the default) adds
+    nothing and computes nothing. Each micro-batch's value is computed over its packed
+    row (real tokens only: a packed row has no padding) and weighs as its share of the
+    update's trained tokens; the step's token-weighted mean is logged as router_aux.
+    Needs trainer.packed and a model with routers."""
     packed: bool = True
     """One padding-free row per micro-batch, attention kept per sequence
     (``workers.trainer.packing``); false runs the padded reference layout, slower, for
     comparisons (bench/packing.py)."""
     compile: bool | Literal["auto"] = "auto"
     """torch.compile each decoder layer (dynamic shapes: one graph for every micro-batch
-    length). auto: on where the shard runs on CUDA, off on the CPU (there compiling
-    costs minutes for little). The first step pays the compile (logged once)."""
+    length and sequence count). auto: on where the packed attention is one varlen flash
+    call per layer (CUDA with bfloat16 compute, or fsdp2 with param_dtype bfloat16);
+    off on the CPU (compiling costs minutes for little), for float32 compute on CUDA
+    and for the padded layout. The per-sequence attention loop (CPU, float32) is never
+    compiled: true there compiles the rest of each layer around it. The first step pays
+    the compile (logged once)."""
 
     def __post_init__(self) -> None:
         if self.backend != "fsdp2":
@@ -164,6 +179,9 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
             raise invalid("trainer.shard_group", self.shard_group,
                           f"must divide trainer.num_shards ({self.num_shards}): the mesh "
                           "is (num_shards / shard_group, shard_group)")
+        if self.router_aux_coef and not self.packed:
+            raise invalid("trainer.router_aux_coef", self.router_aux_coef,
+                          "needs trainer.packed = true (the padded layout has no router loss)")
         if self.groups_per_step % self.mini_batches:
             raise invalid(
                 "trainer.mini_batches",

@@ -34,7 +34,7 @@ from workers.trainer.checkpoints import load_sharded, sharded_state
 from workers.trainer.config import TrainerConfig
 from workers.trainer.fsdp import build_sharded, clip_grad_norm
 from workers.trainer.packing import PackedBatch
-from workers.trainer.ppo_update import Prepared
+from workers.trainer.ppo_update import Prepared, without_dropout
 from workers.trainer.roles_config import CriticConfig
 
 log = logging.getLogger(__name__)
@@ -128,10 +128,10 @@ class Critic:
 
     def values(self, micro_batches: Sequence[Prepared]) -> list[torch.Tensor | None]:
         """The current weights' value of each micro-batch's trained tokens (None for a
-        pad), without gradient: the bare model, so DDP issues no collective (FSDP2's
-        forwards are collectives: a pad runs the dummy forward on every shard)."""
+        pad), without gradient or dropout: the bare model, so DDP issues no collective
+        (FSDP2's forwards are collectives: a pad runs the dummy forward on every shard)."""
         out: list[torch.Tensor | None] = []
-        with torch.no_grad():
+        with torch.no_grad(), without_dropout(self.module):
             for mb in micro_batches:
                 if mb.packed is not None:
                     out.append(self.module(mb.packed, self.device))
@@ -149,7 +149,10 @@ class Critic:
         each over its micro-batches; ``update_tokens``: each update's trained tokens over
         every shard (the loss divides by them, so the DDP all-reduce is a plain sum)."""
         began = time.perf_counter()
-        sums = torch.zeros(5, dtype=torch.float64, device=self.device)
+        # Kept on the device and read once, after the last update; the token count is
+        # known on the host.
+        sums = torch.zeros(4, dtype=torch.float64, device=self.device)
+        count = 0
         norms: list[float] = []
         for micro_batches, olds, targets, tokens in zip(updates, old_values, returns,
                                                         update_tokens, strict=True):
@@ -157,7 +160,8 @@ class Critic:
             last = len(micro_batches) - 1
             for index, (mb, old, target) in enumerate(zip(micro_batches, olds, targets,
                                                           strict=True)):
-                loss = self._micro_batch_loss(mb, old, target, tokens, sums)
+                loss, counted = self._micro_batch_loss(mb, old, target, tokens, sums)
+                count += counted
                 if index != last and isinstance(self.model, DistributedDataParallel):
                     with self.model.no_sync():
                         loss.backward()
@@ -172,8 +176,8 @@ class Critic:
                 self.optimizer.step()
             else:
                 self.optimizer.zero_grad(set_to_none=True)
-        count, loss_sum, clipped, value_sum, return_sum = sums.tolist()
-        return CriticStepResult(rank=self.rank, step=step, tokens=round(count),
+        loss_sum, clipped, value_sum, return_sum = sums.tolist()
+        return CriticStepResult(rank=self.rank, step=step, tokens=count,
                                 value_loss_sum=loss_sum, clipped=round(clipped),
                                 value_sum=value_sum, return_sum=return_sum,
                                 grad_norm=max(norms, default=0.0,
@@ -182,17 +186,18 @@ class Critic:
 
     def _micro_batch_loss(self, micro_batch: Prepared, old: torch.Tensor | None,
                           target: torch.Tensor | None, tokens: int,
-                          sums: torch.Tensor) -> torch.Tensor:
+                          sums: torch.Tensor) -> tuple[torch.Tensor, int]:
+        """(loss, tokens it counts); adds its loss, clipped tokens, old values and
+        returns to ``sums``, on the device."""
         values = self.model(micro_batch.packed, self.device)
         if micro_batch.packed is None or old is None or target is None:
-            return values  # a pad: zero loss, gradient hooks fired
+            return values, 0  # a pad: zero loss, gradient hooks fired
         per_token, clipped = _value_loss(values, old, target, self.config.value_clip)
         with torch.no_grad():
-            sums += torch.stack([per_token.new_tensor(float(per_token.numel())),
-                                 per_token.sum(), clipped.sum(), old.sum(),
-                                 target.sum()]).double()
+            sums += torch.stack([per_token.sum().double(), clipped.sum().double(),
+                                 old.sum().double(), target.sum().double()])
         # DDP averages gradients over shards; the loss is a share of the global count.
-        return per_token.sum() / max(tokens, 1) * self.world_size
+        return per_token.sum() / max(tokens, 1) * self.world_size, per_token.numel()
 
     # ---- checkpoints ---------------------------------------------------------------------
 

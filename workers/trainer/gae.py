@@ -4,8 +4,13 @@ Owns: the outcome reward laid on each sequence's last policy token (``token_rewa
 the GAE recursion over policy tokens only (``gae``), whitening the advantages over every
 trained token of a step (``moments``, ``whiten``), and moving per-token values between
 the trainer's flat layout (a micro-batch's trained tokens end to end) and one padded row
-per sequence (``to_rows``, ``from_rows``). Knows nothing about models, shards or the
-loss: callers pass tensors and the moments every shard agreed on.
+per sequence (``Rows``, ``to_rows``, ``from_rows``). Knows nothing about models, shards
+or the loss: callers pass tensors and the moments every shard agreed on.
+
+Nothing here reads a device value on the host or copies host values to the device
+(each a wait for the device on CUDA): masks select with ``torch.where`` and sums, the
+row layout moves values by an index computed on the host and sent by the caller, and
+``whiten`` takes the moments already on the host.
 
 Policy tokens only: a multi-turn trajectory's observation tokens (loss mask 0) are not
 steps of the policy, so they get no advantage, no value and no reward, and the recursion
@@ -25,7 +30,9 @@ tokens (mean 0, variance 1 with Bessel's correction) before the policy loss uses
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 WHITEN_EPS = 1e-8
@@ -34,13 +41,11 @@ WHITEN_EPS = 1e-8
 
 def token_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``(S, L)``: each row's scalar reward (``rewards``, ``(S,)``) on its last position
-    with mask 1, zero elsewhere (a row with no such position gets none)."""
+    with mask 1, zero elsewhere (a row with no such position gets none: its last is -1,
+    which no position equals)."""
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(mask)
-    last = torch.where(mask.bool(), positions, -1).amax(dim=1)
-    out = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
-    rows = torch.nonzero(last >= 0).squeeze(1)
-    out[rows, last[rows]] = rewards[rows]
-    return out
+    last = torch.where(mask.bool(), positions, -1).amax(dim=1, keepdim=True)
+    return torch.where(positions == last, rewards[:, None], 0.0)
 
 
 def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *,
@@ -63,18 +68,22 @@ def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, *,
 
 
 def moments(values: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
-    """float64 ``(3,)``: count, sum and sum of squares of ``values`` where ``mask`` is 1
-    (everywhere without a mask): what shards all-reduce before ``whiten``."""
-    chosen = values if mask is None else values[mask.bool()]
-    chosen = chosen.double()
-    return torch.stack([chosen.new_tensor(float(chosen.numel())), chosen.sum(),
-                        chosen.square().sum()])
+    """float64 ``(3,)`` on ``values``' device: count, sum and sum of squares of
+    ``values`` where ``mask`` is 1 (everywhere without a mask): what shards all-reduce
+    before ``whiten``."""
+    values = values.double()
+    if mask is None:
+        count = values.new_full((), values.numel())
+    else:
+        keep = mask.bool()
+        values, count = torch.where(keep, values, 0.0), keep.sum().double()
+    return torch.stack([count, values.sum(), values.square().sum()])
 
 
 def whiten(values: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
     """``values`` shifted to mean 0 and scaled to variance 1 by ``totals`` (``moments``
-    summed over every shard): Bessel-corrected variance; a single value (or none) has
-    variance 0, so it whitens to 0."""
+    summed over every shard, on the host): Bessel-corrected variance; a single value (or
+    none) has variance 0, so it whitens to 0."""
     count, total, squares = totals.tolist()
     if count < 1:
         return torch.zeros_like(values)
@@ -83,17 +92,43 @@ def whiten(values: torch.Tensor, totals: torch.Tensor) -> torch.Tensor:
     return ((values.double() - mean) / (variance + WHITEN_EPS) ** 0.5).to(values.dtype)
 
 
-def to_rows(flat: torch.Tensor, lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The flat layout's ``(N,)`` values as ``(S, max(lengths))`` rows, right-padded
-    with 0, and the mask of the real positions."""
-    width = max(lengths, default=0)
-    counts = torch.tensor(lengths, dtype=torch.long, device=flat.device)
-    mask = torch.arange(width, device=flat.device)[None, :] < counts[:, None]
-    rows = flat.new_zeros((len(lengths), width))
-    rows[mask] = flat
-    return rows, mask
+def row_index(lengths: Sequence[int]) -> torch.Tensor:
+    """int64 ``(N,)`` on the host: where each value of the flat layout (``lengths``
+    values per sequence, end to end) sits in rows of width ``max(lengths)`` read end to
+    end. Send it to the device (one copy with the micro-batch's other host values) and
+    lay the rows out with ``Rows.of``."""
+    counts = np.asarray(lengths, dtype=np.int64)
+    width = int(counts.max(initial=0))
+    starts = np.cumsum(counts) - counts
+    flat = np.arange(int(counts.sum()), dtype=np.int64)
+    return torch.from_numpy(flat + np.repeat(np.arange(len(counts)) * width - starts, counts))
 
 
-def from_rows(rows: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """The padded-row layout of one micro-batch's flat values, on their device."""
+
+    index: torch.Tensor
+    """``row_index``: each flat value's place in the rows read end to end."""
+    mask: torch.Tensor
+    """``(S, width)`` bool: the real positions."""
+
+    @classmethod
+    def of(cls, lengths: Sequence[int], index: torch.Tensor | None = None) -> Rows:
+        """``lengths``' layout; ``index``: their ``row_index`` already on the device
+        (None: made here, on the host)."""
+        index = row_index(lengths) if index is None else index
+        shape = (len(lengths), max(lengths, default=0))
+        mask = torch.zeros(shape[0] * shape[1], dtype=torch.bool, device=index.device)
+        return cls(index=index, mask=mask.index_fill_(0, index, True).view(shape))
+
+
+def to_rows(flat: torch.Tensor, rows: Rows) -> torch.Tensor:
+    """The flat layout's ``(N,)`` values as ``(S, width)`` rows, right-padded with 0."""
+    out = flat.new_zeros(rows.mask.numel()).index_copy_(0, rows.index, flat)
+    return out.view(rows.mask.shape)
+
+
+def from_rows(values: torch.Tensor, rows: Rows) -> torch.Tensor:
     """``to_rows`` undone: the real positions, row after row, as ``(N,)``."""
-    return rows[mask]
+    return values.reshape(-1).index_select(0, rows.index)

@@ -9,9 +9,9 @@ base model's function) on a DDP replica and on an FSDP2 shard alike, the adapter
 tensors as a weight version carries them (``adapter_state``), the merged weights (base +
 alpha/rank x B A: what evaluation and ``run.save_merged`` use, ``merged_state``), the base
 weight file names behind the injected ones (``base_name``), the policy folder of a LoRA
-policy (``save_policy_folder``: the base files linked beside the adapter) and which target
-modules a model lacks (``missing_targets``). Knows nothing about the loss, optimizers or
-Ray.
+policy (``save_policy_folder``: the base files linked beside the adapter) and what
+target modules may name (``layer_names``; ``head_targets``: the ones that would wrap
+the output embedding). Knows nothing about the loss, optimizers or Ray.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import math
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -142,16 +142,24 @@ def save_policy_folder(out_dir: str | Path, *, base_dir: str | Path,
     write_adapter(out / ADAPTER_DIR, adapter, lora)
 
 
-def linear_names(model_path: str) -> set[str]:
+def layer_names(model_path: str) -> tuple[set[str], str]:
     """The last part of the name of every linear layer of the model at ``model_path``
-    (built on the meta device)."""
+    (built on the meta device), and the full name of its output embedding (the head)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = AutoConfig.from_pretrained(model_path)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)
-    return {name.rsplit(".", 1)[-1] for name, sub in model.named_modules()
-            if isinstance(sub, torch.nn.Linear)}
+    names = {sub: name for name, sub in model.named_modules()}
+    linear = {name.rsplit(".", 1)[-1] for sub, name in names.items()
+              if isinstance(sub, torch.nn.Linear)}
+    return linear, names[model.get_output_embeddings()]
+
+
+def head_targets(targets: Sequence[str], head: str) -> list[str]:
+    """The ``targets`` that name the module ``head`` as peft matches a list of names:
+    the whole name, or its last dotted parts."""
+    return [t for t in targets if head == t or head.endswith(f".{t}")]
 
 
 

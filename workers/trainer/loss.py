@@ -80,7 +80,7 @@ class Normaliser(msgspec.Struct, frozen=True, kw_only=True):
 
 
 _SUMMED = ("loss_sum", "clipped", "dual_clipped", "out_of_band", "is_weight_sum",
-           "is_weight_sq_sum", "kl_sum", "entropy_sum")
+           "is_weight_sq_sum", "kl_sum", "entropy_sum", "router_aux_sum")
 """``PendingStats.values``' fields that add up over micro-batches; the last value is
 ``is_weight_max``."""
 _COUNTED = frozenset({"clipped", "dual_clipped", "out_of_band"})
@@ -94,7 +94,7 @@ class PendingStats:
     tokens: int
     """Trained tokens (known on the host)."""
     values: torch.Tensor
-    """float64 ``(9,)``: the ``_SUMMED`` fields, then ``is_weight_max``."""
+    """float64 ``(10,)``: the ``_SUMMED`` fields, then ``is_weight_max``."""
 
 
 def read_stats(parts: Sequence[PendingStats]) -> LossStats:
@@ -129,6 +129,7 @@ def token_loss(
     config: TrainerConfig,
     proximal_logprobs: torch.Tensor | None = None,
     entropy: torch.Tensor | None = None,
+    router_aux: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, PendingStats]:
     """This micro-batch's share of an update's loss, and its statistics (on the device:
     ``read_stats`` reads them).
@@ -137,7 +138,8 @@ def token_loss(
     (``lengths``). ``proximal_logprobs``: the step-start policy's logprobs (decoupled
     form); None means the current policy detached, exact when the update is the step's
     only one (it skips a forward pass). ``entropy``: the policy's entropy per token, for
-    the statistics only.
+    the statistics only. ``router_aux``: the micro-batch's router load-balancing loss
+    (a scalar), for the statistics only (times its tokens: ``router_aux_sum``).
     """
     decoupled = config.tis_cap > 0
     if not decoupled:
@@ -184,6 +186,7 @@ def token_loss(
                   (negative & (ppo > bound)).sum(), out_of_band.sum(), weight.sum(),
                   (weight * weight).sum(), k3.sum(),
                   entropy.sum() if entropy is not None else zero,
+                  router_aux.detach() * logprobs.numel() if router_aux is not None else zero,
                   weight.amax() if weight.numel() else zero)
         stats = PendingStats(tokens=int(logprobs.numel()),
                              values=torch.stack([v.double() for v in summed]))

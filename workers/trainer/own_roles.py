@@ -5,7 +5,9 @@ its device, the spans of its role, and a step's batches, those of one or several
 shards, laid out exactly as the shards lay them out, so every per-token tensor it makes
 lines up with a shard's micro-batches), the frozen reference's logprobs
 (``ReferenceWorker``) and the critic (``CriticWorker``: its values, GAE's advantages
-whitened over the whole step, and its update, which runs while the policy's does; N of
+whitened over the whole step (with trainer.kl_in_reward, from the reference's logprobs
+and the trainer shards' own of their step-start policy), and its update, which runs
+while the policy's does; N of
 them form a DDP group of their own, each fitting the batches of trainer shards
 ``rank, rank + N, ...``). Every stage's output is one list per trainer shard given, one
 CPU tensor per micro-batch (None for a pad), for that shard to take. The value model,
@@ -32,6 +34,7 @@ from workers.model_config import ModelConfig
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import Critic
+from workers.trainer.device_setup import use_tf32
 from workers.trainer.packing import packed_forward
 from workers.trainer.policy_model import DTYPES
 from workers.trainer.ppo_stages import (
@@ -83,6 +86,7 @@ class OwnRole:
 
     def _setup_process(self) -> None:
         self.usage_meter = start_process(self.device, self.cpu_ids)
+        use_tf32(self.trainer, self.device)  # its matmuls as precise as the policy's
 
     @contextlib.contextmanager
     def _busy(self, cause: str, version: int | None = None) -> Iterator[None]:
@@ -189,10 +193,11 @@ class CriticWorker(OwnRole):
         return os.getpid()
 
     def _sum_shards(self, values: torch.Tensor) -> torch.Tensor:
+        """Host ``values`` summed over the critic workers, on the host (the group's CPU
+        backend)."""
         if self.world_size > 1:
-            values = values.to(self.device)
             dist.all_reduce(values)
-        return values.cpu()
+        return values
 
     def values(self, step: int) -> None:
         """The critic's current weights' value of every trained token of the step."""
@@ -200,18 +205,22 @@ class CriticWorker(OwnRole):
         with self._busy("forward"), self.autocast():
             current.values = [self.critic.values(batch) for batch in current.prepared]
 
-    def advantages(self, step: int, reference: Sequence[Tensors] = ()) -> list[Tensors]:
+    def advantages(self, step: int, reference: Sequence[Tensors] = (),
+                   policy: Sequence[Tensors] = ()) -> list[Tensors]:
         """Per batch, its micro-batches' advantages, whitened over every critic shard's
-        tokens (one all-reduce); the returns stay here for the update. ``reference``:
-        the reference's logprobs per batch, for the KL in the reward (trainer.kl_in_reward)."""
+        tokens (one all-reduce); the returns stay here for the update. ``reference`` and
+        ``policy``: the reference's and the step-start policy's logprobs per batch (the
+        latter from the batch's trainer shard), for the KL in the reward
+        (trainer.kl_in_reward)."""
         current = self.current(step)
         flat = [mb for batch in current.prepared for mb in batch]
         values = [v for batch in current.values for v in batch]
         references = [r for batch in reference for r in batch]
+        policies = [p for batch in policy for p in batch]
         with self._busy("forward"):
             advantages, returns = step_advantages(
-                flat, values, references, trainer=self.trainer, critic=self.config,
-                sum_shards=self._sum_shards)
+                flat, values, references, policies, trainer=self.trainer,
+                critic=self.config, sum_shards=self._sum_shards)
         cuts = [len(batch) for batch in current.prepared]
         current.returns = _split(returns, cuts)
         return [_to_host(part) for part in _split(advantages, cuts)]

@@ -1,16 +1,18 @@
 """Padding-free micro-batches: one packed row per micro-batch, attention kept per sequence.
 
 Owns: laying a micro-batch's sequences end to end in one row (``pack``: every index and
-offset computed once on the host, the tensors sent to the device in one copy; only
+offset computed once on the host, the tensors sent to the device in one copy that does
+not make the host wait, ``to_device``; only
 trained completion tokens, loss mask 1, are predicted: ``trained_positions``), the
 packed forward that returns each completion token's logprob and entropy through the
-fused LM head (``packed_forward``, ``packed_logprobs``; ``workers.trainer.attention``
-keeps each sequence to itself, ``workers.trainer.lm_head`` never builds the full
-logits), and the full-logits routes kept as references (``packed_logits``, and the
-padded layout the trainer used before, ``padded_logits``, ``padded_logprobs``, with
-``completion_logprobs`` and ``token_entropy`` over logits) that the tests and
-``bench/trainer_step.py`` compare against. Knows nothing about Ray, DDP, optimizers or
-the GRPO loss.
+fused LM head (``packed_forward``, ``packed_logprobs``; with a mixture-of-experts
+model's router load-balancing loss too, ``packed_forward_router_aux``;
+``workers.trainer.attention`` keeps each sequence to itself, ``workers.trainer.lm_head``
+never builds the full logits), and the full-logits routes kept as references
+(``packed_logits``, and the padded layout the trainer used before, ``padded_logits``,
+``padded_logprobs``, with ``completion_logprobs`` and ``token_entropy`` over logits)
+that the tests and ``bench/trainer_step.py`` compare against. Knows nothing about Ray,
+DDP, optimizers or the GRPO loss.
 
 ``use_cache=False`` on every forward: with the config default a fresh cache is made and
 the model silently falls back to one causal mask over the whole row.
@@ -28,6 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from buffers.records import TrainSequence
 from workers.trainer.attention import attention_kwargs
+from workers.trainer.head_transform import head_transform
 from workers.trainer.lm_head import head_logprobs
 
 
@@ -84,9 +87,11 @@ def trained_positions(sequences: Sequence[TrainSequence]) -> torch.Tensor | None
     return None if keep is None else torch.from_numpy(keep)
 
 
-def _to_device(parts: Sequence[torch.Tensor], device: torch.device
-               ) -> list[torch.Tensor]:
-    """``parts`` on ``device`` in one host-to-device copy; on the CPU as they are."""
+def to_device(parts: Sequence[torch.Tensor], device: torch.device
+              ) -> list[torch.Tensor]:
+    """Host tensors ``parts`` on ``device`` in one host-to-device copy that does not make
+    the host wait (``torch.tensor(..., device=...)`` would: a blocking copy from pageable
+    memory waits for the stream); on the CPU as they are."""
     return list(parts) if device.type == "cpu" else _through_one_buffer(parts, device)
 
 
@@ -142,7 +147,7 @@ def pack(sequences: Sequence[TrainSequence], device: torch.device | str = "cpu")
     host = [torch.from_numpy(a) for a in (ids[None], positions[None], predict_at,
                                           ids[predict_at + 1])]
     host += [cu_host, torch.from_numpy(behaviour), torch.from_numpy(advantages)]
-    on_device = _to_device(host, torch.device(device))
+    on_device = to_device(host, torch.device(device))
     input_ids, position_ids, predict, targets, cu_seqlens, behaviour_t, advantages_t = on_device
     return PackedBatch(
         input_ids=input_ids, position_ids=position_ids, predict_at=predict, targets=targets,
@@ -152,20 +157,23 @@ def pack(sequences: Sequence[TrainSequence], device: torch.device | str = "cpu")
     )
 
 
-def _run(model: torch.nn.Module, batch: PackedBatch, keep: torch.Tensor) -> Any:
+def _run(model: torch.nn.Module, batch: PackedBatch, keep: torch.Tensor, **extra: Any
+         ) -> Any:
     return model(
         input_ids=batch.input_ids,
         position_ids=batch.position_ids,
         use_cache=False,  # a cache would hide the packing from the attention
         logits_to_keep=keep,
         **attention_kwargs(batch.cu_seqlens, batch.max_len, batch.lengths),
+        **extra,
     )
 
 
-def _final_hidden(model: torch.nn.Module, module: torch.nn.Module, batch: PackedBatch
-                  ) -> torch.Tensor:
+def _final_hidden(model: torch.nn.Module, module: torch.nn.Module, batch: PackedBatch,
+                  **extra: Any) -> tuple[torch.Tensor, Any]:
     """``(1, T, hidden)``: the decoder's output (after its final norm) in a forward of
-    ``model`` whose own head runs on no row.
+    ``model`` whose own head runs on no row, and that forward's output (``extra``: more
+    keyword arguments for it).
 
     Taken by a forward hook on the decoder for this one call. Not
     ``output_hidden_states``: that installs transformers' output-capturing hooks on
@@ -176,11 +184,25 @@ def _final_hidden(model: torch.nn.Module, module: torch.nn.Module, batch: Packed
     handle = decoder.register_forward_hook(
         lambda _module, _args, output: captured.append(output.last_hidden_state))
     try:
-        _run(model, batch, batch.predict_at[:0])
+        output = _run(model, batch, batch.predict_at[:0], **extra)
     finally:
         handle.remove()
     (hidden,) = captured
-    return hidden
+    return hidden, output
+
+
+def _head(module: torch.nn.Module, batch: PackedBatch, hidden: torch.Tensor,
+          temperature: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``head_logprobs`` of the completion tokens from the row's final hidden states,
+    with the head's own logit transform."""
+    head = module.get_output_embeddings()  # type: ignore[operator]
+    if hasattr(head, "base_layer"):
+        # An adapter on the head: the fused head would read its base weight only.
+        raise ValueError("the packed trainer's fused LM head does not apply LoRA on the "
+                         "output embedding (model.lora.target_modules)")
+    return head_logprobs(hidden[0].index_select(0, batch.predict_at), head.weight,
+                         head.bias, batch.targets, temperature,
+                         transform=head_transform(module.config))
 
 
 def packed_forward(model: torch.nn.Module, module: torch.nn.Module, batch: PackedBatch,
@@ -191,13 +213,27 @@ def packed_forward(model: torch.nn.Module, module: torch.nn.Module, batch: Packe
     ``model`` runs the forward (DDP-wrapped on several shards); ``module`` is the bare
     model, whose output embedding is the head. The model's own head runs on no row
     (``logits_to_keep`` empty); its final hidden states, gathered at the predicting
-    positions, go through ``head_logprobs`` instead. With FSDP2 the root's parameters
-    (the head's weight among them) stay unsharded from its forward to the end of
-    backward, and the first layer's backward queues the root's gradient reduction.
+    positions, go through ``head_logprobs`` instead, with the head's own logit transform
+    (``head_transform`` of the model's config: Granite's scaling, Gemma 2's soft cap).
+    With FSDP2 the root's parameters (the head's weight among them) stay unsharded from
+    its forward to the end of backward, and the first layer's backward queues the root's
+    gradient reduction.
     """
-    hidden = _final_hidden(model, module, batch)[0].index_select(0, batch.predict_at)
-    head = module.get_output_embeddings()  # type: ignore[operator]
-    return head_logprobs(hidden, head.weight, head.bias, batch.targets, temperature)
+    return _head(module, batch, _final_hidden(model, module, batch)[0], temperature)
+
+
+def packed_forward_router_aux(model: torch.nn.Module, module: torch.nn.Module,
+                              batch: PackedBatch, temperature: float
+                              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``packed_forward`` of a mixture-of-experts model, plus its own router
+    load-balancing loss (a scalar, with gradient) over the row's tokens.
+
+    The model computes it (``output_router_logits``: transformers'
+    ``load_balancing_loss_func`` over every layer's router logits): a packed row has no
+    padding, so every token its routers saw is a real one."""
+    hidden, output = _final_hidden(model, module, batch, output_router_logits=True)
+    logprobs, entropy = _head(module, batch, hidden, temperature)
+    return logprobs, entropy, output.aux_loss
 
 
 def packed_logprobs(model: torch.nn.Module, batch: PackedBatch, temperature: float

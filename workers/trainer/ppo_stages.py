@@ -2,15 +2,18 @@
 
 Owns: one step's GAE over a list of packed micro-batches (``step_advantages``: the
 outcome reward on each sequence's last policy token, minus kl_coef * KL per token with
-trainer.kl_in_reward, GAE per sequence, whitened over every shard's trained tokens),
+trainer.kl_in_reward (the KL of the trainer's step-start policy, its logprobs recomputed
+as verl's old logprobs are: not the engine's, whose numerics differ from the trainer's),
+GAE per sequence, whitened over every shard's trained tokens),
 swapping advantages into the packed rows (``with_advantages``), the critic's update over
 a step cut into the policy's updates (``critic_step``: its token counts summed over every
 critic shard, as the policy's loss divides), and cutting several shards' batches into
 those updates at once (``merged_updates``). The critic beside a trainer shard
 (``workers.trainer.roles``) and the critic on workers of its own
 (``workers.trainer.own_roles``) both run these, so the two placements compute the same
-numbers. Knows nothing about Ray, processes or spans: collectives come in as
-``sum_shards``.
+numbers. A step's GAE waits for the device once (its moments' read); each
+micro-batch's host values reach the device in one copy that does not wait. Knows
+nothing about Ray, processes or spans: collectives come in as ``sum_shards``.
 """
 
 from __future__ import annotations
@@ -25,8 +28,18 @@ from buffers.records import ShardBatch
 from buffers.reports import CriticStepResult
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import Critic
-from workers.trainer.gae import from_rows, gae, moments, to_rows, token_rewards, whiten
+from workers.trainer.gae import (
+    Rows,
+    from_rows,
+    gae,
+    moments,
+    row_index,
+    to_rows,
+    token_rewards,
+    whiten,
+)
 from workers.trainer.kl import kl_estimate
+from workers.trainer.packing import to_device
 from workers.trainer.ppo_update import Prepared
 from workers.trainer.roles_config import CriticConfig
 
@@ -38,45 +51,53 @@ SumShards = Callable[[torch.Tensor], torch.Tensor]
 
 
 def _micro_batch_gae(micro_batch: Prepared, values: torch.Tensor, reference: torch.Tensor | None,
-                     *, trainer: TrainerConfig, critic: CriticConfig
-                     ) -> tuple[torch.Tensor, torch.Tensor]:
+                     policy: torch.Tensor | None, *, trainer: TrainerConfig,
+                     critic: CriticConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """One micro-batch's raw advantages and returns, flat over its trained tokens."""
     assert micro_batch.packed is not None
     values = values.double()
-    rows, mask = to_rows(values, micro_batch.lengths)
-    outcome = torch.tensor([s.reward for s in micro_batch.sequences],
-                           dtype=torch.float64, device=values.device)
-    rewards = token_rewards(outcome, mask)
-    if trainer.kl_in_reward and reference is not None:
-        kl = kl_estimate(micro_batch.packed.behaviour_logprobs.double(),
+    index, outcome = to_device(
+        [row_index(micro_batch.lengths),
+         torch.tensor([s.reward for s in micro_batch.sequences], dtype=torch.float64)],
+        values.device)
+    rows = Rows.of(micro_batch.lengths, index)
+    rewards = token_rewards(outcome, rows.mask)
+    if trainer.kl_in_reward and reference is not None and policy is not None:
+        kl = kl_estimate(policy.double().to(values.device),
                          reference.double().to(values.device), trainer.kl_estimator)
-        rewards = rewards - trainer.kl_coef * to_rows(kl, micro_batch.lengths)[0]
-    advantages, returns = gae(rewards, rows, mask, gamma=critic.gamma, lam=critic.lam)
-    return from_rows(advantages, mask), from_rows(returns, mask).float()
+        rewards = rewards - trainer.kl_coef * to_rows(kl, rows)
+    advantages, returns = gae(rewards, to_rows(values, rows), rows.mask, gamma=critic.gamma,
+                              lam=critic.lam)
+    return from_rows(advantages, rows), from_rows(returns, rows).float()
 
 
-def step_advantages(prepared: Sequence[Prepared], values: Tensors, reference: Tensors, *,
-                    trainer: TrainerConfig, critic: CriticConfig, sum_shards: SumShards
-                    ) -> tuple[Tensors, Tensors]:
+def step_advantages(prepared: Sequence[Prepared], values: Tensors, reference: Tensors,
+                    policy: Tensors, *, trainer: TrainerConfig, critic: CriticConfig,
+                    sum_shards: SumShards) -> tuple[Tensors, Tensors]:
     """(advantages whitened over every shard's trained tokens, returns), one entry per
-    micro-batch (None for a pad). ``reference``: the reference's logprobs per
-    micro-batch (empty without a reference); the KL in the reward is that of the
-    behaviour policy that sampled the tokens. Every shard calls ``sum_shards`` once."""
+    micro-batch (None for a pad). ``reference`` and ``policy``: the reference's and the
+    step-start policy's logprobs per micro-batch (empty without the KL in the reward),
+    the policy's recomputed by the trainer, so that a policy equal to the reference
+    pays no penalty for the engine's numerics. Every shard calls ``sum_shards`` once."""
     raw: Tensors = []
     returns: Tensors = []
-    totals = torch.zeros(3, dtype=torch.float64)
+    device_totals: torch.Tensor | None = None
     for index, mb in enumerate(prepared):
         value = values[index]
         if mb.packed is None or value is None:
             raw.append(None)
             returns.append(None)
             continue
-        advantages, target = _micro_batch_gae(mb, value, reference[index] if reference else None,
-                                              trainer=trainer, critic=critic)
+        advantages, target = _micro_batch_gae(
+            mb, value, reference[index] if reference else None,
+            policy[index] if policy else None, trainer=trainer, critic=critic)
         raw.append(advantages)
         returns.append(target)
-        totals += moments(advantages).cpu()
-    totals = sum_shards(totals)
+        part = moments(advantages)
+        device_totals = part if device_totals is None else device_totals + part
+    # The step's one read of the device: every micro-batch's moments at once.
+    totals = sum_shards(torch.zeros(3, dtype=torch.float64) if device_totals is None
+                        else device_totals.cpu())
     return [None if a is None else whiten(a, totals).float() for a in raw], returns
 
 

@@ -5,7 +5,9 @@ and sequence counts of all shards, agreed in one all-reduce: ``StepLoss.agree``)
 out the step's micro-batches once (``StepLoss.prepare``: packed rows on the device,
 reused by the proximal pass and every epoch), the proximal logprobs (one no-grad
 forward over the step's micro-batches before any update, only when the step makes more
-than one update: ``StepLoss.proximal``), and each micro-batch's forward pass and loss
+than one update or the model has dropout: ``StepLoss.proximal``), running such no-grad
+passes with dropout off (``without_dropout``: model.lora.dropout, or the model's own, is
+for the gradient pass only), and each micro-batch's forward pass and loss
 (``StepLoss.micro_batch``), all over trained tokens only (loss mask 1: an observation's
 tokens are context, never counted or trained). Statistics stay on the device
 (``workers.trainer.loss.PendingStats``). Knows nothing about the optimizer, DDP's
@@ -14,7 +16,8 @@ gradient sync, spans or cores: ``workers.trainer.shard`` runs the updates.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -30,6 +33,7 @@ from workers.trainer.packing import (
     completion_logprobs,
     pack,
     packed_forward,
+    packed_forward_router_aux,
     padded_logits,
     token_entropy,
     trained_positions,
@@ -61,6 +65,37 @@ def lay_out(micro_batches: Sequence[MicroBatch], device: torch.device, *, packed
             for mb in micro_batches]
 
 
+def has_dropout(module: torch.nn.Module) -> bool:
+    """Whether ``module`` in train mode draws dropout masks: a dropout layer with p > 0
+    (peft's ``lora_dropout`` among them) or an attention dropout rate above 0."""
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.Dropout) and sub.p > 0:
+            return True
+        rate = getattr(sub, "attention_dropout", 0.0)
+        if isinstance(rate, float) and rate > 0:
+            return True
+    return False
+
+
+@contextlib.contextmanager
+def without_dropout(module: torch.nn.Module) -> Iterator[None]:
+    """``module`` in eval mode for the block when it has dropout (``has_dropout``), each
+    submodule's own mode restored after. A no-grad pass whose logprobs serve as a
+    policy's (the proximal pass, the KL in the reward's) runs in it: under a random mask
+    two such passes differ, and so would the ratios and weights built on them. A module
+    without dropout is left as it is (``trainer.compile``'s layers see one mode)."""
+    if not has_dropout(module):
+        yield
+        return
+    modes = [(sub, sub.training) for sub in module.modules()]
+    module.eval()
+    try:
+        yield
+    finally:
+        for sub, training in modes:
+            sub.training = training
+
+
 def compute_autocast(device: torch.device, config: TrainerConfig) -> torch.autocast:
     """bfloat16 autocast on ``device`` where trainer.compute_dtype says so."""
     return torch.autocast(device.type, dtype=torch.bfloat16,
@@ -79,6 +114,9 @@ class ForwardPass:
     advantages: torch.Tensor
     positions: int
     """Positions the model computed (padding included)."""
+    router_aux: torch.Tensor | None = None
+    """The model's router load-balancing loss over the micro-batch (a scalar, with
+    gradient) when trainer.router_aux_coef > 0; else None."""
 
 
 class StepLoss:
@@ -104,6 +142,9 @@ class StepLoss:
         as many forwards as the others, pads included."""
         self.kl_parts: list[torch.Tensor] = []
         """Each micro-batch's (sum, max) of the KL to the reference since ``read_kl``."""
+        self.dropout = has_dropout(module)
+        """The gradient pass draws dropout masks, so its logprobs are not the policy's:
+        even a one-update step takes its proximal logprobs from a pass without them."""
 
     def agree(self, updates: Sequence[Sequence[MicroBatch]], lost: bool
               ) -> tuple[list[Normaliser], bool]:
@@ -112,17 +153,19 @@ class StepLoss:
 
         One all-reduce carries every update's tokens and sequences and the lost flag, so
         a shard that could not fetch its groups makes every shard skip the step together
-        rather than leave the others waiting in the gradient all-reduce. The tensor lives
-        on the group's device: NCCL takes only CUDA tensors.
+        rather than leave the others waiting in the gradient all-reduce. The counts are
+        the host's and stay there: the group's CPU backend (gloo, beside NCCL on CUDA:
+        ``workers.trainer.process``) sums them, so the step neither copies them to the
+        device nor waits for the device to read them back.
         """
         counts = [int(lost)]
         for micro_batches in updates:
             counts += [sum(s.trained_tokens for mb in micro_batches for s in mb),
                        sum(len(mb) for mb in micro_batches)]
         if self.world_size > 1:
-            summed = torch.tensor(counts, dtype=torch.long, device=self.device)
+            summed = torch.tensor(counts, dtype=torch.long)
             dist.all_reduce(summed)
-            counts = [int(c) for c in summed.tolist()]
+            counts = summed.tolist()
         norms = [Normaliser(agg=self.config.loss_agg, tokens=int(tokens),
                             sequences=int(sequences),
                             max_response_tokens=self.max_response_tokens)
@@ -138,17 +181,27 @@ class StepLoss:
         """The step's micro-batches laid out once, for the proximal pass and every epoch."""
         return lay_out(micro_batches, self.device, packed=self.packed)
 
-    def forward(self, model: torch.nn.Module, micro_batch: Prepared) -> ForwardPass:
+    def forward(self, model: torch.nn.Module, micro_batch: Prepared, *,
+                router_aux: bool = False) -> ForwardPass:
         """``model`` (the DDP-wrapped one, or the bare module for a no-grad pass) over
-        one non-empty micro-batch, in its layout. Every micro-batch's loss and proximal
-        pass runs it, so a subclass that replaces it changes how each is computed
-        (``bench/trainer_step.py`` runs an earlier trainer's forward through it)."""
+        one non-empty micro-batch, in its layout; ``router_aux``: with the model's
+        router load-balancing loss (packed layout only: trainer.router_aux_coef needs
+        it). Every micro-batch's loss and proximal pass runs it, so a subclass that
+        replaces it changes how each is computed (``bench/trainer_step.py`` runs an
+        earlier trainer's forward through it)."""
         batch = micro_batch.packed
         if batch is not None:
-            logprobs, entropy = packed_forward(model, self.module, batch, self.temperature)
+            aux = None
+            if router_aux:
+                logprobs, entropy, aux = packed_forward_router_aux(
+                    model, self.module, batch, self.temperature)
+            else:
+                logprobs, entropy = packed_forward(model, self.module, batch,
+                                                   self.temperature)
             return ForwardPass(logprobs=logprobs, entropy=entropy,
-                            behaviour=batch.behaviour_logprobs, advantages=batch.advantages,
-                            positions=batch.num_tokens)
+                               behaviour=batch.behaviour_logprobs,
+                               advantages=batch.advantages, positions=batch.num_tokens,
+                               router_aux=aux)
         sequences = micro_batch.sequences
         logits, targets, positions = padded_logits(model, sequences, self.device)
         behaviour = torch.from_numpy(
@@ -170,11 +223,18 @@ class StepLoss:
         logits: torch.Tensor = model(input_ids=dummy, use_cache=False).logits
         return logits
 
+    def needs_proximal(self, updates: int) -> bool:
+        """Whether a step of ``updates`` optimizer updates (each epoch's) needs the
+        proximal pass: in the decoupled form (tis_cap > 0), with more than one update
+        (the policy moves within the step) or with dropout (the gradient pass's logprobs
+        carry its mask). Otherwise the current policy, detached, is the proximal one."""
+        return self.config.tis_cap > 0 and (updates * self.config.epochs > 1 or self.dropout)
+
     def proximal(self, micro_batches: Sequence[Prepared]) -> list[torch.Tensor | None]:
         """The step-start policy's logprobs of each micro-batch (None for a pad), without
-        gradient: call before the step's first update."""
+        gradient and without dropout: call before the step's first update."""
         out: list[torch.Tensor | None] = []
-        with torch.no_grad(), self.autocast():
+        with torch.no_grad(), self.autocast(), without_dropout(self.module):
             for micro_batch in micro_batches:
                 if not micro_batch.sequences:
                     if self.sharded:
@@ -196,18 +256,25 @@ class StepLoss:
         extra forward). ``reference``: the reference policy's logprobs of its tokens
         (``workers.trainer.roles``): the KL to it is measured, and with trainer.kl_coef
         > 0 and not trainer.kl_in_reward, kl_coef times it (aggregated as the loss is)
-        is added to the loss. An empty micro-batch is a zero-loss pad (no statistics;
-        its one dummy position is not counted).
+        is added to the loss. With trainer.router_aux_coef > 0, coef times the model's
+        router load-balancing loss, weighted by the micro-batch's share of the update's
+        trained tokens, is added too. An empty micro-batch is a zero-loss pad (no
+        statistics; its one dummy position is not counted).
         """
         if not micro_batch.sequences:
             # A pad still runs the model so DDP's gradient hooks fire on every shard.
             return self._pad_logits(self.model).sum() * 0.0, None, 0
+        coef = self.config.router_aux_coef
         with self.autocast():
-            run = self.forward(self.model, micro_batch)
+            run = self.forward(self.model, micro_batch, router_aux=coef > 0)
         loss, stats = token_loss(
             run.logprobs, run.behaviour, run.advantages, lengths=micro_batch.lengths,
             norm=norm, config=self.config, proximal_logprobs=proximal, entropy=run.entropy,
+            router_aux=run.router_aux,
         )
+        if run.router_aux is not None:
+            share = run.logprobs.numel() / max(norm.tokens, 1)
+            loss = loss + coef * share * run.router_aux
         if reference is not None and run.logprobs.numel():
             kl = kl_estimate(run.logprobs, reference, self.config.kl_estimator)
             if self.config.kl_coef > 0 and not self.config.kl_in_reward:

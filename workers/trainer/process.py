@@ -3,7 +3,8 @@
 Owns: pinning the process to its cores (so that roles on one CPU machine behave like
 separate devices), the device label its span tracks carry and its usage meter (what a
 trainer shard and a role's worker of its own share), and the choice of collective
-backend per device (a CPU backend beside the accelerator's when FSDP2 offloads to CPU).
+backend per device (a CPU backend beside the accelerator's, for host values and FSDP2's
+offloaded gradients).
 Knows nothing about the model, the optimizer or Ray.
 """
 
@@ -42,31 +43,30 @@ def start_process(device: torch.device, cpu_ids: tuple[int, ...]) -> UsageMeter:
                       if device.type == "cuda" else None)
 
 
-def process_group_backend(device: torch.device, *, offload: bool = False,
-                          accelerator_backend: str = "nccl") -> str:
+def process_group_backend(device: torch.device, *, accelerator_backend: str = "nccl") -> str:
     """The backend string of the shards' process group on ``device``.
 
-    gloo on CPU; on an accelerator its own backend (``accelerator_backend``: NCCL for
-    CUDA), which takes only that device's tensors, so every collective's tensors must
-    live on this device (``TrainerShard.device``). With ``offload`` (FSDP2's
-    ``CPUOffloadPolicy``) the sharded gradients live in CPU memory and
-    ``clip_grad_norm_`` all-reduces their norms there: a group of NCCL alone fails with
-    "No backend type associated with device type cpu" (pytorch#148532), so gloo takes
-    the CPU tensors beside it ("cpu:gloo,cuda:nccl").
+    gloo on CPU. On an accelerator its own backend (``accelerator_backend``: NCCL for
+    CUDA) for the device's tensors, with gloo beside it for CPU tensors
+    ("cpu:gloo,cuda:nccl"); each collective goes to the backend of its tensors' device.
+    The CPU side serves two things. Values the host holds and needs back (a step's
+    token counts, the lost flag, GAE's moments) are reduced where they are: through
+    NCCL they would be copied to the device and read back, two waits for the device
+    each. And with FSDP2's ``CPUOffloadPolicy`` (trainer.offload) the sharded
+    gradients live in CPU memory, where ``clip_grad_norm_`` all-reduces their norms: a
+    group of NCCL alone fails with "No backend type associated with device type cpu"
+    (pytorch#148532).
     """
     if device.type == "cpu":
         return "gloo"
-    if offload:
-        return f"cpu:gloo,{device.type}:{accelerator_backend}"
-    return accelerator_backend
+    return f"cpu:gloo,{device.type}:{accelerator_backend}"
 
 
 def join_process_group(device: torch.device, *, master_addr: str, master_port: int,
-                       rank: int, world_size: int, offload: bool = False) -> None:
-    """Joins the shards' process group over TCP at ``master_addr:master_port``
-    (``offload``: trainer.offload, FSDP2's gradients on CPU)."""
+                       rank: int, world_size: int) -> None:
+    """Joins the shards' process group over TCP at ``master_addr:master_port``."""
     dist.init_process_group(
-        process_group_backend(device, offload=offload),
+        process_group_backend(device),
         init_method=f"tcp://{master_addr}:{master_port}",
         rank=rank,
         world_size=world_size,

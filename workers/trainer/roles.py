@@ -5,7 +5,8 @@ Owns: one step's data as the PPO dataflow moves it on this shard (``PpoStep``: i
 sequences laid out once in packed micro-batches, then the reference's logprobs, the
 critic's values, the per-token advantages and returns), each stage as one call the
 orchestrator makes in order (``StepRoles.prepare``, ``reference_logprobs``,
-``critic_values``, ``advantages``, ``critic_update``; the policy's update between the
+``critic_values``, ``advantages``, ``critic_update``; with trainer.kl_in_reward the
+step-start policy's own logprobs too, ``policy_logprobs``; the policy's update between the
 last two is ``TrainerShard.train_step``, which takes the laid-out step from here), and
 the frozen reference itself (a copy of the initial weights, or reference.path, with no
 gradient). With a role on workers of its own (placement "own",
@@ -51,6 +52,8 @@ class PpoStep:
     lost: bool
     """Some shard could not fetch its groups: no stage computes, no shard trains."""
     reference: Tensors = field(default_factory=list)
+    policy: Tensors = field(default_factory=list)
+    """The step-start policy's logprobs (``StepRoles.policy_logprobs``), once computed."""
     values: Tensors = field(default_factory=list)
     returns: Tensors = field(default_factory=list)
 
@@ -93,10 +96,11 @@ class StepRoles:
         the policy's update, without a critic)."""
 
     def _all_reduce(self, values: torch.Tensor, op: dist.ReduceOp.RedOpType) -> torch.Tensor:
+        """Host ``values`` reduced over every shard, on the host: the group's CPU backend
+        takes them, so they never go to the device and back."""
         if self.world_size > 1:
-            values = values.to(self.device)
             dist.all_reduce(values, op=op)
-        return values.cpu()
+        return values
 
     @contextlib.contextmanager
     def _policy_busy(self, version: int | None = None) -> Iterator[None]:
@@ -156,6 +160,17 @@ class StepRoles:
                 else packed_forward(reference, reference, mb.packed, self.temperature)[0]
                 for mb in current.prepared]
 
+    def policy_logprobs(self, step: int) -> Tensors:
+        """The step-start policy's logprob of every trained token (the proximal pass: no
+        gradient, no dropout), computed once per step: the KL in the reward is this
+        policy's (trainer.kl_in_reward; verl's old logprobs), and the policy's update
+        takes them as its proximal logprobs if it needs some. Empty for a lost step."""
+        current = self.current(step)
+        if not current.lost and not current.policy:
+            with self._policy_busy():
+                current.policy = self.losses.proximal(current.prepared)
+        return current.policy
+
     def critic_values(self, step: int) -> None:
         """The critic's current weights' value of every trained token."""
         current = self.current(step)
@@ -167,21 +182,23 @@ class StepRoles:
     def advantages(self, step: int) -> None:
         """Per-token GAE advantages (whitened over every shard's trained tokens) and
         returns; the outcome reward on each sequence's last policy token, minus
-        kl_coef * KL per token with trainer.kl_in_reward (KL of the behaviour policy
-        that sampled the tokens, against the reference)."""
+        kl_coef * KL per token with trainer.kl_in_reward (KL of the step-start policy,
+        ``policy_logprobs``, against the reference)."""
         current = self.current(step)
         if self.critic is None:
             return
+        policy = (self.policy_logprobs(step) if self.trainer.kl_in_reward and current.reference
+                  else [])
         with self._critic_busy("forward"):
-            self._advantages(current)
+            self._advantages(current, policy)
 
-    def _advantages(self, current: PpoStep) -> None:
+    def _advantages(self, current: PpoStep, policy: Tensors) -> None:
         if current.lost:
             return  # every shard agreed in ``prepare``: none calls the collective
         assert self.critic is not None
         advantages, current.returns = step_advantages(
-            current.prepared, current.values, current.reference, trainer=self.trainer,
-            critic=self.critic.config,
+            current.prepared, current.values, current.reference, policy,
+            trainer=self.trainer, critic=self.critic.config,
             sum_shards=lambda totals: self._all_reduce(totals, dist.ReduceOp.SUM))
         current.prepared = with_advantages(current.prepared, advantages)
 

@@ -140,7 +140,7 @@ class TrainerShard:
         if self.world_size > 1 or sharded:  # FSDP2's device mesh needs a group, even of one
             join_process_group(self.device, master_addr=self.master_addr,
                                master_port=self.master_port, rank=self.rank,
-                               world_size=self.world_size, offload=self.config.offload)
+                               world_size=self.world_size)
         dtype = DTYPES[self.model_config.dtype]
         module, self.lora, self.compiled_layers = load_policy(
             self.model_config, self.config, self.device, self.seed)
@@ -209,12 +209,15 @@ class TrainerShard:
         prepared = ppo.prepared if ppo is not None else self.losses.prepare(sequences)
         references = batch.per_update(ppo.reference if ppo is not None and ppo.reference
                                       else [None] * len(prepared))
-        # The proximal policy is the one this step starts from; with a single update it
-        # is the current policy itself, so no extra forward pass is needed (nor in the
-        # plain form, tis_cap = 0, which has no proximal policy).
-        several = len(updates) * self.config.epochs > 1 and self.config.tis_cap > 0
-        proximal = batch.per_update(self.losses.proximal(prepared) if several
-                                    else [None] * len(prepared))
+        # The proximal policy is the one this step starts from; with a single update and
+        # no dropout it is the current policy itself, so no extra forward pass is needed
+        # (nor in the plain form, tis_cap = 0, which has no proximal policy). The PPO
+        # dataflow may have computed it already (the KL in the reward's policy).
+        start: list[torch.Tensor | None] = [None] * len(prepared)
+        if self.losses.needs_proximal(len(updates)):
+            start = (ppo.policy if ppo is not None and ppo.policy
+                     else self.losses.proximal(prepared))
+        proximal = batch.per_update(start)
         parts: list[PendingStats] = []
         norms_seen: list[float] = []
         positions = 0
@@ -288,7 +291,7 @@ class TrainerShard:
                 # Time spent here is waiting on slower shards, not communication.
                 self.spans.switch("barrier")
                 clock.start("barrier")
-                dist.barrier()
+                self._wait_for_shards()
             self.spans.switch("backward")
             clock.start("backward")
             if index != last and isinstance(self.model, DistributedDataParallel):
@@ -310,6 +313,19 @@ class TrainerShard:
         else:
             self.optimizer.zero_grad(set_to_none=True)
         return positions, grad_norm
+
+    def _wait_for_shards(self) -> None:
+        """Waits for every shard to reach its update's last backward, so that the
+        phases tell waiting on slower shards (``barrier``) from the gradient all-reduce
+        (``backward``). Not needed for correctness: that all-reduce synchronises the
+        shards anyway. On the CPU the host waits (gloo). On an accelerator only its
+        stream does: a one-element all-reduce the stream waits on, while the host goes
+        on queueing the backward (NCCL's ``barrier`` would block the host until every
+        shard arrived: a host sync at every update)."""
+        if self.device.type == "cpu":
+            dist.barrier()
+        else:
+            dist.all_reduce(torch.zeros(1, device=self.device))
 
     def stages(self) -> StepRoles:
         """The PPO dataflow's stages on this shard (the actor's entry points call them)."""

@@ -47,8 +47,9 @@ class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Longest a weight update waits on a rollout worker for any one step (its pause,
     including a drain, a message, the load): a dead or stuck engine fails the broadcast
     within it, and the others take the version again over a group without it. With
-    transport "nccl" or "ipc" also the longest a whole send may take on the trainer's
-    side (their collectives have no deadline of their own)."""
+    transport "nccl" or "ipc" also the longest the group's rendezvous and a whole send
+    may each take on the trainer's side (their collectives have no deadline of their
+    own): an engine that never joins the group is lost when it passes."""
 
 
 def check_transport(weights: WeightsConfig, *, cuda: bool) -> None:

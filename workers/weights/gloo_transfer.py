@@ -213,6 +213,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError("gloo weight transfer: finish_weight_update before a whole "
                                "version was received")
         if self.adapter_loader is not None and is_adapter_version(n for n, _ in staged):
+            if write:  # out of the segment first, then checked: the loader gets a whole copy
+                staged = [(name, tensor.clone()) for name, tensor in staged]
+            self._check_intact(write)
             self.adapter_loader(staged)
             return
         load_weights: Any = self.model.load_weights  # every vLLM model defines it
@@ -222,9 +225,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         finalize_layerwise_reload(self.model, self.model_config)
         self._refresh_tied_head()
         self._repack_experts()
+        self._check_intact(write)
+
+    def _check_intact(self, write: int) -> None:
+        """Raises if the shared segment's ``write`` (0: staged in this process's memory)
+        was written again since it was staged. Never expected (the sender writes again
+        only after every member loaded or was given up); if it happens what was read is
+        a mix: not INTERRUPTED, the worker is replaced."""
         if write and self._segment is not None and self._segment.seq != write:
-            # Never expected (the sender writes again only after every member loaded or
-            # was given up); if it happens the model is a mix: not INTERRUPTED.
             raise RuntimeError("gloo weight transfer: the shared segment was written "
                                "again during the load")
 

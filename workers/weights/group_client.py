@@ -3,7 +3,9 @@ drives it: every rollout worker of the group, called together.
 
 Owns: ``GroupClient``, the ``VLLMWeightSyncClient`` over a group of ``RolloutWorker``
 actors (each call goes to every member at once and waits for all of them, never past its
-deadline), and what each member's answer means for this version: loaded (its timing),
+deadline), what each member is sent at the handshake (``member_init_infos``: its rank
+in the group where the transport has one; a malformed handshake is a ``GroupFailed``),
+and what each member's answer means for this version: loaded (its timing),
 interrupted (the broadcast broke elsewhere; its weights are whole and old: it takes the
 version again over a rebuilt group), stale (it already runs this version or a newer
 one: a worker restarted from a newer policy), or lost (dead, stuck, or failed with its
@@ -15,6 +17,8 @@ when to rebuild the group (``workers.weights.sender``).
 
 from __future__ import annotations
 
+import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -25,6 +29,8 @@ import ray
 from buffers.reports import BroadcastTiming
 from workers.weights.config import UpdateMode
 from workers.weights.receiver import StaleVersion, UpdateInterrupted
+
+log = logging.getLogger(__name__)
 
 GRACE_S = 5.0
 """How much longer than a member's own deadline the trainer waits for its answer: a
@@ -40,6 +46,31 @@ group's timeout: how long a member may take to say the group did not form."""
 class GroupFailed(RuntimeError):
     """A step of the update could not go on for every member (``GroupClient`` says which
     members were lost, interrupted or stale)."""
+
+
+def member_init_infos(init_info: object, members: int) -> list[dict[str, Any]]:
+    """What each of ``members`` engines is sent at the handshake, in member order, from
+    the one init info the trainer's engine hands the client.
+
+    A handshake with a rendezvous (gloo's, vLLM's NCCL engine's) names the first
+    member's rank in the transfer group (``rank_offset``, after the sender's) and the
+    group's size: member ``i`` joins as rank ``rank_offset + i`` (one vLLM worker per
+    engine), and the group holds exactly the sender's ranks and every member. A handshake
+    without one reaches every member unchanged: vLLM's IPC engine sends only
+    ``{"packed": ...}``, and its worker side (``IPCWeightTransferInitInfo``) takes no
+    other field. Anything else is a ``GroupFailed``: nobody can join a group described
+    wrongly, and the sender must not fall over it.
+    """
+    if not isinstance(init_info, dict) or not all(isinstance(k, str) for k in init_info):
+        raise GroupFailed(f"malformed weight-transfer handshake: {init_info!r}")
+    if "rank_offset" not in init_info:
+        return [dict(init_info) for _ in range(members)]
+    offset, world_size = init_info["rank_offset"], init_info.get("world_size")
+    if (not isinstance(offset, int) or isinstance(offset, bool) or offset < 1
+            or world_size != offset + members):
+        raise GroupFailed(f"malformed weight-transfer handshake for {members} engine(s): "
+                          f"rank_offset {offset!r}, world_size {world_size!r}")
+    return [{**init_info, "rank_offset": offset + i} for i in range(members)]
 
 
 class GroupClient:
@@ -77,6 +108,11 @@ class GroupClient:
         update call's span."""
         self._sent = threading.Event()
         self._measured: tuple[float, float] | None = None
+        self._join_lock = threading.Lock()
+        self._join_deadline = math.inf
+        """Moved to the past by ``stop_joining``: the handshake's wait ends there."""
+        self._join_started = False
+        self._join_over = threading.Event()
 
     @property
     def ranks(self) -> list[int]:
@@ -93,19 +129,43 @@ class GroupClient:
     # ---- the VLLMWeightSyncClient calls ----------------------------------------------
 
     def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        calls = {rank: actor.init_weight_transfer.remote(
-                     {**init_info, "rank_offset": init_info["rank_offset"] + i})
-                 for i, (rank, actor) in enumerate(self.members)}
-        deadline = time.monotonic() + CONNECT_TRIES * self._timeout_s + GRACE_S
-        answers = self._wait(calls, lambda: deadline)
-        for rank, answer in answers.items():
-            if isinstance(answer, UpdateInterrupted):  # the group did not form
-                self.interrupted.add(rank)
-            elif isinstance(answer, BaseException):
-                self.lost[rank] = repr(answer)
+        payloads = member_init_infos(init_info, len(self.members))
+        with self._join_lock:
+            if self._join_deadline < 0:  # stop_joining came first: ask nobody
+                raise GroupFailed("joining the weight group: given up by the trainer")
+            self._join_started = True
+            self._join_deadline = (time.monotonic() + CONNECT_TRIES * self._timeout_s
+                                   + GRACE_S)
+        try:
+            calls = {rank: actor.init_weight_transfer.remote(payload)
+                     for (rank, actor), payload in zip(self.members, payloads, strict=True)}
+            answers = self._wait(calls, lambda: self._join_deadline)
+            for rank, answer in answers.items():
+                if isinstance(answer, UpdateInterrupted):  # the group did not form
+                    self.interrupted.add(rank)
+                elif isinstance(answer, BaseException):
+                    self.lost[rank] = repr(answer)
+        finally:
+            self._join_over.set()
         if not self.lost and not self.interrupted:
             return
         raise GroupFailed(f"joining the weight group: {self._describe()}")
+
+    def stop_joining(self) -> None:
+        """The trainer gave the handshake up (its end of the rendezvous missed its
+        deadline): a member that has not answered by now is lost (on NCCL it is stuck
+        in the rendezvous, where no later call reaches its engine), one that answered
+        is interrupted (a handshake loads nothing: its weights are whole, and it takes
+        the version again over a group built without the lost ones)."""
+        with self._join_lock:
+            self._join_deadline = -math.inf
+            started = self._join_started
+        # The handshake's wait looks at its deadline every POLL_S.
+        if started and not self._join_over.wait(POLL_S + GRACE_S):
+            log.warning("weight group %s: the handshake did not end when given up", self.ranks)
+        for rank in self.ranks:
+            if rank not in self.lost:
+                self.interrupted.add(rank)
 
     def start_weight_update(self) -> None:
         calls = {rank: actor.start_weight_update.remote(self.version, self.mode)

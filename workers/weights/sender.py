@@ -9,7 +9,9 @@ and "ipc" are vLLM's) driving a ``workers.weights.group_client.GroupClient`` ove
 member. One collective per version, whatever the number of engines. The group is
 built at the first send and again whenever its members change: a member lost in a
 broadcast is left out and the others take the version again over the new group in the
-same delivery; a member connected since (a replacement) joins at the next version.
+same delivery; a member connected since (a replacement) joins at the next version. At
+start it removes the shared-memory segments that killed senders left on this machine
+(``workers.weights.shared_segment.remove_orphans``).
 
 Knows nothing about when to publish or deliver (the controller, through
 ``workers.weights.broadcast``) or how an engine pauses and loads (``workers.weights.receiver``).
@@ -19,12 +21,13 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
+import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import (
     ParamMeta,
     TrainerInitInfo,
@@ -41,10 +44,12 @@ from workers.weights.broadcast import Delivery
 from workers.weights.config import UpdateMode, WeightsConfig
 from workers.weights.gloo_transfer import GlooTrainerInitInfo
 from workers.weights.group_client import GroupClient, GroupFailed
+from workers.weights.shared_segment import remove_orphans
 
 log = logging.getLogger(__name__)
 
 Snapshot = tuple[tuple[str, torch.Tensor], ...]
+T = TypeVar("T")
 
 
 MAX_ATTEMPTS = 3
@@ -74,6 +79,29 @@ class _Group:
     engine: TrainerWeightTransferEngine[Any]
 
 
+def _within(call: Callable[[], T], timeout_s: float, *, name: str,
+            late: Callable[[T], None] | None = None) -> T:
+    """``call()``'s result, run on a thread of its own and waited for at most
+    ``timeout_s``: past it, TimeoutError. The thread is left behind (a collective cannot
+    be interrupted); whatever it returns after that goes to ``late``."""
+    outcome: Future[T] = Future()
+
+    def run() -> None:
+        try:
+            outcome.set_result(call())
+        except BaseException as err:
+            outcome.set_exception(err)
+
+    threading.Thread(target=run, name=name, daemon=True).start()
+    try:
+        return outcome.result(timeout=timeout_s)
+    except TimeoutError:
+        if late is not None:
+            outcome.add_done_callback(
+                lambda done: None if done.exception() else late(done.result()))
+        raise
+
+
 class WeightSender:
     """Snapshots one trainer shard's weights by version and broadcasts them to the rollout
     engines.
@@ -99,6 +127,7 @@ class WeightSender:
         self._group: _Group | None = None
         self._rebuild = False  # a member (re)connected since the group was built
         self._source = SnapshotSource()
+        remove_orphans()  # once per run, on the one machine that makes segments
 
     def connect(self, rank: int, actor: Any) -> None:
         """Makes rollout worker ``rank`` (a new actor, if it replaces one) a member: the
@@ -185,8 +214,7 @@ class WeightSender:
                                  sender_bounds_transfer=self._weights.transport == "gloo")
             client.prepare(version, mode)
             try:
-                engine = WeightTransferTrainerFactory.trainer_init(
-                    self._init_info(len(members)), client=client, source=self._source)
+                engine = self._join(client)
             except GroupFailed as err:
                 log.warning("weight group of %s not built: %s", client.ranks, err)
                 client.abandon_lost()
@@ -220,6 +248,31 @@ class WeightSender:
                                        packed_buffer_size_bytes=bucket_bytes, rank=0)
         return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_bytes, rank=0)
 
+    def _join(self, client: GroupClient) -> TrainerWeightTransferEngine[Any]:
+        """The group's rendezvous (the engine's ``trainer_init``), given up after
+        ``weights.timeout_s`` on the NCCL and IPC transports: vLLM's NCCL rendezvous waits
+        for every member with no deadline of its own, so one engine that never joins
+        would hold this sender, and every later publish, forever (gloo's group times out
+        by itself). A missed deadline is a ``GroupFailed``: the members that never
+        joined are lost, and the others take the version over a group without them."""
+        def join() -> TrainerWeightTransferEngine[Any]:
+            return WeightTransferTrainerFactory.trainer_init(
+                self._init_info(len(client.members)), client=client, source=self._source)
+
+        transport, timeout_s = self._weights.transport, self._weights.timeout_s
+        if transport == "gloo":
+            return join()
+        try:
+            # A group formed after all (too late) is shut down: nobody will use it.
+            return _within(join, timeout_s, name="weight-join",
+                           late=lambda engine: engine.shutdown())
+        except (TimeoutError, dist.DistError) as err:  # the deadline, or the store's own
+            client.stop_joining()
+            why = (f"took longer than weights.timeout_s ({timeout_s:g}s)"
+                   if isinstance(err, TimeoutError) else f"failed: {err!r}")
+            raise GroupFailed(f"joining the weight group of rollout workers {client.ranks} "
+                              f"over {transport} {why}") from None
+
     def _send_within_deadline(self, group: _Group) -> None:
         """``send_weights``, given up after ``weights.timeout_s`` on the NCCL and IPC
         transports: their collectives have no deadline of their own, so a dead or stuck
@@ -227,18 +280,8 @@ class WeightSender:
         if self._weights.transport == "gloo":
             group.engine.send_weights()
             return
-        outcome: Future[None] = Future()
-
-        def send() -> None:
-            try:
-                group.engine.send_weights()
-                outcome.set_result(None)
-            except BaseException as err:
-                outcome.set_exception(err)
-
-        threading.Thread(target=send, name="weight-send", daemon=True).start()
         try:
-            outcome.result(timeout=self._weights.timeout_s)
+            _within(group.engine.send_weights, self._weights.timeout_s, name="weight-send")
         except TimeoutError:
             raise TimeoutError(
                 f"weight send to rollout workers {group.client.ranks} over "
