@@ -16,7 +16,7 @@ Inputs (under ``runs/model-matrix/``, outside git):
   refusal row passed (the reason is in the notes), else "fails" with the first line of
   the failure; the LoRA cell the same from its LoRA row, naming the targets it ran on
   (its ``lora_targets`` property) and the default targets the family lacks.
-- ``engine.json``, written by the engine rows (an integration test): one object,
+- ``engine.json``, written by the engine rows (``ENGINE_TESTS``): one object,
   ``{"<architecture>": "<outcome>"}``, the outcome being ``"exact"`` (vLLM's log-probs of
   the tokens equal the model's own within the engine/trainer agreement tolerance),
   ``"refused: <one-line reason>"`` or ``"not on CPU: <vLLM's error, one line>"``. An
@@ -37,6 +37,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TESTS = "tests/unit/test_model_matrix.py"
+ENGINE_TESTS = "tests/integration/test_model_matrix_engine.py"
 OUT_DIR = ROOT / "runs" / "model-matrix"
 DOCS_PATH = ROOT / "docs" / "models.md"
 COMMAND = "python scripts/model_matrix.py"
@@ -145,7 +146,7 @@ def render(cases: Mapping[tuple[str, str], Case], engine: Mapping[str, str]) -> 
               if test == REFUSAL and name not in ARCHITECTURES]
     return TEMPLATE.format(
         others="\n".join(others) or f"| (none) | {NOT_RUN} |",
-        command=COMMAND, tests=TESTS, total=len(ARCHITECTURES),
+        command=COMMAND, tests=TESTS, engine_tests=ENGINE_TESTS, total=len(ARCHITECTURES),
         exact=trainer_cells.count("exact"), refused=trainer_cells.count("refused"),
         failing=len(ARCHITECTURES) - trainer_cells.count("exact")
         - trainer_cells.count("refused"), rows="\n".join(rows))
@@ -168,10 +169,17 @@ switched on) checked by a test; nothing here is claimed that a test did not chec
   gradient to 1e-5 relative, in fp32: **exact**. Or the run stops at start in one line
   (exit 2) naming the family and the feature: **refused** (the reason is in the notes;
   `trainer.packed = false` trains it on the model's own attention and head).
-- **engine** (integration tier): vLLM's log-probs of the same tokens equal the model's
-  own within the engine/trainer agreement tolerance (**exact**), the engine refuses it
-  at start (**refused**), or vLLM's CPU build cannot serve it (**not on CPU**, with its
-  error).
+- **engine** (`{engine_tests}`, integration tier): vLLM's CPU build (fp32, eager)
+  scores three token sequences (9 to 30 tokens, past the sliding window) and generates
+  12 greedy tokens; its log-probs equal the model's own eager fp32 forward within abs
+  1e-4, the engine/trainer agreement tolerance (`assert_behaviour_logprobs` in
+  `tests/integration/test_rollout.py`); and after a new version (every weight
+  perturbed, under the names the trainer sends) is loaded into the running engine as a
+  run loads one, they equal the perturbed model's: **exact**. Or a version cannot reach
+  the engine and a run stops at start in one line unless only LoRA adapters train
+  (**refused**, with the line; the row checks that the version really does not reach
+  it), or vLLM's CPU build cannot serve it (**not on CPU**, with its error, which the
+  row asserts).
 - **LoRA**: the trainer row again with rank-8 adapters (drawn non-zero) on the default
   `model.lora.target_modules` the family has as linear layers. Default targets a family
   lacks (MoE experts held in fused tensors, phi3's fused projections) are refused at
@@ -202,7 +210,8 @@ here).
    strong enough to show on a random model), a line in `FEATURES`, and its
    `model_type` in `MODEL_TYPES` if the causal LM is a text-only model.
 2. Run the matrix: `python -m pytest {tests} -q` (the trainer rows), and the engine
-   rows in the integration tier. A feature the packed path cannot compute is refused in
+   rows: `python -m pytest {engine_tests} -q` (a minute or two; it writes
+   `runs/model-matrix/engine.json`). A feature the packed path cannot compute is refused in
    `workers/trainer/packed_support.py` (one line naming the family and the feature),
    never left as a silent difference.
 3. Regenerate this page: `{command}` (it runs the trainer rows and reads the engine

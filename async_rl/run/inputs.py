@@ -9,8 +9,9 @@ class of task.environment imports and has its methods; the optional loggers are
 installed; trainer.backend = "fsdp2" finds the model's decoder layers; trainer.packed =
 true is not asked of a model whose features the packed path cannot compute
 (``workers.trainer.packed_support``); trainer.router_aux_coef > 0 has a model with
-routers; reference.path and critic.path are models of the policy's architecture and
-tokenizer), raising
+routers; without model.lora, full weight versions can reach the engine of the model's
+type (``workers.rollout.engine.update_refusal``); reference.path and critic.path are
+models of the policy's architecture and tokenizer), raising
 ``ConfigError`` with one line. Used by
 ``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl sweep``
 before it is launched.
@@ -54,6 +55,8 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
     check_role_models(config)
     if config.model.lora.enabled:
         check_lora_targets(config)
+    else:
+        check_engine_updates(config.model.path)
     columns = check_task(config.task)  # the prompt file or dataset
     if config.task.chat_template:
         check_chat_template(config)
@@ -100,6 +103,17 @@ def check_packed(model_path: str) -> None:
     reason = packed_support(AutoConfig.from_pretrained(model_path))
     if reason is not None:
         raise ConfigError(f"config error: trainer.packed = true: {reason}")
+
+
+def check_engine_updates(model_path: str) -> None:
+    """Full weight versions (no model.lora) reach an engine of the model's type
+    (``workers.rollout.engine.update_refusal``; config.json read, no weights)."""
+    from workers.rollout.engine import update_refusal
+
+    hf_config = json.loads((Path(model_path) / "config.json").read_text())
+    reason = update_refusal(str(hf_config.get("text_config", hf_config).get("model_type")))
+    if reason is not None:
+        raise ConfigError(f"config error: model.path = {model_path!r}: {reason}")
 
 
 def check_role_models(config: Config) -> None:

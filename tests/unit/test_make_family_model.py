@@ -1,6 +1,7 @@
 """``async-rl make-model --arch ARCH``: a tiny random model of a Hugging Face family, by
 path, that transformers loads and the simulator sizes; an architecture it does not build
-exits 2 in one line naming --arch."""
+exits 2 in one line naming --arch. A family whose engine a weight version cannot reach
+(gpt_oss) is refused at start by ``async-rl train`` unless only adapters train."""
 
 from __future__ import annotations
 
@@ -11,7 +12,9 @@ import pytest
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_rl.cli import main
+from async_rl.config_io import load_config
 from async_rl.models.families import ARCHITECTURES
+from async_rl.run.inputs import check_inputs
 from async_rl.sim.costs import model_shape
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -45,3 +48,18 @@ def test_an_architecture_make_model_does_not_build_exits_2_naming_arch(
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "--arch llama" in err and "--size" in err
     assert not (tmp_path / "x").exists() and not (tmp_path / "y").exists()
+
+
+def test_a_family_versions_cannot_reach_is_refused_at_start_unless_lora(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    model = tmp_path / "gpt-oss"
+    assert main(["make-model", "--arch", "gpt_oss", "--out", str(model)]) == 0
+    config = tmp_path / "run.toml"
+    config.write_text(f'[model]\npath = "{model}"\n[run]\noutput_dir = "{tmp_path / "run"}"\n')
+    capsys.readouterr()
+    assert main(["train", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "model.path" in err and "gpt_oss: vLLM" in err
+    assert not (tmp_path / "run").exists()
+    adapters = load_config(config, ["model.lora.rank=8", "model.lora.target_modules=[\"q_proj\"]"])
+    assert check_inputs(adapters).model.path == str(model)  # adapters only: not refused

@@ -8,7 +8,8 @@ token ids, making an idle engine block instead of spin, and turning what a reque
 returns into per-token versions (from vLLM's weight-version spans) and logprobs. Knows
 nothing about prompts, groups, rewards or weight updates:
 ``workers.rollout.worker.RolloutWorker``
-drives the engine. vLLM is imported inside the functions, so importing this module
+drives the engine. Also which models a full weight version cannot reach in vLLM
+(``update_refusal``). vLLM is imported inside the functions, so importing this module
 stays cheap.
 """
 
@@ -200,6 +201,24 @@ def build_engine(
             distributed_executor_backend="uni" if in_core else None,
         )
     )
+
+
+NOT_UPDATED = {
+    "gpt_oss": "vLLM 0.32 cannot load a new weight version into it in place (its "
+               "attention, experts and embedding keep the first version's; measured on "
+               "vLLM's CPU build), so the engine would not serve the policy being "
+               "trained",
+}
+"""Model types whose engine a full weight version does not reach, and why (checked by
+the model matrix's engine rows, ``tests/integration/test_model_matrix_engine.py``). A
+run with model.lora sends adapter versions, which vLLM loads otherwise: not refused."""
+
+
+def update_refusal(model_type: str) -> str | None:
+    """Why full weight versions cannot reach an engine of ``model_type``, in one line
+    naming it; None when they can."""
+    reason = NOT_UPDATED.get(model_type)
+    return None if reason is None else f"{model_type}: {reason}"
 
 
 LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)

@@ -4,9 +4,7 @@ torch.distributed gloo group, so CPU runs and CI drive the same API.
 Owns: ``GlooWeightTransferEngine`` (built by vLLM in the engine's worker process when the
 engine's ``weight_transfer_config`` backend is "gloo": joins the broadcast group at its
 rank, receives and forwards the buckets, stages the whole version and loads it at
-``finish_weight_update`` with the same layerwise reload NCCL and IPC use, then redoes the
-post-load steps that reload leaves stale on the CPU build: a tied head's and a mixture
-of experts' packed weights),
+``finish_weight_update``: ``workers.weights.version_load``),
 ``GlooTrainerWeightTransferEngine`` (the trainer's end, rank 0: opens the group, drives
 the inference side through a ``VLLMWeightSyncClient`` and broadcasts the buckets), their
 init and update infos, and registering both with vLLM's two factories.
@@ -66,6 +64,7 @@ from workers.weights.bucket_transfer import (
 )
 from workers.weights.receiver import INTERRUPTED
 from workers.weights.shared_segment import SharedSegment
+from workers.weights.version_load import load_version
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -194,19 +193,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             raise RuntimeError(f"gloo weight transfer: cannot map the shared segment {path}")
         return self._segment
 
-    # vLLM's model-loading modules are imported where they are used: they are needed in
-    # the worker process only, and this module is imported by the trainer too.
-
     def finish_weight_update(self) -> None:
-        """Loads the staged version into the model, whole."""
-        from vllm.model_executor.model_loader.mtp_validation import (
-            disable_mtp_completeness_check,
-        )
-        from vllm.model_executor.model_loader.reload import (
-            finalize_layerwise_reload,
-            initialize_layerwise_reload,
-        )
-
+        """Loads the staged version into the model, whole
+        (``workers.weights.version_load``)."""
         staged, self._staged = self._staged, []
         write, self._segment_write = self._segment_write, 0
         if not staged:
@@ -218,13 +207,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
             self._check_intact(write)
             self.adapter_loader(staged)
             return
-        load_weights: Any = self.model.load_weights  # every vLLM model defines it
-        initialize_layerwise_reload(self.model)
-        with disable_mtp_completeness_check():
-            load_weights(staged)
-        finalize_layerwise_reload(self.model, self.model_config)
-        self._refresh_tied_head()
-        self._repack_experts()
+        load_version(self.model, self.model_config, staged)
         self._check_intact(write)
 
     def _check_intact(self, write: int) -> None:
@@ -235,34 +218,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooInitInfo, GlooUpdateInfo
         if write and self._segment is not None and self._segment.seq != write:
             raise RuntimeError("gloo weight transfer: the shared segment was written "
                                "again during the load")
-
-    def _refresh_tied_head(self) -> None:
-        # With tied embeddings the checkpoint has no lm_head tensor, so the reload skips
-        # the head and keeps its old kernel state. On the CPU build that state is a packed
-        # copy of the old embedding (oneDNN / sgl GEMM), and logits would stay stale.
-        # Re-running the head's post-load processing packs the new embedding; elsewhere
-        # it is a no-op.
-        head = getattr(self.model, "lm_head", None)
-        method = getattr(head, "quant_method", None)
-        config = getattr(self.model, "config", None)
-        if getattr(config, "tie_word_embeddings", False) and method is not None:
-            method.process_weights_after_loading(head)
-
-    def _repack_experts(self) -> None:
-        # A mixture of experts' expert weights: vLLM 0.32 reloads them in the layout its
-        # checkpoint loader makes but runs the experts' own post-load step (on the CPU
-        # build: repacking them into its grouped-GEMM layout) only at the first load, so
-        # after an update its CPU kernel read raw weights as packed ones (log-probs 0.06
-        # nats off on a tiny Qwen3-MoE reloaded with unchanged weights). A version is
-        # whole, so every MoE layer's experts were just loaded: run that step again.
-        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import (
-            UnquantizedFusedMoEMethod,
-        )
-
-        for layer in self.model.modules():
-            method = getattr(layer, "quant_method", None)
-            if isinstance(method, UnquantizedFusedMoEMethod) and method.moe_kernel is not None:
-                method.moe_kernel.fused_experts.process_weights_after_loading(layer)
 
     def shutdown(self) -> None:
         self._group = self._store = self._info = self._segment = None
