@@ -27,8 +27,8 @@ engine process. Apart because the engines bind their process's threads and memor
 policy, and vLLM's model modules patch some of transformers' classes (Olmo2's). The
 rows' outcomes go to ``runs/model-matrix/engine.json`` (``{arch: "exact" | "refused:
 ..." | "not on CPU: <vLLM's error>"}``), which docs/models.md is generated from. About
-100 s for all families on two busy cores once vLLM's model-inspection cache
-(``~/.cache/vllm/modelinfos``) holds them, about 20 s more per family the first time.
+75 s for all families on two busy cores once vLLM's model-inspection cache (under
+``VLLM_CACHE_ROOT``) holds them, about 20 s more per family the first time.
 """
 
 from __future__ import annotations
