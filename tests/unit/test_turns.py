@@ -6,7 +6,6 @@ caller's event loop. No Ray, no vLLM, no model."""
 from __future__ import annotations
 
 import asyncio
-import copy
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +14,7 @@ import pytest
 
 import async_rl
 from buffers.records import NO_VERSION, Prompt, Sample, make_group
+from tests.unit.turn_fakes import Params
 from workers.environment import EnvironmentConfig
 from workers.rollout.prompts import PromptFormat
 from workers.rollout.turns import TurnRunner, environment_row
@@ -34,15 +34,6 @@ class ByteTokenizer:
 
     def decode(self, ids: Any, skip_special_tokens: bool = False) -> str:
         return "".join(chr(i) for i in ids if i or not skip_special_tokens)
-
-
-class Params:
-    def __init__(self) -> None:
-        self.max_tokens, self.stop, self.detokenize = 8, [], False
-        self.include_stop_str_in_output, self.seed = False, None
-
-    def clone(self) -> Params:
-        return copy.copy(self)
 
 
 class FakeEngine:
