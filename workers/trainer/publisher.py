@@ -10,7 +10,7 @@ the shard hands it the module (and the adapters) in order with its training call
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,6 +37,9 @@ class PolicyPublisher:
         """Shard 0's end of weight broadcasts, from the first ``connect``."""
         self.shapes: list[tuple[str, torch.Size, torch.dtype]] | None = None
         """What a whole version holds (``engine_shapes``), from the first snapshot."""
+        self.converts = True
+        """Whether the checkpoint names or lays out any parameter otherwise than the
+        model holds it (set with ``shapes``): where not, versions skip the conversion."""
 
     def connect(self, rank: int, actor: Any) -> None:
         """Makes rollout worker ``rank`` a member of the weight-broadcast group (at
@@ -65,20 +68,30 @@ class PolicyPublisher:
             return self._connected().snapshot(version, adapters.items()) if adapters else 0
         if not self.sharded:
             return self._connected().snapshot(
-                version, engine_weights(module, module.named_parameters()),
+                version, self._as_engine_loads(module, module.named_parameters()),
                 self._shapes(module))
         buckets = gather_buckets(module, self.weights.bucket_mb << 20)
         if self.rank != 0:
             for _ in buckets:
                 pass  # taking part in each gather
             return 0
-        return self._connected().snapshot(version, engine_weights(
+        return self._connected().snapshot(version, self._as_engine_loads(
             module, (pair for bucket in buckets for pair in bucket)), self._shapes(module))
 
     def _shapes(self, module: torch.nn.Module) -> list[tuple[str, torch.Size, torch.dtype]]:
         if self.shapes is None:
             self.shapes = engine_shapes(module)
+            self.converts = [(name, shape) for name, shape, _ in self.shapes] != [
+                (name, p.shape) for name, p in module.named_parameters()]
         return self.shapes
+
+    def _as_engine_loads(self, module: torch.nn.Module,
+                         named: Iterable[tuple[str, torch.Tensor]]
+                         ) -> Iterable[tuple[str, torch.Tensor]]:
+        """``named`` as the engine loads them: converted parameter by parameter only for
+        a model whose checkpoint differs from memory (a dense model's pass through)."""
+        self._shapes(module)
+        return engine_weights(module, named) if self.converts else named
 
     def send(self, version: int, ranks: Sequence[int], mode: UpdateMode | None = None
              ) -> Delivery:
