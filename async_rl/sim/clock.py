@@ -71,7 +71,7 @@ def run_virtual(main: Callable[[], Awaitable[T]]) -> T:
 def _collector_held_back() -> Iterator[None]:
     """A simulation makes millions of short-lived objects (futures, handles, records)
     and almost no cycles, so Python's default collector spends a good part of its CPU
-    time scanning (docs/simulator.md, "Speed of the simulator"). While it runs, what
+    time scanning (docs/simulator-validation.md, "Speed of the simulator"). While it runs, what
     already exists (the imported modules) is frozen out of the collector's scans, unless
     the caller froze something already (unfreezing would undo that too), and the
     youngest generation is collected far less often; both are put back after."""
