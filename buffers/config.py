@@ -57,7 +57,7 @@ class QueueConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     ones are the slowest to generate, the longest: the trained mix leans short. The
     price: the trainer waits for slow groups, and trained groups are older (mean
     staleness near max_staleness); on the long-tail task that bought zero drops at the
-    same or better groups/s (README, bench/stale_drops.py). homogeneous_take picks by
+    same or better groups/s (docs/benchmarks.md). homogeneous_take picks by
     bucket among what a step need not train yet, so with it a few may still go stale."""
 
     def __post_init__(self) -> None:

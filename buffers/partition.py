@@ -9,7 +9,7 @@ Why three steps: KK leaves a residual of ~0.1-0.5% when parts hold many items of
 heavy-tailed length distribution, and a swap-based local search removes most of it in a
 few milliseconds; greedy is what users compare against and, with few items per part and
 heavy tails, sometimes wins, so running it too makes "never worse than greedy" a
-guarantee for a few milliseconds more (figures: ``bench/balance.py``).
+guarantee for a few milliseconds more (figures: ``bench/data/balance.py``).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The trainer-side GPU check (bench/gpu_check.py): one table, a row printed as each is
+# The trainer-side GPU check (bench/trainer/gpu_check.py): one table, a row printed as each is
 # made and appended to runs/gpu-check/results.md (--out DIR picks the folder), under 8
 # minutes on one GPU; one line and exit 0 where there is no CUDA. Needs only Python with
 # torch and transformers: the other modules its imports need (msgspec, nvidia-ml-py,
@@ -19,4 +19,4 @@ for pair in $WHEELS; do
             "${pair#*:}"
     fi
 done
-exec "$PY" bench/gpu_check.py "$@"
+exec "$PY" -m bench.trainer.gpu_check "$@"

@@ -4,7 +4,7 @@ Owns: the real-size shapes (``QWEN25_05B``), their Qwen2 config (``real_size_con
 and ``make_random_model``, which writes one with the local byte-level tokenizer and its
 chat template (``async_rl.models.tiny_model.build_tokenizer``), so that every id the
 model can generate decodes. There is no warm start: the weights are random, so a run on
-it measures speed and memory (``bench/real_size.py``, ``bench/gpu_check.py``), not
+it measures speed and memory (``bench/trainer/real_size.py``, ``bench/trainer/gpu_check.py``), not
 learning. Knows nothing about vLLM, Ray or training. Nothing is downloaded.
 """
 

@@ -1,5 +1,5 @@
-"""Loads a file from bench/ or scripts/ (neither is a package) as a module, for the unit
-tests of its pure logic."""
+"""Loads a file from bench/ or scripts/ as a module of its own, for the unit tests of its
+pure logic."""
 
 from __future__ import annotations
 
@@ -11,12 +11,13 @@ from types import ModuleType
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def load_script(relative: str, name: str, *, siblings: bool = False) -> ModuleType:
-    """The file ``ROOT / relative`` as module ``name``; ``siblings``: it imports modules
-    beside it (its folder goes on sys.path)."""
+def load_script(relative: str, name: str) -> ModuleType:
+    """The file ``ROOT / relative`` as a fresh module ``name`` (a test may set its
+    attributes); the repository root goes on sys.path first, for the ``bench.`` imports
+    of a benchmark."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
     path = ROOT / relative
-    if siblings:
-        sys.path.insert(0, str(path.parent))
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)

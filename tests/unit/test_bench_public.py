@@ -11,7 +11,7 @@ import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 PROJECT = {"async_rl", "workers", "buffers"}
-SCRIPTS = sorted(BENCH.glob("*.py"))
+SCRIPTS = sorted(BENCH.rglob("*.py"))
 
 
 def private(name: str) -> bool:
@@ -53,6 +53,6 @@ def test_bench_has_scripts_to_scan() -> None:
     assert len(SCRIPTS) >= 10
 
 
-@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: p.name)
+@pytest.mark.parametrize("script", SCRIPTS, ids=lambda p: str(p.relative_to(BENCH)))
 def test_a_bench_script_uses_public_names_only(script: Path) -> None:
     assert private_uses(script.read_text()) == []

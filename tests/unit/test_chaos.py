@@ -1,4 +1,4 @@
-"""bench/chaos.py's pure logic: the kill schedule, the ledger's lost and trained-twice
+"""bench/reliability/chaos.py's pure logic: the kill schedule, the ledger's lost and trained-twice
 prompts, counting restarts in a run's output."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from script_modules import load_script
 
 from buffers.reports import LedgerEntry
 
-chaos = load_script("bench/chaos.py", "bench_chaos")
+chaos = load_script("bench/reliability/chaos.py", "bench_chaos")
 
 
 def test_schedule_is_reproducible_sorted_and_in_range() -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import importlib
 import importlib.metadata
 import os
 import re
@@ -27,8 +28,8 @@ from script_modules import load_script
 from async_rl.models.tiny_model import TINY
 
 REPO = Path(__file__).resolve().parents[2]
-PROJECT = ("async_rl", "buffers", "workers")
-CHECK_SCRIPTS = ("gpu_check", "gpu_rows", "trainer_step")
+PROJECT = ("async_rl", "buffers", "workers", "bench")
+CHECK_SCRIPTS = tuple(f"bench.trainer.{name}" for name in ("gpu_check", "gpu_rows", "trainer_step"))
 """bench/ files the check runs: every import in them counts, not only module-level ones."""
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -84,16 +85,16 @@ def check_imports() -> dict[str, set[str]]:
     import of the check's own scripts, the module-level imports of each project module
     they reach (what importing them needs), followed through."""
     def source(name: str) -> tuple[Path, bool] | None:
-        if name in CHECK_SCRIPTS:
-            return REPO / "bench" / f"{name}.py", True
         path = REPO.joinpath(*name.split("."))
+        if name in CHECK_SCRIPTS:
+            return path.with_suffix(".py"), True
         for candidate in (path / "__init__.py", path.with_suffix(".py")):
             if candidate.exists():
                 return candidate, False
         return None
 
     found: dict[str, set[str]] = {}
-    todo, seen = ["gpu_check"], set()
+    todo, seen = ["bench.trainer.gpu_check"], set()
     while todo:
         name = todo.pop()
         where = source(name)
@@ -110,7 +111,7 @@ def check_imports() -> dict[str, set[str]]:
                 continue
             for imported in names:
                 top = imported.split(".")[0]
-                if top in PROJECT or top in CHECK_SCRIPTS:
+                if top in PROJECT:
                     parts = imported.split(".")
                     todo += [".".join(parts[:i]) for i in range(1, len(parts) + 1)]
                 elif top not in sys.stdlib_module_names and top != "__future__":
@@ -191,8 +192,9 @@ def cuda_stubbed(monkeypatch: pytest.MonkeyPatch) -> Iterator[dict[str, list[Any
 
 
 def check_modules() -> tuple[ModuleType, ModuleType]:
-    rows = load_script("bench/gpu_rows.py", "gpu_rows", siblings=True)
-    return load_script("bench/gpu_check.py", "gpu_check_dry", siblings=True), rows
+    """A fresh gpu_check (the tests set its attributes) and the rows module it imports."""
+    check = load_script("bench/trainer/gpu_check.py", "gpu_check_dry")
+    return check, importlib.import_module("bench.trainer.gpu_rows")
 
 
 def free_port() -> int:
@@ -259,9 +261,8 @@ def test_a_row_that_raises_fails_alone_and_the_others_still_print(
 def test_the_reference_way_is_never_compiled(tmp_path: Path,
                                              cuda_stubbed: dict[str, list[Any]]) -> None:
     check_modules()
-    import trainer_step
-
     from async_rl.models.real_size import make_random_model
+    from bench.trainer import trainer_step
 
     make_random_model(tmp_path, size=TINY, log=None)
     reference = trainer_step.make_shard(tmp_path, "trl", 1024, compile=True)

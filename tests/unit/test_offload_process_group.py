@@ -93,9 +93,9 @@ def test_clipping_offloaded_gradients_needs_the_cpu_backend(tmp_path: Path) -> N
 
 
 def test_the_gpu_check_row_runs_the_same_groups_on_cpu() -> None:
-    """The GPU check's offload row (bench/gpu_rows.py), with gloo standing in for NCCL:
+    """The GPU check's offload row (bench/trainer/gpu_rows.py), with gloo standing in for NCCL:
     one rank."""
-    gpu_rows = load_script("bench/gpu_rows.py", "gpu_rows_offload", siblings=True)
+    gpu_rows = load_script("bench/trainer/gpu_rows.py", "gpu_rows_offload")
     rows = gpu_rows.offload_clip_check(torch.device("cpu"), accelerator_backend="gloo",
                                        port=_free_port())
     assert len(rows) == 1

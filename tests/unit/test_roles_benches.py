@@ -1,5 +1,5 @@
-"""bench/roles.py's arms at other KL coefficients (without training) and
-bench/sim_roles.py's simulated arms (a few steps of the 7B layout)."""
+"""bench/algorithms/roles.py's arms at other KL coefficients (without training) and
+bench/simulator/sim_roles.py's simulated arms (a few steps of the 7B layout)."""
 
 from __future__ import annotations
 
@@ -11,8 +11,8 @@ from script_modules import load_script
 
 from async_rl.config import Config
 
-roles = load_script("bench/roles.py", "roles_bench", siblings=True)
-sim_roles = load_script("bench/sim_roles.py", "sim_roles_bench", siblings=True)
+roles = load_script("bench/algorithms/roles.py", "roles_bench")
+sim_roles = load_script("bench/simulator/sim_roles.py", "sim_roles_bench")
 
 
 def test_kl_coefs_replace_the_kl_arm_with_one_arm_each(

@@ -1,4 +1,4 @@
-"""bench/sim_vs_real.py without training: the order its repeats are trained in, and the
+"""bench/simulator/sim_vs_real.py without training: the order its repeats are trained in, and the
 mean of repeated runs' figures a prediction is set against."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from script_modules import load_script
 
-bench = load_script("bench/sim_vs_real.py", "sim_vs_real")
+bench = load_script("bench/simulator/sim_vs_real.py", "sim_vs_real")
 
 
 def test_repeats_are_trained_in_alternate_orders(monkeypatch: pytest.MonkeyPatch) -> None:

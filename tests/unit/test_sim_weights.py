@@ -113,11 +113,11 @@ def test_a_free_wire_and_no_load_still_move_every_version(tmp_path: Path) -> Non
 @pytest.mark.parametrize("workers", [1, 4])
 def test_the_engine_bench_reads_a_versions_wire_and_causes_per_engine(
         tmp_path: Path, workers: int) -> None:
-    """bench/sim_weight_engines.py's figures of a simulated run: the wire is the
+    """bench/simulator/sim_weight_engines.py's figures of a simulated run: the wire is the
     formula's, and each engine's weight_wire spans add up to it once a version."""
     from script_modules import load_script
 
-    bench = load_script("bench/sim_weight_engines.py", "sim_weight_engines", siblings=True)
+    bench = load_script("bench/simulator/sim_weight_engines.py", "sim_weight_engines")
     cfg = config(tmp_path, workers=workers, weight_load_s=0.02)
     simulate(cfg)
     costs = simulation_costs(cfg)

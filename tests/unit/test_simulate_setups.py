@@ -288,7 +288,7 @@ def test_uneven_groups_per_shard_are_planned_and_trained(tmp_path: Path) -> None
 def test_the_held_out_setups_are_stated_as_published(tmp_path: Path) -> None:
     from script_modules import load_script
 
-    bench = load_script("bench/sim_published_unseen.py", "sim_published_unseen")
+    bench = load_script("bench/simulator/sim_published_unseen.py", "sim_published_unseen")
     assert len(bench.COMPARISONS) >= 4
     assert len({on.model.name for on, _ in bench.COMPARISONS}) == len(bench.COMPARISONS)
     for on, off in bench.COMPARISONS:
@@ -311,7 +311,7 @@ def test_the_second_systems_setups_are_stated_as_published(tmp_path: Path) -> No
     generating and 12 training; 512 prompts, 16 updates a step."""
     from script_modules import load_script
 
-    bench = load_script("bench/sim_published_unseen.py", "sim_published_unseen")
+    bench = load_script("bench/simulator/sim_published_unseen.py", "sim_published_unseen")
     assert len(bench.SYSTEMS) >= 2
     assert sum(len(pairs) for pairs in bench.SYSTEMS.values()) >= 4
     assert len(bench.VERL_ONE_STEP_OFF) == 2

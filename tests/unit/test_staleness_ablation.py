@@ -1,4 +1,4 @@
-"""bench/staleness_ablation.py without training: trial order, curves, per-arm figures and
+"""bench/algorithms/staleness_ablation.py without training: trial order, curves, per-arm figures and
 the verdict, on small synthetic trials."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from script_modules import load_script
 
 from async_rl.run.summary import EvalPoint, RunSummary
 
-ab = load_script("bench/staleness_ablation.py", "staleness_ablation")
+ab = load_script("bench/algorithms/staleness_ablation.py", "staleness_ablation")
 
 
 def trial(eta: int, loss: str, seed: int, accuracy: tuple[float, ...], *,

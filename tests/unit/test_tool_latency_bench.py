@@ -1,4 +1,4 @@
-"""bench/tool_latency.py without training: its per-run configs and the mean number of
+"""bench/races/tool_latency.py without training: its per-run configs and the mean number of
 trajectories in flight read from a prompt ledger."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from script_modules import load_script
 from async_rl.config_io import decode_config
 from buffers.reports import LedgerEntry
 
-bench = load_script("bench/tool_latency.py", "tool_latency", siblings=True)
+bench = load_script("bench/races/tool_latency.py", "tool_latency")
 
 
 def entry(prompt_id: str, event: str, time: float, attempt: int = 0) -> LedgerEntry:

@@ -259,7 +259,7 @@ def test_the_kernel_is_picked_by_device_and_dtype_and_the_torch_signature(
 
 def test_kernel_name_says_which_kernel_varlen_kernel_picked(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The name bench/gpu_check.py reports its attention rows under."""
+    """The name bench/trainer/gpu_check.py reports its attention rows under."""
     cuda = torch.device("cuda")
     assert attention.kernel_name(attention.varlen_kernel(torch.device("cpu"),
                                                          torch.bfloat16)) == "per-sequence loop"

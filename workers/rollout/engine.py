@@ -255,7 +255,7 @@ def sampling_params(rollout: RolloutConfig) -> dict[str, SamplingParams]:
     are made (vLLM's DELTA outputs); otherwise a request's tokens arrive once, when it
     finishes (FINAL_ONLY). Streaming costs generation time on a busy core: one output
     and one coroutine wake-up per request per step; without it long-tail generation on
-    one core ran 1.10x faster (1.18x at 32 prompts in flight; ``bench/rollout_outputs.py``
+    one core ran 1.10x faster (1.18x at 32 prompts in flight; ``bench/rollout/rollout_outputs.py``
     compares both).
     """
     from vllm import SamplingParams

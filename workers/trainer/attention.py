@@ -255,7 +255,7 @@ def per_sequence_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
     ``softcap``, ``sinks``: Gemma 2's logit soft-capping, gpt-oss's per-head sink logits.
 
     The per-sequence loop: what ``packed_attention`` runs where ``varlen_kernel`` has
-    no kernel, and the reference a kernel is checked against (``bench/gpu_check.py``).
+    no kernel, and the reference a kernel is checked against (``bench/trainer/gpu_check.py``).
     SDPA where it can express the layer (causal, or with a window's boolean mask), the
     explicit softmax where it cannot (soft-capping, sinks)."""
     parts = [_sequence_attention(q, k, v, dropout_p, scaling, window, softcap, sinks)

@@ -156,7 +156,7 @@ class TrainerConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     packed: bool = True
     """One padding-free row per micro-batch, attention kept per sequence
     (``workers.trainer.packing``); false runs the padded reference layout, slower, for
-    comparisons (bench/packing.py)."""
+    comparisons (bench/trainer/packing.py)."""
     compile: bool | Literal["auto"] = "auto"
     """torch.compile each decoder layer (dynamic shapes: one graph for every micro-batch
     length and sequence count). auto: on where the packed attention is one varlen flash

@@ -11,7 +11,7 @@ model's router load-balancing loss too, ``packed_forward_router_aux``;
 never builds the full logits), and the full-logits routes kept as references
 (``packed_logits``, and the padded layout the trainer used before, ``padded_logits``,
 ``padded_logprobs``, with ``completion_logprobs`` and ``token_entropy`` over logits)
-that the tests and ``bench/trainer_step.py`` compare against. Knows nothing about Ray,
+that the tests and ``bench/trainer/trainer_step.py`` compare against. Knows nothing about Ray,
 DDP, optimizers or the GRPO loss.
 
 ``use_cache=False`` on every forward: with the config default a fresh cache is made and

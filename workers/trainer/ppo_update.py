@@ -187,7 +187,7 @@ class StepLoss:
         one non-empty micro-batch, in its layout; ``router_aux``: with the model's
         router load-balancing loss (packed layout only: trainer.router_aux_coef needs
         it). Every micro-batch's loss and proximal pass runs it, so a subclass that
-        replaces it changes how each is computed (``bench/trainer_step.py`` runs an
+        replaces it changes how each is computed (``bench/trainer/trainer_step.py`` runs an
         earlier trainer's forward through it)."""
         batch = micro_batch.packed
         if batch is not None:

@@ -155,7 +155,7 @@ class TrainerShard:
             [p for p in module.parameters() if p.requires_grad], lr=self.config.lr,
             weight_decay=self.config.weight_decay,
             # One fused kernel over every tensor: on CPU 3-5x faster than the default
-            # per-tensor loop (bench/packing.py measures both).
+            # per-tensor loop (bench/trainer/packing.py measures both).
             fused=self.device.type in ("cpu", "cuda"),
         )
         self.losses = StepLoss(config=self.config, model=self.model, module=module,

@@ -34,7 +34,7 @@ class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     bucket_mb: Positive = 16
     """Largest message of a transfer, in MiB: tensors are packed into buckets of at most
     this size (gloo cuts larger tensors into pieces; nccl and ipc pack per buffer). On
-    gloo 8-16 measured best here (bench/weight_broadcast.py): larger receive buffers come
+    gloo 8-16 measured best here (bench/weights/weight_broadcast.py): larger receive buffers come
     fresh from the kernel at every update, smaller ones cost more messages."""
     shared_memory: bool = True
     """gloo: rollout engines on trainer shard 0's machine read each version from one

@@ -1,0 +1,1 @@
+"""What the benchmarks share: stdout kept for the result, the options of whole-run benchmarks."""

@@ -1,0 +1,1 @@
+"""Failures: workers killed during a run, and what the run loses."""

@@ -1,0 +1,1 @@
+"""A rollout worker's generation: engine set-ups, CPU libraries, idle cost."""

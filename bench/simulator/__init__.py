@@ -1,0 +1,1 @@
+"""The simulator against real runs and published results, and its own speed."""

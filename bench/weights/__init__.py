@@ -1,0 +1,1 @@
+"""Weight delivery from the trainer to the rollout engines."""
