@@ -54,5 +54,11 @@ test: setup
 	  wait $$models
 	$(BIN)/python -m pytest -q --durations=10
 
+# The benchmarks that need neither a model nor Ray (bench/README.md lists every one, each
+# run as python -m bench.FOLDER.SCRIPT from here).
+bench: setup
+	$(BIN)/python -m bench.data.balance
+	$(BIN)/python -m bench.data.replay_queue
+
 clean:
 	rm -rf runs .pytest_cache .mypy_cache .ruff_cache
