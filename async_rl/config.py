@@ -116,6 +116,12 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     RUN_DIR/wandb; WANDB_MODE=offline needs no network). The last two need the
     ``loggers`` extra: pip install 'async-rl[loggers]'."""
 
+    @property
+    def shares_devices(self) -> bool:
+        """Rollout worker i and trainer shard i run on the same devices (colocate true:
+        at once; "time": taking turns, the simulator only)."""
+        return self.colocate is not False
+
     def __post_init__(self) -> None:
         if "jsonl" not in self.loggers or len(set(self.loggers)) < len(self.loggers):
             raise invalid("run.loggers", list(self.loggers),
@@ -208,18 +214,6 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     @property
     def has_critic(self) -> bool:
         return self.algorithm.advantage == "gae"
-
-    def with_role_paths(self) -> Config:
-        """This config with reference.path and critic.path ("" = the policy's initial
-        weights) set to model.path where their role is built: a resumed run's workers
-        start the policy from a checkpoint, and the reference must stay the initial
-        policy."""
-        reference, critic = self.reference, self.critic
-        if self.has_reference and not reference.path:
-            reference = msgspec.structs.replace(reference, path=self.model.path)
-        if self.has_critic and not critic.path:
-            critic = msgspec.structs.replace(critic, path=self.model.path)
-        return msgspec.structs.replace(self, reference=reference, critic=critic)
 
     def _check_roles(self) -> None:
         """The reference and the critic compute on the packed layout, beside the

@@ -1,14 +1,15 @@
-"""What a run starts: its workers as Ray actors.
+"""What a run starts: the workers of its roster as Ray actors.
 
-Owns: creating and starting the rollout and trainer actors on their cores or GPUs
-(``launch_workers``), the weight-transfer groups between trainer shard 0 and each
-rollout worker, the idle-CPU evaluator of run.eval_on, the reference's and critic's
-workers of their own (``async_rl.shell.role_launch``), a resumed run's training state
-loaded into them, and the registry table of where each worker runs
-(``registry_table``). What the workers get of the task is built before
-(``async_rl.tasks.table``). Part of the Ray shell: knows nothing about the run's
-loops, which ``async_rl.control.orchestrator`` drives through the adapters of
-``async_rl.shell.ray_shell``.
+Owns: ``launch_workers``: the placement groups of the roster's bundles, one actor per
+roster entry (``async_rl.roster``: rollout workers, trainer shards, the reference's and
+the critic's workers of their own, the idle-CPU evaluator), each created in one loop
+from its spec, with its process group's address filled in once the group's first
+member is placed; starting them side by side; the weight-transfer group between trainer
+shard 0 and each rollout worker; a resumed run's training state loaded into them; and
+the registry of where each one runs. What the workers get of the task is built before
+(``async_rl.tasks.table``). Part of the Ray shell: knows nothing about the run's loops,
+which ``async_rl.control.orchestrator`` drives through the adapters of
+``async_rl.shell.adapters``.
 """
 
 from __future__ import annotations
@@ -23,175 +24,211 @@ import ray
 from ray.util.placement_group import PlacementGroup
 
 from async_rl.config import Config
-from async_rl.shell.role_launch import OwnRoleActors, create_own_roles, own_roles
+from async_rl.roster import Entry, Roster, WorkerSpec
 from buffers.concurrent_calls import each
-from workers.actors import RolloutActor, TrainerActor
+from workers.actors import CriticActor, ReferenceActor, RolloutActor, TrainerActor
 from workers.eval.evaluator import IdleCpuEvaluator
-from workers.layout import Role, WorkerIdentity, assign_cpus
+from workers.eval.spec import EvaluatorSpec
+from workers.layout import WorkerIdentity
 from workers.model_config import ModelConfig
-from workers.placement import bundle_node, check_gpus, gpus_per_worker, in_bundle
-from workers.placement import role_placement_groups as make_placement_groups
+from workers.placement import (
+    bundle_node,
+    check_gpus,
+    gpus_per_worker,
+    in_bundle,
+    own_roles_placement_group,
+    role_placement_groups,
+)
 from workers.ports import free_port
-from workers.rollout.config import sampling
+from workers.rollout.spec import RolloutSpec
 from workers.rollout.task import WorkerTask
 from workers.trainer.checkpoints import WAIT_GROUP
+from workers.trainer.spec import CriticSpec, ReferenceSpec, TrainerSpec
 from workers.weights.broadcast import SEND_GROUP, WeightBroadcast
 from workers.weights.config import check_transport
+
+ROLLOUT = ray.remote(RolloutActor)
+# A version's broadcast runs in a thread of its own, beside training calls
+# (workers.weights.broadcast); versions are broadcast one at a time. Waiting for a
+# background checkpoint write runs beside them too (WAIT_GROUP). Ray's typed overloads
+# of remote() omit concurrency_groups, which it accepts.
+TRAINER = ray.remote(  # type: ignore[call-overload]
+    concurrency_groups={SEND_GROUP: 1, WAIT_GROUP: 1})(TrainerActor)
+REFERENCE = ray.remote(ReferenceActor)
+CRITIC = ray.remote(CriticActor)
+EVALUATOR = ray.remote(IdleCpuEvaluator)
 
 
 @dataclass
 class StartedWorkers:
-    """The started actors (Ray handles) and who runs where."""
+    """The created actors (Ray handles) and who runs where."""
 
     rollout: dict[int, Any] = field(default_factory=dict)
     trainers: list[Any] = field(default_factory=list)
-    identities: list[WorkerIdentity] = field(default_factory=list)
-    placement_groups: list[PlacementGroup] = field(default_factory=list)
+    reference: Any = None
+    """The reference's worker of its own (None: beside the trainer shards, or none)."""
+    critics: list[Any] = field(default_factory=list)
+    """The critic's workers of their own (none: beside the trainer shards, or none)."""
     evaluator: Any = None
     """The run.eval_on = "idle_cpu" evaluator (None: evaluations run on rollout workers)."""
+    identities: list[WorkerIdentity] = field(default_factory=list)
+    placement_groups: list[PlacementGroup] = field(default_factory=list)
     new_rollout: Callable[[int, ModelConfig, int, str], Any] | None = None
     """Creates (does not start) rollout worker ``rank`` on its cores from a model at a
     version: how a lost worker is replaced."""
     broadcast: WeightBroadcast | None = None
     """Trainer shard 0's broadcasts of each version to the rollout workers."""
-    own: OwnRoleActors = field(default_factory=OwnRoleActors)
-    """The reference's and the critic's workers of their own (placement "own")."""
+
+    def add(self, entry: Entry, handle: Any) -> None:
+        """Files the actor created for ``entry``."""
+        match entry.role:
+            case "rollout":
+                self.rollout[entry.rank] = handle
+            case "trainer":
+                self.trainers.append(handle)
+            case "reference":
+                self.reference = handle
+            case "critic":
+                self.critics.append(handle)
+            case "evaluator":
+                self.evaluator = handle
+
+    @property
+    def actors(self) -> list[Any]:
+        """The workers that hold engines or process groups (shut down before killed)."""
+        reference = [self.reference] if self.reference is not None else []
+        return [*self.rollout.values(), *self.trainers, *reference, *self.critics]
 
 
-async def launch_workers(cfg: Config, task: WorkerTask, version: int = 0, *,
-                         resuming: bool = False) -> StartedWorkers:
-    """Creates every rollout worker and trainer shard, starts them, and says where.
+@dataclass(frozen=True)
+class Placed:
+    """Where each roster entry goes, by name, once its placement group is ready."""
 
-    ``task``: what the workers get of the run's task
-    (``async_rl.tasks.table.worker_task``). ``version``: the policy version of
-    the weights at ``cfg.model.path`` (a checkpoint's, when resuming): rollout engines
-    label their tokens with it from the start. ``resuming``: ``cfg.model.path`` is a
-    checkpoint's policy folder, whose training state every trainer shard (and critic of
-    its own) loads once started.
-    """
-    own_counts = own_roles(cfg)  # the roles on workers of their own, with their counts
-    roles = role_models(cfg, own_counts)  # what each trainer shard builds beside the policy
-    layout = assign_cpus(
-        cfg.rollout.num_workers, cfg.rollout.cpus_per_worker,
-        cfg.trainer.num_shards, cfg.trainer.cpus_per_shard, colocated=cfg.run.colocate is True,
-    )
-    cluster_gpus = ray.cluster_resources().get("GPU", 0)
-    check_transport(cfg.weights, cuda=bool(cluster_gpus))
-    rollout_sampling = sampling(cfg.rollout, cfg.model)  # what the trainer shards must know
-    gpus = gpus_per_worker(cluster_gpus, cfg.run.colocate is True)
-    check_gpus(layout, cluster_gpus, own_roles=sum(count for _, count in own_counts))
-    groups = make_placement_groups(
-        layout, cfg.rollout.cpus_per_worker, cfg.trainer.cpus_per_shard, gpus=gpus,
-        timeout_s=cfg.run.call_timeout_s)
-    # (node id, IP) of each worker's bundle: the groups are ready, the registry needs them.
-    nodes = {ident.name: bundle_node(groups[ident.role], ident.rank)
-             for ident in [*layout.rollout, *layout.trainer]}
-    started = StartedWorkers(placement_groups=list({id(g): g for g in groups.values()}.values()))
-    rollout_cls = ray.remote(RolloutActor)
+    nodes: dict[str, tuple[str, str]]
+    """(node id, IP address) of each placed worker's bundle (the evaluator has none)."""
+    options: dict[str, dict[str, Any]]
+    """The Ray options that put each actor in its bundle with its CPUs and GPUs."""
+    task: WorkerTask
 
-    def new_rollout(rank: int, model: ModelConfig, version: int, name: str = "") -> Any:
-        ident = layout.rollout[rank]
-        return rollout_cls.options(
-            name=name or None,
-            num_cpus=cfg.rollout.cpus_per_worker, num_gpus=gpus,
-            max_concurrency=4 * cfg.rollout.max_inflight_prompts + 16,
-            scheduling_strategy=in_bundle(groups["rollout"], ident.rank),
-        ).remote(ident.rank, model, cfg.rollout, cfg.weights, task,
-                 seed=cfg.run.seed + ident.rank, cpu_ids=ident.devices,
-                 record_spans=cfg.run.record_spans, version=version)
+    def create(self, entry: Entry, spec: WorkerSpec, version: int, name: str | None) -> Any:
+        """Creates (does not start) ``entry``'s actor from ``spec`` in its bundle."""
+        options = {"name": name, **self.options[entry.name]}
+        match spec:
+            case RolloutSpec():
+                return ROLLOUT.options(max_concurrency=4 * spec.rollout.max_inflight_prompts
+                                       + 16, **options).remote(spec, self.task, version)
+            case TrainerSpec():
+                return TRAINER.options(**options).remote(spec)
+            case ReferenceSpec():
+                return REFERENCE.options(**options).remote(spec)
+            case CriticSpec():
+                return CRITIC.options(**options).remote(spec)
+            case EvaluatorSpec():
+                return EVALUATOR.options(**options).remote(spec, self.task)
 
-    started.new_rollout = new_rollout
-    for ident in layout.rollout:
-        started.rollout[ident.rank] = new_rollout(ident.rank, cfg.model, version, ident.name)
-    # A version's broadcast runs in a thread of its own, beside training calls
-    # (workers.weights.broadcast); versions are broadcast one at a time.
-    # Ray's typed overloads of remote() omit concurrency_groups, which it accepts.
-    # Waiting for a background checkpoint write runs beside them too (WAIT_GROUP).
-    trainer_cls = ray.remote(  # type: ignore[call-overload]
-        concurrency_groups={SEND_GROUP: 1, WAIT_GROUP: 1})(TrainerActor)
-    # The shards' rendezvous is on shard 0's node, which may not be the driver's.
-    master_addr, port = nodes[layout.trainer[0].name][1], free_port()
-    started.trainers = [
-        trainer_cls.options(
-            name=ident.name,
-            num_cpus=cfg.trainer.cpus_per_shard, num_gpus=gpus,
-            scheduling_strategy=in_bundle(groups["trainer"], ident.rank),
-        ).remote(
-            rank=ident.rank, world_size=cfg.trainer.num_shards, model=cfg.model,
-            trainer=cfg.trainer, seed=cfg.run.seed, weights=cfg.weights,
-            sampling=rollout_sampling,
-            cpu_ids=ident.devices,
-            master_addr=master_addr, master_port=port, record_spans=cfg.run.record_spans,
-            # ddp's shards are replicas: shard 0's copy is the checkpoint.
-            writes_checkpoints=cfg.run.checkpoint_every > 0
-            and (cfg.trainer.backend == "fsdp2" or ident.rank == 0),
-            **roles,
-            save_merged=cfg.run.save_merged,
-        )
-        for ident in layout.trainer
-    ]
+
+async def launch_workers(config: Config, plan: Roster, task: WorkerTask,
+                         started: StartedWorkers) -> None:
+    """Creates every worker of ``plan`` into ``started`` (whatever was created is shut
+    down when a later step fails), starts them, and says where they run. ``task``: what
+    the workers get of the run's task (``async_rl.tasks.table.worker_task``). They start
+    from ``plan.start``: its version labels the engines' tokens from the start, and a
+    resumed run's shards (and critics of their own) load its training state."""
+    placed = place(config, plan, task, started)
+    specs = with_group_addresses(plan, placed)
+    handles = []
+    for entry in plan.entries:
+        handles.append(placed.create(entry, specs[entry.name], plan.start.version, entry.name))
+        started.add(entry, handles[-1])
+    started.new_rollout = rollout_replacement(plan, placed, specs)
+    pids = await start_side_by_side(plan.entries, handles)
+    await connect_weight_groups(started)
     # Shard 0 sends each version to the rollout workers; with fsdp2 it gathers the whole
     # policy from every shard first (ddp's shards are replicas).
     started.broadcast = WeightBroadcast(
         started.trainers[0],
-        gather_from=started.trainers[1:] if cfg.trainer.backend == "fsdp2" else ())
-    # One GPU each (on a GPU cluster) or cores of their own, apart from both roles'.
-    own = started.own = create_own_roles(cfg, own_counts, layout, rollout_sampling,
-                                         gpus_per_worker(cluster_gpus, colocated=False))
-    started.placement_groups += [own.group] if own.group is not None else []
-    evaluator_setup = []
-    if cfg.run.eval_on == "idle_cpu":
-        # No cores of its own (num_cpus=0): it runs at idle priority on whichever core
-        # its workers leave idle.
-        started.evaluator = ray.remote(IdleCpuEvaluator).options(
-            name="evaluator", num_cpus=0).remote(
-            model=cfg.model, task=task, max_new_tokens=cfg.rollout.max_new_tokens)
-        evaluator_setup.append(started.evaluator.setup.remote)
-    # Shards, engines and the evaluator start side by side: each on cores of its own,
-    # none waits for another, and each takes seconds to tens of seconds on a CPU.
-    pids: list[int] = await each([*(t.setup.remote for t in started.trainers),
-                                  *(w.start.remote for w in started.rollout.values()),
-                                  *own.setups, *evaluator_setup])
-    trainer_pids = pids[:len(started.trainers)]
-    rollout_pids = pids[len(started.trainers):len(started.trainers) + len(started.rollout)]
-    # Every rollout worker becomes a member of shard 0's weight-broadcast group (built
-    # at the first broadcast, and again whenever its members change).
+        gather_from=started.trainers[1:] if config.trainer.backend == "fsdp2" else ())
+    started.identities = plan.registry({
+        entry.name: entry.identity(node=placed.nodes[entry.name][1],
+                                   node_id=placed.nodes[entry.name][0], pid=pid)
+        for entry, pid in zip(plan.entries, pids, strict=True) if entry.bundle is not None})
+    if plan.start.resumed:  # the shards' (and own critics') optimizer, RNG and critic state
+        await each([functools.partial(t.load_training_state.remote, plan.start.policy_path)
+                    for t in [*started.trainers, *started.critics]])
+
+
+def place(config: Config, plan: Roster, task: WorkerTask, started: StartedWorkers) -> Placed:
+    """The placement groups of ``plan``'s bundles, ready (added to ``started`` as they
+    are made), and where each worker goes in them; refuses, in one line, what the
+    cluster cannot hold."""
+    cluster_gpus = ray.cluster_resources().get("GPU", 0)
+    check_transport(config.weights, cuda=bool(cluster_gpus))
+    check_gpus(plan.layout, cluster_gpus, own_roles=len(plan.own))
+    by_role = role_placement_groups(
+        plan.layout, config.rollout.cpus_per_worker, config.trainer.cpus_per_shard,
+        gpus=gpus_per_worker(cluster_gpus, plan.layout.colocated),
+        timeout_s=config.run.call_timeout_s)
+    groups: dict[str, PlacementGroup] = {role: group for role, group in by_role.items()}
+    started.placement_groups += list({id(g): g for g in groups.values()}.values())
+    if plan.own:  # one GPU each (on a GPU cluster) or cores of their own
+        groups["own"] = own_roles_placement_group(
+            len(plan.own), config.trainer.cpus_per_shard,
+            gpus_per_worker(cluster_gpus, colocated=False), timeout_s=config.run.call_timeout_s)
+        started.placement_groups.append(groups["own"])
+    placed = Placed(nodes={}, options={}, task=task)
+    for entry in plan.entries:
+        placed.options[entry.name] = {"num_cpus": entry.cpus}
+        if entry.bundle is not None:  # the evaluator: in no group, on cores left idle
+            group, index = groups[entry.bundle.group], entry.bundle.index
+            placed.nodes[entry.name] = bundle_node(group, index)
+            placed.options[entry.name] |= {
+                "num_gpus": gpus_per_worker(cluster_gpus, entry.bundle.shared),
+                "scheduling_strategy": in_bundle(group, index)}
+    return placed
+
+
+def with_group_addresses(plan: Roster, placed: Placed) -> dict[str, WorkerSpec]:
+    """Each entry's spec by name, with the address of its process group filled in
+    (the roster leaves it empty): the trainer shards' on shard 0's node, the critic's
+    own workers' on the first one's, each on a free port."""
+    addresses: dict[str, tuple[str, int]] = {}
+    specs: dict[str, WorkerSpec] = {}
+    for entry in plan.entries:
+        spec = entry.spec
+        if isinstance(spec, TrainerSpec | CriticSpec):
+            if entry.role not in addresses:
+                addresses[entry.role] = (placed.nodes[entry.name][1], free_port())
+            host, port = addresses[entry.role]
+            spec = msgspec.structs.replace(spec, master_addr=host, master_port=port)
+        specs[entry.name] = spec
+    return specs
+
+
+def rollout_replacement(plan: Roster, placed: Placed, specs: dict[str, WorkerSpec]
+                        ) -> Callable[[int, ModelConfig, int, str], Any]:
+    """Creates (does not start) rollout worker ``rank`` again in its bundle, from a
+    model at a version, named ``name`` ("": none, the old name may linger)."""
+    entries = plan.of("rollout")
+
+    def create(rank: int, model: ModelConfig, version: int, name: str) -> Any:
+        spec = specs[entries[rank].name]
+        assert isinstance(spec, RolloutSpec)
+        return placed.create(entries[rank], msgspec.structs.replace(spec, model=model),
+                             version, name or None)
+
+    return create
+
+
+async def start_side_by_side(entries: Sequence[Entry], handles: Sequence[Any]) -> list[int]:
+    """Starts every worker at once (engines, shards, roles and evaluator each take
+    seconds to tens of seconds on a CPU, each on cores of its own, none waits for
+    another); their pids, in ``entries``' order."""
+    return await each([handle.start.remote if entry.role == "rollout" else handle.setup.remote
+                       for entry, handle in zip(entries, handles, strict=True)])
+
+
+async def connect_weight_groups(started: StartedWorkers) -> None:
+    """Makes every rollout worker a member of shard 0's weight-broadcast group (built at
+    the first broadcast, and again whenever its members change)."""
     for rank, worker in started.rollout.items():
         await started.trainers[0].connect_rollout.remote(rank, worker)
-    started.identities = []
-    for ident, pid in zip([*layout.rollout, *layout.trainer], [*rollout_pids, *trainer_pids],
-                          strict=True):
-        node_id, ip = nodes[ident.name]
-        started.identities.append(
-            msgspec.structs.replace(ident, node=ip, node_id=node_id, pid=pid))
-    if cfg.has_critic and cfg.critic.placement == "trainer":  # shard i's process, devices
-        started.identities += [msgspec.structs.replace(ident, role="critic")
-                               for ident in started.identities if ident.role == "trainer"]
-    first_own = len(started.trainers) + len(started.rollout)
-    started.identities += own.started(pids[first_own:first_own + len(own.actors)])
-    if resuming:  # the shards' (and own critics') optimizer, RNG and critic state
-        await each([functools.partial(t.load_training_state.remote, cfg.model.path)
-                    for t in [*started.trainers, *own.critics]])
-    return started
-
-
-def role_models(cfg: Config, own_counts: Sequence[tuple[Role, int]]) -> dict[str, Any]:
-    """What each trainer shard builds beside the policy: the reference's weights and
-    the critic's section, their paths resolved ("" = the policy's initial weights),
-    where they are placed "trainer"; and which roles run on workers of their own
-    (``own_counts``: ``role_launch.own_roles``)."""
-    own = tuple(role for role, _ in own_counts)
-    return {"reference_path": (cfg.reference.path or cfg.model.path)
-            if cfg.has_reference and "reference" not in own else "",
-            "critic": msgspec.structs.replace(cfg.critic,
-                                              path=cfg.critic.path or cfg.model.path)
-            if cfg.has_critic and "critic" not in own else None,
-            "own_roles": own}
-
-
-def registry_table(identities: list[WorkerIdentity]) -> str:
-    """The registry as a small fixed-width table, for the shell to print."""
-    rows = [("worker", "node", "devices", "pid")]
-    rows += [(w.name, w.node or "-", w.device_label, str(w.pid or "-")) for w in identities]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)

@@ -1,7 +1,9 @@
 """The Ray shell: starts Ray and the workers, adapts actor handles to the protocols, runs.
 
-Owns: ``ray.init`` (or joining a cluster), creating the actors (through
-``async_rl.shell.launch``) and handing them to the orchestrator as its protocols
+Owns: ``run_training`` as named steps: the job (the run's roster, ``async_rl.roster``,
+starting from a checkpoint when resuming; its task), ``ray.init`` with the roster's CPUs
+(or joining a cluster), creating the actors (through ``async_rl.shell.launch``), the
+registry printout, and handing them to the orchestrator as its protocols
 (``async_rl.shell.adapters``), resuming from a checkpoint, stop signals, and shutting
 everything down. The run's logic is ``async_rl.control.orchestrator``'s; nothing
 here decides anything about it.
@@ -16,11 +18,11 @@ import os
 import signal
 import threading
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
-import msgspec
 import ray
 from ray.util.placement_group import remove_placement_group
 
@@ -28,6 +30,7 @@ from async_rl.config import Config
 from async_rl.control.checkpoint import (
     TRAINER,
     CheckpointError,
+    RunState,
     check_backend,
     latest_checkpoint,
 )
@@ -36,17 +39,18 @@ from async_rl.control.protocols import (
     RunFailed,
     first_error,
 )
+from async_rl.roster import Roster, Start, registry_table, roster
 from async_rl.run.run_dir import WORKERS_LOG, RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.shell.adapters import adapt
-from async_rl.shell.launch import StartedWorkers, launch_workers, registry_table
+from async_rl.shell.launch import StartedWorkers, launch_workers
 from async_rl.shell.role_adapters import adapt_own_roles
-from async_rl.shell.role_launch import own_roles
 from async_rl.shell.worker_logs import ray_notices_to_log, ray_options
-from async_rl.tasks.table import build_task, worker_task
+from async_rl.tasks.table import Task, build_task, worker_task
 from buffers.concurrent_calls import each
 from buffers.config import ConfigError
 from workers.rewards.callables import Reward
+from workers.rollout.task import WorkerTask
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +61,7 @@ NAMESPACE = "async-rl"
 async def _shutdown(started: StartedWorkers) -> None:
     """Stops the engines and process groups, then the actors and their placement groups:
     on a cluster the shell joined, nothing of the run is left behind."""
-    actors = [*started.rollout.values(), *started.trainers, *started.own.actors]
+    actors = started.actors
 
     async def shutdown(actor: Any) -> None:
         with contextlib.suppress(Exception):  # a RayError: that actor had nothing left
@@ -104,6 +108,20 @@ class StopSignals:
                     return
 
 
+@dataclass(frozen=True)
+class Job:
+    """What a run is given before Ray starts: its config and roster, its task, what the
+    workers get of it, and (resuming) the checkpoint's orchestrator state."""
+
+    config: Config
+    plan: Roster
+    task: Task
+    workers_task: WorkerTask
+    state: RunState | None = None
+    refused: int = 0
+    """Newer checkpoints that did not verify (counted as restore failures)."""
+
+
 def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
                  rewards: Sequence[Reward] = ()) -> RunSummary:
     """Starts (or joins) Ray, runs the job, and always shuts Ray down if it started it.
@@ -118,72 +136,13 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
     from its weights; its unfinished prompts are issued again). Raises
     ``CheckpointError`` when there is none, ``RunInterrupted`` on a second stop signal.
     """
-    refused: list[str] = []  # newer checkpoints that did not verify: restore failures
-
-    def warn(line: str) -> None:
-        refused.append(line)
-        log.warning("%s", line)
-
-    config = config.with_role_paths()  # the reference stays the initial policy on resume
-    checkpoint = latest_checkpoint(Path(config.run.output_dir), warn) if resume else None
-    workers_config = config
-    if checkpoint is not None:
-        check_backend(checkpoint.folder, checkpoint.state, config.trainer.backend)
-        log.info("resuming %s from %s (version %d)", config.run.output_dir,
-                 checkpoint.folder.name, checkpoint.state.version)
-        model = msgspec.structs.replace(config.model, path=str(checkpoint.folder / TRAINER))
-        workers_config = msgspec.structs.replace(config, model=model)
-    # Before Ray: a dataset's rows are read and measured here (a bad one is a ConfigError).
-    task = build_task(config)
-    workers_task = worker_task(config.task, task, rewards)  # what the workers get of it
-    started_ray = not ray.is_initialized()
-    if started_ray:
-        log_path = os.path.join(config.run.output_dir, WORKERS_LOG)
-        console = ray_options(log_path, verbose)
-        ray_notices_to_log(log_path, verbose)
-        if config.run.ray_address:
-            ray.init(address=config.run.ray_address, namespace=NAMESPACE, **console)
-        else:
-            # "local": a new Ray for this run, never one already running on the machine.
-            needed = (config.rollout.num_workers * config.rollout.cpus_per_worker
-                      + (config.trainer.num_shards + sum(n for _, n in own_roles(config)))
-                      * config.trainer.cpus_per_shard)
-            ray.init(address="local", num_cpus=max(config.run.num_cpus, needed),
-                     include_dashboard=False, _node_ip_address="127.0.0.1",
-                     namespace=NAMESPACE, **console)
+    job = resumed_job(config, rewards) if resume else new_job(config, rewards)
+    started_ray = start_ray(config, job.plan, verbose)
     out = RunWriter(config.run.output_dir, config,
-                    positions=checkpoint.state.files if checkpoint else None)
+                    positions=job.state.files if job.state is not None else None)
     stops = StopSignals()
-
-    async def main() -> RunSummary | None:
-        started = StartedWorkers()
-        try:
-            with anyio.CancelScope() as stops.run:
-                async with anyio.create_task_group() as signals:
-                    if threading.current_thread() is threading.main_thread():
-                        signals.start_soon(stops.watch)  # signals reach the main thread only
-                    started = await launch_workers(
-                        workers_config, workers_task,
-                        version=checkpoint.state.version if checkpoint else 0,
-                        resuming=checkpoint is not None)
-                    log.info("%s", registry_table(started.identities))
-                    out.workers(started.identities)
-                    workers = adapt(started, config, adapt_own_roles(started, config))
-                    orchestrator = Orchestrator(config, out, task.source, task.eval_prompts,
-                                                workers)
-                    if checkpoint is not None:
-                        orchestrator.restore(checkpoint.state, refused=len(refused))
-                    stops.orchestrator = orchestrator
-                    summary = await orchestrator.run()
-                    signals.cancel_scope.cancel()
-                return summary
-            return None  # cancelled by a signal
-        finally:
-            with anyio.CancelScope(shield=True):
-                await _shutdown(started)
-
     try:
-        summary = anyio.run(main)
+        summary = anyio.run(serve, job, out, stops)
     except BaseExceptionGroup as group:
         # One line for the user, not a tree of task groups.
         failure = first_error(group, (RunFailed, ConfigError, CheckpointError))
@@ -196,3 +155,84 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
     if summary is None:
         raise RunInterrupted(stops.received[-1])
     return summary
+
+
+def new_job(config: Config, rewards: Sequence[Reward], start: Start | None = None,
+            state: RunState | None = None, refused: int = 0) -> Job:
+    """The job of ``config`` with its workers starting from ``start`` (None: a new run).
+    Before Ray: a dataset's rows are read and measured here (a bad one is a
+    ConfigError)."""
+    task = build_task(config)
+    return Job(config=config, plan=roster(config, start), task=task,
+               workers_task=worker_task(config.task, task, rewards), state=state,
+               refused=refused)
+
+
+def resumed_job(config: Config, rewards: Sequence[Reward]) -> Job:
+    """The job that continues ``run.output_dir`` from its newest good checkpoint: the
+    policy's weights and version are the checkpoint's (``async_rl.roster.Start``)."""
+    refused: list[str] = []  # newer checkpoints that did not verify: restore failures
+
+    def warn(line: str) -> None:
+        refused.append(line)
+        log.warning("%s", line)
+
+    checkpoint = latest_checkpoint(Path(config.run.output_dir), warn)
+    check_backend(checkpoint.folder, checkpoint.state, config.trainer.backend)
+    log.info("resuming %s from %s (version %d)", config.run.output_dir,
+             checkpoint.folder.name, checkpoint.state.version)
+    start = Start(policy_path=str(checkpoint.folder / TRAINER),
+                  version=checkpoint.state.version)
+    return new_job(config, rewards, start, checkpoint.state, len(refused))
+
+
+def start_ray(config: Config, plan: Roster, verbose: bool) -> bool:
+    """Joins run.ray_address, or starts a local Ray with the CPUs the roster's workers
+    ask for (run.num_cpus when more); False when Ray runs already (the caller's)."""
+    if ray.is_initialized():
+        return False
+    log_path = os.path.join(config.run.output_dir, WORKERS_LOG)
+    console = ray_options(log_path, verbose)
+    ray_notices_to_log(log_path, verbose)
+    if config.run.ray_address:
+        ray.init(address=config.run.ray_address, namespace=NAMESPACE, **console)
+    else:
+        # "local": a new Ray for this run, never one already running on the machine.
+        ray.init(address="local", num_cpus=max(config.run.num_cpus, plan.cpus),
+                 include_dashboard=False, _node_ip_address="127.0.0.1",
+                 namespace=NAMESPACE, **console)
+    return True
+
+
+async def serve(job: Job, out: RunWriter, stops: StopSignals) -> RunSummary | None:
+    """Launches the workers and runs the orchestrator over them, watching for stop
+    signals; always shuts the workers down. None: a signal stopped the run at once."""
+    started = StartedWorkers()
+    try:
+        with anyio.CancelScope() as stops.run:
+            async with anyio.create_task_group() as signals:
+                if threading.current_thread() is threading.main_thread():
+                    signals.start_soon(stops.watch)  # signals reach the main thread only
+                await launch_workers(job.config, job.plan, job.workers_task, started)
+                summary = await orchestrate(job, started, out, stops)
+                signals.cancel_scope.cancel()
+            return summary
+        return None  # cancelled by a signal
+    finally:
+        with anyio.CancelScope(shield=True):
+            await _shutdown(started)
+
+
+async def orchestrate(job: Job, started: StartedWorkers, out: RunWriter,
+                      stops: StopSignals) -> RunSummary:
+    """Says where the workers run, then runs the orchestrator over them (restored from
+    the checkpoint's state when resuming)."""
+    log.info("%s", registry_table(started.identities))
+    out.workers(started.identities)
+    config = job.config
+    workers = adapt(started, config, adapt_own_roles(started, config))
+    orchestrator = Orchestrator(config, out, job.task.source, job.task.eval_prompts, workers)
+    if job.state is not None:
+        orchestrator.restore(job.state, refused=job.refused)
+    stops.orchestrator = orchestrator
+    return await orchestrator.run()

@@ -113,10 +113,9 @@ class RayCritic(RayOwnRole):
 def adapt_own_roles(started: StartedWorkers, config: Config) -> OwnRoles:
     """The started workers of the roles placed on their own, as the protocols (the
     trainer shards that take their outputs are added by ``adapters.adapt``)."""
-    own = started.own
     return OwnRoles(
-        reference=(RayReference("reference-0", own.reference, config)
-                   if own.reference is not None else None),
+        reference=(RayReference("reference-0", started.reference, config)
+                   if started.reference is not None else None),
         critics=[RayCritic(f"critic-{rank}", handle, config)
-                 for rank, handle in enumerate(own.critics)],
-        reference_to_critic=config.trainer.kl_in_reward and own.reference is not None)
+                 for rank, handle in enumerate(started.critics)],
+        reference_to_critic=config.trainer.kl_in_reward and started.reference is not None)

@@ -102,9 +102,9 @@ class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     call_s: float = 0.0
     """Fixed seconds of every call to a worker (the driver's round trip)."""
     cores: int = 0
-    """A CPU machine's cores, handed out as a real run hands them out
-    (``workers.layout.assign_cpus``): a rollout engine and a trainer shard given the same
-    core take turns on it while both are busy. 0: every worker owns its devices."""
+    """A CPU machine's cores, handed out as a real run hands them out (the run's roster,
+    ``async_rl.roster``): a rollout engine and a trainer shard given the same core take
+    turns on it while both are busy. 0: every worker owns its devices."""
     engine_processes: float = 1.0
     """Runnable processes of a busy rollout engine on a CPU machine (vLLM's AsyncLLM: its
     engine core and its front end, which turns each step's tokens into outputs): a core

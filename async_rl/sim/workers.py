@@ -23,12 +23,12 @@ import anyio
 import msgspec
 
 from async_rl.config import Config
+from async_rl.roster import roster
 from async_rl.sim.costs import Costs
 from async_rl.sim.engine import SimEngine
 from async_rl.sim.rollout import Clock, SimTokens
 from buffers.records import LossStats, ShardBatch, ShardStepResult
 from buffers.reports import UsageReading
-from workers.layout import assign_cpus
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 
 CONTENTION_SLICES = 8
@@ -283,9 +283,7 @@ def engines_on_trainer_cores(config: Config, cores: int) -> list[frozenset[int]]
     cores (none laid out: ``cores`` 0)."""
     if not cores:
         return []
-    layout = assign_cpus(config.rollout.num_workers, config.rollout.cpus_per_worker,
-                         config.trainer.num_shards, config.trainer.cpus_per_shard,
-                         available=tuple(range(cores)), colocated=config.run.colocate is not False)
+    layout = roster(config, available=tuple(range(cores))).layout
     return [frozenset(engine.rank for engine in layout.rollout
                       if set(engine.devices) & set(shard.devices))
             for shard in layout.trainer]

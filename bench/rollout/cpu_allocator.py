@@ -79,6 +79,7 @@ async def measure(config_path: str, overrides: list[str], mode: str, groups: int
                   core: int) -> AllocatorFigures:
     from async_rl.config_io import load_config
     from async_rl.tasks.table import build_task
+    from workers.rollout.spec import RolloutSpec
     from workers.rollout.task import WorkerTask
     from workers.rollout.worker import RolloutWorker
 
@@ -86,8 +87,9 @@ async def measure(config_path: str, overrides: list[str], mode: str, groups: int
     source, reward_fn, _ = build_task(config)
     rollout = msgspec.structs.replace(config.rollout, prefix_caching=True, kv_cache_gib=1,
                                       preload_cpu_libs=mode == AFTER)
-    worker = RolloutWorker(0, config.model, rollout, config.weights,
-                           WorkerTask(reward_fn=reward_fn), cpu_ids=(core,))
+    worker = RolloutWorker(RolloutSpec(rank=0, model=config.model, rollout=rollout,
+                                       weights=config.weights, cpu_ids=(core,)),
+                           WorkerTask(reward_fn=reward_fn))
     await worker.start()
     ld_preload = os.environ.get("LD_PRELOAD", "")
     try:

@@ -51,17 +51,18 @@ async def measure(mode: str, model_dir: Path, idle_s: float,
     from buffers.records import Prompt
     from workers.model_config import ModelConfig
     from workers.rollout.config import RolloutConfig
+    from workers.rollout.spec import RolloutSpec
     from workers.rollout.task import WorkerTask
     from workers.rollout.worker import RolloutWorker
     from workers.usage import UsageMeter
     from workers.weights.config import WeightsConfig
 
     # The CPU default's rollout shape: groups of 8, 6 new tokens.
-    worker = RolloutWorker(0, ModelConfig(path=str(model_dir)),
-                           RolloutConfig(group_size=8, max_new_tokens=6, prefix_caching=True,
-                                         kv_cache_gib=1, ignore_eos=True,
-                                         quiet_idle=MODES[mode]),
-                           WeightsConfig(), WorkerTask(reward_fn=zero_reward), cpu_ids=(core,))
+    worker = RolloutWorker(RolloutSpec(
+        rank=0, model=ModelConfig(path=str(model_dir)),
+        rollout=RolloutConfig(group_size=8, max_new_tokens=6, prefix_caching=True,
+                              kv_cache_gib=1, ignore_eos=True, quiet_idle=MODES[mode]),
+        weights=WeightsConfig(), cpu_ids=(core,)), WorkerTask(reward_fn=zero_reward))
     await worker.start()
     meter = UsageMeter()
     prompts = [Prompt(prompt_id=f"p{i}", text=f"{i}+{i + 7}=", answer=str(2 * i + 7))

@@ -48,6 +48,7 @@ async def measure(config_path: str, overrides: list[str], mode: str, groups: int
                   core: int) -> OutputFigures:
     from async_rl.config_io import load_config
     from async_rl.tasks.table import build_task
+    from workers.rollout.spec import RolloutSpec
     from workers.rollout.task import WorkerTask
     from workers.rollout.worker import RolloutWorker
 
@@ -56,8 +57,9 @@ async def measure(config_path: str, overrides: list[str], mode: str, groups: int
     rollout = msgspec.structs.replace(
         config.rollout, prefix_caching=True, kv_cache_gib=1,
         stream_tokens=mode == "streamed", model_in_engine_core=mode != "worker-process")
-    worker = RolloutWorker(0, config.model, rollout, config.weights,
-                           WorkerTask(reward_fn=reward_fn), cpu_ids=(core,))
+    worker = RolloutWorker(RolloutSpec(rank=0, model=config.model, rollout=rollout,
+                                       weights=config.weights, cpu_ids=(core,)),
+                           WorkerTask(reward_fn=reward_fn))
     await worker.start()
     try:
         seconds, tokens = await generate_groups(worker, source, groups,

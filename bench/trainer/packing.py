@@ -95,6 +95,7 @@ def main() -> None:
     from workers.model_config import ModelConfig
     from workers.trainer.config import TrainerConfig
     from workers.trainer.shard import TrainerShard
+    from workers.trainer.spec import TrainerSpec
 
     torch.set_num_threads(1)
     groups = long_tail_groups(args.sequences, seed=0)
@@ -110,8 +111,9 @@ def main() -> None:
         shards = {}
         for layout in ("padded", "packed"):
             trainer = TrainerConfig(micro_batch_tokens=args.cap, packed=layout == "packed")
-            shard = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=root),
-                                 trainer=trainer, seed=0, record_spans=False)
+            shard = TrainerShard(TrainerSpec(
+                rank=0, world_size=1, model=ModelConfig(path=root), trainer=trainer, seed=0,
+                record_spans=False))
             shard.setup()
             shard.train_step(batch, tokens)  # warm-up: first-call allocations
             shards[layout] = shard

@@ -74,6 +74,7 @@ from workers.trainer.loss import Normaliser, PendingStats, read_stats
 from workers.trainer.packing import completion_logprobs, pack, token_entropy
 from workers.trainer.ppo_update import ForwardPass, Prepared, StepLoss
 from workers.trainer.shard import TrainerShard
+from workers.trainer.spec import TrainerSpec
 
 WAYS = ("new", "today", "trl")
 QWEN_VOCAB = 151_936
@@ -170,8 +171,9 @@ def make_shard(model_dir: Path, way: str, cap: int, compute_dtype: str = "float3
     config = msgspec.convert({"micro_batch_tokens": cap, "packed": way != "trl",
                               "compute_dtype": compute_dtype, "max_grad_norm": 1e9,
                               **trainer}, TrainerConfig)
-    shard = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
-                         trainer=config, seed=0, record_spans=False)
+    shard = TrainerShard(TrainerSpec(
+        rank=0, world_size=1, model=ModelConfig(path=str(model_dir)), trainer=config, seed=0,
+        record_spans=False))
     shard.setup()
     if way == "today":
         from transformers import AttentionInterface

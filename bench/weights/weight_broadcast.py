@@ -264,17 +264,18 @@ async def run(model_dir: Path, counts: list[int], updates: int, bucket_mb: int,
 
     from workers.model_config import ModelConfig
     from workers.rollout.config import RolloutConfig
+    from workers.rollout.spec import RolloutSpec
     from workers.rollout.task import WorkerTask
     from workers.rollout.worker import RolloutWorker
     from workers.weights.config import WeightsConfig
 
     model = ModelConfig(path=str(model_dir))
     engine_cls = ray.remote(RolloutWorker).options(num_cpus=0, max_concurrency=16)
-    engines = [engine_cls.remote(
+    engines = [engine_cls.remote(RolloutSpec(
         rank=rank, model=model, weights=WeightsConfig(transport="gloo"),
         rollout=RolloutConfig(group_size=2, max_inflight_prompts=1, kv_cache_gib=kv_cache_gib),
-        task=WorkerTask(reward_fn=lambda prompt, text: 0.0), cpu_ids=(rank % 2,),
-        record_spans=False)
+        cpu_ids=(rank % 2,), record_spans=False),
+        WorkerTask(reward_fn=lambda prompt, text: 0.0))
         for rank in range(max(counts))]
     # One at a time: four engines starting at once on two cores take longer in all.
     for engine in engines:

@@ -43,6 +43,7 @@ def publish(rank: int, port: int, model_dir: str, out: Any) -> None:
     from workers.trainer.config import TrainerConfig
     from workers.trainer.fsdp import full_state, gather_buckets
     from workers.trainer.shard import TrainerShard
+    from workers.trainer.spec import TrainerSpec
     from workers.weights.config import WeightsConfig
 
     torch.set_num_threads(1)
@@ -62,10 +63,10 @@ def publish(rank: int, port: int, model_dir: str, out: Any) -> None:
             yield bucket
 
     publisher_module.gather_buckets = counted  # the publisher's own call, counted
-    shard = TrainerShard(rank=rank, world_size=2, model=ModelConfig(path=model_dir),
-                         trainer=TrainerConfig(backend="fsdp2", num_shards=2),
-                         weights=WeightsConfig(bucket_mb=BUCKET_MB), seed=0,
-                         master_port=port, record_spans=False)
+    shard = TrainerShard(TrainerSpec(
+        rank=rank, world_size=2, model=ModelConfig(path=model_dir),
+        trainer=TrainerConfig(backend="fsdp2", num_shards=2),
+        weights=WeightsConfig(bucket_mb=BUCKET_MB), seed=0, master_port=port, record_spans=False))
     shard.setup()
     if rank == 0:
         shard.connect_rollout(0, None)  # the sender; no member is sent to here

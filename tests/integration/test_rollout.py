@@ -25,6 +25,7 @@ from buffers.records import Group, Prompt
 from buffers.reports import BroadcastTiming
 from workers.model_config import ModelConfig
 from workers.rollout.config import RolloutConfig
+from workers.rollout.spec import RolloutSpec
 from workers.rollout.task import WorkerTask
 from workers.rollout.worker import RolloutWorker
 from workers.weights.broadcast import Delivery
@@ -118,16 +119,18 @@ def assert_behaviour_logprobs(model_dir: Path, state: dict[str, torch.Tensor] | 
 
 def make_worker(model_dir: Path) -> Any:
     actor = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=64).remote(
-        rank=0,
-        model=ModelConfig(path=str(model_dir)),
-        rollout=RolloutConfig(group_size=GROUP_SIZE, max_new_tokens=LONG, temperature=1.0,
-                              prefix_caching=True, kv_cache_gib=1, ignore_eos=True,
-                              # wait_until_generating reads tokens_in_flight
-                              stream_tokens=True),
-        weights=WEIGHTS,
-        task=WorkerTask(reward_fn=starts_with_digit),
-        seed=0,
-        cpu_ids=(0,),
+        RolloutSpec(
+            rank=0,
+            model=ModelConfig(path=str(model_dir)),
+            rollout=RolloutConfig(group_size=GROUP_SIZE, max_new_tokens=LONG, temperature=1.0,
+                                  prefix_caching=True, kv_cache_gib=1, ignore_eos=True,
+                                  # wait_until_generating reads tokens_in_flight
+                                  stream_tokens=True),
+            weights=WEIGHTS,
+            seed=0,
+            cpu_ids=(0,),
+        ),
+        WorkerTask(reward_fn=starts_with_digit),
     )
     pid = ray.get(actor.start.remote(), timeout=300)
     assert isinstance(pid, int) and pid > 0

@@ -20,6 +20,7 @@ from buffers.records import Group, Prompt, Sample, ShardStepResult, make_group
 from workers.actors import TrainerActor
 from workers.model_config import LoraConfig, ModelConfig
 from workers.trainer.config import TrainerConfig
+from workers.trainer.spec import TrainerSpec
 
 pytestmark = pytest.mark.ray
 
@@ -61,8 +62,9 @@ def start_shards(model_dir: Path, world: int, trainer: TrainerConfig,
     cls = ray.remote(TrainerActor).options(num_cpus=0.5)
     port = free_port()
     model = ModelConfig(path=str(model_dir), lora=lora or LoraConfig())
-    shards = [cls.remote(rank=r, world_size=world, model=model, trainer=trainer, seed=0,
-                         master_port=port, writes_checkpoints=True, **options)
+    shards = [cls.remote(TrainerSpec(rank=r, world_size=world, model=model, trainer=trainer,
+                                     seed=0, master_port=port, writes_checkpoints=True,
+                                     **options))
               for r in range(world)]
     ray.get([s.setup.remote() for s in shards])
     return shards

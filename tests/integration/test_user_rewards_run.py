@@ -31,6 +31,7 @@ from workers.rewards.runner import UserRewards
 from workers.rewards.spec import RewardSpec
 from workers.rollout.config import RolloutConfig
 from workers.rollout.prompts import PromptFormat, conversation
+from workers.rollout.spec import RolloutSpec
 from workers.rollout.task import WorkerTask
 from workers.rollout.worker import RolloutWorker
 from workers.weights.config import WeightsConfig
@@ -219,10 +220,10 @@ def test_the_engine_sees_the_chat_templates_prompt_token_ids(
     fmt = PromptFormat(chat_template=True, system_prompt=SYSTEM)
     ray.init(num_cpus=1, include_dashboard=False, address="local")
     worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16).remote(
-        rank=0, model=ModelConfig(path=str(tiny_model_dir)),
-        rollout=RolloutConfig(group_size=2, max_new_tokens=4, max_inflight_prompts=1),
-        weights=WeightsConfig(transport="gloo"), cpu_ids=(0,),
-        task=WorkerTask(
+        RolloutSpec(rank=0, model=ModelConfig(path=str(tiny_model_dir)),
+                    rollout=RolloutConfig(group_size=2, max_new_tokens=4, max_inflight_prompts=1),
+                    weights=WeightsConfig(transport="gloo"), cpu_ids=(0,)),
+        WorkerTask(
             reward_fn=lambda p, c: 0.0, prompt_format=fmt,
             user_rewards=UserRewards(specs=(RewardSpec(function=f"{rewards}:compute_score"),),
                                      threads=True, chat=True, columns=("answer", "level"))))

@@ -30,6 +30,7 @@ from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import CRITIC_SHARDED
 from workers.trainer.roles_config import CriticConfig
 from workers.trainer.shard import TrainerShard
+from workers.trainer.spec import TrainerSpec
 
 Key = tuple[int, ...]
 """A sequence's completion token ids: unique across the test's groups."""
@@ -126,10 +127,10 @@ def run_step(trainer: TrainerShard, groups: list[Group], step: int, world: int
 
 def _setup(rank: int, world: int, setup: str, model_dir: str, port: int,
              folder: Path) -> tuple[int, list[dict[str, Any]], dict[str, Any] | None]:
-    trainer = TrainerShard(rank=rank, world_size=world, model=ModelConfig(path=model_dir),
-                           trainer=trainer_config(world, setup), seed=0,
-                           sampling=Sampling(temperature=1.0), record_spans=False,
-                           master_port=port, critic=critic_config(model_dir, world))
+    trainer = TrainerShard(TrainerSpec(
+        rank=rank, world_size=world, model=ModelConfig(path=model_dir),
+        trainer=trainer_config(world, setup), seed=0, sampling=Sampling(temperature=1.0),
+        record_spans=False, master_port=port, critic=critic_config(model_dir, world)))
     trainer.setup()
     critic = trainer.stages().critic
     assert critic is not None
@@ -213,10 +214,10 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="module")
 def one_shard(model_dir: Path) -> list[dict[str, Any]]:
     """The whole of every step on one shard, in this process (no process group)."""
-    trainer = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
-                           trainer=trainer_config(1, "ddp"), seed=0,
-                           sampling=Sampling(temperature=1.0), record_spans=False,
-                           critic=critic_config(str(model_dir), 1))
+    trainer = TrainerShard(TrainerSpec(
+        rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
+        trainer=trainer_config(1, "ddp"), seed=0, sampling=Sampling(temperature=1.0),
+        record_spans=False, critic=critic_config(str(model_dir), 1)))
     trainer.setup()
     return [run_step(trainer, groups, step, 1) for step, groups in enumerate(STEPS, start=1)]
 

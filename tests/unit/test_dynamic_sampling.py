@@ -38,6 +38,7 @@ from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
 from workers.trainer.config import TrainerConfig
 from workers.trainer.shard import TrainerShard
+from workers.trainer.spec import TrainerSpec
 
 # -- the filter decision ----------------------------------------------------------------
 
@@ -146,9 +147,9 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def masked_step(model_dir: Path, groups: list[Group]) -> tuple[int, dict[str, torch.Tensor]]:
     """One trainer step with trainer.overlong = "mask": (loss tokens, weights after)."""
     config = TrainerConfig(overlong="mask", groups_per_step=len(groups), max_grad_norm=1e9)
-    shard = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
-                         trainer=config, seed=0, sampling=Sampling(temperature=1.0),
-                         record_spans=False)
+    shard = TrainerShard(TrainerSpec(
+        rank=0, world_size=1, model=ModelConfig(path=str(model_dir)), trainer=config, seed=0,
+        sampling=Sampling(temperature=1.0), record_spans=False))
     shard.setup()
     (batch,), _ = shard_batches(groups, 1, config, step=1)
     result = shard.train_step(batch, list(batch.groups))
@@ -172,9 +173,9 @@ def test_a_masked_step_has_no_loss_on_truncated_completions(model_dir: Path) -> 
         torch.testing.assert_close(value, other_after[name])
     # Nothing to train: a step of truncated completions only leaves the weights be.
     none, unchanged = masked_step(model_dir, [group([8, 8], [0.0, 1.0], ["length"] * 2)])
-    start = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
-                         trainer=TrainerConfig(), seed=0, sampling=Sampling(temperature=1.0),
-                         record_spans=False)
+    start = TrainerShard(TrainerSpec(
+        rank=0, world_size=1, model=ModelConfig(path=str(model_dir)), trainer=TrainerConfig(),
+        seed=0, sampling=Sampling(temperature=1.0), record_spans=False))
     start.setup()
     assert none == 0
     initial = start.module.state_dict()

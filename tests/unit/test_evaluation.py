@@ -174,12 +174,14 @@ def test_summary_written_before_periodic_evaluation_still_reads(tmp_path: Path) 
 def test_rollout_span_is_evaluate_only_while_nothing_but_evaluation_runs() -> None:
     from workers.model_config import ModelConfig
     from workers.rollout.config import RolloutConfig
+    from workers.rollout.spec import RolloutSpec
     from workers.rollout.task import WorkerTask
     from workers.rollout.worker import RolloutWorker
     from workers.weights.config import WeightsConfig
 
-    worker = RolloutWorker(0, ModelConfig(path="m"), RolloutConfig(), WeightsConfig(),
-                           WorkerTask(reward_fn=lambda prompt, text: 0.0))
+    spec = RolloutSpec(rank=0, model=ModelConfig(path="m"), rollout=RolloutConfig(),
+                       weights=WeightsConfig())
+    worker = RolloutWorker(spec, WorkerTask(reward_fn=lambda prompt, text: 0.0))
     causes = []
     for running, evaluating in [(1, 1), (3, 1), (2, 0), (0, 0)]:
         worker._in_flight = {f"r{i}": 0 for i in range(running)}

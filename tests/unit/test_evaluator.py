@@ -18,6 +18,7 @@ from buffers.records import Prompt
 from buffers.reports import EvalResult
 from workers.eval.evaluator import EVALUATOR_RANK, IdleCpuEvaluator
 from workers.eval.greedy import evaluate_accuracy
+from workers.eval.spec import EvaluatorSpec
 from workers.model_config import ModelConfig
 from workers.rollout.task import WorkerTask
 
@@ -61,8 +62,9 @@ def test_scores_the_weights_it_is_handed_at_idle_priority(made: MadeModel) -> No
                                 PROMPTS, arithmetic_reward, max_new_tokens=6)
     assert expected != on_disk  # so the check below tells the two apart
 
-    evaluator = IdleCpuEvaluator(model=ModelConfig(path=made.path),
-                                 task=WorkerTask(reward_fn=arithmetic_reward), max_new_tokens=6)
+    evaluator = IdleCpuEvaluator(
+        EvaluatorSpec(model=ModelConfig(path=made.path), max_new_tokens=6),
+        WorkerTask(reward_fn=arithmetic_reward))
     result, policy = in_a_thread(evaluator, state, version=7)
     assert result.accuracy == expected
     assert (result.version_min, result.version_max) == (7, 7)
@@ -78,8 +80,9 @@ def test_a_failing_reward_scores_zero_and_is_counted(made: MadeModel) -> None:
             raise RuntimeError("bug in the reward")
         return float("nan") if prompt.prompt_id.endswith("5") else 1.0
 
-    evaluator = IdleCpuEvaluator(model=ModelConfig(path=made.path),
-                                 task=WorkerTask(reward_fn=reward), max_new_tokens=2)
+    evaluator = IdleCpuEvaluator(
+        EvaluatorSpec(model=ModelConfig(path=made.path), max_new_tokens=2),
+        WorkerTask(reward_fn=reward))
     state = AutoModelForCausalLM.from_pretrained(made.path).state_dict()
     result, _ = in_a_thread(evaluator, state, version=0)
     bad = [p for p in PROMPTS if p.prompt_id.endswith(("3", "5"))]
@@ -88,7 +91,8 @@ def test_a_failing_reward_scores_zero_and_is_counted(made: MadeModel) -> None:
 
 
 def test_no_prompts_is_an_error(made: MadeModel) -> None:
-    evaluator = IdleCpuEvaluator(model=ModelConfig(path=made.path),
-                                 task=WorkerTask(reward_fn=arithmetic_reward), max_new_tokens=2)
+    evaluator = IdleCpuEvaluator(
+        EvaluatorSpec(model=ModelConfig(path=made.path), max_new_tokens=2),
+        WorkerTask(reward_fn=arithmetic_reward))
     with pytest.raises(ValueError, match="at least one prompt"):
         evaluator.evaluate([], {}, 0)

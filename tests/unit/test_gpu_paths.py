@@ -46,6 +46,7 @@ from workers.trainer.ppo_update import StepLoss
 from workers.trainer.process import process_group_backend
 from workers.trainer.roles import StepRoles
 from workers.trainer.shard import TrainerShard
+from workers.trainer.spec import ReferenceSpec, TrainerSpec
 from workers.usage import UsageMeter, cuda_uuid
 from workers.weights.config import WeightsConfig
 
@@ -177,8 +178,9 @@ def test_the_engine_dtype_defaults_to_the_model_and_published_weights_are_cast_t
     model = ModelConfig(path="unused", dtype="float32")
     assert engine_dtype(RolloutConfig(), model) == "float32"
     assert engine_dtype(RolloutConfig(dtype="bfloat16"), model) == "bfloat16"
-    shard = TrainerShard(rank=0, world_size=1, model=model, trainer=TrainerConfig(), seed=0,
-                         record_spans=False, sampling=Sampling(dtype="bfloat16"))
+    shard = TrainerShard(TrainerSpec(
+        rank=0, world_size=1, model=model, trainer=TrainerConfig(), seed=0, record_spans=False,
+        sampling=Sampling(dtype="bfloat16")))
     assert shard.rollout_dtype == "bfloat16"
     from workers.weights.sender import WeightSender
 
@@ -367,10 +369,9 @@ def test_tf32_is_on_in_every_trainer_side_process_computing_float32_on_cuda(
     monkeypatch.setattr(torch.backends.cuda, "matmul", matmul)
     monkeypatch.setattr(torch.backends, "cudnn", cudnn)
     monkeypatch.setattr(own_roles, "start_process", lambda device, cpu_ids: None)
-    worker = own_roles.ReferenceWorker(
+    worker = own_roles.ReferenceWorker(ReferenceSpec(
         path="unused", rank=0, model=ModelConfig(path="unused"),
-        trainer=TrainerConfig(compute_dtype="bfloat16"), temperature=1.0,
-        record_spans=False)
+        trainer=TrainerConfig(compute_dtype="bfloat16"), temperature=1.0, record_spans=False))
     worker.device = torch.device("cuda", 0)
     worker._setup_process()
     assert not matmul.allow_tf32 and not cudnn.allow_tf32  # bf16 compute: nothing to do

@@ -18,6 +18,7 @@ from workers.rollout.config import Sampling
 from workers.trainer.config import TrainerConfig
 from workers.trainer.ppo_update import Prepared
 from workers.trainer.shard import TrainerShard
+from workers.trainer.spec import TrainerSpec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -32,10 +33,11 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def lora_shard(model_dir: Path, dropout: float) -> TrainerShard:
     """A shard with LoRA at ``dropout``, its adapters' B drawn (fresh, B = 0: the
     adapters, and so their dropout, would change nothing)."""
-    out = TrainerShard(rank=0, world_size=1, trainer=CONFIG, seed=0,
-                       model=ModelConfig(path=str(model_dir), lora=LoraConfig(
-                           rank=4, dropout=dropout, target_modules=("q_proj", "up_proj"))),
-                       sampling=Sampling(temperature=1.0), record_spans=False)
+    out = TrainerShard(TrainerSpec(
+        rank=0, world_size=1, trainer=CONFIG, seed=0,
+        model=ModelConfig(path=str(model_dir), lora=LoraConfig(
+            rank=4, dropout=dropout, target_modules=("q_proj", "up_proj"))),
+        sampling=Sampling(temperature=1.0), record_spans=False))
     out.setup()
     draws = torch.Generator().manual_seed(1)
     with torch.no_grad():

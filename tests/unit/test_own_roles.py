@@ -24,6 +24,7 @@ from workers.trainer.own_roles import CriticWorker, ReferenceWorker
 from workers.trainer.ppo_stages import merged_updates
 from workers.trainer.roles_config import CriticConfig
 from workers.trainer.shard import TrainerShard
+from workers.trainer.spec import CriticSpec, ReferenceSpec, TrainerSpec
 
 CASES = {
     # An ordinary group, a one-member group and a multi-turn trajectory's masks.
@@ -36,14 +37,17 @@ CASES = {
 
 def own_workers(model_path: Path, config: TrainerConfig, critic: CriticConfig
                 ) -> tuple[TrainerShard, ReferenceWorker, CriticWorker]:
-    policy = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_path)),
-                          trainer=config, seed=0, sampling=Sampling(temperature=1.0),
-                          record_spans=False, own_roles=("reference", "critic"))
+    policy = TrainerShard(TrainerSpec(
+        rank=0, world_size=1, model=ModelConfig(path=str(model_path)), trainer=config, seed=0,
+        sampling=Sampling(temperature=1.0), record_spans=False, own_roles=("reference", "critic")))
     policy.setup()
-    common = {"rank": 0, "model": ModelConfig(path=str(model_path)), "trainer": config,
-              "temperature": 1.0, "record_spans": False}
-    reference = ReferenceWorker(path=str(model_path), **common)  # type: ignore[arg-type]
-    critic_worker = CriticWorker(critic=critic, **common)  # type: ignore[arg-type]
+    model = ModelConfig(path=str(model_path))
+    reference = ReferenceWorker(ReferenceSpec(
+        path=str(model_path), rank=0, model=model, trainer=config, temperature=1.0,
+        record_spans=False))
+    critic_worker = CriticWorker(CriticSpec(
+        critic=critic, rank=0, model=model, trainer=config, temperature=1.0,
+        record_spans=False))
     reference.setup()
     critic_worker.setup()
     return policy, reference, critic_worker
@@ -168,9 +172,9 @@ def _critic_steps(model_path: str, rank: int, world_size: int, port: int
     """Critic shard ``rank`` of ``world_size`` on its share of a 2-shard plan, two steps:
     (each step's advantages, its update results, its head's weights)."""
     critic = CriticConfig(path=model_path, lr=1e-2, gamma=0.9, lam=0.8)
-    worker = CriticWorker(critic=critic, rank=rank, world_size=world_size,
-                          model=ModelConfig(path=model_path), trainer=TWO_SHARDS,
-                          temperature=1.0, master_port=port, record_spans=False)
+    worker = CriticWorker(CriticSpec(
+        critic=critic, rank=rank, world_size=world_size, model=ModelConfig(path=model_path),
+        trainer=TWO_SHARDS, temperature=1.0, master_port=port, record_spans=False))
     worker.setup()
     advantages, results = [], []
     try:

@@ -46,6 +46,7 @@ from workers.trainer.packing import (
 )
 from workers.trainer.ppo_update import StepLoss
 from workers.trainer.shard import TrainerShard
+from workers.trainer.spec import TrainerSpec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -233,9 +234,9 @@ def shard(model_dir: Path, packed: bool, compute_dtype: str = "float32",
           **trainer: Any) -> TrainerShard:
     config = msgspec.convert({"max_grad_norm": 1e9, "compute_dtype": compute_dtype,
                               "packed": packed, **trainer}, TrainerConfig)
-    trainer = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
-                           trainer=config, seed=0,
-                           sampling=Sampling(temperature=TEMPERATURE), record_spans=False)
+    trainer = TrainerShard(TrainerSpec(
+        rank=0, world_size=1, model=ModelConfig(path=str(model_dir)), trainer=config, seed=0,
+        sampling=Sampling(temperature=TEMPERATURE), record_spans=False))
     trainer.setup()
     return trainer
 

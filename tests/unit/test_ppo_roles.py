@@ -22,6 +22,7 @@ from workers.trainer.config import TrainerConfig
 from workers.trainer.gae import moments, whiten
 from workers.trainer.roles_config import CriticConfig
 from workers.trainer.shard import TrainerShard
+from workers.trainer.spec import TrainerSpec
 
 
 @pytest.fixture(scope="module")
@@ -49,11 +50,10 @@ def group(lengths: list[int], rewards: list[float], name: str = "p",
 
 def shard(model_dir: Path, config: TrainerConfig, *, reference: bool,
           critic: CriticConfig | None) -> TrainerShard:
-    out = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
-                       trainer=config, seed=0, sampling=Sampling(temperature=1.0),
-                       record_spans=False,
-                       reference_path=str(model_dir) if reference else "",
-                       critic=critic)
+    out = TrainerShard(TrainerSpec(
+        rank=0, world_size=1, model=ModelConfig(path=str(model_dir)), trainer=config, seed=0,
+        sampling=Sampling(temperature=1.0), record_spans=False,
+        reference_path=str(model_dir) if reference else "", critic=critic))
     out.setup()
     return out
 

@@ -142,18 +142,3 @@ def test_a_missing_critic_model_exits_2(
     err = _train(tmp_path, tiny_model_dir,
                  f'[algorithm]\nadvantage = "gae"\n[critic]\npath = "{tmp_path}/none"', capsys)
     assert "critic.path" in err and "config.json" in err
-
-
-def test_role_paths_are_pinned_to_the_initial_policy(tmp_path: Path) -> None:
-    """A resumed run starts the policy from a checkpoint: the reference and the critic's
-    initial weights stay model.path's (the run's config.toml records them)."""
-    path = tmp_path / "config.toml"
-    path.write_text(BASE)
-    ppo = load_config(path, ["algorithm.advantage=gae", "trainer.kl_coef=0.1"])
-    pinned = ppo.with_role_paths()
-    assert pinned.reference.path == pinned.critic.path == "runs/tiny-model"
-    grpo = load_config(path).with_role_paths()
-    assert grpo.reference.path == grpo.critic.path == ""  # nothing built, nothing pinned
-    assert not grpo.has_reference
-    own = load_config(path, ["trainer.kl_coef=0.1", "reference.path=elsewhere"])
-    assert own.with_role_paths().reference.path == "elsewhere"

@@ -49,6 +49,7 @@ from workers.trainer.packing import (
 )
 from workers.trainer.phase_clock import PhaseClock
 from workers.trainer.shard import TrainerShard
+from workers.trainer.spec import TrainerSpec
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -534,9 +535,9 @@ def test_fsdp2_takes_the_fused_head_through_its_root_as_a_plain_shard_does(
     batch, tokens = shard_batch([seqs[:2], seqs[2:]], updates)
     plain = shard(model_dir, packed=True, mini_batches=len(updates))
     config = TrainerConfig(backend="fsdp2", max_grad_norm=1e9, mini_batches=len(updates))
-    sharded = TrainerShard(rank=0, world_size=1, model=ModelConfig(path=str(model_dir)),
-                           trainer=config, seed=0, sampling=Sampling(temperature=TEMPERATURE),
-                           record_spans=False, master_port=port)
+    sharded = TrainerShard(TrainerSpec(
+        rank=0, world_size=1, model=ModelConfig(path=str(model_dir)), trainer=config, seed=0,
+        sampling=Sampling(temperature=TEMPERATURE), record_spans=False, master_port=port))
     sharded.setup()
     try:
         a, b = plain.train_step(batch, tokens), sharded.train_step(batch, tokens)

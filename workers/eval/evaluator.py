@@ -26,7 +26,7 @@ import torch
 from buffers.records import Prompt, Sample
 from buffers.reports import EvalResult
 from workers.eval.greedy import greedy_completions
-from workers.model_config import ModelConfig
+from workers.eval.spec import EvaluatorSpec
 from workers.rollout.prompts import render
 from workers.rollout.scoring import Scorer
 from workers.rollout.task import WorkerTask
@@ -44,16 +44,17 @@ def idle_priority() -> None:
 class IdleCpuEvaluator:
     """See the module docstring. ``setup`` once, then ``evaluate`` per version."""
 
-    def __init__(self, *, model: ModelConfig, task: WorkerTask, max_new_tokens: int) -> None:
-        """The model section it loads, what the rollout workers get of the task (its
-        environment unused: evaluation here is single-turn), and rollout.max_new_tokens,
-        the completion cap a rollout worker's greedy evaluation has too."""
-        self.model_config = model
+    def __init__(self, spec: EvaluatorSpec, task: WorkerTask) -> None:
+        """``spec``: the model section it loads and rollout.max_new_tokens, the
+        completion cap a rollout worker's greedy evaluation has too; ``task``: what the
+        rollout workers get of the task (its environment unused: evaluation here is
+        single-turn)."""
+        self.model_config = spec.model
         self.prompt_format = task.prompt_format
         """Renders prompts as a rollout worker does (``workers.rollout.prompts``)."""
         self.scorer = Scorer(task.reward_fn, task.user_rewards, self.prompt_format)
         """Scores as a rollout worker does (the task's own rewards when it has them)."""
-        self.max_new_tokens = max_new_tokens
+        self.max_new_tokens = spec.max_new_tokens
 
     def setup(self) -> int:
         """Loads the model and tokenizer from ``model.path``; returns the pid."""

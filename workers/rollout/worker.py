@@ -28,9 +28,7 @@ from typing import TYPE_CHECKING, Any
 from buffers.records import NO_VERSION, Group, Prompt, Sample, make_group
 from buffers.reports import BroadcastTiming, EvalResult, RolloutStatistics, UsageReading
 from workers.errors import RolloutWorkerError
-from workers.model_config import ModelConfig
 from workers.rollout.adapter_serving import serve_policy_adapter
-from workers.rollout.config import RolloutConfig
 from workers.rollout.engine import (
     build_engine,
     engine_request,
@@ -41,11 +39,12 @@ from workers.rollout.engine import (
 from workers.rollout.idle_spin import IdleSpin
 from workers.rollout.prompts import render
 from workers.rollout.scoring import Scorer
+from workers.rollout.spec import RolloutSpec
 from workers.rollout.task import WorkerTask
 from workers.rollout.turns import TurnRunner
 from workers.spans import UNRESOLVED, Span, SpanRecorder
 from workers.usage import UsageMeter, cuda_uuid
-from workers.weights.config import UpdateMode, WeightsConfig
+from workers.weights.config import UpdateMode
 from workers.weights.receiver import WeightReceiver
 
 if TYPE_CHECKING:
@@ -65,41 +64,25 @@ def request_seed(sampling_seed: int, prompt: Prompt, sample: int) -> int:
 class RolloutWorker:
     """A vLLM engine with a policy version; see the module docstring."""
 
-    def __init__(
-        self,
-        rank: int,
-        model: ModelConfig,
-        rollout: RolloutConfig,
-        weights: WeightsConfig,
-        task: WorkerTask,
-        *,
-        seed: int = 0,
-        cpu_ids: tuple[int, ...] = (),
-        record_spans: bool = True,
-        version: int = 0,
-    ) -> None:
+    def __init__(self, spec: RolloutSpec, task: WorkerTask, version: int = 0) -> None:
         """Cheap: records the arguments; ``start()`` builds the engine.
 
-        The sections it owns (rollout) or runs (model, weights: how its weights arrive),
-        what it gets of the task (``workers.rollout.task``: the reward, the prompts'
-        format, the environment of a multi-turn task, this rank's own), and:
-        seed: the engine's (run.seed + rank: each worker its own stream).
-        cpu_ids: cores this worker owns (CPU build only; ignored when CUDA is present).
-            The engine's OpenMP threads are bound to them and the actor process, with
-            the engine processes it spawns, is pinned to them. Empty: vLLM's automatic
-            binding, no pinning.
-        record_spans: run.record_spans.
-        version: policy version of the weights at ``model.path`` (a resumed run starts
-            its engines from the checkpoint of that version).
+        ``spec``: the sections it owns (rollout) or runs (model, weights: how its weights
+        arrive), its seed and its cores (``workers.rollout.spec``). ``task``: what it gets
+        of the task (``workers.rollout.task``: the reward, the prompts' format, the
+        environment of a multi-turn task, this rank's own). ``version``: policy version
+        of the weights at ``spec.model.path`` (a resumed run starts its engines from the
+        checkpoint of that version).
         """
-        self._rank, self._model, self._rollout = rank, model, rollout
-        self._transport, self._seed = weights.transport, seed
+        rank = spec.rank
+        self._rank, self._model, self._rollout = rank, spec.model, spec.rollout
+        self._transport, self._seed = spec.weights.transport, spec.seed
         self._format = task.prompt_format
         self._scorer = Scorer(task.reward_fn, task.user_rewards, self._format)
-        self._cpu_ids = tuple(cpu_ids)
+        self._cpu_ids = tuple(spec.cpu_ids)
         device = "cpu:" + ",".join(map(str, self._cpu_ids)) if self._cpu_ids else "cpu"
         self._spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
-                                   device=device, enabled=record_spans)
+                                   device=device, enabled=spec.record_spans)
 
         self._engine: AsyncLLM | None = None
         self._lora_request: Any = None  # with model.lora on: the policy's adapter
@@ -112,7 +95,8 @@ class RolloutWorker:
         self._usage = UsageMeter()
         self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
         self._failed: str | None = None
-        self._receiver = WeightReceiver(rank, weights, clear_cache=rollout.prefix_caching,
+        self._receiver = WeightReceiver(rank, spec.weights,
+                                        clear_cache=spec.rollout.prefix_caching,
                                         on_change=self._weights_changed, version=version)
         self._request_ids = itertools.count()
         self._in_flight: dict[str, int] = {}  # request id -> tokens generated so far

@@ -27,6 +27,7 @@ from workers.model_config import ModelConfig
 from workers.ports import free_port
 from workers.rollout.config import RolloutConfig, Sampling
 from workers.trainer.config import TrainerConfig
+from workers.trainer.spec import TrainerSpec
 
 
 class ShardFigures(msgspec.Struct, frozen=True, kw_only=True):
@@ -74,11 +75,11 @@ def _shard(rank: int, world: int, port: int, model: ModelConfig, trainer: Traine
     from workers.trainer.shard import TrainerShard
 
     torch.set_num_threads(trainer.cpus_per_shard)
-    shard = TrainerShard(rank=rank, world_size=world, model=model, trainer=trainer,
-                         seed=seed, sampling=Sampling(temperature=rollout.temperature,
-                                                      max_new_tokens=rollout.max_new_tokens),
-                         master_port=port,
-                         record_spans=False)
+    shard = TrainerShard(TrainerSpec(
+        rank=rank, world_size=world, model=model, trainer=trainer, seed=seed,
+        sampling=Sampling(temperature=rollout.temperature,
+                          max_new_tokens=rollout.max_new_tokens),
+        master_port=port, record_spans=False))
     shard.setup()
     rss_setup = _rss_mb()
     tokens = list(batch.groups)  # in-process: the groups hold their own tokens

@@ -30,9 +30,7 @@ import torch.distributed as dist
 
 from buffers.records import GroupTokens, ShardBatch
 from buffers.reports import CriticStepResult, UsageReading
-from workers.model_config import ModelConfig
 from workers.spans import UNRESOLVED, Span, SpanRecorder
-from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import Critic
 from workers.trainer.device_setup import use_tf32
 from workers.trainer.packing import packed_forward
@@ -46,7 +44,7 @@ from workers.trainer.ppo_stages import (
 from workers.trainer.ppo_update import Prepared, compute_autocast, lay_out
 from workers.trainer.process import device_label, join_process_group, start_process
 from workers.trainer.roles import load_reference
-from workers.trainer.roles_config import CriticConfig
+from workers.trainer.spec import CriticSpec, OwnRoleSpec, ReferenceSpec
 
 
 @dataclass
@@ -69,19 +67,17 @@ def _to_host(tensors: Tensors) -> Tensors:
 class OwnRole:
     """A role's worker process: its cores, device, spans and the step it holds."""
 
-    def __init__(self, *, role: str, rank: int, model: ModelConfig, trainer: TrainerConfig,
-                 temperature: float, cpu_ids: tuple[int, ...] = (),
-                 record_spans: bool = True) -> None:
-        self.role, self.rank = role, rank
-        self.trainer = trainer
-        self.temperature = temperature
+    def __init__(self, role: str, spec: OwnRoleSpec) -> None:
+        self.role, self.rank = role, spec.rank
+        self.trainer = spec.trainer
+        self.temperature = spec.temperature
         """Rollout's sampling temperature: logprobs are of logits / temperature."""
-        self.dtype = DTYPES[model.dtype]
-        self.cpu_ids = cpu_ids
+        self.dtype = DTYPES[spec.model.dtype]
+        self.cpu_ids = spec.cpu_ids
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        self.spans = SpanRecorder(worker=f"{role}-{rank}", role=role, rank=rank,
-                                  device=device_label(self.device, cpu_ids),
-                                  enabled=record_spans)
+        self.spans = SpanRecorder(worker=f"{role}-{spec.rank}", role=role, rank=spec.rank,
+                                  device=device_label(self.device, spec.cpu_ids),
+                                  enabled=spec.record_spans)
         self.step: OwnStep | None = None
 
     def _setup_process(self) -> None:
@@ -140,13 +136,9 @@ class OwnRole:
 class ReferenceWorker(OwnRole):
     """The frozen reference policy on a worker of its own."""
 
-    def __init__(self, *, path: str, rank: int, model: ModelConfig, trainer: TrainerConfig,
-                 temperature: float, cpu_ids: tuple[int, ...] = (),
-                 record_spans: bool = True) -> None:
-        """``path``: the reference's weights (reference.path, resolved)."""
-        super().__init__(role="reference", rank=rank, model=model, trainer=trainer,
-                         temperature=temperature, cpu_ids=cpu_ids, record_spans=record_spans)
-        self.path = path
+    def __init__(self, spec: ReferenceSpec) -> None:
+        super().__init__("reference", spec)
+        self.path = spec.path
 
     def setup(self) -> int:
         """Loads the reference; returns the pid."""
@@ -169,17 +161,11 @@ class ReferenceWorker(OwnRole):
 class CriticWorker(OwnRole):
     """One shard of the critic on a worker of its own (a DDP replica among N)."""
 
-    def __init__(self, *, critic: CriticConfig, rank: int, model: ModelConfig,
-                 trainer: TrainerConfig, temperature: float, world_size: int = 1,
-                 master_addr: str = "127.0.0.1", master_port: int = 29600,
-                 cpu_ids: tuple[int, ...] = (), record_spans: bool = True) -> None:
-        """``critic``: its section, the path resolved; ``world_size``: critic.num_shards,
-        the critic workers' own process group at ``master_addr:master_port``."""
-        super().__init__(role="critic", rank=rank, model=model, trainer=trainer,
-                         temperature=temperature, cpu_ids=cpu_ids, record_spans=record_spans)
-        self.config = critic
-        self.world_size = world_size
-        self.master_addr, self.master_port = master_addr, master_port
+    def __init__(self, spec: CriticSpec) -> None:
+        super().__init__("critic", spec)
+        self.config = spec.critic
+        self.world_size = spec.world_size
+        self.master_addr, self.master_port = spec.master_addr, spec.master_port
 
     def setup(self) -> int:
         """Joins the critic workers' group and builds the value model; returns the pid."""

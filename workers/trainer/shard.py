@@ -33,10 +33,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from buffers.records import GroupTokens, LossStats, ShardBatch, ShardStepResult
 from buffers.reports import UsageReading
-from workers.model_config import ModelConfig
-from workers.rollout.config import Sampling
 from workers.spans import UNRESOLVED, Span, SpanRecorder
-from workers.trainer.config import TrainerConfig
 from workers.trainer.fsdp import clip_grad_norm
 from workers.trainer.lora import LoraPolicy, adapter_state
 from workers.trainer.loss import Normaliser, PendingStats, read_stats
@@ -46,9 +43,9 @@ from workers.trainer.ppo_update import Prepared, StepLoss
 from workers.trainer.process import device_label, join_process_group, start_process
 from workers.trainer.publisher import PolicyPublisher
 from workers.trainer.roles import StepRoles, build_roles
-from workers.trainer.roles_config import CriticConfig
 from workers.trainer.shard_saves import ShardSaves
-from workers.weights.config import UpdateMode, WeightsConfig
+from workers.trainer.spec import TrainerSpec
+from workers.weights.config import UpdateMode
 
 if TYPE_CHECKING:
     from workers.weights.broadcast import Delivery
@@ -61,72 +58,40 @@ class TrainerShard:
     """The policy on one device, a replica (ddp) or a shard (fsdp2); ``world_size`` of
     them form one data-parallel group."""
 
-    def __init__(
-        self,
-        *,
-        rank: int,
-        world_size: int,
-        model: ModelConfig,
-        trainer: TrainerConfig,
-        seed: int,
-        weights: WeightsConfig | None = None,
-        sampling: Sampling | None = None,
-        cpu_ids: tuple[int, ...] = (),
-        master_addr: str = "127.0.0.1",
-        master_port: int = 29500,
-        record_spans: bool = True,
-        writes_checkpoints: bool = False,
-        reference_path: str = "",
-        critic: CriticConfig | None = None,
-        own_roles: tuple[str, ...] = (),
-        save_merged: bool = False,
-    ) -> None:
-        """``reference_path``: the frozen reference policy's weights ("" = none);
-        ``critic``: the critic's section, its path resolved (None = none). Both live
-        beside the policy on this shard's device (``workers.trainer.roles``).
-        ``own_roles``: the roles on workers of their own ("reference", "critic"), whose
-        outputs this shard takes for each step."""
-        self.rank = rank
-        self.world_size = world_size
-        self.model_config = model
-        self.config = trainer
-        self.seed = seed
-        self.weights = weights or WeightsConfig()
-        sampling = sampling or Sampling()  # how the rollout workers sample, rollout's section
-        self.temperature = sampling.temperature
+    def __init__(self, spec: TrainerSpec) -> None:
+        """Cheap: records ``spec``; ``setup()`` joins the group and loads the model. The
+        reference and the critic of ``spec`` live beside the policy on this shard's
+        device (``workers.trainer.roles``)."""
+        self.spec = spec
+        self.rank = spec.rank
+        self.world_size = spec.world_size
+        self.model_config = spec.model
+        self.config = spec.trainer
+        self.temperature = spec.sampling.temperature
         """Rollout's sampling temperature: behaviour logprobs are of logits / temperature."""
-        self.max_new_tokens = sampling.max_new_tokens
+        self.max_new_tokens = spec.sampling.max_new_tokens
         """Rollout's completion cap: loss_agg seq_mean_token_sum_norm divides by it."""
-        self.rollout_dtype = sampling.dtype or model.dtype
+        self.rollout_dtype = spec.sampling.dtype or spec.model.dtype
         """The engines' dtype (rollout.dtype): published weights are cast to it."""
-        self.writes_checkpoints = writes_checkpoints
-        """``save_checkpoint`` will be called: make its buffers ahead (``prepare``)."""
-        self.save_merged = save_merged
-        """With LoRA, ``save`` writes the merged policy too (run.save_merged)."""
         self.lora: LoraPolicy | None = None
         """With model.lora on (from setup): what versions, checkpoints and saves hold."""
-        self.cpu_ids = cpu_ids
-        self.master_addr = master_addr
-        self.master_port = master_port
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         self.publisher = PolicyPublisher(
-            rank=rank, weights=self.weights, address=master_addr,
+            rank=spec.rank, weights=spec.weights, address=spec.master_addr,
             device=self.device, dtype=DTYPES[self.rollout_dtype],
-            sharded=trainer.backend == "fsdp2")
-        label = device_label(self.device, cpu_ids)
-        self.spans = SpanRecorder(worker=f"trainer-{rank}", role="trainer", rank=rank,
-                                  device=label, enabled=record_spans)
+            sharded=spec.trainer.backend == "fsdp2")
+        label = device_label(self.device, spec.cpu_ids)
+        self.spans = SpanRecorder(worker=f"trainer-{spec.rank}", role="trainer",
+                                  rank=spec.rank, device=label, enabled=spec.record_spans)
         """Phase spans on the host's clock: on CUDA the kernels run behind them (the
         step's phase times are the device's, from ``PhaseClock``'s events)."""
         self.compiled_layers = 0
         """Decoder layers ``trainer.compile`` compiled; the first step logs its time."""
-        self.reference_path = reference_path
-        self.critic_config = critic
-        self.own_roles = own_roles
         self.roles: StepRoles | None = None
         """The reference and the critic beside the policy, when the run has either."""
-        self.critic_spans = SpanRecorder(worker=f"critic-{rank}", role="critic", rank=rank,
-                                         device=label, enabled=record_spans and critic is not None)
+        self.critic_spans = SpanRecorder(
+            worker=f"critic-{spec.rank}", role="critic", rank=spec.rank, device=label,
+            enabled=spec.record_spans and spec.critic is not None)
 
     def setup(self) -> int:
         """Joins the process group, loads the model and builds the optimizer; returns pid."""
@@ -134,16 +99,16 @@ class TrainerShard:
 
         tokenizer = AutoTokenizer.from_pretrained(self.model_config.path)  # for the saves
 
-        self.usage_meter = start_process(self.device, self.cpu_ids)
-        torch.manual_seed(self.seed)
+        self.usage_meter = start_process(self.device, self.spec.cpu_ids)
+        torch.manual_seed(self.spec.seed)
         sharded = self.config.backend == "fsdp2"
         if self.world_size > 1 or sharded:  # FSDP2's device mesh needs a group, even of one
-            join_process_group(self.device, master_addr=self.master_addr,
-                               master_port=self.master_port, rank=self.rank,
+            join_process_group(self.device, master_addr=self.spec.master_addr,
+                               master_port=self.spec.master_port, rank=self.rank,
                                world_size=self.world_size)
         dtype = DTYPES[self.model_config.dtype]
         module, self.lora, self.compiled_layers = load_policy(
-            self.model_config, self.config, self.device, self.seed)
+            self.model_config, self.config, self.device, self.spec.seed)
         self.module = module
         """The model itself (with fsdp2, sharded: every forward is a collective)."""
         self.model: torch.nn.Module = (
@@ -163,17 +128,17 @@ class TrainerShard:
                                packed=self.config.packed, temperature=self.temperature,
                                max_response_tokens=self.max_new_tokens,
                                sharded=sharded)
-        if self.reference_path or self.critic_config is not None or self.own_roles:
+        if self.spec.reference_path or self.spec.critic is not None or self.spec.own_roles:
             self.roles = build_roles(
                 trainer=self.config, losses=self.losses, device=self.device, dtype=dtype,
                 world_size=self.world_size, rank=self.rank, temperature=self.temperature,
-                reference_path=self.reference_path, critic=self.critic_config,
-                spans=(self.spans, self.critic_spans), own_roles=self.own_roles)
+                reference_path=self.spec.reference_path, critic=self.spec.critic,
+                spans=(self.spans, self.critic_spans), own_roles=self.spec.own_roles)
         self.saves = ShardSaves(
             rank=self.rank, backend=self.config.backend, module=module,
             optimizer=self.optimizer, tokenizer=tokenizer, lora=self.lora,
             critic=self.roles.critic if self.roles is not None else None,
-            save_merged=self.save_merged)
+            save_merged=self.spec.save_merged)
         return os.getpid()
 
     def train_step(self, batch: ShardBatch,
@@ -243,7 +208,7 @@ class TrainerShard:
                      "the first step includes compiling them)", self.rank, batch.step,
                      time.perf_counter() - began, self.compiled_layers)
             self.compiled_layers = 0  # logged once
-        if self.writes_checkpoints:
+        if self.spec.writes_checkpoints:
             self.saves.prepare_checkpoint()
         self.spans.switch(UNRESOLVED, batch.step)
         self.critic_spans.switch(UNRESOLVED)
