@@ -24,17 +24,17 @@ from ray.util.placement_group import PlacementGroup
 
 from async_rl.config import Config
 from async_rl.shell.role_launch import OwnRoleActors, create_own_roles, own_roles
-from buffers.concurrent_calls import each
+from buffers.common.concurrent_calls import each
 from workers.actors import RolloutActor, TrainerActor
+from workers.common.ports import free_port
 from workers.eval.evaluator import IdleCpuEvaluator
 from workers.layout import Role, WorkerIdentity, assign_cpus
 from workers.model_config import ModelConfig
 from workers.placement import bundle_node, check_gpus, gpus_per_worker, in_bundle
 from workers.placement import role_placement_groups as make_placement_groups
-from workers.ports import free_port
 from workers.rollout.config import sampling
 from workers.rollout.task import WorkerTask
-from workers.trainer.checkpoints import WAIT_GROUP
+from workers.trainer.checkpoint_folder import WAIT_GROUP
 from workers.weights.broadcast import SEND_GROUP, WeightBroadcast
 from workers.weights.config import check_transport
 

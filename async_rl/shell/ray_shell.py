@@ -25,7 +25,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from async_rl.config import Config
-from async_rl.control.checkpoint import (
+from async_rl.control.checkpoint_files import (
     TRAINER,
     CheckpointError,
     check_backend,
@@ -44,8 +44,8 @@ from async_rl.shell.role_adapters import adapt_own_roles
 from async_rl.shell.role_launch import own_roles
 from async_rl.shell.worker_logs import ray_notices_to_log, ray_options
 from async_rl.tasks.table import build_task, worker_task
-from buffers.concurrent_calls import each
-from buffers.config import ConfigError
+from buffers.common.concurrent_calls import each
+from buffers.common.config import ConfigError
 from workers.rewards.callables import Reward
 
 log = logging.getLogger(__name__)

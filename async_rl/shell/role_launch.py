@@ -20,9 +20,9 @@ from ray.util.placement_group import PlacementGroup
 
 from async_rl.config import Config
 from workers.actors import CriticActor, ReferenceActor
+from workers.common.ports import free_port
 from workers.layout import Layout, Role, WorkerIdentity, own_role_identities
 from workers.placement import bundle_node, in_bundle, own_roles_placement_group
-from workers.ports import free_port
 from workers.rollout.config import Sampling
 
 
