@@ -26,17 +26,17 @@ if TYPE_CHECKING:
     from async_rl.api import load_config, train
     from async_rl.config import Config
     from async_rl.run.summary import RunSummary
-    from buffers.config import ConfigError
-    from workers.environment import Environment, EnvStep
+    from buffers.common.config import ConfigError
     from workers.rewards.callables import Reward
+    from workers.rollout.environment import Environment, EnvStep
 
 __version__ = "0.1.0"
 __all__ = ["Config", "ConfigError", "EnvStep", "Environment", "Reward", "RunSummary",
            "load_config", "train"]
 
 _HOMES = {"load_config": "async_rl.api", "train": "async_rl.api", "Config": "async_rl.config",
-          "ConfigError": "buffers.config", "Reward": "workers.rewards.callables",
-          "EnvStep": "workers.environment", "Environment": "workers.environment",
+          "ConfigError": "buffers.common.config", "Reward": "workers.rewards.callables",
+          "EnvStep": "workers.rollout.environment", "Environment": "workers.rollout.environment",
           "RunSummary": "async_rl.run.summary"}
 
 

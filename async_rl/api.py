@@ -38,7 +38,7 @@ from async_rl.config_io import load_config as _load_config
 from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import CONFIG
 from async_rl.run.summary import RunSummary
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 from workers.rewards.callables import Reward
 
 RewardArg = Reward | Callable[..., Any] | tuple[Callable[..., Any], float]

@@ -23,7 +23,7 @@ from async_rl.api import train
 from async_rl.config import Config
 from async_rl.config_io import load_config, to_toml
 from async_rl.run.run_dir import CONFIG, SPANS
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 
 if TYPE_CHECKING:
     from async_rl.compare import Setup
@@ -245,7 +245,7 @@ def _train(args: argparse.Namespace) -> int:
         raise
     except Exception as err:
         # Imported only now: train checks its inputs before it imports torch, Ray or vLLM.
-        from async_rl.control.checkpoint import CheckpointError
+        from async_rl.control.checkpoint_files import CheckpointError
         from async_rl.control.protocols import RunFailed
         from async_rl.shell.ray_shell import RunInterrupted
 

@@ -26,9 +26,9 @@ from async_rl.config import Config
 from async_rl.config_io import apply_overrides, decode_config, load_config
 from async_rl.control.loss_stats import merge_stats
 from async_rl.tasks.synthetic import long_tail_groups
-from buffers.batching import shard_batches
-from buffers.config import ConfigError
-from buffers.records import Group
+from buffers.common.config import ConfigError
+from buffers.common.records import Group
+from buffers.plan.batching import shard_batches
 from workers.trainer.compare import ShardFigures, run_setup
 
 if TYPE_CHECKING:

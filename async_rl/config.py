@@ -2,7 +2,7 @@
 
 Owns: the root ``Config``, which assembles every component's section (each lives beside
 its component: ``workers.rollout.config``, ``workers.trainer.config``,
-``workers.weights.config``, ``workers.model_config``, ``buffers.config``; the task's in
+``workers.weights.config``, ``workers.model_config``, ``buffers.common.config``; the task's in
 ``async_rl.task_config``, the simulator's in ``async_rl.simulate_config``), the run's own
 section (``RunConfig``) and the rules that tie
 sections together (``Config.__post_init__``), raising ``ConfigError`` with one line that
@@ -25,7 +25,7 @@ from async_rl.task_config import (
     task_config,
     unknown_task_key,
 )
-from buffers.config import (
+from buffers.common.config import (
     ConfigError,
     Fraction,
     NonNegative,

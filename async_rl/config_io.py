@@ -18,7 +18,7 @@ from typing import Any, get_args
 import msgspec
 
 from async_rl.config import DEFAULT_TASK_KIND, TASK_SECTIONS, Config, unknown_task_key
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 
 _PATH_RE = re.compile(r" - at `\$((?:\.[A-Za-z_]\w*|\[\d+\])*)`$")
 

@@ -11,7 +11,7 @@ from typing import Annotated
 
 import msgspec
 
-from buffers.config import Fraction, NonNegative, Positive, PositiveFloat
+from buffers.common.config import Fraction, NonNegative, Positive, PositiveFloat
 
 NonNegativeFloat = Annotated[float, msgspec.Meta(ge=0)]
 

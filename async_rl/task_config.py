@@ -14,9 +14,9 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from buffers.config import NonNegative, Positive, PositiveFloat, invalid
-from workers.environment import EnvironmentConfig
+from buffers.common.config import NonNegative, Positive, PositiveFloat, invalid
 from workers.rewards.spec import RewardSpec
+from workers.rollout.environment import EnvironmentConfig
 
 
 class TaskSection(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,

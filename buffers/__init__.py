@@ -1,10 +1,13 @@
-"""Data plane: replay queue, admission gate, batching and balancing.
+"""Data plane: the vocabulary every layer speaks (``buffers.common``), the replay queue and
+its admission gate (``buffers.queue``), and a step's plan: advantages, batching and
+balancing (``buffers.plan``).
 
 Pure Python + anyio + msgspec."""
 
-from buffers.balance import ShardPlan, StepPlan, pack, plan_step, sequence_costs
-from buffers.drop_accounting import DropHandler
-from buffers.errors import (
+from buffers.plan.balance import ShardPlan, StepPlan, pack, plan_step, sequence_costs
+from buffers.plan.partition import partition
+from buffers.queue.drop_accounting import DropHandler
+from buffers.queue.errors import (
     GateShutDown,
     NotEnoughGroups,
     QueueClosed,
@@ -13,8 +16,7 @@ from buffers.errors import (
     SequenceTooLong,
     WouldBlock,
 )
-from buffers.partition import partition
-from buffers.queue_records import (
+from buffers.queue.queue_records import (
     DROP_STALE,
     BucketStatistics,
     Dropped,
@@ -23,8 +25,8 @@ from buffers.queue_records import (
     ReplayQueueStatistics,
     WaitStatistics,
 )
-from buffers.replay_queue import ReplayQueue
-from buffers.staleness import AdmissionGate, GateSnapshot, GateStatistics
+from buffers.queue.replay_queue import ReplayQueue
+from buffers.queue.staleness import AdmissionGate, GateSnapshot, GateStatistics
 
 __all__ = [
     "DROP_STALE",

@@ -22,11 +22,11 @@ from __future__ import annotations
 import msgspec
 import ray
 
-from buffers.records import Group, GroupTokens, Prompt, ShardBatch, ShardStepResult
-from buffers.reports import CriticStepResult
+from buffers.common.records import Group, GroupTokens, Prompt, ShardBatch, ShardStepResult
+from buffers.common.reports import CriticStepResult
 from workers.rollout.worker import RolloutWorker
-from workers.trainer.own_roles import CriticWorker, ReferenceWorker
 from workers.trainer.ppo_stages import Tensors
+from workers.trainer.role_workers import CriticWorker, ReferenceWorker
 from workers.trainer.shard import TrainerShard
 
 
@@ -54,7 +54,7 @@ class TrainerActor(TrainerShard):
             return self.train_step(batch, None)  # prepare_step_by_ref fetched them
         return self.train_step(batch, _fetch(batch))
 
-    # ---- the PPO dataflow's stages (workers.trainer.roles), in the orchestrator's order --
+    # ---- the PPO dataflow's stages (workers.trainer.shard_roles), in the orchestrator's order --
 
     def prepare_step_by_ref(self, batch: ShardBatch) -> bool:
         """Fetches ``batch``'s groups and lays the step out for the stages below and

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from buffers.config import invalid
+from buffers.common.config import invalid
 
 Dtype = Literal["float32", "bfloat16"]
 

@@ -21,7 +21,7 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 from workers.layout import Layout, Role
 
 

@@ -18,8 +18,8 @@ from collections.abc import Iterable, Sequence
 
 import msgspec
 
-from buffers.reports import UsageReading
-from workers.spans import BUSY, IDLE, UNRESOLVED, Span
+from buffers.common.reports import UsageReading
+from workers.common.spans import BUSY, IDLE, UNRESOLVED, Span
 
 ROLE_ORDER = ("rollout", "trainer", "critic", "reference")
 """Roles in the order tables and pictures list them (others after)."""
@@ -254,7 +254,7 @@ WEIGHT_PHASES = {
     "weight_sync": ("waiting on the broadcast", "raise weights.sync_every or use in_flight "
                     "updates"),
 }
-"""A rollout engine's pause for a weight update (``workers.spans.WEIGHT_UPDATE``), by
+"""A rollout engine's pause for a weight update (``workers.common.spans.WEIGHT_UPDATE``), by
 phase: what it is, what helps."""
 
 

@@ -54,8 +54,8 @@ from async_rl.run.run_dir import (
 )
 from async_rl.run.run_record import describe
 from async_rl.run.summary import BucketDrops, RunSummary, describe_failures
-from buffers.reports import UsageReading
-from workers.spans import COMPUTING_IDLE, Span
+from buffers.common.reports import UsageReading
+from workers.common.spans import COMPUTING_IDLE, Span
 
 TRACE = "trace.json"
 TIMELINE = "timeline.png"

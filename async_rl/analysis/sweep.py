@@ -29,7 +29,7 @@ from async_rl.config import Config
 from async_rl.config_io import apply_overrides, load_config, to_toml
 from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import CONFIG, SUMMARY, read_summary
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 
 CONSOLE_LOG = "console.log"
 """What a trial's `async-rl train` printed, in its run directory."""

@@ -15,7 +15,7 @@ from rich.console import Console
 from rich.table import Table
 
 from async_rl.analysis.idle import ROLE_ORDER, Breakdown, natural_key
-from workers.spans import IDLE
+from workers.common.spans import IDLE
 
 DEVICE_ROWS = 16
 """Up to this many workers, tables and the timeline list every one."""

@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 
 from async_rl.analysis.idle import ROLE_ORDER
-from workers.spans import WEIGHT_UPDATE, Span
+from workers.common.spans import WEIGHT_UPDATE, Span
 
 # One colour per cause, busy causes in greens/blues, idle causes in warm colours, so the
 # picture reads "green good, red/orange waiting" without a legend lookup.

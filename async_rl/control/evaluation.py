@@ -19,7 +19,7 @@ import anyio
 from async_rl.config import RunConfig
 from async_rl.control.protocols import PolicyWeights
 from async_rl.run.summary import EvalPoint
-from buffers.reports import EvalResult
+from buffers.common.reports import EvalResult
 
 
 class EvalSchedule:

@@ -29,8 +29,8 @@ from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.run_health import RunHealth
 from async_rl.run.run_dir import RunWriter
 from async_rl.run.summary import EvalPoint
-from buffers.records import Prompt
-from buffers.reports import EvalResult
+from buffers.common.records import Prompt
+from buffers.common.reports import EvalResult
 
 log = logging.getLogger(__name__)
 

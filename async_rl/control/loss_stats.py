@@ -4,7 +4,7 @@ added up, and their per-token means.
 Owns: ``merge_stats`` and ``summarise`` (the policy's loss), and the PPO roles' columns
 (``role_metrics``: ``kl/mean``, ``kl/max`` from the policy's update, ``critic/*`` from
 the critic's). The shards count their statistics (``workers.trainer.loss``) and report
-them in ``buffers.records``' records; reading them is the control plane's, beside the
+them in ``buffers.common.records``' records; reading them is the control plane's, beside the
 metrics row (``async_rl.control.step_metrics``). Knows nothing about the loss's
 formula or torch.
 """
@@ -15,8 +15,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from buffers.records import LossStats, ShardStepResult
-from buffers.reports import CriticStepResult
+from buffers.common.records import LossStats, ShardStepResult
+from buffers.common.reports import CriticStepResult
 
 
 def merge_stats(parts: Sequence[LossStats]) -> LossStats:

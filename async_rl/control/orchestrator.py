@@ -11,7 +11,7 @@ with the evaluations due every ``run.eval_every`` steps beside them
 (``async_rl.control.evaluation_runner``), then save and evaluate again. Picking and
 replacing rollout workers is ``async_rl.control.rollout_pool``'s; which failures stop the
 run, ``async_rl.control.run_health``'s; what a checkpoint holds and the order of its
-writes, ``async_rl.control.run_checkpoints``'; reading the workers' usage and spans,
+writes, ``async_rl.control.checkpoint_parts``'; reading the workers' usage and spans,
 ``async_rl.control.worker_readings``'. It keeps the prompt ledger: every admitted prompt
 ends trained exactly once, dropped as filtered (rollout.filter_groups), re-queued with
 a reason (a failure, a stale drop, a group left with fewer than two members, an
@@ -37,7 +37,8 @@ import anyio.abc
 
 from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.config import Config
-from async_rl.control.checkpoint import RunState
+from async_rl.control.checkpoint_files import RunState
+from async_rl.control.checkpoint_parts import RunCheckpoints
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.evaluation_runner import EvaluationRunner
 from async_rl.control.loss_stats import role_metrics
@@ -51,7 +52,6 @@ from async_rl.control.protocols import (
 from async_rl.control.role_stages import RoleStages
 from async_rl.control.rollout_admission import RolloutAdmission
 from async_rl.control.rollout_pool import RolloutPool
-from async_rl.control.run_checkpoints import RunCheckpoints
 from async_rl.control.run_health import RunHealth
 from async_rl.control.step_metrics import StepTotals, step_row
 from async_rl.control.worker_readings import WorkerReadings
@@ -59,13 +59,13 @@ from async_rl.run.progress import RunProgress
 from async_rl.run.run_dir import FINAL_MODEL, RunWriter
 from async_rl.run.summary import EvalPoint, RunSummary
 from async_rl.tasks.sources import PromptSource
-from buffers.batching import shard_batches
-from buffers.concurrent_calls import each
-from buffers.records import Group, Prompt, ShardStepResult
-from buffers.replay_queue import ReplayQueue
-from buffers.reports import BroadcastTiming, CriticStepResult
-from buffers.staleness import AdmissionGate
-from workers.spans import SpanRecorder
+from buffers.common.concurrent_calls import each
+from buffers.common.records import Group, Prompt, ShardStepResult
+from buffers.common.reports import BroadcastTiming, CriticStepResult
+from buffers.plan.batching import shard_batches
+from buffers.queue.replay_queue import ReplayQueue
+from buffers.queue.staleness import AdmissionGate
+from workers.common.spans import SpanRecorder
 
 log = logging.getLogger(__name__)
 

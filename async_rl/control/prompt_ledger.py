@@ -24,8 +24,8 @@ import msgspec
 from async_rl.config import RunConfig
 from async_rl.run.run_dir import RunWriter
 from async_rl.tasks.sources import PromptSource
-from buffers.records import Group, Prompt
-from buffers.reports import LedgerEntry
+from buffers.common.records import Group, Prompt
+from buffers.common.reports import LedgerEntry
 
 FILTERED = "filtered"
 """The reason of a final drop: rollout.filter_groups found the group without signal."""

@@ -22,9 +22,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
-from buffers.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
-from workers.spans import Span
+from buffers.common.records import Group, Prompt, ShardBatch, ShardStepResult
+from buffers.common.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
+from workers.common.spans import Span
 
 E = TypeVar("E", bound=Exception)
 

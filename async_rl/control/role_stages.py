@@ -24,9 +24,9 @@ from async_rl.control.protocols import (
     RoleOutput,
     RoleStagesClient,
 )
-from buffers.concurrent_calls import each
-from buffers.records import ShardBatch
-from buffers.reports import CriticStepResult
+from buffers.common.concurrent_calls import each
+from buffers.common.records import ShardBatch
+from buffers.common.reports import CriticStepResult
 
 
 class RoleStages:

@@ -21,14 +21,14 @@ from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.run_health import RunHealth
 from async_rl.control.step_metrics import StepTotals
 from async_rl.tasks.sources import PromptSource
-from buffers.advantages import has_signal
-from buffers.batching import training_rewards, with_reward_failures
-from buffers.queue_records import Dropped
-from buffers.records import Group, Prompt
-from buffers.replay_queue import ReplayQueue
-from buffers.staleness import AdmissionGate
+from buffers.common.records import Group, Prompt
+from buffers.plan.advantages import has_signal
+from buffers.plan.batching import training_rewards, with_reward_failures
+from buffers.queue.queue_records import Dropped
+from buffers.queue.replay_queue import ReplayQueue
+from buffers.queue.staleness import AdmissionGate
+from workers.common.spans import SpanRecorder
 from workers.rollout.config import RolloutConfig
-from workers.spans import SpanRecorder
 from workers.trainer.config import TrainerConfig
 
 

@@ -16,12 +16,12 @@ import msgspec
 from async_rl.control.evaluation import first_at_target
 from async_rl.control.loss_stats import merge_stats, summarise
 from async_rl.run.summary import BucketDrops, EvalPoint, RunSummary
-from buffers.balance import StepPlan
-from buffers.batching import TrainerRules, trained_sample
-from buffers.config import bucket_index
-from buffers.queue_records import ReplayQueueStatistics
-from buffers.records import Group, ShardStepResult
-from buffers.reports import BroadcastTiming
+from buffers.common.config import bucket_index
+from buffers.common.records import Group, ShardStepResult
+from buffers.common.reports import BroadcastTiming
+from buffers.plan.balance import StepPlan
+from buffers.plan.batching import TrainerRules, trained_sample
+from buffers.queue.queue_records import ReplayQueueStatistics
 
 
 class Counters(msgspec.Struct, frozen=True, kw_only=True):
@@ -255,7 +255,7 @@ def step_row(
     trainer: TrainerRules,
 ) -> dict[str, Any]:
     """One metrics row; also folds the step into ``totals``. ``trainer``: the rules that
-    say which members carried a loss (``buffers.batching.trained_sample``).
+    say which members carried a loss (``buffers.plan.batching.trained_sample``).
 
     Every statistic is the groups' members' (``Group.members``): rewards, accuracy,
     reward/<name> (each reward's member values that are not lost), finish reasons,

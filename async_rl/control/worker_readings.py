@@ -24,8 +24,8 @@ from async_rl.control.protocols import (
 )
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.run_health import RunHealth
-from buffers.reports import UsageReading
-from workers.spans import Span
+from buffers.common.reports import UsageReading
+from workers.common.spans import Span
 
 T = TypeVar("T")
 

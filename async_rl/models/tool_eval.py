@@ -14,9 +14,9 @@ from collections.abc import Callable, Sequence
 import anyio
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from buffers.records import Prompt
-from workers.environment import Environment
+from buffers.common.records import Prompt
 from workers.eval.greedy import greedy_completions
+from workers.rollout.environment import Environment
 
 
 def cut_at_stop(text: str, stops: Sequence[str]) -> str:

@@ -18,7 +18,7 @@ from typing import Final, Protocol, TypeAlias
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from buffers.records import Prompt
+from buffers.common.records import Prompt
 
 IGNORE: Final = -100
 """Label of positions without loss (the prompt, untrained spans and padding)."""

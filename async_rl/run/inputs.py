@@ -29,10 +29,10 @@ from async_rl.config import Config
 from async_rl.run.loggers import check_installed
 from async_rl.run.model_source import resolve_model_path
 from async_rl.tasks.table import check_task
-from buffers.config import ConfigError
-from workers.environment import environment_class
+from buffers.common.config import ConfigError
 from workers.rewards.callables import Reward, check_function
 from workers.rewards.spec import load_reward, reward_name, unique_names
+from workers.rollout.environment import environment_class
 
 
 def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 from async_rl.config import Config
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 
 if TYPE_CHECKING:  # run_dir imports this module to fan its records out
     from async_rl.run.summary import EvalPoint, RunSummary

@@ -17,8 +17,8 @@ import json
 import logging
 from pathlib import Path
 
-from buffers.config import ConfigError
-from workers.errors import first_line
+from buffers.common.config import ConfigError
+from workers.common.errors import first_line
 
 log = logging.getLogger(__name__)
 

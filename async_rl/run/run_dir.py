@@ -20,8 +20,8 @@ from async_rl.config_io import to_toml
 from async_rl.run.loggers import open_loggers, scalars, summary_scalars
 from async_rl.run.run_record import RunRecord, collect, now
 from async_rl.run.summary import EvalPoint, RunSummary
-from buffers.reports import LedgerEntry
-from workers.spans import Span
+from buffers.common.reports import LedgerEntry
+from workers.common.spans import Span
 
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"

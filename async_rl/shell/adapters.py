@@ -40,13 +40,13 @@ from async_rl.control.protocols import (
     Workers,
 )
 from async_rl.shell.launch import StartedWorkers
-from buffers.concurrent_calls import each
-from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
-from buffers.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
-from workers.errors import RolloutWorkerError, first_line
+from buffers.common.concurrent_calls import each
+from buffers.common.records import Group, Prompt, ShardBatch, ShardStepResult
+from buffers.common.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
+from workers.common.errors import RolloutWorkerError, first_line
+from workers.common.spans import Span
 from workers.model_config import ModelConfig
-from workers.spans import Span
-from workers.trainer.checkpoints import WAIT_GROUP
+from workers.trainer.checkpoint_folder import WAIT_GROUP
 from workers.weights.broadcast import Published, WeightBroadcast
 
 OnTimeout = Callable[[str], Exception]

@@ -25,8 +25,9 @@ from ray.util.placement_group import PlacementGroup
 
 from async_rl.config import Config
 from async_rl.roster import Entry, Roster, WorkerSpec
-from buffers.concurrent_calls import each
+from buffers.common.concurrent_calls import each
 from workers.actors import CriticActor, ReferenceActor, RolloutActor, TrainerActor
+from workers.common.ports import free_port
 from workers.eval.evaluator import IdleCpuEvaluator
 from workers.eval.spec import EvaluatorSpec
 from workers.layout import WorkerIdentity
@@ -39,10 +40,9 @@ from workers.placement import (
     own_roles_placement_group,
     role_placement_groups,
 )
-from workers.ports import free_port
 from workers.rollout.spec import RolloutSpec
 from workers.rollout.task import WorkerTask
-from workers.trainer.checkpoints import WAIT_GROUP
+from workers.trainer.checkpoint_folder import WAIT_GROUP
 from workers.trainer.spec import CriticSpec, ReferenceSpec, TrainerSpec
 from workers.weights.broadcast import SEND_GROUP, WeightBroadcast
 from workers.weights.config import check_transport

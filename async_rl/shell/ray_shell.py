@@ -27,7 +27,7 @@ import ray
 from ray.util.placement_group import remove_placement_group
 
 from async_rl.config import Config
-from async_rl.control.checkpoint import (
+from async_rl.control.checkpoint_files import (
     TRAINER,
     CheckpointError,
     RunState,
@@ -47,8 +47,8 @@ from async_rl.shell.launch import StartedWorkers, launch_workers
 from async_rl.shell.role_adapters import adapt_own_roles
 from async_rl.shell.worker_logs import ray_notices_to_log, ray_options
 from async_rl.tasks.table import Task, build_task, worker_task
-from buffers.concurrent_calls import each
-from buffers.config import ConfigError
+from buffers.common.concurrent_calls import each
+from buffers.common.config import ConfigError
 from workers.rewards.callables import Reward
 from workers.rollout.task import WorkerTask
 

@@ -22,9 +22,9 @@ from async_rl.config import Config
 from async_rl.control.protocols import OwnRoles, RoleFailed, RoleOutput
 from async_rl.shell.adapters import RayRoleOutput, WorkerAdapter
 from async_rl.shell.launch import StartedWorkers
-from buffers.records import ShardBatch
-from buffers.reports import CriticStepResult
-from workers.errors import first_line
+from buffers.common.records import ShardBatch
+from buffers.common.reports import CriticStepResult
+from workers.common.errors import first_line
 
 
 def _outputs(refs: Sequence[ray.ObjectRef[Any]]) -> list[RoleOutput]:

@@ -42,8 +42,8 @@ from async_rl.run.run_dir import CONFIG, read_ledger, read_metrics, read_summary
 from async_rl.sim.costs import Costs, Hardware, hardware_toml
 from async_rl.sim.roles import step_passes
 from async_rl.sim.run import simulate, simulation_costs
-from buffers.reports import LedgerEntry
-from workers.spans import Span
+from buffers.common.reports import LedgerEntry
+from workers.common.spans import Span
 
 DECODE_MFUS = (0.01, 0.03, 0.1, 0.3, 1.0)
 """The decode MFUs tried (a CPU engine's small batches are far from peak)."""

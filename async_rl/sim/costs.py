@@ -44,7 +44,7 @@ from typing import Any
 
 import msgspec
 
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 from workers.model_config import LoraConfig, lora_features
 from workers.model_config import kv_bytes_per_token as kv_bytes
 

@@ -34,7 +34,7 @@ import math
 from collections.abc import Callable
 
 from async_rl.sim.costs import Costs
-from workers.spans import UNRESOLVED, Span, SpanRecorder
+from workers.common.spans import UNRESOLVED, Span, SpanRecorder
 
 
 class Request:

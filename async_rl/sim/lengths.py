@@ -21,8 +21,8 @@ from typing import Protocol
 from async_rl.config import Config
 from async_rl.run.run_dir import LEDGER, read_ledger
 from async_rl.tasks.table import reference_length
-from buffers.config import ConfigError
-from buffers.records import Prompt
+from buffers.common.config import ConfigError
+from buffers.common.records import Prompt
 
 
 class LengthLaw(Protocol):

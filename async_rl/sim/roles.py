@@ -8,7 +8,7 @@ micro-batches: the reference's logprobs and the critic's values a forward pass e
 after the policy's own forward pass, on its track), the critic's update a
 forward and backward per micro-batch and an optimizer update of its own per policy
 update, its full gradients all-reduced) and ``SimRoleStages`` (one shard's
-``RoleStagesClient``). The spans are the real shard's (``workers.trainer.roles``): the
+``RoleStagesClient``). The spans are the real shard's (``workers.trainer.shard_roles``): the
 reference's pass is the policy's ``forward`` (busy), the critic's passes are the
 trainer's ``critic`` cause and the critic's own ``forward`` / ``backward`` on its track
 (``critic-N``), which waits as ``policy`` while the policy trains. The critic has the
@@ -25,9 +25,9 @@ from collections.abc import Callable, Sequence
 from async_rl.config import Config
 from async_rl.sim.costs import FORWARD_SHARE
 from async_rl.sim.workers import SimTraining, policy_pass, sim_sequences
-from buffers.records import ShardBatch
-from buffers.reports import CriticStepResult
-from workers.spans import SpanRecorder
+from buffers.common.records import ShardBatch
+from buffers.common.reports import CriticStepResult
+from workers.common.spans import SpanRecorder
 
 
 def step_passes(config: Config) -> float:

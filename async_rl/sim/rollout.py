@@ -21,9 +21,9 @@ import msgspec
 from async_rl.config import Config
 from async_rl.sim.engine import SimEngine
 from async_rl.sim.lengths import LengthLaw, prompt_tokens
-from buffers.records import Group, Prompt
-from buffers.reports import EvalResult, UsageReading
-from workers.spans import Span
+from buffers.common.records import Group, Prompt
+from buffers.common.reports import EvalResult, UsageReading
+from workers.common.spans import Span
 
 Clock = Callable[[], float]
 """The virtual clock every simulated worker reads."""

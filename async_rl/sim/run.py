@@ -37,8 +37,8 @@ from async_rl.sim.weight_path import SimWeights
 from async_rl.sim.workers import SimTrainer, SimTraining
 from async_rl.tasks.sources import ArithmeticTask, PromptSource
 from async_rl.tasks.table import build_task, reference_length
-from buffers.config import ConfigError
-from buffers.records import Prompt
+from buffers.common.config import ConfigError
+from buffers.common.records import Prompt
 
 
 def simulation_costs(config: Config) -> Costs:

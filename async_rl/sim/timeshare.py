@@ -18,8 +18,8 @@ from async_rl.control.protocols import PublishedWeights
 from async_rl.sim.costs import Costs
 from async_rl.sim.engine import SimEngine
 from async_rl.sim.weight_path import SimPublished
-from buffers.config import ConfigError
-from buffers.reports import BroadcastTiming
+from buffers.common.config import ConfigError
+from buffers.common.reports import BroadcastTiming
 
 
 def time_shared(config: Config) -> bool:

@@ -19,7 +19,7 @@ import msgspec
 from async_rl.control.protocols import PublishedWeights
 from async_rl.sim.costs import Costs
 from async_rl.sim.engine import SimEngine
-from buffers.reports import BroadcastTiming
+from buffers.common.reports import BroadcastTiming
 
 
 class SimPublished(msgspec.Struct, frozen=True, kw_only=True):

@@ -27,9 +27,9 @@ from async_rl.roster import roster
 from async_rl.sim.costs import Costs
 from async_rl.sim.engine import SimEngine
 from async_rl.sim.rollout import Clock, SimTokens
-from buffers.records import LossStats, ShardBatch, ShardStepResult
-from buffers.reports import UsageReading
-from workers.spans import UNRESOLVED, Span, SpanRecorder
+from buffers.common.records import LossStats, ShardBatch, ShardStepResult
+from buffers.common.reports import UsageReading
+from workers.common.spans import UNRESOLVED, Span, SpanRecorder
 
 CONTENTION_SLICES = 8
 """A step beside engines on its machine is run in this many slices, each as slowed as

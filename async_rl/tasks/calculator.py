@@ -7,7 +7,7 @@ traces, the environment of one trajectory (``CalculatorEnv``), the emulated tool
 (``ToolLatency``, log-normal with a heavy tail) and the final-answer reward
 (``calculator_reward``). Knows nothing about tokenizers, engines or how turns are run:
 the rollout worker drives ``CalculatorEnv`` through the environment protocol of
-``workers.environment``.
+``workers.rollout.environment``.
 
 A prompt is an expression of two to four terms and ``=``; a trajectory that uses the
 tool calls it, reads the result and answers after ``####``::
@@ -31,8 +31,8 @@ import anyio
 
 from async_rl.tasks.rewards import EOS_TEXT
 from async_rl.tasks.sources import IndexedSource, stable_unit
-from buffers.records import Prompt
-from workers.environment import EnvStep
+from buffers.common.records import Prompt
+from workers.rollout.environment import EnvStep
 
 CALL_OPEN: Final = "<call>"
 CALL_CLOSE: Final = "</call>"

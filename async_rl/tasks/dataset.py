@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 
 from async_rl.task_config import DatasetTaskConfig
 from async_rl.tasks.sources import IndexedSource, PassOrder
-from buffers.config import ConfigError
-from buffers.records import Prompt
+from buffers.common.config import ConfigError
+from buffers.common.records import Prompt
 from workers.rollout.prompts import PromptFormat, prompt_tokens
 
 if TYPE_CHECKING:

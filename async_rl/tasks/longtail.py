@@ -24,7 +24,7 @@ import random
 from collections.abc import Iterator
 
 from async_rl.tasks.sources import IndexedSource, stable_unit
-from buffers.records import Prompt
+from buffers.common.records import Prompt
 
 MAX_NUMBER = 99
 """Largest ``N``: every step is a subtraction of two-digit numbers."""

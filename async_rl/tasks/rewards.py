@@ -11,7 +11,7 @@ import re
 from fractions import Fraction
 from typing import Final
 
-from buffers.records import Prompt
+from buffers.common.records import Prompt
 
 EOS_TEXT: Final = "</s>"
 """The end-of-sequence token's text (see ``async_rl.models.tiny_model``). Engines usually strip

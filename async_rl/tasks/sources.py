@@ -18,7 +18,7 @@ from typing import Annotated, Protocol
 
 import msgspec
 
-from buffers.records import Prompt
+from buffers.common.records import Prompt
 
 
 class SourceState(msgspec.Struct, frozen=True, kw_only=True):

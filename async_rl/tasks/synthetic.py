@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 
 from async_rl.tasks.longtail import RemainderTask, parse_prompt, reference_completion
-from buffers.records import Group, Sample, make_group
+from buffers.common.records import Group, Sample, make_group
 
 
 def long_tail_groups(n: int, seed: int, group_size: int = 8) -> list[Group]:

@@ -42,8 +42,8 @@ from async_rl.tasks.sources import (
     PromptSource,
     read_prompt_file,
 )
-from buffers.config import ConfigError
-from buffers.records import Prompt
+from buffers.common.config import ConfigError
+from buffers.common.records import Prompt
 from workers.rewards.callables import Reward
 from workers.rewards.function import RewardFn
 from workers.rewards.runner import UserRewards

@@ -51,7 +51,7 @@ from async_rl.config_io import load_config
 from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import read_metrics
 from bench.common.quiet_stdout import show, stdout_to_stderr
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 
 KL_ARM = "grpo+kl"
 KL_COEF = 0.05

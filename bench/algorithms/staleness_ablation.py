@@ -64,7 +64,7 @@ from async_rl.config_io import load_config
 from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import METRICS, SUMMARY, read_summary
 from async_rl.run.summary import RunSummary
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 
 LOSSES = {"decoupled": "2.0", "plain": "0.0"}
 """Loss form -> trainer.tis_cap."""

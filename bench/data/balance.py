@@ -23,8 +23,8 @@ import numpy as np
 from rich.console import Console
 from rich.table import Table
 
-from buffers import partition, plan_step, sequence_costs
-from buffers.partition import greedy_labels, karmarkar_karp_labels, part_costs
+from buffers.plan import partition, plan_step, sequence_costs
+from buffers.plan.partition import greedy_labels, karmarkar_karp_labels, part_costs
 
 MAX_LEN = 8192
 

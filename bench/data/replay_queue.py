@@ -31,7 +31,7 @@ EDGES = (512, 1024, 2048, 4096)
 
 
 class Group(msgspec.Struct, frozen=True, kw_only=True):
-    """What the queue reads from ``buffers.records.Group``; the rest is the caller's."""
+    """What the queue reads from ``buffers.common.records.Group``; the rest is the caller's."""
 
     prompt_id: str
     min_version: int

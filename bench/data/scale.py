@@ -80,10 +80,10 @@ from bench.data.scale_stubs import (
     ValueShardBatch,
     ValueTokens,
 )
-from buffers.concurrent_calls import each
-from buffers.config import QueueConfig
-from buffers.records import SequenceSlot, ShardBatch, ShardStepResult
-from buffers.reports import BroadcastTiming
+from buffers.common.concurrent_calls import each
+from buffers.common.config import QueueConfig
+from buffers.common.records import SequenceSlot, ShardBatch, ShardStepResult
+from buffers.common.reports import BroadcastTiming
 from workers.model_config import ModelConfig
 from workers.rollout.config import RolloutConfig
 from workers.trainer.config import TrainerConfig

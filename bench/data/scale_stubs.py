@@ -20,7 +20,7 @@ import msgspec
 import numpy as np
 import ray
 
-from buffers.records import (
+from buffers.common.records import (
     Group,
     GroupTokens,
     LossStats,
@@ -29,8 +29,8 @@ from buffers.records import (
     ShardBatch,
     ShardStepResult,
 )
-from buffers.reports import EvalResult, UsageReading
-from workers.spans import Span
+from buffers.common.reports import EvalResult, UsageReading
+from workers.common.spans import Span
 
 VOCAB = 151_936
 """Token ids are drawn below a real vocabulary's size: ids above 256 are not Python's

@@ -33,8 +33,8 @@ from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import USAGE
 from bench.common.quiet_stdout import add_run_options, show, stdout_to_stderr
 from bench.races.sync_vs_async import RoleFigures, measure, role_figures
-from buffers.config import ConfigError
-from workers.spans import IDLE
+from buffers.common.config import ConfigError
+from workers.common.spans import IDLE
 
 REWARDS = ("instant", "sleeps_20ms", "sleeps_100ms", "computes_2ms")
 FUNCTIONS = Path(__file__).with_name("slow_rewards.py")

@@ -51,8 +51,8 @@ from async_rl.config_io import decode_config, load_config
 from async_rl.run.inputs import check_inputs
 from async_rl.run.summary import RunSummary
 from bench.common.quiet_stdout import add_run_options, show, stdout_to_stderr
-from buffers.config import ConfigError
-from workers.spans import IDLE
+from buffers.common.config import ConfigError
+from workers.common.spans import IDLE
 
 ROLES = ("rollout", "trainer")
 

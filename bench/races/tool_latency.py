@@ -33,9 +33,9 @@ from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import read_ledger
 from bench.common.quiet_stdout import add_run_options, show, stdout_to_stderr
 from bench.races.sync_vs_async import RoleFigures, measure, role_figures
-from buffers.config import ConfigError
-from buffers.reports import LedgerEntry
-from workers.spans import IDLE
+from buffers.common.config import ConfigError
+from buffers.common.reports import LedgerEntry
+from workers.common.spans import IDLE
 
 LATENCIES_MS = (0.0, 50.0, 200.0)
 

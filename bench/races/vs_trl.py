@@ -111,8 +111,8 @@ from async_rl.config_io import decode_config, load_config
 from async_rl.run.inputs import check_inputs
 from async_rl.tasks.sources import IndexedSource, PromptSource
 from bench.common.quiet_stdout import stdout_to_stderr
-from buffers.config import ConfigError
-from buffers.records import Prompt
+from buffers.common.config import ConfigError
+from buffers.common.records import Prompt
 from workers.rewards.function import RewardFn, guarded_reward
 
 CONFIGS = {"arithmetic": "examples/cpu_default.toml", "longtail": "examples/cpu_longtail.toml"}

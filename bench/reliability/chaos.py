@@ -49,8 +49,8 @@ from async_rl.config_io import load_config
 from async_rl.control.prompt_ledger import FILTERED
 from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import METRICS, WORKERS, read_ledger, read_summary
-from buffers.config import ConfigError
-from buffers.reports import LedgerEntry
+from buffers.common.config import ConfigError
+from buffers.common.reports import LedgerEntry
 
 ROOT = Path(__file__).resolve().parents[2]
 ROLLOUT, TRAINER = "ray::RolloutActor", "ray::TrainerActor"

@@ -6,7 +6,7 @@ worker process spins for a second after every queue read) and once as the worker
 default (it tells the engine to block once nothing is in flight). For each it repeats:
 generate a group, stay idle ``--idle`` seconds, generate a group. It reports
 
-- idle_cpu: process-tree CPU seconds (``workers.usage.UsageMeter``: the worker and its
+- idle_cpu: process-tree CPU seconds (``workers.common.usage.UsageMeter``: the worker and its
   engine processes) per wall second of the idle windows, as a fraction of one core;
 - after_idle_ms: median latency of the ``generate_group`` right after an idle window;
 - back_to_back_ms: median latency of ``generate_group`` calls with no idle between.
@@ -48,13 +48,13 @@ def zero_reward(prompt: object, text: str) -> float:
 
 async def measure(mode: str, model_dir: Path, idle_s: float,
                   repeat: int, core: int) -> IdleFigures:
-    from buffers.records import Prompt
+    from buffers.common.records import Prompt
+    from workers.common.usage import UsageMeter
     from workers.model_config import ModelConfig
     from workers.rollout.config import RolloutConfig
     from workers.rollout.spec import RolloutSpec
     from workers.rollout.task import WorkerTask
     from workers.rollout.worker import RolloutWorker
-    from workers.usage import UsageMeter
     from workers.weights.config import WeightsConfig
 
     # The CPU default's rollout shape: groups of 8, 6 new tokens.

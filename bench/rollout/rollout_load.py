@@ -20,7 +20,7 @@ import msgspec
 
 from async_rl.config_io import load_config
 from async_rl.run.inputs import check_inputs
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 
 
 def checked_overrides(config_path: str, overrides: list[str]) -> list[str]:

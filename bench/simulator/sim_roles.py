@@ -34,7 +34,7 @@ from async_rl.api import simulate
 from async_rl.config_io import load_config
 from async_rl.run.run_dir import read_metrics
 from bench.common.quiet_stdout import show, stdout_to_stderr
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 from workers.model_config import LORA_TARGETS, lora_features
 
 QWEN25_7B = {"hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,

@@ -25,7 +25,7 @@ every row it made:
   compiled (``trainer.compile``), (e) the same with Qwen's 151,936-token vocabulary,
   today's path and the new one compiled;
 - NVML's view of each visible GPU, found by the UUID CUDA reports
-  (``workers.usage.cuda_uuid``), beside what an index lookup would have sampled;
+  (``workers.common.usage.cuda_uuid``), beside what an index lookup would have sampled;
 - FSDP2 at world size 1: ``fully_shard`` per decoder layer and the root with a pinned
   ``CPUOffloadPolicy`` and bf16 ``MixedPrecisionPolicy``, two AdamW steps;
 - FSDP2 offload's gradient clip at world size 1 in the group trainer.offload makes

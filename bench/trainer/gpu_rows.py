@@ -27,11 +27,11 @@ import torch
 from async_rl.models.real_size import QWEN25_05B, make_random_model, real_size_config
 from async_rl.models.tiny_model import ModelSize
 from bench.trainer import trainer_step
-from buffers.records import GroupTokens, SequenceSlot, ShardBatch, TrainSequence
+from buffers.common.records import GroupTokens, SequenceSlot, ShardBatch, TrainSequence
+from workers.common.usage import cuda_uuid
 from workers.trainer.packing import pack, packed_logprobs, padded_logprobs
 from workers.trainer.process import process_group_backend
 from workers.trainer.shard import TrainerShard
-from workers.usage import cuda_uuid
 
 PEAK_BF16_TFLOPS = trainer_step.PEAK_BF16_TFLOPS
 Row = tuple[str, str, str]

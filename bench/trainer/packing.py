@@ -3,7 +3,7 @@
 One ``TrainerShard`` step (forward, backward, AdamW) over 128 sequences whose lengths
 are those of the long-tail task's reference traces (``async_rl.tasks.longtail.RemainderTask``:
 prompts about 6 tokens, completions median about 20, 99th percentile about 210), planned
-into micro-batches the way a run plans them (``buffers.balance.plan_step``, first-fit-
+into micro-batches the way a run plans them (``buffers.plan.balance.plan_step``, first-fit-
 decreasing under ``--cap`` tokens). The model is ``--size`` (default ``small``, the CPU
 default's) as initialised; torch on one thread.
 
@@ -90,8 +90,8 @@ def main() -> None:
     from transformers import Qwen2ForCausalLM
 
     from async_rl.models.tiny_model import MODEL_SIZES, size_config
-    from buffers.batching import shard_batches
-    from buffers.records import ShardStepResult
+    from buffers.common.records import ShardStepResult
+    from buffers.plan.batching import shard_batches
     from workers.model_config import ModelConfig
     from workers.trainer.config import TrainerConfig
     from workers.trainer.shard import TrainerShard

@@ -145,9 +145,9 @@ def run(model: Path, steps: int, out_dir: Path, compute_dtype: str) -> Result:
     from async_rl.analysis.idle import TRAINER_TRACK
     from async_rl.analysis.report import read_spans
     from async_rl.api import train
-    from async_rl.control.checkpoint import CHECKPOINTS, TRAINER
+    from async_rl.control.checkpoint_files import CHECKPOINTS, TRAINER
     from async_rl.models.real_size import make_random_model
-    from workers.trainer.checkpoints import TRAINING_STATE
+    from workers.trainer.checkpoint_folder import TRAINING_STATE
 
     if not (model / "config.json").is_file():
         make_random_model(model)

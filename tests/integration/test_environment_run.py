@@ -18,7 +18,7 @@ import pytest
 from test_async_grpo import check_ledger, small_config
 from test_stop_resume import signal_after_rows, trained
 
-from async_rl.control.checkpoint import latest_checkpoint
+from async_rl.control.checkpoint_files import latest_checkpoint
 from async_rl.run.run_dir import read_metrics
 from async_rl.shell.ray_shell import run_training
 

@@ -20,7 +20,7 @@ from async_rl.run.run_dir import FINAL_MODEL, METRICS, read_ledger
 from async_rl.run.summary import RunSummary
 from async_rl.shell.adapters import RayRollout
 from async_rl.shell.ray_shell import NAMESPACE, run_training
-from buffers.reports import EvalResult
+from buffers.common.reports import EvalResult
 
 pytestmark = pytest.mark.ray
 

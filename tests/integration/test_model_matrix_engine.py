@@ -50,7 +50,7 @@ from typing import Any
 import pytest
 
 from async_rl.models.families import ARCHITECTURES, model_type
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 from workers.rollout.engine import update_refusal
 
 pytestmark = pytest.mark.ray

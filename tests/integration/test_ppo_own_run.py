@@ -20,7 +20,7 @@ from test_ppo_run import config
 
 from async_rl.analysis.report import build_report
 from async_rl.config import Config
-from async_rl.control.checkpoint import TRAINER, latest_checkpoint
+from async_rl.control.checkpoint_files import TRAINER, latest_checkpoint
 from async_rl.run.run_dir import read_metrics
 from async_rl.shell.ray_shell import run_training
 from workers.trainer.critic import CRITIC_STATE

@@ -27,7 +27,7 @@ from test_stop_resume import signal_after_rows, trained
 from async_rl.analysis.report import build_report
 from async_rl.config import Config
 from async_rl.config_io import decode_config
-from async_rl.control.checkpoint import TRAINER, latest_checkpoint
+from async_rl.control.checkpoint_files import TRAINER, latest_checkpoint
 from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import FINAL_MODEL, read_metrics
 from async_rl.shell.ray_shell import run_training

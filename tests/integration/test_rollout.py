@@ -21,8 +21,8 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_rl.analysis.idle import busy_fraction
-from buffers.records import Group, Prompt
-from buffers.reports import BroadcastTiming
+from buffers.common.records import Group, Prompt
+from buffers.common.reports import BroadcastTiming
 from workers.model_config import ModelConfig
 from workers.rollout.config import RolloutConfig
 from workers.rollout.spec import RolloutSpec

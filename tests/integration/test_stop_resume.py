@@ -31,7 +31,7 @@ from safetensors.torch import load_file
 
 from async_rl.config import Config
 from async_rl.config_io import decode_config
-from async_rl.control.checkpoint import CHECKPOINTS, TRAINER, latest_checkpoint
+from async_rl.control.checkpoint_files import CHECKPOINTS, TRAINER, latest_checkpoint
 from async_rl.run.run_dir import FINAL_MODEL, read_ledger, read_metrics
 from async_rl.shell.ray_shell import run_training
 

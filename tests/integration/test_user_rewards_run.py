@@ -25,7 +25,7 @@ from transformers import AutoTokenizer
 from async_rl.cli import main
 from async_rl.run.run_dir import read_evals, read_ledger, read_metrics
 from async_rl.shell.ray_shell import run_training
-from buffers.records import Prompt
+from buffers.common.records import Prompt
 from workers.model_config import ModelConfig
 from workers.rewards.runner import UserRewards
 from workers.rewards.spec import RewardSpec

@@ -17,7 +17,7 @@ import pytest
 import ray
 import torch
 
-from buffers.reports import BroadcastTiming
+from buffers.common.reports import BroadcastTiming
 from workers.weights.config import WeightsConfig
 from workers.weights.receiver import INTERRUPTED, UpdateInterrupted
 from workers.weights.sender import WeightSender

@@ -17,7 +17,7 @@ import anyio
 import msgspec
 
 from async_rl.config import Config
-from async_rl.control.checkpoint import latest_checkpoint
+from async_rl.control.checkpoint_files import latest_checkpoint
 from async_rl.control.orchestrator import Orchestrator
 from async_rl.control.protocols import (
     EvaluationFailed,
@@ -31,7 +31,7 @@ from async_rl.run.run_dir import RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.sim.clock import run_virtual, virtual_now
 from async_rl.tasks.sources import ArithmeticTask
-from buffers.records import (
+from buffers.common.records import (
     Group,
     LossStats,
     Prompt,
@@ -40,8 +40,8 @@ from buffers.records import (
     ShardStepResult,
     make_group,
 )
-from buffers.reports import BroadcastTiming, EvalResult, UsageReading
-from workers.spans import Span
+from buffers.common.reports import BroadcastTiming, EvalResult, UsageReading
+from workers.common.spans import Span
 
 LOST = "lost"
 """A group's ``tokens`` after its (fake) rollout worker died: unfetchable."""

@@ -16,7 +16,7 @@ import pytest
 
 from async_rl.config import task_config
 from async_rl.tasks.dataset import Fit, load_dataset_task
-from buffers.records import Prompt, Sample
+from buffers.common.records import Prompt, Sample
 from workers.rewards.runner import UserRewards
 from workers.rewards.spec import RewardSpec
 from workers.rollout.prompts import PromptFormat

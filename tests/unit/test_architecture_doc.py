@@ -48,8 +48,9 @@ def _part(path: Path) -> str:
 
 
 def _imported_workers_modules(path: Path, modules: set[str]) -> set[str]:
-    """The workers modules a file imports, at any depth (``from workers.spans import Span``
-    is ``workers.spans``; ``from workers.rollout import config`` is ``workers.rollout.config``)."""
+    """The workers modules a file imports, at any depth (``from workers.common.spans import
+    Span`` is ``workers.common.spans``; ``from workers.rollout import config`` is
+    ``workers.rollout.config``)."""
     found = set()
     for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
         if isinstance(node, ast.Import):
@@ -105,7 +106,8 @@ def test_each_part_imports_exactly_what_its_row_says() -> None:
 def test_the_control_plane_imports_only_plain_python_from_workers() -> None:
     # The doc's prose names these; the table above is checked against the tree.
     assert _documented_imports()["async_rl/control/"] == {
-        "workers.errors", "workers.rollout.config", "workers.spans", "workers.trainer.config"}
+        "workers.common.errors", "workers.rollout.config", "workers.common.spans",
+        "workers.trainer.config"}
 
 
 def _top_level_names(path: Path) -> set[str]:

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buffers import SequenceTooLong, StepPlan, pack, partition, plan_step, sequence_costs
-from buffers.partition import (
+from buffers.plan.partition import (
     greedy_labels,
     karmarkar_karp_labels,
     part_costs,

@@ -12,9 +12,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buffers import SequenceTooLong
-from buffers.advantages import group_advantages
-from buffers.batching import shard_batches
-from buffers.records import Group, Prompt, Sample, ShardBatch, TrainSequence, make_group
+from buffers.common.records import Group, Prompt, Sample, ShardBatch, TrainSequence, make_group
+from buffers.plan.advantages import group_advantages
+from buffers.plan.batching import shard_batches
 from workers.trainer.config import TrainerConfig
 
 _ids = count()

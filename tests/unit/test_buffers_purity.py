@@ -11,7 +11,7 @@ BUFFERS = Path(__file__).resolve().parents[2] / "buffers"
 BANNED = {"ray", "torch", "vllm", "async_rl", "workers", "transformers", "asyncio"}
 # asyncio: async code in buffers uses anyio, so it runs under any backend the caller picks.
 
-MODULES = sorted(BUFFERS.glob("*.py"))
+MODULES = sorted(BUFFERS.rglob("*.py"))
 
 
 def imported_roots(tree: ast.AST) -> set[str]:

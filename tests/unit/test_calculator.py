@@ -32,8 +32,8 @@ from async_rl.tasks.calculator import (
     final_answer,
 )
 from async_rl.tasks.rewards import EOS_TEXT
-from buffers.records import Prompt
-from workers.environment import EnvStep
+from buffers.common.records import Prompt
+from workers.rollout.environment import EnvStep
 
 
 @pytest.mark.parametrize(("text", "value"), [

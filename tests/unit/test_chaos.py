@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from script_modules import load_script
 
-from buffers.reports import LedgerEntry
+from buffers.common.reports import LedgerEntry
 
 chaos = load_script("bench/reliability/chaos.py", "bench_chaos")
 

@@ -8,7 +8,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from async_rl.control.checkpoint import (
+from async_rl.control.checkpoint_files import (
     CHECKPOINTS,
     CheckpointError,
     RunState,
@@ -19,8 +19,8 @@ from async_rl.control.checkpoint import (
 from async_rl.control.step_metrics import StepTotals
 from async_rl.run.run_dir import FilePositions
 from async_rl.tasks.sources import SourceState
-from buffers.records import Prompt
-from buffers.staleness import AdmissionGate
+from buffers.common.records import Prompt
+from buffers.queue.staleness import AdmissionGate
 
 
 def state(step: int) -> RunState:
@@ -115,7 +115,7 @@ def test_a_checkpoint_of_the_other_trainer_backend_is_refused_in_one_line(
 def test_the_trainer_folder_says_which_backend_wrote_it(tmp_path: Path) -> None:
     import torch
 
-    from workers.trainer.checkpoints import SHARDED, BackendMismatch, load, written_by
+    from workers.trainer.checkpoint_folder import SHARDED, BackendMismatch, load, written_by
 
     assert written_by(tmp_path) is None
     (tmp_path / SHARDED).mkdir()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from workers.trainer.checkpoints import TRAINING_STATE, CheckpointWriter, _copy
+from workers.trainer.checkpoint_folder import TRAINING_STATE, CheckpointWriter, _copy
 
 
 def _optimizer_state() -> dict[str, object]:
@@ -140,7 +140,7 @@ def test_prepared_buffers_are_the_ones_the_first_checkpoint_fills(tmp_path: Path
 
 
 def test_buffers_from_meta_shapes_are_allocated_on_cpu() -> None:
-    from workers.trainer.checkpoints import _allocate
+    from workers.trainer.checkpoint_folder import _allocate
 
     made = _allocate({"w": torch.empty(3, 2, dtype=torch.bfloat16, device="meta"), "n": 7})
     assert made["w"].device.type == "cpu" and made["w"].shape == (3, 2)

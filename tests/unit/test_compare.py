@@ -18,8 +18,8 @@ from async_rl.compare import (
     within,
 )
 from async_rl.config import Config
-from buffers.config import ConfigError
-from buffers.records import Group, LossStats, ShardStepResult
+from buffers.common.config import ConfigError
+from buffers.common.records import Group, LossStats, ShardStepResult
 from workers.trainer.compare import ShardFigures
 
 OPTIONS = {"--set", "--model", "--steps", "--json"}

@@ -3,7 +3,7 @@
 import anyio
 import pytest
 
-from buffers.concurrent_calls import each
+from buffers.common.concurrent_calls import each
 
 
 class Lost(Exception):

@@ -13,7 +13,7 @@ import pytest
 from async_rl.cli import main
 from async_rl.config import Config
 from async_rl.config_io import apply_overrides, decode_config, load_config, to_toml
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 from workers.weights.config import check_transport
 
 GOOD = """

@@ -22,8 +22,8 @@ import torch.multiprocessing as mp
 from torch.distributed.tensor import DTensor
 
 from async_rl.models.tiny_model import build_config
-from buffers.batching import shard_batches
-from buffers.records import Group, Prompt, Sample, make_group
+from buffers.common.records import Group, Prompt, Sample, make_group
+from buffers.plan.batching import shard_batches
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
 from workers.trainer.config import TrainerConfig

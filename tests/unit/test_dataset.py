@@ -21,8 +21,8 @@ from async_rl.models.tiny_model import build_tokenizer
 from async_rl.run.inputs import check_inputs
 from async_rl.tasks.dataset import Fit, load_dataset_task, model_fit
 from async_rl.tasks.sources import SourceMismatchError
-from buffers.config import ConfigError
-from buffers.records import Prompt, Sample
+from buffers.common.config import ConfigError
+from buffers.common.records import Prompt, Sample
 from workers.rewards.runner import UserRewards
 from workers.rewards.spec import RewardSpec
 from workers.rollout.prompts import PromptFormat, conversation, prompt_tokens, render

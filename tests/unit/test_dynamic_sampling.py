@@ -30,10 +30,10 @@ from async_rl.control.protocols import RunFailed
 from async_rl.control.step_metrics import StepTotals
 from async_rl.models.tiny_model import build_config
 from async_rl.run.run_dir import read_metrics, read_summary
-from buffers.advantages import group_advantages, has_signal, overlong_penalty
-from buffers.batching import shard_batches, trained_sample, training_rewards
-from buffers.config import ConfigError
-from buffers.records import Group, Prompt, Sample, make_group
+from buffers.common.config import ConfigError
+from buffers.common.records import Group, Prompt, Sample, make_group
+from buffers.plan.advantages import group_advantages, has_signal, overlong_penalty
+from buffers.plan.batching import shard_batches, trained_sample, training_rewards
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
 from workers.trainer.config import TrainerConfig

@@ -10,8 +10,8 @@ import pytest
 
 import async_rl
 from async_rl.config_io import decode_config, load_config, to_toml
-from buffers.config import ConfigError
-from workers.environment import EnvironmentConfig, environment_class
+from buffers.common.config import ConfigError
+from workers.rollout.environment import EnvironmentConfig, environment_class
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 ADDER = f"{FIXTURES / 'adder_env.py'}:AdderEnv"

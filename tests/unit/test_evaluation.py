@@ -21,7 +21,7 @@ from async_rl.control.protocols import PolicyWeights
 from async_rl.control.step_metrics import StepTotals
 from async_rl.run.run_dir import EVALS, SUMMARY, RunWriter, read_evals, read_summary
 from async_rl.run.summary import EvalPoint
-from buffers.reports import EvalResult
+from buffers.common.reports import EvalResult
 
 
 class Weights(msgspec.Struct, frozen=True):
@@ -195,7 +195,7 @@ def test_report_prints_time_to_target(tmp_path: Path,
                                       capsys: pytest.CaptureFixture[str]) -> None:
     from async_rl.analysis.report import print_report
     from async_rl.run.run_dir import SPANS
-    from workers.spans import Span
+    from workers.common.spans import Span
 
     run = tmp_path / "run"
     run.mkdir()

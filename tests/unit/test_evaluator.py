@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from async_rl.models.tiny_model import MadeModel, make_model
 from async_rl.tasks.rewards import arithmetic_reward
 from async_rl.tasks.sources import ArithmeticTask
-from buffers.records import Prompt
-from buffers.reports import EvalResult
+from buffers.common.records import Prompt
+from buffers.common.reports import EvalResult
 from workers.eval.evaluator import EVALUATOR_RANK, IdleCpuEvaluator
 from workers.eval.greedy import evaluate_accuracy
 from workers.eval.spec import EvaluatorSpec

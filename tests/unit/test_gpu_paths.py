@@ -31,23 +31,23 @@ from test_packing import shard_batch
 from transformers import Qwen2ForCausalLM
 
 from async_rl.models.tiny_model import build_config
-from buffers.config import ConfigError
-from buffers.records import TrainSequence
+from buffers.common.config import ConfigError
+from buffers.common.records import TrainSequence
+from workers.common.spans import SpanRecorder
+from workers.common.usage import UsageMeter, cuda_uuid
 from workers.layout import assign_cpus
 from workers.model_config import ModelConfig
 from workers.placement import check_gpus, gpus_per_worker, role_bundles
 from workers.rollout.config import RolloutConfig, Sampling, engine_dtype
 from workers.rollout.engine import transport_environment
-from workers.spans import SpanRecorder
 from workers.trainer.attention import attention_kwargs, use_packed_attention
 from workers.trainer.config import TrainerConfig
 from workers.trainer.device_setup import attention_dtype, compiles, decoder_layers, speed_up
 from workers.trainer.ppo_update import StepLoss
 from workers.trainer.process import process_group_backend
-from workers.trainer.roles import StepRoles
 from workers.trainer.shard import TrainerShard
+from workers.trainer.shard_roles import StepRoles
 from workers.trainer.spec import ReferenceSpec, TrainerSpec
-from workers.usage import UsageMeter, cuda_uuid
 from workers.weights.config import WeightsConfig
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -363,13 +363,13 @@ def test_tf32_is_on_in_every_trainer_side_process_computing_float32_on_cuda(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Process-wide on purpose (docs/gpu.md); a reference or critic on a worker of its
     # own computed in full float32 while the policy it is compared with ran TF32.
-    from workers.trainer import own_roles
+    from workers.trainer import role_workers
 
     matmul, cudnn = SimpleNamespace(allow_tf32=False), SimpleNamespace(allow_tf32=False)
     monkeypatch.setattr(torch.backends.cuda, "matmul", matmul)
     monkeypatch.setattr(torch.backends, "cudnn", cudnn)
-    monkeypatch.setattr(own_roles, "start_process", lambda device, cpu_ids: None)
-    worker = own_roles.ReferenceWorker(ReferenceSpec(
+    monkeypatch.setattr(role_workers, "start_process", lambda device, cpu_ids: None)
+    worker = role_workers.ReferenceWorker(ReferenceSpec(
         path="unused", rank=0, model=ModelConfig(path="unused"),
         trainer=TrainerConfig(compute_dtype="bfloat16"), temperature=1.0, record_spans=False))
     worker.device = torch.device("cuda", 0)

@@ -17,11 +17,9 @@ import msgspec
 import pytest
 
 from async_rl.config import Config
-from async_rl.control.checkpoint import latest_checkpoint
+from async_rl.control.checkpoint_files import latest_checkpoint
 from async_rl.control.orchestrator import Orchestrator
-from buffers.advantages import has_signal
-from buffers.batching import shard_batches, training_rewards, with_reward_failures
-from buffers.records import (
+from buffers.common.records import (
     NO_POLICY_TOKEN,
     NO_VERSION,
     REWARD_FAILED,
@@ -30,7 +28,9 @@ from buffers.records import (
     Sample,
     make_group,
 )
-from buffers.replay_queue import ReplayQueue
+from buffers.plan.advantages import has_signal
+from buffers.plan.batching import shard_batches, training_rewards, with_reward_failures
+from buffers.queue.replay_queue import ReplayQueue
 from tests.unit.orchestrator_fakes import (
     FakeRollout,
     FakeTrainer,
@@ -40,7 +40,7 @@ from tests.unit.orchestrator_fakes import (
     trained_once_or_unfinished,
 )
 from tests.unit.turn_fakes import ByteTokenizer, Params
-from workers.environment import EnvironmentConfig
+from workers.rollout.environment import EnvironmentConfig
 from workers.rollout.prompts import PromptFormat
 from workers.rollout.turns import TurnRunner
 from workers.trainer.config import TrainerConfig

@@ -18,11 +18,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from async_rl.control.protocols import RunFailed
-from buffers.advantages import group_advantages, has_signal
-from buffers.batching import shard_batches, training_rewards, with_reward_failures
-from buffers.errors import NotEnoughGroups
-from buffers.records import NO_VERSION, Group, Prompt, Sample, make_group
-from buffers.replay_queue import ReplayQueue
+from buffers.common.records import NO_VERSION, Group, Prompt, Sample, make_group
+from buffers.plan.advantages import group_advantages, has_signal
+from buffers.plan.batching import shard_batches, training_rewards, with_reward_failures
+from buffers.queue.errors import NotEnoughGroups
+from buffers.queue.replay_queue import ReplayQueue
 from tests.unit.orchestrator_fakes import (
     FakeRollout,
     FakeTrainer,

@@ -16,7 +16,7 @@ from async_rl.analysis.idle import (
     resolve,
     step_windows,
 )
-from workers.spans import Span, SpanRecorder
+from workers.common.spans import Span, SpanRecorder
 
 
 class FakeClock:

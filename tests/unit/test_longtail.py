@@ -25,7 +25,7 @@ from async_rl.tasks.longtail import (
 )
 from async_rl.tasks.rewards import EOS_TEXT, arithmetic_reward, remainder_reward
 from async_rl.tasks.sources import ArithmeticTask, SourceMismatchError, SourceState
-from buffers.records import Prompt
+from buffers.common.records import Prompt
 
 TRAIN_PROMPTS = 20_000
 """Enough that the 99th percentile of the lengths is stable (at 5000 it still moves by

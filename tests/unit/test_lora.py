@@ -16,10 +16,10 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from async_rl.cli import main
 from async_rl.config_io import apply_overrides, decode_config
 from async_rl.run.inputs import check_lora_targets
-from buffers.config import ConfigError
-from buffers.records import TrainSequence
+from buffers.common.config import ConfigError
+from buffers.common.records import TrainSequence
 from workers.model_config import LoraConfig
-from workers.trainer.checkpoints import TRAINING_STATE
+from workers.trainer.checkpoint_folder import TRAINING_STATE
 from workers.trainer.lora import (
     adapter_state,
     attach,

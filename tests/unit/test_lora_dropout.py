@@ -12,7 +12,7 @@ import torch
 from test_lora import tiny
 from test_ppo_roles import GROUPS
 
-from buffers.batching import shard_batches
+from buffers.plan.batching import shard_batches
 from workers.model_config import LoraConfig, ModelConfig
 from workers.rollout.config import Sampling
 from workers.trainer.config import TrainerConfig

@@ -18,7 +18,7 @@ import torch
 from transformers import Qwen2ForCausalLM
 
 from async_rl.models.tiny_model import build_config
-from buffers.records import (
+from buffers.common.records import (
     NO_VERSION,
     GroupTokens,
     LossStats,

@@ -14,10 +14,10 @@ from typing import Any
 import pytest
 
 import async_rl
-from buffers.records import NO_POLICY_TOKEN, Prompt, Sample
+from buffers.common.records import NO_POLICY_TOKEN, Prompt, Sample
 from tests.unit.turn_fakes import ByteTokenizer, Params
-from workers.environment import EnvironmentConfig
 from workers.rewards.runner import UserRewards
+from workers.rollout.environment import EnvironmentConfig
 from workers.rollout.prompts import PromptFormat
 from workers.rollout.scoring import Scorer
 from workers.rollout.turns import TurnRunner

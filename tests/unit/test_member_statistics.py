@@ -15,9 +15,9 @@ import pytest
 
 from async_rl.config import Config
 from async_rl.control.step_metrics import StepTotals, step_row
-from buffers.batching import shard_batches, with_reward_failures
-from buffers.records import Group, Prompt, Sample, make_group
-from buffers.replay_queue import ReplayQueue
+from buffers.common.records import Group, Prompt, Sample, make_group
+from buffers.plan.batching import shard_batches, with_reward_failures
+from buffers.queue.replay_queue import ReplayQueue
 from tests.unit.orchestrator_fakes import FakeRollout, FakeTrainer, config, ledger, run
 from workers.trainer.config import TrainerConfig
 

@@ -39,8 +39,8 @@ from async_rl.cli import main
 from async_rl.config import Config
 from async_rl.models.families import ARCHITECTURES, tiny_config
 from async_rl.run.inputs import check_inputs
-from buffers.config import ConfigError
-from buffers.records import TrainSequence
+from buffers.common.config import ConfigError
+from buffers.common.records import TrainSequence
 from workers.model_config import LORA_TARGETS, LoraConfig
 from workers.trainer.attention import use_packed_attention
 from workers.trainer.lora import attach, init_adapters

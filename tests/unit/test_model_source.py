@@ -19,7 +19,7 @@ from huggingface_hub import constants
 from async_rl.config import Config
 from async_rl.run.inputs import check_inputs
 from async_rl.run.model_source import resolve_model_path
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 
 MODEL_CONFIG = json.dumps({"model_type": "qwen2"})
 REPO = Path(__file__).resolve().parents[2]

@@ -19,8 +19,8 @@ from transformers import AutoModelForCausalLM
 from async_rl.control.loss_stats import merge_stats, summarise
 from async_rl.models.families import build_family_model, tiny_config
 from async_rl.run.inputs import check_router
-from buffers.config import ConfigError
-from buffers.records import TrainSequence
+from buffers.common.config import ConfigError
+from buffers.common.records import TrainSequence
 from workers.trainer import ppo_update
 from workers.trainer.attention import use_packed_attention
 from workers.trainer.config import TrainerConfig

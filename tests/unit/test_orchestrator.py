@@ -20,10 +20,10 @@ from orchestrator_fakes import (
     trained_once_or_unfinished,
 )
 
-from async_rl.control.checkpoint import latest_checkpoint
+from async_rl.control.checkpoint_files import latest_checkpoint
 from async_rl.control.protocols import RunFailed
 from async_rl.run.run_dir import FINAL_MODEL, SPANS
-from buffers.records import Group, Prompt, ShardBatch, ShardStepResult
+from buffers.common.records import Group, Prompt, ShardBatch, ShardStepResult
 
 
 def test_a_run_trains_every_step_within_the_staleness_bound(tmp_path: Path) -> None:

@@ -20,7 +20,7 @@ from orchestrator_fakes import (
     trained_once_or_unfinished,
 )
 
-from buffers.records import NO_VERSION, Group, Prompt, Sample, make_group
+from buffers.common.records import NO_VERSION, Group, Prompt, Sample, make_group
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 

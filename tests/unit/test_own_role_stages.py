@@ -17,12 +17,12 @@ import pytest
 from orchestrator_fakes import LOST, FakeRollout, FakeTrainer, config, run
 
 from async_rl.config import Config
-from async_rl.control.checkpoint import latest_checkpoint
+from async_rl.control.checkpoint_files import latest_checkpoint
 from async_rl.control.protocols import OwnRoles, RoleFailed, RoleOutput, RunFailed
 from async_rl.run.run_dir import read_metrics
-from buffers.records import ShardBatch, ShardStepResult
-from buffers.reports import CriticStepResult, UsageReading
-from workers.spans import Span
+from buffers.common.records import ShardBatch, ShardStepResult
+from buffers.common.reports import CriticStepResult, UsageReading
+from workers.common.spans import Span
 
 Log = list[tuple[Any, ...]]
 

@@ -14,14 +14,14 @@ import pytest
 import torch
 from test_ppo_roles import GROUPS, group, model_dir, shard  # noqa: F401 (a fixture)
 
-from buffers.batching import shard_batches
-from buffers.records import Group
-from buffers.reports import CriticStepResult
+from buffers.common.records import Group
+from buffers.common.reports import CriticStepResult
+from buffers.plan.batching import shard_batches
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
 from workers.trainer.config import TrainerConfig
-from workers.trainer.own_roles import CriticWorker, ReferenceWorker
 from workers.trainer.ppo_stages import merged_updates
+from workers.trainer.role_workers import CriticWorker, ReferenceWorker
 from workers.trainer.roles_config import CriticConfig
 from workers.trainer.shard import TrainerShard
 from workers.trainer.spec import CriticSpec, ReferenceSpec, TrainerSpec
@@ -205,7 +205,7 @@ def test_two_own_critic_shards_in_ddp_fit_what_one_fits_alone(
     weights."""
     import multiprocessing as mp
 
-    from workers.ports import free_port
+    from workers.common.ports import free_port
 
     alone, alone_results, alone_head = _critic_steps(str(model_dir), 0, 1, free_port())
     context = mp.get_context("spawn")

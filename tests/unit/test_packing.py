@@ -21,7 +21,7 @@ from transformers import Qwen2ForCausalLM
 
 from async_rl.control.step_metrics import _padding_ratio
 from async_rl.models.tiny_model import build_config
-from buffers.records import (
+from buffers.common.records import (
     GroupTokens,
     LossStats,
     SequenceSlot,

@@ -14,8 +14,8 @@ import torch
 from host_reads import HostReads
 
 from async_rl.models.tiny_model import build_config
-from buffers.batching import shard_batches
-from buffers.records import NO_VERSION, Group, Prompt, Sample, make_group
+from buffers.common.records import NO_VERSION, Group, Prompt, Sample, make_group
+from buffers.plan.batching import shard_batches
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
 from workers.trainer.config import TrainerConfig

@@ -27,7 +27,7 @@ from buffers import (
 
 
 class Item(msgspec.Struct, frozen=True, kw_only=True):
-    """A stand-in for buffers.records.Group with just what the queue reads."""
+    """A stand-in for buffers.common.records.Group with just what the queue reads."""
 
     prompt_id: str
     min_version: int = 0

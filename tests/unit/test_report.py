@@ -11,8 +11,8 @@ from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.analysis.report import IDLE_JSON, TIMELINE, TRACE, RunIdle
 from async_rl.cli import main
 from async_rl.run.run_dir import SPANS, USAGE
-from buffers.reports import UsageReading
-from workers.spans import Span
+from buffers.common.reports import UsageReading
+from workers.common.spans import Span
 
 
 def s(worker: str, role: str, cause: str, start: float, end: float, version: int = 0) -> Span:

@@ -27,7 +27,7 @@ from async_rl.analysis.results import RESULT_LINES, fill_steps, result_table, st
 from async_rl.analysis.tables import DEVICE_ROWS, FEW_DEVICES, wide_console
 from async_rl.analysis.trace import cause_shares
 from async_rl.cli import main
-from workers.spans import Span
+from workers.common.spans import Span
 
 SIZE = {"parameters": 4.0e6, "kv_bytes_per_token": 4096, "lengths": "lognormal",
         "length_median": 30.0, "length_sigma": 0.8}

@@ -118,7 +118,7 @@ def test_saturation_reaches_the_run_summarys_failures(hanging: Hanging) -> None:
     """Scorer -> Group -> StepTotals: the failure class the summary and console show."""
     from async_rl.control.step_metrics import StepTotals
     from async_rl.run.summary import describe_failures
-    from buffers.records import Prompt, Sample, make_group
+    from buffers.common.records import Prompt, Sample, make_group
     from workers.rewards.runner import UserRewards
     from workers.rollout.scoring import Scorer
 

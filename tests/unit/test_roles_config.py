@@ -12,7 +12,7 @@ import pytest
 
 from async_rl.cli import main
 from async_rl.config_io import load_config
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 
 BASE = '[model]\npath = "runs/tiny-model"\n'
 

@@ -22,13 +22,13 @@ from orchestrator_fakes import (
 )
 
 from async_rl.config import Config
-from async_rl.control.checkpoint import latest_checkpoint
+from async_rl.control.checkpoint_files import latest_checkpoint
 from async_rl.control.protocols import RolloutFailed, RunFailed, TrainerFailed, WaitTimedOut
 from async_rl.shell import adapters
 from async_rl.shell.adapters import RayRollout, RayTrainer
 from async_rl.shell.launch import StartedWorkers
-from buffers.records import Prompt, ShardBatch, ShardStepResult
-from buffers.reports import EvalResult
+from buffers.common.records import Prompt, ShardBatch, ShardStepResult
+from buffers.common.reports import EvalResult
 
 
 def with_keys(cfg: Config, **sections: dict[str, Any]) -> Config:

@@ -15,7 +15,7 @@ from async_rl.cli import main
 from async_rl.config_io import decode_config
 from async_rl.run.run_dir import RUN_RECORD, RunWriter, read_ledger, read_record
 from async_rl.run.run_record import RunRecord, collect, source_state
-from buffers.reports import LedgerEntry
+from buffers.common.reports import LedgerEntry
 
 
 def test_run_json_holds_the_record_and_its_end_time(tmp_path: Path) -> None:

@@ -12,8 +12,8 @@ import pytest
 from async_rl.cli import main
 from async_rl.config import Config
 from async_rl.sim.lengths import length_law, lengths_file
-from buffers.config import ConfigError
-from buffers.records import Prompt
+from buffers.common.config import ConfigError
+from buffers.common.records import Prompt
 
 
 def config(lengths: str) -> Config:

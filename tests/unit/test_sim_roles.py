@@ -21,9 +21,9 @@ from async_rl.sim.calibrate import calibrate
 from async_rl.sim.costs import Costs, ModelShape, adapter_parameters, load_hardware
 from async_rl.sim.roles import step_passes
 from async_rl.sim.run import simulation_costs
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
+from workers.common.spans import BUSY
 from workers.model_config import LORA_TARGETS, LoraConfig, lora_features
-from workers.spans import BUSY
 from workers.weights.adapter import adapter_shapes
 
 QWEN_05B = {"vocab_size": 151936, "hidden_size": 896, "intermediate_size": 4864,

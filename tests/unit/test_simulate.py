@@ -26,8 +26,8 @@ from async_rl.sim.clock import YOUNG_THRESHOLD, run_virtual
 from async_rl.sim.costs import Costs, hardware_toml, load_hardware, model_shape
 from async_rl.sim.lengths import LogNormal, Replayed
 from async_rl.sim.workers import engines_on_trainer_cores
-from buffers.records import Prompt
-from workers.spans import Span
+from buffers.common.records import Prompt
+from workers.common.spans import Span
 
 MODEL = {"path": "not-needed"}
 SIZE = {"parameters": 4.0e6, "kv_bytes_per_token": 4096, "lengths": "lognormal",

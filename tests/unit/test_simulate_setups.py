@@ -17,8 +17,8 @@ from async_rl.config_io import load_config
 from async_rl.run.run_dir import read_metrics
 from async_rl.sim.costs import Costs, Hardware, ModelShape, load_hardware, model_shape
 from async_rl.sim.run import simulation_costs
-from buffers.config import ConfigError
-from workers.spans import Span
+from buffers.common.config import ConfigError
+from workers.common.spans import Span
 
 NOT_COSTS = {"name", "sources"}
 """Hardware fields that label a file rather than cost anything."""

@@ -26,7 +26,7 @@ from async_rl.cli import main
 from async_rl.config_io import load_config, to_toml
 from async_rl.control.step_metrics import StepTotals
 from async_rl.run.run_dir import CONFIG, SUMMARY
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
 
 
 def test_values_split_at_commas_outside_brackets() -> None:

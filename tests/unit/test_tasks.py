@@ -24,7 +24,7 @@ from async_rl.tasks.sources import (
     SourceState,
     read_prompt_file,
 )
-from buffers.records import Prompt
+from buffers.common.records import Prompt
 
 FIXTURE = Path(__file__).parent.parent / "fixtures" / "tiny_gsm.jsonl"
 

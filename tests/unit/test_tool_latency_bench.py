@@ -9,7 +9,7 @@ import pytest
 from script_modules import load_script
 
 from async_rl.config_io import decode_config
-from buffers.reports import LedgerEntry
+from buffers.common.reports import LedgerEntry
 
 bench = load_script("bench/races/tool_latency.py", "tool_latency")
 

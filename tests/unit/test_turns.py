@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 
 import async_rl
-from buffers.records import NO_VERSION, Prompt, Sample, make_group
+from buffers.common.records import NO_VERSION, Prompt, Sample, make_group
 from tests.unit.turn_fakes import Params
-from workers.environment import EnvironmentConfig
+from workers.rollout.environment import EnvironmentConfig
 from workers.rollout.prompts import PromptFormat
 from workers.rollout.turns import TurnRunner, environment_row
 

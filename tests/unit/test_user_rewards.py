@@ -12,7 +12,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from buffers.config import ConfigError
+from buffers.common.config import ConfigError
+from workers.common.user_code import module_name_for
 from workers.rewards.calls import (
     RewardShapeError,
     chat_messages,
@@ -27,7 +28,6 @@ from workers.rewards.spec import (
     reward_style,
     unique_names,
 )
-from workers.user_code import module_name_for
 
 REWARDS = '''
 import asyncio

@@ -29,7 +29,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
     NCCLWeightTransferInitInfo,
 )
 
-from buffers.reports import BroadcastTiming
+from buffers.common.reports import BroadcastTiming
 from workers.weights import group_client
 from workers.weights.config import WeightsConfig
 from workers.weights.group_client import GroupClient, GroupFailed

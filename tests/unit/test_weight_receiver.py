@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import pytest
 
-from workers.errors import RolloutWorkerError
+from workers.common.errors import RolloutWorkerError
 from workers.weights.config import WeightsConfig
 from workers.weights.receiver import (
     INTERRUPTED,

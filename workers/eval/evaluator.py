@@ -23,8 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from buffers.records import Prompt, Sample
-from buffers.reports import EvalResult
+from buffers.common.records import Prompt, Sample
+from buffers.common.reports import EvalResult
 from workers.eval.greedy import greedy_completions
 from workers.eval.spec import EvaluatorSpec
 from workers.rollout.prompts import render

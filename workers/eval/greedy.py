@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from buffers.records import Prompt
+from buffers.common.records import Prompt
 from workers.rewards.function import RewardFn
 
 

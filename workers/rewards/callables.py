@@ -23,8 +23,8 @@ from typing import Any, Literal
 
 import msgspec
 
-from buffers.config import ConfigError
-from workers.errors import first_line
+from buffers.common.config import ConfigError
+from workers.common.errors import first_line
 from workers.rewards.spec import DEFAULT_COLUMNS, STYLES, check_reward, reward_name, reward_style
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
-from buffers.records import Prompt
+from buffers.common.records import Prompt
 
 
 class RewardFn(Protocol):

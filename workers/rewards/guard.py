@@ -21,10 +21,10 @@ from typing import Any
 
 import msgspec
 
-from workers.errors import first_line
+from workers.common.errors import first_line
+from workers.common.user_code import import_user_file
 from workers.rewards.calls import RewardValues, score_group, score_group_async
 from workers.rewards.spec import RewardSpec, Style, import_reward
-from workers.user_code import import_user_file
 
 
 class CallFailed(msgspec.Struct, frozen=True):

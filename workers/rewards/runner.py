@@ -5,7 +5,7 @@ Owns: ``RewardRunner`` (scores a group with every reward and sums them by weight
 workers load the rewards once when they start (specs by the same file path or module;
 callables passed directly travel pickled, by value with cloudpickle where it is
 installed), or, with ``threads=True``, in a thread pool. ``async def`` rewards run on an
-event loop of their own, in its own thread (``workers.loop_thread``). Every call is
+event loop of their own, in its own thread (``workers.common.loop_thread``). Every call is
 bounded by ``timeout_s``: a call that raises, returns the wrong shape or a non-finite
 score, or times out scores 0 for the samples it covers (one for per-sample styles, the
 group for TRL) and is counted, per sample, in ``errors`` or ``timeouts``; the other
@@ -31,8 +31,9 @@ from typing import Any, NamedTuple
 import msgspec
 import pebble
 
-from buffers.config import ConfigError
-from workers.loop_thread import LoopThread
+from buffers.common.config import ConfigError
+from workers.common.loop_thread import LoopThread
+from workers.common.user_code import loaded_user_files
 from workers.rewards import guard as reward_guard
 from workers.rewards.callables import Reward, dumps
 from workers.rewards.calls import Message, RewardValues, chat_messages, is_async_reward
@@ -56,7 +57,6 @@ from workers.rewards.spec import (
     unique_names,
 )
 from workers.rewards.threads import PoolSaturated, RewardThreads
-from workers.user_code import loaded_user_files
 
 log = logging.getLogger("async_rl.rewards")
 

@@ -1,7 +1,7 @@
 """Reward functions from user code: naming one in a config, loading it, reading its shape.
 
 Owns: ``RewardSpec`` (one ``[[task.rewards]]`` entry), ``import_reward`` (the callable a
-spec names, imported through ``workers.user_code``),
+spec names, imported through ``workers.common.user_code``),
 ``load_reward`` (that, checked: it must be able to take a completion), ``reward_style``
 (the calling convention, TRL, verl or per-sample, guessed from the parameters unless
 forced), ``Parameters`` (what a callable accepts, for binding its arguments) and the
@@ -21,9 +21,9 @@ from typing import Any, Literal, cast
 
 import msgspec
 
-from buffers.config import ConfigError
-from workers.errors import first_line
-from workers.user_code import absolute_target, import_object
+from buffers.common.config import ConfigError
+from workers.common.errors import first_line
+from workers.common.user_code import absolute_target, import_object
 
 Style = Literal["trl", "verl", "sample"]
 """A reward's calling convention (see ``workers.rewards.calls``)."""

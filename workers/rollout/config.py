@@ -10,7 +10,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from buffers.config import Fraction, NonNegative, Positive, PositiveFloat
+from buffers.common.config import Fraction, NonNegative, Positive, PositiveFloat
 from workers.model_config import Dtype, ModelConfig
 
 

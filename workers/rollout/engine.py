@@ -24,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from workers.errors import RolloutWorkerError
+from workers.common.errors import RolloutWorkerError
 from workers.model_config import ModelConfig, kv_bytes_per_token
 from workers.rollout.config import RolloutConfig, engine_dtype
 

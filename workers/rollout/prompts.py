@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from buffers.records import Prompt
+from buffers.common.records import Prompt
 
 Message = dict[str, str]
 

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from buffers.records import Prompt, Sample
+from buffers.common.records import Prompt, Sample
 from workers.rewards.function import RewardFn, guarded_reward
 from workers.rewards.runner import GroupRewards, RewardRunner, UserRewards
 from workers.rollout.prompts import PromptFormat, reward_prompt

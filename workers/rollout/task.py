@@ -12,9 +12,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from workers.environment import EnvironmentConfig
 from workers.rewards.function import RewardFn
 from workers.rewards.runner import UserRewards
+from workers.rollout.environment import EnvironmentConfig
 from workers.rollout.prompts import PromptFormat
 
 

@@ -1,7 +1,7 @@
 """Multi-turn trajectories: the turns between a rollout engine and an environment.
 
 Owns: ``TurnRunner``, which plays a prompt's group of trajectories side by side, one
-environment instance each (``workers.environment``): ``reset`` gives the first prompt,
+environment instance each (``workers.rollout.environment``): ``reset`` gives the first prompt,
 then turn after turn the engine generates (until a stop string of task.environment.stop,
 kept in the text, EOS, or rollout.max_new_tokens), ``step`` answers, and the
 observation's tokens are appended (``workers.rollout.prompts.observation_ids``: with the
@@ -12,7 +12,7 @@ continues on the whole context as token ids (with rollout.prefix_caching the eng
 reuses its KV). The policy's tokens keep their behaviour logprobs and the version that
 produced each (exact across weight updates between turns or inside one); observation
 tokens get loss mask 0, logprob 0 and ``NO_VERSION``. Every environment call runs on an
-event loop of its own (``workers.loop_thread``), never the engine's, bounded by
+event loop of its own (``workers.common.loop_thread``), never the engine's, bounded by
 task.environment.turn_timeout_s: a call past it ends its trajectory (outcome "timeout"),
 one that raises or returns no ``EnvStep`` ends it likewise (outcome "error"); with
 on_timeout / on_error = "exclude" (the default) that trajectory is no member of its
@@ -33,9 +33,9 @@ from typing import Any
 
 import msgspec
 
-from buffers.records import NO_VERSION, Prompt, Sample
-from workers.environment import Environment, EnvironmentConfig, EnvStep, environment_class
-from workers.loop_thread import LoopThread
+from buffers.common.records import NO_VERSION, Prompt, Sample
+from workers.common.loop_thread import LoopThread
+from workers.rollout.environment import Environment, EnvironmentConfig, EnvStep, environment_class
 from workers.rollout.prompts import PromptFormat, observation_ids, render
 from workers.rollout.stop_strings import cut_at_stop
 

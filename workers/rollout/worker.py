@@ -25,9 +25,11 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
-from buffers.records import NO_VERSION, Group, Prompt, Sample, make_group
-from buffers.reports import BroadcastTiming, EvalResult, RolloutStatistics, UsageReading
-from workers.errors import RolloutWorkerError
+from buffers.common.records import NO_VERSION, Group, Prompt, Sample, make_group
+from buffers.common.reports import BroadcastTiming, EvalResult, RolloutStatistics, UsageReading
+from workers.common.errors import RolloutWorkerError
+from workers.common.spans import UNRESOLVED, Span, SpanRecorder
+from workers.common.usage import UsageMeter, cuda_uuid
 from workers.rollout.adapter_serving import serve_policy_adapter
 from workers.rollout.engine import (
     build_engine,
@@ -42,8 +44,6 @@ from workers.rollout.scoring import Scorer
 from workers.rollout.spec import RolloutSpec
 from workers.rollout.task import WorkerTask
 from workers.rollout.turns import TurnRunner
-from workers.spans import UNRESOLVED, Span, SpanRecorder
-from workers.usage import UsageMeter, cuda_uuid
 from workers.weights.config import UpdateMode
 from workers.weights.receiver import WeightReceiver
 

@@ -22,9 +22,9 @@ from typing import Any
 
 import msgspec
 
-from buffers.records import ShardBatch, ShardStepResult
+from buffers.common.records import ShardBatch, ShardStepResult
+from workers.common.ports import free_port
 from workers.model_config import ModelConfig
-from workers.ports import free_port
 from workers.rollout.config import RolloutConfig, Sampling
 from workers.trainer.config import TrainerConfig
 from workers.trainer.spec import TrainerSpec

@@ -11,8 +11,8 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from buffers.advantages import AdvantageStd
-from buffers.config import NonNegative, Positive, PositiveFloat, invalid
+from buffers.common.config import NonNegative, Positive, PositiveFloat, invalid
+from buffers.plan.advantages import AdvantageStd
 
 LossAgg = Literal["token_mean", "seq_mean_token_mean", "seq_mean_token_sum_norm"]
 Overlong = Literal["keep", "mask", "penalty"]

@@ -11,7 +11,7 @@ max((V - R)^2, (clip(V, V_old - c, V_old + c) - R)^2)``, token-mean over the upd
 tokens on every shard, as the policy's loss divides), and its state in a checkpoint
 (ddp: ``CRITIC_STATE``, one replica's; fsdp2: ``CRITIC_SHARDED``, each shard's slices
 through ``torch.distributed.checkpoint``). Knows nothing about GAE, Ray, queues or
-versions: the returns it fits come from ``workers.trainer.roles``.
+versions: the returns it fits come from ``workers.trainer.shard_roles``.
 """
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.nn.parallel import DistributedDataParallel
 
-from buffers.reports import CriticStepResult
+from buffers.common.reports import CriticStepResult
 from workers.trainer.attention import attention_kwargs, use_packed_attention
-from workers.trainer.checkpoints import load_sharded, sharded_state
+from workers.trainer.checkpoint_folder import load_sharded, sharded_state
 from workers.trainer.config import TrainerConfig
 from workers.trainer.fsdp import build_sharded, clip_grad_norm
 from workers.trainer.packing import PackedBatch

@@ -3,7 +3,7 @@
 Owns: ``kl_estimate`` (k1, k2, k3 of KL(current || reference) from the two policies'
 logprobs of the sampled tokens; ``workers.trainer.config.KlEstimator`` names them).
 Knows nothing about where the logprobs come from (the reference's forward is
-``workers.trainer.roles``') nor how the term enters the loss or the reward.
+``workers.trainer.shard_roles``') nor how the term enters the loss or the reward.
 
 With ``log_ratio = logprob - ref_logprob`` on tokens sampled from the current policy:
 

@@ -3,7 +3,7 @@
 Owns: the token-loss formula (``token_loss``), how an update's token losses are
 aggregated (``Normaliser``), and a micro-batch's statistics kept on the device until a
 step reads them all in one host read (``PendingStats``, ``read_stats``). Advantages are
-``buffers.advantages``'; adding shards' statistics and summarising them is
+``buffers.plan.advantages``'; adding shards' statistics and summarising them is
 ``async_rl.control.loss_stats``'. Knows nothing about
 batching, devices or distribution: callers pass flat token tensors and the counts every
 shard agreed on, and sum the returned loss across micro-batches and shards.
@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from buffers.records import LossStats
+from buffers.common.records import LossStats
 from workers.trainer.config import LossAgg, TrainerConfig
 
 LOG_RATIO_LIMIT = 20.0

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from buffers.records import TrainSequence
+from buffers.common.records import TrainSequence
 from workers.trainer.attention import attention_kwargs
 from workers.trainer.head_transform import head_transform
 from workers.trainer.lm_head import head_logprobs

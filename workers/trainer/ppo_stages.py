@@ -9,8 +9,8 @@ swapping advantages into the packed rows (``with_advantages``), the critic's upd
 a step cut into the policy's updates (``critic_step``: its token counts summed over every
 critic shard, as the policy's loss divides), and cutting several shards' batches into
 those updates at once (``merged_updates``). The critic beside a trainer shard
-(``workers.trainer.roles``) and the critic on workers of its own
-(``workers.trainer.own_roles``) both run these, so the two placements compute the same
+(``workers.trainer.shard_roles``) and the critic on workers of its own
+(``workers.trainer.role_workers``) both run these, so the two placements compute the same
 numbers. A step's GAE waits for the device once (its moments' read); each
 micro-batch's host values reach the device in one copy that does not wait. Knows
 nothing about Ray, processes or spans: collectives come in as ``sum_shards``.
@@ -24,8 +24,8 @@ from typing import TypeVar
 
 import torch
 
-from buffers.records import ShardBatch
-from buffers.reports import CriticStepResult
+from buffers.common.records import ShardBatch
+from buffers.common.reports import CriticStepResult
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import Critic
 from workers.trainer.gae import (

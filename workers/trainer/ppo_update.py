@@ -24,7 +24,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from buffers.records import TrainSequence
+from buffers.common.records import TrainSequence
 from workers.trainer.config import TrainerConfig
 from workers.trainer.kl import kl_estimate
 from workers.trainer.loss import Normaliser, PendingStats, token_loss
@@ -59,7 +59,7 @@ def lay_out(micro_batches: Sequence[MicroBatch], device: torch.device, *, packed
             ) -> list[Prepared]:
     """The step's micro-batches laid out once (packed rows sent to the device now;
     ``packed`` False: the padded layout, laid out at each forward). A shard and a role
-    of its own (``workers.trainer.own_roles``) lay one batch out alike."""
+    of its own (``workers.trainer.role_workers``) lay one batch out alike."""
     return [Prepared(sequences=mb, lengths=tuple(s.trained_tokens for s in mb),
                      packed=pack(mb, device) if packed and mb else None)
             for mb in micro_batches]
@@ -254,7 +254,7 @@ class StepLoss:
         ``proximal``: its logprobs from ``proximal``; None when the update is the step's
         only one (then the proximal policy is the current one, detached: same value, no
         extra forward). ``reference``: the reference policy's logprobs of its tokens
-        (``workers.trainer.roles``): the KL to it is measured, and with trainer.kl_coef
+        (``workers.trainer.shard_roles``): the KL to it is measured, and with trainer.kl_coef
         > 0 and not trainer.kl_in_reward, kl_coef times it (aggregated as the loss is)
         is added to the loss. With trainer.router_aux_coef > 0, coef times the model's
         router load-balancing loss, weighted by the micro-batch's share of the update's

@@ -16,7 +16,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from workers.usage import UsageMeter, cuda_uuid
+from workers.common.usage import UsageMeter, cuda_uuid
 
 
 def pin_to_cpus(cpu_ids: tuple[int, ...]) -> None:

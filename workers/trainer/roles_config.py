@@ -14,7 +14,7 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from buffers.config import NonNegative, Positive, PositiveFloat
+from buffers.common.config import NonNegative, Positive, PositiveFloat
 
 Placement = Literal["trainer", "own"]
 

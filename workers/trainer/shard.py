@@ -12,7 +12,7 @@ for the non-finite skip; phase times from ``workers.trainer.phase_clock``), on t
 that is the source of weight broadcasts, the calls that snapshot and send its weights
 (``workers.weights.sender`` does both), and the entry points that write and read its
 saves and its part of a checkpoint (``workers.trainer.shard_saves`` does both). With a
-reference or a critic (``workers.trainer.roles``) a step's data is laid out by the PPO
+reference or a critic (``workers.trainer.shard_roles``) a step's data is laid out by the PPO
 dataflow's stages first and its policy update takes it from there. Knows nothing about
 Ray (``workers.actors`` wraps this class for Ray and resolves the batch's group
 references), queues, versions or how the plan was made.
@@ -31,9 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from buffers.records import GroupTokens, LossStats, ShardBatch, ShardStepResult
-from buffers.reports import UsageReading
-from workers.spans import UNRESOLVED, Span, SpanRecorder
+from buffers.common.records import GroupTokens, LossStats, ShardBatch, ShardStepResult
+from buffers.common.reports import UsageReading
+from workers.common.spans import UNRESOLVED, Span, SpanRecorder
 from workers.trainer.fsdp import clip_grad_norm
 from workers.trainer.lora import LoraPolicy, adapter_state
 from workers.trainer.loss import Normaliser, PendingStats, read_stats
@@ -42,7 +42,7 @@ from workers.trainer.policy_model import DTYPES, load_policy
 from workers.trainer.ppo_update import Prepared, StepLoss
 from workers.trainer.process import device_label, join_process_group, start_process
 from workers.trainer.publisher import PolicyPublisher
-from workers.trainer.roles import StepRoles, build_roles
+from workers.trainer.shard_roles import StepRoles, build_roles
 from workers.trainer.shard_saves import ShardSaves
 from workers.trainer.spec import TrainerSpec
 from workers.weights.config import UpdateMode
@@ -61,7 +61,7 @@ class TrainerShard:
     def __init__(self, spec: TrainerSpec) -> None:
         """Cheap: records ``spec``; ``setup()`` joins the group and loads the model. The
         reference and the critic of ``spec`` live beside the policy on this shard's
-        device (``workers.trainer.roles``)."""
+        device (``workers.trainer.shard_roles``)."""
         self.spec = spec
         self.rank = spec.rank
         self.world_size = spec.world_size

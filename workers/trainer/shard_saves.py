@@ -4,11 +4,11 @@ an engine can start from, and its part of a checkpoint.
 Owns: the policy's weights seen whole (ddp's replica itself; with fsdp2 gathered onto
 rank 0; with LoRA the base weights and the adapters apart, or merged under the base
 model's names), the tokenizer kept in memory for the saves, the shard's
-``CheckpointWriter`` (``workers.trainer.checkpoints`` has the folder's layout and writes
+``CheckpointWriter`` (``workers.trainer.checkpoint_folder`` has the folder's layout and writes
 in the background) with its buffers made ahead of the first checkpoint, and the
 co-located critic's state beside the policy's. Knows nothing about training steps,
 weight broadcasts, Ray, or the checkpoint's manifest and rotation
-(``async_rl.control.checkpoint``).
+(``async_rl.control.checkpoint_files``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from workers.trainer.checkpoints import CheckpointWriter, load
+from workers.trainer.checkpoint_folder import CheckpointWriter, load
 from workers.trainer.config import Backend
 from workers.trainer.critic import Critic
 from workers.trainer.fsdp import full_shapes, full_state
@@ -84,7 +84,7 @@ class ShardSaves:
 
     def save_checkpoint(self, out_dir: str) -> None:
         """Snapshots what a resumed run needs (``save_policy``'s folder, the optimizer
-        and RNG state; ``workers.trainer.checkpoints`` has the layout) and writes it in
+        and RNG state; ``workers.trainer.checkpoint_folder`` has the layout) and writes it in
         the background: ``checkpoint_written`` waits for it.
 
         ddp: shards are replicas, so one shard's copy is the checkpoint; fsdp2: every

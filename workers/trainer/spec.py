@@ -3,7 +3,7 @@
 their own.
 
 Owns: the frozen records ``workers.trainer.shard.TrainerShard`` and
-``workers.trainer.own_roles``' workers take, filled by the run's roster
+``workers.trainer.role_workers``' workers take, filled by the run's roster
 (``async_rl.roster``: role paths resolved, which shards write checkpoints) or by a test
 or bench. A process group's address (``master_addr``, ``master_port``) is known only
 once its first member is placed: the roster leaves it empty and the Ray shell fills it

@@ -21,8 +21,8 @@ from typing import Any
 
 import msgspec
 
-from buffers.concurrent_calls import each
-from buffers.reports import BroadcastTiming
+from buffers.common.concurrent_calls import each
+from buffers.common.reports import BroadcastTiming
 
 SEND_GROUP = "weights"
 """Ray concurrency group of the source shard's sends: a send is not queued behind a

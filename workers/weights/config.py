@@ -11,7 +11,7 @@ from typing import Literal
 
 import msgspec
 
-from buffers.config import ConfigError, Positive, PositiveFloat
+from buffers.common.config import ConfigError, Positive, PositiveFloat
 
 UpdateMode = Literal["in_flight", "drain"]
 """in_flight: pause (keep requests), load, resume; drain: finish running requests first."""

@@ -26,7 +26,7 @@ from typing import Any
 
 import ray
 
-from buffers.reports import BroadcastTiming
+from buffers.common.reports import BroadcastTiming
 from workers.weights.config import UpdateMode
 from workers.weights.receiver import StaleVersion, UpdateInterrupted
 

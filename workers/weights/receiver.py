@@ -27,8 +27,8 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any, Literal
 
-from buffers.reports import BroadcastTiming
-from workers.errors import RolloutWorkerError
+from buffers.common.reports import BroadcastTiming
+from workers.common.errors import RolloutWorkerError
 from workers.weights.config import UpdateMode, WeightsConfig
 
 if TYPE_CHECKING:

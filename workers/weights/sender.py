@@ -39,7 +39,7 @@ from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 from vllm.utils.network_utils import get_open_port
 
-from buffers.reports import BroadcastTiming
+from buffers.common.reports import BroadcastTiming
 from workers.weights.broadcast import Delivery
 from workers.weights.config import UpdateMode, WeightsConfig
 from workers.weights.gloo_transfer import GlooTrainerInitInfo

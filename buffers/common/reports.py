@@ -3,7 +3,7 @@ greedy evaluation's result, a rollout worker's counters, a worker's OS usage rea
 event of a prompt's life, a critic shard's update.
 
 Owns: those records' shapes. Knows nothing about how they are measured or written; like
-``buffers.records`` (the data the queue and the trainer move), every one is a frozen
+``buffers.common.records`` (the data the queue and the trainer move), every one is a frozen
 msgspec Struct that round-trips through msgpack unchanged.
 """
 

@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import msgspec
 import numpy as np
 
-from buffers.errors import SequenceTooLong
-from buffers.partition import FloatArray, partition
+from buffers.plan.partition import FloatArray, partition
+from buffers.queue.errors import SequenceTooLong
 
 __all__ = ["ShardPlan", "StepPlan", "pack", "partition", "plan_step", "sequence_costs"]
 

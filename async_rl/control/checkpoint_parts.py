@@ -6,7 +6,7 @@ positions), gathered from those parts when one is taken and handed back to them 
 resume; and the order of writes: the trainer snapshots in order with training, the write
 and rename may run in the background, one at a time, each waited for before the next
 begins. When a checkpoint falls due is the orchestrator's; the files, their layout and
-their checks are ``async_rl.control.checkpoint``'s. Knows nothing about Ray or what the
+their checks are ``async_rl.control.checkpoint_files``'s. Knows nothing about Ray or what the
 trainer writes into its folder.
 """
 
@@ -19,15 +19,15 @@ import anyio
 import anyio.abc
 
 from async_rl.config import RunConfig
-from async_rl.control.checkpoint import RunState, begin_checkpoint, finish_checkpoint
+from async_rl.control.checkpoint_files import RunState, begin_checkpoint, finish_checkpoint
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.prompt_ledger import PromptLedger
 from async_rl.control.protocols import TrainerClient
 from async_rl.control.step_metrics import StepTotals
 from async_rl.run.run_dir import RunWriter
 from async_rl.tasks.sources import PromptSource
-from buffers.staleness import AdmissionGate
-from workers.errors import first_line
+from buffers.queue.staleness import AdmissionGate
+from workers.common.errors import first_line
 from workers.trainer.config import TrainerConfig
 
 

@@ -10,7 +10,7 @@ step-start policy's own logprobs too, ``policy_logprobs``; the policy's update b
 last two is ``TrainerShard.train_step``, which takes the laid-out step from here), and
 the frozen reference itself (a copy of the initial weights, or reference.path, with no
 gradient). With a role on workers of its own (placement "own",
-``workers.trainer.own_roles``) the shard takes that role's output for its step instead
+``workers.trainer.role_workers``) the shard takes that role's output for its step instead
 (``take_reference``, ``take_advantages``, ``step_lost``) and its idle time waiting for
 it has a cause of its own. The stages' arithmetic is ``workers.trainer.ppo_stages``'s
 (GAE's ``workers.trainer.gae``'s, the KL estimators ``workers.trainer.kl``'s), the value
@@ -27,9 +27,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from buffers.records import GroupTokens, ShardBatch, TrainSequence
-from buffers.reports import CriticStepResult
-from workers.spans import UNRESOLVED, SpanRecorder
+from buffers.common.records import GroupTokens, ShardBatch, TrainSequence
+from buffers.common.reports import CriticStepResult
+from workers.common.spans import UNRESOLVED, SpanRecorder
 from workers.trainer.attention import use_packed_attention
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import Critic

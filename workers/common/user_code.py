@@ -6,7 +6,7 @@ stable across processes (``import_user_file``, ``module_name_for``), so that its
 functions pickle by reference, the files this process has loaded
 (``loaded_user_files``, for the processes it starts), and file paths made absolute
 (``absolute_target``). Rewards (``workers.rewards.spec``) and environments
-(``workers.environment``) import through it. Knows nothing about what the objects are.
+(``workers.rollout.environment``) import through it. Knows nothing about what the objects are.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from buffers.config import ConfigError
-from workers.errors import first_line
+from buffers.common.config import ConfigError
+from workers.common.errors import first_line
 
 
 def is_file_target(target: str) -> bool:

@@ -20,8 +20,8 @@ from typing import Any, Literal, Protocol, cast
 
 import msgspec
 
-from buffers.config import ConfigError, Positive, PositiveFloat, invalid
-from workers.user_code import absolute_target, import_object
+from buffers.common.config import ConfigError, Positive, PositiveFloat, invalid
+from workers.common.user_code import absolute_target, import_object
 
 ENV_KEY = "task.environment.class"
 """The config key every error about the environment class names."""

@@ -29,8 +29,8 @@ from async_rl.control.step_metrics import Counters
 from async_rl.run.run_dir import FilePositions
 from async_rl.run.summary import EvalPoint
 from async_rl.tasks.sources import SourceState
-from buffers.records import Prompt
-from buffers.staleness import GateSnapshot
+from buffers.common.records import Prompt
+from buffers.queue.staleness import GateSnapshot
 
 CHECKPOINTS = "checkpoints"
 STATE = "state.json"

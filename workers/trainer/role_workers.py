@@ -12,7 +12,7 @@ them form a DDP group of their own, each fitting the batches of trainer shards
 ``rank, rank + N, ...``). Every stage's output is one list per trainer shard given, one
 CPU tensor per micro-batch (None for a pad), for that shard to take. The value model,
 the reference's loading, the packing and the arithmetic are the same as beside a
-trainer shard (``workers.trainer.critic``, ``workers.trainer.roles``,
+trainer shard (``workers.trainer.critic``, ``workers.trainer.shard_roles``,
 ``workers.trainer.packing``, ``workers.trainer.ppo_stages``). Knows nothing about Ray:
 ``workers.actors`` wraps these classes and resolves their groups' references.
 """
@@ -28,9 +28,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from buffers.records import GroupTokens, ShardBatch
-from buffers.reports import CriticStepResult, UsageReading
-from workers.spans import UNRESOLVED, Span, SpanRecorder
+from buffers.common.records import GroupTokens, ShardBatch
+from buffers.common.reports import CriticStepResult, UsageReading
+from workers.common.spans import UNRESOLVED, Span, SpanRecorder
 from workers.trainer.critic import Critic
 from workers.trainer.device_setup import use_tf32
 from workers.trainer.packing import packed_forward
@@ -43,7 +43,7 @@ from workers.trainer.ppo_stages import (
 )
 from workers.trainer.ppo_update import Prepared, compute_autocast, lay_out
 from workers.trainer.process import device_label, join_process_group, start_process
-from workers.trainer.roles import load_reference
+from workers.trainer.shard_roles import load_reference
 from workers.trainer.spec import CriticSpec, OwnRoleSpec, ReferenceSpec
 
 

@@ -13,7 +13,7 @@ laying the samples out as the balancing plan says, as slots (group, sample, adva
 training reward: a critic's GAE starts from it)
 into each shard's list of group references. Knows nothing about Ray or torch and never
 sees a token: lengths and rewards are on the ``Group`` metadata; the shards resolve the
-references themselves. The plan comes from ``buffers.balance``; its costs and token cap
+references themselves. The plan comes from ``buffers.plan.balance``; its costs and token cap
 count a multi-turn trajectory's every token, observations included, as the forward pass
 computes them all (only the loss skips the tokens the policy did not write).
 """
@@ -26,9 +26,9 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
-from buffers.advantages import AdvantageStd, group_advantages, overlong_penalty
-from buffers.balance import StepPlan, plan_step
-from buffers.records import REWARD_FAILED, Group, SequenceSlot, ShardBatch
+from buffers.common.records import REWARD_FAILED, Group, SequenceSlot, ShardBatch
+from buffers.plan.advantages import AdvantageStd, group_advantages, overlong_penalty
+from buffers.plan.balance import StepPlan, plan_step
 
 
 class TrainerRules(Protocol):

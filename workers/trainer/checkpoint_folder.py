@@ -11,7 +11,7 @@ state (a copy, taken in order with training, into CPU buffers it keeps from one
 checkpoint to the next) and writes the copy in a thread of its own at the lowest CPU
 priority, so the next step trains meanwhile; ``wait`` blocks until the write is
 complete and re-raises its error. Knows nothing about the checkpoint's manifest, its
-atomic rename or the run's state (``async_rl.control.checkpoint``), nor about Ray.
+atomic rename or the run's state (``async_rl.control.checkpoint_files``), nor about Ray.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ import time
 
 import psutil
 
-from buffers.reports import UsageReading
+from buffers.common.reports import UsageReading
 
 
 def _tree_cpu_seconds(process: psutil.Process) -> float:

@@ -4,10 +4,10 @@ Owns: where groups wait between rollout and training, in which order they leave
 (oldest ``min_version`` first, then arrival), the bounds (groups and tokens) that push
 back on producers, the rule that no group older than ``max_staleness`` versions is ever
 handed to a taker, and a take's wait for groups still being generated that it must
-hold (``expecting``; the rule is ``buffers.in_flight``'s). Knows nothing about
+hold (``expecting``; the rule is ``buffers.queue.in_flight``'s). Knows nothing about
 prompts, rewards, trainers or Ray: a group is anything with ``prompt_id``,
 ``min_version`` and ``num_tokens`` (``QueueItem``), and a dropped group is handed to the
-``on_drop`` callback so its prompt can be re-run (``buffers.drop_accounting``).
+``on_drop`` callback so its prompt can be re-run (``buffers.queue.drop_accounting``).
 
 Speed: ``put`` and ``take`` do not yield to the event loop when they need not wait (like
 ``asyncio.Queue``), because a checkpoint per call would cost more than the queue itself.
@@ -24,11 +24,11 @@ from typing import Generic
 
 import anyio
 
-from buffers.config import QueueConfig, StalenessConfig, bucket_index
-from buffers.drop_accounting import DropAccounting, DropHandler
-from buffers.errors import NotEnoughGroups, QueueClosed, QueueFull, QueueTooSmall
-from buffers.in_flight import InFlight
-from buffers.queue_records import (
+from buffers.common.config import QueueConfig, StalenessConfig, bucket_index
+from buffers.queue.drop_accounting import DropAccounting, DropHandler
+from buffers.queue.errors import NotEnoughGroups, QueueClosed, QueueFull, QueueTooSmall
+from buffers.queue.in_flight import InFlight
+from buffers.queue.queue_records import (
     DROP_STALE,
     BucketStatistics,
     Dropped,
@@ -38,7 +38,7 @@ from buffers.queue_records import (
     T,
     WaitStatistics,
 )
-from buffers.replay_store import BucketedStore
+from buffers.queue.replay_store import BucketedStore
 
 __all__ = ["QueueItem", "ReplayQueue"]
 
@@ -183,7 +183,7 @@ class ReplayQueue(Generic[T]):
 
         Waits until that many are queued, and with ``wait_for_expiring`` for every group
         announced by ``expecting`` that this take must hold: those whose last chance it
-        is, and any the takes after it could not all fit (``buffers.in_flight``). Without
+        is, and any the takes after it could not all fit (``buffers.queue.in_flight``). Without
         the wait newer groups are trained and the late one, the slowest to generate and
         so the longest, is dropped on arrival. Groups with ``at_version - min_version >
         max_staleness`` are dropped (see ``on_drop``), never returned. Without

@@ -14,8 +14,8 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Generic
 
-from buffers.config import bucket_index
-from buffers.queue_records import DropCounts, Dropped, T
+from buffers.common.config import bucket_index
+from buffers.queue.queue_records import DropCounts, Dropped, T
 
 __all__ = ["DropAccounting", "DropHandler"]
 

@@ -4,7 +4,7 @@ Owns: ``QueueItem`` (what the queue needs to know about a group) and the frozen 
 the queue returns (``Dropped``, ``ReplayQueueStatistics``, ``ReplayQueueSnapshot``,
 ``DropCounts``).
 Knows nothing about how a group is generated, scored or trained; the project's real
-item, ``buffers.records.Group``, satisfies ``QueueItem`` structurally, without an import.
+item, ``buffers.common.records.Group``, satisfies ``QueueItem`` structurally, without an import.
 """
 
 from __future__ import annotations

@@ -18,8 +18,8 @@ from collections.abc import Callable
 import anyio
 import msgspec
 
-from buffers.config import StalenessConfig
-from buffers.errors import GateShutDown
+from buffers.common.config import StalenessConfig
+from buffers.queue.errors import GateShutDown
 
 __all__ = ["AdmissionGate", "GateSnapshot", "GateStatistics"]
 

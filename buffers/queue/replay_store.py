@@ -13,7 +13,7 @@ from bisect import bisect_right, insort
 from collections.abc import Iterator, Sequence
 from typing import Generic
 
-from buffers.queue_records import T
+from buffers.queue.queue_records import T
 
 __all__ = ["BucketedStore"]
 
