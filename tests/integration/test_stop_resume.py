@@ -106,6 +106,7 @@ def stopped_by_sigterm(tiny_model_dir: Path,
                              stderr=subprocess.STDOUT, text=True)
     signal_after_rows(out, 3, signal.SIGTERM, child.pid)
     output, _ = child.communicate(timeout=300)
+    assert (out / "summary.json").is_file(), output[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     _, state = latest_checkpoint(out)
     checkpoints = len(list((out / CHECKPOINTS).iterdir()))
