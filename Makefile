@@ -7,7 +7,7 @@ CONFIG ?= examples/cpu_default.toml
 LONGTAIL_MODEL ?= runs/longtail-model
 CALCULATOR_MODEL ?= runs/calculator-model
 
-.PHONY: setup demo demo-longtail demo-tools test lint unit integration bench clean
+.PHONY: setup demo demo-longtail demo-tools test test-fast lint unit integration bench clean
 
 setup:
 	@scripts/setup-venv.sh
@@ -37,9 +37,9 @@ lint: setup
 	$(BIN)/mypy
 	$(BIN)/lint-imports
 
-# Two pytest-xdist processes: the unit tier is mostly imports and short waits. (make test
-# runs it in one process: one xdist run in four here had a test fail that passed alone.)
-unit: setup
+# The unit tier (no Ray) in two pytest-xdist processes: it is mostly imports and short
+# waits. `make test-fast` is the same command.
+unit test-fast: setup
 	$(BIN)/python -m pytest tests/unit -q -n 2
 
 integration: setup
@@ -47,12 +47,15 @@ integration: setup
 
 # The test models build in the background while ruff, mypy and lint-imports run (the
 # learnable one's warm start is about two minutes): the first test that needs one waits
-# on the model cache's lock instead of building it.
+# on the model cache's lock instead of building it. Then every tier: the unit tier in two
+# xdist processes, the Ray tiers in one (each test starts its own Ray and vLLM, which
+# take both cores while they start).
 test: setup
 	$(BIN)/python tests/models.py & models=$$!; \
 	  $(BIN)/ruff check . && $(BIN)/mypy && $(BIN)/lint-imports || { kill $$models; exit 1; }; \
 	  wait $$models
-	$(BIN)/python -m pytest -q --durations=10
+	$(BIN)/python -m pytest tests/unit -q -n 2 --durations=5
+	$(BIN)/python -m pytest tests/integration tests/gpu -q --durations=10
 
 # The benchmarks that need neither a model nor Ray (bench/README.md lists every one, each
 # run as python -m bench.FOLDER.SCRIPT from here).

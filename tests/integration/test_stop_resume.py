@@ -1,13 +1,15 @@
 """Stop and resume on real Ray, the real vLLM CPU build and the tiny model.
 
-- In process: 6 steps straight against 3 steps, SIGINT, ``--resume``, 3 more, at
-  max_staleness 0 with seeded sampling: the same prompts trained once each and final
-  weights equal within float tolerance.
+- As a user's process: ``async-rl train`` given SIGTERM mid-run exits 143 with a
+  checkpoint, a readable report, and no process of the run left behind.
+- Exact resume: that run (6 steps, SIGTERM after 3, at max_staleness 0 with seeded
+  sampling) resumed with ``--resume`` trains the same prompts once each as 6 steps
+  straight, to final weights equal within float tolerance. The one stopped run serves
+  both tests (``stopped_by_sigterm``); SIGINT in process is the LoRA test's stop (and
+  test_ppo_run's, test_environment_run's, test_user_rewards_run's).
 - LoRA: a short run stopped by SIGINT and resumed trains every prompt once, its engines
   resume with the checkpoint's adapter, each version carries only the adapters' bytes,
   and final_model holds the peft adapter and the merged policy.
-- As a user's process: SIGTERM mid-run exits 143 with a checkpoint, a readable report,
-  and no process of the run left behind.
 """
 
 from __future__ import annotations
@@ -21,18 +23,23 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-import msgspec
 import psutil
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from async_rl.config import Config
+<<<<<<< HEAD
 from async_rl.config_io import decode_config
 from async_rl.control.checkpoint_files import CHECKPOINTS, TRAINER, latest_checkpoint
 from async_rl.run.run_dir import FINAL_MODEL, read_ledger, read_metrics
+=======
+from async_rl.config_io import decode_config, load_config, to_toml
+from async_rl.control.checkpoint_files import CHECKPOINTS, TRAINER, latest_checkpoint
+from async_rl.run.run_dir import CONFIG, FINAL_MODEL, read_ledger, read_metrics
+>>>>>>> issue-51-testspeed
 from async_rl.shell.ray_shell import run_training
 
 pytestmark = pytest.mark.ray
@@ -75,22 +82,80 @@ def signal_after_rows(run_dir: Path, rows: int, signum: int, pid: int) -> thread
     return thread
 
 
-def test_stop_and_resume_trains_what_a_straight_run_trains(
-    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
+class Stopped(NamedTuple):
+    """What ``async-rl train`` stopped by SIGTERM left, read before anything resumed it."""
+
+    out: Path
+    returncode: int
+    output: str
+    summary: dict[str, Any]
+    checkpoint_version: int
+    checkpoints: int
+    report: subprocess.CompletedProcess[str]
+    left: list[dict[str, Any]]
+    """Processes of the run's session still alive 30 s after it exited."""
+
+
+@pytest.fixture(scope="module")
+def stopped_by_sigterm(tiny_model_dir: Path,
+                       tmp_path_factory: pytest.TempPathFactory) -> Stopped:
+    """``async-rl train`` (a user's process in its own session) on ``config``'s 6 steps,
+    given SIGTERM once 3 steps are logged. One run for the two tests that need a stopped
+    one: a Ray and vLLM start is most of a run's time here."""
+    tmp = tmp_path_factory.mktemp("sigterm")
+    out = tmp / "run"
+    toml = tmp / "config.toml"
+    toml.write_text(to_toml(config(tiny_model_dir, out)))
+    command = [sys.executable, "-m", "async_rl.cli", "train", str(toml)]
+    # Its own session: every process it starts (Ray's too) carries the session id.
+    child = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    signal_after_rows(out, 3, signal.SIGTERM, child.pid)
+    output, _ = child.communicate(timeout=300)
+    assert (out / "summary.json").is_file(), output[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    _, state = latest_checkpoint(out)
+    checkpoints = len(list((out / CHECKPOINTS).iterdir()))
+    report = subprocess.run([sys.executable, "-m", "async_rl.cli", "report", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    deadline = time.monotonic() + 30
+    while True:  # Ray's processes exit a moment after the driver
+        left = [p.info for p in psutil.process_iter(["pid", "name"])
+                if _session(p) == child.pid]
+        if not left or time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return Stopped(out=out, returncode=child.returncode, output=output, summary=summary,
+                   checkpoint_version=state.version, checkpoints=checkpoints, report=report,
+                   left=left)
+
+
+def test_sigterm_exits_143_resumable_readable_and_leaves_nothing_behind(
+    stopped_by_sigterm: Stopped,
 ) -> None:
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    run = stopped_by_sigterm
+    assert run.returncode == 143, run.output[-2000:]
+    assert f"--resume {run.out}" in run.output.splitlines()[-1]
+    assert run.summary["stopped"] == "SIGTERM" and run.summary["steps"] >= 3
+    assert run.checkpoint_version == run.summary["steps"]
+    assert run.checkpoints == 1
+    assert run.report.returncode == 0 and "idle" in run.report.stdout.lower()
+    assert not run.left, run.left
+
+
+def test_stop_and_resume_trains_what_a_straight_run_trains(
+    stopped_by_sigterm: Stopped, tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
+) -> None:
+    straight, resumed = tmp_path / "straight", stopped_by_sigterm.out
     run_training(config(tiny_model_dir, straight))
 
-    signal_after_rows(resumed, 3, signal.SIGINT, os.getpid())
-    first = run_training(config(tiny_model_dir, resumed))
-    assert first.stopped == "SIGINT" and 3 <= first.steps < STEPS
-    _, state = latest_checkpoint(resumed)
-    assert state.version == first.steps
-    # A checkpoint every step rotates away the one the run resumed from (keep 2): the
-    # later saves must not need its folder.
-    every_step = config(tiny_model_dir, resumed)
-    every_step = msgspec.structs.replace(every_step, run=msgspec.structs.replace(
-        every_step.run, checkpoint_every=1))
+    stopped = stopped_by_sigterm.summary["steps"]
+    assert stopped_by_sigterm.summary["stopped"] == "SIGTERM" and 3 <= stopped < STEPS
+    assert stopped_by_sigterm.checkpoint_version == stopped
+    # What --resume runs (the run directory's own config), with a checkpoint every step:
+    # that rotates away the one the run resumed from (keep 2), and the later saves must
+    # not need its folder.
+    every_step = load_config(resumed / CONFIG, ["run.checkpoint_every=1"])
     second = run_training(every_step, resume=True)
     assert second.stopped == "" and second.final_version == second.rollout_version == STEPS
 
@@ -143,41 +208,6 @@ def test_lora_stops_and_resumes_with_its_adapter_and_sends_only_adapters(
     assert merged.keys() == base.keys()
     assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
                            base["model.layers.0.self_attn.q_proj.weight"])
-
-
-def test_sigterm_exits_143_resumable_readable_and_leaves_nothing_behind(
-    tiny_model_dir: Path, tmp_path: Path
-) -> None:
-    out = tmp_path / "run"
-    toml = tmp_path / "config.toml"
-    toml.write_text(
-        f'[model]\npath = "{tiny_model_dir}"\n[task]\neval_size = 0\n'
-        f'[trainer]\ngroups_per_step = 4\n[rollout]\ngroup_size = 4\n'
-        f'[run]\nnum_steps = 200\noutput_dir = "{out}"\nprogress = false\n')
-    command = [sys.executable, "-m", "async_rl.cli", "train", str(toml)]
-    # Its own session: every process it starts (Ray's too) carries the session id.
-    child = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    signal_after_rows(out, 2, signal.SIGTERM, child.pid)
-    output, _ = child.communicate(timeout=300)
-    assert child.returncode == 143, output[-2000:]
-    assert f"--resume {out}" in output.splitlines()[-1]
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["stopped"] == "SIGTERM" and summary["steps"] >= 2
-    _, state = latest_checkpoint(out)
-    assert state.version == summary["steps"]
-    assert len(list((out / CHECKPOINTS).iterdir())) == 1
-    report = subprocess.run([sys.executable, "-m", "async_rl.cli", "report", str(out)],
-                            capture_output=True, text=True, timeout=120)
-    assert report.returncode == 0 and "idle" in report.stdout.lower()
-    deadline = time.monotonic() + 30
-    while True:  # Ray's processes exit a moment after the driver
-        left = [p for p in psutil.process_iter(["pid", "name"])
-                if _session(p) == child.pid]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
-    assert not left, [p.info for p in left]
 
 
 def _session(process: psutil.Process) -> int:

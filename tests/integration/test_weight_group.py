@@ -18,6 +18,7 @@ import ray
 import torch
 
 from buffers.common.reports import BroadcastTiming
+from workers.weights.bucket_transfer import broadcast_group, join_store, receive_buckets
 from workers.weights.config import WeightsConfig
 from workers.weights.receiver import INTERRUPTED, UpdateInterrupted
 from workers.weights.sender import WeightSender
@@ -45,8 +46,6 @@ class Member:
         return os.getpid()
 
     def init_weight_transfer(self, info: dict[str, Any]) -> None:
-        from workers.weights.bucket_transfer import broadcast_group, join_store
-
         try:
             store = join_store(info["master_address"], info["master_port"], info["timeout_s"])
             self.group = broadcast_group(store, info["rank_offset"], info["world_size"],
@@ -59,8 +58,6 @@ class Member:
         self.pending = version
 
     def update_weights(self, info: dict[str, Any]) -> None:
-        from workers.weights.bucket_transfer import receive_buckets
-
         specs = [(shape, getattr(torch, dtype))
                  for shape, dtype in zip(info["shapes"], info["dtype_names"], strict=True)]
         try:
@@ -88,8 +85,12 @@ class Member:
 
 @pytest.fixture
 def members(ray_cluster: None) -> Iterator[list[Any]]:
+    """Three members, started (each answers) before the test broadcasts, as a run starts
+    its rollout workers first: an actor still starting when a group forms (its process
+    importing torch, slow on busy cores) would miss the group's TIMEOUT_S."""
     made = [ray.remote(Member).options(num_cpus=0, max_concurrency=4).remote(rank)
             for rank in range(3)]
+    assert len(ray.get([member.pid.remote() for member in made], timeout=120)) == 3
     yield made
     for member in made:
         ray.kill(member)
