@@ -31,15 +31,9 @@ import torch
 from safetensors.torch import load_file
 
 from async_rl.config import Config
-<<<<<<< HEAD
-from async_rl.config_io import decode_config
-from async_rl.control.checkpoint_files import CHECKPOINTS, TRAINER, latest_checkpoint
-from async_rl.run.run_dir import FINAL_MODEL, read_ledger, read_metrics
-=======
 from async_rl.config_io import decode_config, load_config, to_toml
 from async_rl.control.checkpoint_files import CHECKPOINTS, TRAINER, latest_checkpoint
 from async_rl.run.run_dir import CONFIG, FINAL_MODEL, read_ledger, read_metrics
->>>>>>> issue-51-testspeed
 from async_rl.shell.ray_shell import run_training
 
 pytestmark = pytest.mark.ray
