@@ -79,6 +79,27 @@ class PpoStages:
         await self._reference_logprobs(step)
         await self._critic_values(step)
 
+    async def advantages(self, step: int) -> None:
+        """GAE's advantages onto the shards; with the critic on workers of its own, its
+        update then starts there (it needs nothing more) and runs beside the policy's."""
+        critics = self.own.critics
+        if not critics:
+            await each([functools.partial(s.advantages, step) for s in self.shards])
+            return
+        if self.lost:
+            return
+        count = len(critics)
+        reference = self._reference if self.own.reference_to_critic else []
+        parts: list[list[RoleOutput]] = await each(
+            [functools.partial(c.advantages, step, reference[rank::count],
+                               self._policy[rank::count])
+             for rank, c in enumerate(critics)])
+        # Critic shard r holds trainer shards r, r + count, ...: back into shard order.
+        per_shard = [parts[shard % count][shard // count] for shard in range(len(self.shards))]
+        await each([functools.partial(s.take_advantages, step, out)
+                    for s, out in zip(self.own.shards, per_shard, strict=True)])
+        self._updates = [critic.start_update(step) for critic in critics]
+
     async def update(self, batches: Sequence[ShardBatch], step: int) -> StepUpdate:
         """The policy's update (not while the critic warms up), then the critic's."""
         warming_up = self.warming_up
@@ -142,27 +163,6 @@ class PpoStages:
             await each([functools.partial(s.critic_values, step) for s in self.shards])
         elif not self.lost:
             await each([functools.partial(c.critic_values, step) for c in self.own.critics])
-
-    async def advantages(self, step: int) -> None:
-        """GAE's advantages onto the shards; with the critic on workers of its own, its
-        update then starts there (it needs nothing more) and runs beside the policy's."""
-        critics = self.own.critics
-        if not critics:
-            await each([functools.partial(s.advantages, step) for s in self.shards])
-            return
-        if self.lost:
-            return
-        count = len(critics)
-        reference = self._reference if self.own.reference_to_critic else []
-        parts: list[list[RoleOutput]] = await each(
-            [functools.partial(c.advantages, step, reference[rank::count],
-                               self._policy[rank::count])
-             for rank, c in enumerate(critics)])
-        # Critic shard r holds trainer shards r, r + count, ...: back into shard order.
-        per_shard = [parts[shard % count][shard // count] for shard in range(len(self.shards))]
-        await each([functools.partial(s.take_advantages, step, out)
-                    for s, out in zip(self.own.shards, per_shard, strict=True)])
-        self._updates = [critic.start_update(step) for critic in critics]
 
     async def _critic_update(self, step: int) -> list[CriticStepResult]:
         critics = self.own.critics
