@@ -5,28 +5,30 @@ policy, then two loops side by side —
 
 - the rollout side (``async_rl.control.rollout_admission``): prompt source ->
   AdmissionGate -> a rollout worker -> ReplayQueue;
-- ``training_loop``: ReplayQueue -> plan -> trainer shards -> new version -> weights;
+- ``training_loop``: ReplayQueue -> plan -> the step's stages on the trainer shards
+  (``async_rl.control.step_stages``: GRPO's, or PPO's with the reference and the critic)
+  -> new version -> weights;
 
 with the evaluations due every ``run.eval_every`` steps beside them
-(``async_rl.control.evaluation_runner``), then save and evaluate again. Picking and
-replacing rollout workers is ``async_rl.control.rollout_pool``'s; which failures stop the
-run, ``async_rl.control.run_health``'s; what a checkpoint holds and the order of its
-writes, ``async_rl.control.checkpoint_parts``'; reading the workers' usage and spans,
-``async_rl.control.worker_readings``'. It keeps the prompt ledger: every admitted prompt
-ends trained exactly once, dropped as filtered (rollout.filter_groups), re-queued with
-a reason (a failure, a stale drop, a group left with fewer than two members, an
-environment timeout or error with on_timeout / on_error = "requeue"), or, past
-run.max_readmissions re-admissions, dropped for good. A group's members are the samples
-the policy wrote and the task scored (``Group.members``); the rest are counted by reason.
-It sees workers only through ``async_rl.control.protocols`` and groups only as metadata
-(the tokens stay with the workers). Knows nothing about Ray (``async_rl.shell.ray_shell``
+(``async_rl.control.evaluation_runner``), then save and evaluate again. It builds the
+run's parts, each before the parts that use it, so that none calls back into it: the
+policy's version and step lock (``async_rl.control.trainer_policy``) before the rollout
+pool that restarts engines from it, the prompt book (``async_rl.control.prompt_book``:
+the ledger's "every admitted prompt ends trained exactly once, filtered, or re-queued
+with a reason") before the queue that hands it its stale drops. Picking and replacing
+rollout workers is ``async_rl.control.rollout_pool``'s; which failures stop the run,
+``async_rl.control.run_health``'s; what a checkpoint holds and the order of its writes,
+``async_rl.control.checkpoint_parts``'; reading the workers' usage and spans,
+``async_rl.control.worker_readings``'. A group's members are the samples the policy
+wrote and the task scored (``Group.members``); the rest are counted by reason. It sees
+workers only through ``async_rl.control.protocols`` and groups only as metadata (the
+tokens stay with the workers). Knows nothing about Ray (``async_rl.shell.ray_shell``
 starts the workers and hands them in), how engines generate or shards compute, nor the
 rules of the gate, queue and plan (buffers/).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 import math
 import time
@@ -34,6 +36,7 @@ from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.abc
+from anyio.streams.memory import MemoryObjectSendStream
 
 from async_rl.analysis.idle import ROLLOUT_TRACK, TRAINER_TRACK
 from async_rl.config import Config
@@ -42,6 +45,7 @@ from async_rl.control.checkpoint_parts import RunCheckpoints
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.evaluation_runner import EvaluationRunner
 from async_rl.control.loss_stats import role_metrics
+from async_rl.control.prompt_book import PromptBook
 from async_rl.control.prompt_ledger import PromptLedger
 from async_rl.control.protocols import (
     PublishedWeights,
@@ -49,28 +53,27 @@ from async_rl.control.protocols import (
     Workers,
     first_error,
 )
-from async_rl.control.role_stages import RoleStages
-from async_rl.control.rollout_admission import RolloutAdmission
+from async_rl.control.role_stages import step_stages
+from async_rl.control.rollout_admission import RolloutAdmission, group_rules
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.run_health import RunHealth
 from async_rl.control.step_metrics import StepTotals, step_row
+from async_rl.control.step_stages import StepUpdate
+from async_rl.control.trainer_policy import TrainerPolicy
 from async_rl.control.worker_readings import WorkerReadings
 from async_rl.run.progress import RunProgress
 from async_rl.run.run_dir import FINAL_MODEL, RunWriter
 from async_rl.run.summary import EvalPoint, RunSummary
 from async_rl.tasks.sources import PromptSource
-from buffers.common.concurrent_calls import each
-from buffers.common.records import Group, Prompt, ShardStepResult
-from buffers.common.reports import BroadcastTiming, CriticStepResult
+from buffers.common.records import Group, Prompt
+from buffers.common.reports import BroadcastTiming
+from buffers.plan.balance import StepPlan
 from buffers.plan.batching import shard_batches
 from buffers.queue.replay_queue import ReplayQueue
 from buffers.queue.staleness import AdmissionGate
 from workers.common.spans import SpanRecorder
 
 log = logging.getLogger(__name__)
-
-CRITIC_WARMUP = "critic_warmup"
-"""The ledger's reason for a prompt run again after a critic.warmup_steps step."""
 
 
 class Orchestrator:
@@ -83,16 +86,11 @@ class Orchestrator:
         queue's and gate's waits); None: the system's (``time.perf_counter`` for
         durations, ``time.time`` for spans and the ledger). ``async-rl simulate`` passes
         its virtual clock, which its event loop's timers also run on."""
-        self.config, self.out, self.source = config, out, source
+        self.config, self.out = config, out
         self.clock = clock or time.perf_counter
         wall = clock or time.time
         self.trainers, self.weights = workers.trainers, workers.weights
-        self.stages = (RoleStages(workers.stages, warmup_steps=config.critic.warmup_steps
-                                  if config.has_critic else 0, own=workers.own)
-                       if workers.stages else None)
-        """The reference's and the critic's stages on the trainer shards (PPO's dataflow);
-        None: GRPO's."""
-        self.version = 0
+        self.policy = TrainerPolicy(self.trainers[0], out.path)
         self.first_step = 1
         """The step this run starts at (after a checkpoint's, on resume)."""
         self.wall_offset = 0.0
@@ -104,20 +102,18 @@ class Orchestrator:
         time: run.stop_timeout_s after ``request_stop``)."""
         self._taking: anyio.CancelScope | None = None
         """The wait for a step's groups, while it runs (a stop's deadline reaches it)."""
-        self.step_lock = anyio.Lock()
-        """Held while shards train and the version moves on: holding it, the trainer's
-        weights are exactly ``self.version`` (a restarted engine starts from them)."""
         self.timings: list[BroadcastTiming] = []
         """Broadcast timings completed since the last metrics row."""
 
-        # The run's own bookkeeping, each part built from the config sections it reads.
+        # The run's own bookkeeping, each part built before the parts that use it.
         self.totals = StepTotals(bucket_edges=config.queue.bucket_edges)
-        self.pool = RolloutPool.from_config(config.rollout, workers, totals=self.totals,
-                                            current_policy=self.current_policy,
-                                            call_timeout_s=config.run.call_timeout_s)
         self.health = RunHealth.from_config(config.trainer, config.rollout, self.totals,
                                             clock=self.clock)
-        self.prompts = PromptLedger.from_config(config.run, out, lambda: self.version,
+        self.stages = step_stages(config, workers, self.health)
+        self.pool = RolloutPool.from_config(config.rollout, workers, totals=self.totals,
+                                            current_policy=self.policy.written_for,
+                                            call_timeout_s=config.run.call_timeout_s)
+        self.prompts = PromptLedger.from_config(config.run, out, self.policy.current,
                                                 clock=wall)
         self.evals = EvalLog.from_config(config.run)
         self.evaluations = EvaluationRunner(eval_prompts, self.evals, self.pool,
@@ -131,23 +127,26 @@ class Orchestrator:
                          cause="no_work", enabled=config.run.record_spans, clock=wall)
             for track in (ROLLOUT_TRACK, TRAINER_TRACK))
 
-        # The data path (buffers/): the gate in front of the workers, the queue behind.
+        # The data path (buffers/): the gate in front of the workers, the queue behind;
+        # the book takes back what either gives up (the queue's stale drops included).
         self.gate = AdmissionGate.from_config(
             config.staleness, groups_per_step=config.trainer.groups_per_step,
             clock=self.clock)
-        # on_drop is called the moment a group goes stale, even while a take waits: the
-        # slot must come back at once or the gate could stay shut while training waits.
+        self.book = PromptBook(source, self.prompts, self.gate, self.totals, self.health)
         self.queue: ReplayQueue[Group] = ReplayQueue.from_config(
-            config.queue, config.staleness,
-            on_drop=lambda dropped: self.admitting.on_drop(dropped), clock=self.clock)
-        self.admitting = RolloutAdmission(
-            task=config.task, rollout=config.rollout, trainer=config.trainer, source=source,
-            gate=self.gate, pool=self.pool, prompts=self.prompts, totals=self.totals,
-            health=self.health, span=self.admission, queue=self.queue)
+            config.queue, config.staleness, on_drop=self.book.on_drop, clock=self.clock)
+        self.admitting = RolloutAdmission(group_rules(config), self.book, gate=self.gate,
+                                          pool=self.pool, queue=self.queue,
+                                          span=self.admission)
         # What a checkpoint gathers from all of the above.
         self.checkpoints = RunCheckpoints.from_config(
             config.run, config.trainer, out, self.gate, source, self.totals, self.prompts,
             self.evals)
+
+    @property
+    def version(self) -> int:
+        """The policy's version now."""
+        return self.policy.version
 
     # ---- the run, top to bottom --------------------------------------------------------
 
@@ -220,102 +219,104 @@ class Orchestrator:
         )
 
     async def training_loop(self, bar: RunProgress) -> None:
-        """Take a step's groups, plan, train on every shard, publish the new version.
-
-        Delivery of a published version to the rollout workers runs beside the next
-        step; the gate opens for a version only once every worker runs it. A step whose
-        groups a shard could not fetch (their rollout worker died) trains nothing: its
-        prompts run again and the step is taken anew.
-        """
-        cfg = self.config
-        step = self.first_step
+        """Take a step's groups, plan, run the step's stages on every shard, publish the
+        new version (delivered beside the next steps; the gate opens for a version once
+        every worker runs it), record the step. A step that did not move the policy (a
+        shard lost its groups, a non-finite gradient, a critic warm-up step) is taken
+        anew: its prompts run again."""
+        step, trainer = self.first_step, self.config.trainer
         self.training.flush()  # the track starts with the loop: setup and evaluation dropped
         # Published versions go to the rollout workers one at a time, in version order,
         # beside the next steps; leaving the block waits for the last delivery.
-        to_deliver, published_versions = anyio.create_memory_object_stream[PublishedWeights](
-            math.inf)
-        async with anyio.create_task_group() as deliveries, to_deliver:
-            deliveries.start_soon(self.delivery_loop, published_versions)
-            while step <= cfg.run.num_steps and not self.stop_reason:
-                self.training.switch("wait_data", self.version)
-                t0 = self.clock()
-                with anyio.CancelScope(deadline=self.stop_deadline) as taking:
-                    self._taking = taking
-                    groups = await self.queue.take(cfg.trainer.groups_per_step,
-                                                   at_version=self.version,
-                                                   homogeneous=cfg.queue.homogeneous_take)
-                self._taking = None
-                if taking.cancelled_caught:
+        to_deliver, published = anyio.create_memory_object_stream[PublishedWeights](math.inf)
+        async with anyio.create_task_group() as beside, to_deliver:
+            beside.start_soon(self.delivery_loop, published)
+            while step <= self.config.run.num_steps and not self.stop_reason:
+                started = self.clock()
+                groups = await self._take()
+                if groups is None:
                     break  # a stop's deadline passed before the step had its groups
-                # Prompt order, not arrival order: the same groups then train in the same
-                # mini-batches and sums whatever the generation's timing (a whitened step's
-                # near-zero gradients would otherwise flip sign with the order under Adam).
-                groups.sort(key=lambda g: (g.prompt.prompt_id, g.prompt.attempt))
-                self.training.switch("training")
-                t1 = self.clock()
-                batches, plan = shard_batches(groups, cfg.trainer.num_shards, cfg.trainer, step,
-                                              max_new_tokens=cfg.rollout.max_new_tokens)
-                critic: list[CriticStepResult] = []
-                results: list[ShardStepResult] = []
-                async with self.step_lock:
-                    stages = self.stages
-                    if stages is not None:  # the PPO dataflow, in order, on every shard
-                        await stages.prepare(batches)
-                        await stages.reference_logprobs(step)
-                        await stages.critic_values(step)
-                        await stages.advantages(step)
-                    # critic.warmup_steps: the critic alone trains; the policy's steps
-                    # start later.
-                    warming_up = stages is not None and stages.warming_up
-                    if not warming_up:
-                        results = await each([  # the policy's update
-                            functools.partial(shard.train, batch)
-                            for shard, batch in zip(self.trainers, batches, strict=True)
-                        ])
-                    if stages is not None:
-                        critic = await stages.critic_update(step)
-                    untrained = (self._critic_warm_up(critic) if warming_up
-                                 else self.health.untrained_reason(step, results))
-                    if not untrained:
-                        self.version += 1
+                taken = self.clock()
+                batches, plan = shard_batches(groups, trainer.num_shards, trainer, step,
+                                              max_new_tokens=self.config.rollout.max_new_tokens)
+                async with self.policy.lock:  # the version moves with the weights
+                    await self.stages.prepare(batches, step)  # (reference, values)
+                    await self.stages.advantages(step)
+                    update = await self.stages.update(batches, step)
+                    if not update.untrained:
+                        self.policy.version += 1
                 self.health.progressed()
-                if untrained:  # the policy did not move: the step's prompts run again
-                    event = "dropped" if untrained == CRITIC_WARMUP else "failed"
-                    for group in groups:
-                        self.admitting.requeue(group.prompt, event, untrained)
+                if update.untrained:  # the policy did not move: the step's prompts run again
+                    self.book.untrained(groups, update.untrained)
                     continue
-                t2 = self.clock()
-                staleness = [self.version - 1 - g.min_version for g in groups]
-                for group in groups:
-                    self.prompts.trained(group, version=self.version - 1)
-                if self.version % cfg.weights.sync_every == 0:
-                    self.training.switch("weight_publish", self.version)
-                    to_deliver.send_nowait(await self.weights.publish(self.version))
-                timings, self.timings = self.timings, []
-                row = step_row(
-                    step=step, version=self.version, groups=groups, results=results,
-                    plan=plan, staleness=staleness, wait_s=t1 - t0, train_s=t2 - t1,
-                    sync_s=self.clock() - t2, timings=timings,
-                    queue=self.queue.statistics(), totals=self.totals, trainer=cfg.trainer,
-                ) | role_metrics(results, critic, measured_kl=cfg.has_reference)
-                self.out.metrics(row)
-                self.evals.produced(self.version, t2, samples=self.totals.samples_trained,
-                                    groups=self.totals.groups_trained,
-                                    tokens=self.totals.tokens_trained)
-                await self.evaluations.version_trained(self.version)
-                bar.update(row)
-                every = cfg.run.checkpoint_every
-                if every and step % every == 0 and step < cfg.run.num_steps:
-                    # The shards snapshot in order with training; the write runs beside
-                    # the next steps (deliveries' task group awaits it on exit).
-                    self.training.switch("checkpoint", self.version)
-                    await self.checkpoints.save(self.version,
-                                                self.clock() - self.evals.started,
-                                                self.trainers[0], background=deliveries)
+                trained = self.clock()
+                self.book.trained(groups, version=self.version - 1)
+                await self._publish(to_deliver)
+                await self._record(bar, step, groups, plan, update,
+                                   times=(started, taken, trained))
+                await self._checkpoint_if_due(step, beside)
                 step += 1
             self.training.switch("checkpoint")
             await self.checkpoints.wait_written()
             self.training.switch("weight_publish")  # the last delivery, awaited on exit
+
+    async def _take(self) -> list[Group] | None:
+        """The step's groups, in prompt order; None when a requested stop's deadline
+        passed before they came (they stay owed: the checkpoint keeps their prompts)."""
+        self.training.switch("wait_data", self.version)
+        with anyio.CancelScope(deadline=self.stop_deadline) as taking:
+            self._taking = taking
+            groups = await self.queue.take(self.config.trainer.groups_per_step,
+                                           at_version=self.version,
+                                           homogeneous=self.config.queue.homogeneous_take)
+        self._taking = None
+        if taking.cancelled_caught:
+            return None
+        # Prompt order, not arrival order: the same groups then train in the same
+        # mini-batches and sums whatever the generation's timing (a whitened step's
+        # near-zero gradients would otherwise flip sign with the order under Adam).
+        groups.sort(key=lambda g: (g.prompt.prompt_id, g.prompt.attempt))
+        self.training.switch("training")
+        return groups
+
+    async def _publish(self, to_deliver: MemoryObjectSendStream[PublishedWeights]) -> None:
+        """Publishes the new version every weights.sync_every versions (the delivery
+        runs beside the next steps)."""
+        if self.version % self.config.weights.sync_every == 0:
+            self.training.switch("weight_publish", self.version)
+            to_deliver.send_nowait(await self.weights.publish(self.version))
+
+    async def _record(self, bar: RunProgress, step: int, groups: Sequence[Group],
+                      plan: StepPlan, update: StepUpdate,
+                      times: tuple[float, float, float]) -> None:
+        """The trained step's metrics row (``times``: when its take started, when it had
+        its groups, when it trained), its throughput for the evaluations' clock, the
+        evaluation the new version is due, the progress line."""
+        started, taken, trained = times
+        timings, self.timings = self.timings, []
+        row = step_row(
+            step=step, version=self.version, groups=groups, results=update.results,
+            plan=plan, staleness=[self.version - 1 - g.min_version for g in groups],
+            wait_s=taken - started, train_s=trained - taken, sync_s=self.clock() - trained,
+            timings=timings, queue=self.queue.statistics(), totals=self.totals,
+            trainer=self.config.trainer,
+        ) | role_metrics(update.results, update.critic, measured_kl=self.config.has_reference)
+        self.out.metrics(row)
+        self.evals.produced(self.version, trained, samples=self.totals.samples_trained,
+                            groups=self.totals.groups_trained,
+                            tokens=self.totals.tokens_trained)
+        await self.evaluations.version_trained(self.version)
+        bar.update(row)
+
+    async def _checkpoint_if_due(self, step: int, beside: anyio.abc.TaskGroup) -> None:
+        """A checkpoint every run.checkpoint_every steps (not after the last: the run's
+        end saves one). The shards snapshot in order with training; the write runs
+        beside the next steps (``beside`` awaits it on exit)."""
+        every = self.config.run.checkpoint_every
+        if every and step % every == 0 and step < self.config.run.num_steps:
+            self.training.switch("checkpoint", self.version)
+            await self.checkpoints.save(self.version, self.clock() - self.evals.started,
+                                        self.trainers[0], background=beside)
 
     async def delivery_loop(self, published_versions: anyio.abc.ObjectReceiveStream[
             PublishedWeights]) -> None:
@@ -366,33 +367,8 @@ class Orchestrator:
         """Continues from a checkpoint: its version (the workers were started from its
         weights), counters and cursor; its unfinished prompts are issued first.
         ``refused``: newer checkpoints that did not verify (restore failures)."""
-        self.version = state.version
+        self.policy.version = state.version
         self.first_step = state.step + 1
         self.wall_offset = state.wall_s
-        if self.stages is not None:
-            self.stages.warmup_left = 0  # made before the checkpoint's first step
+        self.stages.resumed()
         self.checkpoints.restore(state, refused)
-
-    # ---- workers lost, prompts re-queued -------------------------------------------------
-
-    async def current_policy(self, rank: int) -> tuple[str, int]:
-        """The trainer's current policy, written for rollout worker ``rank`` to restart
-        from, and its version (under the step lock: exactly that version)."""
-        async with self.step_lock:
-            model_dir = self.out.path / "restarts" / f"rollout-{rank}-v{self.version}"
-            await self.trainers[0].save_policy(str(model_dir))
-            return str(model_dir), self.version
-
-    def _critic_warm_up(self, critic: Sequence[CriticStepResult]) -> str:
-        """Why a critic.warmup_steps step's prompts run again (for the policy, which did
-        not train on them): ``CRITIC_WARMUP`` once the critic fitted them, or
-        "samples_lost" when a shard could not fetch them (the warm-up step is taken
-        anew)."""
-        assert self.stages is not None
-        if any(c.samples_lost for c in critic):
-            return "samples_lost"
-        self.stages.warmup_left -= 1
-        metrics = role_metrics((), critic, measured_kl=False)
-        log.info("critic warm-up step (%d left): value loss %.4g",
-                 self.stages.warmup_left, metrics.get("critic/value_loss", math.nan))
-        return CRITIC_WARMUP

@@ -26,6 +26,7 @@ from async_rl.run.run_dir import RunWriter
 from async_rl.tasks.sources import PromptSource
 from buffers.common.records import Group, Prompt
 from buffers.common.reports import LedgerEntry
+from buffers.queue.group_verdict import GroupVerdict
 
 FILTERED = "filtered"
 """The reason of a final drop: rollout.filter_groups found the group without signal."""
@@ -67,6 +68,20 @@ class PromptLedger:
         self.write(prompt, "admitted")
         self.open[prompt.prompt_id] = prompt
         return prompt
+
+    def generated(self, prompt: Prompt, verdict: GroupVerdict) -> bool:
+        """``prompt``'s group came back: its "generated" event carries the members'
+        lengths (what ``async-rl simulate --lengths RUN_DIR`` replays); unless it goes on
+        to the queue, the prompt then runs again (``requeue``, event "dropped") or is
+        filtered. False: it ran again ``max_readmissions`` times and is dropped for good."""
+        group = verdict.group
+        self.write(prompt, "generated",
+                   lengths=tuple(group.completion_lengths[k] for k in group.members))
+        if verdict.requeue:
+            return self.requeue(prompt, "dropped", verdict.requeue)
+        if verdict.informative is False:
+            self.filtered(group)
+        return True
 
     def trained(self, group: Group, version: int) -> None:
         """``group`` trained at ``version``: its prompt is done; the event carries the

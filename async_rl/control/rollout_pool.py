@@ -11,8 +11,8 @@ its rank is lost like a worker: replaced again while restarts are left. Restarts
 the pool's own task group, open while ``replacing()`` is; at its exit a restart still
 under way gets run.call_timeout_s more, then it is cancelled and counted as failed, so a
 replacement that hangs cannot stall the end of a run. Knows nothing about prompts,
-versions or the queue: the orchestrator passes in how to get the current policy as a
-model folder.
+versions or the queue: it is built with how to get the trainer's current policy as a
+model folder (``TrainerPolicy.written_for``).
 """
 
 from __future__ import annotations
