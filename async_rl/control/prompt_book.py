@@ -3,7 +3,7 @@
 Owns: what every turn of a prompt's life does to the run's accounts, in one place — the
 ledger's events (``PromptLedger``), the counts (``StepTotals``), the health rules that
 judge generated groups (``RunHealth``) and the admission slots given back to the gate —
-for a prompt admitted from the source, its group judged (``buffers.queue.group_verdict``),
+for a prompt admitted from the source, its group judged (``buffers.plan.group_verdict``),
 queued, dropped as stale by the queue (``on_drop``, which the queue is built with),
 failed on a worker, left untrained by a step, or trained. Every prompt given back goes
 through ``requeue``, so the ledger sees one way back. Built before the queue and the
@@ -22,7 +22,7 @@ from async_rl.control.step_metrics import StepTotals
 from async_rl.control.step_stages import CRITIC_WARMUP
 from async_rl.tasks.sources import PromptSource
 from buffers.common.records import Group, Prompt
-from buffers.queue.group_verdict import TOO_FEW_MEMBERS, GroupVerdict
+from buffers.plan.group_verdict import TOO_FEW_MEMBERS, GroupVerdict
 from buffers.queue.queue_records import Dropped
 from buffers.queue.staleness import AdmissionGate
 

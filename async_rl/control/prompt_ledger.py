@@ -26,7 +26,7 @@ from async_rl.run.run_dir import RunWriter
 from async_rl.tasks.sources import PromptSource
 from buffers.common.records import Group, Prompt
 from buffers.common.reports import LedgerEntry
-from buffers.queue.group_verdict import GroupVerdict
+from buffers.plan.group_verdict import GroupVerdict
 
 FILTERED = "filtered"
 """The reason of a final drop: rollout.filter_groups found the group without signal."""

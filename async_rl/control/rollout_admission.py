@@ -2,7 +2,7 @@
 
 Owns: ``RolloutAdmission``, the loop that admits prompts (``AdmissionGate``) and hands
 each to the least-busy live rollout worker (``RolloutPool``), then each generated group
-in one pass: judged (``buffers.queue.group_verdict``: reward failures zeroed on request;
+in one pass: judged (``buffers.plan.group_verdict``: reward failures zeroed on request;
 environment failures, groups with fewer than two members re-queued; groups without
 signal filtered), accounted (``PromptBook``: the ledger, the counts, the slot given back)
 and, if it goes on, put in the ``ReplayQueue`` (waiting there is backpressure). Knows
@@ -18,7 +18,7 @@ from async_rl.control.prompt_book import PromptBook
 from async_rl.control.protocols import RolloutClient, RolloutFailed
 from async_rl.control.rollout_pool import RolloutPool
 from buffers.common.records import Group, Prompt
-from buffers.queue.group_verdict import GroupRules, group_verdict
+from buffers.plan.group_verdict import GroupRules, group_verdict
 from buffers.queue.replay_queue import ReplayQueue
 from buffers.queue.staleness import AdmissionGate
 from workers.common.spans import SpanRecorder

@@ -19,7 +19,7 @@ from async_rl.control.step_stages import CRITIC_WARMUP
 from async_rl.run.run_dir import RunWriter
 from async_rl.tasks.sources import ArithmeticTask
 from buffers.common.records import Group, Prompt, Sample, make_group
-from buffers.queue.group_verdict import (
+from buffers.plan.group_verdict import (
     ENV_TIMEOUT,
     TOO_FEW_MEMBERS,
     GroupRules,
