@@ -13,7 +13,7 @@ machine), the LD_PRELOAD its engine started with and the engine's peak resident 
 The same prompts in every run, so lengths match up to sampling. The ratios printed are
 on over off, medians of tokens/s and of tokens per CPU second.
 
-    python bench/cpu_allocator.py [--groups 128] [--rounds 1]
+    python -m bench.rollout.cpu_allocator [--groups 128] [--rounds 1]
         [--config examples/cpu_longtail.toml] [--set key=value ...] [--json]
 """
 

@@ -11,7 +11,7 @@ generate a group, stay idle ``--idle`` seconds, generate a group. It reports
 - after_idle_ms: median latency of the ``generate_group`` right after an idle window;
 - back_to_back_ms: median latency of ``generate_group`` calls with no idle between.
 
-    python bench/idle_cpu.py [--idle 5] [--repeat 3] [--model DIR] [--json]
+    python -m bench.rollout.idle_cpu [--idle 5] [--repeat 3] [--model DIR] [--json]
 
 vLLM stops spinning by itself after a second idle, so 5 s windows understate a run's
 waste: in a run the gaps are shorter than that (try ``--idle 0.3 --repeat 10``).

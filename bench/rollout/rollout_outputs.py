@@ -15,7 +15,7 @@ Each run generates ``--groups`` groups of the task's prompts with
 reports groups/s and completion tokens/s. The same prompts in every run, so lengths
 match up to sampling. The ratio printed is B over A, medians of tokens/s.
 
-    python bench/rollout_outputs.py [--compare outputs|worker-process] [--groups 64]
+    python -m bench.rollout.rollout_outputs [--compare outputs|worker-process] [--groups 64]
         [--rounds 1] [--config examples/cpu_longtail.toml] [--set key=value ...] [--json]
 """
 

@@ -14,7 +14,7 @@ The two alternate (padded, packed, padded, ...) after one warm-up step each, so 
 from other processes hits both alike; the figures are medians. It also times one AdamW
 step over the model's parameters with the default per-tensor loop and ``fused=True``.
 
-    python bench/packing.py [--repeats 2] [--cap 2048] [--json]
+    python -m bench.trainer.packing [--repeats 2] [--cap 2048] [--json]
 """
 
 from __future__ import annotations

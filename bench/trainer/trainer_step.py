@@ -39,7 +39,7 @@ step the GPU is busy (profiler kernel time / wall time).
 Imports no ray, vllm or rich: ``bench/gpu_check.py`` runs it on a GPU machine that has
 only torch and transformers.
 
-    python bench/trainer_step.py [--repeats 2] [--cap 2048] [--json]
+    python -m bench.trainer.trainer_step [--repeats 2] [--cap 2048] [--json]
 
 Its last line: ``trainer_step: packed/padded tokens/s R1, peak memory new/today R2``
 (R1: the new path's tokens/s over TRL's padded way on the long-tail batch; R2: the new
