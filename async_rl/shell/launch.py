@@ -168,7 +168,7 @@ def place(config: Config, plan: Roster, task: WorkerTask, started: StartedWorker
         plan.layout, config.rollout.cpus_per_worker, config.trainer.cpus_per_shard,
         gpus=gpus_per_worker(cluster_gpus, plan.layout.colocated),
         timeout_s=config.run.call_timeout_s)
-    groups: dict[str, PlacementGroup] = dict(by_role)
+    groups: dict[str, PlacementGroup] = {role: group for role, group in by_role.items()}
     started.placement_groups += list({id(g): g for g in groups.values()}.values())
     if plan.own:  # one GPU each (on a GPU cluster) or cores of their own
         groups["own"] = own_roles_placement_group(
