@@ -288,3 +288,17 @@ def _apply_split(raw: dict[str, Any], config: Config, rollout: int) -> None:
                           f"{'rollout' if rollout < 1 else 'training'}")
     raw["rollout"]["num_workers"] = max(1, rollout // _per_rollout_worker(config))
     raw["trainer"]["num_shards"] = max(1, rest // _per_trainer_shard(config))
+
+
+def changed(base: Config, tuned: Config) -> dict[str, Value]:
+    """The ``section.key`` values of ``tuned`` that differ from ``base`` (real keys:
+    ``split`` shows as the counts or cores it set)."""
+    before, after = msgspec.to_builtins(base), msgspec.to_builtins(tuned)
+    return {f"{section}.{name}": value
+            for section, values in after.items() if isinstance(values, dict)
+            for name, value in values.items() if before[section].get(name) != value}
+
+
+def as_overrides(values: Mapping[str, Value]) -> list[str]:
+    """``--set`` items of ``values`` (a string as a JSON string, which TOML reads too)."""
+    return [f"{key}={msgspec.json.encode(value).decode()}" for key, value in values.items()]
