@@ -1,0 +1,1 @@
+"""Benchmarks of the tuner and the autopilot."""

@@ -1,0 +1,148 @@
+"""Benchmark: ``async-rl tune`` against a grid ``sweep`` of the same keys, at equal steps.
+
+Per task (the CPU default, the long-tail task), one after another in this process:
+
+1. the grid: ``async-rl sweep`` of every combination of ``--grid`` values (24 points by
+   default: prompts in flight x queue size x the rollout engine's cores x the trainer
+   shard's cores), each a run of ``--steps`` steps; its best point by groups/s;
+2. the tune: ``async-rl tune CONFIG --allow split --budget-s B`` (a calibration run,
+   the simulator's search, short checks), then a run of the tuned config of
+   ``--steps`` steps, as the grid's points ran.
+
+It prints, per task: the grid's best point, its groups/s and held-out accuracy; the
+tuned config's changes, groups/s and accuracy; tuned/best; the tune's wall time over
+the grid's (the grid's: the sum of its trials; the tune's: the tune command plus the
+tuned run). Last line: ``tune_vs_grid: tuned/best R1, tune/grid wall R2`` with, of the
+tasks, the lower R1 and the higher R2.
+
+    python -m bench.tuning.tune_vs_grid                      # both tasks, 24 points each
+    python -m bench.tuning.tune_vs_grid --tasks default --steps 10 \
+        --grid rollout.max_inflight_prompts=4,16 --grid queue.max_groups=16,64
+
+The models: ``async-rl make-model --size small --out runs/small-model`` and
+``async-rl make-model --task longtail --out runs/longtail-model`` (``make demo`` and
+``make demo-longtail`` build them). The runs want the machine to themselves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import msgspec
+
+from async_rl.analysis.sweep import parse_grid, run_sweep
+from async_rl.run.run_dir import read_summary
+
+TASKS = {"default": "examples/cpu_default.toml", "longtail": "examples/cpu_longtail.toml"}
+GRID = ("rollout.max_inflight_prompts=4,16,64", "queue.max_groups=16,64",
+        "rollout.cpus_per_worker=1,2", "trainer.cpus_per_shard=1,2")
+"""24 points: the keys the tuner searches by default that move groups/s on CPU, and the
+split of the cores (on this 2-core machine, a role given 2 shares them with the other)."""
+
+
+class TaskResult(msgspec.Struct, frozen=True, kw_only=True):
+    task: str
+    grid_points: int
+    grid_best: str
+    grid_best_groups_per_s: float
+    grid_best_accuracy: float | None
+    grid_wall_s: float
+    tuned_changes: str
+    tuned_groups_per_s: float
+    tuned_accuracy: float | None
+    tune_wall_s: float
+
+    @property
+    def ratio(self) -> float:
+        return self.tuned_groups_per_s / self.grid_best_groups_per_s
+
+    @property
+    def wall_ratio(self) -> float:
+        return self.tune_wall_s / self.grid_wall_s
+
+
+def _train(config: str, run_dir: Path, steps: int, sets: Sequence[str]) -> float:
+    command = [sys.executable, "-m", "async_rl.cli", "train", config, "--overwrite",
+               "--set", f"run.num_steps={steps}",
+               "--set", f"run.output_dir={msgspec.json.encode(str(run_dir)).decode()}"]
+    command += [arg for item in sets for arg in ("--set", item)]
+    began = time.perf_counter()
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return time.perf_counter() - began
+
+
+def _changes(tuned: Path) -> str:
+    lines = [line.strip() for line in tuned.read_text().splitlines()]
+    return "; ".join(line.removeprefix("# ") for line in lines if line.startswith("# tuned:"))
+
+
+def bench_task(task: str, grid_items: Sequence[str], steps: int, budget_s: int,
+               out: Path, sets: Sequence[str]) -> TaskResult:
+    config = TASKS[task]
+    grid = parse_grid(grid_items)
+    began = time.perf_counter()
+    results = run_sweep(config, grid, out=out / f"{task}-grid", steps=steps, overrides=sets)
+    grid_wall = time.perf_counter() - began
+    done = [r for r in results if r.status == "done"]
+    if not done:
+        raise SystemExit(f"tune_vs_grid: every grid point of {task} failed")
+    best = max(done, key=lambda r: read_summary(r.run_dir).groups_per_s)
+    best_summary = read_summary(best.run_dir)
+
+    tuned_file = out / f"{task}-tuned.toml"
+    began = time.perf_counter()
+    command = [sys.executable, "-m", "async_rl.cli", "tune", config, "--allow", "split",
+               "--budget-s", str(budget_s), "--out", str(tuned_file)]
+    command += [arg for item in sets for arg in ("--set", item)]
+    subprocess.run(command, check=True)
+    tuned_dir = out / f"{task}-tuned-run"
+    _train(str(tuned_file), tuned_dir, steps, sets)
+    tune_wall = time.perf_counter() - began
+    tuned = read_summary(tuned_dir)
+    return TaskResult(
+        task=task, grid_points=len(results),
+        grid_best=", ".join(f"{k}={v}" for k, v in best.trial.values),
+        grid_best_groups_per_s=best_summary.groups_per_s,
+        grid_best_accuracy=best_summary.accuracy_end, grid_wall_s=grid_wall,
+        tuned_changes=_changes(tuned_file) or "none", tuned_groups_per_s=tuned.groups_per_s,
+        tuned_accuracy=tuned.accuracy_end, tune_wall_s=tune_wall)
+
+
+def _accuracy(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tasks", default="default,longtail",
+                        help="comma-separated: default, longtail")
+    parser.add_argument("--grid", action="append", metavar="SECTION.KEY=V1,V2",
+                        help=f"grid keys (default: {' '.join(GRID)})")
+    parser.add_argument("--steps", type=int, default=20, help="run.num_steps of every run")
+    parser.add_argument("--budget-s", type=int, default=300, help="the tune's --budget-s")
+    parser.add_argument("--out", default="runs/tune-vs-grid", help="where the runs go")
+    parser.add_argument("--set", action="append", default=[], dest="sets",
+                        metavar="KEY=VALUE", help="override for every run")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    results = [bench_task(task, args.grid or GRID, args.steps, args.budget_s, out, args.sets)
+               for task in args.tasks.split(",")]
+    for r in results:
+        print(f"{r.task}: grid of {r.grid_points} in {r.grid_wall_s:.0f}s, best {r.grid_best}: "
+              f"{r.grid_best_groups_per_s:.2f} groups/s, accuracy "
+              f"{_accuracy(r.grid_best_accuracy)}")
+        print(f"{r.task}: tuned ({r.tuned_changes}) in {r.tune_wall_s:.0f}s: "
+              f"{r.tuned_groups_per_s:.2f} groups/s, accuracy {_accuracy(r.tuned_accuracy)}; "
+              f"tuned/best {r.ratio:.2f}, tune/grid wall {r.wall_ratio:.2f}")
+    print(f"tune_vs_grid: tuned/best {min(r.ratio for r in results):.2f}, "
+          f"tune/grid wall {max(r.wall_ratio for r in results):.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
