@@ -23,7 +23,7 @@ from async_rl.tasks.longtail import MAX_NEW_TOKENS
 pytestmark = pytest.mark.ray
 
 INFLIGHT = "rollout.max_inflight_prompts"
-STEPS = 6
+STEPS = 7
 
 
 class Lines(logging.Handler):
@@ -62,17 +62,18 @@ def test_a_starved_trainer_gets_more_prompts_in_flight_and_every_place_says_so(
     record = read_record(run_dir)
     assert record is not None and len(record.autopilot) >= 1
     first = record.autopilot[0]
-    assert (first.key, first.old, first.new, first.step) == (INFLIGHT, 1, 2, 2)
+    # The first step (the fill) is in no window: steps 2-3 make the first.
+    assert (first.key, first.old, first.new, first.step) == (INFLIGHT, 1, 2, 3)
     assert "trainer waited" in first.cause and "for data" in first.cause
 
     columns = [row[f"autopilot/{INFLIGHT}"] for row in read_metrics(run_dir)]
     assert len(columns) == STEPS
-    assert columns[:2] == [1, 1] and columns[2] == 2
+    assert columns[:3] == [1, 1, 1] and columns[3] == 2
 
-    assert any(line.startswith(f"autopilot after step 2: {INFLIGHT} 1 -> 2: trainer waited")
+    assert any(line.startswith(f"autopilot after step 3: {INFLIGHT} 1 -> 2: trainer waited")
                for line in lines.lines), lines.lines
 
     console = wide_console()
     with console.capture() as captured:
         print_report(run_dir, console)
-    assert f"after step 2: {INFLIGHT} 1 -> 2" in captured.get()
+    assert f"after step 3: {INFLIGHT} 1 -> 2" in captured.get()
