@@ -12,7 +12,7 @@ back, is ``async_rl.config_io``'s. Knows nothing about what the knobs drive.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -43,7 +43,7 @@ from workers.weights.config import WeightsConfig
 
 # The sections kept in modules of their own are named here too: callers import every
 # section from the one config module.
-__all__ = ["DEFAULT_TASK_KIND", "TASK_SECTIONS", "Config", "ConfigError",
+__all__ = ["DEFAULT_TASK_KIND", "TASK_SECTIONS", "AutopilotConfig", "Config", "ConfigError",
            "HardwareOverrides", "RunConfig", "SimulateConfig", "TaskConfig", "task_config",
            "unknown_task_key"]
 
@@ -129,6 +129,32 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
                            "and no logger twice")
 
 
+AUTOPILOT_KEYS = ("rollout.max_inflight_prompts", "queue.max_groups",
+                  "trainer.micro_batch_tokens", "staleness.max_staleness")
+"""autopilot.keys by default: every live key (``async_rl.knobs.LIVE_KEYS``, which this
+module cannot import; a test holds the two equal)."""
+
+
+class AutopilotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
+    """The same decisions a tuner makes, made while a run trains: every few steps one
+    live key moves one rung of its ladder against the biggest measured idle cause of the
+    last window, and is put back when the next window's groups/s fell by more than the
+    noise (``async_rl.control.autopilot``; docs/autopilot.md)."""
+
+    enabled: bool = False
+    """Retune the run while it trains; every change goes to metrics.jsonl
+    (``autopilot/<key>``), a console line, run.json and ``async-rl report``."""
+    every_steps: Positive = 5
+    """Decide at most this often, on the idle causes of the last window of this many
+    steps (a change is judged on the window after it)."""
+    keys: tuple[str, ...] = AUTOPILOT_KEYS
+    """The keys it may change: live keys only (these four)."""
+    max_staleness: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """The most staleness.max_staleness may reach under the autopilot (the run starts
+    there); -1: staleness.max_staleness. At most staleness.max_staleness, the run's hard
+    bound."""
+
+
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The whole run configuration."""
 
@@ -143,6 +169,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     algorithm: AlgorithmConfig = msgspec.field(default_factory=AlgorithmConfig)
     critic: CriticConfig = msgspec.field(default_factory=CriticConfig)
     run: RunConfig = msgspec.field(default_factory=RunConfig)
+    autopilot: AutopilotConfig = msgspec.field(default_factory=AutopilotConfig)
     simulate: SimulateConfig = msgspec.field(default_factory=SimulateConfig)
 
     def __post_init__(self) -> None:
@@ -178,6 +205,15 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 self.trainer.micro_batch_tokens,
                 f"must be >= rollout.max_new_tokens ({self.rollout.max_new_tokens})",
             )
+        ceiling = self.autopilot.max_staleness
+        if ceiling > self.staleness.max_staleness:
+            raise invalid("autopilot.max_staleness", ceiling,
+                          f"must be <= staleness.max_staleness "
+                          f"({self.staleness.max_staleness}), the run's hard bound")
+        if 0 <= ceiling < self.weights.sync_every - 1:
+            raise invalid("autopilot.max_staleness", ceiling,
+                          f"must be >= weights.sync_every - 1 ({self.weights.sync_every - 1})"
+                          ": rollout runs weights that many versions old")
         env = self.task.environment
         if env.enabled and self.run.eval_on == "idle_cpu":
             raise invalid("run.eval_on", self.run.eval_on,

@@ -7,7 +7,8 @@ user's ceiling on off-policy-ness), the ``split`` pseudo-key (how the devices, o
 the cores, of rollout plus training are divided between them), parsing ``--allow
 KEY=LO..HI`` / ``--allow KEY`` into the ranges a search may use (``allowed_ranges``; a
 ConfigError naming the key otherwise), the ladder of values a search tries within a
-range (``ladder``), and applying chosen values to a config (``with_values``, validated
+range (``ladder``), which keys ``[autopilot]`` may name
+(``check_live``), and applying chosen values to a config (``with_values``, validated
 as any config is). Knows nothing about searching or running.
 """
 
@@ -87,6 +88,16 @@ def knob(key: str) -> Knob:
         raise ConfigError(f"config error: --allow {key}: not a tunable key (one of "
                           f"{', '.join(_BY_KEY)})")
     return _BY_KEY[key]
+
+
+def check_live(config: Config) -> None:
+    """A ConfigError naming the first of autopilot.keys that may not change while a run
+    trains (not a tunable key, or not a live one)."""
+    for key in config.autopilot.keys:
+        if key not in LIVE_KEYS:
+            why = "not a live key" if key in _BY_KEY else "not a tunable key"
+            raise ConfigError(f"config error: autopilot.keys: {key!r} is {why} (one of "
+                              f"{', '.join(LIVE_KEYS)})")
 
 
 def split_total(config: Config) -> int:

@@ -222,7 +222,8 @@ def step_windows(spans: Sequence[Span]) -> list[tuple[int, float, float]]:
 
 
 HINTS = {
-    ("trainer", "wait_data"): "trainer waits for data: add rollout workers or raise "
+    ("trainer", "wait_data"): "trainer waits for data: raise "
+                              "rollout.max_inflight_prompts, add rollout workers or raise "
                               "max_staleness",
     ("trainer", "weight_publish"): "trainer waits while its weights are published: "
                                    "raise weights.sync_every (loading them into rollout "

@@ -2,9 +2,9 @@
 
 Owns: reading a run directory's stored spans and summary, resolving idle causes, writing
 ``trace.json`` and ``timeline.png``, and the tables printed at the end of a run and by
-``async-rl report RUN_DIR [RUN_B]``: the run's experiment record (run.json), and for two
-runs what differs in their config and record before their figures side by side. Knows
-nothing about how the run was executed.
+``async-rl report RUN_DIR [RUN_B]``: the run's experiment record (run.json) and the
+autopilot's changes in it, and for two runs what differs in their config and record
+before their figures side by side. Knows nothing about how the run was executed.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ from async_rl.run.run_dir import (
     read_record,
     read_summary,
 )
-from async_rl.run.run_record import describe
+from async_rl.run.run_record import RunRecord, describe
 from async_rl.run.summary import BucketDrops, RunSummary, describe_failures
 from buffers.common.reports import UsageReading
 from workers.common.spans import COMPUTING_IDLE, Span
@@ -257,11 +257,27 @@ def print_report(run_dir: str | Path, console: Console | None = None, *,
                           f"({len(s.evals)} evaluations in {EVALS})")
         console.print(f"failures: {describe_failures(s.failures) or 'none'}"
                       + (f"; stopped: {s.stopped}" if s.stopped else ""), markup=False)
+    for line in autopilot_lines(read_record(path)):
+        console.print(line, markup=False, highlight=False)
     sampled = _sampled(idle, traced_engines(idle, _detail(path)))
     console.print(f"trace: {path / TRACE} (open in ui.perfetto.dev"
                   + (f"; {sampled.partition(' (')[0]}" if sampled else "")
                   + f")  timeline: {path / TIMELINE}", markup=False, highlight=False)
     return idle
+
+
+def autopilot_lines(record: RunRecord | None) -> list[str]:
+    """The autopilot's changes (run.json), one line each: none without any."""
+    changes = record.autopilot if record else ()
+    if not changes:
+        return []
+    lines = [f"autopilot: {len(changes)} change(s), each judged on the window after it"]
+    for change in changes:
+        judged = (f"{change.outcome} at step {change.judged_step}: {change.judgement}"
+                  if change.judged_step else "pending: the run ended first")
+        lines.append(f"  after step {change.step}: {change.key} {change.old} -> "
+                     f"{change.new} ({judged}); cause: {change.cause}")
+    return lines
 
 
 def print_record(run_dir: str | Path, console: Console | None = None) -> None:

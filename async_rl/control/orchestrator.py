@@ -7,7 +7,8 @@ policy, then two loops side by side —
   AdmissionGate -> a rollout worker -> ReplayQueue;
 - ``training_loop``: ReplayQueue -> plan -> the step's stages on the trainer shards
   (``async_rl.control.step_stages``: GRPO's, or PPO's with the reference and the critic)
-  -> new version -> weights;
+  -> new version -> weights, then, with ``[autopilot]``, the live keys retuned between
+  steps (``async_rl.control.live_tuning``);
 
 with the evaluations due every ``run.eval_every`` steps beside them
 (``async_rl.control.evaluation_runner``), then save and evaluate again. It builds the
@@ -44,6 +45,7 @@ from async_rl.control.checkpoint_files import RunState
 from async_rl.control.checkpoint_parts import RunCheckpoints
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.evaluation_runner import EvaluationRunner
+from async_rl.control.live_tuning import LiveTuning
 from async_rl.control.loss_stats import role_metrics
 from async_rl.control.prompt_book import PromptBook
 from async_rl.control.prompt_ledger import PromptLedger
@@ -138,6 +140,9 @@ class Orchestrator:
         self.admitting = RolloutAdmission(group_rules(config), self.book, gate=self.gate,
                                           pool=self.pool, queue=self.queue,
                                           span=self.admission)
+        # The live keys, retuned between steps by [autopilot] (the config's, without it).
+        self.tuning = LiveTuning(config, out, pool=self.pool, queue=self.queue, gate=self.gate,
+                                 clock=self.clock)
         # What a checkpoint gathers from all of the above.
         self.checkpoints = RunCheckpoints.from_config(
             config.run, config.trainer, out, self.gate, source, self.totals, self.prompts,
@@ -221,11 +226,13 @@ class Orchestrator:
     async def training_loop(self, bar: RunProgress) -> None:
         """Take a step's groups, plan, run the step's stages on every shard, publish the
         new version (delivered beside the next steps; the gate opens for a version once
-        every worker runs it), record the step. A step that did not move the policy (a
+        every worker runs it), record the step, retune the live keys if a window ended
+        ([autopilot]). A step that did not move the policy (a
         shard lost its groups, a non-finite gradient, a critic warm-up step) is taken
         anew: its prompts run again."""
-        step, trainer = self.first_step, self.config.trainer
+        step, shards = self.first_step, self.config.trainer.num_shards
         self.training.flush()  # the track starts with the loop: setup and evaluation dropped
+        self.tuning.start()
         # Published versions go to the rollout workers one at a time, in version order,
         # beside the next steps; leaving the block waits for the last delivery.
         to_deliver, published = anyio.create_memory_object_stream[PublishedWeights](math.inf)
@@ -237,7 +244,7 @@ class Orchestrator:
                 if groups is None:
                     break  # a stop's deadline passed before the step had its groups
                 taken = self.clock()
-                batches, plan = shard_batches(groups, trainer.num_shards, trainer, step,
+                batches, plan = shard_batches(groups, shards, self.tuning.trainer, step,
                                               max_new_tokens=self.config.rollout.max_new_tokens)
                 async with self.policy.lock:  # the version moves with the weights
                     await self.stages.prepare(batches, step)  # (reference, values)
@@ -255,6 +262,8 @@ class Orchestrator:
                 await self._record(bar, step, groups, plan, update,
                                    times=(started, taken, trained))
                 await self._checkpoint_if_due(step, beside)
+                await self.tuning.after_step(step, len(groups), update.results,
+                                             wait_s=taken - started)
                 step += 1
             self.training.switch("checkpoint")
             await self.checkpoints.wait_written()
@@ -300,7 +309,8 @@ class Orchestrator:
             wait_s=taken - started, train_s=trained - taken, sync_s=self.clock() - trained,
             timings=timings, queue=self.queue.statistics(), totals=self.totals,
             trainer=self.config.trainer,
-        ) | role_metrics(update.results, update.critic, measured_kl=self.config.has_reference)
+        ) | role_metrics(update.results, update.critic, measured_kl=self.config.has_reference
+                         ) | self.tuning.columns()
         self.out.metrics(row)
         self.evals.produced(self.version, trained, samples=self.totals.samples_trained,
                             groups=self.totals.groups_trained,

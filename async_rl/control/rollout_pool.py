@@ -115,6 +115,17 @@ class RolloutPool:
             finally:
                 self._restarts = None
 
+    async def set_limit(self, limit: int) -> None:
+        """A new rollout.max_inflight_prompts (a run retuned while it trains): raised,
+        a wait for a slot goes on at once; lowered, workers above it finish what they
+        hold and get no more until they are below it."""
+        if limit < 1:
+            raise ValueError(f"limit={limit}: must be >= 1")
+        async with self._changed:
+            self._by_busy += [[] for _ in range(limit + 1 - len(self._by_busy))]
+            self.limit = limit
+            self._changed.notify_all()
+
     def full(self) -> bool:
         """No live worker can take another prompt now."""
         return not any(self._by_busy[:self.limit])

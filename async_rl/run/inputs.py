@@ -1,20 +1,19 @@
 """A run's inputs checked before anything starts: what would otherwise fail in a worker.
 
-Owns: ``check_inputs`` (the model is a Hugging Face model, in a local directory or the
-hub cache: ``async_rl.run.model_source``; the prompt file or dataset reads and has the
-columns the task names; the tokenizer has the chat template the task asks for; the
-task's own reward functions, named in task.rewards or passed as callables, import and
-can take a completion on those columns; task.eval_reward names one; the environment
-class of task.environment imports and has its methods; the optional loggers are
-installed; trainer.backend = "fsdp2" finds the model's decoder layers; trainer.packed =
-true is not asked of a model whose features the packed path cannot compute
-(``workers.trainer.packed_support``); trainer.router_aux_coef > 0 has a model with
-routers; without model.lora, full weight versions can reach the engine of the model's
-type (``workers.rollout.engine.update_refusal``); reference.path and critic.path are
-models of the policy's architecture and tokenizer), raising
-``ConfigError`` with one line. Used by
-``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl sweep``
-before it is launched.
+Owns: ``check_inputs`` (autopilot.keys are live keys; the model is a Hugging Face model,
+in a local directory or the hub cache: ``async_rl.run.model_source``; the prompt file or
+dataset reads and has the columns the task names; the tokenizer has the chat template
+the task asks for; the task's own reward functions, named in task.rewards or passed as
+callables, import and can take a completion on those columns; task.eval_reward names
+one; the environment class of task.environment imports and has its methods; the optional
+loggers are installed; trainer.backend = "fsdp2" finds the model's decoder layers;
+trainer.packed = true is not asked of a model whose features the packed path cannot
+compute (``workers.trainer.packed_support``); trainer.router_aux_coef > 0 has a model
+with routers; without model.lora, full weight versions can reach the engine of the
+model's type (``workers.rollout.engine.update_refusal``); reference.path and critic.path
+are models of the policy's architecture and tokenizer), raising ``ConfigError`` with one
+line. Used by ``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl
+sweep`` before it is launched.
 """
 
 from __future__ import annotations
@@ -26,6 +25,7 @@ from pathlib import Path
 import msgspec
 
 from async_rl.config import Config
+from async_rl.knobs import check_live
 from async_rl.run.loggers import check_installed
 from async_rl.run.model_source import resolve_model_path
 from async_rl.tasks.table import check_task
@@ -43,6 +43,7 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
     passes besides ``task.rewards`` (``async_rl.train``).
     """
     check_installed(config.run.loggers)
+    check_live(config)  # autopilot.keys
     path = resolve_model_path(config.model.path, task_kind=config.task.kind)
     config = msgspec.structs.replace(
         config, model=msgspec.structs.replace(config.model, path=path))

@@ -18,7 +18,7 @@ import msgspec
 from async_rl.config import Config
 from async_rl.config_io import to_toml
 from async_rl.run.loggers import open_loggers, scalars, summary_scalars
-from async_rl.run.run_record import RunRecord, collect, now
+from async_rl.run.run_record import AutopilotChange, RunRecord, collect, now
 from async_rl.run.summary import EvalPoint, RunSummary
 from buffers.common.reports import LedgerEntry
 from workers.common.spans import Span
@@ -108,6 +108,11 @@ class RunWriter:
                 logger.metrics(row["step"], values)
         if self._on_metrics is not None:
             self._on_metrics(row)
+
+    def autopilot(self, changes: Sequence[AutopilotChange]) -> None:
+        """run.json again, with the autopilot's changes so far (a crashed run keeps them)."""
+        self.record = msgspec.structs.replace(self.record, autopilot=tuple(changes))
+        self._write_record()
 
     def ledger(self, entry: LedgerEntry) -> None:
         self._append(self._ledger, "ledger", entry)

@@ -2,9 +2,10 @@
 
 Owns: collecting the command line, the async-rl checkout's commit and dirty flag, the
 Python and key package versions, the hardware (CPU model, cores, memory; GPU model,
-count and driver when NVML is there), the seeds and the start and end times, into one
-frozen ``RunRecord``. Knows nothing about training; ``async_rl.run.run_dir`` writes the
-record when a run starts and again, with its end time, when it ends.
+count and driver when NVML is there), the seeds, the start and end times and the
+autopilot's live changes (``AutopilotChange``), into one frozen ``RunRecord``. Knows
+nothing about training; ``async_rl.run.run_dir`` writes the record when a run starts,
+after each autopilot change, and again, with its end time, when it ends.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import sys
 from collections.abc import Sequence
 from datetime import datetime
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 import psutil
@@ -52,6 +54,25 @@ class Hardware(msgspec.Struct, frozen=True, kw_only=True):
     """NVIDIA driver version; empty without GPUs or without NVML (``nvidia-ml-py``)."""
 
 
+class AutopilotChange(msgspec.Struct, frozen=True, kw_only=True):
+    """One live change ``[autopilot]`` made, why, and what the next window made of it."""
+
+    step: int
+    """The last step of the window it was decided on; it applies from the next step."""
+    key: str
+    old: int
+    new: int
+    cause: str
+    """The measured idle cause it answers, in words."""
+    outcome: Literal["kept", "reverted", "pending"] = "pending"
+    """kept: the next window's groups/s did not fall by more than the noise band;
+    reverted: it did, and the key went back to ``old``; pending: the run ended first."""
+    judged_step: int = 0
+    """The step whose window judged it (0 while pending)."""
+    judgement: str = ""
+    """The groups/s of the two windows and the noise band, in words."""
+
+
 class RunRecord(msgspec.Struct, frozen=True, kw_only=True):
     """How a run was started and on what: enough to reproduce it or tell two runs apart."""
 
@@ -78,6 +99,8 @@ class RunRecord(msgspec.Struct, frozen=True, kw_only=True):
     simulated: str = ""
     """The hardware a simulated run (``async-rl simulate``) was simulated on; empty for a
     real run (its hardware is ``hardware``)."""
+    autopilot: tuple[AutopilotChange, ...] = ()
+    """The live changes of ``[autopilot]``, in order (none without it)."""
 
 
 def now() -> str:

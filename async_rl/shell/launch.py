@@ -24,6 +24,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 
 from async_rl.config import Config
+from async_rl.control.autopilot import inflight_ceiling
 from async_rl.roster import Entry, Roster, WorkerSpec
 from buffers.common.concurrent_calls import each
 from workers.actors import CriticActor, ReferenceActor, RolloutActor, TrainerActor
@@ -109,14 +110,18 @@ class Placed:
     options: dict[str, dict[str, Any]]
     """The Ray options that put each actor in its bundle with its CPUs and GPUs."""
     task: WorkerTask
+    max_inflight: int
+    """The most prompts a rollout worker may be given at once in the run (the
+    autopilot's ceiling when it may raise rollout.max_inflight_prompts): its actor takes
+    that many concurrent calls, with room for the rest."""
 
     def create(self, entry: Entry, spec: WorkerSpec, version: int, name: str | None) -> Any:
         """Creates (does not start) ``entry``'s actor from ``spec`` in its bundle."""
         options = {"name": name, **self.options[entry.name]}
         match spec:
             case RolloutSpec():
-                return ROLLOUT.options(max_concurrency=4 * spec.rollout.max_inflight_prompts
-                                       + 16, **options).remote(spec, self.task, version)
+                return ROLLOUT.options(max_concurrency=4 * self.max_inflight + 16,
+                                       **options).remote(spec, self.task, version)
             case TrainerSpec():
                 return TRAINER.options(**options).remote(spec)
             case ReferenceSpec():
@@ -175,7 +180,7 @@ def place(config: Config, plan: Roster, task: WorkerTask, started: StartedWorker
             len(plan.own), config.trainer.cpus_per_shard,
             gpus_per_worker(cluster_gpus, colocated=False), timeout_s=config.run.call_timeout_s)
         started.placement_groups.append(groups["own"])
-    placed = Placed(nodes={}, options={}, task=task)
+    placed = Placed(nodes={}, options={}, task=task, max_inflight=inflight_ceiling(config))
     for entry in plan.entries:
         placed.options[entry.name] = {"num_cpus": entry.cpus}
         if entry.bundle is not None:  # the evaluator: in no group, on cores left idle

@@ -24,6 +24,7 @@ from async_rl.analysis.results import SIM_STATS, SimStats
 from async_rl.config import Config
 from async_rl.control.orchestrator import Orchestrator
 from async_rl.control.protocols import RolloutClient, TrainerClient, Workers
+from async_rl.knobs import check_live
 from async_rl.run.run_dir import USAGE, RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.sim.clock import run_virtual
@@ -83,6 +84,7 @@ def _task(config: Config) -> tuple[PromptSource, Sequence[Prompt]]:
 def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
     """Simulates ``config`` into its run.output_dir (which must be ready to write);
     ``costs``: instead of simulate.hardware's (a calibration tries its own)."""
+    check_live(config)  # autopilot.keys, before the run directory is written
     costs = costs or simulation_costs(config)
     lengths = length_law(config)
     config = msgspec.structs.replace(

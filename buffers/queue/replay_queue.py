@@ -2,7 +2,8 @@
 
 Owns: where groups wait between rollout and training, in which order they leave
 (oldest ``min_version`` first, then arrival), the bounds (groups and tokens) that push
-back on producers, the rule that no group older than ``max_staleness`` versions is ever
+back on producers (groups and staleness may change while a run trains: ``resize``,
+``set_max_staleness``), the rule that no group older than ``max_staleness`` versions is ever
 handed to a taker, and a take's wait for groups still being generated that it must
 hold (``expecting``; the rule is ``buffers.queue.in_flight``'s). Knows nothing about
 prompts, rewards, trainers or Ray: a group is anything with ``prompt_id``,
@@ -233,6 +234,31 @@ class ReplayQueue(Generic[T]):
         finally:
             self._in_flight.remove(version)
             self._wake_taker()
+
+    # -- live bounds (a run retuned while it trains) -----------------------------------
+
+    def resize(self, max_groups: int) -> None:
+        """A new capacity in groups. Below what is queued, puts wait until takes make
+        room; a take may not want more than it."""
+        if max_groups < 1:
+            raise ValueError(f"max_groups={max_groups}: must be >= 1")
+        self.max_groups = max_groups
+        self._wake_putter()
+
+    def set_max_staleness(self, max_staleness: int) -> None:
+        """A new staleness bound. Lowered, the queued groups now too stale for the last
+        take's version are dropped (``on_drop``), as are later puts and takes' stale
+        groups: no group older than the bound in force is ever handed to a taker."""
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
+        self.max_staleness = self._in_flight.max_staleness = max_staleness
+        self._staleness_taken += [0] * (max_staleness + 1 - len(self._staleness_taken))
+        sink = self._sink_version
+        if sink is not None and (stale := self._store.pop_older_than(sink - max_staleness)):
+            self._drops.drop(stale, DROP_STALE, sink)
+        for waiter in self._putters:  # their groups may be stale now
+            waiter.event.set()
+        self._wake_taker()
 
     # -- lifecycle -------------------------------------------------------------------
 

@@ -2,7 +2,8 @@
 
 Owns: the count of started groups, the current policy version, and the rule that a
 prompt may start only while ``started < (version + max_staleness + 1) * groups_per_step``
-(so no group can be more than ``max_staleness`` versions old when its step trains it).
+(so no group can be more than ``max_staleness`` versions old when its step trains it;
+the bound may change while a run trains: ``set_max_staleness``).
 Knows nothing about prompts, rollout workers or the queue: callers ``acquire`` a slot
 before starting a prompt and ``release`` it when the start is cancelled or failed, or when
 the queue drops the group as stale and the prompt is re-queued (without that give-back
@@ -164,6 +165,15 @@ class AdmissionGate:
         if version < self._version:
             raise ValueError(f"version went back from {self._version} to {version}")
         self._version = version
+        self._grant()
+
+    def set_max_staleness(self, max_staleness: int) -> None:
+        """A new bound (a run retuned while it trains): raised, waiters get the slots it
+        opens; lowered, no prompt starts until the version catches up with the slots
+        held (groups already started that end too stale are the queue's to drop)."""
+        if max_staleness < 0:
+            raise ValueError(f"max_staleness={max_staleness}: must be >= 0")
+        self.max_staleness = max_staleness
         self._grant()
 
     def shut_down(self) -> None:

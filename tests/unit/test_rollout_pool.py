@@ -122,3 +122,31 @@ def test_a_replacement_that_fails_to_start_is_replaced_again_while_restarts_are_
         assert (totals.restarts, totals.failed_restarts) == (2, 1)
 
     anyio.run(main)
+
+
+def test_a_new_limit_applies_live_a_raised_one_wakes_a_wait_for_a_slot() -> None:
+    async def current_policy(rank: int) -> tuple[str, int]:
+        return "", 0
+
+    async def main() -> None:
+        workers = {0: cast(RolloutClient, object())}
+        pool = RolloutPool(workers, limit=1, max_restarts=0, totals=StepTotals(),
+                           restart=None, current_policy=current_policy, exit_wait_s=1.0)
+        assert (await pool.acquire(lambda: None))[0] == 0 and pool.full()
+        got: list[int] = []
+
+        async def second() -> None:
+            got.append((await pool.acquire(lambda: None))[0])
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(second)
+            await anyio.wait_all_tasks_blocked()
+            assert got == []  # waits for a slot
+            await pool.set_limit(4)
+        assert got == [0] and pool.busy[0] == 2 and not pool.full()
+        await pool.set_limit(2)  # lowered: what it holds stays, no more is given
+        assert pool.full()
+        await pool.release(0)
+        assert not pool.full()
+
+    anyio.run(main)

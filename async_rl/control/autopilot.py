@@ -1,0 +1,231 @@
+"""The autopilot's decisions: which live key to turn, given the idle causes of a window.
+
+Owns: ``Autopilot``, which every ``autopilot.every_steps`` steps reads a ``Window`` (the
+groups/s of each of its steps, and its idle shares by role and cause) and answers with at
+most one ``Move``: a live key one rung along its ladder (``async_rl.knobs.ladder``)
+against the biggest idle cause, or, when the window after a move trained slower than the
+window before it by more than the noise band, that move taken back. The rules, the
+shares they read and the range of each key are below; the advice they follow is the
+idle report's (``async_rl.analysis.idle.HINTS``), whose words go into each move's cause.
+Knows nothing about how a window is measured or how a move is applied
+(``async_rl.control.live_tuning``).
+
+Noise band: the standard error of the difference between the two windows' mean per-step
+groups/s (each window's sample variance over its steps, over its step count), at least
+``MIN_BAND`` of the earlier window's groups/s, so a window of one step or of identical
+steps still has a band. A reverted move is not tried again in the same direction on
+that key for ``COOLDOWN_WINDOWS`` windows.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from statistics import variance
+
+import msgspec
+
+from async_rl.analysis.idle import HINTS
+from async_rl.config import Config
+from async_rl.knobs import check_live, default_ranges, ladder, value_of
+from async_rl.run.run_record import AutopilotChange
+
+INFLIGHT = "rollout.max_inflight_prompts"
+QUEUE = "queue.max_groups"
+MICRO_BATCH = "trainer.micro_batch_tokens"
+STALENESS = "staleness.max_staleness"
+
+WORTH_A_MOVE = 0.10
+"""An idle cause below this share of the window is not worth a move."""
+NEVER_WAITS = 0.05
+"""A trainer waiting for data less than this share of the window is not starved."""
+MIN_BAND = 0.02
+"""The noise band is at least this fraction of the earlier window's groups/s."""
+COOLDOWN_WINDOWS = 4
+"""Windows during which a reverted move is not tried again in its direction."""
+
+
+class Window(msgspec.Struct, frozen=True, kw_only=True):
+    """What one window of steps measured."""
+
+    last_step: int
+    groups_per_s: tuple[float, ...]
+    """Each step's groups over its wall time (from the previous step's end to its own)."""
+    groups: int
+    wall_s: float
+    idle: dict[str, dict[str, float]]
+    """role -> idle cause -> the share of the window's wall time it held that role."""
+
+    @property
+    def throughput(self) -> float:
+        """Groups trained per second over the window."""
+        return self.groups / self.wall_s if self.wall_s > 0 else 0.0
+
+    def share(self, role: str, cause: str) -> float:
+        return self.idle.get(role, {}).get(cause, 0.0)
+
+
+class Move(msgspec.Struct, frozen=True, kw_only=True):
+    """Set ``key`` from ``old`` to ``new``; ``revert``: taking back a move that did not
+    pay, ``cause`` then saying why."""
+
+    key: str
+    old: int
+    new: int
+    cause: str
+    revert: bool = False
+
+
+def key_range(config: Config, key: str) -> tuple[int, int]:
+    """Where the autopilot may move ``key``: staleness between weights.sync_every's need
+    and the ceiling (autopilot.max_staleness, else staleness.max_staleness); any other
+    key ``async_rl.knobs.DEFAULT_SPAN`` times below and above the config's value, within
+    the config's rules."""
+    if key == STALENESS:
+        return config.weights.sync_every - 1, ceiling(config)
+    lo, hi = default_ranges(config)[key]
+    return int(lo), int(hi)
+
+
+def ceiling(config: Config) -> int:
+    """The most staleness.max_staleness may be under the autopilot (where the run starts)."""
+    chosen = config.autopilot.max_staleness
+    return config.staleness.max_staleness if chosen < 0 else chosen
+
+
+def inflight_ceiling(config: Config) -> int:
+    """The most prompts one rollout worker may be given at once during the run."""
+    tuned = config.autopilot.enabled and INFLIGHT in config.autopilot.keys
+    return key_range(config, INFLIGHT)[1] if tuned else config.rollout.max_inflight_prompts
+
+
+def noise_band(before: Window, after: Window) -> float:
+    """See the module docstring."""
+    spread = sum(variance(w.groups_per_s) / len(w.groups_per_s)
+                 for w in (before, after) if len(w.groups_per_s) > 1)
+    return max(math.sqrt(spread), MIN_BAND * before.throughput)
+
+
+class Autopilot:
+    """See the module docstring. ``values``: each tuned key's value in effect now."""
+
+    def __init__(self, config: Config) -> None:
+        check_live(config)
+        self.keys = config.autopilot.keys
+        self.ranges = {key: key_range(config, key) for key in self.keys}
+        self.values = {key: int(value_of(config, key)) for key in self.keys}
+        if STALENESS in self.values:
+            self.values[STALENESS] = ceiling(config)
+        self.changes: list[AutopilotChange] = []
+        self.windows = 0
+        self._pending: tuple[Window, int] | None = None
+        """The window a move was decided on, and the move's place in ``changes``."""
+        self._blocked: dict[tuple[str, int], int] = {}
+        """(key, direction) -> the window count until which it is not tried."""
+
+    def observe(self, window: Window) -> Move | None:
+        """The move after ``window`` (None: none). A window that trained nothing decides
+        nothing and judges nothing."""
+        if window.groups == 0 or window.wall_s <= 0 or not window.groups_per_s:
+            return None
+        self.windows += 1
+        if self._pending is not None:
+            revert = self._judge(*self._pending, window)
+            self._pending = None
+            if revert is not None:
+                return revert
+        move = self._decide(window)
+        if move is not None:
+            self.values[move.key] = move.new
+            self.changes.append(AutopilotChange(step=window.last_step, key=move.key,
+                                                old=move.old, new=move.new, cause=move.cause))
+            self._pending = (window, len(self.changes) - 1)
+        return move
+
+    def _judge(self, before: Window, index: int, after: Window) -> Move | None:
+        change = self.changes[index]
+        band = noise_band(before, after)
+        fell = after.throughput < before.throughput - band
+        judgement = (f"groups/s {before.throughput:.3g} -> {after.throughput:.3g}, "
+                     f"noise band {band:.2g}")
+        self.changes[index] = msgspec.structs.replace(
+            change, outcome="reverted" if fell else "kept", judged_step=after.last_step,
+            judgement=judgement)
+        if not fell:
+            return None
+        direction = 1 if change.new > change.old else -1
+        self._blocked[(change.key, direction)] = self.windows + COOLDOWN_WINDOWS
+        self.values[change.key] = change.old
+        return Move(key=change.key, old=change.new, new=change.old, revert=True,
+                    cause=f"{judgement}: groups/s fell by more than the noise band")
+
+    def _decide(self, window: Window) -> Move | None:
+        """The biggest idle cause a rule answers, whose key can still move that way."""
+        # Ties keep the rules' order.
+        for _, key, direction, cause in sorted(self._candidates(window), key=lambda c: -c[0]):
+            if key not in self.values or self._blocked.get((key, direction), 0) > self.windows:
+                continue
+            new = self._next_rung(key, direction)
+            if new is not None:
+                return Move(key=key, old=self.values[key], new=new, cause=cause)
+        return None
+
+    def _next_rung(self, key: str, direction: int) -> int | None:
+        current = self.values[key]
+        rungs = [int(v) for v in ladder(key, self.ranges[key], current)]
+        beyond = [v for v in rungs if (v - current) * direction > 0]
+        if not beyond:
+            return None
+        return min(beyond) if direction > 0 else max(beyond)
+
+    def _candidates(self, window: Window) -> list[tuple[float, str, int, str]]:
+        """(share, key, direction, cause) of every rule the window's idle shares meet.
+
+        The trainer's groups/s is the run's: while it waits for data, rollout must make
+        more, held back by the staleness gate (raise the bound), by a full queue that the
+        trainer's takes empty in bursts (raise its size), or else by its prompts in
+        flight (raise them). A trainer that never waits while rollout waits on a full
+        queue trains groups staler than throughput needs: lower the bound. Shards
+        waiting on each other: smaller micro-batches balance better."""
+        waits = window.share("trainer", "wait_data")
+        gate = window.share("rollout", "gate_closed")
+        full = window.share("rollout", "queue_full")
+        barrier = window.share("trainer", "barrier")
+        found: list[tuple[float, str, int, str]] = []
+        if waits >= WORTH_A_MOVE and gate >= WORTH_A_MOVE:
+            found.append((gate, STALENESS, 1, _cause(
+                f"rollout waited at the staleness gate {gate:.0%} of the window while the "
+                f"trainer waited for data {waits:.0%}", ("rollout", "gate_closed"))))
+        if waits >= WORTH_A_MOVE and full >= WORTH_A_MOVE:
+            found.append((full, QUEUE, 1, _cause(
+                f"rollout waited on a full queue {full:.0%} of the window while the "
+                f"trainer waited for data {waits:.0%}", ("rollout", "queue_full"))))
+        if waits >= WORTH_A_MOVE and max(gate, full) < WORTH_A_MOVE:
+            found.append((waits, INFLIGHT, 1, _cause(
+                f"trainer waited {waits:.0%} of the window for data at "
+                f"{self.values.get(INFLIGHT, 0)} prompts in flight per rollout worker",
+                ("trainer", "wait_data"))))
+        if waits < NEVER_WAITS and full >= WORTH_A_MOVE:
+            found.append((full, STALENESS, -1,
+                          f"rollout waited on a full queue {full:.0%} of the window and the "
+                          f"trainer waited for data only {waits:.0%}: fresher groups cost "
+                          "no groups/s"))
+        if barrier >= WORTH_A_MOVE:
+            found.append((barrier, MICRO_BATCH, -1, _cause(
+                f"trainer shards waited on each other {barrier:.0%} of the window",
+                ("trainer", "barrier"))))
+        return found
+
+
+def _cause(measured: str, role_cause: tuple[str, str]) -> str:
+    """What was measured, then the idle report's advice for it."""
+    return f"{measured} ({HINTS[role_cause]})"
+
+
+def window_of(last_step: int, groups: Sequence[int], walls: Sequence[float],
+              idle: dict[str, dict[str, float]]) -> Window:
+    """The window of steps with ``groups`` trained in ``walls`` seconds each."""
+    return Window(last_step=last_step, groups=sum(groups), wall_s=sum(walls), idle=idle,
+                  groups_per_s=tuple(g / w for g, w in zip(groups, walls, strict=True)
+                                     if w > 0))
+

@@ -1,0 +1,144 @@
+"""The live keys of a run, measured into windows and retuned between steps.
+
+Owns: ``LiveTuning``, the orchestrator's part of ``[autopilot]``: the value each live
+key has now (the planner's trainer rules among them), the window of steps the
+autopilot (``async_rl.control.autopilot``) decides on, measured from what the controller
+already has in hand (no worker is called): each step's groups and wall time, the
+trainer's wait for data (the step's wait for its groups, the training track's
+``wait_data``), its shards' barrier waits, the admission's waits at the staleness gate
+(the gate's own count of seconds) and the rollout slots' waits on a full queue (the
+queue's seconds of waiting puts over the slots there were). It applies each move through
+the components' own setters, between steps (the pool's ``set_limit``, the queue's
+``resize`` and ``set_max_staleness``, the gate's ``set_max_staleness``), and says so:
+a console line with its cause, run.json's list of changes, the ``autopilot/<key>``
+columns of every metrics row. Without ``[autopilot]`` it holds the config's values and
+measures nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from async_rl.config import Config
+from async_rl.control.autopilot import (
+    INFLIGHT,
+    MICRO_BATCH,
+    QUEUE,
+    STALENESS,
+    Autopilot,
+    Move,
+    window_of,
+)
+from async_rl.control.rollout_pool import RolloutPool
+from async_rl.run.run_dir import RunWriter
+from buffers.common.records import Group, ShardStepResult
+from buffers.queue.replay_queue import ReplayQueue
+from buffers.queue.staleness import AdmissionGate
+from workers.trainer.config import TrainerConfig
+
+log = logging.getLogger(__name__)
+
+
+class LiveTuning:
+    """See the module docstring."""
+
+    def __init__(self, config: Config, out: RunWriter, *, pool: RolloutPool,
+                 queue: ReplayQueue[Group], gate: AdmissionGate,
+                 clock: Callable[[], float]) -> None:
+        self.out, self.pool, self.queue, self.gate, self.clock = out, pool, queue, gate, clock
+        self.trainer: TrainerConfig = config.trainer
+        """The trainer rules the planner lays steps out with (micro_batch_tokens live)."""
+        self.autopilot = Autopilot(config) if config.autopilot.enabled else None
+        self.every = config.autopilot.every_steps
+        self._groups: list[int] = []
+        self._walls: list[float] = []
+        self._wait_s = self._barrier_s = 0.0
+        self._marks = (0.0, 0.0, 0.0)
+        """(clock, gate wait seconds, queue put wait seconds) at the window's start."""
+        self._filling = False
+        """The first step of the loop is under way: it is in no window."""
+        if self.autopilot is not None and STALENESS in self.autopilot.values:
+            # The run starts at the autopilot's ceiling (at most the config's bound).
+            self._set(STALENESS, self.autopilot.values[STALENESS])
+
+    def start(self) -> None:
+        """The training loop starts; the first window starts after its first step (the
+        pipeline's fill, which would otherwise make the first window look starved and
+        every first move look like a gain)."""
+        self._filling = True
+
+    def columns(self) -> dict[str, int]:
+        """Each tuned key's value in effect, for the step's metrics row."""
+        if self.autopilot is None:
+            return {}
+        return {f"autopilot/{key}": value for key, value in self.autopilot.values.items()}
+
+    async def after_step(self, step: int, groups: int,
+                         results: Sequence[ShardStepResult], wait_s: float) -> None:
+        """A step trained ``groups`` after waiting ``wait_s`` for them; at a window's end,
+        the autopilot's move (if any) applies before the next step."""
+        if self.autopilot is None:
+            return
+        if self._filling:
+            self._filling = False
+            self._marks = self._now()
+            return
+        start_s = self._marks[0] + sum(self._walls)
+        self._groups.append(groups)
+        self._walls.append(self.clock() - start_s)
+        self._wait_s += wait_s
+        self._barrier_s += sum(r.barrier_s for r in results) / max(len(results), 1)
+        if len(self._groups) < self.every:
+            return
+        window = window_of(step, self._groups, self._walls, self._idle())
+        self._groups, self._walls, self._wait_s, self._barrier_s = [], [], 0.0, 0.0
+        move = self.autopilot.observe(window)
+        for change in self.autopilot.changes:
+            if change.judged_step == step:
+                log.info("autopilot after step %d: %s = %d %s (%s)", step, change.key,
+                         change.new,
+                         "kept" if change.outcome == "kept" else "reverted to "
+                         f"{change.old}", change.judgement)
+        if move is not None:
+            await self._apply(step, move)
+        if move is not None or any(c.judged_step == step for c in self.autopilot.changes):
+            self.out.autopilot(self.autopilot.changes)
+        self._marks = self._now()
+
+    async def _apply(self, step: int, move: Move) -> None:
+        if move.key == INFLIGHT:
+            await self.pool.set_limit(move.new)
+        else:
+            self._set(move.key, move.new)
+        if not move.revert:
+            log.info("autopilot after step %d: %s %d -> %d: %s", step, move.key, move.old,
+                     move.new, move.cause)
+
+    def _set(self, key: str, value: int) -> None:
+        """Applies a synchronous live key (the pool's limit is ``_apply``'s)."""
+        if key == QUEUE:
+            self.queue.resize(value)
+        elif key == STALENESS:
+            self.gate.set_max_staleness(value)
+            self.queue.set_max_staleness(value)
+        elif key == MICRO_BATCH:
+            self.trainer = msgspec.structs.replace(self.trainer, micro_batch_tokens=value)
+
+    def _now(self) -> tuple[float, float, float]:
+        statistics = self.queue.statistics()
+        return (self.clock(), self.gate.statistics().wait_seconds,
+                statistics.put_waits.seconds)
+
+    def _idle(self) -> dict[str, dict[str, float]]:
+        """The window's idle shares by role and cause (see the module docstring)."""
+        start, gate_s, put_s = self._marks
+        now, gate_now, put_now = self._now()
+        wall = max(now - start, 1e-9)
+        slots = max(self.pool.limit * len(self.pool), 1)
+        return {"trainer": {"wait_data": self._wait_s / wall,
+                            "barrier": self._barrier_s / wall},
+                "rollout": {"gate_closed": (gate_now - gate_s) / wall,
+                            "queue_full": (put_now - put_s) / (slots * wall)}}
