@@ -8,6 +8,8 @@ hold (``expecting``; the rule is ``buffers.queue.in_flight``'s). Knows nothing a
 prompts, rewards, trainers or Ray: a group is anything with ``prompt_id``,
 ``min_version`` and ``num_tokens`` (``QueueItem``), and a dropped group is handed to the
 ``on_drop`` callback so its prompt can be re-run (``buffers.queue.drop_accounting``).
+Each group's policy version when it entered is kept beside it and handed out with the
+take (``TakenGroups``), so its staleness splits into in-flight and in-queue versions.
 
 Speed: ``put`` and ``take`` do not yield to the event loop when they need not wait (like
 ``asyncio.Queue``), because a checkpoint per call would cost more than the queue itself.
@@ -32,10 +34,12 @@ from buffers.queue.queue_records import (
     DROP_STALE,
     BucketStatistics,
     Dropped,
+    Queued,
     QueueItem,
     ReplayQueueSnapshot,
     ReplayQueueStatistics,
     T,
+    TakenGroups,
     WaitStatistics,
 )
 from buffers.queue.replay_store import BucketedStore
@@ -62,18 +66,21 @@ class ReplayQueue(Generic[T]):
     ``[0, 1024)``, ``[1024, 4096)`` and ``[4096, inf)``. A group that could never fit
     (more than ``max_tokens``) is refused with ``ValueError`` rather than waiting forever.
     ``wait_for_expiring``: see ``take``. ``clock``: what waits are timed with (a
-    simulation passes its virtual clock).
+    simulation passes its virtual clock). ``policy_version``: the policy's version now,
+    read as a group enters (None: the last take's ``at_version``, 0 before the first).
     """
 
     @classmethod
     def from_config(cls, queue: QueueConfig, staleness: StalenessConfig, *,
                     on_drop: DropHandler[T] | None = None,
-                    clock: Callable[[], float] = time.perf_counter) -> ReplayQueue[T]:
+                    clock: Callable[[], float] = time.perf_counter,
+                    policy_version: Callable[[], int] | None = None) -> ReplayQueue[T]:
         """The queue its section describes (bounds, buckets, wait_for_expiring), keeping
         staleness.max_staleness."""
         return cls(max_groups=queue.max_groups, max_tokens=queue.max_tokens,
                    bucket_edges=queue.bucket_edges, max_staleness=staleness.max_staleness,
-                   on_drop=on_drop, wait_for_expiring=queue.wait_for_expiring, clock=clock)
+                   on_drop=on_drop, wait_for_expiring=queue.wait_for_expiring, clock=clock,
+                   policy_version=policy_version)
 
     def __init__(
         self,
@@ -85,6 +92,7 @@ class ReplayQueue(Generic[T]):
         on_drop: DropHandler[T] | None = None,
         wait_for_expiring: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        policy_version: Callable[[], int] | None = None,
     ) -> None:
         if max_groups < 1 or max_tokens < 1:
             raise ValueError(f"max_groups={max_groups}, max_tokens={max_tokens}: both must be >= 1")
@@ -99,8 +107,9 @@ class ReplayQueue(Generic[T]):
         self.bucket_edges = edges
         self.wait_for_expiring = wait_for_expiring
         self._clock = clock
+        self._policy_version = policy_version
         self._drops: DropAccounting[T] = DropAccounting(edges, on_drop)
-        self._store: BucketedStore[T] = BucketedStore(edges)
+        self._store: BucketedStore[Queued[T]] = BucketedStore(edges)
         self._in_flight = InFlight(max_staleness)
         self._sink_version: int | None = None
         self._closed = False
@@ -176,10 +185,17 @@ class ReplayQueue(Generic[T]):
         self._advance_sink(n_groups, at_version)
         if self._takers or not self._ready(n_groups, at_version):
             raise QueueClosed if self._closed else NotEnoughGroups
-        return self._pop(n_groups, at_version, homogeneous)
+        return list(self._pop(n_groups, at_version, homogeneous).groups)
 
     async def take(self, n_groups: int, at_version: int, *, homogeneous: bool = False) -> list[T]:
-        """Takes ``n_groups`` groups for training at policy version ``at_version``.
+        """``take_groups``' groups, oldest first."""
+        return list((await self.take_groups(n_groups, at_version,
+                                            homogeneous=homogeneous)).groups)
+
+    async def take_groups(self, n_groups: int, at_version: int, *,
+                          homogeneous: bool = False) -> TakenGroups[T]:
+        """Takes ``n_groups`` groups for training at policy version ``at_version``, with
+        the version each entered the queue at.
 
         Waits until that many are queued, and with ``wait_for_expiring`` for every group
         announced by ``expecting`` that this take must hold: those whose last chance it
@@ -248,7 +264,7 @@ class ReplayQueue(Generic[T]):
 
     def drain(self) -> list[T]:
         """Removes and returns every queued group, oldest first (shutdown, tests)."""
-        items = self._store.pop_oldest(self._store.groups)
+        items = [queued.item for queued in self._store.pop_oldest(self._store.groups)]
         self._drained_total += len(items)
         self._wake_putter()
         return items
@@ -292,7 +308,8 @@ class ReplayQueue(Generic[T]):
     def snapshot(self) -> ReplayQueueSnapshot[T]:
         """The contents (oldest first) and counters, without changing the queue."""
         return ReplayQueueSnapshot(
-            items=tuple(self._store),
+            items=tuple(queued.item for queued in self._store),
+            entered_versions=tuple(queued.entered_version for queued in self._store),
             sink_version=self._sink_version,
             put_total=self._put_total,
             taken_total=self._taken_total,
@@ -306,14 +323,16 @@ class ReplayQueue(Generic[T]):
 
         The bounds are this queue's (the run may have changed them); restored groups are
         admitted even beyond them, and later puts wait until takes make room. Per-bucket
-        counts survive only if the bucket edges are the same.
+        counts survive only if the bucket edges are the same. Groups of a snapshot that
+        kept no entry versions enter now.
         """
         if self._store.groups or self._put_total or self._putters or self._takers:
             raise RuntimeError("restore() needs a new, empty queue")
-        for item in snapshot.items:
-            self._check_fits(item)
-            self._insert(item)
         self._sink_version = snapshot.sink_version
+        entered = snapshot.entered_versions or (None,) * len(snapshot.items)
+        for item, version in zip(snapshot.items, entered, strict=True):
+            self._check_fits(item)
+            self._insert(item, version)
         self._put_total = snapshot.put_total
         self._taken_total = snapshot.taken_total
         self._drained_total = snapshot.drained_total
@@ -334,8 +353,15 @@ class ReplayQueue(Generic[T]):
         store = self._store
         return store.groups < self.max_groups and store.tokens + tokens <= self.max_tokens
 
-    def _insert(self, item: T) -> None:
-        self._drops.put_by_bucket[self._store.insert(item)] += 1
+    def _insert(self, item: T, entered_version: int | None = None) -> None:
+        """Stores the group, entered at ``entered_version`` (None: now)."""
+        if entered_version is None:
+            now = (self._policy_version() if self._policy_version
+                   else self._sink_version or 0)
+            # Its tokens' versions were published before it entered; a version source
+            # that lags (the last take's) must not make that negative.
+            entered_version = max(now, item.min_version)
+        self._drops.put_by_bucket[self._store.insert(Queued(item, entered_version))] += 1
         self._put_total += 1
         if self._takers:
             self._wake_taker()
@@ -370,12 +396,12 @@ class ReplayQueue(Generic[T]):
         self._sink_version = at_version
         stale = self._store.pop_older_than(at_version - self.max_staleness)
         if stale:
-            self._drops.drop(stale, DROP_STALE, at_version)
+            self._drops.drop([queued.item for queued in stale], DROP_STALE, at_version)
         # Parked putters re-check: their groups may now be stale, and room may have opened.
         for waiter in self._putters:
             waiter.event.set()
 
-    def _pop(self, n: int, at_version: int, homogeneous: bool) -> list[T]:
+    def _pop(self, n: int, at_version: int, homogeneous: bool) -> TakenGroups[T]:
         if homogeneous and self.bucket_edges and self.max_staleness > 0:
             # Urgent: groups that would be too stale at the next version must go now.
             items = self._store.pop_homogeneous(n, at_version + 1 - self.max_staleness)
@@ -387,7 +413,8 @@ class ReplayQueue(Generic[T]):
             hist[max(0, at_version - item.min_version)] += 1
         self._taken_total += len(items)
         self._wake_putter()
-        return items
+        return TakenGroups(groups=tuple(queued.item for queued in items), at_version=at_version,
+                           entered_versions=tuple(queued.entered_version for queued in items))
 
     def _wake_putter(self) -> None:
         if self._putters:
