@@ -9,7 +9,7 @@ prompts, rewards, trainers or Ray: a group is anything with ``prompt_id``,
 ``min_version`` and ``num_tokens`` (``QueueItem``), and a dropped group is handed to the
 ``on_drop`` callback so its prompt can be re-run (``buffers.queue.drop_accounting``).
 Each group's policy version when it entered is kept beside it and handed out with the
-take (``TakenGroups``), so its staleness splits into in-flight and in-queue versions.
+take (``TakenGroups``), so its staleness splits in two (``buffers.queue.taken_staleness``).
 
 Speed: ``put`` and ``take`` do not yield to the event loop when they need not wait (like
 ``asyncio.Queue``), because a checkpoint per call would cost more than the queue itself.
@@ -32,7 +32,6 @@ from buffers.queue.errors import NotEnoughGroups, QueueClosed, QueueFull, QueueT
 from buffers.queue.in_flight import InFlight
 from buffers.queue.queue_records import (
     DROP_STALE,
-    BucketStatistics,
     Dropped,
     Queued,
     QueueItem,
@@ -43,6 +42,7 @@ from buffers.queue.queue_records import (
     WaitStatistics,
 )
 from buffers.queue.replay_store import BucketedStore
+from buffers.queue.taken_staleness import TakenStaleness
 
 __all__ = ["QueueItem", "ReplayQueue"]
 
@@ -107,7 +107,6 @@ class ReplayQueue(Generic[T]):
         self.bucket_edges = edges
         self.wait_for_expiring = wait_for_expiring
         self._clock = clock
-        self._policy_version = policy_version
         self._drops: DropAccounting[T] = DropAccounting(edges, on_drop)
         self._store: BucketedStore[Queued[T]] = BucketedStore(edges)
         self._in_flight = InFlight(max_staleness)
@@ -122,7 +121,7 @@ class ReplayQueue(Generic[T]):
         self._put_total = 0
         self._taken_total = 0
         self._drained_total = 0
-        self._staleness_taken = [0] * (max_staleness + 1)
+        self._staleness: TakenStaleness[T] = TakenStaleness(max_staleness, policy_version)
 
     def __len__(self) -> int:
         return self._store.groups
@@ -274,22 +273,13 @@ class ReplayQueue(Generic[T]):
         return self._drops.drain()
 
     def statistics(self) -> ReplayQueueStatistics:
-        lows = (0, *self.bucket_edges)
-        highs: tuple[int | None, ...] = (*self.bucket_edges, None)
-        store, drops = self._store, self._drops
-        counts = zip(lows, highs, store.bucket_groups, store.bucket_tokens,
-                     drops.put_by_bucket, drops.dropped_by_bucket, strict=True)
-        buckets = tuple(
-            BucketStatistics(low=lo, high=hi, groups=g, tokens=t, put_total=p, dropped=d)
-            for lo, hi, g, t, p, d in counts
-        )
         return ReplayQueueStatistics(
             groups=self._store.groups,
             tokens=self._store.tokens,
             max_groups=self.max_groups,
             max_tokens=self.max_tokens,
             max_staleness=self.max_staleness,
-            buckets=buckets,
+            buckets=self._drops.buckets(self._store.bucket_groups, self._store.bucket_tokens),
             put_waits=WaitStatistics(
                 count=self._put_waits, seconds=self._put_wait_s, waiting_now=len(self._putters)
             ),
@@ -300,7 +290,7 @@ class ReplayQueue(Generic[T]):
             taken_total=self._taken_total,
             drained_total=self._drained_total,
             drops=dict(self._drops.by_reason),
-            staleness_taken=tuple(self._staleness_taken),
+            staleness_taken=tuple(self._staleness.histogram),
             sink_version=self._sink_version,
             closed=self._closed,
         )
@@ -315,7 +305,7 @@ class ReplayQueue(Generic[T]):
             taken_total=self._taken_total,
             drained_total=self._drained_total,
             drops=self._drops.counts(),
-            staleness_taken=tuple(self._staleness_taken),
+            staleness_taken=tuple(self._staleness.histogram),
         )
 
     def restore(self, snapshot: ReplayQueueSnapshot[T]) -> None:
@@ -337,8 +327,7 @@ class ReplayQueue(Generic[T]):
         self._taken_total = snapshot.taken_total
         self._drained_total = snapshot.drained_total
         self._drops.restore(snapshot.drops)
-        hist = list(snapshot.staleness_taken[: self.max_staleness + 1])
-        self._staleness_taken = hist + [0] * (self.max_staleness + 1 - len(hist))
+        self._staleness.restore(snapshot.staleness_taken)
 
     # -- internals -------------------------------------------------------------------
 
@@ -355,13 +344,8 @@ class ReplayQueue(Generic[T]):
 
     def _insert(self, item: T, entered_version: int | None = None) -> None:
         """Stores the group, entered at ``entered_version`` (None: now)."""
-        if entered_version is None:
-            now = (self._policy_version() if self._policy_version
-                   else self._sink_version or 0)
-            # Its tokens' versions were published before it entered; a version source
-            # that lags (the last take's) must not make that negative.
-            entered_version = max(now, item.min_version)
-        self._drops.put_by_bucket[self._store.insert(Queued(item, entered_version))] += 1
+        queued = self._staleness.queued(item, self._sink_version, entered_version)
+        self._drops.put_by_bucket[self._store.insert(queued)] += 1
         self._put_total += 1
         if self._takers:
             self._wake_taker()
@@ -407,14 +391,9 @@ class ReplayQueue(Generic[T]):
             items = self._store.pop_homogeneous(n, at_version + 1 - self.max_staleness)
         else:
             items = self._store.pop_oldest(n)
-        hist = self._staleness_taken
-        for item in items:
-            # A group newer than the taker (only a caller's bug can make one) counts as 0.
-            hist[max(0, at_version - item.min_version)] += 1
         self._taken_total += len(items)
         self._wake_putter()
-        return TakenGroups(groups=tuple(queued.item for queued in items), at_version=at_version,
-                           entered_versions=tuple(queued.entered_version for queued in items))
+        return self._staleness.taken(items, at_version)
 
     def _wake_putter(self) -> None:
         if self._putters:
