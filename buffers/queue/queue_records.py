@@ -54,22 +54,18 @@ class QueueItem(Protocol):
 T = TypeVar("T", bound=QueueItem)
 
 
-class Queued(Generic[T]):
+class Queued(msgspec.Struct, Generic[T], frozen=True, gc=False):
     """A group in the queue's store, with the policy version when it entered.
 
-    Its ``min_version`` and ``num_tokens`` are copied: the store reads them on every
-    walk, and an attribute is quicker than the group's own property."""
+    Its ``min_version`` and ``num_tokens`` are copied: the store reads them on every walk,
+    and a field is quicker than the group's own property. Not tracked by the garbage
+    collector (``gc=False``: a full queue is many objects, and the group it holds never
+    refers back to it, so it can be in no cycle)."""
 
-    __slots__ = ("entered_version", "item", "min_version", "num_tokens")
-
+    item: T
+    entered_version: int
     min_version: int
     num_tokens: int
-
-    def __init__(self, item: T, entered_version: int) -> None:
-        self.item = item
-        self.entered_version = entered_version
-        self.min_version = item.min_version
-        self.num_tokens = item.num_tokens
 
     @property
     def prompt_id(self) -> str:

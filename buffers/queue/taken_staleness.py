@@ -34,7 +34,7 @@ class TakenStaleness(Generic[T]):
             # A version source that lags (the last take's) must not put the entry
             # before the group's own tokens.
             entered_version = max(now, item.min_version)
-        return Queued(item, entered_version)
+        return Queued(item, entered_version, item.min_version, item.num_tokens)
 
     def taken(self, entries: Sequence[Queued[T]], at_version: int) -> TakenGroups[T]:
         """Counts the taken groups' staleness; the record of the take."""
@@ -42,9 +42,9 @@ class TakenStaleness(Generic[T]):
         for queued in entries:
             # A group newer than the taker (only a caller's bug can make one) counts as 0.
             hist[max(0, at_version - queued.min_version)] += 1
-        return TakenGroups(groups=tuple(queued.item for queued in entries),
+        return TakenGroups(groups=tuple([queued.item for queued in entries]),
                            at_version=at_version,
-                           entered_versions=tuple(queued.entered_version for queued in entries))
+                           entered_versions=tuple([queued.entered_version for queued in entries]))
 
     def restore(self, histogram: Sequence[int]) -> None:
         """Loads a saved histogram (cut or padded to this queue's max_staleness)."""
