@@ -23,6 +23,7 @@ from buffers.queue.queue_records import (
     QueueItem,
     ReplayQueueSnapshot,
     ReplayQueueStatistics,
+    TakenGroups,
     WaitStatistics,
 )
 from buffers.queue.replay_queue import ReplayQueue
@@ -48,6 +49,7 @@ __all__ = [
     "SequenceTooLong",
     "ShardPlan",
     "StepPlan",
+    "TakenGroups",
     "WaitStatistics",
     "WouldBlock",
     "pack",

@@ -1,10 +1,11 @@
 """Run reports: the idle table, the Perfetto trace and the timeline, rebuilt from spans.
 
 Owns: reading a run directory's stored spans and summary, resolving idle causes, writing
-``trace.json`` and ``timeline.png``, and the tables printed at the end of a run and by
-``async-rl report RUN_DIR [RUN_B]``: the run's experiment record (run.json) and the
-autopilot's changes in it, and for two runs what differs in their config and record
-before their figures side by side. Knows nothing about how the run was executed.
+``trace.json`` (with each step's staleness split as counter tracks) and ``timeline.png``,
+and the tables printed at the end of a run and by ``async-rl report RUN_DIR [RUN_B]``:
+the run's experiment record (run.json) and the autopilot's changes in it, and for two
+runs what differs in their config and record before their figures side by side. Knows
+nothing about how the run was executed.
 """
 
 from __future__ import annotations
@@ -40,15 +41,17 @@ from async_rl.analysis.tables import (
     pct,
     wide_console,
 )
-from async_rl.analysis.trace import write_chrome_trace, write_timeline_png
+from async_rl.analysis.trace import Counter, write_chrome_trace, write_timeline_png
 from async_rl.config import SimulateConfig
 from async_rl.run.run_dir import (
     CONFIG,
     EVALS,
+    METRICS,
     RUN_RECORD,
     SPANS,
     SUMMARY,
     USAGE,
+    read_metrics,
     read_record,
     read_summary,
 )
@@ -132,7 +135,8 @@ def build_report(run_dir: str | Path) -> RunIdle:
         idle = msgspec.structs.replace(idle, cross_check=cross_check(idle, path / USAGE))
     engines = traced_engines(idle, _detail(path))
     write_chrome_trace([s for s in resolved if s.role != "rollout" or s.worker in engines],
-                       path / TRACE, note=_sampled(idle, engines))
+                       path / TRACE, note=_sampled(idle, engines),
+                       counters=staleness_counters(path, idle.steps))
     notes = {w.name: f"busy {w.busy_s / w.wall_s:.0%}, most waiting: {w.top_cause}"
              for w in idle.workers if w.wall_s}
     hints = [f"{r.role}: {hint(r)}" for r in idle.roles if r.idle_s > 0 and hint(r)]
@@ -151,6 +155,18 @@ def build_report(run_dir: str | Path) -> RunIdle:
                    for r in idle.roles})
     (path / IDLE_JSON).write_bytes(msgspec.json.format(msgspec.json.encode(idle)))
     return idle
+
+
+def staleness_counters(run_dir: Path, steps: Sequence[StepIdle]) -> list[Counter]:
+    """Two counter tracks, from each step's start: its staleness in flight and in queue
+    (mean and max over its trained tokens; none for a run made before the split)."""
+    starts = {s.step: s.start for s in steps}
+    rows = read_metrics(run_dir) if (run_dir / METRICS).exists() else []
+    return [Counter(track=f"staleness {part.replace('_', ' ')}", at=starts[row["step"]],
+                    values={"mean": row[f"staleness_{part}_mean"],
+                            "max": row[f"staleness_{part}_max"]})
+            for row in rows if row["step"] in starts and "staleness_in_flight_mean" in row
+            for part in ("in_flight", "in_queue")]
 
 
 def _detail(run_dir: Path) -> int:

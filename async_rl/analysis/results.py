@@ -3,8 +3,10 @@
 Owns: ``StepSplit`` (from metrics.jsonl: the mean step time split into waiting for
 generation, training and the weight snapshot, over the steps after the pipeline fills,
 with the mean delivery of a version into the engines beside it), ``fill_steps`` (the
-steps counted as filling it: the first max_staleness + 1, when there are more), and
-``result_table``: throughput, the split, idle by role and cause, and what the simulator
+steps counted as filling it: the first max_staleness + 1, when there are more),
+``StalenessSplit`` (the run's staleness in flight and in queue, over its trained tokens)
+and ``result_table``: throughput, the split, idle by role and cause, staleness, and what
+the simulator
 counted of its own (sim.json: requests queued for KV-cache room, time-shared releases),
 in at most ``RESULT_LINES`` lines whatever the cluster size. Knows nothing about how the
 run was executed.
@@ -106,6 +108,34 @@ def step_split(rows: Sequence[dict[str, Any]], max_staleness: int) -> StepSplit 
         fill_s=mean([r["wait_s"] + r["train_s"] + r["sync_s"] for r in rows[:fill]]))
 
 
+class StalenessSplit(msgspec.Struct, frozen=True, kw_only=True):
+    """A run's staleness split over its trained tokens: versions published while a group
+    was generated (in flight) and while it waited in the queue (in queue)."""
+
+    in_flight_mean: float
+    in_flight_max: int
+    in_queue_mean: float
+    in_queue_max: int
+
+
+def staleness_split(rows: Sequence[dict[str, Any]]) -> StalenessSplit | None:
+    """Over every step of metrics rows ``rows`` (each step's means weighted by its
+    ``tokens_trained``); None without a step that has the split (runs made before it)."""
+    rows = [r for r in rows if "staleness_in_flight_mean" in r]
+    if not rows:
+        return None
+    tokens = sum(r["tokens_trained"] for r in rows)
+
+    def mean(key: str) -> float:
+        return sum(r[key] * r["tokens_trained"] for r in rows) / tokens if tokens else 0.0
+
+    return StalenessSplit(
+        in_flight_mean=mean("staleness_in_flight_mean"),
+        in_flight_max=max(r["staleness_in_flight_max"] for r in rows),
+        in_queue_mean=mean("staleness_in_queue_mean"),
+        in_queue_max=max(r["staleness_in_queue_max"] for r in rows))
+
+
 def run_split(run_dir: Path) -> StepSplit | None:
     """``step_split`` of a run directory (None without metrics or a summary)."""
     if not (run_dir / METRICS).exists() or not (run_dir / SUMMARY).exists():
@@ -150,8 +180,13 @@ def result_table(run_dir: Path, roles: Sequence[Breakdown]) -> Table:
                           "into every engine, beside the next step")
     for role in roles:
         table.add_row(f"{role.role} idle", _idle_line(role))
+    parts = (staleness_split(read_metrics(run_dir)) if (run_dir / METRICS).exists()
+             else None)
     table.add_row("staleness", f"histogram {list(s.staleness_histogram)}; "
-                  f"{s.dropped_stale} groups dropped as too stale")
+                  + (f"in flight {parts.in_flight_mean:.2f} (max {parts.in_flight_max}), "
+                     f"in queue {parts.in_queue_mean:.2f} (max {parts.in_queue_max}); "
+                     if parts else "")
+                  + f"{s.dropped_stale} groups dropped as too stale")
     if stats and stats.kv_limit_tokens is not None:
         table.add_row("KV cache", f"{stats.kv_limit_tokens:,.0f} tokens an engine (peak "
                       f"held {stats.peak_kv_tokens:,.0f}); {stats.kv_queued} of "

@@ -1,7 +1,8 @@
 """Pictures of a run: a Chrome-trace JSON for Perfetto and a timeline PNG.
 
 Owns: the trace event layout (one track per worker, the controller's tracks, version
-markers, weight-broadcast flow arrows, a note of which workers were left out) and the
+markers, weight-broadcast flow arrows, counter tracks of per-step figures, a note of
+which workers were left out) and the
 matplotlib timeline (one row per device, coloured by cause; for a large run, one row per
 role above them, each time bin split by the share of the role's devices in each cause).
 Knows nothing about how spans were recorded or resolved, or which workers to draw.
@@ -79,10 +80,21 @@ ROLE_BINS = 600
 """Time bins of a role's row in the timeline (about one per pixel column of the axes)."""
 
 
-def chrome_trace(spans: Sequence[Span], note: str = "") -> dict[str, Any]:
-    """Trace-event JSON (open at ui.perfetto.dev): tracks, markers, broadcast flows;
-    ``note`` (which workers were left out) is the process's name and the trace's
-    metadata."""
+class Counter(msgspec.Struct, frozen=True, kw_only=True):
+    """One value change of a counter track (e.g. a step's staleness from its start)."""
+
+    track: str
+    at: float
+    """Seconds since the epoch, as spans' times."""
+    values: dict[str, float]
+    """One series of the track per key."""
+
+
+def chrome_trace(spans: Sequence[Span], note: str = "",
+                 counters: Sequence[Counter] = ()) -> dict[str, Any]:
+    """Trace-event JSON (open at ui.perfetto.dev): tracks, markers, broadcast flows,
+    ``counters``; ``note`` (which workers were left out) is the process's name and the
+    trace's metadata."""
     if not spans:
         return {"traceEvents": [], "displayTimeUnit": "ms"}
     origin = min(s.start for s in spans)
@@ -127,12 +139,15 @@ def chrome_trace(spans: Sequence[Span], note: str = "") -> dict[str, Any]:
                            "ts": us(publish.start)})
             events.append({**flow, "ph": "f", "bp": "e", "tid": tids[sync.worker],
                            "ts": us(sync.start)})
+    events.extend({"ph": "C", "name": c.track, "pid": 1, "ts": us(c.at), "args": c.values}
+                  for c in counters)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             **({"metadata": {"workers": note}} if note else {})}
 
 
-def write_chrome_trace(spans: Sequence[Span], path: str | Path, note: str = "") -> None:
-    Path(path).write_bytes(msgspec.json.encode(chrome_trace(spans, note)))
+def write_chrome_trace(spans: Sequence[Span], path: str | Path, note: str = "",
+                       counters: Sequence[Counter] = ()) -> None:
+    Path(path).write_bytes(msgspec.json.encode(chrome_trace(spans, note, counters)))
 
 
 def cause_shares(spans: Sequence[Span], devices: int, edges: np.ndarray

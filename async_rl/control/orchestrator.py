@@ -71,6 +71,7 @@ from buffers.common.records import Group, Prompt
 from buffers.common.reports import BroadcastTiming
 from buffers.plan.balance import StepPlan
 from buffers.plan.batching import shard_batches
+from buffers.queue.queue_records import TakenGroups
 from buffers.queue.replay_queue import ReplayQueue
 from buffers.queue.staleness import AdmissionGate
 from workers.common.spans import SpanRecorder
@@ -135,8 +136,10 @@ class Orchestrator:
             config.staleness, groups_per_step=config.trainer.groups_per_step,
             clock=self.clock)
         self.book = PromptBook(source, self.prompts, self.gate, self.totals, self.health)
+        # A group's entering version splits its staleness into in flight and in queue.
         self.queue: ReplayQueue[Group] = ReplayQueue.from_config(
-            config.queue, config.staleness, on_drop=self.book.on_drop, clock=self.clock)
+            config.queue, config.staleness, on_drop=self.book.on_drop, clock=self.clock,
+            policy_version=self.policy.current)
         self.admitting = RolloutAdmission(group_rules(config), self.book, gate=self.gate,
                                           pool=self.pool, queue=self.queue,
                                           span=self.admission)
@@ -240,9 +243,10 @@ class Orchestrator:
             beside.start_soon(self.delivery_loop, published)
             while step <= self.config.run.num_steps and not self.stop_reason:
                 started = self.clock()
-                groups = await self._take()
-                if groups is None:
+                taken_groups = await self._take()
+                if taken_groups is None:
                     break  # a stop's deadline passed before the step had its groups
+                groups = list(taken_groups.groups)
                 taken = self.clock()
                 batches, plan = shard_batches(groups, shards, self.tuning.trainer, step,
                                               max_new_tokens=self.config.rollout.max_new_tokens)
@@ -259,7 +263,7 @@ class Orchestrator:
                 trained = self.clock()
                 self.book.trained(groups, version=self.version - 1)
                 await self._publish(to_deliver)
-                await self._record(bar, step, groups, plan, update,
+                await self._record(bar, step, taken_groups, plan, update,
                                    times=(started, taken, trained))
                 await self._checkpoint_if_due(step, beside)
                 await self.tuning.after_step(step, len(groups), update.results,
@@ -269,24 +273,23 @@ class Orchestrator:
             await self.checkpoints.wait_written()
             self.training.switch("weight_publish")  # the last delivery, awaited on exit
 
-    async def _take(self) -> list[Group] | None:
+    async def _take(self) -> TakenGroups[Group] | None:
         """The step's groups, in prompt order; None when a requested stop's deadline
         passed before they came (they stay owed: the checkpoint keeps their prompts)."""
         self.training.switch("wait_data", self.version)
         with anyio.CancelScope(deadline=self.stop_deadline) as taking:
             self._taking = taking
-            groups = await self.queue.take(self.config.trainer.groups_per_step,
-                                           at_version=self.version,
-                                           homogeneous=self.config.queue.homogeneous_take)
+            groups = await self.queue.take_groups(self.config.trainer.groups_per_step,
+                                                  at_version=self.version,
+                                                  homogeneous=self.config.queue.homogeneous_take)
         self._taking = None
         if taking.cancelled_caught:
             return None
+        self.training.switch("training")
         # Prompt order, not arrival order: the same groups then train in the same
         # mini-batches and sums whatever the generation's timing (a whitened step's
         # near-zero gradients would otherwise flip sign with the order under Adam).
-        groups.sort(key=lambda g: (g.prompt.prompt_id, g.prompt.attempt))
-        self.training.switch("training")
-        return groups
+        return groups.sorted_by(lambda g: (g.prompt.prompt_id, g.prompt.attempt))
 
     async def _publish(self, to_deliver: MemoryObjectSendStream[PublishedWeights]) -> None:
         """Publishes the new version every weights.sync_every versions (the delivery
@@ -295,17 +298,16 @@ class Orchestrator:
             self.training.switch("weight_publish", self.version)
             to_deliver.send_nowait(await self.weights.publish(self.version))
 
-    async def _record(self, bar: RunProgress, step: int, groups: Sequence[Group],
+    async def _record(self, bar: RunProgress, step: int, groups: TakenGroups[Group],
                       plan: StepPlan, update: StepUpdate,
                       times: tuple[float, float, float]) -> None:
-        """The trained step's metrics row (``times``: when its take started, when it had
-        its groups, when it trained), its throughput for the evaluations' clock, the
-        evaluation the new version is due, the progress line."""
+        """The metrics row of the step that trained ``groups`` (``times``: when its take
+        started, when it had its groups, when it trained), its throughput for the
+        evaluations' clock, the evaluation the new version is due, the progress line."""
         started, taken, trained = times
         timings, self.timings = self.timings, []
         row = step_row(
-            step=step, version=self.version, groups=groups, results=update.results,
-            plan=plan, staleness=[self.version - 1 - g.min_version for g in groups],
+            step=step, version=self.version, taken=groups, results=update.results, plan=plan,
             wait_s=taken - started, train_s=trained - taken, sync_s=self.clock() - trained,
             timings=timings, queue=self.queue.statistics(), totals=self.totals,
             trainer=self.config.trainer,

@@ -1,7 +1,8 @@
 """Per-step metrics rows and whole-run totals.
 
 Owns: what one metrics.jsonl row holds (reward, accuracy, loss statistics, staleness
-histogram, queue state, throughput, broadcast timings, balance) and the running totals
+histogram and its split into in flight and in queue, queue state, throughput, broadcast
+timings, balance) and the running totals
 that become the run summary. Knows nothing about where the figures come from.
 """
 
@@ -21,7 +22,7 @@ from buffers.common.records import Group, ShardStepResult
 from buffers.common.reports import BroadcastTiming
 from buffers.plan.balance import StepPlan
 from buffers.plan.batching import TrainerRules, trained_sample
-from buffers.queue.queue_records import ReplayQueueStatistics
+from buffers.queue.queue_records import ReplayQueueStatistics, TakenGroups
 
 
 class Counters(msgspec.Struct, frozen=True, kw_only=True):
@@ -238,14 +239,28 @@ def _padding_ratio(results: Sequence[ShardStepResult]) -> float:
     return sum(r.computed_positions for r in results) / real if real else 1.0
 
 
+def staleness_split(taken: TakenGroups[Group], trained_tokens: Sequence[int]
+                    ) -> dict[str, float | int]:
+    """The step's staleness in flight (versions published while a group was generated)
+    and in queue (while it waited), over its trained tokens: means weighted by each
+    group's ``trained_tokens``, maxima over the groups with any (0: a step without)."""
+    total = sum(trained_tokens)
+    row: dict[str, float | int] = {}
+    for part, values in (("in_flight", taken.in_flight()), ("in_queue", taken.in_queue())):
+        weighted = list(zip(values, trained_tokens, strict=True))
+        row[f"staleness_{part}_mean"] = (sum(v * w for v, w in weighted) / total
+                                         if total else 0.0)
+        row[f"staleness_{part}_max"] = max((v for v, w in weighted if w), default=0)
+    return row
+
+
 def step_row(
     *,
     step: int,
     version: int,
-    groups: Sequence[Group],
+    taken: TakenGroups[Group],
     results: Sequence[ShardStepResult],
     plan: StepPlan,
-    staleness: Sequence[int],
     wait_s: float,
     train_s: float,
     sync_s: float,
@@ -254,8 +269,9 @@ def step_row(
     totals: StepTotals,
     trainer: TrainerRules,
 ) -> dict[str, Any]:
-    """One metrics row; also folds the step into ``totals``. ``trainer``: the rules that
-    say which members carried a loss (``buffers.plan.batching.trained_sample``).
+    """One metrics row of the step that trained ``taken``; also folds the step into
+    ``totals``. ``trainer``: the rules that say which members carried a loss
+    (``buffers.plan.batching.trained_sample``).
 
     Every statistic is the groups' members' (``Group.members``): rewards, accuracy,
     reward/<name> (each reward's member values that are not lost), finish reasons,
@@ -264,14 +280,21 @@ def step_row(
     ``samples_trained`` and ``tokens_trained`` are the members that carried a loss and
     their sequences' tokens: not those trainer.overlong = "mask" left out. The excluded
     samples are counted apart: ``samples_excluded``, ``tokens_excluded`` and
-    ``excluded`` (by reason)."""
+    ``excluded`` (by reason). A group's staleness is ``taken.at_version - min_version``;
+    ``staleness_split`` adds its parts."""
+    groups = taken.groups
     members = [(g, k) for g in groups for k in g.members]
-    trained = [(g, k) for g, k in members if trained_sample(g, k, trainer)]
+    trained_by_group = [[k for k in g.members if trained_sample(g, k, trainer)]
+                        for g in groups]
+    trained = [(g, k) for g, ks in zip(groups, trained_by_group, strict=True) for k in ks]
+    trained_tokens = [sum(g.sequence_lengths[k] for k in ks)
+                      for g, ks in zip(groups, trained_by_group, strict=True)]
+    staleness = [taken.at_version - g.min_version for g in groups]
     excluded = [(g, k, why) for g in groups for k, why in enumerate(g.excluded) if why]
     rewards = [g.rewards[k] for g, k in members]
     finishes = [g.finish_reasons[k] for g, k in members]
     tokens = sum(g.sequence_lengths[k] for g, k in members)
-    tokens_trained = sum(g.sequence_lengths[k] for g, k in trained)
+    tokens_trained = sum(trained_tokens)
     totals.groups_trained += len(groups)
     totals.samples_trained += len(trained)
     totals.tokens_trained += tokens_trained
@@ -303,6 +326,8 @@ def step_row(
         "truncated_fraction": finishes.count("length") / len(finishes) if finishes else 0.0,
         "staleness_histogram": [histogram[s] for s in range(max(histogram, default=0) + 1)],
         "staleness_max": max(staleness, default=0),
+        # Its parts: versions published while generating / while queued (per token).
+        **staleness_split(taken, trained_tokens),
         "groups": len(groups),
         "samples": len(members),
         "tokens": tokens,

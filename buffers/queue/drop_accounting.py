@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 from typing import Generic
 
 from buffers.common.config import bucket_index
-from buffers.queue.queue_records import DropCounts, Dropped, T
+from buffers.queue.queue_records import BucketStatistics, DropCounts, Dropped, T
 
 __all__ = ["DropAccounting", "DropHandler"]
 
@@ -53,6 +53,17 @@ class DropAccounting(Generic[T]):
         """Returns and forgets the drops kept because there is no ``on_drop``."""
         kept, self._kept = self._kept, []
         return kept
+
+    def buckets(self, groups: Sequence[int], tokens: Sequence[int]
+                ) -> tuple[BucketStatistics, ...]:
+        """Per bucket: what it holds now (the store's ``groups`` and ``tokens`` by
+        bucket), and its puts and drops so far."""
+        lows = (0, *self.edges)
+        highs: tuple[int | None, ...] = (*self.edges, None)
+        counts = zip(lows, highs, groups, tokens, self.put_by_bucket, self.dropped_by_bucket,
+                     strict=True)
+        return tuple(BucketStatistics(low=lo, high=hi, groups=g, tokens=t, put_total=p,
+                                      dropped=d) for lo, hi, g, t, p, d in counts)
 
     def counts(self) -> DropCounts:
         return DropCounts(by_reason=dict(self.by_reason), bucket_edges=self.edges,

@@ -1,15 +1,17 @@
 """The shapes the replay queue takes in and hands out: its item protocol and its records.
 
-Owns: ``QueueItem`` (what the queue needs to know about a group) and the frozen records
-the queue returns (``Dropped``, ``ReplayQueueStatistics``, ``ReplayQueueSnapshot``,
-``DropCounts``).
+Owns: ``QueueItem`` (what the queue needs to know about a group), ``Queued`` (a group as
+the queue stores it: with the policy version it entered at) and the frozen records the
+queue returns (``TakenGroups``, ``Dropped``, ``ReplayQueueStatistics``,
+``ReplayQueueSnapshot``, ``DropCounts``).
 Knows nothing about how a group is generated, scored or trained; the project's real
 item, ``buffers.common.records.Group``, satisfies ``QueueItem`` structurally, without an import.
 """
 
 from __future__ import annotations
 
-from typing import Generic, Protocol, TypeVar
+from collections.abc import Callable
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -19,8 +21,10 @@ __all__ = [
     "DropCounts",
     "Dropped",
     "QueueItem",
+    "Queued",
     "ReplayQueueSnapshot",
     "ReplayQueueStatistics",
+    "TakenGroups",
     "WaitStatistics",
 ]
 
@@ -48,6 +52,57 @@ class QueueItem(Protocol):
 
 
 T = TypeVar("T", bound=QueueItem)
+
+
+class Queued(msgspec.Struct, Generic[T], frozen=True, gc=False):
+    """A group in the queue's store, with the policy version when it entered.
+
+    Its ``min_version`` and ``num_tokens`` are copied: the store reads them on every walk,
+    and a field is quicker than the group's own property. Not tracked by the garbage
+    collector (``gc=False``: a full queue is many objects, and the group it holds never
+    refers back to it, so it can be in no cycle)."""
+
+    item: T
+    entered_version: int
+    min_version: int
+    num_tokens: int
+
+    @property
+    def prompt_id(self) -> str:
+        return self.item.prompt_id
+
+
+class TakenGroups(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
+    """One take's groups, and when each entered the queue: its staleness split in two.
+
+    A group's staleness, ``at_version - min_version`` (what ``max_staleness`` bounds), is
+    exactly ``in_flight() + in_queue()``: the versions published while it was generated
+    and those published while it waited to be taken."""
+
+    groups: tuple[T, ...]
+    """Oldest first (by min_version, then arrival), or as ``sorted_by`` put them."""
+    at_version: int
+    """The taker's policy version: the one the groups are trained under."""
+    entered_versions: tuple[int, ...]
+    """Per group: the policy version when it entered the queue (never below its own
+    ``min_version``)."""
+
+    def in_flight(self) -> tuple[int, ...]:
+        """Per group: versions published while it was generated (from its oldest token
+        to its entering the queue)."""
+        return tuple(entered - g.min_version
+                     for g, entered in zip(self.groups, self.entered_versions, strict=True))
+
+    def in_queue(self) -> tuple[int, ...]:
+        """Per group: versions published while it waited in the queue."""
+        return tuple(self.at_version - entered for entered in self.entered_versions)
+
+    def sorted_by(self, key: Callable[[T], Any]) -> TakenGroups[T]:
+        """The same take with its groups (and their versions) in ``key`` order."""
+        pairs = sorted(zip(self.groups, self.entered_versions, strict=True),
+                       key=lambda pair: key(pair[0]))
+        return TakenGroups(groups=tuple(g for g, _ in pairs), at_version=self.at_version,
+                           entered_versions=tuple(v for _, v in pairs))
 
 
 class Dropped(msgspec.Struct, Generic[T], frozen=True, kw_only=True):
@@ -136,3 +191,6 @@ class ReplayQueueSnapshot(msgspec.Struct, Generic[T], frozen=True, kw_only=True)
     drained_total: int
     drops: DropCounts
     staleness_taken: tuple[int, ...]
+    entered_versions: tuple[int, ...] = ()
+    """Per item: the policy version when it entered the queue. Empty in snapshots made
+    before it was kept: their groups count as entered at the restore."""

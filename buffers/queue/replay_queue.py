@@ -9,6 +9,8 @@ hold (``expecting``; the rule is ``buffers.queue.in_flight``'s). Knows nothing a
 prompts, rewards, trainers or Ray: a group is anything with ``prompt_id``,
 ``min_version`` and ``num_tokens`` (``QueueItem``), and a dropped group is handed to the
 ``on_drop`` callback so its prompt can be re-run (``buffers.queue.drop_accounting``).
+Each group's policy version when it entered is kept beside it and handed out with the
+take (``TakenGroups``), so its staleness splits in two (``buffers.queue.taken_staleness``).
 
 Speed: ``put`` and ``take`` do not yield to the event loop when they need not wait (like
 ``asyncio.Queue``), because a checkpoint per call would cost more than the queue itself.
@@ -31,15 +33,17 @@ from buffers.queue.errors import NotEnoughGroups, QueueClosed, QueueFull, QueueT
 from buffers.queue.in_flight import InFlight
 from buffers.queue.queue_records import (
     DROP_STALE,
-    BucketStatistics,
     Dropped,
+    Queued,
     QueueItem,
     ReplayQueueSnapshot,
     ReplayQueueStatistics,
     T,
+    TakenGroups,
     WaitStatistics,
 )
 from buffers.queue.replay_store import BucketedStore
+from buffers.queue.taken_staleness import TakenStaleness
 
 __all__ = ["QueueItem", "ReplayQueue"]
 
@@ -63,18 +67,21 @@ class ReplayQueue(Generic[T]):
     ``[0, 1024)``, ``[1024, 4096)`` and ``[4096, inf)``. A group that could never fit
     (more than ``max_tokens``) is refused with ``ValueError`` rather than waiting forever.
     ``wait_for_expiring``: see ``take``. ``clock``: what waits are timed with (a
-    simulation passes its virtual clock).
+    simulation passes its virtual clock). ``policy_version``: the policy's version now,
+    read as a group enters (None: the last take's ``at_version``, 0 before the first).
     """
 
     @classmethod
     def from_config(cls, queue: QueueConfig, staleness: StalenessConfig, *,
                     on_drop: DropHandler[T] | None = None,
-                    clock: Callable[[], float] = time.perf_counter) -> ReplayQueue[T]:
+                    clock: Callable[[], float] = time.perf_counter,
+                    policy_version: Callable[[], int] | None = None) -> ReplayQueue[T]:
         """The queue its section describes (bounds, buckets, wait_for_expiring), keeping
         staleness.max_staleness."""
         return cls(max_groups=queue.max_groups, max_tokens=queue.max_tokens,
                    bucket_edges=queue.bucket_edges, max_staleness=staleness.max_staleness,
-                   on_drop=on_drop, wait_for_expiring=queue.wait_for_expiring, clock=clock)
+                   on_drop=on_drop, wait_for_expiring=queue.wait_for_expiring, clock=clock,
+                   policy_version=policy_version)
 
     def __init__(
         self,
@@ -86,6 +93,7 @@ class ReplayQueue(Generic[T]):
         on_drop: DropHandler[T] | None = None,
         wait_for_expiring: bool = True,
         clock: Callable[[], float] = time.perf_counter,
+        policy_version: Callable[[], int] | None = None,
     ) -> None:
         if max_groups < 1 or max_tokens < 1:
             raise ValueError(f"max_groups={max_groups}, max_tokens={max_tokens}: both must be >= 1")
@@ -101,7 +109,7 @@ class ReplayQueue(Generic[T]):
         self.wait_for_expiring = wait_for_expiring
         self._clock = clock
         self._drops: DropAccounting[T] = DropAccounting(edges, on_drop)
-        self._store: BucketedStore[T] = BucketedStore(edges)
+        self._store: BucketedStore[Queued[T]] = BucketedStore(edges)
         self._in_flight = InFlight(max_staleness)
         self._sink_version: int | None = None
         self._closed = False
@@ -114,7 +122,7 @@ class ReplayQueue(Generic[T]):
         self._put_total = 0
         self._taken_total = 0
         self._drained_total = 0
-        self._staleness_taken = [0] * (max_staleness + 1)
+        self._staleness: TakenStaleness[T] = TakenStaleness(max_staleness, policy_version)
 
     def __len__(self) -> int:
         return self._store.groups
@@ -177,10 +185,17 @@ class ReplayQueue(Generic[T]):
         self._advance_sink(n_groups, at_version)
         if self._takers or not self._ready(n_groups, at_version):
             raise QueueClosed if self._closed else NotEnoughGroups
-        return self._pop(n_groups, at_version, homogeneous)
+        return list(self._pop(n_groups, at_version, homogeneous).groups)
 
     async def take(self, n_groups: int, at_version: int, *, homogeneous: bool = False) -> list[T]:
-        """Takes ``n_groups`` groups for training at policy version ``at_version``.
+        """``take_groups``' groups, oldest first."""
+        return list((await self.take_groups(n_groups, at_version,
+                                            homogeneous=homogeneous)).groups)
+
+    async def take_groups(self, n_groups: int, at_version: int, *,
+                          homogeneous: bool = False) -> TakenGroups[T]:
+        """Takes ``n_groups`` groups for training at policy version ``at_version``, with
+        the version each entered the queue at.
 
         Waits until that many are queued, and with ``wait_for_expiring`` for every group
         announced by ``expecting`` that this take must hold: those whose last chance it
@@ -252,10 +267,10 @@ class ReplayQueue(Generic[T]):
         if max_staleness < 0:
             raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
         self.max_staleness = self._in_flight.max_staleness = max_staleness
-        self._staleness_taken += [0] * (max_staleness + 1 - len(self._staleness_taken))
+        self._staleness.set_bound(max_staleness)
         sink = self._sink_version
         if sink is not None and (stale := self._store.pop_older_than(sink - max_staleness)):
-            self._drops.drop(stale, DROP_STALE, sink)
+            self._drops.drop([queued.item for queued in stale], DROP_STALE, sink)
         for waiter in self._putters:  # their groups may be stale now
             waiter.event.set()
         self._wake_taker()
@@ -274,7 +289,7 @@ class ReplayQueue(Generic[T]):
 
     def drain(self) -> list[T]:
         """Removes and returns every queued group, oldest first (shutdown, tests)."""
-        items = self._store.pop_oldest(self._store.groups)
+        items = [queued.item for queued in self._store.pop_oldest(self._store.groups)]
         self._drained_total += len(items)
         self._wake_putter()
         return items
@@ -284,22 +299,13 @@ class ReplayQueue(Generic[T]):
         return self._drops.drain()
 
     def statistics(self) -> ReplayQueueStatistics:
-        lows = (0, *self.bucket_edges)
-        highs: tuple[int | None, ...] = (*self.bucket_edges, None)
-        store, drops = self._store, self._drops
-        counts = zip(lows, highs, store.bucket_groups, store.bucket_tokens,
-                     drops.put_by_bucket, drops.dropped_by_bucket, strict=True)
-        buckets = tuple(
-            BucketStatistics(low=lo, high=hi, groups=g, tokens=t, put_total=p, dropped=d)
-            for lo, hi, g, t, p, d in counts
-        )
         return ReplayQueueStatistics(
             groups=self._store.groups,
             tokens=self._store.tokens,
             max_groups=self.max_groups,
             max_tokens=self.max_tokens,
             max_staleness=self.max_staleness,
-            buckets=buckets,
+            buckets=self._drops.buckets(self._store.bucket_groups, self._store.bucket_tokens),
             put_waits=WaitStatistics(
                 count=self._put_waits, seconds=self._put_wait_s, waiting_now=len(self._putters)
             ),
@@ -310,7 +316,7 @@ class ReplayQueue(Generic[T]):
             taken_total=self._taken_total,
             drained_total=self._drained_total,
             drops=dict(self._drops.by_reason),
-            staleness_taken=tuple(self._staleness_taken),
+            staleness_taken=tuple(self._staleness.histogram),
             sink_version=self._sink_version,
             closed=self._closed,
         )
@@ -318,13 +324,14 @@ class ReplayQueue(Generic[T]):
     def snapshot(self) -> ReplayQueueSnapshot[T]:
         """The contents (oldest first) and counters, without changing the queue."""
         return ReplayQueueSnapshot(
-            items=tuple(self._store),
+            items=tuple(queued.item for queued in self._store),
+            entered_versions=tuple(queued.entered_version for queued in self._store),
             sink_version=self._sink_version,
             put_total=self._put_total,
             taken_total=self._taken_total,
             drained_total=self._drained_total,
             drops=self._drops.counts(),
-            staleness_taken=tuple(self._staleness_taken),
+            staleness_taken=tuple(self._staleness.histogram),
         )
 
     def restore(self, snapshot: ReplayQueueSnapshot[T]) -> None:
@@ -332,20 +339,21 @@ class ReplayQueue(Generic[T]):
 
         The bounds are this queue's (the run may have changed them); restored groups are
         admitted even beyond them, and later puts wait until takes make room. Per-bucket
-        counts survive only if the bucket edges are the same.
+        counts survive only if the bucket edges are the same. Groups of a snapshot that
+        kept no entry versions enter now.
         """
         if self._store.groups or self._put_total or self._putters or self._takers:
             raise RuntimeError("restore() needs a new, empty queue")
-        for item in snapshot.items:
-            self._check_fits(item)
-            self._insert(item)
         self._sink_version = snapshot.sink_version
+        entered = snapshot.entered_versions or (None,) * len(snapshot.items)
+        for item, version in zip(snapshot.items, entered, strict=True):
+            self._check_fits(item)
+            self._insert(item, version)
         self._put_total = snapshot.put_total
         self._taken_total = snapshot.taken_total
         self._drained_total = snapshot.drained_total
         self._drops.restore(snapshot.drops)
-        hist = list(snapshot.staleness_taken[: self.max_staleness + 1])
-        self._staleness_taken = hist + [0] * (self.max_staleness + 1 - len(hist))
+        self._staleness.restore(snapshot.staleness_taken)
 
     # -- internals -------------------------------------------------------------------
 
@@ -360,8 +368,10 @@ class ReplayQueue(Generic[T]):
         store = self._store
         return store.groups < self.max_groups and store.tokens + tokens <= self.max_tokens
 
-    def _insert(self, item: T) -> None:
-        self._drops.put_by_bucket[self._store.insert(item)] += 1
+    def _insert(self, item: T, entered_version: int | None = None) -> None:
+        """Stores the group, entered at ``entered_version`` (None: now)."""
+        queued = self._staleness.queued(item, self._sink_version, entered_version)
+        self._drops.put_by_bucket[self._store.insert(queued)] += 1
         self._put_total += 1
         if self._takers:
             self._wake_taker()
@@ -396,24 +406,20 @@ class ReplayQueue(Generic[T]):
         self._sink_version = at_version
         stale = self._store.pop_older_than(at_version - self.max_staleness)
         if stale:
-            self._drops.drop(stale, DROP_STALE, at_version)
+            self._drops.drop([queued.item for queued in stale], DROP_STALE, at_version)
         # Parked putters re-check: their groups may now be stale, and room may have opened.
         for waiter in self._putters:
             waiter.event.set()
 
-    def _pop(self, n: int, at_version: int, homogeneous: bool) -> list[T]:
+    def _pop(self, n: int, at_version: int, homogeneous: bool) -> TakenGroups[T]:
         if homogeneous and self.bucket_edges and self.max_staleness > 0:
             # Urgent: groups that would be too stale at the next version must go now.
             items = self._store.pop_homogeneous(n, at_version + 1 - self.max_staleness)
         else:
             items = self._store.pop_oldest(n)
-        hist = self._staleness_taken
-        for item in items:
-            # A group newer than the taker (only a caller's bug can make one) counts as 0.
-            hist[max(0, at_version - item.min_version)] += 1
         self._taken_total += len(items)
         self._wake_putter()
-        return items
+        return self._staleness.taken(items, at_version)
 
     def _wake_putter(self) -> None:
         if self._putters:

@@ -121,6 +121,15 @@ def test_staleness_bound_two_is_kept_and_used(
     assert sum(hist[1:]) > 0, f"async run never trained off-policy: {hist}"
     rows = read_metrics(tmp_path / "run")
     assert all(row["staleness_max"] <= 2 for row in rows)
+    # Each step's staleness split: versions published while its groups were generated
+    # and while they waited in the queue, whose maxima cover the histogram's.
+    for row in rows:
+        flying, queued = row["staleness_in_flight_max"], row["staleness_in_queue_max"]
+        top = len(row["staleness_histogram"]) - 1
+        assert top == row["staleness_max"]
+        assert 0 <= flying <= top and 0 <= queued <= top and flying + queued >= top, row
+        assert 0 <= row["staleness_in_flight_mean"] <= flying
+        assert 0 <= row["staleness_in_queue_mean"] <= queued
     # Deliveries overlap later steps, so a row logs those finished by then: in order,
     # none skipped, and the last one has landed by the end of the run.
     delivered = [t["version"] for row in rows for t in row["broadcast"]]

@@ -17,6 +17,7 @@ from async_rl.config import Config
 from async_rl.control.step_metrics import StepTotals, step_row
 from buffers.common.records import Group, Prompt, Sample, make_group
 from buffers.plan.batching import shard_batches, with_reward_failures
+from buffers.queue.queue_records import TakenGroups
 from buffers.queue.replay_queue import ReplayQueue
 from tests.unit.orchestrator_fakes import FakeRollout, FakeTrainer, config, ledger, run
 from workers.trainer.config import TrainerConfig
@@ -51,8 +52,10 @@ def row_of(groups: list[Group], trainer: TrainerConfig = MASK,
     _, plan = shard_batches(groups, 1, trainer, step=1)
     queue: ReplayQueue[Group] = ReplayQueue(max_groups=4, max_tokens=10**6,
                                             max_staleness=0)
-    return step_row(step=1, version=1, groups=groups, results=[], plan=plan,
-                    staleness=[0] * len(groups), wait_s=1.0, train_s=0.5, sync_s=0.5,
+    taken = TakenGroups(groups=tuple(groups), at_version=0,
+                        entered_versions=(0,) * len(groups))
+    return step_row(step=1, version=1, taken=taken, results=[], plan=plan,
+                    wait_s=1.0, train_s=0.5, sync_s=0.5,
                     timings=[], queue=queue.statistics(), totals=totals or StepTotals(),
                     trainer=trainer)
 
