@@ -100,6 +100,45 @@ def check_live(config: Config) -> None:
                               f"{', '.join(LIVE_KEYS)})")
 
 
+def staleness_ceiling(config: Config) -> int:
+    """The most staleness.max_staleness may be while a run trains: autopilot.max_staleness,
+    else (-1) the config's own bound."""
+    chosen = config.autopilot.max_staleness
+    return config.staleness.max_staleness if chosen < 0 else chosen
+
+
+def live_range(config: Config, key: str) -> tuple[int, int]:
+    """Where the autopilot may move live key ``key``: staleness from what
+    weights.sync_every needs up to ``staleness_ceiling``; any other key over its
+    ``default_ranges`` span."""
+    if key == "staleness.max_staleness":
+        return config.weights.sync_every - 1, staleness_ceiling(config)
+    lo, hi = default_ranges(config)[key]
+    return int(lo), int(hi)
+
+
+def live_ladders(config: Config) -> dict[str, tuple[list[int], int]]:
+    """Each of autopilot.keys: the values the autopilot may set it to and the one it
+    starts from (staleness at its ceiling); a ConfigError names a key that may not
+    change while a run trains (``check_live``)."""
+    check_live(config)
+    ladders: dict[str, tuple[list[int], int]] = {}
+    for key in config.autopilot.keys:
+        span = live_range(config, key)
+        start = span[1] if key == "staleness.max_staleness" else int(value_of(config, key))
+        ladders[key] = ([int(v) for v in ladder(key, span, start)], start)
+    return ladders
+
+
+def inflight_ceiling(config: Config) -> int:
+    """The most prompts one rollout worker may be given at once during the run (its
+    actor's concurrency is sized for it)."""
+    tuned = (config.autopilot.enabled
+             and "rollout.max_inflight_prompts" in config.autopilot.keys)
+    return (live_range(config, "rollout.max_inflight_prompts")[1] if tuned
+            else config.rollout.max_inflight_prompts)
+
+
 def split_total(config: Config) -> int:
     """Devices (on CPU: cores) of rollout plus training, which ``split`` divides."""
     return rollout_devices(config) + trainer_devices(config)

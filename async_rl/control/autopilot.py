@@ -20,14 +20,13 @@ that key for ``COOLDOWN_WINDOWS`` windows.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from statistics import variance
 
 import msgspec
 
 from async_rl.analysis.idle import HINTS
 from async_rl.config import Config
-from async_rl.knobs import check_live, default_ranges, ladder, value_of
+from async_rl.knobs import live_ladders
 from async_rl.run.run_record import AutopilotChange
 
 INFLIGHT = "rollout.max_inflight_prompts"
@@ -76,29 +75,6 @@ class Move(msgspec.Struct, frozen=True, kw_only=True):
     revert: bool = False
 
 
-def key_range(config: Config, key: str) -> tuple[int, int]:
-    """Where the autopilot may move ``key``: staleness between weights.sync_every's need
-    and the ceiling (autopilot.max_staleness, else staleness.max_staleness); any other
-    key ``async_rl.knobs.DEFAULT_SPAN`` times below and above the config's value, within
-    the config's rules."""
-    if key == STALENESS:
-        return config.weights.sync_every - 1, ceiling(config)
-    lo, hi = default_ranges(config)[key]
-    return int(lo), int(hi)
-
-
-def ceiling(config: Config) -> int:
-    """The most staleness.max_staleness may be under the autopilot (where the run starts)."""
-    chosen = config.autopilot.max_staleness
-    return config.staleness.max_staleness if chosen < 0 else chosen
-
-
-def inflight_ceiling(config: Config) -> int:
-    """The most prompts one rollout worker may be given at once during the run."""
-    tuned = config.autopilot.enabled and INFLIGHT in config.autopilot.keys
-    return key_range(config, INFLIGHT)[1] if tuned else config.rollout.max_inflight_prompts
-
-
 def noise_band(before: Window, after: Window) -> float:
     """See the module docstring."""
     spread = sum(variance(w.groups_per_s) / len(w.groups_per_s)
@@ -110,12 +86,11 @@ class Autopilot:
     """See the module docstring. ``values``: each tuned key's value in effect now."""
 
     def __init__(self, config: Config) -> None:
-        check_live(config)
+        ladders = live_ladders(config)
         self.keys = config.autopilot.keys
-        self.ranges = {key: key_range(config, key) for key in self.keys}
-        self.values = {key: int(value_of(config, key)) for key in self.keys}
-        if STALENESS in self.values:
-            self.values[STALENESS] = ceiling(config)
+        self.rungs = {key: rungs for key, (rungs, _) in ladders.items()}
+        """Each key's values within its range (``async_rl.knobs.live_ladders``)."""
+        self.values = {key: start for key, (_, start) in ladders.items()}
         self.changes: list[AutopilotChange] = []
         self.windows = 0
         self._pending: tuple[Window, int] | None = None
@@ -172,8 +147,7 @@ class Autopilot:
 
     def _next_rung(self, key: str, direction: int) -> int | None:
         current = self.values[key]
-        rungs = [int(v) for v in ladder(key, self.ranges[key], current)]
-        beyond = [v for v in rungs if (v - current) * direction > 0]
+        beyond = [v for v in self.rungs[key] if (v - current) * direction > 0]
         if not beyond:
             return None
         return min(beyond) if direction > 0 else max(beyond)
@@ -220,12 +194,3 @@ class Autopilot:
 def _cause(measured: str, role_cause: tuple[str, str]) -> str:
     """What was measured, then the idle report's advice for it."""
     return f"{measured} ({HINTS[role_cause]})"
-
-
-def window_of(last_step: int, groups: Sequence[int], walls: Sequence[float],
-              idle: dict[str, dict[str, float]]) -> Window:
-    """The window of steps with ``groups`` trained in ``walls`` seconds each."""
-    return Window(last_step=last_step, groups=sum(groups), wall_s=sum(walls), idle=idle,
-                  groups_per_s=tuple(g / w for g, w in zip(groups, walls, strict=True)
-                                     if w > 0))
-

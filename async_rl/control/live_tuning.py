@@ -30,7 +30,7 @@ from async_rl.control.autopilot import (
     STALENESS,
     Autopilot,
     Move,
-    window_of,
+    Window,
 )
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.run.run_dir import RunWriter
@@ -93,7 +93,10 @@ class LiveTuning:
         self._barrier_s += sum(r.barrier_s for r in results) / max(len(results), 1)
         if len(self._groups) < self.every:
             return
-        window = window_of(step, self._groups, self._walls, self._idle())
+        window = Window(last_step=step, groups=sum(self._groups), wall_s=sum(self._walls),
+                        idle=self._idle(),
+                        groups_per_s=tuple(g / w for g, w in zip(self._groups, self._walls,
+                                                                 strict=True) if w > 0))
         self._groups, self._walls, self._wait_s, self._barrier_s = [], [], 0.0, 0.0
         move = self.autopilot.observe(window)
         for change in self.autopilot.changes:
@@ -106,7 +109,6 @@ class LiveTuning:
             await self._apply(step, move)
         if move is not None or any(c.judged_step == step for c in self.autopilot.changes):
             self.out.autopilot(self.autopilot.changes)
-        self._marks = self._now()
 
     async def _apply(self, step: int, move: Move) -> None:
         if move.key == INFLIGHT:
@@ -133,9 +135,10 @@ class LiveTuning:
                 statistics.put_waits.seconds)
 
     def _idle(self) -> dict[str, dict[str, float]]:
-        """The window's idle shares by role and cause (see the module docstring)."""
+        """The window's idle shares by role and cause (see the module docstring); the
+        next window starts here."""
         start, gate_s, put_s = self._marks
-        now, gate_now, put_now = self._now()
+        self._marks = now, gate_now, put_now = self._now()
         wall = max(now - start, 1e-9)
         slots = max(self.pool.limit * len(self.pool), 1)
         return {"trainer": {"wait_data": self._wait_s / wall,

@@ -24,7 +24,7 @@ import ray
 from ray.util.placement_group import PlacementGroup
 
 from async_rl.config import Config
-from async_rl.control.autopilot import inflight_ceiling
+from async_rl.knobs import inflight_ceiling
 from async_rl.roster import Entry, Roster, WorkerSpec
 from buffers.common.concurrent_calls import each
 from workers.actors import CriticActor, ReferenceActor, RolloutActor, TrainerActor

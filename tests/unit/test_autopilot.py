@@ -22,8 +22,6 @@ from async_rl.control.autopilot import (
     MIN_BAND,
     Autopilot,
     Window,
-    inflight_ceiling,
-    key_range,
     noise_band,
 )
 from async_rl.run.run_dir import read_metrics, read_record
@@ -134,9 +132,10 @@ def test_prompts_in_flight_stop_at_the_ceiling_the_rollout_actor_is_made_for() -
              enumerate(rates)]
     raised = [m.new for m in moves if m is not None and m.key == INFLIGHT]
     assert raised == [2, 4, 8, 16]
-    assert key_range(config, INFLIGHT) == (1, 16) and inflight_ceiling(config) == 16
-    assert inflight_ceiling(_config(enabled=False)) == 1
-    assert inflight_ceiling(_config(keys=[QUEUE])) == 1
+    assert knobs.live_range(config, INFLIGHT) == (1, 16)
+    assert knobs.inflight_ceiling(config) == 16
+    assert knobs.inflight_ceiling(_config(enabled=False)) == 1
+    assert knobs.inflight_ceiling(_config(keys=[QUEUE])) == 1
 
 
 def test_only_the_keys_named_are_turned() -> None:
