@@ -1,31 +1,24 @@
-"""The Python API and hub ids in real runs: real Ray, the real vLLM CPU build and the tiny
-local model, two steps each.
+"""The Python API in a real run: real Ray, the real vLLM CPU build and the tiny local
+model, two steps.
 
 ``async_rl.train`` scores with callables defined in this module (a TRL-style one and an
 ``async def`` sample-style one), which reach the rollout worker and the idle-CPU
-evaluator pickled by value (no worker can import this test module); ``async-rl train``
-runs a model named by hub id, resolved offline from a hub cache laid out here, and the
-run records the snapshot directory it loaded.
+evaluator pickled by value (no worker can import this test module). ``async-rl train``
+on a model named by hub id: ``test_stop_resume.py``'s SIGTERM run.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from hub_cache import add_to_hub_cache
 from test_async_grpo import check_ledger, small_config
 
 import async_rl
-from async_rl.config_io import load_config
-from async_rl.run.run_dir import CONFIG, read_metrics, read_summary
+from async_rl.run.run_dir import read_metrics, read_summary
 
 pytestmark = pytest.mark.ray
 
-REPO = Path(__file__).resolve().parents[2]
 CONSTANT = 2.0
 """What ``constant`` scores."""
 WEIGHT = 1.5
@@ -67,24 +60,3 @@ def test_train_scores_with_callables_in_training_and_evaluation(
         assert row["reward_mean"] >= WEIGHT * CONSTANT
     with pytest.raises(async_rl.ConfigError, match="already holds a run"):
         async_rl.train(config, rewards=[digits])  # checked before anything starts
-
-
-def test_train_runs_a_model_named_by_hub_id(tiny_model_dir: Path, tmp_path: Path) -> None:
-    home = tmp_path / "hf-home"
-    snapshot = add_to_hub_cache(home / "hub", "async-rl-tests/tiny", model_dir=tiny_model_dir)
-    out = tmp_path / "run"
-    config = tmp_path / "config.toml"
-    config.write_text(
-        '[model]\npath = "async-rl-tests/tiny"\n'
-        '[task]\neval_size = 0\n'
-        '[rollout]\ngroup_size = 4\nmax_new_tokens = 6\n'
-        '[trainer]\ngroups_per_step = 2\nmicro_batch_tokens = 512\n'
-        f'[run]\nnum_steps = 2\nprogress = false\noutput_dir = "{out}"\n')
-    env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
-    env |= {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "async_rl.cli", "train", str(config)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-                          check=False)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert load_config(out / CONFIG).model.path == str(snapshot)
-    assert read_summary(out).steps == 2

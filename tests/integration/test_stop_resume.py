@@ -1,15 +1,24 @@
 """Stop and resume on real Ray, the real vLLM CPU build and the tiny model.
 
 - As a user's process: ``async-rl train`` given SIGTERM mid-run exits 143 with a
-  checkpoint, a readable report, and no process of the run left behind.
+  checkpoint, a readable report, and no process of the run left behind. Its model is
+  named by hub id, resolved offline from a hub cache laid out here, and the run records
+  the snapshot directory it loaded.
 - Exact resume: that run (6 steps, SIGTERM after 3, at max_staleness 0 with seeded
   sampling) resumed with ``--resume`` trains the same prompts once each as 6 steps
-  straight, to final weights equal within float tolerance. The one stopped run serves
-  both tests (``stopped_by_sigterm``); SIGINT in process is the LoRA test's stop (and
-  test_ppo_run's, test_environment_run's, test_user_rewards_run's).
+  straight, to final weights equal within float tolerance. SIGINT in process is the
+  LoRA test's stop (and test_ppo_run's, test_environment_run's).
+- GRPO with the KL term in the loss to a reference of its own (reference.path, the
+  long-tail warm start: another model of the policy's architecture and tokenizer): those
+  runs have it, and ``kl/mean`` and ``kl/max`` are in every row, positive from the first
+  step whatever the policy's rewards (0 at the first step with the initial policy as the
+  reference: ``tests/unit/test_ppo_roles.py``); no critic metrics.
 - LoRA: a short run stopped by SIGINT and resumed trains every prompt once, its engines
   resume with the checkpoint's adapter, each version carries only the adapters' bytes,
   and final_model holds the peft adapter and the merged policy.
+
+The one SIGTERM run serves the first four tests (``stopped_by_sigterm``): a Ray and
+vLLM start is most of a run's time here.
 """
 
 from __future__ import annotations
@@ -25,34 +34,41 @@ from collections import Counter
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import msgspec
 import psutil
 import pytest
 import torch
+from hub_cache import add_to_hub_cache
 from safetensors.torch import load_file
 
 from async_rl.config import Config
 from async_rl.config_io import decode_config, load_config, to_toml
 from async_rl.control.checkpoint_files import CHECKPOINTS, TRAINER, latest_checkpoint
+from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import CONFIG, FINAL_MODEL, read_ledger, read_metrics
 from async_rl.shell.ray_shell import run_training
 
 pytestmark = pytest.mark.ray
 
 STEPS = 6
+HUB_ID = "async-rl-tests/tiny"
 
 
 def config(model_dir: Path, out: Path, *, steps: int = STEPS,
-           lora: dict[str, Any] | None = None) -> Config:
-    return decode_config({
+           lora: dict[str, Any] | None = None, reference: Path | None = None) -> Config:
+    """``reference``: a model for the KL term in the loss (reference.path)."""
+    return check_inputs(decode_config({
         "model": {"path": str(model_dir), **({"lora": lora} if lora else {})},
         "task": {"eval_size": 0},
         "rollout": {"group_size": 4, "max_new_tokens": 6, "max_inflight_prompts": 4,
                     "sampling_seed": 7},
         "staleness": {"max_staleness": 0},
-        "trainer": {"groups_per_step": 4, "micro_batch_tokens": 512, "lr": 1e-4},
+        "trainer": {"groups_per_step": 4, "micro_batch_tokens": 512, "lr": 1e-4,
+                    **({"kl_coef": 0.1} if reference else {})},
+        **({"reference": {"path": str(reference)}} if reference else {}),
         "run": {"num_steps": steps, "output_dir": str(out), "progress": False,
                 "save_merged": bool(lora)},
-    })
+    }))
 
 
 def trained(run_dir: Path) -> Counter[str]:
@@ -88,22 +104,32 @@ class Stopped(NamedTuple):
     report: subprocess.CompletedProcess[str]
     left: list[dict[str, Any]]
     """Processes of the run's session still alive 30 s after it exited."""
+    rows: list[dict[str, Any]]
+    """Its metrics.jsonl."""
+    snapshot: Path
+    """Where the hub cache holds ``HUB_ID``, the run's model.path."""
 
 
 @pytest.fixture(scope="module")
-def stopped_by_sigterm(tiny_model_dir: Path,
+def stopped_by_sigterm(tiny_model_dir: Path, longtail_model_dir: Path,
                        tmp_path_factory: pytest.TempPathFactory) -> Stopped:
-    """``async-rl train`` (a user's process in its own session) on ``config``'s 6 steps,
-    given SIGTERM once 3 steps are logged. One run for the two tests that need a stopped
-    one: a Ray and vLLM start is most of a run's time here."""
+    """``async-rl train`` (a user's process in its own session) on ``config``'s 6 steps
+    with the KL to a reference, the model named by hub id (``HUB_ID``: the tiny model
+    in a hub cache of its own, offline), given SIGTERM once 3 steps are logged."""
     tmp = tmp_path_factory.mktemp("sigterm")
     out = tmp / "run"
+    home = tmp / "hf-home"
+    snapshot = add_to_hub_cache(home / "hub", HUB_ID, model_dir=tiny_model_dir)
+    checked = config(tiny_model_dir, out, reference=longtail_model_dir)
     toml = tmp / "config.toml"
-    toml.write_text(to_toml(config(tiny_model_dir, out)))
+    toml.write_text(to_toml(msgspec.structs.replace(
+        checked, model=msgspec.structs.replace(checked.model, path=HUB_ID))))
+    env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
+    env |= {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "async_rl.cli", "train", str(toml)]
     # Its own session: every process it starts (Ray's too) carries the session id.
     child = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
+                             stderr=subprocess.STDOUT, text=True, env=env)
     signal_after_rows(out, 3, signal.SIGTERM, child.pid)
     output, _ = child.communicate(timeout=300)
     assert (out / "summary.json").is_file(), output[-2000:]
@@ -121,7 +147,7 @@ def stopped_by_sigterm(tiny_model_dir: Path,
         time.sleep(0.5)
     return Stopped(out=out, returncode=child.returncode, output=output, summary=summary,
                    checkpoint_version=state.version, checkpoints=checkpoints, report=report,
-                   left=left)
+                   left=left, rows=read_metrics(out), snapshot=snapshot)
 
 
 def test_sigterm_exits_143_resumable_readable_and_leaves_nothing_behind(
@@ -137,11 +163,28 @@ def test_sigterm_exits_143_resumable_readable_and_leaves_nothing_behind(
     assert not run.left, run.left
 
 
+def test_train_runs_a_model_named_by_hub_id(stopped_by_sigterm: Stopped) -> None:
+    run = stopped_by_sigterm
+    assert run.summary["steps"] >= 3, run.output[-2000:]
+    assert load_config(run.out / CONFIG).model.path == str(run.snapshot)
+
+
+def test_grpo_with_a_kl_term_reports_the_kl_to_the_reference(
+    stopped_by_sigterm: Stopped,
+) -> None:
+    rows = stopped_by_sigterm.rows
+    assert len(rows) >= 3
+    for row in rows:
+        assert row["kl/mean"] > 0 and row["kl/max"] >= row["kl/mean"]
+    assert not any(key.startswith("critic/") for key in rows[-1])
+
+
 def test_stop_and_resume_trains_what_a_straight_run_trains(
-    stopped_by_sigterm: Stopped, tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
+    stopped_by_sigterm: Stopped, tiny_model_dir: Path, longtail_model_dir: Path,
+    tmp_path: Path, ray_shutdown: None
 ) -> None:
     straight, resumed = tmp_path / "straight", stopped_by_sigterm.out
-    run_training(config(tiny_model_dir, straight))
+    run_training(config(tiny_model_dir, straight, reference=longtail_model_dir))
 
     stopped = stopped_by_sigterm.summary["steps"]
     assert stopped_by_sigterm.summary["stopped"] == "SIGTERM" and 3 <= stopped < STEPS
@@ -157,6 +200,7 @@ def test_stop_and_resume_trains_what_a_straight_run_trains(
     assert trained(straight) == trained(resumed)
     assert len(trained(resumed)) == STEPS * 4 and set(trained(resumed).values()) == {1}
     assert [r["step"] for r in read_metrics(resumed)] == list(range(1, STEPS + 1))
+    assert all(r["kl/mean"] > 0 for r in read_metrics(resumed))  # the reference resumed
     # Equal weights: same samples (seeded per request), same updates; only float
     # summation order may differ.
     a = load_file(straight / FINAL_MODEL / "model.safetensors")

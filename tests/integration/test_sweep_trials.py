@@ -1,6 +1,8 @@
 """`async-rl sweep` end to end: each trial a real `async-rl train` process (its own Ray and
-vLLM CPU engine) on the tiny model; a bad value fails its trial only; a rerun skips the
-finished trials. Each trial's console stays quiet and its workers.log holds the rest."""
+vLLM CPU engine) on the tiny model, given its own value; a bad value fails its trial
+only; a rerun skips the finished trials. Each trial's console stays quiet and its
+workers.log holds the rest. One good value and one bad: each good one is a Ray and
+vLLM start, most of a trial's time here."""
 
 from __future__ import annotations
 
@@ -43,16 +45,17 @@ def test_sweep_runs_each_trial_records_a_failure_and_skips_on_rerun(
 ) -> None:
     config = write_config(tiny_model_dir, tmp_path)
     out = tmp_path / "sweep"
-    grid = parse_grid(["staleness.max_staleness=0,1,-1"])
+    grid = parse_grid(["staleness.max_staleness=1,-1"])
     results = run_sweep(str(config), grid, out=out, steps=3)
-    assert [r.status for r in results] == ["done", "done", "failed"], results
-    assert "staleness.max_staleness = -1" in results[2].error
-    for result in results[:2]:
+    assert [r.status for r in results] == ["done", "failed"], results
+    assert "staleness.max_staleness = -1" in results[1].error
+    for result in results[:1]:
         summary = read_summary(result.run_dir)
         assert summary.steps == 3 and summary.groups_per_s > 0
         record = read_record(result.run_dir)
         assert record is not None and record.ended is not None
-        assert "staleness.max_staleness=" + str(summary.max_staleness) in record.command
+        assert summary.max_staleness == 1  # its own value, not the default (2)
+        assert "staleness.max_staleness=1" in record.command
         # The quiet console: vLLM's INFO lines are in workers.log, not on the console.
         console = (result.run_dir / CONSOLE_LOG).read_text()
         workers = (result.run_dir / WORKERS_LOG).read_text()
@@ -61,12 +64,12 @@ def test_sweep_runs_each_trial_records_a_failure_and_skips_on_rerun(
     with open(out / SWEEP_CSV) as table:
         rows = list(csv.DictReader(table))
     assert [(r["staleness.max_staleness"], r["status"]) for r in rows] == [
-        ("0", "done"), ("1", "done"), ("-1", "failed")]
-    assert all(float(r["groups_per_s"]) > 0 and r["trainer_top_cause"] for r in rows[:2])
-    assert all(0 <= float(r["accuracy_end"]) <= 1 for r in rows[:2])
+        ("1", "done"), ("-1", "failed")]
+    assert float(rows[0]["groups_per_s"]) > 0 and rows[0]["trainer_top_cause"]
+    assert 0 <= float(rows[0]["accuracy_end"]) <= 1
     assert (out / SWEEP_PNG).read_bytes()[:4] == b"\x89PNG"
 
-    stamps = [(r.run_dir / RUN_RECORD).stat().st_mtime_ns for r in results[:2]]
+    stamp = (results[0].run_dir / RUN_RECORD).stat().st_mtime_ns
     again = run_sweep(str(config), grid, out=out, steps=3)
-    assert [r.status for r in again] == ["finished_earlier", "finished_earlier", "failed"]
-    assert [(r.run_dir / RUN_RECORD).stat().st_mtime_ns for r in again[:2]] == stamps
+    assert [r.status for r in again] == ["finished_earlier", "failed"]
+    assert (again[0].run_dir / RUN_RECORD).stat().st_mtime_ns == stamp

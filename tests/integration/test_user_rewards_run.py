@@ -6,20 +6,18 @@ each one's mean is logged per step as reward/<name>, and a reward that never ret
 on some calls costs those scores only: the run finishes every step, the timeouts are
 counted, and the ledger shows no prompt lost or trained twice. The same rewards score a
 Parquet dataset with columns of its own names, rendered by the tokenizer's chat template
-(the prompt token ids the engine saw are the template's).
+(the prompt token ids the engine saw are the template's). A reward that hangs across a
+Ctrl-C and a resume: ``test_environment_run.py`` (one run with a hanging environment).
 """
 
 from __future__ import annotations
 
-import os
-import signal
 from pathlib import Path
 
 import pandas as pd
 import pytest
 import ray
 from test_async_grpo import check_ledger, small_config
-from test_stop_resume import signal_after_rows, trained
 from transformers import AutoTokenizer
 
 from async_rl.cli import main
@@ -60,28 +58,6 @@ def hangs_sometimes(prompt, completion, answer):
     if key % 12 == 0:
         time.sleep(3600)
     return 0.0
-'''
-
-
-HANGS_ONE_CALL_IN_50 = '''
-import fcntl
-import time
-from pathlib import Path
-
-CALLS = Path(__file__).with_name("calls.txt")
-
-
-def hangs_one_in_50(prompt, completion, answer):
-    """Per-sample style; calls 7, 57, 107, ... (counted across the reward processes in
-    a file) never return."""
-    with CALLS.open("a+") as handle:
-        fcntl.flock(handle, fcntl.LOCK_EX)
-        handle.seek(0)
-        calls = len(handle.read()) + 1
-        handle.write("x")
-    if calls % 50 == 7:
-        time.sleep(3600)
-    return 1.0 if completion.strip().startswith(answer) else 0.0
 '''
 
 
@@ -133,29 +109,6 @@ def test_a_reward_that_does_not_import_exits_2_naming_the_key(
     assert "no_such_module_anywhere" in err[0]
 
 
-def test_a_reward_hanging_on_one_call_in_50_across_ctrl_c_and_resume(
-    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None,
-) -> None:
-    """Stopped by SIGINT mid-run and resumed: both halves lose only the hung scores,
-    and every prompt is trained exactly once over the two."""
-    rewards = tmp_path / "hanging.py"
-    rewards.write_text(HANGS_ONE_CALL_IN_50)
-    out = tmp_path / "run"
-    config = small_config(tiny_model_dir, out, max_staleness=1, task={
-        "eval_size": 0, "reward_timeout_s": 1.0, "reward_workers": 2,
-        "rewards": [{"function": f"{rewards}:hangs_one_in_50"}]})
-    signal_after_rows(out, 3, signal.SIGINT, os.getpid())
-    first = run_training(config)
-    assert first.stopped == "SIGINT" and 3 <= first.steps < 6
-    assert first.failures["reward_timeouts"] >= 1
-    (tmp_path / "calls.txt").unlink()  # the resumed half hangs on its 7th call again
-    second = run_training(config, resume=True)
-    assert second.stopped == "" and second.final_version == 6
-    assert second.failures["reward_timeouts"] >= 1
-    counts = trained(out)
-    assert len(counts) == 6 * 4 and set(counts.values()) == {1}
-    check_ledger(out, 6 * 4)
-    assert [r["step"] for r in read_metrics(out)] == list(range(1, 7))
 CHAT_REWARDS = '''
 def correctness(prompts, completions, answer, **kwargs):
     """TRL style, chat templates on: message lists, and the dataset's columns as lists."""
