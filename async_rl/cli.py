@@ -1,5 +1,5 @@
-"""The `async-rl` command line: config show, make-model, train, simulate, report, sweep,
-compare.
+"""The `async-rl` command line: config show, make-model, train, simulate, tune, report,
+sweep, compare.
 
 Owns: argument parsing and turning user errors into exit status 2 with one line. Knows
 nothing about how a run works; each command calls one function of the library (`train`
@@ -103,6 +103,24 @@ def _parser() -> argparse.ArgumentParser:
     simulate.add_argument("--out", metavar="FILE",
                           help="where --calibrate writes the hardware file "
                                "(default RUN_DIR/hardware.toml)")
+
+    tune = commands.add_parser(
+        "tune", help="search the tunable keys on the simulator (calibrated by a short real "
+                     "run, the best candidates checked by short real runs) and write the "
+                     "tuned config, each changed key with its cause and gain")
+    tune.add_argument("config", help="TOML config file")
+    tune.add_argument("--budget-s", type=float, default=900.0,
+                      help="seconds the whole command may take (default 900)")
+    tune.add_argument("--out", default="tuned.toml",
+                      help="the tuned config file (default tuned.toml)")
+    tune.add_argument("--allow", action="extend", nargs="+", default=[],
+                      metavar="KEY[=LO..HI]",
+                      help="also search this key (guarded keys, split, staleness above the "
+                           "config's own), or search it within LO..HI (repeatable)")
+    tune.add_argument("--simulate-only", action="store_true",
+                      help="no real run: search on the simulator of simulate.hardware alone "
+                           "(a cluster not at hand)")
+    _add_overrides(tune)
 
     report = commands.add_parser(
         "report", help="a run's record (run.json), idle table, trace and timeline; for two "
@@ -409,6 +427,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _train(args)
         if args.command == "simulate":
             return _simulate(args)
+        if args.command == "tune":
+            from async_rl.analysis.tables import wide_console
+            from async_rl.tuning.tune import tune
+
+            if args.budget_s <= 0:
+                raise ConfigError(f"usage error: --budget-s {args.budget_s:g}: must be "
+                                  "positive")
+            tuned = tune(args.config, out=args.out, allow=args.allow, sets=args.overrides,
+                         budget_s=args.budget_s, simulate_only=args.simulate_only,
+                         console=wide_console())
+            print(f"tuned config written: {tuned.out} ({tuned.seconds:.0f} s)")
+            return 0
         if args.command == "report":
             from async_rl.analysis.report import compare, print_record, print_report
 

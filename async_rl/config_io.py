@@ -180,19 +180,20 @@ def to_toml(config: Config) -> str:
     for section, values in msgspec.to_builtins(config).items():
         lines.append(f"[{section}]")
         for key, value in values.items():
-            lines.append(f"{key} = {_toml_value(value)}")
+            lines.append(f"{key} = {toml_value(value)}")
         lines.append("")
     return "\n".join(lines)
 
 
-def _toml_value(value: Any) -> str:
+def toml_value(value: Any) -> str:
+    """One value as TOML (a table inside a section as an inline table)."""
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
         return msgspec.json.encode(value).decode()
     if isinstance(value, list | tuple):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+        return "[" + ", ".join(toml_value(v) for v in value) + "]"
     if isinstance(value, dict):  # a table inside a section (task.environment), inline
-        return "{" + ", ".join(f"{_toml_value(str(k))} = {_toml_value(v)}"
+        return "{" + ", ".join(f"{toml_value(str(k))} = {toml_value(v)}"
                                for k, v in value.items()) + "}"
     return repr(value)

@@ -1,0 +1,203 @@
+"""async-rl tune: the search on the simulator, its guards and edge cases, tuned.toml, the
+command's bad input (the real runs' path is tested where they are run)."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from async_rl import knobs
+from async_rl.cli import main
+from async_rl.config import Config
+from async_rl.config_io import load_config
+from async_rl.knobs import Range
+from async_rl.tuning import tune as tune_module
+from async_rl.tuning.search import Evaluator, search, searchable
+from async_rl.tuning.simulated import Evaluation, simulated
+from async_rl.tuning.tuned_file import tuned_text
+
+TINY = """\
+# A tiny simulated job: two rollout engines, one prompt in flight each.
+[model]
+path = "not-needed"
+
+[task]
+kind = "longtail"
+eval_size = 0
+
+[rollout]
+num_workers = 2
+group_size = 4
+max_new_tokens = 128
+max_inflight_prompts = 1  # the user's own comment
+
+[queue]
+max_groups = 32
+bucket_edges = [128, 512]
+
+[trainer]
+num_shards = 1
+groups_per_step = 8
+micro_batch_tokens = 512
+
+[run]
+num_steps = 8
+progress = false
+output_dir = "{out}"
+
+[simulate]
+parameters = 4.0e6
+kv_bytes_per_token = 4096
+lengths = "lognormal"
+length_median = 30.0
+length_sigma = 0.8
+"""
+
+
+@pytest.fixture
+def tiny(tmp_path: Path) -> Path:
+    path = tmp_path / "tiny.toml"
+    path.write_text(TINY.format(out=tmp_path / "run"))
+    return path
+
+
+def fake(peak: int) -> tuple[list[Config], Evaluator]:
+    """An evaluator whose groups/s peaks at ``peak`` prompts in flight and rises with
+    staleness and the step's groups; the trainer waits for data below the peak."""
+    seen: list[Config] = []
+
+    def evaluate(config: Config) -> Evaluation:
+        seen.append(config)
+        inflight = config.rollout.max_inflight_prompts
+        gain = ((1 + config.staleness.max_staleness) * config.trainer.groups_per_step
+                / (1.0 + abs(math.log2(inflight / peak))))
+        waits = 0.5 if inflight < peak else 0.01
+        return Evaluation(groups_per_s=gain, steps=8,
+                          idle={"trainer": {"wait_data": waits}, "rollout": {}})
+    return seen, evaluate
+
+
+def test_search_finds_a_known_better_point_on_a_tiny_simulated_config(tiny: Path) -> None:
+    config = load_config(tiny)
+    ranges: dict[str, Range] = {"rollout.max_inflight_prompts": (1, 16)}
+    result = search(config, ranges, simulated)
+    assert result.ranked, "one prompt in flight per engine starves the trainer"
+    best = result.ranked[0]
+    assert best.values["rollout.max_inflight_prompts"] >= 4
+    assert best.groups_per_s > 1.3 * result.base.groups_per_s
+    assert "trainer waits for data" in best.reasons["rollout.max_inflight_prompts"]
+    again = search(config, ranges, simulated)  # deterministic given the config's seeds
+    assert [c.values for c in again.ranked] == [c.values for c in result.ranked]
+    assert [c.groups_per_s for c in again.ranked] == [c.groups_per_s for c in result.ranked]
+
+
+def test_the_search_walks_to_the_peak_the_idle_cause_points_at(tiny: Path) -> None:
+    config = load_config(tiny)
+    seen, evaluate = fake(peak=16)
+    result = search(config, {"rollout.max_inflight_prompts": (1, 64)}, evaluate)
+    assert result.ranked[0].values == {"rollout.max_inflight_prompts": 16}
+    assert result.evaluated == len(seen) <= 7  # the ladder 1..64 has 7 rungs
+    assert result.stopped == "converged"
+
+
+def test_default_ranges_never_change_guarded_keys_nor_staleness_above_the_ceiling(
+        tiny: Path) -> None:
+    config = load_config(tiny, ["staleness.max_staleness=1"])
+    seen, evaluate = fake(peak=4)  # rewards more staleness and bigger steps
+    result = search(config, knobs.allowed_ranges([], config), evaluate)
+    assert len(seen) > 5 and result.ranked
+    guarded = {k.key for k in knobs.KNOBS if k.guarded}
+    for candidate in result.ranked:
+        assert not guarded & set(candidate.values)
+    assert max(c.staleness.max_staleness for c in seen) == 1
+    assert {c.trainer.groups_per_step for c in seen} == {8}
+    lifted = search(config, knobs.allowed_ranges(["staleness.max_staleness=1..3"], config),
+                    evaluate)
+    assert lifted.ranked[0].values["staleness.max_staleness"] == 3
+
+
+def test_a_budget_of_evaluations_stops_the_search(tiny: Path) -> None:
+    config = load_config(tiny)
+    seen, evaluate = fake(peak=64)
+    result = search(config, knobs.allowed_ranges([], config), evaluate, max_evaluations=3)
+    assert len(seen) == result.evaluated == 3
+    assert result.stopped == "evaluations"
+
+
+def test_degenerate_ranges(tiny: Path) -> None:
+    config = load_config(tiny)
+    _, evaluate = fake(peak=8)
+    assert searchable(config, {}) == []
+    empty = search(config, {}, evaluate)
+    assert empty.ranked == () and empty.evaluated == 1
+    # One value, not the config's: the start moves there, and nothing else is tried.
+    single = search(config, {"rollout.max_inflight_prompts": (8, 8)}, evaluate)
+    assert searchable(config, {"rollout.max_inflight_prompts": (8, 8)}) == [
+        "rollout.max_inflight_prompts"]
+    assert [c.values for c in single.ranked] == [{"rollout.max_inflight_prompts": 8}]
+    # Every candidate refused by the config's rules (a step must fit the queue).
+    refused = search(config, {"queue.max_groups": (1, 4)}, evaluate)
+    assert refused.ranked == () and refused.failed == 3 and refused.evaluated == 1
+
+
+def test_nothing_to_tune_writes_the_config_unchanged_and_says_so(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(tune_module.knobs, "allowed_ranges", lambda items, config: {})
+    out = tmp_path / "tuned.toml"
+    assert main(["tune", str(tiny), "--simulate-only", "--out", str(out)]) == 0
+    assert "nothing to tune" in capsys.readouterr().out
+    assert out.read_text() == tiny.read_text()
+
+
+def test_tuned_file_sets_each_key_in_its_section_and_loads_back(tiny: Path) -> None:
+    config = load_config(tiny)
+    cluster = load_config(tiny, ['simulate.hardware="h100"'])
+    values = {"rollout.max_inflight_prompts": 8,  # in the file, with a comment of its own
+              "trainer.micro_batch_tokens": 1024,  # in the file
+              "queue.max_groups": 64,  # in the file, last of its section
+              "weights.sync_every": 1,  # no [weights] section
+              "staleness.max_staleness": 0}  # no [staleness] section
+    tuned = knobs.with_values(config, values)
+    text = tuned_text(tiny.read_text(), values, {key: f"tuned: why {key}" for key in values})
+    path = tiny.with_name("tuned.toml")
+    path.write_text(text)
+    assert load_config(path) == tuned
+    lines = text.splitlines()
+    for key in values:
+        name = key.split(".")[1]
+        at = next(i for i, line in enumerate(lines) if line.startswith(f"{name} ="))
+        assert lines[at - 1] == f"# tuned: why {key}"
+    assert text.count("[rollout]") == 1 and "# A tiny simulated job" in text
+    split = knobs.with_values(cluster, {"split": 1})
+    assert (split.rollout.num_workers, split.trainer.num_shards) == (1, 2)
+
+
+def test_tune_simulate_only_writes_the_tuned_config_and_a_table(
+        tiny: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "tuned.toml"
+    assert main(["tune", str(tiny), "--simulate-only", "--out", str(out), "--budget-s", "60",
+                 "--allow", "rollout.max_inflight_prompts=1..16",
+                 "--set", "run.num_steps=6"]) == 0
+    printed = capsys.readouterr().out
+    assert "predicted groups/s" in printed and "tuned config written" in printed
+    tuned = load_config(out)
+    assert tuned.rollout.max_inflight_prompts > 1 and tuned.run.num_steps == 6
+    assert "# tuned: trainer waits for data" in out.read_text()
+
+
+@pytest.mark.parametrize(("allow", "names"), [
+    ("model.path", "--allow model.path: not a tunable key"),
+    ("rollout.max_inflight_prompts=0..8", "rollout.max_inflight_prompts may only be"),
+    ("staleness.max_staleness=0..99", "staleness.max_staleness may only be"),
+])
+def test_tune_bad_allow_exits_2_naming_the_key(
+        tiny: Path, tmp_path: Path, allow: str, names: str,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["tune", str(tiny), "--simulate-only", "--allow", allow,
+                 "--out", str(tmp_path / "tuned.toml")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert names in err and "\n" not in err
+    assert not (tmp_path / "tuned.toml").exists()
