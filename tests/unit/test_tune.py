@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from async_rl import knobs
 from async_rl.cli import main
@@ -14,6 +15,7 @@ from async_rl.config import Config
 from async_rl.config_io import load_config
 from async_rl.knobs import Range
 from async_rl.tuning import tune as tune_module
+from async_rl.tuning.real_runs import Calibration, Measurement
 from async_rl.tuning.search import Evaluator, search, searchable
 from async_rl.tuning.simulated import Evaluation, simulated
 from async_rl.tuning.tuned_file import tuned_text
@@ -201,3 +203,32 @@ def test_tune_bad_allow_exits_2_naming_the_key(
     err = capsys.readouterr().err.strip()
     assert names in err and "\n" not in err
     assert not (tmp_path / "tuned.toml").exists()
+
+
+def test_the_real_path_keeps_the_fastest_measured_candidate_and_says_its_gain(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Calibration and checks stand in for the real runs (tested with them)."""
+    hardware = Path(tune_module.__file__).parents[1] / "sim" / "hardware" / "cpu.toml"
+    checked: list[dict[str, object]] = []
+
+    def calibration_run(path: str, sets: object, folder: Path, steps: int) -> Calibration:
+        run = Measurement(run_dir=folder / "calibration", groups_per_s=1.0, seconds=0.0)
+        return Calibration(run=run, hardware=hardware, description="fitted")
+
+    def check_runs(path: str, sets: object, folder: Path, steps: int,
+                   candidates: list[dict[str, object]]) -> list[Measurement]:
+        checked.extend(candidates)
+        return [Measurement(run_dir=folder / f"check-{n}", groups_per_s=1.0 + n, seconds=0.0)
+                for n in range(1, len(candidates) + 1)]
+
+    monkeypatch.setattr(tune_module, "calibration_run", calibration_run)
+    monkeypatch.setattr(tune_module, "check_runs", check_runs)
+    out = tmp_path / "tuned.toml"
+    tuned = tune_module.tune(str(tiny), out=str(out), budget_s=60,
+                             allow=["rollout.max_inflight_prompts=1..16"],
+                             console=Console(width=200))
+    assert len(checked) == len(tuned.measured) - 1 >= 1  # the config's own run besides
+    assert tuned.result is not None and tuned.chosen == tuned.result.ranked[len(checked) - 1]
+    assert f"measured {1.0 + len(checked):.2f}x" in out.read_text()
+    assert "measured groups/s" in capsys.readouterr().out
