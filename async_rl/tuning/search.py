@@ -83,7 +83,8 @@ class SearchResult(msgspec.Struct, frozen=True, kw_only=True):
     base: Candidate
     """The config itself (no changes)."""
     ranked: tuple[Candidate, ...]
-    """The best few settings that beat the config, best first (empty when none did)."""
+    """The best few settings that beat the config, best first (empty when none did),
+    leaving out those with changes that buy nothing over a candidate without them."""
     evaluated: int
     failed: int
     """Settings the config's rules refused (validation), or whose run failed."""
@@ -216,6 +217,15 @@ class _Search:
         return _with(point, key, ladder[at]) if 0 <= at < len(ladder) else None
 
 
+def _needless(candidate: Candidate, others: list[Candidate]) -> bool:
+    """Another candidate makes some of the same changes, and no others, for as much
+    (within ``MIN_GAIN``): the rest of this one's changes buy nothing."""
+    changes = candidate.values.items()
+    return any(other.values.items() < changes
+               and other.groups_per_s >= candidate.groups_per_s * (1 - MIN_GAIN)
+               for other in others)
+
+
 def _first_line(err: BaseException) -> str:
     while isinstance(err, BaseExceptionGroup) and err.exceptions:
         err = err.exceptions[0]
@@ -267,10 +277,11 @@ def search(config: Config, ranges: Mapping[str, Range], evaluate: Evaluator, *,
         state.descend(point, best)
     except _OutOfBudget:
         pass
-    better = sorted((found for found in state.seen.values()
-                     if found and found.values and found.groups_per_s > base.groups_per_s),
+    better = [found for found in state.seen.values()
+              if found and found.values and found.groups_per_s > base.groups_per_s]
+    ranked = sorted((found for found in better if not _needless(found, better)),
                     key=lambda found: -found.groups_per_s)
-    return SearchResult(base=base, ranked=tuple(better[:keep]), evaluated=len(state.spent),
+    return SearchResult(base=base, ranked=tuple(ranked[:keep]), evaluated=len(state.spent),
                         failed=sum(found is None for found in state.seen.values()),
                         failures=tuple(state.failures),
                         seconds=clock() - began, stopped=state.stopped)

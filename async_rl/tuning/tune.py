@@ -86,8 +86,9 @@ def tune(config_path: str, *, out: str = "tuned.toml", allow: Sequence[str] = ()
         measured |= _measured(checks)
         chosen = _best_measured(result, measured)
     _print_table(console, result, measured, simulate_only)
-    for failure in result.failures[:3]:
-        console.print(f"failed: {failure}")
+    if result.failures:
+        more = len(result.failures) - 1
+        console.print(f"failed: {result.failures[0]}" + (f" (and {more} more)" if more else ""))
     if chosen is None:
         console.print(f"no candidate beat the config ({result.evaluated} simulated, "
                       f"{result.failed} refused by the config's rules); {out} is the "

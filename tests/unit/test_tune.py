@@ -232,3 +232,12 @@ def test_the_real_path_keeps_the_fastest_measured_candidate_and_says_its_gain(
     assert tuned.result is not None and tuned.chosen == tuned.result.ranked[len(checked) - 1]
     assert f"measured {1.0 + len(checked):.2f}x" in out.read_text()
     assert "measured groups/s" in capsys.readouterr().out
+
+
+def test_changes_that_buy_nothing_are_left_out_of_the_ranking(tiny: Path) -> None:
+    config = load_config(tiny)
+    _, evaluate = fake(peak=16)  # queue.max_groups changes nothing
+    result = search(config, {"rollout.max_inflight_prompts": (1, 64),
+                             "queue.max_groups": (8, 128)}, evaluate)
+    assert len(result.ranked) >= 1 and result.evaluated > 7
+    assert all("queue.max_groups" not in c.values for c in result.ranked)
