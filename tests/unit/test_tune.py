@@ -16,7 +16,7 @@ from async_rl.config_io import load_config
 from async_rl.knobs import Range
 from async_rl.tuning import tune as tune_module
 from async_rl.tuning.real_runs import Calibration, Measurement
-from async_rl.tuning.search import Evaluator, search, searchable
+from async_rl.tuning.search import Candidate, Evaluator, SearchResult, search, searchable
 from async_rl.tuning.simulated import Evaluation, simulated
 from async_rl.tuning.tuned_file import tuned_text
 
@@ -241,3 +241,22 @@ def test_changes_that_buy_nothing_are_left_out_of_the_ranking(tiny: Path) -> Non
                              "queue.max_groups": (8, 128)}, evaluate)
     assert len(result.ranked) >= 1 and result.evaluated > 7
     assert all("queue.max_groups" not in c.values for c in result.ranked)
+
+
+def test_a_split_is_written_as_the_counts_it_sets_each_with_its_cause(tiny: Path) -> None:
+    config = load_config(tiny, ['simulate.hardware="h100"', "trainer.num_shards=2"])
+    evaluation = Evaluation(groups_per_s=2.0, steps=8, idle={})
+    base = Candidate(values={}, groups_per_s=1.0, reasons={}, evaluation=evaluation)
+    chosen = Candidate(values={"split": 3}, groups_per_s=2.0, evaluation=evaluation,
+                       reasons={"split": "trainer waits for data 50% of its time"})
+    result = SearchResult(base=base, ranked=(chosen,), evaluated=2, failed=0, seconds=1.0,
+                          stopped="converged")
+    tuned = knobs.with_values(config, chosen.values)
+    notes = tune_module.comments(config, result, chosen, 3.0, 2.0, tuned)
+    assert notes == {
+        "rollout.num_workers": "tuned: trainer waits for data 50% of its time; 2 -> 3: "
+                               "predicted 2.00x (1.00 -> 2.00 groups/s over 8 simulated "
+                               "steps), measured 1.50x",
+        "trainer.num_shards": "tuned: trainer waits for data 50% of its time; 2 -> 1: "
+                              "predicted 2.00x (1.00 -> 2.00 groups/s over 8 simulated "
+                              "steps), measured 1.50x"}
