@@ -178,7 +178,9 @@ def bounds(key: str, config: Config) -> Range:
     if spec.kind == "choice":
         return spec.choices
     environment = config.task.environment
-    shortest_micro_batch = max(config.rollout.max_new_tokens,
+    # A micro-batch holds at least one whole sequence: the longest completion after its
+    # prompt (the simulator's prompt length; a real task's prompts are short beside it).
+    shortest_micro_batch = max(config.rollout.max_new_tokens + config.simulate.prompt_tokens,
                                environment.max_trajectory_tokens if environment.enabled else 0)
     numeric: dict[str, tuple[Value, Value]] = {
         "rollout.max_inflight_prompts": (1, BIG),
