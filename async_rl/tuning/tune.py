@@ -11,6 +11,7 @@ Knows nothing about how a search moves or how a run is measured.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -53,6 +54,21 @@ def tune(config_path: str, *, out: str = "tuned.toml", allow: Sequence[str] = ()
     """Tunes ``config_path`` (with ``sets``) within ``budget_s`` and writes ``out``;
     ``folder``: the real runs' directories (default: the config's run.output_dir +
     "-tune"). A ConfigError names a bad ``--allow`` or config key."""
+    # The simulated runs' own console lines (their evaluations, their autopilot) would
+    # bury the tune's: the orchestrator's loggers say only warnings meanwhile.
+    control = logging.getLogger("async_rl.control")
+    level = control.level
+    control.setLevel(logging.WARNING)
+    try:
+        return _tune(config_path, out, allow, sets, budget_s, simulate_only, folder,
+                     console, clock)
+    finally:
+        control.setLevel(level)
+
+
+def _tune(config_path: str, out: str, allow: Sequence[str], sets: Sequence[str],
+          budget_s: float, simulate_only: bool, folder: Path | None,
+          console: Console | None, clock: Callable[[], float]) -> Tuned:
     began = clock()
     console = console or Console()
     config = load_config(config_path, sets)
