@@ -45,16 +45,17 @@ unit test-fast: setup
 integration: setup
 	$(BIN)/python -m pytest tests/integration -q
 
-# The test models build in the background while ruff, mypy and lint-imports run (the
-# learnable one's warm start is about two minutes): the first test that needs one waits
-# on the model cache's lock instead of building it. Then every tier: the unit tier in two
-# xdist processes, the Ray tiers in one (each test starts its own Ray and vLLM, which
-# take both cores while they start).
+# The test models build in the background while ruff, mypy, lint-imports and the unit
+# tier (two xdist processes) run (the learnable model's warm start is about two
+# minutes): a test that needs a model meanwhile waits on the model cache's lock instead
+# of building it. Then the Ray tiers, in one process (each test starts its own Ray and
+# vLLM, which take both cores while they start: two processes gain nothing).
 test: setup
 	$(BIN)/python tests/models.py & models=$$!; \
-	  $(BIN)/ruff check . && $(BIN)/mypy && $(BIN)/lint-imports || { kill $$models; exit 1; }; \
+	  { $(BIN)/ruff check . && $(BIN)/mypy && $(BIN)/lint-imports \
+	    && $(BIN)/python -m pytest tests/unit -q -n 2 --durations=5; } \
+	    || { kill $$models; exit 1; }; \
 	  wait $$models
-	$(BIN)/python -m pytest tests/unit -q -n 2 --durations=5
 	$(BIN)/python -m pytest tests/integration tests/gpu -q --durations=10
 
 # The benchmarks that need neither a model nor Ray (bench/README.md lists every one, each
