@@ -58,17 +58,13 @@ class LiveTuning:
         self._wait_s = self._barrier_s = 0.0
         self._marks = (0.0, 0.0, 0.0)
         """(clock, gate wait seconds, queue put wait seconds) at the window's start."""
-        self._filling = False
-        """The first step of the loop is under way: it is in no window."""
+        self._filling = True
+        """The loop's first step is to come or under way: it is in no window (the
+        pipeline's fill would make the first window look starved and every first move
+        look like a gain)."""
         if self.autopilot is not None and STALENESS in self.autopilot.values:
             # The run starts at the autopilot's ceiling (at most the config's bound).
             self._set(STALENESS, self.autopilot.values[STALENESS])
-
-    def start(self) -> None:
-        """The training loop starts; the first window starts after its first step (the
-        pipeline's fill, which would otherwise make the first window look starved and
-        every first move look like a gain)."""
-        self._filling = True
 
     def columns(self) -> dict[str, int]:
         """Each tuned key's value in effect, for the step's metrics row."""

@@ -228,14 +228,11 @@ class Orchestrator:
 
     async def training_loop(self, bar: RunProgress) -> None:
         """Take a step's groups, plan, run the step's stages on every shard, publish the
-        new version (delivered beside the next steps; the gate opens for a version once
-        every worker runs it), record the step, retune the live keys if a window ended
-        ([autopilot]). A step that did not move the policy (a
-        shard lost its groups, a non-finite gradient, a critic warm-up step) is taken
-        anew: its prompts run again."""
+        new version (delivered beside the next steps), record the step, retune the live
+        keys at a window's end ([autopilot]). A step that did not move the policy (lost
+        groups, a non-finite gradient, a critic warm-up step) runs its prompts again."""
         step, shards = self.first_step, self.config.trainer.num_shards
         self.training.flush()  # the track starts with the loop: setup and evaluation dropped
-        self.tuning.start()
         # Published versions go to the rollout workers one at a time, in version order,
         # beside the next steps; leaving the block waits for the last delivery.
         to_deliver, published = anyio.create_memory_object_stream[PublishedWeights](math.inf)
@@ -243,11 +240,10 @@ class Orchestrator:
             beside.start_soon(self.delivery_loop, published)
             while step <= self.config.run.num_steps and not self.stop_reason:
                 started = self.clock()
-                taken_groups = await self._take()
-                if taken_groups is None:
+                took = await self._take()
+                if took is None:
                     break  # a stop's deadline passed before the step had its groups
-                groups = list(taken_groups.groups)
-                taken = self.clock()
+                groups, taken = took.groups, self.clock()
                 batches, plan = shard_batches(groups, shards, self.tuning.trainer, step,
                                               max_new_tokens=self.config.rollout.max_new_tokens)
                 async with self.policy.lock:  # the version moves with the weights
@@ -263,7 +259,7 @@ class Orchestrator:
                 trained = self.clock()
                 self.book.trained(groups, version=self.version - 1)
                 await self._publish(to_deliver)
-                await self._record(bar, step, taken_groups, plan, update,
+                await self._record(bar, step, took, plan, update,
                                    times=(started, taken, trained))
                 await self._checkpoint_if_due(step, beside)
                 await self.tuning.after_step(step, len(groups), update.results,
