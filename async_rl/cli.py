@@ -113,7 +113,7 @@ def _parser() -> argparse.ArgumentParser:
                       help="seconds the whole command may take (default 900)")
     tune.add_argument("--out", default="tuned.toml",
                       help="the tuned config file (default tuned.toml)")
-    tune.add_argument("--allow", action="extend", nargs="+", default=[],
+    tune.add_argument("--allow", action="append", default=[],
                       metavar="KEY[=LO..HI]",
                       help="also search this key (guarded keys, split, staleness above the "
                            "config's own), or search it within LO..HI (repeatable)")
