@@ -21,7 +21,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from typing import Generic
 
@@ -40,24 +39,12 @@ from buffers.queue.queue_records import (
     ReplayQueueStatistics,
     T,
     TakenGroups,
-    WaitStatistics,
 )
 from buffers.queue.replay_store import BucketedStore
 from buffers.queue.taken_staleness import TakenStaleness
+from buffers.queue.waiters import Waiter, WaitLine
 
 __all__ = ["QueueItem", "ReplayQueue"]
-
-
-class _Waiter:
-    """One parked put or take; FIFO among its kind, woken by replacing nothing but the event."""
-
-    __slots__ = ("at_version", "event", "need")
-
-    def __init__(self, need: int, at_version: int = 0) -> None:
-        self.event = anyio.Event()
-        self.need = need
-        """Tokens of the item to put, or groups wanted by the take."""
-        self.at_version = at_version  # the take's; unused for a put
 
 
 class ReplayQueue(Generic[T]):
@@ -113,12 +100,8 @@ class ReplayQueue(Generic[T]):
         self._in_flight = InFlight(max_staleness)
         self._sink_version: int | None = None
         self._closed = False
-        self._putters: deque[_Waiter] = deque()
-        self._takers: deque[_Waiter] = deque()
-        self._put_waits = 0
-        self._put_wait_s = 0.0
-        self._take_waits = 0
-        self._take_wait_s = 0.0
+        self._putters = WaitLine()
+        self._takers = WaitLine()
         self._put_total = 0
         self._taken_total = 0
         self._drained_total = 0
@@ -153,9 +136,9 @@ class ReplayQueue(Generic[T]):
         if not self._putters and self._has_room(item.num_tokens):
             self._insert(item)
             return True
-        waiter = _Waiter(item.num_tokens)
+        waiter = Waiter(item.num_tokens)
         self._putters.append(waiter)
-        self._put_waits += 1
+        self._putters.waits += 1
         started = self._clock()
         try:
             while True:
@@ -171,7 +154,7 @@ class ReplayQueue(Generic[T]):
                 waiter.event = anyio.Event()
         finally:
             self._putters.remove(waiter)
-            self._put_wait_s += self._clock() - started
+            self._putters.wait_s += self._clock() - started
             self._wake_putter()
 
     # -- take ------------------------------------------------------------------------
@@ -217,9 +200,9 @@ class ReplayQueue(Generic[T]):
             return self._pop(n_groups, at_version, homogeneous)
         if self._closed:
             raise QueueClosed
-        waiter = _Waiter(n_groups, at_version)
+        waiter = Waiter(n_groups, at_version)
         self._takers.append(waiter)
-        self._take_waits += 1
+        self._takers.waits += 1
         started = self._clock()
         try:
             while True:
@@ -232,7 +215,7 @@ class ReplayQueue(Generic[T]):
                 waiter.event = anyio.Event()
         finally:
             self._takers.remove(waiter)
-            self._take_wait_s += self._clock() - started
+            self._takers.wait_s += self._clock() - started
             self._wake_taker()
 
     @contextlib.contextmanager
@@ -306,12 +289,8 @@ class ReplayQueue(Generic[T]):
             max_tokens=self.max_tokens,
             max_staleness=self.max_staleness,
             buckets=self._drops.buckets(self._store.bucket_groups, self._store.bucket_tokens),
-            put_waits=WaitStatistics(
-                count=self._put_waits, seconds=self._put_wait_s, waiting_now=len(self._putters)
-            ),
-            take_waits=WaitStatistics(
-                count=self._take_waits, seconds=self._take_wait_s, waiting_now=len(self._takers)
-            ),
+            put_waits=self._putters.statistics(),
+            take_waits=self._takers.statistics(),
             put_total=self._put_total,
             taken_total=self._taken_total,
             drained_total=self._drained_total,
@@ -439,7 +418,7 @@ class ReplayQueue(Generic[T]):
         if self._takers and self._takers[0].need > self._store.groups:
             self._takers[0].event.set()
 
-    def _check_starved(self, waiter: _Waiter) -> None:
+    def _check_starved(self, waiter: Waiter) -> None:
         if self._takers[0] is not waiter or self._store.groups >= waiter.need or not self._putters:
             return
         head = self._putters[0]
