@@ -2,8 +2,9 @@
 
 Owns: ``Autopilot``, which every ``autopilot.every_steps`` steps reads a ``Window`` (the
 groups/s of each of its steps, and its idle shares by role and cause) and answers with at
-most one ``Move``: a live key one rung along its ladder (``async_rl.knobs.ladder``)
-against the biggest idle cause, or, when the window after a move trained slower than the
+most one ``Move``: a live key along its ladder (``async_rl.knobs.ladder``) against the
+biggest idle cause (one rung, or as far as the trainer's wait says rollout must speed
+up: see ``Autopilot._candidates``), or, when the window after a move trained slower than the
 window before it by more than the noise band, that move taken back. The rules, the
 shares they read and the range of each key are below; the advice they follow is the
 idle report's (``async_rl.analysis.idle.HINTS``), whose words go into each move's cause.
@@ -42,6 +43,8 @@ MIN_BAND = 0.02
 """The noise band is at least this fraction of the earlier window's groups/s."""
 COOLDOWN_WINDOWS = 4
 """Windows during which a reverted move is not tried again in its direction."""
+MAX_JUMP = 8.0
+"""The most a key's value may be multiplied by in one move."""
 
 
 class Window(msgspec.Struct, frozen=True, kw_only=True):
@@ -73,6 +76,18 @@ class Move(msgspec.Struct, frozen=True, kw_only=True):
     new: int
     cause: str
     revert: bool = False
+
+
+class Rule(msgspec.Struct, frozen=True):
+    """A rule the window met: turn ``key`` in ``direction`` (+1 up, -1 down) against an
+    idle cause holding ``share`` of the window, to about ``factor`` times its value
+    (at least one rung)."""
+
+    share: float
+    key: str
+    direction: int
+    cause: str
+    factor: float = 1.0
 
 
 def noise_band(before: Window, after: Window) -> float:
@@ -137,58 +152,79 @@ class Autopilot:
     def _decide(self, window: Window) -> Move | None:
         """The biggest idle cause a rule answers, whose key can still move that way."""
         # Ties keep the rules' order.
-        for _, key, direction, cause in sorted(self._candidates(window), key=lambda c: -c[0]):
-            if key not in self.values or self._blocked.get((key, direction), 0) > self.windows:
+        for rule in sorted(self._candidates(window), key=lambda r: -r.share):
+            if (rule.key not in self.values
+                    or self._blocked.get((rule.key, rule.direction), 0) > self.windows):
                 continue
-            new = self._next_rung(key, direction)
+            new = self._next_rung(rule)
             if new is not None:
-                return Move(key=key, old=self.values[key], new=new, cause=cause)
+                return Move(key=rule.key, old=self.values[rule.key], new=new,
+                            cause=rule.cause)
         return None
 
-    def _next_rung(self, key: str, direction: int) -> int | None:
-        current = self.values[key]
-        beyond = [v for v in self.rungs[key] if (v - current) * direction > 0]
+    def _next_rung(self, rule: Rule) -> int | None:
+        """The rung nearest ``factor`` times the key's value, at least one rung away."""
+        current = self.values[rule.key]
+        beyond = sorted((v for v in self.rungs[rule.key]
+                         if (v - current) * rule.direction > 0),
+                        key=lambda v: v * rule.direction)
         if not beyond:
             return None
-        return min(beyond) if direction > 0 else max(beyond)
+        target = current * rule.factor
+        reaching = [v for v in beyond if (v - target) * rule.direction >= 0]
+        return reaching[0] if reaching else beyond[-1]
 
-    def _candidates(self, window: Window) -> list[tuple[float, str, int, str]]:
-        """(share, key, direction, cause) of every rule the window's idle shares meet.
+    def _candidates(self, window: Window) -> list[Rule]:
+        """Every rule the window's idle shares meet.
 
         The trainer's groups/s is the run's: while it waits for data, rollout must make
         more, held back by the staleness gate (raise the bound), by a full queue that the
         trainer's takes empty in bursts (raise its size), or else by its prompts in
         flight (raise them). A trainer that never waits while rollout waits on a full
         queue trains groups staler than throughput needs: lower the bound. Shards
-        waiting on each other: smaller micro-batches balance better."""
+        waiting on each other: smaller micro-batches balance better.
+
+        How far: a trainer that waited a share ``w`` of the window for data was busy
+        ``1 - w`` of it, so rollout must make ``1 / (1 - w)`` times as many groups for
+        it never to wait; the prompts in flight and the queue's size scale about
+        linearly with what rollout makes, so they move that far (at most ``MAX_JUMP``
+        times, at least one rung; an overshoot that slows the run is reverted). The
+        staleness bound and the micro-batch move one rung: their effect is not
+        proportional."""
         waits = window.share("trainer", "wait_data")
         gate = window.share("rollout", "gate_closed")
         full = window.share("rollout", "queue_full")
         barrier = window.share("trainer", "barrier")
-        found: list[tuple[float, str, int, str]] = []
+        speedup = min(1.0 / max(1.0 - waits, 1e-9), MAX_JUMP)
+        found: list[Rule] = []
         if waits >= WORTH_A_MOVE and gate >= WORTH_A_MOVE:
-            found.append((gate, STALENESS, 1, _cause(
+            found.append(Rule(gate, STALENESS, 1, _cause(
                 f"rollout waited at the staleness gate {gate:.0%} of the window while the "
                 f"trainer waited for data {waits:.0%}", ("rollout", "gate_closed"))))
         if waits >= WORTH_A_MOVE and full >= WORTH_A_MOVE:
-            found.append((full, QUEUE, 1, _cause(
+            found.append(Rule(full, QUEUE, 1, _cause(
                 f"rollout waited on a full queue {full:.0%} of the window while the "
-                f"trainer waited for data {waits:.0%}", ("rollout", "queue_full"))))
+                f"trainer waited for data {waits:.0%}{_speedup(speedup)}",
+                ("rollout", "queue_full")), speedup))
         if waits >= WORTH_A_MOVE and max(gate, full) < WORTH_A_MOVE:
-            found.append((waits, INFLIGHT, 1, _cause(
+            found.append(Rule(waits, INFLIGHT, 1, _cause(
                 f"trainer waited {waits:.0%} of the window for data at "
-                f"{self.values.get(INFLIGHT, 0)} prompts in flight per rollout worker",
-                ("trainer", "wait_data"))))
+                f"{self.values.get(INFLIGHT, 0)} prompts in flight per rollout worker"
+                f"{_speedup(speedup)}", ("trainer", "wait_data")), speedup))
         if waits < NEVER_WAITS and full >= WORTH_A_MOVE:
-            found.append((full, STALENESS, -1,
+            found.append(Rule(full, STALENESS, -1,
                           f"rollout waited on a full queue {full:.0%} of the window and the "
                           f"trainer waited for data only {waits:.0%}: fresher groups cost "
                           "no groups/s"))
         if barrier >= WORTH_A_MOVE:
-            found.append((barrier, MICRO_BATCH, -1, _cause(
+            found.append(Rule(barrier, MICRO_BATCH, -1, _cause(
                 f"trainer shards waited on each other {barrier:.0%} of the window",
                 ("trainer", "barrier"))))
         return found
+
+
+def _speedup(factor: float) -> str:
+    return f"; {factor:.1f}x the groups would keep it busy"
 
 
 def _cause(measured: str, role_cause: tuple[str, str]) -> str:

@@ -7,16 +7,21 @@ Per task (the CPU default, the long-tail task), one after another in this proces
    shard's cores), each a run of ``--steps`` steps; its best point by groups/s;
 2. the tune: ``async-rl tune CONFIG --allow split --budget-s B`` (a calibration run,
    the simulator's search, short checks), then a run of the tuned config of
-   ``--steps`` steps, as the grid's points ran.
+   ``--steps`` steps, as the grid's points ran;
+3. the final: the grid's best point and the tuned config side by side, each run twice
+   in the order best, tuned, tuned, best (ABBA: the machine's drift cancels) for
+   ``--final-steps`` steps (the config's own 60 by default: after ``--steps`` the
+   policy is mid-climb and the held-out accuracy of the grid's points spreads by 0.2,
+   so accuracy is compared where the runs have learned).
 
 It prints, per task: the grid's best point, its groups/s and held-out accuracy; the
-tuned config's changes, groups/s and accuracy; tuned/best; the tune's wall time over
-the grid's (the grid's: the sum of its trials; the tune's: the tune command plus the
-tuned run). Last line: ``tune_vs_grid: tuned/best R1, tune/grid wall R2`` with, of the
-tasks, the lower R1 and the higher R2.
+tuned config's changes, groups/s and accuracy; tuned/best (of the final's means); the
+tune's wall time over the grid's (the grid's: the sum of its trials; the tune's: the
+tune command plus the tuned run). Last line: ``tune_vs_grid: tuned/best R1, tune/grid
+wall R2`` with, of the tasks, the lower R1 and the higher R2.
 
     python -m bench.tuning.tune_vs_grid                      # both tasks, 24 points each
-    python -m bench.tuning.tune_vs_grid --tasks default --steps 10 \
+    python -m bench.tuning.tune_vs_grid --tasks default --steps 10 --final-steps 10 \
         --grid rollout.max_inflight_prompts=4,16 --grid queue.max_groups=16,64
 
 The models: ``async-rl make-model --size small --out runs/small-model`` and
@@ -45,21 +50,38 @@ GRID = ("rollout.max_inflight_prompts=4,16,64", "queue.max_groups=16,64",
 split of the cores (on this 2-core machine, a role given 2 shares them with the other)."""
 
 
+class Final(msgspec.Struct, frozen=True, kw_only=True):
+    """One config's runs in the final: groups/s and end accuracy of each."""
+
+    groups_per_s: tuple[float, ...]
+    accuracy: tuple[float | None, ...]
+
+    @property
+    def mean_groups_per_s(self) -> float:
+        return sum(self.groups_per_s) / len(self.groups_per_s)
+
+    @property
+    def mean_accuracy(self) -> float | None:
+        known = [a for a in self.accuracy if a is not None]
+        return sum(known) / len(known) if known else None
+
+
 class TaskResult(msgspec.Struct, frozen=True, kw_only=True):
     task: str
     grid_points: int
     grid_best: str
     grid_best_groups_per_s: float
-    grid_best_accuracy: float | None
     grid_wall_s: float
     tuned_changes: str
     tuned_groups_per_s: float
-    tuned_accuracy: float | None
     tune_wall_s: float
+    final_steps: int
+    best_final: Final
+    tuned_final: Final
 
     @property
     def ratio(self) -> float:
-        return self.tuned_groups_per_s / self.grid_best_groups_per_s
+        return self.tuned_final.mean_groups_per_s / self.best_final.mean_groups_per_s
 
     @property
     def wall_ratio(self) -> float:
@@ -81,8 +103,27 @@ def _changes(tuned: Path) -> str:
     return "; ".join(line.removeprefix("# ") for line in lines if line.startswith("# tuned:"))
 
 
-def bench_task(task: str, grid_items: Sequence[str], steps: int, budget_s: int,
-               out: Path, sets: Sequence[str]) -> TaskResult:
+def _final(best: Sequence[str], tuned: str, config: str, steps: int, out: Path,
+           sets: Sequence[str]) -> tuple[Final, Final]:
+    """The grid's best (``config`` with ``best`` set) and ``tuned``, in the order best,
+    tuned, tuned, best."""
+    runs: dict[str, list[tuple[float, float | None]]] = {"best": [], "tuned": []}
+    for index, name in enumerate(("best", "tuned", "tuned", "best")):
+        run_dir = out / f"final-{index}-{name}"
+        if name == "best":
+            _train(config, run_dir, steps, [*sets, *best])
+        else:
+            _train(tuned, run_dir, steps, sets)
+        summary = read_summary(run_dir)
+        runs[name].append((summary.groups_per_s, summary.accuracy_end))
+    finals = (Final(groups_per_s=tuple(g for g, _ in runs[name]),
+                    accuracy=tuple(a for _, a in runs[name])) for name in ("best", "tuned"))
+    best_final, tuned_final = finals
+    return best_final, tuned_final
+
+
+def bench_task(task: str, grid_items: Sequence[str], steps: int, final_steps: int,
+               budget_s: int, out: Path, sets: Sequence[str]) -> TaskResult:
     config = TASKS[task]
     grid = parse_grid(grid_items)
     began = time.perf_counter()
@@ -104,17 +145,28 @@ def bench_task(task: str, grid_items: Sequence[str], steps: int, budget_s: int,
     _train(str(tuned_file), tuned_dir, steps, sets)
     tune_wall = time.perf_counter() - began
     tuned = read_summary(tuned_dir)
+    best_final, tuned_final = _final([f"{k}={v}" for k, v in best.trial.values],
+                                     str(tuned_file), config, final_steps,
+                                     out / f"{task}-final", sets)
     return TaskResult(
         task=task, grid_points=len(results),
         grid_best=", ".join(f"{k}={v}" for k, v in best.trial.values),
-        grid_best_groups_per_s=best_summary.groups_per_s,
-        grid_best_accuracy=best_summary.accuracy_end, grid_wall_s=grid_wall,
+        grid_best_groups_per_s=best_summary.groups_per_s, grid_wall_s=grid_wall,
         tuned_changes=_changes(tuned_file) or "none", tuned_groups_per_s=tuned.groups_per_s,
-        tuned_accuracy=tuned.accuracy_end, tune_wall_s=tune_wall)
+        tune_wall_s=tune_wall, final_steps=final_steps, best_final=best_final,
+        tuned_final=tuned_final)
 
 
 def _accuracy(value: float | None) -> str:
     return "-" if value is None else f"{value:.3f}"
+
+
+def _runs(final: Final) -> str:
+    """Each run's groups/s and accuracy, then the means."""
+    each = ", ".join(f"{g:.2f} ({_accuracy(a)})"
+                     for g, a in zip(final.groups_per_s, final.accuracy, strict=True))
+    return (f"{each}; mean {final.mean_groups_per_s:.2f} groups/s, accuracy "
+            f"{_accuracy(final.mean_accuracy)}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -124,21 +176,25 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--grid", action="append", metavar="SECTION.KEY=V1,V2",
                         help=f"grid keys (default: {' '.join(GRID)})")
     parser.add_argument("--steps", type=int, default=20, help="run.num_steps of every run")
+    parser.add_argument("--final-steps", type=int, default=60,
+                        help="run.num_steps of the final's runs (the best and the tuned)")
     parser.add_argument("--budget-s", type=int, default=300, help="the tune's --budget-s")
     parser.add_argument("--out", default="runs/tune-vs-grid", help="where the runs go")
     parser.add_argument("--set", action="append", default=[], dest="sets",
                         metavar="KEY=VALUE", help="override for every run")
     args = parser.parse_args(argv)
     out = Path(args.out)
-    results = [bench_task(task, args.grid or GRID, args.steps, args.budget_s, out, args.sets)
+    results = [bench_task(task, args.grid or GRID, args.steps, args.final_steps,
+                          args.budget_s, out, args.sets)
                for task in args.tasks.split(",")]
     for r in results:
         print(f"{r.task}: grid of {r.grid_points} in {r.grid_wall_s:.0f}s, best {r.grid_best}: "
-              f"{r.grid_best_groups_per_s:.2f} groups/s, accuracy "
-              f"{_accuracy(r.grid_best_accuracy)}")
+              f"{r.grid_best_groups_per_s:.2f} groups/s")
         print(f"{r.task}: tuned ({r.tuned_changes}) in {r.tune_wall_s:.0f}s: "
-              f"{r.tuned_groups_per_s:.2f} groups/s, accuracy {_accuracy(r.tuned_accuracy)}; "
-              f"tuned/best {r.ratio:.2f}, tune/grid wall {r.wall_ratio:.2f}")
+              f"{r.tuned_groups_per_s:.2f} groups/s; tune/grid wall {r.wall_ratio:.2f}")
+        print(f"{r.task}: final, {r.final_steps} steps, best then tuned then tuned then best: "
+              f"best {_runs(r.best_final)}; tuned {_runs(r.tuned_final)}; "
+              f"tuned/best {r.ratio:.2f}")
     print(f"tune_vs_grid: tuned/best {min(r.ratio for r in results):.2f}, "
           f"tune/grid wall {max(r.wall_ratio for r in results):.2f}")
     return 0

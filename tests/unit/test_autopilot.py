@@ -69,6 +69,20 @@ def test_a_starved_trainer_raises_prompts_in_flight_one_rung_and_says_why() -> N
     assert len(pilot.changes) == 1 and pilot.changes[0].outcome == "pending"
 
 
+@pytest.mark.parametrize(("waits", "to"), [(0.6, 4), (0.8, 8), (0.97, 8)])
+def test_a_badly_starved_trainer_raises_prompts_in_flight_as_far_as_its_wait_says(
+        waits: float, to: int) -> None:
+    """Waiting 60% for data: rollout must make 2.5x the groups (the rung at or above
+    is 4); 80%: 5x (8); 97%: 33x, cut at MAX_JUMP (8)."""
+    pilot = Autopilot(_config())
+    move = pilot.observe(_window(5, trainer_wait_data=waits))
+    assert move is not None and (move.key, move.old, move.new) == (INFLIGHT, 1, to)
+    assert f"{min(1 / (1 - waits), 8.0):.1f}x the groups would keep it busy" in move.cause
+    # A jump that slows the next window goes back where it came from.
+    back = pilot.observe(_window(10, rate=0.5, trainer_wait_data=waits))
+    assert back is not None and back.revert and (back.old, back.new) == (to, 1)
+
+
 def test_a_full_queue_while_the_trainer_waits_raises_the_queue() -> None:
     move = Autopilot(_config()).observe(_window(5, trainer_wait_data=0.3,
                                                 rollout_queue_full=0.5))
@@ -239,5 +253,5 @@ def test_a_simulated_run_from_a_poor_setting_is_retuned_and_says_so_everywhere(
     assert main(["report", str(out)]) == 0
     printed = capsys.readouterr().out
     assert f"autopilot: {len(changes)} change(s)" in printed
-    assert f"after step {first.step}: {INFLIGHT} 1 -> 2 (kept" in printed
+    assert f"after step {first.step}: {INFLIGHT} 1 -> {first.new} (kept" in printed
 
