@@ -24,6 +24,10 @@ wall R2`` with, of the tasks, the lower R1 and the higher R2.
     python -m bench.tuning.tune_vs_grid --tasks default --steps 10 --final-steps 10 \
         --grid rollout.max_inflight_prompts=4,16 --grid queue.max_groups=16,64
 
+``--lock FILE``: every run (each grid point, the tune, each final run) holds ``flock
+FILE`` while it runs, so other jobs that take the same lock run between them, never
+beside them; wall times count only the runs.
+
 The models: ``async-rl make-model --size small --out runs/small-model`` and
 ``async-rl make-model --task longtail --out runs/longtail-model`` (``make demo`` and
 ``make demo-longtail`` build them). The runs want the machine to themselves.
@@ -32,15 +36,17 @@ The models: ``async-rl make-model --size small --out runs/small-model`` and
 from __future__ import annotations
 
 import argparse
+import fcntl
 import subprocess
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import msgspec
 
-from async_rl.analysis.sweep import parse_grid, run_sweep
+from async_rl.analysis.sweep import parse_grid, run_trial, trials
 from async_rl.run.run_dir import read_summary
 
 TASKS = {"default": "examples/cpu_default.toml", "longtail": "examples/cpu_longtail.toml"}
@@ -88,14 +94,29 @@ class TaskResult(msgspec.Struct, frozen=True, kw_only=True):
         return self.tune_wall_s / self.grid_wall_s
 
 
-def _train(config: str, run_dir: Path, steps: int, sets: Sequence[str]) -> float:
+@contextmanager
+def _machine(lock: str) -> Iterator[None]:
+    """The machine to one run alone: a flock on ``lock`` ("": none; see ``--lock``)."""
+    if not lock:
+        yield
+        return
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
+def _train(config: str, run_dir: Path, steps: int, sets: Sequence[str], lock: str) -> float:
     command = [sys.executable, "-m", "async_rl.cli", "train", config, "--overwrite",
                "--set", f"run.num_steps={steps}",
                "--set", f"run.output_dir={msgspec.json.encode(str(run_dir)).decode()}"]
     command += [arg for item in sets for arg in ("--set", item)]
-    began = time.perf_counter()
-    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-    return time.perf_counter() - began
+    with _machine(lock):
+        began = time.perf_counter()
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        return time.perf_counter() - began
 
 
 def _changes(tuned: Path) -> str:
@@ -104,16 +125,16 @@ def _changes(tuned: Path) -> str:
 
 
 def _final(best: Sequence[str], tuned: str, config: str, steps: int, out: Path,
-           sets: Sequence[str]) -> tuple[Final, Final]:
+           sets: Sequence[str], lock: str) -> tuple[Final, Final]:
     """The grid's best (``config`` with ``best`` set) and ``tuned``, in the order best,
     tuned, tuned, best."""
     runs: dict[str, list[tuple[float, float | None]]] = {"best": [], "tuned": []}
     for index, name in enumerate(("best", "tuned", "tuned", "best")):
         run_dir = out / f"final-{index}-{name}"
         if name == "best":
-            _train(config, run_dir, steps, [*sets, *best])
+            _train(config, run_dir, steps, [*sets, *best], lock)
         else:
-            _train(tuned, run_dir, steps, sets)
+            _train(tuned, run_dir, steps, sets, lock)
         summary = read_summary(run_dir)
         runs[name].append((summary.groups_per_s, summary.accuracy_end))
     finals = (Final(groups_per_s=tuple(g for g, _ in runs[name]),
@@ -123,12 +144,14 @@ def _final(best: Sequence[str], tuned: str, config: str, steps: int, out: Path,
 
 
 def bench_task(task: str, grid_items: Sequence[str], steps: int, final_steps: int,
-               budget_s: int, out: Path, sets: Sequence[str]) -> TaskResult:
+               budget_s: int, out: Path, sets: Sequence[str], lock: str) -> TaskResult:
     config = TASKS[task]
-    grid = parse_grid(grid_items)
-    began = time.perf_counter()
-    results = run_sweep(config, grid, out=out / f"{task}-grid", steps=steps, overrides=sets)
-    grid_wall = time.perf_counter() - began
+    results = []
+    for trial in trials(parse_grid(grid_items), repeat=1):
+        with _machine(lock):
+            results.append(run_trial(config, trial, out / f"{task}-grid" / trial.name, sets,
+                                     steps))
+    grid_wall = sum(r.seconds for r in results)
     done = [r for r in results if r.status == "done"]
     if not done:
         raise SystemExit(f"tune_vs_grid: every grid point of {task} failed")
@@ -136,18 +159,19 @@ def bench_task(task: str, grid_items: Sequence[str], steps: int, final_steps: in
     best_summary = read_summary(best.run_dir)
 
     tuned_file = out / f"{task}-tuned.toml"
-    began = time.perf_counter()
     command = [sys.executable, "-m", "async_rl.cli", "tune", config, "--allow", "split",
                "--budget-s", str(budget_s), "--out", str(tuned_file)]
     command += [arg for item in sets for arg in ("--set", item)]
-    subprocess.run(command, check=True)
+    with _machine(lock):
+        began = time.perf_counter()
+        subprocess.run(command, check=True)
+        tune_s = time.perf_counter() - began
     tuned_dir = out / f"{task}-tuned-run"
-    _train(str(tuned_file), tuned_dir, steps, sets)
-    tune_wall = time.perf_counter() - began
+    tune_wall = tune_s + _train(str(tuned_file), tuned_dir, steps, sets, lock)
     tuned = read_summary(tuned_dir)
     best_final, tuned_final = _final([f"{k}={v}" for k, v in best.trial.values],
                                      str(tuned_file), config, final_steps,
-                                     out / f"{task}-final", sets)
+                                     out / f"{task}-final", sets, lock)
     return TaskResult(
         task=task, grid_points=len(results),
         grid_best=", ".join(f"{k}={v}" for k, v in best.trial.values),
@@ -182,10 +206,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", default="runs/tune-vs-grid", help="where the runs go")
     parser.add_argument("--set", action="append", default=[], dest="sets",
                         metavar="KEY=VALUE", help="override for every run")
+    parser.add_argument("--lock", default="", help="run each run under flock FILE")
     args = parser.parse_args(argv)
     out = Path(args.out)
     results = [bench_task(task, args.grid or GRID, args.steps, args.final_steps,
-                          args.budget_s, out, args.sets)
+                          args.budget_s, out, args.sets, args.lock)
                for task in args.tasks.split(",")]
     for r in results:
         print(f"{r.task}: grid of {r.grid_points} in {r.grid_wall_s:.0f}s, best {r.grid_best}: "
