@@ -36,18 +36,17 @@ The models: ``async-rl make-model --size small --out runs/small-model`` and
 from __future__ import annotations
 
 import argparse
-import fcntl
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from pathlib import Path
 
 import msgspec
 
 from async_rl.analysis.sweep import parse_grid, run_trial, trials
 from async_rl.run.run_dir import read_summary
+from bench.tuning.runs import machine, train
 
 TASKS = {"default": "examples/cpu_default.toml", "longtail": "examples/cpu_longtail.toml"}
 GRID = ("rollout.max_inflight_prompts=4,16,64", "queue.max_groups=16,64",
@@ -94,31 +93,6 @@ class TaskResult(msgspec.Struct, frozen=True, kw_only=True):
         return self.tune_wall_s / self.grid_wall_s
 
 
-@contextmanager
-def _machine(lock: str) -> Iterator[None]:
-    """The machine to one run alone: a flock on ``lock`` ("": none; see ``--lock``)."""
-    if not lock:
-        yield
-        return
-    with open(lock, "a") as held:
-        fcntl.flock(held, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(held, fcntl.LOCK_UN)
-
-
-def _train(config: str, run_dir: Path, steps: int, sets: Sequence[str], lock: str) -> float:
-    command = [sys.executable, "-m", "async_rl.cli", "train", config, "--overwrite",
-               "--set", f"run.num_steps={steps}",
-               "--set", f"run.output_dir={msgspec.json.encode(str(run_dir)).decode()}"]
-    command += [arg for item in sets for arg in ("--set", item)]
-    with _machine(lock):
-        began = time.perf_counter()
-        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
-        return time.perf_counter() - began
-
-
 def _changes(tuned: Path) -> str:
     lines = [line.strip() for line in tuned.read_text().splitlines()]
     return "; ".join(line.removeprefix("# ") for line in lines if line.startswith("# tuned:"))
@@ -132,9 +106,9 @@ def _final(best: Sequence[str], tuned: str, config: str, steps: int, out: Path,
     for index, name in enumerate(("best", "tuned", "tuned", "best")):
         run_dir = out / f"final-{index}-{name}"
         if name == "best":
-            _train(config, run_dir, steps, [*sets, *best], lock)
+            train(config, run_dir, steps, [*sets, *best], lock)
         else:
-            _train(tuned, run_dir, steps, sets, lock)
+            train(tuned, run_dir, steps, sets, lock)
         summary = read_summary(run_dir)
         runs[name].append((summary.groups_per_s, summary.accuracy_end))
     finals = (Final(groups_per_s=tuple(g for g, _ in runs[name]),
@@ -148,7 +122,7 @@ def bench_task(task: str, grid_items: Sequence[str], steps: int, final_steps: in
     config = TASKS[task]
     results = []
     for trial in trials(parse_grid(grid_items), repeat=1):
-        with _machine(lock):
+        with machine(lock):
             results.append(run_trial(config, trial, out / f"{task}-grid" / trial.name, sets,
                                      steps))
     grid_wall = sum(r.seconds for r in results)
@@ -162,12 +136,12 @@ def bench_task(task: str, grid_items: Sequence[str], steps: int, final_steps: in
     command = [sys.executable, "-m", "async_rl.cli", "tune", config, "--allow", "split",
                "--budget-s", str(budget_s), "--out", str(tuned_file)]
     command += [arg for item in sets for arg in ("--set", item)]
-    with _machine(lock):
+    with machine(lock):
         began = time.perf_counter()
         subprocess.run(command, check=True)
         tune_s = time.perf_counter() - began
     tuned_dir = out / f"{task}-tuned-run"
-    tune_wall = tune_s + _train(str(tuned_file), tuned_dir, steps, sets, lock)
+    tune_wall = tune_s + train(str(tuned_file), tuned_dir, steps, sets, lock)
     tuned = read_summary(tuned_dir)
     best_final, tuned_final = _final([f"{k}={v}" for k, v in best.trial.values],
                                      str(tuned_file), config, final_steps,

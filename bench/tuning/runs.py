@@ -1,0 +1,41 @@
+"""The tuning benchmarks' real runs: one ``async-rl train`` process per run, each alone
+on the machine when a lock file is given (``flock``: other jobs taking the same lock run
+between the runs, never beside them), its wall time counting only the run."""
+
+from __future__ import annotations
+
+import fcntl
+import subprocess
+import sys
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import msgspec
+
+
+@contextmanager
+def machine(lock: str) -> Iterator[None]:
+    """The machine to one run alone: a flock on ``lock`` ("": none)."""
+    if not lock:
+        yield
+        return
+    with open(lock, "a") as held:
+        fcntl.flock(held, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(held, fcntl.LOCK_UN)
+
+
+def train(config: str, run_dir: Path, steps: int, sets: Sequence[str], lock: str) -> float:
+    """``async-rl train config`` for ``steps`` steps into ``run_dir``; its wall seconds."""
+    command = [sys.executable, "-m", "async_rl.cli", "train", config, "--overwrite",
+               "--set", f"run.num_steps={steps}",
+               "--set", f"run.output_dir={msgspec.json.encode(str(run_dir)).decode()}"]
+    command += [arg for item in sets for arg in ("--set", item)]
+    with machine(lock):
+        began = time.perf_counter()
+        subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+        return time.perf_counter() - began
