@@ -21,8 +21,13 @@ tune command plus the tuned run). Last line: ``tune_vs_grid: tuned/best R1, tune
 wall R2`` with, of the tasks, the lower R1 and the higher R2.
 
     python -m bench.tuning.tune_vs_grid                      # both tasks, 24 points each
+    python -m bench.tuning.tune_vs_grid --tasks default --final-only \
+        --grid-best rollout.max_inflight_prompts=16 --tuned runs/tune-vs-grid/default-tuned.toml
     python -m bench.tuning.tune_vs_grid --tasks default --steps 10 --final-steps 10 \
         --grid rollout.max_inflight_prompts=4,16 --grid queue.max_groups=16,64
+
+``--final-only``: only step 3, of an earlier grid's best point (``--grid-best``) and an
+earlier tune's file (``--tuned``), one task.
 
 ``--lock FILE``: every run (each grid point, the tune, each final run) holds ``flock
 FILE`` while it runs, so other jobs that take the same lock run between them, never
@@ -181,7 +186,23 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--set", action="append", default=[], dest="sets",
                         metavar="KEY=VALUE", help="override for every run")
     parser.add_argument("--lock", default="", help="run each run under flock FILE")
+    parser.add_argument("--final-only", action="store_true",
+                        help="only the final, of --grid-best and --tuned (one task)")
+    parser.add_argument("--grid-best", action="append", default=[], metavar="KEY=VALUE",
+                        help="--final-only: an earlier grid's best point (repeat per key)")
+    parser.add_argument("--tuned", default="", help="--final-only: an earlier tuned.toml")
     args = parser.parse_args(argv)
+    if args.final_only:
+        if not args.tuned or "," in args.tasks:
+            parser.error("--final-only wants --tuned and one task")
+        best, tuned = _final(args.grid_best, args.tuned, TASKS[args.tasks],
+                             args.final_steps, Path(args.out) / f"{args.tasks}-final",
+                             args.sets, args.lock)
+        ratio = tuned.mean_groups_per_s / best.mean_groups_per_s
+        print(f"{args.tasks}: final, {args.final_steps} steps, best then tuned then tuned "
+              f"then best: best {_runs(best)}; tuned {_runs(tuned)}; tuned/best {ratio:.2f}")
+        print(f"tune_vs_grid: tuned/best {ratio:.2f} (final only)")
+        return 0
     out = Path(args.out)
     results = [bench_task(task, args.grid or GRID, args.steps, args.final_steps,
                           args.budget_s, out, args.sets, args.lock)
