@@ -1,20 +1,36 @@
-"""Async GRPO on the long-tail (remainder) task: real Ray, the real vLLM CPU build and a
-tiny model warm-started on the task.
+"""Async GRPO on the long-tail (remainder) task with [autopilot]: real Ray, the real vLLM
+CPU build and a tiny model warm-started on the task. One run serves both:
 
-A few steps with completions of very different lengths: the run finishes, trains every
-group once, packs its micro-batches without padding, and what metrics.jsonl, the ledger,
-eval.jsonl and summary.json say adds up.
+- the long-tail run: completions of very different lengths; the run finishes, trains
+  every group once, packs its micro-batches without padding, and what metrics.jsonl, the
+  ledger, eval.jsonl and summary.json say adds up;
+- the autopilot: from one prompt in flight the trainer waits for data, and the autopilot
+  raises rollout.max_inflight_prompts on the live rollout pool (past what the run
+  started with, within the ceiling its rollout actor was made for) and says so in every
+  place: the console, metrics.jsonl, run.json and the report.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from pathlib import Path
 
 import pytest
 
+from async_rl.analysis.report import print_report
+from async_rl.analysis.tables import wide_console
+from async_rl.config import Config
 from async_rl.config_io import decode_config
-from async_rl.run.run_dir import FINAL_MODEL, read_evals, read_ledger, read_metrics, read_summary
+from async_rl.run.run_dir import (
+    FINAL_MODEL,
+    read_evals,
+    read_ledger,
+    read_metrics,
+    read_record,
+    read_summary,
+)
+from async_rl.run.summary import RunSummary
 from async_rl.shell.ray_shell import run_training
 from async_rl.tasks.longtail import MAX_NEW_TOKENS, RemainderTask
 
@@ -22,25 +38,67 @@ pytestmark = pytest.mark.ray
 
 GROUP_SIZE = 4
 GROUPS_PER_STEP = 4
-STEPS = 3
+STEPS = 7
 EVAL_SIZE = 8
+INFLIGHT = "rollout.max_inflight_prompts"
 
 
-def test_longtail_run_trains_varied_lengths_packed(
-    longtail_model_dir: Path, tmp_path: Path, ray_shutdown: None
-) -> None:
+class Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+def test_longtail_run_trains_varied_lengths_packed_and_the_autopilot_feeds_the_trainer(
+        longtail_model_dir: Path, tmp_path: Path, ray_shutdown: None) -> None:
     run_dir = tmp_path / "run"
     config = decode_config({
         "model": {"path": str(longtail_model_dir)},
         "task": {"kind": "longtail", "eval_size": EVAL_SIZE},
         "rollout": {"group_size": GROUP_SIZE, "max_new_tokens": MAX_NEW_TOKENS,
-                    "max_inflight_prompts": 8},
-        "queue": {"max_groups": 32},
+                    "max_inflight_prompts": 1},
+        "queue": {"max_groups": 8},
         "trainer": {"groups_per_step": GROUPS_PER_STEP, "micro_batch_tokens": 512},
         "run": {"num_steps": STEPS, "output_dir": str(run_dir), "progress": False,
                 "eval_every": 0},
+        "autopilot": {"enabled": True, "every_steps": 2, "keys": [INFLIGHT]},
     })
-    summary = run_training(config)
+    lines = Lines()
+    logger = logging.getLogger("async_rl.control.live_tuning")
+    logger.addHandler(lines)
+    logger.setLevel(logging.INFO)
+    try:
+        summary = run_training(config)
+    finally:
+        logger.removeHandler(lines)
+    check_longtail_run(run_dir, config, summary)
+
+    record = read_record(run_dir)
+    assert record is not None and len(record.autopilot) >= 1
+    first = record.autopilot[0]
+    # The first step (the fill) is in no window: steps 2-3 make the first.
+    assert (first.key, first.old, first.step) == (INFLIGHT, 1, 3) and first.new > 1
+    assert "trainer waited" in first.cause and "for data" in first.cause
+
+    columns = [row[f"autopilot/{INFLIGHT}"] for row in read_metrics(run_dir)]
+    assert len(columns) == STEPS
+    assert columns[:3] == [1, 1, 1] and columns[3] == first.new
+
+    change = f"{INFLIGHT} 1 -> {first.new}"
+    assert any(line.startswith(f"autopilot after step 3: {change}: trainer waited")
+               for line in lines.lines), lines.lines
+
+    console = wide_console()
+    with console.capture() as captured:
+        print_report(run_dir, console)
+    assert f"after step 3: {change}" in captured.get()
+
+
+def check_longtail_run(run_dir: Path, config: Config, summary: RunSummary) -> None:
+    """The run finished, trained every step's groups once, packed, and its files agree."""
 
     # The run finished, and trained every step's groups once.
     groups = STEPS * GROUPS_PER_STEP

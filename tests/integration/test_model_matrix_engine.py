@@ -27,8 +27,8 @@ engine process. Apart because the engines bind their process's threads and memor
 policy, and vLLM's model modules patch some of transformers' classes (Olmo2's). The
 rows' outcomes go to ``runs/model-matrix/engine.json`` (``{arch: "exact" | "refused:
 ..." | "not on CPU: <vLLM's error>"}``), which docs/models.md is generated from. About
-75 s for all families on two busy cores once vLLM's model-inspection cache (under
-``VLLM_CACHE_ROOT``) holds them, about 20 s more per family the first time.
+75 s for all families on two busy cores. vLLM inspects each family's model class in
+the child itself, not in a subprocess per family as it would (see ``_child``).
 """
 
 from __future__ import annotations
@@ -324,6 +324,12 @@ def _child(out: Path, models: Path, archs: list[str]) -> None:
         destroy_model_parallel,
     )
 
+    from vllm.model_executor.models import registry
+
+    # vLLM inspects each model class in a subprocess of its own, to keep CUDA out of
+    # the caller: one vLLM import, about 20 s a family on a cold model-info cache (a
+    # fresh machine's). This process is CPU-only: there is no CUDA to keep out.
+    registry._run_in_subprocess = lambda fn: fn()
     signal.signal(signal.SIGALRM, _timed_out)
     found: dict[str, dict[str, Any]] = {}
     for arch in archs:
