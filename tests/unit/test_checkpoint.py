@@ -149,12 +149,9 @@ def test_the_trainer_folder_says_which_backend_wrote_it(tmp_path: Path) -> None:
              optimizer=torch.optim.AdamW(model.parameters()))
 
 
-def test_a_checkpoint_of_the_older_layout_without_a_queue_file_is_read(
-    tmp_path: Path,
-) -> None:
-    """What a checkpoint written before the queue was kept looks like: no queue file,
-    no queue in the state: it holds no queued groups (their prompts are in reissue)."""
-    folder = write(tmp_path, 1)
+def to_older_layout(folder: Path) -> None:
+    """The checkpoint in ``folder`` as one written before the queue was kept: no queue
+    file, no queue in the state (a queue it held is lost: use it on one without)."""
     (folder / QUEUE).unlink()
     old = json.loads((folder / STATE).read_text())
     del old["queue"]
@@ -163,6 +160,14 @@ def test_a_checkpoint_of_the_older_layout_without_a_queue_file_is_read(
     del manifest[QUEUE]
     manifest[STATE] = hashlib.sha256((folder / STATE).read_bytes()).hexdigest()
     (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_of_the_older_layout_without_a_queue_file_is_read(
+    tmp_path: Path,
+) -> None:
+    """What a checkpoint written before the queue was kept looks like: no queue file,
+    no queue in the state: it holds no queued groups (their prompts are in reissue)."""
+    to_older_layout(write(tmp_path, 1))
     _, loaded = latest_checkpoint(tmp_path)
     assert loaded.queue == () and loaded.step == 1 and len(loaded.reissue) == 1
 

@@ -6,7 +6,6 @@ lost tokens, a prompt is in exactly one place at a checkpoint: owed, queued or t
 
 from __future__ import annotations
 
-import hashlib
 import json
 from collections.abc import Sequence
 from pathlib import Path
@@ -25,9 +24,10 @@ from orchestrator_fakes import (
     run,
     trained_once_or_unfinished,
 )
+from test_checkpoint import to_older_layout
 
 from async_rl.config import Config
-from async_rl.control.checkpoint_files import MANIFEST, QUEUE, STATE, latest_checkpoint
+from async_rl.control.checkpoint_files import latest_checkpoint
 from async_rl.run.run_dir import LEDGER
 from buffers.common.records import Group, GroupTokens, Prompt
 
@@ -81,15 +81,7 @@ def test_a_checkpoint_of_the_older_layout_resumes_with_nothing_lost(tmp_path: Pa
     run(cfg, {0: FakeRollout(0)}, [FakeTrainer(0)], stop_after=3, tokens=NoTokens())
     folder, saved = latest_checkpoint(tmp_path)
     assert saved.queue == () and saved.gate.started == saved.counters.groups_trained
-    # The older layout: no queue file, no queue in the state.
-    (folder / QUEUE).unlink()
-    state = json.loads((folder / STATE).read_text())
-    del state["queue"]
-    (folder / STATE).write_text(json.dumps(state))
-    manifest = json.loads((folder / MANIFEST).read_text())
-    del manifest[QUEUE]
-    manifest[STATE] = hashlib.sha256((folder / STATE).read_bytes()).hexdigest()
-    (folder / MANIFEST).write_text(json.dumps(manifest))
+    to_older_layout(folder)
 
     second = run(cfg, {0: FakeRollout(0)}, [FakeTrainer(0)], resume=True)
     assert second.steps == second.final_version == 6
