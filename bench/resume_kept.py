@@ -10,9 +10,10 @@ resume —
 - **queued groups**: generated (a ``generated`` event) and not trained; their tokens are
   that event's completion lengths (the members');
 - **in-flight rollouts**: admitted and not generated; their tokens at the stop are not in
-  the ledger, so they are estimated by elapsed time: the tokens of the same prompt's next
-  generation times the share of that generation's duration the stop had already spent
-  (capped at 1).
+  the ledger, so they are estimated: each sample of the same prompt's next generation
+  counts its length, capped at what the stopped run decoded per sequence in the time
+  the rollout ran before the stop (``decode_rate``: the median over the stopped run's
+  groups of their longest sample over their generation time).
 
 A unit of work is generated again when its prompt has a ``generated`` event after the
 resume (a queued group restored and then dropped as too stale is generated again, and
@@ -32,6 +33,7 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -82,6 +84,7 @@ def figures(entries: Sequence[LedgerEntry]) -> Figures:
     boundary = next((i for i, e in enumerate(entries) if e.reason == RESUME), None)
     if boundary is None:
         raise ValueError("no resumed run in this ledger (no event with reason 'resume')")
+    rate = decode_rate(entries[:boundary])
     before: dict[str, list[LedgerEntry]] = defaultdict(list)
     after: dict[str, list[LedgerEntry]] = defaultdict(list)
     for i, entry in enumerate(entries):
@@ -97,7 +100,8 @@ def figures(entries: Sequence[LedgerEntry]) -> Figures:
         if generated:
             tokens = float(sum(generated[-1].lengths))
         else:
-            tokens = _in_flight_tokens(history[admitted].time, history[-1].time, later)
+            ran_s = history[-1].time - history[admitted].time
+            tokens = float(sum(min(n, rate * ran_s) for n in regen[0].lengths)) if regen else 0.0
         work.append(Work(
             prompt_id=prompt_id, queued=bool(generated), tokens=tokens,
             regenerated=bool(regen),
@@ -111,16 +115,19 @@ def figures(entries: Sequence[LedgerEntry]) -> Figures:
                    trained_twice=sorted(p for p, n in trained.items() if n > 1))
 
 
-def _in_flight_tokens(admitted: float, stopped: float, later: Sequence[LedgerEntry]) -> float:
-    """An in-flight rollout's tokens at the stop: its next generation's tokens times the
-    share of that generation's duration spent before the stop (0 if it never ran again)."""
-    starts = [e.time for e in later if e.event == "admitted"]
-    done = [e for e in later if e.event == "generated"]
-    if not starts or not done:
-        return 0.0
-    took = done[0].time - starts[0]
-    share = 1.0 if took <= 0 else min(1.0, max(0.0, stopped - admitted) / took)
-    return share * sum(done[0].lengths)
+def decode_rate(entries: Sequence[LedgerEntry]) -> float:
+    """Tokens a sequence gets per second: the median over the groups generated in
+    ``entries`` of their longest sample's length over the time from their admission."""
+    admitted: dict[tuple[str, int], float] = {}
+    rates = []
+    for e in entries:
+        if e.event == "admitted":
+            admitted[(e.prompt_id, e.attempt)] = e.time
+        elif e.event == "generated" and e.lengths and (e.prompt_id, e.attempt) in admitted:
+            took = e.time - admitted[(e.prompt_id, e.attempt)]
+            if took > 0:
+                rates.append(max(e.lengths) / took)
+    return statistics.median(rates) if rates else 0.0
 
 
 def rows_logged(run_dir: Path) -> int:

@@ -18,14 +18,16 @@ def entry(prompt: str, event: str, time: float, *, reason: str = "",
 
 
 STOPPED = [
+    # The stopped run's decode rate: the median of its groups' longest sample over their
+    # time: 6, 7 and 20 tokens a second, 7.
     entry("done", "admitted", 0.0), entry("done", "generated", 1.0, lengths=(4, 6)),
     entry("done", "trained", 2.0),
     # Queued at the stop: 10 tokens.
     entry("kept", "admitted", 0.0), entry("kept", "generated", 1.0, lengths=(3, 7)),
     # Queued at the stop and too stale after the resume: 20 tokens.
     entry("stale", "admitted", 0.0), entry("stale", "generated", 1.0, lengths=(20,)),
-    # In flight for 2 s of a generation that takes 4 s after the resume: half its 8.
-    entry("flying", "admitted", 8.0),
+    # In flight for 0.5 s (3.5 tokens a sequence) before the stop.
+    entry("flying", "admitted", 9.5),
     entry("kept", "unfinished", 10.0, reason="run_ended"),
     entry("stale", "unfinished", 10.0, reason="run_ended"),
     entry("flying", "unfinished", 10.0, reason="run_ended"),
@@ -51,11 +53,12 @@ def test_queued_groups_kept_and_in_flight_rollouts_estimated() -> None:
     assert (work["kept"].queued, work["kept"].tokens, work["kept"].regenerated) == (
         True, 10.0, False)
     assert work["stale"].too_stale and work["stale"].regenerated
-    assert not work["flying"].queued and work["flying"].tokens == pytest.approx(4.0)
+    # Its next generation's samples, 2 and 6 tokens: min(2, 3.5) + min(6, 3.5) at the stop.
+    assert not work["flying"].queued and work["flying"].tokens == pytest.approx(5.5)
     assert result.restored_untouched == 1 and result.trained_twice == []
     assert result.fraction(queued=True) == pytest.approx(20 / 30)
     assert result.fraction(queued=False) == 1.0
-    assert result.fraction() == pytest.approx(24 / 34)
+    assert result.fraction() == pytest.approx(25.5 / 35.5)
 
 
 def test_today_every_queued_group_is_generated_again() -> None:
@@ -66,6 +69,15 @@ def test_today_every_queued_group_is_generated_again() -> None:
     result = bench.figures(STOPPED + resumed)
     assert len(result.work) == 3 and result.restored_untouched == 0
     assert result.fraction() == 1.0
+
+
+def test_the_decode_rate_is_the_median_group_s_longest_sample_per_second() -> None:
+    entries = [entry("a", "admitted", 0.0), entry("a", "generated", 2.0, lengths=(3, 10)),
+               entry("b", "admitted", 1.0), entry("b", "generated", 2.0, lengths=(8,)),
+               entry("c", "admitted", 1.0), entry("c", "generated", 2.0, lengths=(1,)),
+               entry("d", "generated", 2.0, lengths=(99,))]  # admitted before: not counted
+    assert bench.decode_rate(entries) == 5.0
+    assert bench.decode_rate([]) == 0.0
 
 
 def test_a_ledger_without_a_resume_is_refused() -> None:
