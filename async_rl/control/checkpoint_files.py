@@ -1,16 +1,18 @@
 """Checkpoints: what a stopped run needs to go on, written atomically, verified on load.
 
 Owns: the ``RunState`` record (the orchestrator's side of a checkpoint: version, gate
-counters, prompt cursor, prompts to issue again, counters, file positions), the layout of
-``RUN_DIR/checkpoints/step-NNNNNN/`` (``state.json``, the trainer's ``trainer/`` folder,
-and ``manifest.json`` with a SHA-256 per file), writing one in two halves (``begin_checkpoint``:
-a temporary folder the trainer snapshots its state into; ``finish_checkpoint``, once the
-trainer's background write is complete: state, manifest, the rename into place, the
-oldest beyond ``keep`` removed), refusing a checkpoint of the other trainer backend
-(``check_backend``), and finding the newest good one (``latest_checkpoint``, a
-``Checkpoint``: its folder and state; a
-missing or mismatching file refuses that checkpoint, in one line naming the file, and the
-one before it is tried). Knows nothing about Ray or what the trainer writes into its
+counters, prompt cursor, prompts to issue again, the replay queue's groups, counters, file
+positions), the layout of ``RUN_DIR/checkpoints/step-NNNNNN/`` (``state.json``,
+``queue.msgpack`` with the queue's groups and their tokens, the trainer's ``trainer/``
+folder, and ``manifest.json`` with a SHA-256 per file), writing one in two halves
+(``begin_checkpoint``: a temporary folder the trainer snapshots its state into;
+``finish_checkpoint``, once the trainer's background write is complete: state, queue,
+manifest, the rename into place, the oldest beyond ``keep`` removed), refusing a
+checkpoint of the other trainer backend (``check_backend``), and finding the newest good
+one (``latest_checkpoint``, a ``Checkpoint``: its folder and state; a missing,
+mismatching or undecodable file refuses that checkpoint, in one line naming the file,
+and the one before it is tried; a checkpoint of the older layout, without a queue file,
+holds no queued groups). Knows nothing about Ray or what the trainer writes into its
 folder (``TrainerClient.save_checkpoint``).
 """
 
@@ -30,10 +32,13 @@ from async_rl.run.run_dir import FilePositions
 from async_rl.run.summary import EvalPoint
 from async_rl.tasks.sources import SourceState
 from buffers.common.records import Prompt
+from buffers.common.saved_groups import SavedGroup, decode_groups, encode_groups
 from buffers.queue.staleness import GateSnapshot
 
 CHECKPOINTS = "checkpoints"
 STATE = "state.json"
+QUEUE = "queue.msgpack"
+"""The replay queue's groups, tokens included (``buffers.common.saved_groups``)."""
 MANIFEST = "manifest.json"
 TRAINER = "trainer"
 """The trainer's folder in a checkpoint: a Hugging Face model (the rollout engines of a
@@ -52,7 +57,11 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     gate: GateSnapshot
     source: SourceState
     reissue: tuple[Prompt, ...]
-    """Admitted (or re-queued) and not trained: issued again, first, on resume."""
+    """Admitted (or re-queued) and not trained, nor in ``queue``: issued again, first, on
+    resume."""
+    queue: tuple[SavedGroup, ...] = ()
+    """The replay queue's groups (generated, not trained), oldest first: back in the queue
+    on resume. Kept in ``QUEUE`` beside ``STATE``, not in it."""
     counters: Counters
     evals: tuple[EvalPoint, ...]
     wall_s: float
@@ -100,7 +109,9 @@ async def finish_checkpoint(run_dir: Path, partial: Path, state: RunState,
     await trainer_written()
     root = run_dir / CHECKPOINTS
     final = root / f"step-{state.step:06d}"
-    (partial / STATE).write_bytes(msgspec.json.format(msgspec.json.encode(state)))
+    (partial / STATE).write_bytes(msgspec.json.format(msgspec.json.encode(
+        msgspec.structs.replace(state, queue=()))))
+    (partial / QUEUE).write_bytes(encode_groups(state.queue))
     manifest = {str(p.relative_to(partial)): _sha256(p) for p in _files(partial)}
     (partial / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
     shutil.rmtree(final, ignore_errors=True)  # a stale one of the same step (a resumed run)
@@ -142,9 +153,15 @@ def _check(folder: Path) -> RunState:
         if _sha256(path) != digest:
             raise CheckpointError(f"{path}: does not match its checksum (corrupt)")
     try:
-        return msgspec.json.decode((folder / STATE).read_bytes(), type=RunState)
+        state = msgspec.json.decode((folder / STATE).read_bytes(), type=RunState)
     except msgspec.DecodeError as err:
         raise CheckpointError(f"{folder / STATE}: {err}") from None
+    if not (folder / QUEUE).is_file():  # the older layout: no queued groups kept
+        return state
+    try:
+        return msgspec.structs.replace(state, queue=decode_groups((folder / QUEUE).read_bytes()))
+    except ValueError as err:
+        raise CheckpointError(f"{folder / QUEUE}: {err}") from None
 
 
 class Checkpoint(NamedTuple):
@@ -156,13 +173,16 @@ class Checkpoint(NamedTuple):
 
 
 def latest_checkpoint(run_dir: Path, warn: Callable[[str], None] = print) -> Checkpoint:
-    """The newest checkpoint that verifies; each refused one costs one ``warn`` line."""
+    """The newest checkpoint that verifies; each refused one costs one ``warn`` line.
+    With none, the error's line names the newest one's bad file."""
     folders = sorted((run_dir / CHECKPOINTS).glob("step-*"), reverse=True)
+    refusals: list[str] = []
     for folder in folders:
         try:
             return Checkpoint(folder=folder, state=_check(folder))
         except CheckpointError as err:
+            refusals.append(str(err))
             warn(f"checkpoint refused: {err}")
     raise CheckpointError(f"{run_dir}: no usable checkpoint to resume from "
-                          f"({len(folders)} refused)" if folders else
+                          f"({len(folders)} refused; newest: {refusals[0]})" if folders else
                           f"{run_dir}: no checkpoint to resume from")

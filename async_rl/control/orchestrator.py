@@ -149,7 +149,7 @@ class Orchestrator:
         # What a checkpoint gathers from all of the above.
         self.checkpoints = RunCheckpoints.from_config(
             config.run, config.trainer, out, self.gate, source, self.totals, self.prompts,
-            self.evals)
+            self.evals, self.queue, workers.tokens)
 
     @property
     def version(self) -> int:
@@ -373,7 +373,9 @@ class Orchestrator:
 
     def restore(self, state: RunState, refused: int = 0) -> None:
         """Continues from a checkpoint: its version (the workers were started from its
-        weights), counters and cursor; its unfinished prompts are issued first.
+        weights), counters and cursor; its queued groups back in the queue (those still
+        within the staleness bound are trained), its other unfinished prompts issued
+        first.
         ``refused``: newer checkpoints that did not verify (restore failures)."""
         self.policy.version = state.version
         self.first_step = state.step + 1

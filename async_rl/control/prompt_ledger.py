@@ -2,7 +2,7 @@
 
 Owns: writing each event of a prompt to ``ledger.jsonl`` (admitted, generated, trained,
 dropped or failed and re-queued with a reason, dropped for good as filtered, unfinished at
-the end) and the two sets
+the end, re-queued or restored to the queue on resume) and the two sets
 behind the run's "nothing lost, nothing trained twice": the prompts admitted and not yet
 trained (``open``) and those waiting to run again (``requeued``, handed out before new
 ones). Trained and filtered events carry the group's members' rewards only, as
@@ -118,6 +118,14 @@ class PromptLedger:
         for prompt in prompts:
             self.write(prompt, "requeued", reason="resume")
             self.requeued.append(prompt)
+
+    def restored(self, groups: Iterable[Group]) -> None:
+        """A resumed run's queued groups, back in its queue from the checkpoint: their
+        prompts are open again (event "restored", reason "resume"), and go on to be
+        trained (or dropped as stale) without being generated again."""
+        for group in groups:
+            self.write(group.prompt, "restored", reason="resume")
+            self.open[group.prompt_id] = group.prompt
 
     def close(self) -> None:
         """The run ended: what was generated or queued and never trained is unfinished."""

@@ -6,7 +6,8 @@ Owns: the orchestrator's whole view of the compute plane — a rollout worker
 for the idle accounting (``ObservedWorker``), the PPO dataflow's stages on the trainer
 shards (``RoleStagesClient``) and on the roles' own workers (``ReferenceClient``,
 ``CriticClient``; the shards take their outputs, ``RoleOutputsClient``; together
-``OwnRoles``), the bundle the shell hands over (``Workers``)
+``OwnRoles``), where groups' tokens are kept (``TokenStore``: what a checkpoint of the
+queue fetches and a resume puts back), the bundle the shell hands over (``Workers``)
 and the failures: a worker's (``RolloutFailed``, ``EvaluationFailed``) and the run's
 (``RunFailed``, ``TrainerFailed``, ``RoleFailed``). Knows nothing about Ray:
 ``async_rl.shell.ray_shell`` adapts actor handles to these protocols, and the unit tests
@@ -22,7 +23,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from buffers.common.records import Group, Prompt, ShardBatch, ShardStepResult
+from buffers.common.records import (
+    Group,
+    GroupTokens,
+    Prompt,
+    ShardBatch,
+    ShardStepResult,
+    TokensRef,
+)
 from buffers.common.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
 from workers.common.spans import Span
 
@@ -284,6 +292,20 @@ class WeightPath(Protocol):
         ...
 
 
+class TokenStore(Protocol):
+    """Where the run keeps its groups' tokens (``Group.tokens``), as a checkpoint needs
+    them: the queue's groups fetched to be written, put back when a run resumes."""
+
+    async def fetch(self, refs: Sequence[TokensRef]) -> list[GroupTokens | None]:
+        """Each reference's tokens, in order; None where they cannot be had (the rollout
+        worker that kept them is gone)."""
+        ...
+
+    def put(self, tokens: GroupTokens) -> TokensRef:
+        """A reference to ``tokens`` that the trainer shards resolve."""
+        ...
+
+
 class RunFailed(Exception):
     """The run cannot go on (every rollout worker gone, restarts used up): one line."""
 
@@ -362,3 +384,6 @@ class Workers:
     empty: GRPO's dataflow (advantages from the groups' rewards, no other role)."""
     own: OwnRoles = field(default_factory=OwnRoles)
     """The reference and the critic where they run on workers of their own."""
+    tokens: TokenStore | None = None
+    """Where the groups' tokens are kept; None: checkpoints keep no queued groups (their
+    prompts are issued again on resume)."""

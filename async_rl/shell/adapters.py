@@ -40,6 +40,7 @@ from async_rl.control.protocols import (
     Workers,
 )
 from async_rl.shell.launch import StartedWorkers
+from async_rl.shell.object_store import RayTokens
 from buffers.common.concurrent_calls import each
 from buffers.common.records import Group, Prompt, ShardBatch, ShardStepResult
 from buffers.common.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
@@ -390,4 +391,5 @@ def adapt(started: StartedWorkers, config: Config, own: OwnRoles | None = None) 
         restart_rollout=restart,
         stages=[*trainers] if config.has_reference or config.has_critic else [],
         own=own,
+        tokens=RayTokens(config.run.call_timeout_s),
     )

@@ -56,7 +56,8 @@ class LedgerEntry(msgspec.Struct, frozen=True, kw_only=True):
 
     prompt_id: str
     event: str
-    """admitted | generated | trained | dropped | requeued | failed | unfinished"""
+    """admitted | generated | trained | dropped | requeued | failed | unfinished |
+    restored (a queued group back in a resumed run's queue from its checkpoint)"""
     version: int
     """Policy version current when the event happened."""
     attempt: int = 0

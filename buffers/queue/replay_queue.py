@@ -334,6 +334,21 @@ class ReplayQueue(Generic[T]):
         self._drops.restore(snapshot.drops)
         self._staleness.restore(snapshot.staleness_taken)
 
+    def readmit(self, items: Sequence[T], entered_versions: Sequence[int | None],
+                at_version: int) -> None:
+        """Groups a checkpoint kept, back in this new queue for takes from ``at_version``
+        on (a resumed run's policy version), each with the version it first entered at
+        (None: now): those within ``max_staleness`` are queued, even beyond the bounds
+        (as ``restore``), the others dropped as stale (``on_drop``), as the first take at
+        that version would drop them. All count as this queue's puts."""
+        if self._store.groups or self._putters or self._takers:
+            raise RuntimeError("readmit() needs a new, empty queue")
+        self._sink_version = at_version
+        for item, version in zip(items, entered_versions, strict=True):
+            self._check_fits(item)
+            if not self._drop_if_stale(item):
+                self._insert(item, version)
+
     # -- internals -------------------------------------------------------------------
 
     def _check_fits(self, item: T) -> None:

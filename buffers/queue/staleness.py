@@ -52,6 +52,14 @@ class GateSnapshot(msgspec.Struct, frozen=True, kw_only=True):
     admitted_total: int
     released_total: int
 
+    def holding(self, n: int) -> GateSnapshot:
+        """These counters with ``n`` of the slots they gave back held again (groups a
+        checkpoint keeps after all: their slots are spent once they train)."""
+        if n < 0 or n > self.released_total:
+            raise ValueError(f"holding({n}) with {self.released_total} slots released")
+        return msgspec.structs.replace(self, started=self.started + n,
+                                       released_total=self.released_total - n)
+
 
 class _GateWaiter:
     __slots__ = ("event", "granted")

@@ -63,10 +63,10 @@ def check_ledger(run_dir: Path, groups_trained: int, filtered_groups: int = 0) -
             pid, evs)
         assert evs[0] == "admitted", (pid, evs)
         # Each admission ends trained, filtered, re-queued (then admitted again) or
-        # unfinished; a resume re-queues what the stop left unfinished (one ending, two
-        # events).
-        reissued = sum(1 for a, b in itertools.pairwise(evs) if (a, b) == ("unfinished",
-                                                                           "requeued"))
+        # unfinished; a resume re-queues what the stop left unfinished, or restores its
+        # queued group (one ending, two events).
+        reissued = sum(1 for a, b in itertools.pairwise(evs)
+                       if (a, b) in (("unfinished", "requeued"), ("unfinished", "restored")))
         assert evs.count("admitted") == (
             evs.count("trained") + evs.count("filtered") + evs.count("requeued")
             + evs.count("unfinished") + evs.count("given_up") - reissued

@@ -20,10 +20,9 @@ from typing import Any, NamedTuple
 
 import pytest
 from test_async_grpo import check_ledger, small_config
-from test_stop_resume import signal_after_rows, trained
+from test_stop_resume import check_restored, signal_after_rows, trained
 
-from async_rl.control.checkpoint_files import latest_checkpoint
-from async_rl.control.step_metrics import Counters
+from async_rl.control.checkpoint_files import RunState, latest_checkpoint
 from async_rl.run.run_dir import read_metrics
 from async_rl.run.summary import RunSummary
 from async_rl.shell.ray_shell import run_training
@@ -61,8 +60,8 @@ class StoppedAndResumed(NamedTuple):
     out: Path
     first: RunSummary
     second: RunSummary
-    resumed_from: Counters
-    """The counters in the checkpoint the second half resumed from."""
+    resumed_from: RunState
+    """The checkpoint the second half resumed from."""
     rows: list[dict[str, Any]]
 
 
@@ -88,8 +87,8 @@ def stopped_and_resumed(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathF
     _, resumed_from = latest_checkpoint(out)
     (tmp / "calls.txt").unlink()  # the resumed half hangs on its 7th call again
     second = run_training(config, resume=True)
-    return StoppedAndResumed(out=out, first=first, second=second,
-                             resumed_from=resumed_from.counters, rows=read_metrics(out))
+    return StoppedAndResumed(out=out, first=first, second=second, resumed_from=resumed_from,
+                             rows=read_metrics(out))
 
 
 def test_a_hanging_environment_never_wedges_a_run_across_ctrl_c_and_resume(
@@ -103,10 +102,14 @@ def test_a_hanging_environment_never_wedges_a_run_across_ctrl_c_and_resume(
     # trajectory need not be counted: with one step left, the run can end while that
     # group is still waiting out its timeout.
     assert run.second.stopped == "" and run.second.final_version == 6
-    assert run.second.failures["env_timeouts"] >= run.resumed_from.env_timeouts >= 1
+    assert run.second.failures["env_timeouts"] >= run.resumed_from.counters.env_timeouts >= 1
     counts = trained(run.out)
     assert len(counts) == 6 * 4 and set(counts.values()) == {1}
     check_ledger(run.out, 6 * 4)
+    # At max_staleness 1 the stop's queue holds groups of the next steps: kept, and
+    # trained after the resume as they were generated.
+    kept = check_restored(run.out, run.resumed_from)
+    print(f"queued groups kept by the stop: {len(kept)}")
     assert [r["step"] for r in run.rows] == list(range(1, 7))
     for row in run.rows:
         # Trained tokens (the loss's count) leave out every prompt and observation token.

@@ -6,7 +6,11 @@
   the snapshot directory it loaded.
 - Exact resume: that run (6 steps, SIGTERM after 3, at max_staleness 0 with seeded
   sampling) resumed with ``--resume`` trains the same prompts once each as 6 steps
-  straight, to final weights equal within float tolerance. SIGINT in process is the
+  straight, to final weights equal within float tolerance. The checkpoint's queued
+  groups (``check_restored``: none at max_staleness 0, where the stop waits for the last
+  version's delivery and the next step's prompts start only then; some in
+  test_environment_run.py's run at 1) are each trained once, without being generated
+  again, and no prompt is both queued and owed. SIGINT in process is the
   LoRA test's stop (and test_ppo_run's, test_environment_run's).
 - GRPO with the KL term in the loss to a reference of its own (reference.path, the
   long-tail warm start: another model of the policy's architecture and tokenizer): those
@@ -30,7 +34,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -43,7 +47,7 @@ from safetensors.torch import load_file
 
 from async_rl.config import Config
 from async_rl.config_io import decode_config, load_config, to_toml
-from async_rl.control.checkpoint_files import CHECKPOINTS, TRAINER, latest_checkpoint
+from async_rl.control.checkpoint_files import CHECKPOINTS, TRAINER, RunState, latest_checkpoint
 from async_rl.run.inputs import check_inputs
 from async_rl.run.run_dir import CONFIG, FINAL_MODEL, read_ledger, read_metrics
 from async_rl.shell.ray_shell import run_training
@@ -75,6 +79,29 @@ def trained(run_dir: Path) -> Counter[str]:
     return Counter(e.prompt_id for e in read_ledger(run_dir) if e.event == "trained")
 
 
+def check_restored(run_dir: Path, state: RunState) -> set[str]:
+    """The queued groups of the checkpoint ``state`` a resume of ``run_dir`` continued
+    from: none of them owed as well, their slots still held; after the resume each was
+    restored once and trained once, without a new ``generated`` event (unless dropped as
+    stale at the restore, then generated anew). Returns their prompts."""
+    queued = {saved.group.prompt_id for saved in state.queue}
+    assert len(queued) == len(state.queue)
+    assert not queued & {prompt.prompt_id for prompt in state.reissue}
+    assert state.gate.started == state.counters.groups_trained + len(state.queue)
+    events: dict[str, list[tuple[str, str]]] = defaultdict(list)
+    for entry in read_ledger(run_dir):
+        events[entry.prompt_id].append((entry.event, entry.reason))
+    restored = {p for p, history in events.items() if ("restored", "resume") in history}
+    assert restored == queued
+    for prompt in restored:
+        kinds = [event for event, _ in events[prompt]]
+        after = events[prompt][kinds.index("restored") + 1:]
+        assert kinds.count("restored") == 1 and kinds.count("trained") == 1, events[prompt]
+        if ("dropped", "stale") not in after:
+            assert [event for event, _ in after] == ["trained"], events[prompt]
+    return queued
+
+
 def signal_after_rows(run_dir: Path, rows: int, signum: int, pid: int) -> threading.Thread:
     """Sends ``signum`` to ``pid`` once metrics.jsonl has ``rows`` rows."""
 
@@ -100,6 +127,8 @@ class Stopped(NamedTuple):
     output: str
     summary: dict[str, Any]
     checkpoint_version: int
+    checkpoint: RunState
+    """The stop's checkpoint, read before anything resumed it."""
     checkpoints: int
     report: subprocess.CompletedProcess[str]
     left: list[dict[str, Any]]
@@ -146,7 +175,8 @@ def stopped_by_sigterm(tiny_model_dir: Path, longtail_model_dir: Path,
             break
         time.sleep(0.5)
     return Stopped(out=out, returncode=child.returncode, output=output, summary=summary,
-                   checkpoint_version=state.version, checkpoints=checkpoints, report=report,
+                   checkpoint_version=state.version, checkpoint=state,
+                   checkpoints=checkpoints, report=report,
                    left=left, rows=read_metrics(out), snapshot=snapshot)
 
 
@@ -196,9 +226,12 @@ def test_stop_and_resume_trains_what_a_straight_run_trains(
     second = run_training(every_step, resume=True)
     assert second.stopped == "" and second.final_version == second.rollout_version == STEPS
 
-    # The same prompts, each trained exactly once, and no step row twice.
+    # The same prompts, each trained exactly once, and no step row twice; the queued
+    # groups the stop kept (none at max_staleness 0) trained as they were generated.
     assert trained(straight) == trained(resumed)
     assert len(trained(resumed)) == STEPS * 4 and set(trained(resumed).values()) == {1}
+    kept = check_restored(resumed, stopped_by_sigterm.checkpoint)
+    print(f"queued groups kept by the stop: {len(kept)}")
     assert [r["step"] for r in read_metrics(resumed)] == list(range(1, STEPS + 1))
     assert all(r["kl/mean"] > 0 for r in read_metrics(resumed))  # the reference resumed
     # Equal weights: same samples (seeded per request), same updates; only float
@@ -225,6 +258,7 @@ def test_lora_stops_and_resumes_with_its_adapter_and_sends_only_adapters(
     second = run_training(config(tiny_model_dir, out, steps=steps, lora=lora), resume=True)
     assert second.stopped == "" and second.final_version == second.rollout_version == steps
     assert len(trained(out)) == steps * 4 and set(trained(out).values()) == {1}
+    check_restored(out, state)
     rows = read_metrics(out)
     assert [r["step"] for r in rows] == list(range(1, steps + 1))
 

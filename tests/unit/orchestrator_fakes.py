@@ -33,6 +33,7 @@ from async_rl.sim.clock import run_virtual, virtual_now
 from async_rl.tasks.sources import ArithmeticTask
 from buffers.common.records import (
     Group,
+    GroupTokens,
     LossStats,
     Prompt,
     Sample,
@@ -87,6 +88,22 @@ class FakeRollout:
 
     async def spans(self) -> list[Span]:
         return []
+
+
+class InProcessTokens:
+    """Tokens kept in the groups themselves (what the fakes do): a group's ``GroupTokens``
+    are its own reference; anything else (``LOST``) cannot be had."""
+
+    def __init__(self) -> None:
+        self.put_back = 0
+        """Groups whose tokens a resume put back."""
+
+    async def fetch(self, refs: Sequence[object]) -> list[GroupTokens | None]:
+        return [ref if isinstance(ref, GroupTokens) else None for ref in refs]
+
+    def put(self, tokens: GroupTokens) -> GroupTokens:
+        self.put_back += 1
+        return tokens
 
 
 class FakeTrainer:
@@ -207,14 +224,16 @@ def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer
         resume: bool = False, restart: Callable[[int], FakeRollout] | None = None,
         virtual: bool = False,
         beside: Callable[[Orchestrator], Awaitable[None]] | None = None,
-        stages: Sequence[RoleStagesClient] = (), own: OwnRoles | None = None) -> RunSummary:
+        stages: Sequence[RoleStagesClient] = (), own: OwnRoles | None = None,
+        tokens: InProcessTokens | None = None) -> RunSummary:
     """One run on fresh fakes; ``stop_after``: request a clean stop once that many
     steps have trained; ``resume``: continue the run directory's newest checkpoint;
     ``virtual``: on the simulator's virtual clock, so that the fakes' sleeps order the
     run the same way however loaded the machine is (a test that needs groups to finish
     out of order by a margin); ``beside``: runs beside the orchestrator (a signal
     arriving mid-run, say); ``stages``: the PPO dataflow's stages, one per shard;
-    ``own``: the roles on workers of their own."""
+    ``own``: the roles on workers of their own; ``tokens``: where the groups' tokens are
+    fetched from and put back (default: a new ``InProcessTokens``)."""
     task = ArithmeticTask(seed=0)
     async def restart_rollout(rank: int, model_dir: str, version: int) -> FakeRollout:
         assert restart is not None and Path(model_dir).is_dir()  # the trainer saved it
@@ -226,7 +245,8 @@ def run(cfg: Config, rollout: dict[int, FakeRollout], trainers: list[FakeTrainer
     workers = Workers(rollout=dict(rollout), trainers=list(trainers),
                       weights=weights or FakeWeights(rollout), evaluator=evaluator,
                       restart_rollout=restart_rollout if restart else None,
-                      stages=list(stages), own=own or OwnRoles())
+                      stages=list(stages), own=own or OwnRoles(),
+                      tokens=tokens or InProcessTokens())
     state = latest_checkpoint(Path(cfg.run.output_dir))[1] if resume else None
     out = RunWriter(cfg.run.output_dir, cfg, positions=state.files if state else None)
     def build() -> Orchestrator:
@@ -269,6 +289,26 @@ def ledger(path: Path) -> dict[str, list[dict[str, object]]]:
         entry = json.loads(line)
         events[str(entry["prompt_id"])].append(entry)
     return events
+
+
+def restored_and_trained(events: dict[str, list[dict[str, object]]]) -> set[str]:
+    """The prompts whose queued group a resume restored from its checkpoint; each was
+    trained once after it without a new generation (unless first dropped as stale, and
+    then generated anew)."""
+    restored = set()
+    for prompt_id, history in events.items():
+        kinds = [str(e["event"]) for e in history]
+        if "restored" not in kinds:
+            continue
+        restored.add(prompt_id)
+        after = kinds[kinds.index("restored") + 1:]
+        assert kinds.count("restored") == 1 and after.count("trained") <= 1, (prompt_id, kinds)
+        stale = [e for e in history[kinds.index("restored") + 1:]
+                 if (e["event"], e["reason"]) == ("dropped", "stale")]
+        if not stale:
+            assert "generated" not in after and after[-1:] in (["trained"], ["unfinished"]), (
+                prompt_id, kinds)
+    return restored
 
 
 def trained_once_or_unfinished(events: dict[str, list[dict[str, object]]]) -> Counter[str]:

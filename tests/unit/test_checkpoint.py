@@ -1,15 +1,22 @@
 """Checkpoints: written whole or not at all, the last K kept, a bad one refused in one line
-naming the file and the one before it used."""
+naming the file and the one before it used; the queue's groups kept in a file of their
+own, a checkpoint of the older layout (without it) still read."""
 
 from __future__ import annotations
 
+import hashlib
+import json
 from pathlib import Path
 
 import anyio
+import msgspec
 import pytest
 
 from async_rl.control.checkpoint_files import (
     CHECKPOINTS,
+    MANIFEST,
+    QUEUE,
+    STATE,
     CheckpointError,
     RunState,
     check_backend,
@@ -19,7 +26,8 @@ from async_rl.control.checkpoint_files import (
 from async_rl.control.step_metrics import StepTotals
 from async_rl.run.run_dir import FilePositions
 from async_rl.tasks.sources import SourceState
-from buffers.common.records import Prompt
+from buffers.common.records import Prompt, Sample, make_group
+from buffers.common.saved_groups import SavedGroup
 from buffers.queue.staleness import AdmissionGate
 
 
@@ -32,7 +40,17 @@ def state(step: int) -> RunState:
                     source=SourceState(fingerprint="arith", next_index=10 * step),
                     reissue=(Prompt(prompt_id="p1", text="1+1=", answer="2"),),
                     counters=totals.counters(), evals=(), wall_s=1.5 * step,
-                    files=FilePositions(metrics=step, ledger=5 * step, evals=1))
+                    files=FilePositions(metrics=step, ledger=5 * step, evals=1),
+                    queue=(queued(f"q{step}", version=step),))
+
+
+def queued(prompt_id: str, version: int) -> SavedGroup:
+    sample = Sample(token_ids=(5, 6, 7), logprobs=(-0.5, -0.25, -1.0),
+                    versions=(version,) * 3, finish_reason="stop", text="x", reward=1.0)
+    group = make_group(Prompt(prompt_id=prompt_id, text="1+1=", answer="2"), (1, 2),
+                       [sample, sample])
+    return SavedGroup(group=msgspec.structs.replace(group, tokens=None), tokens=group.tokens,
+                      entered_version=version)
 
 
 async def save_trainer(out_dir: str) -> None:
@@ -59,7 +77,12 @@ def test_the_newest_checkpoint_is_found_and_older_ones_pruned(tmp_path: Path) ->
     assert kept == ["step-000002", "step-000003"]
     folder, loaded = latest_checkpoint(tmp_path)
     assert folder.name == "step-000003"
-    assert loaded == state(3)  # every field round-trips
+    assert msgspec.structs.replace(loaded, queue=()) == msgspec.structs.replace(state(3),
+                                                                                queue=())
+    (group,) = loaded.queue  # every field round-trips, the queue's tokens included
+    assert group.group == state(3).queue[0].group and group.entered_version == 3
+    assert group.tokens is not None and group.tokens.logprobs.tolist() == [-0.5, -0.25, -1.0] * 2
+    assert json.loads((folder / STATE).read_text())["queue"] == []  # kept in QUEUE only
     assert loaded.counters.staleness == {0: 1, 1: 2}
 
 
@@ -124,3 +147,65 @@ def test_the_trainer_folder_says_which_backend_wrote_it(tmp_path: Path) -> None:
     with pytest.raises(BackendMismatch, match=r"resume with trainer\.backend = 'fsdp2'"):
         load(str(tmp_path), backend="ddp", module=model,
              optimizer=torch.optim.AdamW(model.parameters()))
+
+
+def to_older_layout(folder: Path) -> None:
+    """The checkpoint in ``folder`` as one written before the queue was kept: no queue
+    file, no queue in the state (a queue it held is lost: use it on one without)."""
+    (folder / QUEUE).unlink()
+    old = json.loads((folder / STATE).read_text())
+    del old["queue"]
+    (folder / STATE).write_text(json.dumps(old))
+    manifest = json.loads((folder / MANIFEST).read_text())
+    del manifest[QUEUE]
+    manifest[STATE] = hashlib.sha256((folder / STATE).read_bytes()).hexdigest()
+    (folder / MANIFEST).write_text(json.dumps(manifest))
+
+
+def test_a_checkpoint_of_the_older_layout_without_a_queue_file_is_read(
+    tmp_path: Path,
+) -> None:
+    """What a checkpoint written before the queue was kept looks like: no queue file,
+    no queue in the state: it holds no queued groups (their prompts are in reissue)."""
+    to_older_layout(write(tmp_path, 1))
+    _, loaded = latest_checkpoint(tmp_path)
+    assert loaded.queue == () and loaded.step == 1 and len(loaded.reissue) == 1
+
+
+@pytest.mark.parametrize("damage", ["bytes changed", "checksum matches, content does not"])
+def test_a_corrupt_queue_file_fails_the_resume_in_one_line_naming_it(
+    tmp_path: Path, damage: str
+) -> None:
+    folder = write(tmp_path, 1)
+    (folder / QUEUE).write_bytes((folder / QUEUE).read_bytes()[:-7])
+    if damage != "bytes changed":  # a writer that wrote nonsense, and hashed it
+        manifest = json.loads((folder / MANIFEST).read_text())
+        manifest[QUEUE] = hashlib.sha256((folder / QUEUE).read_bytes()).hexdigest()
+        (folder / MANIFEST).write_text(json.dumps(manifest))
+    warnings: list[str] = []
+    with pytest.raises(CheckpointError) as info:
+        latest_checkpoint(tmp_path, warn=warnings.append)
+    message = str(info.value)
+    assert "\n" not in message and f"step-000001/{QUEUE}" in message, message
+    assert len(warnings) == 1 and QUEUE in warnings[0]
+
+
+def test_resume_with_a_corrupt_queue_file_exits_2_before_anything_starts(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from async_rl.cli import main
+    from async_rl.config_io import decode_config, to_toml
+    from async_rl.run.run_dir import CONFIG
+
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / CONFIG).write_text(to_toml(decode_config({
+        "model": {"path": str(tiny_model_dir)}, "task": {"eval_size": 0},
+        "run": {"output_dir": str(out), "progress": False}})))
+    folder = write(out, 1)
+    (folder / QUEUE).write_bytes(b"\x00" + (folder / QUEUE).read_bytes()[1:])
+    before = sorted(p.name for p in out.iterdir())
+    assert main(["train", "--resume", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("resume error: ") and f"step-000001/{QUEUE}" in err[-1], err
+    assert sorted(p.name for p in out.iterdir()) == before  # no worker, no run file

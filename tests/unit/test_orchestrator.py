@@ -16,6 +16,7 @@ from orchestrator_fakes import (
     FakeTrainer,
     config,
     ledger,
+    restored_and_trained,
     run,
     trained_once_or_unfinished,
 )
@@ -164,9 +165,16 @@ def test_a_stopped_run_resumes_with_nothing_lost_or_trained_twice(tmp_path: Path
     first = run(cfg, {0: FakeRollout(0)}, [FakeTrainer(0)], stop_after=3)
     assert first.stopped == "SIGINT" and first.steps == first.final_version == 3
     assert not (tmp_path / "eval.jsonl").read_text().count('"step":6')
-    # Slots not spent on trained groups come back: the resumed gate admits the rest.
+    # Slots not spent on trained groups come back, but the queued groups' the checkpoint
+    # keeps: the resumed gate admits the rest.
     _, saved = latest_checkpoint(tmp_path)
-    assert saved.gate.started == first.groups_trained == 3 * cfg.trainer.groups_per_step
+    assert first.groups_trained == 3 * cfg.trainer.groups_per_step
+    assert saved.gate.started == first.groups_trained + len(saved.queue)
+    # At η = 2 the queue held groups of the next steps at the stop (the fakes are fast):
+    # kept with their tokens, and owed no more.
+    kept = {s.group.prompt_id for s in saved.queue}
+    assert kept and all(s.tokens is not None for s in saved.queue)
+    assert not kept & {p.prompt_id for p in saved.reissue}
 
     trainer = FakeTrainer(0)
     second = run(cfg, {0: FakeRollout(0)}, [trainer], resume=True)
@@ -178,10 +186,12 @@ def test_a_stopped_run_resumes_with_nothing_lost_or_trained_twice(tmp_path: Path
     events = ledger(tmp_path)
     counts = trained_once_or_unfinished(events)
     assert counts["trained"] == 6 * cfg.trainer.groups_per_step
-    # At η = 2 prompts were in flight at the stop: issued again, with the reason.
+    # At η = 2 prompts were in flight at the stop: issued again, with the reason; the
+    # queued ones are restored, and trained without being generated again.
     resumed = [p for p, h in events.items() if any(e["reason"] == "resume" for e in h)]
-    assert resumed
+    assert set(resumed) > kept
     assert all(events[p][-1]["event"] in ("trained", "unfinished") for p in resumed)
+    assert restored_and_trained(events) == kept
     # The staleness bound holds across the resume (versions continue from 3).
     assert len(second.staleness_histogram) <= 3
 

@@ -475,6 +475,26 @@ def test_restore_with_other_bucket_edges_restarts_the_per_bucket_counts() -> Non
     assert [(b.put_total, b.dropped) for b in stats.buckets] == [(0, 0), (0, 0)]
 
 
+def test_readmit_queues_the_admissible_and_drops_the_stale_at_the_resumed_version() -> None:
+    """A checkpoint's groups back in a new queue at version 5, max_staleness 1: those of
+    versions 4 and 5 are queued (beyond max_groups too) with their entry versions, the
+    one of version 3 is dropped as a take at 5 would, through on_drop."""
+    dropped: list[Dropped[Item]] = []
+    q = make_queue(max_groups=2, on_drop=dropped.append)
+    q.readmit([item("old", 3), item("a", 4), item("b", 5), item("c", 4)], [3, 4, 5, None],
+              at_version=5)
+    assert [(d.item.prompt_id, d.reason) for d in dropped] == [("old", "stale")]
+    stats = q.statistics()
+    assert (stats.groups, stats.put_total, stats.drops, stats.sink_version) == (
+        3, 4, {"stale": 1}, 5)
+    taken = q.take_nowait(2, at_version=5)
+    assert ids(taken) == ["a", "c"]
+    with pytest.raises(RuntimeError, match="new, empty queue"):
+        q.readmit([item("d", 5)], [5], at_version=5)
+    assert ids(q.take_nowait(1, at_version=6)) == ["b"]
+    assert make_queue().readmit([], [], at_version=0) is None  # nothing kept: a no-op
+
+
 # -- homogeneous takes ------------------------------------------------------------------
 
 
