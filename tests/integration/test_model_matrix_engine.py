@@ -323,7 +323,6 @@ def _child(out: Path, models: Path, archs: list[str]) -> None:
         destroy_distributed_environment,
         destroy_model_parallel,
     )
-
     from vllm.model_executor.models import registry
 
     # vLLM inspects each model class in a subprocess of its own, to keep CUDA out of
