@@ -34,7 +34,7 @@ import msgspec
 
 from async_rl.run.run_dir import read_metrics, read_record, read_summary
 from async_rl.run.run_record import AutopilotChange
-from bench.tuning.runs import train
+from bench.tuning.runs import add_run_options, train
 
 POOR = ("rollout.max_inflight_prompts=1", "queue.max_groups=16")
 AUTOPILOT = ("autopilot.enabled=true",)
@@ -79,9 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the grid's best point (repeat per key)")
     parser.add_argument("--steps", type=int, default=60, help="run.num_steps of every run")
     parser.add_argument("--out", default="runs/autopilot-vs-static", help="where runs go")
-    parser.add_argument("--set", action="append", default=[], dest="sets",
-                        metavar="KEY=VALUE", help="override for every run")
-    parser.add_argument("--lock", default="", help="run each run under flock FILE")
+    add_run_options(parser)
     args = parser.parse_args(argv)
     setups = {"poor+autopilot": (args.config, [*POOR, *AUTOPILOT]),
               "tuned": (args.tuned, []),

@@ -4,6 +4,7 @@ between the runs, never beside them), its wall time counting only the run."""
 
 from __future__ import annotations
 
+import argparse
 import fcntl
 import subprocess
 import sys
@@ -39,3 +40,10 @@ def train(config: str, run_dir: Path, steps: int, sets: Sequence[str], lock: str
         began = time.perf_counter()
         subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
         return time.perf_counter() - began
+
+
+def add_run_options(parser: argparse.ArgumentParser) -> None:
+    """``--set`` (``sets``: overrides of every run) and ``--lock`` (see ``machine``)."""
+    parser.add_argument("--set", action="append", default=[], dest="sets",
+                        metavar="KEY=VALUE", help="override for every run")
+    parser.add_argument("--lock", default="", help="run each run under flock FILE")

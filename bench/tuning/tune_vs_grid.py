@@ -51,7 +51,7 @@ import msgspec
 
 from async_rl.analysis.sweep import parse_grid, run_trial, trials
 from async_rl.run.run_dir import read_summary
-from bench.tuning.runs import machine, train
+from bench.tuning.runs import add_run_options, machine, train
 
 TASKS = {"default": "examples/cpu_default.toml", "longtail": "examples/cpu_longtail.toml"}
 GRID = ("rollout.max_inflight_prompts=4,16,64", "queue.max_groups=16,64",
@@ -183,9 +183,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="run.num_steps of the final's runs (the best and the tuned)")
     parser.add_argument("--budget-s", type=int, default=300, help="the tune's --budget-s")
     parser.add_argument("--out", default="runs/tune-vs-grid", help="where the runs go")
-    parser.add_argument("--set", action="append", default=[], dest="sets",
-                        metavar="KEY=VALUE", help="override for every run")
-    parser.add_argument("--lock", default="", help="run each run under flock FILE")
+    add_run_options(parser)
     parser.add_argument("--final-only", action="store_true",
                         help="only the final, of --grid-best and --tuned (one task)")
     parser.add_argument("--grid-best", action="append", default=[], metavar="KEY=VALUE",
