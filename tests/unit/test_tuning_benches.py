@@ -1,0 +1,43 @@
+"""The tuning benchmarks' arithmetic: the second half's groups/s of a run's metrics rows,
+and the final's means (no runs: rows and records written here)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from async_rl.run.run_dir import METRICS
+from bench.tuning.autopilot_vs_static import second_half
+from bench.tuning.tune_vs_grid import Final
+
+
+def _rows(run_dir: Path, rows: list[tuple[int, float]]) -> Path:
+    """Steps 1..n, each (groups, seconds) split over wait, train and sync."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / METRICS).write_text("".join(
+        json.dumps({"step": step, "groups": groups, "wait_s": seconds / 2,
+                    "train_s": seconds / 4, "sync_s": seconds / 4}) + "\n"
+        for step, (groups, seconds) in enumerate(rows, 1)))
+    return run_dir
+
+
+def test_the_second_half_is_the_steps_after_the_middle_over_their_seconds(
+        tmp_path: Path) -> None:
+    # Steps 1-2 at 1 group/s, steps 3-4 at 4 and 2 groups/s: (16 + 8) / (4 + 4) = 3.
+    run_dir = _rows(tmp_path, [(4, 4.0), (4, 4.0), (16, 4.0), (8, 4.0)])
+    assert second_half(run_dir) == pytest.approx(3.0)
+
+
+def test_one_step_is_its_own_second_half_and_no_step_is_an_error(tmp_path: Path) -> None:
+    assert second_half(_rows(tmp_path / "one", [(16, 2.0)])) == pytest.approx(8.0)
+    assert second_half(_rows(tmp_path / "zero", [(16, 0.0)])) == 0.0
+    with pytest.raises(SystemExit, match="logged no step"):
+        second_half(_rows(tmp_path / "none", []))
+
+
+def test_the_finals_means_skip_unknown_accuracies() -> None:
+    final = Final(groups_per_s=(10.0, 14.0), accuracy=(0.8, None))
+    assert final.mean_groups_per_s == 12.0 and final.mean_accuracy == 0.8
+    assert Final(groups_per_s=(1.0,), accuracy=(None,)).mean_accuracy is None
