@@ -32,6 +32,8 @@ CHECKED = 2
 """Candidates checked with a short real run (besides the config's own calibration run)."""
 CHECK_STEPS = 8
 """Steps after the fill of each short real run."""
+SEARCH_SHARE = 0.25
+"""The least share of ``--budget-s`` the simulated search gets."""
 
 
 class Tuned(msgspec.Struct, frozen=True, kw_only=True):
@@ -90,10 +92,13 @@ def _tune(config_path: str, out: str, allow: Sequence[str], sets: Sequence[str],
             config.simulate, hardware=str(calibration.hardware)))
         if calibration.run.groups_per_s is not None:
             measured[0] = calibration.run.groups_per_s
-    # The real checks take about what the calibration run took, each.
+    # The real checks take about what the calibration run took, each. The search gets
+    # at least SEARCH_SHARE of the budget even so: without it a slow calibration run
+    # (a busy machine) left no time to search, and the checks may then overrun.
     reserve = 0.0 if simulate_only else CHECKED * (clock() - began)
     result = search(on, ranges, simulated,
-                    budget_s=max(0.0, budget_s - (clock() - began) - reserve))
+                    budget_s=max(SEARCH_SHARE * budget_s,
+                                 budget_s - (clock() - began) - reserve))
     chosen = result.ranked[0] if result.ranked else None
     if not simulate_only and result.ranked:
         checks = check_runs(config_path, sets, folder, steps,

@@ -234,6 +234,37 @@ def test_the_real_path_keeps_the_fastest_measured_candidate_and_says_its_gain(
     assert "measured groups/s" in capsys.readouterr().out
 
 
+def test_a_slow_calibration_run_leaves_the_search_a_quarter_of_the_budget(
+        tiny: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A calibration run that took 40% of the budget would leave the search nothing
+    after the two checks' reserve (2 x 40%): it gets 25% instead."""
+    hardware = Path(tune_module.__file__).parents[1] / "sim" / "hardware" / "cpu.toml"
+    now = [0.0]
+    given: list[float] = []
+
+    def calibration_run(path: str, sets: object, folder: Path, steps: int) -> Calibration:
+        now[0] += 40.0
+        run = Measurement(run_dir=folder / "calibration", groups_per_s=1.0, seconds=40.0)
+        return Calibration(run=run, hardware=hardware, description="fitted")
+
+    def search_spy(config: object, ranges: object, evaluate: object, *,
+                   budget_s: float) -> None:
+        given.append(budget_s)
+        raise Stop
+
+    monkeypatch.setattr(tune_module, "calibration_run", calibration_run)
+    monkeypatch.setattr(tune_module, "search", search_spy)
+    with pytest.raises(Stop):
+        tune_module.tune(str(tiny), out=str(tmp_path / "tuned.toml"), budget_s=100,
+                         allow=["rollout.max_inflight_prompts=1..16"],
+                         console=Console(width=200), clock=lambda: now[0])
+    assert given == [25.0]
+
+
+class Stop(Exception):
+    """The search's stand-in ends the tune once it has seen its budget."""
+
+
 def test_changes_that_buy_nothing_are_left_out_of_the_ranking(tiny: Path) -> None:
     config = load_config(tiny)
     _, evaluate = fake(peak=16)  # queue.max_groups changes nothing
