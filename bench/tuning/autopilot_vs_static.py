@@ -2,7 +2,7 @@
 
 Four setups of ``--config`` (the long-tail job by default), each run ``--steps`` steps
 (the config's own 60 by default), each twice in the order A B C D D C B A (the machine's
-drift cancels):
+drift cancels; ``--once``: A B C D):
 
 - A ``poor+autopilot``: ``rollout.max_inflight_prompts = 1``, ``queue.max_groups = 16``
   (the smallest a 16-group step allows), ``autopilot.enabled = true``;
@@ -79,13 +79,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="the grid's best point (repeat per key)")
     parser.add_argument("--steps", type=int, default=60, help="run.num_steps of every run")
     parser.add_argument("--out", default="runs/autopilot-vs-static", help="where runs go")
+    parser.add_argument("--once", action="store_true", help="each setup once: A B C D")
     add_run_options(parser)
     args = parser.parse_args(argv)
     setups = {"poor+autopilot": (args.config, [*POOR, *AUTOPILOT]),
               "tuned": (args.tuned, []),
               "tuned+autopilot": (args.tuned, list(AUTOPILOT)),
               "grid best": (args.config, list(args.best))}
-    order = [*setups, *reversed(setups)]
+    order = list(setups) if args.once else [*setups, *reversed(setups)]
     runs: dict[str, list[Measured]] = {name: [] for name in setups}
     for index, name in enumerate(order):
         config, sets = setups[name]
