@@ -190,7 +190,11 @@ class Gateway:
             turn = turn_request(body, self.limits.vocab_size)
             prompt = self._render(messages_of(body)) if chat else prompt_of(body)
             async with session.lock:
-                session = self._session(request)  # still open, with a turn left
+                session = self._session(request)  # still open
+                try:
+                    session.check_turn()
+                except SessionError as err:
+                    raise ApiError(err.status, err.message, code=err.code) from None
                 result = await self._turn(session, prompt, turn, chat=chat)
         except ApiError as err:
             if session is not None:

@@ -108,6 +108,13 @@ class Session:
     def last(self) -> Segment | None:
         return self.segments[-1] if self.segments else None
 
+    def check_turn(self) -> None:
+        """``SessionError`` 409 once the session has used its turns (task.max_turns)."""
+        if self.turns >= self.max_turns:
+            raise SessionError(409, "max_turns_reached", f"this session has used its "
+                                                         f"{self.max_turns} turns "
+                                                         f"(task.max_turns)")
+
     def record(self, prompt_ids: Sequence[int], prompt_text: str, token_ids: Sequence[int],
                logprobs: Sequence[float], versions: Sequence[int], text: str,
                finish_reason: str) -> Segment:
@@ -175,18 +182,14 @@ class SessionTable:
         return session
 
     def get(self, token: str) -> Session:
-        """The open session behind ``token`` with a turn left; ``SessionError`` otherwise
-        (never another session's data)."""
+        """The open session behind ``token``; ``SessionError`` otherwise (never another
+        session's data)."""
         session = self._open.get(token)
         if session is None:
             if token in self._finished:
                 raise SessionError(409, "session_finished",
                                    "this session's trajectory has ended")
             raise SessionError(401, "invalid_api_key", "unknown session")
-        if session.turns >= session.max_turns:
-            raise SessionError(409, "max_turns_reached",
-                               f"this session has used its {session.max_turns} turns "
-                               f"(task.max_turns)")
         return session
 
     def close(self, token: str) -> Session:
