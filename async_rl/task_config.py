@@ -170,6 +170,10 @@ class AgentTaskConfig(TaskSection, frozen=True, kw_only=True, tag="agent"):
     task.environment.on_timeout applies (counted, env_timeouts)."""
     max_turns: Positive = 16
     """Requests one trajectory may make; past them the gateway answers 409."""
+    eval_path: str = ""
+    """Held-out rows (same format) whose first task.eval_size are the evaluation
+    prompts, each played once by the agent with greedy requests; "": the first
+    task.eval_size rows of task.path (trained on too)."""
 
     def __post_init__(self) -> None:
         super().__post_init__()

@@ -135,7 +135,8 @@ def _check_dataset(task: DatasetTaskConfig) -> tuple[str, ...]:
 
 def _agent(task: AgentTaskConfig, model_path: str, max_new_tokens: int) -> Task:
     source = AgentRowSource(task.path, seed=task.seed)
-    return Task(source, _agent_scores, source.eval_prompts(task.eval_size))
+    held = AgentRowSource(task.eval_path, shuffle=False) if task.eval_path else source
+    return Task(source, _agent_scores, held.eval_prompts(task.eval_size))
 
 
 def _agent_scores(prompt: Prompt, completion_text: str) -> float:
@@ -144,12 +145,14 @@ def _agent_scores(prompt: Prompt, completion_text: str) -> float:
 
 
 def _check_agent(task: AgentTaskConfig) -> tuple[str, ...]:
-    if not Path(task.path).is_file():
-        raise ConfigError(f"config error: task.path = {task.path!r}: file not found")
-    try:
-        read_agent_rows(task.path)
-    except PromptFileError as err:
-        raise ConfigError(f"prompt file error: {err}") from None
+    for key, path in (("path", task.path), ("eval_path", task.eval_path)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"config error: task.{key} = {path!r}: file not found")
+        try:
+            if path:
+                read_agent_rows(path)
+        except PromptFileError as err:
+            raise ConfigError(f"prompt file error: {err}") from None
     agent_function(task.agent)  # ConfigError naming task.agent
     return DEFAULT_COLUMNS
 

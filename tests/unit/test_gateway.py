@@ -152,6 +152,7 @@ def test_stop_strings_are_cut_from_the_text_and_kept_in_the_context() -> None:
         out = await api.completions.create(model=MODEL, prompt="1+2=", stop=["</call>"],
                                            max_tokens=100, logprobs=0)
         assert out.choices[0].text == "<call>1+2" and out.choices[0].finish_reason == "stop"
+        assert out.choices[0].stop_reason == "</call>"  # type: ignore[attr-defined]
         assert out.choices[0].logprobs is not None
         assert out.choices[0].logprobs.token_logprobs == [-0.25] * 16
         # The agent writes the call back with its stop string, then the tool's result.

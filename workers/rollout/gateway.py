@@ -279,4 +279,5 @@ class Gateway:
                        finish)
         tokens = tuple(str(decode([t])) for t in kept) if request.logprobs else ()
         return TurnResult(text=text, finish_reason=finish, prompt_ids=tuple(ids),
-                          token_ids=tuple(kept), logprobs=cut.logprobs, tokens=tokens)
+                          token_ids=tuple(kept), logprobs=cut.logprobs, tokens=tokens,
+                          stop_reason=cut.stop or None)

@@ -176,6 +176,8 @@ class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
     logprobs: tuple[float, ...]
     tokens: tuple[str, ...] = ()
     """Each token's text (for the logprobs block)."""
+    stop_reason: str | None = None
+    """The stop string the turn ended at (vLLM's ``stop_reason``); None otherwise."""
 
 
 def _usage(turn: TurnResult) -> dict[str, int]:
@@ -198,7 +200,8 @@ def completion_body(turn: TurnResult, request: TurnRequest, model: str) -> dict[
         logprobs = {"tokens": list(turn.tokens), "token_logprobs": list(turn.logprobs),
                     "top_logprobs": None, "text_offset": None}
     choice = {"index": 0, "text": turn.text, "logprobs": logprobs,
-              "finish_reason": turn.finish_reason, **_extras(turn, request)}
+              "finish_reason": turn.finish_reason, "stop_reason": turn.stop_reason,
+              **_extras(turn, request)}
     return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice],
             "usage": _usage(turn)}
@@ -212,7 +215,7 @@ def chat_body(turn: TurnResult, request: TurnRequest, model: str) -> dict[str, A
                                 for t, p in zip(turn.tokens, turn.logprobs, strict=True)]}
     choice = {"index": 0, "message": {"role": "assistant", "content": turn.text},
               "logprobs": logprobs, "finish_reason": turn.finish_reason,
-              **_extras(turn, request)}
+              "stop_reason": turn.stop_reason, **_extras(turn, request)}
     return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
             "created": int(time.time()), "model": model, "choices": [choice],
             "usage": _usage(turn)}
