@@ -145,8 +145,7 @@ def play(solves: list[Any], on_error: str = "exclude") -> tuple[Any, list[str]]:
             await late.close()
             return make_group(prompt, prompt_ids, samples), sorted(runner.outcomes.elements())
         finally:
-            runner.close()
-            await gateway.close()
+            await runner.close()
 
     return asyncio.run(main())
 

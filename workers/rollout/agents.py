@@ -36,7 +36,7 @@ from buffers.common.records import NO_VERSION, Prompt, Sample
 from workers.common.errors import first_line
 from workers.common.loop_thread import LoopThread
 from workers.common.user_code import import_object
-from workers.rollout.gateway import Gateway
+from workers.rollout.gateway import Gateway, GatewayLimits, Generate
 from workers.rollout.sessions import Segment
 
 log = logging.getLogger("async_rl.agents")
@@ -167,9 +167,10 @@ class AgentRunner:
         self._failures = 0
         self.outcomes: Counter[str] = Counter()
 
-    def close(self) -> None:
-        """Stops the agents' loop (calls still running are cancelled)."""
+    async def close(self) -> None:
+        """Stops the agents' loop (calls still running are cancelled) and the gateway."""
         self._loop.close()
+        await self.gateway.close()
 
     async def group(self, prompt: Prompt, size: int, seeds: Sequence[int] = (),
                     greedy: bool = False) -> tuple[list[int], list[Sample], int]:
@@ -221,3 +222,21 @@ class AgentRunner:
         more = " (further ones are logged at DEBUG)" if self._failures == _LOGGED else ""
         log.log(level, "agent %s: a trajectory %s; it ends (on_%s = %r)%s",
                 self.config.agent, why, outcome, policy, more)
+
+
+async def serve_agents(config: AgentConfig, *, engine: Any, rollout: Any, tokenizer: Any,
+                       params: dict[str, Any], generate: Generate, model_name: str
+                       ) -> AgentRunner:
+    """The gateway in front of ``engine`` (vLLM's, on the running loop), started, and the
+    runner of the agents that use it. ``rollout``: the rollout section (its token
+    budget, and the in-flight bound: max_inflight_prompts x group_size requests)."""
+    model = engine.model_config
+    gateway = Gateway(
+        model_name=model_name, tokenizer=tokenizer, params=params, generate=generate,
+        limits=GatewayLimits(max_new_tokens=rollout.max_new_tokens,
+                             max_context=model.max_model_len,
+                             max_trajectory_tokens=config.max_trajectory_tokens,
+                             max_concurrency=rollout.max_inflight_prompts * rollout.group_size,
+                             vocab_size=model.get_vocab_size()))
+    await gateway.start()
+    return AgentRunner(config, gateway, tokenizer)

@@ -31,7 +31,7 @@ from workers.common.errors import RolloutWorkerError
 from workers.common.spans import UNRESOLVED, Span, SpanRecorder
 from workers.common.usage import UsageMeter, cuda_uuid
 from workers.rollout.adapter_serving import serve_policy_adapter
-from workers.rollout.agents import AgentRunner
+from workers.rollout.agents import AgentRunner, serve_agents
 from workers.rollout.engine import (
     build_engine,
     engine_request,
@@ -39,7 +39,6 @@ from workers.rollout.engine import (
     token_logprobs,
     versions_from_spans,
 )
-from workers.rollout.gateway import Gateway, GatewayLimits
 from workers.rollout.idle_spin import IdleSpin
 from workers.rollout.prompts import render
 from workers.rollout.scoring import Scorer
@@ -96,8 +95,7 @@ class RolloutWorker:
         self._turns: TurnRunner | None = None  # from start(), with an environment
         self._agent = task.agent
         self._model_name = task.model_name or spec.model.path
-        self._gateway: Gateway | None = None  # from start(), with an agent task
-        self._agents: AgentRunner | None = None
+        self._agents: AgentRunner | None = None  # from start(), with an agent task
         self._usage = UsageMeter()
         self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
         self._failed: str | None = None
@@ -143,8 +141,15 @@ class RolloutWorker:
         if self._environment is not None:
             self._turns = TurnRunner(self._environment, self._tokenizer, self._format,
                                      cfg.max_new_tokens, self._make_environment)
-        if self._agent is not None:
-            await self._start_gateway()
+        if self._agent is not None:  # the gateway on this engine, and the agents' loop
+
+            async def generate(ids: list[int], params: SamplingParams, greedy: bool
+                               ) -> Sample:
+                return (await self._stream(ids, params, evaluation=greedy))[1]
+
+            self._agents = await serve_agents(
+                self._agent, engine=self._engine, rollout=cfg, tokenizer=self._tokenizer,
+                params=self._params, generate=generate, model_name=self._model_name)
         # Warm-up: the CPU build's first steps at each new batch shape are many times
         # slower than later ones (a run's first 16 groups took 2.1 s to generate cold
         # against 0.18 s warm), which would otherwise land in the first training step as
@@ -158,28 +163,9 @@ class RolloutWorker:
         self._engine_start_s = time.perf_counter() - began
         return os.getpid()
 
-    async def _start_gateway(self) -> None:
-        """The OpenAI-compatible gateway on this engine, and the agents that use it."""
-        assert self._agent is not None
-        engine, cfg = self._ready(), self._rollout
-
-        async def generate(ids: list[int], params: SamplingParams, greedy: bool) -> Sample:
-            return (await self._stream(ids, params, evaluation=greedy))[1]
-
-        self._gateway = Gateway(
-            model_name=self._model_name, tokenizer=self._tokenizer, params=self._params,
-            generate=generate, limits=GatewayLimits(
-                max_new_tokens=cfg.max_new_tokens,
-                max_context=engine.model_config.max_model_len,
-                max_trajectory_tokens=self._agent.max_trajectory_tokens,
-                max_concurrency=cfg.max_inflight_prompts * cfg.group_size,
-                vocab_size=engine.model_config.get_vocab_size()))
-        await self._gateway.start()
-        self._agents = AgentRunner(self._agent, self._gateway, self._tokenizer)
-
     async def gateway_address(self) -> str:
         """The gateway's base URL (``http://127.0.0.1:PORT/v1``); "" without one."""
-        return self._gateway.base_url if self._gateway is not None else ""
+        return self._agents.gateway.base_url if self._agents is not None else ""
 
     async def shutdown(self) -> None:
         """Stops the engine and its processes; the worker cannot generate afterwards."""
@@ -190,9 +176,7 @@ class RolloutWorker:
         if self._turns is not None:
             self._turns.close()
         if self._agents is not None:
-            self._agents.close()
-        if self._gateway is not None:
-            await self._gateway.close()
+            await self._agents.close()
         if engine is not None:
             engine.shutdown()
         if self._adapter_dir:
