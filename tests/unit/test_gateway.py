@@ -241,3 +241,31 @@ def test_requests_on_the_engine_are_bounded() -> None:
         assert len(engine.requests) == 6 and engine.most == 2
 
     serve(engine, test, concurrency=2)
+
+
+def test_an_engine_error_is_an_openai_error_and_the_next_request_is_served() -> None:
+    engine = FakeEngine([text_ids("x")])
+    failures = iter([ValueError("token id out of range"), RuntimeError("engine died")])
+    generate = engine.generate
+
+    async def flaky(ids: list[int], params: Params, greedy: bool) -> Sample:
+        failure = next(failures, None)
+        if failure is not None:
+            raise failure
+        return await generate(ids, params, greedy)
+
+    engine.generate = flaky  # type: ignore[method-assign]
+
+    async def test(gateway: Gateway) -> None:
+        session = gateway.table.open(max_turns=4)
+        api = client(gateway, session.token)
+        with pytest.raises(openai.BadRequestError):
+            await api.completions.create(model=MODEL, prompt="a")
+        with pytest.raises(openai.InternalServerError) as failed:
+            await api.completions.create(model=MODEL, prompt="a")
+        assert failed.value.status_code == 503
+        out = await api.completions.create(model=MODEL, prompt="a")
+        await api.close()
+        assert out.choices[0].text == "x" and session.turns == 1 and session.refused == 2
+
+    serve(engine, test)

@@ -31,6 +31,7 @@ from typing import Any
 import msgspec
 
 from buffers.common.records import Sample
+from workers.common.errors import first_line
 from workers.rollout.openai_format import (
     ApiError,
     TurnRequest,
@@ -256,8 +257,15 @@ class Gateway:
             params.seed = seed
         if request.allowed_token_ids is not None:
             params.allowed_token_ids = list(request.allowed_token_ids)
-        async with self._slots:
-            out = await self._generate(ids, params, session.greedy)
+        try:
+            async with self._slots:
+                out = await self._generate(ids, params, session.greedy)
+        except ValueError as err:  # vLLM refused the request's parameters
+            raise ApiError(400, f"the engine refused the request: {first_line(err)}",
+                           code="invalid_request") from None
+        except Exception as err:  # the engine failed: the worker reports it on its own
+            raise ApiError(503, f"the engine failed: {first_line(err)}",
+                           code="engine_unavailable") from None
         if session.state != OPEN:
             raise ApiError(409, "this session's trajectory ended during the request",
                            code="session_finished")
