@@ -49,7 +49,7 @@ def test_an_agent_trains_on_exact_tokens_through_faults(
         "model.path": str(calculator_model_dir), "run.output_dir": str(out),
         "run.num_steps": STEPS, "run.progress": False, "run.eval_every": 0,
         "task.eval_size": 0, "task.eval_path": "", "task.path": str(rows),
-        "task.agent": f"{AGENT}:solve", "task.agent_timeout_s": 2.0,
+        "task.agent": f"{AGENT}:solve", "task.agent_timeout_s": 5.0,
         "trainer.groups_per_step": GROUPS, "rollout.group_size": SIZE,
         "rollout.max_inflight_prompts": 4})
 
