@@ -33,6 +33,15 @@ from async_rl.tasks.calculator import (
 
 MAX_TOOL_CALLS = 3
 TURN_TOKENS = 32
+_MODELS: dict[str, str] = {}
+
+
+async def served_model(client: openai.AsyncOpenAI) -> str:
+    """The model the gateway serves (the run's), asked once per gateway."""
+    url = str(client.base_url)
+    if url not in _MODELS:
+        _MODELS[url] = (await client.models.list()).data[0].id
+    return _MODELS[url]
 
 
 def tool(expression: str) -> str:
@@ -45,7 +54,7 @@ def tool(expression: str) -> str:
 
 async def play(client: openai.AsyncOpenAI, prompt: str) -> str:
     """One trajectory: the completion after ``prompt`` (turns, tool results, answer)."""
-    model = (await client.models.list()).data[0].id  # the run's model, as served
+    model = await served_model(client)
     text = prompt
     for _ in range(MAX_TOOL_CALLS + 1):
         out = await client.completions.create(model=model, prompt=text,

@@ -21,6 +21,7 @@ about HTTP (``workers.rollout.gateway``) or engines.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import logging
 import math
@@ -101,6 +102,23 @@ def reward_of(value: Any) -> float:
     return float(reward)
 
 
+def shared_http_client() -> Any:
+    """The HTTP client every session's ``AsyncOpenAI`` shares: one pool of keep-alive
+    connections to the gateway (a client of its own per trajectory costs a new pool, and
+    an SSL context, each time). A session's ``client.close()`` leaves it open for the
+    others; ``close_for_good`` closes it."""
+    import openai
+
+    class Shared(openai.DefaultAsyncHttpxClient):
+        async def aclose(self) -> None:
+            return None
+
+        async def close_for_good(self) -> None:
+            await super().aclose()
+
+    return Shared()
+
+
 def _common_prefix(prompts: Sequence[Sequence[int]]) -> list[int]:
     if not prompts:
         return []
@@ -166,9 +184,14 @@ class AgentRunner:
         self._loop = LoopThread("async-rl-agents")
         self._failures = 0
         self.outcomes: Counter[str] = Counter()
+        self._http: Any = None  # one connection pool for every session's client
 
     async def close(self) -> None:
         """Stops the agents' loop (calls still running are cancelled) and the gateway."""
+        http, self._http = self._http, None
+        if http is not None:
+            with contextlib.suppress(Exception):
+                await self._loop.run(http.close_for_good(), 5.0)
         self._loop.close()
         await self.gateway.close()
 
@@ -199,12 +222,12 @@ class AgentRunner:
         async def call() -> Any:
             import openai
 
+            if self._http is None:  # made on the agents' loop, which alone uses it
+                self._http = shared_http_client()
             client = openai.AsyncOpenAI(base_url=self.gateway.base_url, api_key=token,
-                                        max_retries=0, timeout=cfg.agent_timeout_s)
-            try:
-                return await self._solve(client, dict(row))
-            finally:
-                await client.close()
+                                        max_retries=0, timeout=cfg.agent_timeout_s,
+                                        http_client=self._http)
+            return await self._solve(client, dict(row))
 
         try:
             return DONE, reward_of(await self._loop.run(call(), cfg.agent_timeout_s))
