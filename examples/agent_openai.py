@@ -52,8 +52,9 @@ def tool(expression: str) -> str:
         return ERROR_RESULT
 
 
-async def play(client: openai.AsyncOpenAI, prompt: str) -> str:
-    """One trajectory: the completion after ``prompt`` (turns, tool results, answer)."""
+async def play(client: openai.AsyncOpenAI, prompt: str, tool_latency_s: float = 0.0) -> str:
+    """One trajectory: the completion after ``prompt`` (turns, tool results, answer);
+    each tool call takes ``tool_latency_s`` (a remote sandbox's, emulated)."""
     model = await served_model(client)
     text = prompt
     for _ in range(MAX_TOOL_CALLS + 1):
@@ -65,13 +66,15 @@ async def play(client: openai.AsyncOpenAI, prompt: str) -> str:
             break  # the model answered (or ran out of tokens): no tool call
         # The stop string is not in the returned text: write it back, then the result.
         expression = text[text.rfind(CALL_OPEN) + len(CALL_OPEN):]
+        await asyncio.sleep(tool_latency_s)
         text += f"{CALL_CLOSE}{RESULT_OPEN}{tool(expression)}{RESULT_CLOSE}"
     return text[len(prompt):]
 
 
 async def solve(client: openai.AsyncOpenAI, row: dict[str, Any]) -> float:
-    """The calculator's reward: 1 when the final answer is the row's."""
-    completion = await play(client, row["prompt"])
+    """The calculator's reward: 1 when the final answer is the row's. A row may carry
+    ``tool_latency_ms``: each tool call then takes that long (bench/gateway.py)."""
+    completion = await play(client, row["prompt"], row.get("tool_latency_ms", 0) / 1000)
     return 1.0 if final_answer(completion) == str(row["answer"]) else 0.0
 
 
