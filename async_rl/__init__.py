@@ -13,7 +13,8 @@ The Python API (``async_rl.api``)::
 callable its weight, metric name or style; ``Config``, ``ConfigError`` and
 ``RunSummary`` are what they take, raise and return; ``EnvStep`` is what a multi-turn
 environment's ``step`` returns, and ``Environment`` the protocol it implements
-(docs/environments.md). Each is imported on first use:
+(docs/environments.md); ``AgentResult`` is what an agent's ``solve`` may return
+(docs/agents.md). Each is imported on first use:
 ``import async_rl`` loads none of Ray, torch or vLLM.
 """
 
@@ -28,16 +29,17 @@ if TYPE_CHECKING:
     from async_rl.run.summary import RunSummary
     from buffers.common.config import ConfigError
     from workers.rewards.callables import Reward
+    from workers.rollout.agents import AgentResult
     from workers.rollout.environment import Environment, EnvStep
 
 __version__ = "0.1.0"
-__all__ = ["Config", "ConfigError", "EnvStep", "Environment", "Reward", "RunSummary",
+__all__ = ["AgentResult", "Config", "ConfigError", "EnvStep", "Environment", "Reward", "RunSummary",
            "load_config", "train"]
 
 _HOMES = {"load_config": "async_rl.api", "train": "async_rl.api", "Config": "async_rl.config",
           "ConfigError": "buffers.common.config", "Reward": "workers.rewards.callables",
           "EnvStep": "workers.rollout.environment", "Environment": "workers.rollout.environment",
-          "RunSummary": "async_rl.run.summary"}
+          "RunSummary": "async_rl.run.summary", "AgentResult": "workers.rollout.agents"}
 
 
 def __getattr__(name: str) -> Any:

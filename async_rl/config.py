@@ -215,11 +215,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                           f"must be >= weights.sync_every - 1 ({self.weights.sync_every - 1})"
                           ": rollout runs weights that many versions old")
         env = self.task.environment
-        if env.enabled and self.run.eval_on == "idle_cpu":
+        turns = env.enabled or self.task.kind == "agent"  # multi-turn trajectories
+        if turns and self.run.eval_on == "idle_cpu":
             raise invalid("run.eval_on", self.run.eval_on,
                           'the idle-CPU evaluator generates single-turn: use "rollout" '
-                          "with task.environment")
-        if env.enabled and env.max_trajectory_tokens > self.trainer.micro_batch_tokens:
+                          "with task.environment or an agent task")
+        if turns and env.max_trajectory_tokens > self.trainer.micro_batch_tokens:
             raise invalid("task.environment.max_trajectory_tokens", env.max_trajectory_tokens,
                           f"must be <= trainer.micro_batch_tokens "
                           f"({self.trainer.micro_batch_tokens}): a trajectory is one "

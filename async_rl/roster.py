@@ -224,7 +224,9 @@ class _Workers:
 
 def registry_table(identities: list[WorkerIdentity]) -> str:
     """The registry as a small fixed-width table, for the shell to print."""
-    rows = [("worker", "node", "devices", "pid")]
-    rows += [(w.name, w.node or "-", w.device_label, str(w.pid or "-")) for w in identities]
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    gateway = any(w.address for w in identities)  # an agent task's: one column more
+    rows = [("worker", "node", "devices", "pid", *(("gateway",) if gateway else ()))]
+    rows += [(w.name, w.node or "-", w.device_label, str(w.pid or "-"),
+              *((w.address,) if gateway else ())) for w in identities]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)

@@ -1,7 +1,7 @@
 """The ``[task]`` section: a tagged union of one section per task.kind.
 
 Owns: ``TaskSection`` (the keys every kind shares), one section per kind (``arithmetic``,
-``longtail``, ``calculator``, ``jsonl``, ``dataset``), ``TaskConfig`` (their union, tag
+``longtail``, ``calculator``, ``jsonl``, ``dataset``, ``agent``), ``TaskConfig`` (their union, tag
 ``kind``, so a key of another kind's is refused by its type), ``TASK_SECTIONS`` and
 ``task_config`` for Python callers. The root ``async_rl.config.Config`` holds it; what
 each kind builds is ``async_rl.tasks.table``'s.
@@ -153,8 +153,45 @@ class DatasetTaskConfig(TaskSection, frozen=True, kw_only=True, tag="dataset"):
                           "or score with task.rewards")
 
 
+class AgentTaskConfig(TaskSection, frozen=True, kw_only=True, tag="agent"):
+    """task.kind = "agent": your own agent code plays each trajectory through the run's
+    OpenAI-compatible gateway (see docs/agents.md); task.environment's on_timeout,
+    on_error and max_trajectory_tokens apply to it."""
+
+    path: str = ""
+    """A JSONL file of rows (JSON objects), one trajectory group per row; each row goes
+    to the agent as it is (required)."""
+    agent: str = ""
+    """The agent: "my_agent.py:solve" or "package.module:solve", an ``async def
+    solve(client: openai.AsyncOpenAI, row: dict) -> float | async_rl.AgentResult``
+    (required)."""
+    agent_timeout_s: PositiveFloat = 300.0
+    """A trajectory's whole life (every call of solve); past it the trajectory ends and
+    task.environment.on_timeout applies (counted, env_timeouts)."""
+    max_turns: Positive = 16
+    """Requests one trajectory may make; past them the gateway answers 409."""
+    eval_path: str = ""
+    """Held-out rows (same format) whose first task.eval_size are the evaluation
+    prompts, each played once by the agent with greedy requests; "": the first
+    task.eval_size rows of task.path (trained on too)."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not self.path:
+            raise invalid("task.path", self.path, 'required when task.kind = "agent"')
+        if not self.agent:
+            raise invalid("task.agent", self.agent, 'required when task.kind = "agent"')
+        if self.rewards:
+            raise invalid("task.rewards", "[...]", "an agent's solve returns the reward: "
+                          'no task.rewards with task.kind = "agent"')
+        if self.environment.enabled:
+            raise invalid("task.environment.class", self.environment.class_,
+                          'an agent plays no environment: with task.kind = "agent" only '
+                          "on_timeout, on_error and max_trajectory_tokens apply")
+
+
 TaskConfig = (ArithmeticTaskConfig | LongtailTaskConfig | CalculatorTaskConfig
-              | JsonlTaskConfig | DatasetTaskConfig)
+              | JsonlTaskConfig | DatasetTaskConfig | AgentTaskConfig)
 """The ``[task]`` section: one of the per-kind sections, picked by its ``kind`` key
 (``arithmetic`` when the table has none)."""
 

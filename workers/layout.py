@@ -32,6 +32,9 @@ class WorkerIdentity(msgspec.Struct, frozen=True, kw_only=True):
     devices: tuple[int, ...] = ()
     """CPU core ids (device_kind cpu) or GPU ordinals (cuda) this worker owns."""
     pid: int = 0
+    address: str = ""
+    """A rollout worker's gateway (an agent task's OpenAI-compatible endpoint); "" for
+    none."""
 
     @property
     def name(self) -> str:

@@ -55,6 +55,7 @@ class Counters(msgspec.Struct, frozen=True, kw_only=True):
     readmissions_exhausted: int = 0
     reward_pool_saturated: int = 0
     failed_restarts: int = 0
+    gateway_refused: int = 0
 
 
 class StepTotals:
@@ -95,6 +96,8 @@ class StepTotals:
         """Prompts dropped for good after run.max_readmissions re-admissions."""
         self.reward_pool_saturated = 0
         """Of reward_timeouts, scores refused at once: every reward thread was stuck."""
+        self.gateway_refused = 0
+        """Requests of agent sessions the gateway refused (4xx)."""
         self.failed_restarts = 0
         """Of restarts, replacements that did not start or join in time (or were
         cancelled at the run's end)."""
@@ -114,6 +117,7 @@ class StepTotals:
         self.reward_pool_saturated += group.reward_pool_saturated
         self.env_timeouts += group.env_timeouts
         self.env_errors += group.env_errors
+        self.gateway_refused += group.gateway_refused
         self.excluded_members.update(why for why in group.excluded if why)
         self.groups_generated += 1
         self.generated_by_bucket[bucket_index(self.bucket_edges, group.num_tokens)] += 1
@@ -147,7 +151,7 @@ class StepTotals:
             too_few_members=self.too_few_members,
             readmissions_exhausted=self.readmissions_exhausted,
             reward_pool_saturated=self.reward_pool_saturated,
-            failed_restarts=self.failed_restarts)
+            failed_restarts=self.failed_restarts, gateway_refused=self.gateway_refused)
 
     def restore(self, counters: Counters) -> None:
         for name in Counters.__struct_fields__:
@@ -186,6 +190,7 @@ class StepTotals:
             "reward_timeouts": self.reward_timeouts,
             "env_timeouts": self.env_timeouts,
             "env_errors": self.env_errors,
+            "gateway_refused": self.gateway_refused,
             "stale_drops": self.dropped_stale,
             # Samples that were no group member, by reason (env_too_long, reward_failed...).
             **{f"excluded_{why}": n for why, n in sorted(self.excluded_members.items())},

@@ -99,7 +99,9 @@ class RunSummary(msgspec.Struct, frozen=True, kw_only=True):
     start or join in time), rollout_errors, timeouts, restore_failures,
     nonfinite_steps, lost_steps, reward_errors, reward_timeouts, env_timeouts (multi-turn
     trajectories ended by an environment call past task.environment.turn_timeout_s),
-    env_errors (ended by an environment that raised), stale_drops,
+    env_errors (ended by an environment that raised; an agent's timeouts and errors
+    count here too), gateway_refused (requests of agent sessions the gateway refused),
+    stale_drops,
     reward_pool_saturated (of reward_timeouts, the scores refused at once because every
     reward thread was stuck in an earlier call: task.reward_threads)."""
     max_staleness: int

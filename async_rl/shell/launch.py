@@ -157,6 +157,14 @@ async def launch_workers(config: Config, plan: Roster, task: WorkerTask,
         entry.name: entry.identity(node=placed.nodes[entry.name][1],
                                    node_id=placed.nodes[entry.name][0], pid=pid)
         for entry, pid in zip(plan.entries, pids, strict=True) if entry.bundle is not None})
+    if task.agent is not None:  # each rollout engine's gateway, in the registry printout
+        rollout = [(e, h) for e, h in zip(plan.entries, handles, strict=True)
+                   if e.role == "rollout"]
+        addresses = await each([h.gateway_address.remote for _, h in rollout])
+        names = {e.name: a for (e, _), a in zip(rollout, addresses, strict=True)}
+        started.identities = [
+            msgspec.structs.replace(w, address=names[w.name])
+            if w.role == "rollout" and w.name in names else w for w in started.identities]
     if plan.start.resumed:  # the shards' (and own critics') optimizer, RNG and critic state
         await each([functools.partial(t.load_training_state.remote, plan.start.policy_path)
                     for t in [*started.trainers, *started.critics]])

@@ -164,7 +164,8 @@ def new_job(config: Config, rewards: Sequence[Reward], start: Start | None = Non
     ConfigError)."""
     task = build_task(config)
     return Job(config=config, plan=roster(config, start), task=task,
-               workers_task=worker_task(config.task, task, rewards), state=state,
+               workers_task=worker_task(config.task, task, rewards,
+                                         model_name=config.model.path), state=state,
                refused=refused)
 
 

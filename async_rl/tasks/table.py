@@ -20,12 +20,14 @@ from typing import Any, NamedTuple
 
 from async_rl.config import Config
 from async_rl.task_config import (
+    AgentTaskConfig,
     CalculatorTaskConfig,
     DatasetTaskConfig,
     JsonlTaskConfig,
     TaskConfig,
     TaskSection,
 )
+from async_rl.tasks.agent_rows import AgentRowSource, read_agent_rows
 from async_rl.tasks.calculator import (
     BUILT_IN_ENV,
     CalculatorTask,
@@ -44,10 +46,12 @@ from async_rl.tasks.sources import (
 )
 from buffers.common.config import ConfigError
 from buffers.common.records import Prompt
+from workers.common.user_code import absolute_target
 from workers.rewards.callables import Reward
 from workers.rewards.function import RewardFn
 from workers.rewards.runner import UserRewards
 from workers.rewards.spec import DEFAULT_COLUMNS, absolute_spec
+from workers.rollout.agents import AgentConfig, agent_function
 from workers.rollout.prompts import PromptFormat
 from workers.rollout.task import WorkerTask, named_environment
 
@@ -129,6 +133,30 @@ def _check_dataset(task: DatasetTaskConfig) -> tuple[str, ...]:
     return rows.reward_columns
 
 
+def _agent(task: AgentTaskConfig, model_path: str, max_new_tokens: int) -> Task:
+    source = AgentRowSource(task.path, seed=task.seed)
+    held = AgentRowSource(task.eval_path, shuffle=False) if task.eval_path else source
+    return Task(source, _agent_scores, held.eval_prompts(task.eval_size))
+
+
+def _agent_scores(prompt: Prompt, completion_text: str) -> float:
+    # Never called: an agent's solve returns its trajectory's reward.
+    raise RuntimeError("an agent task's rewards come from its solve")
+
+
+def _check_agent(task: AgentTaskConfig) -> tuple[str, ...]:
+    for key, path in (("path", task.path), ("eval_path", task.eval_path)):
+        if path and not Path(path).is_file():
+            raise ConfigError(f"config error: task.{key} = {path!r}: file not found")
+        try:
+            if path:
+                read_agent_rows(path)
+        except PromptFileError as err:
+            raise ConfigError(f"prompt file error: {err}") from None
+    agent_function(task.agent)  # ConfigError naming task.agent
+    return DEFAULT_COLUMNS
+
+
 def _answer_length(prompt: Prompt) -> int:
     return len(prompt.answer) + 1
 
@@ -143,6 +171,7 @@ TASKS: dict[str, TaskKind] = {
     "calculator": TaskKind(build=_calculator, own_environment=_calculator_environment),
     "jsonl": TaskKind(build=_jsonl, check=_check_jsonl),
     "dataset": TaskKind(build=_dataset, check=_check_dataset),
+    "agent": TaskKind(build=_agent, check=_check_agent),
 }
 """Every task.kind (the keys of ``async_rl.task_config.TASK_SECTIONS``) and its row."""
 
@@ -167,9 +196,11 @@ def reference_length(task: TaskConfig) -> Callable[[Prompt], int] | None:
     return TASKS[task.kind].reference_length
 
 
-def worker_task(task: TaskConfig, built: Task, rewards: Sequence[Reward] = ()) -> WorkerTask:
+def worker_task(task: TaskConfig, built: Task, rewards: Sequence[Reward] = (),
+                model_name: str = "") -> WorkerTask:
     """What the workers get of ``task`` built as ``built``; ``rewards``: a script's reward
-    callables, besides task.rewards."""
+    callables, besides task.rewards; ``model_name``: the name an agent task's gateway
+    serves the policy under (model.path as the config gives it)."""
     columns = (built.source.columns if isinstance(built.source, DatasetPromptSource)
                else DEFAULT_COLUMNS)
     user = None
@@ -186,4 +217,13 @@ def worker_task(task: TaskConfig, built: Task, rewards: Sequence[Reward] = ()) -
                                    system_prompt=task.system_prompt),
         environment=env.absolute() if env.enabled else None,
         own_environment=functools.partial(own, task) if own is not None
-        else named_environment)
+        else named_environment,
+        agent=_agent_config(task) if isinstance(task, AgentTaskConfig) else None,
+        model_name=model_name)
+
+
+def _agent_config(task: AgentTaskConfig) -> AgentConfig:
+    env = task.environment
+    return AgentConfig(agent=absolute_target(task.agent), agent_timeout_s=task.agent_timeout_s,
+                       max_turns=task.max_turns, max_trajectory_tokens=env.max_trajectory_tokens,
+                       on_timeout=env.on_timeout, on_error=env.on_error)

@@ -90,6 +90,11 @@ class Sample(msgspec.Struct, frozen=True, kw_only=True):
     """A multi-turn trajectory as its parts: each policy turn's text (role "assistant")
     and each observation (role "tool"), in order, as TRL-style rewards get it; empty for
     a single-turn sample."""
+    trajectory: int = -1
+    """Which trajectory of its group this sample is a segment of, when a trajectory can
+    give several training sequences (an agent that rewrote its history: each segment
+    is one sample, all with the trajectory's reward and advantage); -1: the sample is a
+    trajectory of its own."""
 
     @property
     def min_version(self) -> int:
@@ -187,6 +192,9 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     task.environment.turn_timeout_s."""
     env_errors: int = 0
     """Multi-turn trajectories ended by an environment that raised."""
+    gateway_refused: int = 0
+    """Requests of the group's agent sessions that the gateway refused (bad JSON, an
+    unknown model, an over-long prompt, a turn past task.max_turns...)."""
     excluded: tuple[str, ...] = ()
     """Per sample: why it is not a member of the group ("" = it is; empty: every sample
     is). An excluded sample is no zero-reward member: it leaves the advantages, the
@@ -194,6 +202,10 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
     longest_turns: tuple[int, ...] = ()
     """Per sample: policy tokens of its longest turn, what rollout.max_new_tokens caps
     (empty: single-turn samples, each one turn of ``completion_lengths``)."""
+    trajectories: tuple[int, ...] = ()
+    """Per sample: the trajectory it is a segment of (``Sample.trajectory``); empty:
+    every sample is a trajectory of its own. Advantages and the member rule count
+    trajectories, not samples."""
     min_version: int
     """Oldest policy version of any token in the group (staleness is measured from it)."""
     max_version: int
@@ -228,6 +240,13 @@ class Group(msgspec.Struct, frozen=True, kw_only=True):
         return tuple(k for k, why in enumerate(self.excluded) if not why)
 
     @property
+    def member_trajectories(self) -> int:
+        """How many trajectories have a member sample (segments of one count once)."""
+        if not self.trajectories:
+            return len(self.members)
+        return len({self.trajectories[k] for k in self.members})
+
+    @property
     def member_rewards(self) -> tuple[float, ...]:
         """The members' rewards, in order (the excluded samples' left out)."""
         return tuple(self.rewards[k] for k in self.members)
@@ -249,6 +268,7 @@ def make_group(
     reward_timeouts: int = 0,
     reward_pool_saturated: int = 0,
     reward_scores: Mapping[str, tuple[float | None, ...]] | None = None,
+    gateway_refused: int = 0,
 ) -> Group:
     """A Group holding its own ``GroupTokens`` (the rollout actor swaps in a reference),
     with its version range, lengths and token count derived from the samples
@@ -291,10 +311,13 @@ def make_group(
         max_version=max((high for _, high in versions), default=NO_VERSION),
         env_timeouts=sum(s.env_outcome == "timeout" for s in samples),
         env_errors=sum(s.env_outcome == "error" for s in samples),
+        gateway_refused=gateway_refused,
         excluded=excluded if any(excluded) else (),
         longest_turns=(tuple(len(s.token_ids) if s.longest_turn < 0 else s.longest_turn
                              for s in samples)
                        if any(s.longest_turn >= 0 for s in samples) else ()),
+        trajectories=(tuple(s.trajectory for s in samples)
+                      if any(s.trajectory >= 0 for s in samples) else ()),
         num_tokens=sum(lengths) + len(prompt_token_ids) * len(samples),
         rollout_rank=rollout_rank,
         finished_at=finished_at,

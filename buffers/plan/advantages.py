@@ -1,7 +1,8 @@
 """GRPO's group-normalised advantages, computed from a group's rewards (metadata only),
 and DAPO's soft over-long penalty that may shape those rewards first.
 
-Owns: ``group_advantages`` and its scaling choices (``AdvantageStd``,
+Owns: ``group_advantages`` (and ``trajectory_advantages``: one per trajectory of
+several segments) and its scaling choices (``AdvantageStd``,
 ``trainer.advantage_std``), the one test of whether a group's rewards carry any GRPO
 signal (``has_signal``: rollout.filter_groups drops the groups without), and
 ``overlong_penalty`` (trainer.overlong = "penalty"). Knows nothing about tokens,
@@ -48,6 +49,24 @@ def group_advantages(rewards: Sequence[float], std: AdvantageStd = "sample",
     squares = sum(d * d for d in deviations)
     spread = math.sqrt(squares / (n - 1 if std == "sample" else n))
     return [d / (spread + eps) for d in deviations]
+
+
+def trajectory_advantages(rewards: Sequence[float], trajectories: Sequence[int],
+                          std: AdvantageStd = "sample", eps: float = SIGNAL_EPS) -> list[float]:
+    """Per sample, its trajectory's advantage: ``group_advantages`` over one reward per
+    trajectory (its first sample's), so a trajectory of several segments counts once.
+    ``trajectories``: each sample's trajectory; empty: every sample is one."""
+    if not trajectories:
+        return group_advantages(rewards, std, eps)
+    if len(trajectories) != len(rewards):
+        raise ValueError(f"{len(rewards)} rewards came with {len(trajectories)} "
+                         f"trajectory indices")
+    first: dict[int, int] = {}
+    for i, t in enumerate(trajectories):
+        first.setdefault(t, i)
+    advantage = dict(zip(first, group_advantages([rewards[i] for i in first.values()],
+                                                 std, eps), strict=True))
+    return [advantage[t] for t in trajectories]
 
 
 def overlong_penalty(length: int, max_tokens: int, buffer: int) -> float:

@@ -7,7 +7,8 @@ with trainer.overlong = "penalty", on each member's longest policy turn, what
 rollout.max_new_tokens caps; the group filter of rollout.filter_groups judges the same
 ones), which members are trained (``trained_sample``: trainer.overlong = "mask" leaves
 out those with a turn cut at max_new_tokens), giving every member its group-normalised
-advantage, cutting the step into
+advantage (a trajectory of several segments, an agent's, counts once: each of its
+segments gets its advantage), cutting the step into
 ``trainer.mini_batches`` mini-batches of whole groups (one optimizer update each), and
 laying the samples out as the balancing plan says, as slots (group, sample, advantage,
 training reward: a critic's GAE starts from it)
@@ -27,7 +28,7 @@ import msgspec
 import numpy as np
 
 from buffers.common.records import REWARD_FAILED, Group, SequenceSlot, ShardBatch
-from buffers.plan.advantages import AdvantageStd, group_advantages, overlong_penalty
+from buffers.plan.advantages import AdvantageStd, overlong_penalty, trajectory_advantages
 from buffers.plan.balance import StepPlan, plan_step
 
 
@@ -104,8 +105,10 @@ def shard_batches(
         (g, k, advantage, reward, group.sequence_lengths[k])
         for g, group in enumerate(groups)
         for k, advantage, reward, trained in zip(
-            group.members, group_advantages(rewards[g], trainer.advantage_std), rewards[g],
-            losses[g], strict=True)
+            group.members, trajectory_advantages(
+                rewards[g], [group.trajectories[k] for k in group.members]
+                if group.trajectories else (), trainer.advantage_std),
+            rewards[g], losses[g], strict=True)
         if trained
     ]
     # Mini-batches: consecutive runs of whole groups, one optimizer update each.

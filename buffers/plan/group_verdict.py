@@ -66,7 +66,7 @@ def group_verdict(group: Group, rules: GroupRules) -> GroupVerdict:
         return GroupVerdict(group=group, requeue=ENV_TIMEOUT)
     if group.env_errors and rules.requeue_env_errors:
         return GroupVerdict(group=group, requeue=ENV_ERROR)
-    if len(group.members) < 2:
+    if group.member_trajectories < 2:
         return GroupVerdict(group=group, requeue=TOO_FEW_MEMBERS)
     if not rules.filter_groups:
         return GroupVerdict(group=group)

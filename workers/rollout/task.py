@@ -14,6 +14,7 @@ from typing import Any
 
 from workers.rewards.function import RewardFn
 from workers.rewards.runner import UserRewards
+from workers.rollout.agents import AgentConfig
 from workers.rollout.environment import EnvironmentConfig
 from workers.rollout.prompts import PromptFormat
 
@@ -42,3 +43,8 @@ class WorkerTask:
     """rank -> how that rollout worker builds each trajectory's environment when the
     task has its own (a built-in task's environments, made with its knobs); None: the
     class ``environment`` names, called bare."""
+    agent: AgentConfig | None = None
+    """task.kind = "agent": every sample (and greedy evaluation) is a trajectory the
+    agent plays through the worker's gateway (``workers.rollout.agents``)."""
+    model_name: str = ""
+    """The name the gateway serves the policy under (model.path as configured)."""

@@ -31,6 +31,7 @@ from workers.common.errors import RolloutWorkerError
 from workers.common.spans import UNRESOLVED, Span, SpanRecorder
 from workers.common.usage import UsageMeter, cuda_uuid
 from workers.rollout.adapter_serving import serve_policy_adapter
+from workers.rollout.agents import AgentRunner, serve_agents
 from workers.rollout.engine import (
     build_engine,
     engine_request,
@@ -92,6 +93,9 @@ class RolloutWorker:
         self._environment = environment if environment and environment.enabled else None
         self._make_environment = task.own_environment(rank)
         self._turns: TurnRunner | None = None  # from start(), with an environment
+        self._agent = task.agent
+        self._model_name = task.model_name or spec.model.path
+        self._agents: AgentRunner | None = None  # from start(), with an agent task
         self._usage = UsageMeter()
         self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
         self._failed: str | None = None
@@ -137,6 +141,15 @@ class RolloutWorker:
         if self._environment is not None:
             self._turns = TurnRunner(self._environment, self._tokenizer, self._format,
                                      cfg.max_new_tokens, self._make_environment)
+        if self._agent is not None:  # the gateway on this engine, and the agents' loop
+
+            async def generate(ids: list[int], params: SamplingParams, greedy: bool
+                               ) -> Sample:
+                return (await self._stream(ids, params, evaluation=greedy))[1]
+
+            self._agents = await serve_agents(
+                self._agent, engine=self._engine, rollout=cfg, tokenizer=self._tokenizer,
+                params=self._params, generate=generate, model_name=self._model_name)
         # Warm-up: the CPU build's first steps at each new batch shape are many times
         # slower than later ones (a run's first 16 groups took 2.1 s to generate cold
         # against 0.18 s warm), which would otherwise land in the first training step as
@@ -150,6 +163,10 @@ class RolloutWorker:
         self._engine_start_s = time.perf_counter() - began
         return os.getpid()
 
+    async def gateway_address(self) -> str:
+        """The gateway's base URL (``http://127.0.0.1:PORT/v1``); "" without one."""
+        return self._agents.gateway.base_url if self._agents is not None else ""
+
     async def shutdown(self) -> None:
         """Stops the engine and its processes; the worker cannot generate afterwards."""
         engine, self._engine = self._engine, None
@@ -158,6 +175,8 @@ class RolloutWorker:
         self._scorer.close()
         if self._turns is not None:
             self._turns.close()
+        if self._agents is not None:
+            await self._agents.close()
         if engine is not None:
             engine.shutdown()
         if self._adapter_dir:
@@ -292,7 +311,12 @@ class RolloutWorker:
         """
         size, seed = self._rollout.group_size, self._rollout.sampling_seed
         seeds = [request_seed(seed, prompt, k) for k in range(size)] if seed >= 0 else []
-        if self._turns is not None:  # multi-turn: an environment answers every turn
+        refused = 0
+        if self._agents is not None:  # the agent plays each trajectory via the gateway
+            prompt_ids, played, refused = await self._agents.group(prompt, size, seeds)
+            self._ready()  # a failed weight load aborted the requests: their output is void
+            scored = await self._scorer.score_trajectories(prompt, played)
+        elif self._turns is not None:  # multi-turn: an environment answers every turn
             prompt_ids, played = await self._play(prompt, size, "sample", seeds)
             scored = await self._scorer.score_trajectories(prompt, played)
         else:
@@ -308,12 +332,18 @@ class RolloutWorker:
                           rollout_rank=self._rank, finished_at=time.time(),
                           reward_failures=scored.errors, reward_timeouts=scored.timeouts,
                           reward_pool_saturated=scored.saturated,
-                          reward_scores=scored.scores)
+                          reward_scores=scored.scores, gateway_refused=refused)
 
     async def generate_greedy(self, prompts: Sequence[Prompt]) -> list[Sample]:
         """One greedy (temperature 0) completion per prompt, stopping at EOS, scored as
         evaluations are (``Scorer.score_greedy``); with an environment, one greedy
-        trajectory each."""
+        trajectory each (an agent task: one greedy session each, its first sample)."""
+        if self._agents is not None:
+            agents = self._agents
+            sessions = await asyncio.gather(*(agents.group(p, 1, greedy=True)
+                                              for p in prompts))
+            self._ready()
+            return [samples[0] for _, samples, _ in sessions]
         if self._turns is not None:
             played = await asyncio.gather(*(self._play(p, 1, "greedy") for p in prompts))
             return [(await self._scorer.score_trajectories(p, s, greedy=True)).samples[0]

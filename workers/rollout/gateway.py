@@ -1,0 +1,291 @@
+"""The gateway: an OpenAI-compatible HTTP endpoint in front of one rollout engine.
+
+Owns: ``Gateway`` (``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``
+served by uvicorn on the rollout worker's own event loop, beside its engine, bound to
+127.0.0.1 on a free port), how a request becomes a turn of its session
+(``workers.rollout.sessions``: the session is the request's API key; its prompt
+continues the session's last segment as exact token ids, or starts a new one) and how
+that turn is generated: the run's sampling parameters (temperature, top_p: the behaviour
+policy's) with the request's max_tokens (at most rollout.max_new_tokens and the room
+left under task.environment.max_trajectory_tokens), stop strings, seed and vLLM's
+allowed_token_ids; at most ``max_concurrency`` requests on the engine at once. Every
+refusal is an OpenAI-format error (``workers.rollout.openai_format``) and counted; the
+engine keeps serving.
+
+One gateway per engine, not per node: a session's turns then always reach the engine
+whose prefix cache holds its context, and the engine's event loop runs the handlers
+with no hop between processes. Knows nothing about agents, rewards or groups
+(``workers.rollout.agents`` opens and closes the sessions).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import socket
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterator
+from typing import Any
+
+import msgspec
+
+from buffers.common.records import Sample
+from workers.common.errors import first_line
+from workers.rollout.openai_format import (
+    ApiError,
+    TurnRequest,
+    TurnResult,
+    chat_body,
+    check_model,
+    completion_body,
+    messages_of,
+    models_body,
+    parse_body,
+    prompt_of,
+    turn_request,
+)
+from workers.rollout.sessions import OPEN, Session, SessionError, SessionTable, extend
+from workers.rollout.stop_strings import cut_at_stop
+
+log = logging.getLogger("async_rl.gateway")
+
+Generate = Callable[[list[int], Any, bool], Awaitable[Sample]]
+"""Runs one engine request (prompt ids, sampling parameters, greedy) and returns its
+unscored sample with per-token logprobs and versions: the rollout worker's."""
+_SEED_RANGE = 2**63
+
+
+class GatewayLimits(msgspec.Struct, frozen=True, kw_only=True):
+    """The bounds a turn is generated within."""
+
+    max_new_tokens: int
+    """rollout.max_new_tokens: a turn's budget at most."""
+    max_context: int
+    """The engine's context length (prompt plus completion)."""
+    max_trajectory_tokens: int
+    """task.environment.max_trajectory_tokens: one segment (a training sequence)."""
+    max_concurrency: int
+    """Requests on the engine at once (rollout.max_inflight_prompts x
+    rollout.group_size: what a built-in task's groups hold)."""
+    vocab_size: int
+
+
+class _Server:
+    """uvicorn's server, without its signal handlers (the worker's process owns those)."""
+
+    @staticmethod
+    def make(app: Any) -> Any:
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(self) -> Iterator[None]:
+                yield
+
+        return Server(uvicorn.Config(app, log_level="warning", access_log=False,
+                                     lifespan="off"))
+
+
+class Gateway:
+    """See the module docstring. Built and started on the engine's event loop."""
+
+    def __init__(self, *, model_name: str, tokenizer: Any, params: dict[str, Any],
+                 generate: Generate, limits: GatewayLimits,
+                 table: SessionTable | None = None) -> None:
+        self.model_name = model_name
+        self.table = table if table is not None else SessionTable()
+        self.limits = limits
+        self.refused: Counter[str] = Counter()
+        """Refused requests by error code."""
+        self.served = 0
+        self._tokenizer, self._params, self._generate = tokenizer, params, generate
+        self._slots = asyncio.Semaphore(limits.max_concurrency)
+        self._server: Any = None
+        self._task: asyncio.Task[None] | None = None
+        self.base_url = ""
+        """``http://host:port/v1`` once started."""
+
+    # ---- serving ----------------------------------------------------------------------
+
+    def app(self) -> Any:
+        """The ASGI application (Starlette)."""
+        from starlette.applications import Starlette
+        from starlette.routing import Route
+
+        async def not_found(request: Any, exc: Any) -> Any:
+            status = getattr(exc, "status_code", 404)
+            return self._error(ApiError(status, f"no route {request.method} "
+                                                f"{request.url.path}", code="not_found"))
+
+        return Starlette(routes=[
+            Route("/v1/completions", self._completions, methods=["POST"]),
+            Route("/v1/chat/completions", self._chat, methods=["POST"]),
+            Route("/v1/models", self._models, methods=["GET"]),
+        ], exception_handlers={404: not_found, 405: not_found})
+
+    async def start(self, host: str = "127.0.0.1") -> str:
+        """Serves on ``host`` at a free port, on the running loop; returns the base URL."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, 0))
+        port = sock.getsockname()[1]
+        self._server = _Server.make(self.app())
+        self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()  # raises why it could not start
+            await asyncio.sleep(0.01)
+        self.base_url = f"http://{host}:{port}/v1"
+        log.info("gateway serving %s at %s", self.model_name, self.base_url)
+        return self.base_url
+
+    async def close(self) -> None:
+        """Stops serving (requests under way are cut)."""
+        if self._server is None or self._task is None:
+            return
+        self._server.should_exit = True
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(self._task, 5.0)
+        self._server = self._task = None
+
+    # ---- the routes ---------------------------------------------------------------------
+
+    def _error(self, err: ApiError) -> Any:
+        from starlette.responses import JSONResponse
+
+        self.refused[err.code or str(err.status)] += 1
+        return JSONResponse(err.body(), status_code=err.status)
+
+    def _session(self, request: Any) -> Session:
+        header = request.headers.get("authorization", "")
+        token = header.removeprefix("Bearer ").strip()
+        try:
+            return self.table.get(token)
+        except SessionError as err:
+            raise ApiError(err.status, err.message, code=err.code) from None
+
+    async def _models(self, request: Any) -> Any:
+        from starlette.responses import JSONResponse
+
+        try:
+            self._session(request)
+        except ApiError as err:
+            return self._error(err)
+        return JSONResponse(models_body([self.model_name]))
+
+    async def _completions(self, request: Any) -> Any:
+        return await self._serve(request, chat=False)
+
+    async def _chat(self, request: Any) -> Any:
+        return await self._serve(request, chat=True)
+
+    async def _serve(self, request: Any, *, chat: bool) -> Any:
+        from starlette.responses import JSONResponse
+
+        session: Session | None = None
+        try:
+            session = self._session(request)
+            body = parse_body(await request.body())
+            check_model(body, self.model_name)
+            turn = turn_request(body, self.limits.vocab_size)
+            prompt = self._render(messages_of(body)) if chat else prompt_of(body)
+            async with session.lock:
+                session = self._session(request)  # still open
+                try:
+                    session.check_turn()
+                except SessionError as err:
+                    raise ApiError(err.status, err.message, code=err.code) from None
+                result = await self._turn(session, prompt, turn, chat=chat)
+        except ApiError as err:
+            if session is not None:
+                session.refused += 1
+            return self._error(err)
+        self.served += 1
+        make = chat_body if chat else completion_body
+        return JSONResponse(make(result, turn, self.model_name))
+
+    # ---- one turn -------------------------------------------------------------------------
+
+    def _render(self, messages: list[dict[str, str]]) -> str:
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise ApiError(400, "the model's tokenizer has no chat template: use "
+                                "/v1/completions", code="no_chat_template")
+        try:
+            return str(self._tokenizer.apply_chat_template(
+                messages, add_generation_prompt=True, tokenize=False))
+        except Exception as err:
+            raise ApiError(400, f"the chat template refused the messages: {err}",
+                           param="messages", code="invalid_value") from None
+
+    def _encode(self, text: str, *, special: bool) -> list[int]:
+        return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=special)]
+
+    def _prompt_ids(self, session: Session, prompt: str | list[int], *, chat: bool
+                    ) -> tuple[list[int], str]:
+        """The prompt's ids (the session's last segment continued exactly, or the whole
+        prompt tokenized) and its text."""
+        if isinstance(prompt, list):
+            return prompt, str(self._tokenizer.decode(prompt, skip_special_tokens=True))
+        ids = extend(session.last, prompt, lambda rest: self._encode(rest, special=False))
+        # A completion's text is tokenized as the engine would (special tokens added);
+        # a rendered chat template already holds its own.
+        return (ids if ids is not None else self._encode(prompt, special=not chat)), prompt
+
+    async def _turn(self, session: Session, prompt: str | list[int], request: TurnRequest,
+                    *, chat: bool) -> TurnResult:
+        ids, prompt_text = self._prompt_ids(session, prompt, chat=chat)
+        limit = min(self.limits.max_context, self.limits.max_trajectory_tokens)
+        room = limit - len(ids)
+        if room <= 0:
+            raise ApiError(400, f"the prompt has {len(ids)} tokens: no room for a "
+                                f"completion within {limit} (the engine's context, and "
+                                f"task.environment.max_trajectory_tokens)",
+                           param="messages" if chat else "prompt",
+                           code="context_length_exceeded")
+        params = self._params["greedy" if session.greedy else "sample"].clone()
+        params.max_tokens = min(request.max_tokens or self.limits.max_new_tokens,
+                                self.limits.max_new_tokens, room)
+        if request.stop:
+            # vLLM matches stop strings on the detokenised text (see cut_at_stop).
+            params.stop, params.detokenize = list(request.stop), True
+            params.include_stop_str_in_output = True
+        seed = request.seed
+        if seed is None and session.seed is not None:
+            seed = (session.seed + session.turns) % _SEED_RANGE
+        if seed is not None:
+            params.seed = seed
+        if request.allowed_token_ids is not None:
+            params.allowed_token_ids = list(request.allowed_token_ids)
+        try:
+            async with self._slots:
+                out = await self._generate(ids, params, session.greedy)
+        except ValueError as err:  # vLLM refused the request's parameters
+            raise ApiError(400, f"the engine refused the request: {first_line(err)}",
+                           code="invalid_request") from None
+        except Exception as err:  # the engine failed: the worker reports it on its own
+            raise ApiError(503, f"the engine failed: {first_line(err)}",
+                           code="engine_unavailable") from None
+        if session.state != OPEN:
+            raise ApiError(409, "this session's trajectory ended during the request",
+                           code="session_finished")
+        if out.finish_reason == "abort":
+            raise ApiError(503, "the engine aborted the request (a failed weight update)",
+                           code="engine_unavailable")
+        cut = cut_at_stop(out.token_ids, out.logprobs, out.versions, self._tokenizer,
+                          request.stop)
+        kept = list(cut.token_ids)
+        decode = self._tokenizer.decode
+        # The text the next prompt must start with to continue the segment: the
+        # completion as the agent writes it back (a chat template writes the EOS token).
+        context_text = str(decode(kept, skip_special_tokens=not chat))
+        text = cut.text
+        if cut.stop and not request.include_stop_str_in_output:
+            text = text[:-len(cut.stop)]
+        finish = "stop" if cut.stop else out.finish_reason
+        session.record(ids, prompt_text, kept, cut.logprobs, cut.versions, context_text,
+                       finish)
+        tokens = tuple(str(decode([t])) for t in kept) if request.logprobs else ()
+        return TurnResult(text=text, finish_reason=finish, prompt_ids=tuple(ids),
+                          token_ids=tuple(kept), logprobs=cut.logprobs, tokens=tokens,
+                          stop_reason=cut.stop or None)
