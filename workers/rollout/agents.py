@@ -21,7 +21,6 @@ about HTTP (``workers.rollout.gateway``) or engines.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import inspect
 import logging
 import math
@@ -106,15 +105,12 @@ def shared_http_client() -> Any:
     """The HTTP client every session's ``AsyncOpenAI`` shares: one pool of keep-alive
     connections to the gateway (a client of its own per trajectory costs a new pool, and
     an SSL context, each time). A session's ``client.close()`` leaves it open for the
-    others; ``close_for_good`` closes it."""
+    others; it goes with the agents' loop."""
     import openai
 
     class Shared(openai.DefaultAsyncHttpxClient):
         async def aclose(self) -> None:
             return None
-
-        async def close_for_good(self) -> None:
-            await super().aclose()
 
     return Shared()
 
@@ -188,11 +184,10 @@ class AgentRunner:
 
     async def close(self) -> None:
         """Stops the agents' loop (calls still running are cancelled) and the gateway."""
-        http, self._http = self._http, None
-        if http is not None:
-            with contextlib.suppress(Exception):
-                await self._loop.run(http.close_for_good(), 5.0)
+        # The agents still running are cancelled with their loop first: closing the
+        # shared connection pool under them would fail them with connection errors.
         self._loop.close()
+        self._http = None  # its connections go with the loop
         await self.gateway.close()
 
     async def group(self, prompt: Prompt, size: int, seeds: Sequence[int] = (),
