@@ -46,6 +46,8 @@ def _encode(value: Any) -> Any:
     if isinstance(value, np.ndarray):
         array = np.ascontiguousarray(value, dtype=value.dtype.newbyteorder("<"))
         return msgspec.msgpack.Ext(_ARRAY, array.dtype.str.encode() + b"\0" + array.tobytes())
+    # msgspec's hook protocol: NotImplementedError says "not a type this hook knows", and
+    # the encoder turns it into its own error naming the value.
     raise NotImplementedError(f"cannot save a {type(value).__name__}")
 
 
@@ -66,7 +68,7 @@ def _decode(kind: type, value: Any) -> Any:
         if value.dtype != np.dtype(wanted):
             raise ValueError(f"a {value.dtype} array where {np.dtype(wanted)} belongs")
         return value
-    raise NotImplementedError(f"cannot load a {kind}")
+    raise NotImplementedError(f"cannot load a {kind}")  # msgspec's hook protocol, as above
 
 
 _ENCODER = msgspec.msgpack.Encoder(enc_hook=_encode)
