@@ -22,8 +22,9 @@ from __future__ import annotations
 import msgspec
 import ray
 
-from buffers.common.records import Group, GroupTokens, Prompt, ShardBatch, ShardStepResult
+from buffers.common.records import Group, GroupTokens, Prompt
 from buffers.common.reports import CriticStepResult
+from buffers.common.train_records import ShardBatch, ShardStepResult
 from workers.rollout.worker import RolloutWorker
 from workers.trainer.ppo_stages import Tensors
 from workers.trainer.role_workers import CriticWorker, ReferenceWorker

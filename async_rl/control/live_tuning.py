@@ -34,7 +34,8 @@ from async_rl.control.autopilot import (
 )
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.run.run_dir import RunWriter
-from buffers.common.records import Group, ShardStepResult
+from buffers.common.records import Group
+from buffers.common.train_records import ShardStepResult
 from buffers.queue.replay_queue import ReplayQueue
 from buffers.queue.staleness import AdmissionGate
 from workers.trainer.config import TrainerConfig

@@ -15,8 +15,8 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
-from buffers.common.records import LossStats, ShardStepResult
 from buffers.common.reports import CriticStepResult
+from buffers.common.train_records import LossStats, ShardStepResult
 
 
 def merge_stats(parts: Sequence[LossStats]) -> LossStats:

@@ -23,15 +23,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
-from buffers.common.records import (
-    Group,
-    GroupTokens,
-    Prompt,
-    ShardBatch,
-    ShardStepResult,
-    TokensRef,
-)
+from buffers.common.records import Group, GroupTokens, Prompt, TokensRef
 from buffers.common.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
+from buffers.common.train_records import ShardBatch, ShardStepResult
 from workers.common.spans import Span
 
 E = TypeVar("E", bound=Exception)

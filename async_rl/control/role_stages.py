@@ -40,8 +40,8 @@ from async_rl.control.step_stages import (
     policy_update,
 )
 from buffers.common.concurrent_calls import each
-from buffers.common.records import ShardBatch
 from buffers.common.reports import CriticStepResult
+from buffers.common.train_records import ShardBatch
 
 log = logging.getLogger(__name__)
 

@@ -28,7 +28,7 @@ from async_rl.control.protocols import (
 )
 from async_rl.control.step_metrics import StepTotals
 from async_rl.run.summary import describe_failures
-from buffers.common.records import ShardStepResult
+from buffers.common.train_records import ShardStepResult
 from workers.common.errors import first_line
 from workers.rollout.config import RolloutConfig
 from workers.trainer.config import TrainerConfig

@@ -18,8 +18,9 @@ from async_rl.control.evaluation import first_at_target
 from async_rl.control.loss_stats import merge_stats, summarise
 from async_rl.run.summary import BucketDrops, EvalPoint, RunSummary
 from buffers.common.config import bucket_index
-from buffers.common.records import Group, ShardStepResult
+from buffers.common.records import Group
 from buffers.common.reports import BroadcastTiming
+from buffers.common.train_records import ShardStepResult
 from buffers.plan.balance import StepPlan
 from buffers.plan.batching import TrainerRules, trained_sample
 from buffers.queue.queue_records import ReplayQueueStatistics, TakenGroups

@@ -21,8 +21,8 @@ import msgspec
 from async_rl.control.protocols import TrainerClient
 from async_rl.control.run_health import RunHealth
 from buffers.common.concurrent_calls import each
-from buffers.common.records import ShardBatch, ShardStepResult
 from buffers.common.reports import CriticStepResult
+from buffers.common.train_records import ShardBatch, ShardStepResult
 
 CRITIC_WARMUP = "critic_warmup"
 """Why a critic.warmup_steps step did not move the policy: its prompts run again."""

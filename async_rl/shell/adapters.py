@@ -42,8 +42,9 @@ from async_rl.control.protocols import (
 from async_rl.shell.launch import StartedWorkers
 from async_rl.shell.object_store import RayTokens
 from buffers.common.concurrent_calls import each
-from buffers.common.records import Group, Prompt, ShardBatch, ShardStepResult
+from buffers.common.records import Group, Prompt
 from buffers.common.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
+from buffers.common.train_records import ShardBatch, ShardStepResult
 from workers.common.errors import RolloutWorkerError, first_line
 from workers.common.spans import Span
 from workers.model_config import ModelConfig

@@ -22,8 +22,8 @@ from async_rl.config import Config
 from async_rl.control.protocols import OwnRoles, RoleFailed, RoleOutput
 from async_rl.shell.adapters import RayRoleOutput, WorkerAdapter
 from async_rl.shell.launch import StartedWorkers
-from buffers.common.records import ShardBatch
 from buffers.common.reports import CriticStepResult
+from buffers.common.train_records import ShardBatch
 from workers.common.errors import first_line
 
 

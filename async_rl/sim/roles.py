@@ -25,8 +25,8 @@ from collections.abc import Callable, Sequence
 from async_rl.config import Config
 from async_rl.sim.costs import FORWARD_SHARE
 from async_rl.sim.workers import SimTraining, policy_pass, sim_sequences
-from buffers.common.records import ShardBatch
 from buffers.common.reports import CriticStepResult
+from buffers.common.train_records import ShardBatch
 from workers.common.spans import SpanRecorder
 
 

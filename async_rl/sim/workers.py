@@ -27,8 +27,8 @@ from async_rl.roster import roster
 from async_rl.sim.costs import Costs
 from async_rl.sim.engine import SimEngine
 from async_rl.sim.rollout import Clock, SimTokens
-from buffers.common.records import LossStats, ShardBatch, ShardStepResult
 from buffers.common.reports import UsageReading
+from buffers.common.train_records import LossStats, ShardBatch, ShardStepResult
 from workers.common.spans import UNRESOLVED, Span, SpanRecorder
 
 CONTENTION_SLICES = 8

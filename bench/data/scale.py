@@ -82,8 +82,8 @@ from bench.data.scale_stubs import (
 )
 from buffers.common.concurrent_calls import each
 from buffers.common.config import QueueConfig
-from buffers.common.records import SequenceSlot, ShardBatch, ShardStepResult
 from buffers.common.reports import BroadcastTiming
+from buffers.common.train_records import SequenceSlot, ShardBatch, ShardStepResult
 from workers.model_config import ModelConfig
 from workers.rollout.config import RolloutConfig
 from workers.trainer.config import TrainerConfig

@@ -20,16 +20,9 @@ import msgspec
 import numpy as np
 import ray
 
-from buffers.common.records import (
-    Group,
-    GroupTokens,
-    LossStats,
-    Prompt,
-    Sample,
-    ShardBatch,
-    ShardStepResult,
-)
+from buffers.common.records import Group, GroupTokens, Prompt, Sample
 from buffers.common.reports import EvalResult, UsageReading
+from buffers.common.train_records import LossStats, ShardBatch, ShardStepResult
 from workers.common.spans import Span
 
 VOCAB = 151_936

@@ -27,7 +27,8 @@ import torch
 from async_rl.models.real_size import QWEN25_05B, make_random_model, real_size_config
 from async_rl.models.tiny_model import ModelSize
 from bench.trainer import trainer_step
-from buffers.common.records import GroupTokens, SequenceSlot, ShardBatch, TrainSequence
+from buffers.common.records import GroupTokens, TrainSequence
+from buffers.common.train_records import SequenceSlot, ShardBatch
 from workers.common.usage import cuda_uuid
 from workers.trainer.packing import pack, packed_logprobs, padded_logprobs
 from workers.trainer.process import process_group_backend

@@ -90,7 +90,7 @@ def main() -> None:
     from transformers import Qwen2ForCausalLM
 
     from async_rl.models.tiny_model import MODEL_SIZES, size_config
-    from buffers.common.records import ShardStepResult
+    from buffers.common.train_records import ShardStepResult
     from buffers.plan.batching import shard_batches
     from workers.model_config import ModelConfig
     from workers.trainer.config import TrainerConfig

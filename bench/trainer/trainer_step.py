@@ -66,7 +66,8 @@ import torch
 
 from async_rl.models.tiny_model import MODEL_SIZES, build_config, size_config
 from async_rl.tasks.synthetic import long_tail_groups
-from buffers.common.records import Group, GroupTokens, ShardBatch
+from buffers.common.records import Group, GroupTokens
+from buffers.common.train_records import ShardBatch
 from buffers.plan.batching import shard_batches
 from workers.model_config import ModelConfig
 from workers.trainer.config import TrainerConfig

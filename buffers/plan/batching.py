@@ -27,7 +27,8 @@ from typing import Protocol
 import msgspec
 import numpy as np
 
-from buffers.common.records import REWARD_FAILED, Group, SequenceSlot, ShardBatch
+from buffers.common.records import REWARD_FAILED, Group
+from buffers.common.train_records import SequenceSlot, ShardBatch
 from buffers.plan.advantages import AdvantageStd, overlong_penalty, trajectory_advantages
 from buffers.plan.balance import StepPlan, plan_step
 

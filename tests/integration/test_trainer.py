@@ -15,7 +15,8 @@ import pytest
 import ray
 
 from async_rl.shell.launch import free_port
-from buffers.common.records import Group, Prompt, Sample, ShardStepResult, make_group
+from buffers.common.records import Group, Prompt, Sample, make_group
+from buffers.common.train_records import ShardStepResult
 from buffers.plan.batching import shard_batches
 from workers.actors import TrainerActor
 from workers.model_config import LoraConfig, ModelConfig

@@ -31,17 +31,9 @@ from async_rl.run.run_dir import RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.sim.clock import run_virtual, virtual_now
 from async_rl.tasks.sources import ArithmeticTask
-from buffers.common.records import (
-    Group,
-    GroupTokens,
-    LossStats,
-    Prompt,
-    Sample,
-    ShardBatch,
-    ShardStepResult,
-    make_group,
-)
+from buffers.common.records import Group, GroupTokens, Prompt, Sample, make_group
 from buffers.common.reports import BroadcastTiming, EvalResult, UsageReading
+from buffers.common.train_records import LossStats, ShardBatch, ShardStepResult
 from workers.common.spans import Span
 
 LOST = "lost"

@@ -12,7 +12,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from buffers import SequenceTooLong
-from buffers.common.records import Group, Prompt, Sample, ShardBatch, TrainSequence, make_group
+from buffers.common.records import Group, Prompt, Sample, TrainSequence, make_group
+from buffers.common.train_records import ShardBatch
 from buffers.plan.advantages import group_advantages
 from buffers.plan.batching import shard_batches
 from workers.trainer.config import TrainerConfig

@@ -19,7 +19,8 @@ from async_rl.compare import (
 )
 from async_rl.config import Config
 from buffers.common.config import ConfigError
-from buffers.common.records import Group, LossStats, ShardStepResult
+from buffers.common.records import Group
+from buffers.common.train_records import LossStats, ShardStepResult
 from workers.trainer.compare import ShardFigures
 
 OPTIONS = {"--set", "--model", "--steps", "--json"}

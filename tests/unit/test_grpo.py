@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from async_rl.control.loss_stats import merge_stats, summarise
-from buffers.common.records import LossStats
+from buffers.common.train_records import LossStats
 from buffers.plan.advantages import group_advantages
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loss import Normaliser, read_stats, token_loss

@@ -21,12 +21,12 @@ from async_rl.models.tiny_model import build_config
 from buffers.common.records import (
     NO_VERSION,
     GroupTokens,
-    LossStats,
     Prompt,
     Sample,
     TrainSequence,
     make_group,
 )
+from buffers.common.train_records import LossStats
 from workers.trainer.attention import use_packed_attention
 from workers.trainer.config import TrainerConfig
 from workers.trainer.loss import Normaliser, read_stats, token_loss

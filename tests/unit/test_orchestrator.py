@@ -24,7 +24,8 @@ from orchestrator_fakes import (
 from async_rl.control.checkpoint_files import latest_checkpoint
 from async_rl.control.protocols import RunFailed
 from async_rl.run.run_dir import FINAL_MODEL, SPANS
-from buffers.common.records import Group, Prompt, ShardBatch, ShardStepResult
+from buffers.common.records import Group, Prompt
+from buffers.common.train_records import ShardBatch, ShardStepResult
 
 
 def test_a_run_trains_every_step_within_the_staleness_bound(tmp_path: Path) -> None:

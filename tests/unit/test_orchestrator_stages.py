@@ -12,8 +12,9 @@ from orchestrator_fakes import LOST, FakeRollout, FakeTrainer, config, ledger, r
 
 from async_rl.config import Config
 from async_rl.run.run_dir import read_metrics
-from buffers.common.records import Group, Prompt, ShardBatch, ShardStepResult
+from buffers.common.records import Group, Prompt
 from buffers.common.reports import CriticStepResult
+from buffers.common.train_records import ShardBatch, ShardStepResult
 
 
 class FakeStages:

@@ -20,8 +20,8 @@ from async_rl.config import Config
 from async_rl.control.checkpoint_files import latest_checkpoint
 from async_rl.control.protocols import OwnRoles, RoleFailed, RoleOutput, RunFailed
 from async_rl.run.run_dir import read_metrics
-from buffers.common.records import ShardBatch, ShardStepResult
 from buffers.common.reports import CriticStepResult, UsageReading
+from buffers.common.train_records import ShardBatch, ShardStepResult
 from workers.common.spans import Span
 
 Log = list[tuple[Any, ...]]

@@ -21,14 +21,8 @@ from transformers import Qwen2ForCausalLM
 
 from async_rl.control.step_metrics import _padding_ratio
 from async_rl.models.tiny_model import build_config
-from buffers.common.records import (
-    GroupTokens,
-    LossStats,
-    SequenceSlot,
-    ShardBatch,
-    ShardStepResult,
-    TrainSequence,
-)
+from buffers.common.records import GroupTokens, TrainSequence
+from buffers.common.train_records import LossStats, SequenceSlot, ShardBatch, ShardStepResult
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
 from workers.trainer.attention import PACKED_ATTENTION, use_packed_attention

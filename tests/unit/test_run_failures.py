@@ -27,8 +27,9 @@ from async_rl.control.protocols import RolloutFailed, RunFailed, TrainerFailed, 
 from async_rl.shell import adapters
 from async_rl.shell.adapters import RayRollout, RayTrainer
 from async_rl.shell.launch import StartedWorkers
-from buffers.common.records import Prompt, ShardBatch, ShardStepResult
+from buffers.common.records import Prompt
 from buffers.common.reports import EvalResult
+from buffers.common.train_records import ShardBatch, ShardStepResult
 
 
 def with_keys(cfg: Config, **sections: dict[str, Any]) -> Config:

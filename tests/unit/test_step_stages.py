@@ -11,8 +11,8 @@ from async_rl.control.role_stages import PpoStages
 from async_rl.control.run_health import RunHealth
 from async_rl.control.step_metrics import StepTotals
 from async_rl.control.step_stages import CRITIC_WARMUP, GrpoStages, StepUpdate
-from buffers.common.records import ShardBatch, ShardStepResult
 from buffers.common.reports import CriticStepResult
+from buffers.common.train_records import ShardBatch, ShardStepResult
 
 
 def batches(step: int, *, lost: bool = False, shards: int = 2) -> list[ShardBatch]:

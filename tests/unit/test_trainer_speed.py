@@ -30,7 +30,8 @@ from test_packing import SHAPES, TEMPERATURE, sequences, shard, shard_batch
 from transformers import Qwen2ForCausalLM
 
 from async_rl.models.tiny_model import build_config
-from buffers.common.records import ShardStepResult, TrainSequence
+from buffers.common.records import TrainSequence
+from buffers.common.train_records import ShardStepResult
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling
 from workers.trainer import attention

@@ -22,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from buffers.common.records import ShardBatch, ShardStepResult
+from buffers.common.train_records import ShardBatch, ShardStepResult
 from workers.common.ports import free_port
 from workers.model_config import ModelConfig
 from workers.rollout.config import RolloutConfig, Sampling

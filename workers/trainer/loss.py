@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import msgspec
 import torch
 
-from buffers.common.records import LossStats
+from buffers.common.train_records import LossStats
 from workers.trainer.config import LossAgg, TrainerConfig
 
 LOG_RATIO_LIMIT = 20.0

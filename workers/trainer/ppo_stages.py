@@ -24,8 +24,8 @@ from typing import TypeVar
 
 import torch
 
-from buffers.common.records import ShardBatch
 from buffers.common.reports import CriticStepResult
+from buffers.common.train_records import ShardBatch
 from workers.trainer.config import TrainerConfig
 from workers.trainer.critic import Critic
 from workers.trainer.gae import (

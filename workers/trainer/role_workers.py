@@ -28,8 +28,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from buffers.common.records import GroupTokens, ShardBatch
+from buffers.common.records import GroupTokens
 from buffers.common.reports import CriticStepResult, UsageReading
+from buffers.common.train_records import ShardBatch
 from workers.common.spans import UNRESOLVED, Span, SpanRecorder
 from workers.trainer.critic import Critic
 from workers.trainer.device_setup import use_tf32

@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from buffers.common.records import GroupTokens, LossStats, ShardBatch, ShardStepResult
+from buffers.common.records import GroupTokens
 from buffers.common.reports import UsageReading
+from buffers.common.train_records import LossStats, ShardBatch, ShardStepResult
 from workers.common.spans import UNRESOLVED, Span, SpanRecorder
 from workers.trainer.fsdp import clip_grad_norm
 from workers.trainer.lora import LoraPolicy, adapter_state

@@ -27,8 +27,9 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from buffers.common.records import GroupTokens, ShardBatch, TrainSequence
+from buffers.common.records import GroupTokens, TrainSequence
 from buffers.common.reports import CriticStepResult
+from buffers.common.train_records import ShardBatch
 from workers.common.spans import UNRESOLVED, SpanRecorder
 from workers.trainer.attention import use_packed_attention
 from workers.trainer.config import TrainerConfig
