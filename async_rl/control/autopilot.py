@@ -5,7 +5,8 @@ groups/s of each of its steps, and its idle shares by role and cause) and answer
 most one ``Move``: a live key along its ladder (``async_rl.knobs.ladder``) against the
 biggest idle cause (one rung, or as far as the trainer's wait says rollout must speed
 up: see ``Autopilot._candidates``), or, when the window after a move trained slower than the
-window before it by more than the noise band, that move taken back. The rules, the
+window before it by more than the noise band (at the earlier window's group lengths:
+``Window.at_lengths_of``), that move taken back. The rules, the
 shares they read and the range of each key are below; the advice they follow is the
 idle report's (``async_rl.analysis.idle.HINTS``), whose words go into each move's cause.
 Knows nothing about how a window is measured or how a move is applied
@@ -57,11 +58,21 @@ class Window(msgspec.Struct, frozen=True, kw_only=True):
     wall_s: float
     idle: dict[str, dict[str, float]]
     """role -> idle cause -> the share of the window's wall time it held that role."""
+    tokens: int = 0
+    """Prompt and completion tokens of the groups trained (0: not known)."""
 
     @property
     def throughput(self) -> float:
         """Groups trained per second over the window."""
         return self.groups / self.wall_s if self.wall_s > 0 else 0.0
+
+    def at_lengths_of(self, earlier: Window) -> float:
+        """This window's groups/s had its groups been as long as ``earlier``'s: its
+        tokens/s over the earlier window's tokens per group (its groups/s when either
+        window's tokens are not known)."""
+        if self.tokens <= 0 or earlier.tokens <= 0:
+            return self.throughput
+        return self.throughput * (self.tokens / self.groups) / (earlier.tokens / earlier.groups)
 
     def share(self, role: str, cause: str) -> float:
         return self.idle.get(role, {}).get(cause, 0.0)
@@ -135,8 +146,13 @@ class Autopilot:
     def _judge(self, before: Window, index: int, after: Window) -> Move | None:
         change = self.changes[index]
         band = noise_band(before, after)
-        fell = after.throughput < before.throughput - band
-        judgement = (f"groups/s {before.throughput:.3g} -> {after.throughput:.3g}, "
+        # Judged at the earlier window's group lengths: a workload whose completions
+        # lengthen as the policy learns trains fewer groups/s whatever the move did.
+        adjusted = after.at_lengths_of(before)
+        fell = adjusted < before.throughput - band
+        lengths = (f" ({adjusted:.3g} at the earlier window's group lengths)"
+                   if adjusted != after.throughput else "")
+        judgement = (f"groups/s {before.throughput:.3g} -> {after.throughput:.3g}{lengths}, "
                      f"noise band {band:.2g}")
         self.changes[index] = msgspec.structs.replace(
             change, outcome="reverted" if fell else "kept", judged_step=after.last_step,

@@ -55,6 +55,7 @@ class LiveTuning:
         self.autopilot = Autopilot(config) if config.autopilot.enabled else None
         self.every = config.autopilot.every_steps
         self._groups: list[int] = []
+        self._tokens = 0
         self._walls: list[float] = []
         self._wait_s = self._barrier_s = 0.0
         self._marks = (0.0, 0.0, 0.0)
@@ -74,9 +75,11 @@ class LiveTuning:
         return {f"autopilot/{key}": value for key, value in self.autopilot.values.items()}
 
     async def after_step(self, step: int, groups: int,
-                         results: Sequence[ShardStepResult], wait_s: float) -> None:
-        """A step trained ``groups`` after waiting ``wait_s`` for them; at a window's end,
-        the autopilot's move (if any) applies before the next step."""
+                         results: Sequence[ShardStepResult], wait_s: float,
+                         tokens: int = 0) -> None:
+        """A step trained ``groups`` of ``tokens`` in all after waiting ``wait_s`` for
+        them; at a window's end, the autopilot's move (if any) applies before the next
+        step."""
         if self.autopilot is None:
             return
         if self._filling:
@@ -85,16 +88,18 @@ class LiveTuning:
             return
         start_s = self._marks[0] + sum(self._walls)
         self._groups.append(groups)
+        self._tokens += tokens
         self._walls.append(self.clock() - start_s)
         self._wait_s += wait_s
         self._barrier_s += sum(r.barrier_s for r in results) / max(len(results), 1)
         if len(self._groups) < self.every:
             return
         window = Window(last_step=step, groups=sum(self._groups), wall_s=sum(self._walls),
-                        idle=self._idle(),
+                        idle=self._idle(), tokens=self._tokens,
                         groups_per_s=tuple(g / w for g, w in zip(self._groups, self._walls,
                                                                  strict=True) if w > 0))
         self._groups, self._walls, self._wait_s, self._barrier_s = [], [], 0.0, 0.0
+        self._tokens = 0
         move = self.autopilot.observe(window)
         for change in self.autopilot.changes:
             if change.judged_step == step:

@@ -263,7 +263,8 @@ class Orchestrator:
                                    times=(started, taken, trained))
                 await self._checkpoint_if_due(step, beside)
                 await self.tuning.after_step(step, len(groups), update.results,
-                                             wait_s=taken - started)
+                                             wait_s=taken - started,
+                                             tokens=sum(g.num_tokens for g in groups))
                 step += 1
             self.training.switch("checkpoint")
             await self.checkpoints.wait_written()

@@ -43,16 +43,17 @@ def _config(**autopilot: Any) -> Config:
 
 
 def _window(step: int, rate: float = 1.0, *, steps: int = 5, spread: float = 0.0,
-            **shares: float) -> Window:
-    """``steps`` steps of 16 groups at about ``rate`` groups/s (alternating +-spread);
-    shares: role_cause=share, e.g. trainer_wait_data=0.4."""
+            tokens_per_group: int = 0, **shares: float) -> Window:
+    """``steps`` steps of 16 groups at about ``rate`` groups/s (alternating +-spread),
+    each group of ``tokens_per_group`` tokens (0: not known); shares: role_cause=share,
+    e.g. trainer_wait_data=0.4."""
     rates = tuple(rate + (spread if i % 2 else -spread) for i in range(steps))
     idle: dict[str, dict[str, float]] = {}
     for name, share in shares.items():
         role, _, cause = name.partition("_")
         idle.setdefault(role, {})[cause] = share
     return Window(last_step=step, groups_per_s=rates, groups=16 * steps,
-                  wall_s=16 * steps / rate, idle=idle)
+                  wall_s=16 * steps / rate, idle=idle, tokens=16 * steps * tokens_per_group)
 
 
 STARVED = {"trainer_wait_data": 0.41}
@@ -136,6 +137,38 @@ def test_a_move_that_slows_the_next_window_is_reverted_and_not_retried_for_a_whi
     assert all(move is None for move in blocked)
     again = pilot.observe(_window(100, 0.5, **STARVED))
     assert again is not None and (again.key, again.new) == (INFLIGHT, 2)
+
+
+def test_a_window_slower_only_because_its_groups_grew_longer_keeps_the_move() -> None:
+    """Groups/s fell from 1.0 to 0.6 while the groups grew from 100 to 200 tokens: at
+    the earlier lengths that is 1.2 groups/s, a gain, so the move stays."""
+    pilot = Autopilot(_config())
+    pilot.observe(_window(5, 1.0, tokens_per_group=100, **STARVED))
+    assert pilot.observe(_window(10, 0.6, tokens_per_group=200)) is None
+    change = pilot.changes[0]
+    assert change.outcome == "kept" and pilot.values[INFLIGHT] == 2
+    assert "groups/s 1 -> 0.6 (1.2 at the earlier window's group lengths)" in change.judgement
+
+
+@pytest.mark.parametrize(("before", "after"), [(100, 100), (0, 200), (100, 0)])
+def test_a_slower_window_at_the_same_or_unknown_lengths_reverts(before: int,
+                                                                after: int) -> None:
+    pilot = Autopilot(_config())
+    pilot.observe(_window(5, 1.0, tokens_per_group=before, **STARVED))
+    revert = pilot.observe(_window(10, 0.6, tokens_per_group=after))
+    assert revert is not None and revert.revert and pilot.values[INFLIGHT] == 1
+    assert "at the earlier window's group lengths" not in pilot.changes[0].judgement
+
+
+def test_a_window_faster_only_because_its_groups_grew_shorter_is_judged_at_the_old_lengths(
+        ) -> None:
+    """1.0 -> 1.5 groups/s, but groups shrank from 300 to 100 tokens: 0.5 at the earlier
+    lengths, a loss: reverted."""
+    pilot = Autopilot(_config())
+    pilot.observe(_window(5, 1.0, tokens_per_group=300, **STARVED))
+    revert = pilot.observe(_window(10, 1.5, tokens_per_group=100))
+    assert revert is not None and revert.revert
+    assert "(0.5 at the earlier window's group lengths)" in pilot.changes[0].judgement
 
 
 def test_prompts_in_flight_stop_at_the_ceiling_the_rollout_actor_is_made_for() -> None:
