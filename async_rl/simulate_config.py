@@ -7,7 +7,7 @@ root ``async_rl.config.Config`` holds it; the simulator (``async_rl.sim``) reads
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -44,8 +44,64 @@ class HardwareOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     cores: NonNegative | None = None
     engine_processes: PositiveFloat | None = None
     contention: NonNegativeFloat | None = None
+    devices_per_node: Positive | None = None
+    intra_node_bandwidth: NonNegativeFloat | None = None
+    intra_node_latency: NonNegativeFloat | None = None
+    inter_node_bandwidth: NonNegativeFloat | None = None
+    inter_node_latency: NonNegativeFloat | None = None
+    host_bandwidth: NonNegativeFloat | None = None
 
 
+class RolloutLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+                    omit_defaults=True):
+    """``simulate.rollout_layout``: how one rollout engine spans its devices (tensor,
+    pipeline and expert parallel, as vLLM's --tensor-parallel-size, --pipeline-parallel-size
+    and --enable-expert-parallel lay them out). 0: not given (1 when another key is). With
+    no key given, an engine's devices (devices_per_rollout_worker) add up their FLOP/s and
+    bandwidth and talk for free; with one given, the engine spans tp x pp devices and
+    pays the collectives of its layout (docs/simulator.md, "The parallelism model")."""
+
+    tp: NonNegative = 0
+    pp: NonNegative = 0
+    ep: NonNegative = 0
+    """Devices the experts are split over (their all-to-all per MoE layer); at most tp x pp."""
+
+
+class TrainerLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+                    omit_defaults=True):
+    """``simulate.trainer_layout``: how one trainer replica (a data-parallel shard) spans its
+    devices, in Megatron's terms: tensor, pipeline, context and expert parallel; dp, when
+    given, must be trainer.num_shards. 0: not given (1 when another key is). With no key
+    given, a shard's devices (devices_per_trainer_shard) add up and talk for free; with one
+    given, a shard spans tp x pp x cp devices and pays its layout's collectives."""
+
+    tp: NonNegative = 0
+    pp: NonNegative = 0
+    cp: NonNegative = 0
+    ep: NonNegative = 0
+    """Expert-parallel size: its group's members are tp apart (Megatron's rank order), so
+    it spans ep x tp devices, across replicas when that is more than one replica's."""
+    dp: NonNegative = 0
+
+
+class Architecture(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
+                   omit_defaults=True):
+    """``simulate.architecture``: the model's shape where the collectives need it and there
+    is no config.json to read it from (0: from model.path's config.json, else unknown)."""
+
+    layers: NonNegative = 0
+    """num_hidden_layers."""
+    hidden_size: NonNegative = 0
+    experts: NonNegative = 0
+    """Routed experts of a MoE layer (num_experts, num_local_experts, n_routed_experts)."""
+    experts_per_token: NonNegative = 0
+    """num_experts_per_tok: the experts each token is sent to (its all-to-all's fan-out)."""
+    moe_layers: NonNegative = 0
+    """Layers with experts (0 with experts given: every layer)."""
+
+
+WeightsPath = Literal["direct", "gathered"]
+"""How a framework moves a weight version (docs/simulator.md, "A weight version's stages")."""
 class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What ``async-rl simulate`` needs besides the run's own sections: the hardware,
     the lengths and the model's size (``async-rl train`` ignores this section)."""
@@ -104,6 +160,33 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     reward_p: Fraction = 0.5
     """Chance that a sample scores 1. Learning is not simulated: held-out accuracy stays
     at this value."""
+    weights_path: WeightsPath = "direct"
+    """Which stages a weight version passes through: "direct" (buckets streamed from the
+    trainer's devices: a snapshot in device memory, the broadcast, the engines' load:
+    slime's and NeMo RL's NCCL path, this project's) or "gathered" (the whole state
+    gathered onto one rank over the trainer's links, converted, staged in host memory,
+    then sent: verl's FSDP state dict)."""
+    version_bytes_per_parameter: NonNegativeFloat = 0.0
+    """Bytes a parameter takes in a weight version (1: FP8); 0: model.dtype's. Converting
+    into it is a stage of its own."""
+    version_fraction: Fraction = 1.0
+    """Share of the trained parameters a version carries (a delta or sparse version: the
+    changed ones and their indices); 1: every parameter."""
+    rollout_layout: RolloutLayout = msgspec.field(default_factory=RolloutLayout)
+    """An engine's tp, pp, ep (``RolloutLayout``); none given: no collectives."""
+    trainer_layout: TrainerLayout = msgspec.field(default_factory=TrainerLayout)
+    """A trainer replica's tp, pp, cp, ep, dp (``TrainerLayout``); none given: no
+    collectives."""
+    architecture: Architecture = msgspec.field(default_factory=Architecture)
+    """Layers, hidden size and experts where there is no config.json (``Architecture``)."""
+    recompute: Literal["none", "full"] = "none"
+    """Activation recompute in training: "full" runs every layer's forward twice (8 FLOPs
+    per parameter and token instead of 6, and the forward's collectives again)."""
+    old_logprob_pass: Literal["trainer", "always", "never"] = "trainer"
+    """The forward pass over a step's samples under the policy that generated them before
+    its update (the proximal, or verl's and NeMo RL's old log-prob pass): "trainer" as the
+    real trainer makes it (several updates a step, trainer.tis_cap > 0), "always" (verl,
+    NeMo RL), "never"."""
     detail: Positive = 16
     """Rollout engines the trace (trace.json) shows one by one when there are more:
     this many evenly spaced ranks, plus the most idle few; every trainer shard is kept,

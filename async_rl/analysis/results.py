@@ -50,6 +50,11 @@ class SimStats(msgspec.Struct, frozen=True, kw_only=True):
     """run.colocate = "time": engines released their devices for every training step."""
     releases: int = 0
     """Times an engine released its devices to a training step and reloaded after."""
+    weights_path: str = ""
+    """simulate.weights_path: "direct" or "gathered" ("": not recorded)."""
+    version_stages: dict[str, float] = {}
+    """Seconds of each stage of one version into every engine (gather, convert, stage,
+    transfer, load)."""
 
 
 class StepSplit(msgspec.Struct, frozen=True, kw_only=True):
@@ -169,15 +174,23 @@ def result_table(run_dir: Path, roles: Sequence[Breakdown]) -> Table:
     table.add_row("groups/s, tokens/s",
                   f"{s.groups_per_s:.2f} and {s.tokens_per_s:,.0f} over the run{after}")
     if split:
+        stages = stats.version_stages if stats and not stats.time_shared else {}
+
+        def part(*names: str) -> str:
+            return " + ".join(f"{name} {stages[name]:.2f}" for name in names) + " s"
         table.add_row("step time", f"{split.step_s:.2f} s")
         for label, seconds in (("  generation wait", split.wait_s),
                                ("  training", split.train_s),
                                ("  weight sync", split.sync_s)):
-            table.add_row(label, f"{seconds:.2f} s ({pct(seconds, split.step_s)})")
+            table.add_row(label, f"{seconds:.2f} s ({pct(seconds, split.step_s)})"
+                          + (f"; {stats.weights_path if stats else ''} version: "
+                             + part("gather", "convert", "stage")
+                             if stages and label == "  weight sync" else ""))
         if split.delivery_s:
             size = f" of {split.version_bytes / 2**20:,.1f} MiB" if split.version_bytes else ""
             table.add_row("  weight delivery", f"{split.delivery_s:.2f} s a version{size} "
-                          "into every engine, beside the next step")
+                          "into every engine, beside the next step"
+                          + (f"; {part('transfer', 'load')}" if stages else ""))
     for role in roles:
         table.add_row(f"{role.role} idle", _idle_line(role))
     parts = (staleness_split(read_metrics(run_dir)) if (run_dir / METRICS).exists()

@@ -39,7 +39,8 @@ from async_rl.analysis.report import idle_of, read_spans
 from async_rl.config import Config
 from async_rl.config_io import load_config
 from async_rl.run.run_dir import CONFIG, read_ledger, read_metrics, read_summary
-from async_rl.sim.costs import Costs, Hardware, hardware_toml
+from async_rl.sim.costs import Costs
+from async_rl.sim.hardware_file import Hardware, hardware_toml
 from async_rl.sim.roles import step_passes
 from async_rl.sim.run import simulate, simulation_costs
 from buffers.common.reports import LedgerEntry

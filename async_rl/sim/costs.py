@@ -37,110 +37,22 @@ Knows nothing about the orchestrator or the event loop.
 from __future__ import annotations
 
 import json
-import tomllib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import msgspec
 
+from async_rl.sim.hardware_file import Hardware
+from async_rl.sim.parallel import Collectives, Dims, Layout, Links
+from async_rl.sim.version_stages import VersionPath, VersionStages
 from buffers.common.config import ConfigError
 from workers.model_config import LoraConfig, lora_features
 from workers.model_config import kv_bytes_per_token as kv_bytes
 
-SHIPPED = Path(__file__).parent / "hardware"
-"""The shipped hardware files: cpu.toml (calibrated here), h100, h200, a100, h20."""
 FORWARD_SHARE = 1 / 3
 """A forward pass alone over a forward and backward: 2 of the 6 FLOPs per parameter and
 token (``Costs.forward_pass``)."""
-
-
-class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
-    """One accelerator type and how well the stack uses it (all per device)."""
-
-    name: str
-    devices_per_rollout_worker: int = 1
-    """Devices one rollout engine spans (tensor parallel): its FLOP/s and bandwidth add."""
-    devices_per_trainer_shard: int = 1
-    """Devices one data-parallel trainer shard spans."""
-    peak_flops: float
-    """Dense FLOP/s of one device at the compute dtype."""
-    memory_bandwidth: float
-    """Bytes/s of one device's memory."""
-    interconnect_bandwidth: float
-    """Bytes/s of one device's link: between a trainer and a rollout engine, and
-    between trainer shards."""
-    train_mfu: float
-    """Achieved / peak FLOP/s in training."""
-    decode_mfu: float
-    """Achieved / peak FLOP/s in decode and prefill."""
-    memory_efficiency: float = 0.8
-    """Achieved / peak memory bandwidth in decode."""
-    device_memory: float = 0.0
-    """Bytes of one device's memory: with rollout.memory_fraction, the weights and the
-    KV bytes per token, what bounds an engine's KV cache (0: not bounded)."""
-    engine_release_s: float = 0.0
-    """run.colocate = "time": fixed seconds an engine takes to release its devices to a
-    training step (vLLM's sleep: its KV cache freed, its weights kept or offloaded)."""
-    engine_reload_s: float = 0.0
-    """run.colocate = "time": fixed seconds an engine takes to take its devices back
-    after the step (wake up, the KV cache allocated anew), besides copying the new
-    weights in device memory."""
-    decode_step_s: float = 0.0
-    """Fixed seconds per engine step (scheduling, sampling, launches)."""
-    micro_batch_s: float = 0.0
-    """Fixed seconds per training micro-batch."""
-    update_s: float = 0.0
-    """Fixed seconds per optimizer update (the optimizer step, the step's calls)."""
-    publish_s: float = 0.0
-    """Fixed seconds of a weight snapshot on trainer shard 0."""
-    weight_load_s: float = 0.0
-    """Fixed seconds an engine stands paused for a weight update."""
-    weight_member_s: float = 0.0
-    """Fixed seconds each engine adds to a version's broadcast (its hop of the chain: a
-    message's latency, its share of the group's calls)."""
-    call_s: float = 0.0
-    """Fixed seconds of every call to a worker (the driver's round trip)."""
-    cores: int = 0
-    """A CPU machine's cores, handed out as a real run hands them out (the run's roster,
-    ``async_rl.roster``): a rollout engine and a trainer shard given the same core take
-    turns on it while both are busy. 0: every worker owns its devices."""
-    engine_processes: float = 1.0
-    """Runnable processes of a busy rollout engine on a CPU machine (vLLM's AsyncLLM: its
-    engine core and its front end, which turns each step's tokens into outputs): a core
-    an engine shares with a trainer shard gives the engine this many shares of it and
-    the shard one, as the OS scheduler shares a core between runnable processes."""
-    contention: float = 0.0
-    """How much slower a trainer shard computes for each rollout engine busy on other
-    cores of its machine (a shared memory bus and caches): 0.5 is 1.5x beside one busy
-    engine. 0 for accelerators, which own their memory. Calibration fits it unless the
-    base file gives it (then it is the machine's figure, kept)."""
-    sources: tuple[str, ...] = ()
-    """Where the figures come from (data sheets, papers, a calibration run)."""
-
-
-def load_hardware(name_or_path: str) -> Hardware:
-    """A hardware file by path, or a shipped one by name (``cpu``, ``h100``, ...)."""
-    path = Path(name_or_path)
-    if not path.suffix and not path.exists():
-        path = SHIPPED / f"{name_or_path}.toml"
-    if not path.is_file():
-        shipped = ", ".join(sorted(p.stem for p in SHIPPED.glob("*.toml")))
-        raise ConfigError(f"config error: simulate.hardware = {name_or_path!r}: no such file "
-                          f"(shipped: {shipped})")
-    try:
-        return msgspec.convert(tomllib.loads(path.read_text()), Hardware)
-    except (tomllib.TOMLDecodeError, msgspec.ValidationError) as err:
-        raise ConfigError(f"config error: simulate.hardware = {name_or_path!r}: {err}") from None
-
-
-def hardware_toml(hardware: Hardware) -> str:
-    """The file ``load_hardware`` reads back."""
-    lines = []
-    for name in Hardware.__struct_fields__:
-        value = getattr(hardware, name)
-        lines.append(f"{name} = {json.dumps(list(value) if isinstance(value, tuple) else value)}")
-    return "\n".join(lines) + "\n"
 
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
@@ -161,6 +73,27 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     adapter_parameters: float = 0.0
     """With LoRA, the adapters' parameters: all a weight version carries and all the
     gradients the shards all-reduce (0: no LoRA, the whole model's)."""
+    layers: int = 0
+    hidden: int = 0
+    moe_layers: int = 0
+    """Layers with experts (their all-to-alls under expert parallelism)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to (0: a dense model)."""
+
+
+class Plan(msgspec.Struct, frozen=True, kw_only=True):
+    """How the run lays the model out and moves its versions (simulate's keys); the
+    default is the simulator's behaviour without them."""
+
+    rollout: Layout = Layout()
+    trainer: Layout = Layout()
+    shards: int = 1
+    """Trainer replicas (trainer.num_shards)."""
+    weights_path: str = "direct"
+    version_bytes_per_parameter: float = 0.0
+    """0: the model's (bytes_per_parameter)."""
+    version_fraction: float = 1.0
+    recompute: bool = False
 
 
 def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
@@ -195,11 +128,30 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
     rest = layers * (attention + 2 * hidden) + embeddings + hidden
     if not active_parameters and not parameters and active_mlp < mlp:  # counted: a MoE's
         active_parameters = float(rest + active_mlp)
+    moe_layers, routed = moe_layout(c)
     return ModelShape(parameters=parameters or float(rest + mlp),
                       active_parameters=active_parameters,
                       kv_bytes_per_token=kv_bytes_per_token or kv_bytes(c, width),
                       bytes_per_parameter=width,
-                      attention_width=attention_width or float(layers * heads * head_dim))
+                      attention_width=attention_width or float(layers * heads * head_dim),
+                      layers=layers, hidden=hidden, moe_layers=moe_layers,
+                      experts_per_token=routed)
+
+
+def moe_layout(c: dict[str, Any]) -> tuple[int, int]:
+    """(layers with experts, experts per token) of the decoder whose config.json is ``c``:
+    (0, 0) for a dense one. Layers in ``mlp_only_layers``, off ``decoder_sparse_step``
+    (Qwen) or among the first ``first_k_dense_replace`` (DeepSeek) are dense."""
+    layers = c["num_hidden_layers"]
+    experts = (c.get("num_experts") or c.get("num_local_experts")
+               or c.get("n_routed_experts") or 0)
+    if not experts:
+        return 0, 0
+    routed = c.get("num_experts_per_tok") or c.get("experts_per_token") or 1
+    dense_only, step = set(c.get("mlp_only_layers") or ()), c.get("decoder_sparse_step") or 1
+    first = c.get("first_k_dense_replace") or 0
+    moe = sum(1 for i in range(first, layers) if i not in dense_only and (i + 1) % step == 0)
+    return moe, min(routed, experts)
 
 
 def mlp_parameters(c: dict[str, Any]) -> tuple[int, int]:
@@ -224,8 +176,7 @@ def mlp_parameters(c: dict[str, Any]) -> tuple[int, int]:
     expert = 3 * hidden * (c.get("moe_intermediate_size") or c["intermediate_size"])
     shared_width = c.get("shared_expert_intermediate_size") or 0
     shared = 3 * hidden * shared_width + (hidden if shared_width else 0)
-    dense_only, step = set(c.get("mlp_only_layers") or ()), c.get("decoder_sparse_step") or 1
-    moe_layers = sum(1 for i in range(layers) if i not in dense_only and (i + 1) % step == 0)
+    moe_layers, _ = moe_layout(c)
     fixed = (layers - moe_layers) * dense + moe_layers * (hidden * experts + shared)
     return (fixed + moe_layers * experts * expert,
             fixed + moe_layers * min(routed, experts) * expert)
@@ -256,8 +207,10 @@ def adapter_parameters(model_path: str, lora: LoraConfig, per_rank: float = 0.0)
 class Costs:
     """Seconds of each piece of work of ``model`` on ``hardware``."""
 
-    def __init__(self, hardware: Hardware, model: ModelShape) -> None:
+    def __init__(self, hardware: Hardware, model: ModelShape, plan: Plan | None = None
+                 ) -> None:
         self.hardware, self.model = hardware, model
+        self.plan = plan = plan or Plan()
         h = hardware
         # FLOPs count the parameters a token passes through; bytes count all of them.
         n = model.active_parameters or model.parameters
@@ -265,23 +218,51 @@ class Costs:
         self.weight_bytes = model.parameters * model.bytes_per_parameter
         self.trained_parameters = model.adapter_parameters or model.parameters
         """What the optimizer updates and the shards all-reduce: with LoRA, the adapters."""
-        self.version_bytes = self.trained_parameters * model.bytes_per_parameter
-        """What a weight version carries: with LoRA, the adapters alone."""
+        self.version_bytes = self.trained_parameters * plan.version_fraction * (
+            plan.version_bytes_per_parameter or model.bytes_per_parameter)
+        """What a weight version carries: with LoRA, the adapters alone; a delta's share,
+        at the version's bytes per parameter."""
         self._decode_flop_s = 2 * n / (h.peak_flops * rollout * h.decode_mfu)
         """Seconds of compute per sequence per decode step (and per prefill token)."""
         bandwidth = h.memory_bandwidth * rollout * h.memory_efficiency
         self._weights_read_s = self.weight_bytes / bandwidth
         self._kv_read_s = model.kv_bytes_per_token / bandwidth
+        flops = 8 if plan.recompute else 6  # a second forward with recompute
+        self._forward_share = 2 / flops
         train_flop_s = 1 / (h.peak_flops * trainer * h.train_mfu)
-        self._train_token_s = 6 * n * train_flop_s
-        self._train_square_s = 6 * model.attention_width * train_flop_s
+        self._train_token_s = flops * n * train_flop_s
+        self._train_square_s = flops * model.attention_width * train_flop_s
         """Seconds of causal attention per squared token of a sequence."""
+        links = Links(per_node=h.devices_per_node,
+                      intra_bandwidth=h.intra_node_bandwidth or h.interconnect_bandwidth,
+                      intra_latency=h.intra_node_latency,
+                      inter_bandwidth=h.inter_node_bandwidth or h.interconnect_bandwidth,
+                      inter_latency=h.inter_node_latency)
+        self.collectives = Collectives(
+            Dims(layers=model.layers, hidden=model.hidden, moe_layers=model.moe_layers,
+                 experts_per_token=model.experts_per_token,
+                 kv_bytes_per_token=model.kv_bytes_per_token,
+                 activation_bytes=model.bytes_per_parameter),
+            links, plan.rollout, plan.trainer, recompute=plan.recompute)
+        t = plan.trainer
+        holders = (t.tp * t.pp * t.ep if t.given else trainer * plan.shards)
+        self.version_path = VersionPath(
+            plan.weights_path, state_bytes=self.trained_parameters * model.bytes_per_parameter,
+            version_bytes=self.version_bytes, holders=min(holders, trainer * plan.shards),
+            engine_devices=rollout, trainer_devices=trainer * plan.shards, links=links,
+            memory_bandwidth=h.memory_bandwidth * h.memory_efficiency,
+            host_bandwidth=h.host_bandwidth or h.memory_bandwidth * h.memory_efficiency,
+            interconnect=h.interconnect_bandwidth, publish_s=h.publish_s,
+            load_s=h.weight_load_s, member_s=h.weight_member_s)
+        """A version's stages (simulate.weights_path)."""
 
     def decode_step(self, running: int, context: float) -> float:
         """One engine step of ``running`` sequences holding ``context`` tokens in all."""
         compute = self._decode_flop_s * running
         memory = self._weights_read_s + self._kv_read_s * context
-        return self.hardware.decode_step_s + max(compute, memory)
+        c = self.collectives
+        return (self.hardware.decode_step_s + max(compute, memory) + c.decode_fixed_s
+                + c.decode_token_s * running)
 
     def decode_steps(self, steps: int, running: int, context: float) -> float:
         """``steps`` steps of ``running`` sequences from ``context`` tokens (each step adds
@@ -294,14 +275,19 @@ class Costs:
         # Steps before the memory term overtakes compute run at a; the rest at b + c*s.
         first = steps if c <= 0 and b < a else max(0, min(steps, _ceil_div(a - b, c)))
         memory = (steps - first) * b + c * (steps * (steps - 1) - first * (first - 1)) / 2
-        return steps * self.hardware.decode_step_s + first * a + memory
+        talk = self.collectives.decode_fixed_s + self.collectives.decode_token_s * running
+        return steps * (self.hardware.decode_step_s + talk) + first * a + memory
 
     def prefill(self, tokens: int) -> float:
-        return self._decode_flop_s * tokens
+        c = self.collectives
+        return (self._decode_flop_s + c.decode_token_s) * tokens + (
+            c.decode_fixed_s if tokens else 0.0)
 
     def micro_batch(self, lengths: Sequence[int]) -> float:
         """Forward and backward of a micro-batch of sequences of ``lengths`` tokens."""
-        return (self.hardware.micro_batch_s + self._train_token_s * sum(lengths)
+        c = self.collectives
+        return (self.hardware.micro_batch_s + c.train_fixed_s
+                + (self._train_token_s + c.train_token_s) * sum(lengths)
                 + self._train_square_s * sum(t * t for t in lengths))
 
     def forward_pass(self, lengths: Sequence[int]) -> float:
@@ -309,7 +295,7 @@ class Costs:
         ``micro_batch`` (2 of its 6 FLOPs per parameter and token, and of its fixed
         part), as the proximal pass is counted. The reference's logprobs and the
         critic's values are such a pass of a model of the policy's shape."""
-        return self.micro_batch(lengths) * FORWARD_SHARE
+        return self.micro_batch(lengths) * self._forward_share
 
     def attention_share(self, lengths: Sequence[int]) -> float:
         """Attention's FLOPs over the weights' in training sequences of ``lengths``."""
@@ -365,8 +351,8 @@ class Costs:
             h.memory_bandwidth * h.devices_per_rollout_worker * h.memory_efficiency)
 
     def publish(self) -> float:
-        h = self.hardware
-        return h.publish_s + self.version_bytes / (h.memory_bandwidth * h.memory_efficiency)
+        """The trainer's part of a version: its gather, conversion and staging."""
+        return self.version_path.stages(1, 0.0).trainer_s
 
     def transfer(self, receivers: int = 1, bucket_bytes: float = 16 << 20) -> float:
         """Seconds of a version's broadcast to ``receivers`` engines in ``bucket_bytes``
@@ -374,9 +360,14 @@ class Costs:
         broadcast pipelines the same way), where every link carries the weights once and
         the last engine holds the last bucket ``receivers - 1`` bucket times after the
         first: ``(S + (N - 1) B) / bandwidth + N m`` (docs/simulator.md)."""
-        h, bucket = self.hardware, min(bucket_bytes, self.version_bytes)
-        return ((self.version_bytes + (receivers - 1) * bucket) / h.interconnect_bandwidth
-                + receivers * h.weight_member_s)
+        return self.version_path.transfer(receivers, bucket_bytes)
+
+    def load(self) -> float:
+        """An engine's pause for a version beyond the wire."""
+        return self.version_path.load()
+
+    def version_stages(self, receivers: int, bucket_bytes: float) -> VersionStages:
+        return self.version_path.stages(receivers, bucket_bytes)
 
 
 def _ceil_div(num: float, den: float) -> int:

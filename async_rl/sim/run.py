@@ -28,9 +28,11 @@ from async_rl.knobs import check_live
 from async_rl.run.run_dir import USAGE, RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.sim.clock import run_virtual
-from async_rl.sim.costs import Costs, adapter_parameters, load_hardware, model_shape
+from async_rl.sim.costs import Costs, Plan, adapter_parameters, model_shape
 from async_rl.sim.engine import SimEngine
+from async_rl.sim.hardware_file import Hardware, load_hardware
 from async_rl.sim.lengths import length_law
+from async_rl.sim.parallel import rollout_layout, trainer_layout
 from async_rl.sim.roles import SimRoles, SimRoleStages
 from async_rl.sim.rollout import SimEvaluator, SimRollout
 from async_rl.sim.timeshare import SimLocalWeights, check_time_shared, time_shared
@@ -62,10 +64,43 @@ def simulation_costs(config: Config) -> Costs:
         raise ConfigError(f"config error: simulate.active_parameters = "
                           f"{sim.active_parameters:g}: more than the model's "
                           f"{shape.parameters:g} parameters")
+    arch = {key: value for key, value in (
+        ("layers", sim.architecture.layers), ("hidden", sim.architecture.hidden_size),
+        ("experts_per_token", sim.architecture.experts_per_token),
+        ("moe_layers", sim.architecture.moe_layers or (
+            sim.architecture.experts and (sim.architecture.layers or shape.layers))))
+        if value}
+    shape = msgspec.structs.replace(shape, **arch)
     overrides = {key: value for key, value in msgspec.structs.asdict(
         sim.hardware_overrides).items() if value is not None}
     hardware = msgspec.structs.replace(load_hardware(sim.hardware), **overrides)
-    return Costs(hardware, shape)
+    plan = simulation_plan(config, hardware)
+    hardware = msgspec.structs.replace(hardware,
+                                       devices_per_rollout_worker=plan.rollout.devices,
+                                       devices_per_trainer_shard=plan.trainer.devices)
+    return Costs(hardware, shape, plan)
+
+
+def simulation_plan(config: Config, hardware: Hardware) -> Plan:
+    """The layouts and the weight path of ``config``'s simulate section. A layout given
+    sets its role's devices per worker; a hardware override that disagrees exits 2."""
+    sim, shards = config.simulate, config.trainer.num_shards
+    r, t = sim.rollout_layout, sim.trainer_layout
+    rollout = rollout_layout(r.tp, r.pp, r.ep, hardware.devices_per_rollout_worker)
+    trainer = trainer_layout(t.tp, t.pp, t.cp, t.ep, t.dp, hardware.devices_per_trainer_shard,
+                             shards)
+    for layout, key, given in (
+            (rollout, "devices_per_rollout_worker",
+             sim.hardware_overrides.devices_per_rollout_worker),
+            (trainer, "devices_per_trainer_shard",
+             sim.hardware_overrides.devices_per_trainer_shard)):
+        if layout.given and given and given != layout.devices:
+            raise ConfigError(f"config error: simulate.hardware_overrides.{key} = {given}: "
+                              f"the layout given spans {layout.devices} devices")
+    return Plan(rollout=rollout, trainer=trainer, shards=shards,
+                weights_path=sim.weights_path,
+                version_bytes_per_parameter=sim.version_bytes_per_parameter,
+                version_fraction=sim.version_fraction, recompute=sim.recompute == "full")
 
 
 def _task(config: Config) -> tuple[PromptSource, Sequence[Prompt]]:
@@ -140,6 +175,8 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
         kv_queued=sum(e.kv_queued for e in engines.values()),
         kv_wait_s=sum(e.kv_wait_s for e in engines.values()),
         peak_kv_tokens=max((e.kv_peak for e in engines.values()), default=0.0),
-        time_shared=time_shared(config),
+        time_shared=time_shared(config), weights_path=config.simulate.weights_path,
+        version_stages=msgspec.structs.asdict(costs.version_stages(
+            config.rollout.num_workers, config.weights.bucket_mb << 20)),
         releases=sum(e.releases for e in engines.values())))))
     return summary

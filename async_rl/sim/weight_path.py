@@ -47,7 +47,7 @@ class SimWeights:
                       ) -> tuple[list[BroadcastTiming], list[int]]:
         assert isinstance(published, SimPublished)
         transfer = self.costs.transfer(len(ranks), self.bucket_bytes)
-        load = self.costs.hardware.weight_load_s
+        load = self.costs.load()
         start: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         asked = {rank: self.engines[rank].load(published.version, transfer, load, start)
                  for rank in ranks}

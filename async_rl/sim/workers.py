@@ -45,11 +45,15 @@ def policy_pass(config: Config) -> bool:
 def proximal_pass(config: Config, updates: int) -> bool:
     """The policy's update of ``updates`` optimizer updates (every epoch's) makes the
     proximal pass, as the real shard does (``StepLoss.needs_proximal``: several updates,
-    or LoRA dropout), unless ``policy_pass`` made it already."""
+    or LoRA dropout), unless ``policy_pass`` made it already; simulate.old_logprob_pass
+    "always" or "never" says otherwise (a framework's old log-prob pass)."""
     cfg = config.trainer
     lora = config.model.lora
-    return (cfg.tis_cap > 0 and (updates > 1 or (lora.enabled and lora.dropout > 0))
-            and not policy_pass(config))
+    if policy_pass(config):
+        return False
+    if config.simulate.old_logprob_pass != "trainer":  # "always" (verl, NeMo RL) or "never"
+        return config.simulate.old_logprob_pass == "always"
+    return cfg.tis_cap > 0 and (updates > 1 or (lora.enabled and lora.dropout > 0))
 
 
 class _Cursor:

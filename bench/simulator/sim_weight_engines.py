@@ -32,7 +32,8 @@ from async_rl.analysis.report import read_spans
 from async_rl.config_io import load_config
 from async_rl.run.run_dir import CONFIG, read_ledger, read_metrics
 from async_rl.sim.calibrate import calibrate
-from async_rl.sim.costs import Costs, load_hardware
+from async_rl.sim.costs import Costs
+from async_rl.sim.hardware_file import load_hardware
 from async_rl.sim.run import simulation_costs
 from bench.simulator.sim_vs_real import predict, real_run
 

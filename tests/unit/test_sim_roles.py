@@ -18,7 +18,8 @@ from async_rl.cli import main
 from async_rl.config import Config
 from async_rl.run.run_dir import read_metrics
 from async_rl.sim.calibrate import calibrate
-from async_rl.sim.costs import Costs, ModelShape, adapter_parameters, load_hardware
+from async_rl.sim.costs import Costs, ModelShape, adapter_parameters
+from async_rl.sim.hardware_file import load_hardware
 from async_rl.sim.roles import step_passes
 from async_rl.sim.run import simulation_costs
 from buffers.common.config import ConfigError

@@ -24,7 +24,8 @@ from async_rl.config import Config
 from async_rl.run.run_dir import read_metrics, read_record, read_summary
 from async_rl.sim.calibrate import calibrate, generating_beside
 from async_rl.sim.clock import YOUNG_THRESHOLD, run_virtual
-from async_rl.sim.costs import Costs, hardware_toml, load_hardware, model_shape
+from async_rl.sim.costs import Costs, model_shape
+from async_rl.sim.hardware_file import hardware_toml, load_hardware
 from async_rl.sim.lengths import LogNormal, Replayed
 from async_rl.sim.workers import engines_on_trainer_cores
 from buffers.common.records import Prompt

@@ -15,7 +15,8 @@ from async_rl.api import simulate, train
 from async_rl.config import Config, HardwareOverrides
 from async_rl.config_io import load_config
 from async_rl.run.run_dir import read_metrics
-from async_rl.sim.costs import Costs, Hardware, ModelShape, load_hardware, model_shape
+from async_rl.sim.costs import Costs, ModelShape, model_shape
+from async_rl.sim.hardware_file import Hardware, load_hardware
 from async_rl.sim.run import simulation_costs
 from buffers.common.config import ConfigError
 from workers.common.spans import Span

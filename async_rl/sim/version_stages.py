@@ -1,0 +1,113 @@
+"""A weight version as the stages it passes through, each costed from its bytes and the
+bandwidth it crosses.
+
+Owns: ``VersionStages`` (seconds of each stage of one version: gather, convert, stage,
+transfer, load) and ``VersionPath``, which costs them for simulate.weights_path:
+
+- "direct" (buckets streamed from the trainer's devices: slime's and NeMo RL's NCCL path,
+  this project's): no gather; a conversion only when the version's dtype is not the
+  model's (each trainer device converts its slice); the snapshot in device memory
+  (``publish_s`` plus the version's bytes at the memory bandwidth); the broadcast; the
+  engine's fixed pause ``weight_load_s`` (each bucket is loaded as it arrives). These are
+  the simulator's costs from before the stages, unchanged.
+- "gathered" (verl's FSDP state dict: the whole state on one rank first): the state's
+  bytes gathered onto one rank over the trainer's links (a ring all-gather among the
+  devices holding a distinct slice: the node's links if they fit in one node, else the
+  network's), converted on that rank (read the model's bytes, write the version's, at its
+  memory bandwidth), staged in host memory over the host link (``publish_s`` plus the
+  version's bytes at ``host_bandwidth``), broadcast as above, and loaded by each engine
+  (``weight_load_s`` plus the version's bytes at its devices' memory bandwidth).
+
+A version's bytes: the trained parameters (with LoRA the adapters) x
+simulate.version_fraction (a delta or sparse version) x its bytes per parameter
+(simulate.version_bytes_per_parameter: 1 for FP8). Knows nothing about the event loop.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from async_rl.sim.parallel import Links
+
+PATHS = ("direct", "gathered")
+
+
+class VersionStages(msgspec.Struct, frozen=True, kw_only=True):
+    """Seconds of each stage of one version (the trainer pays the first three before its
+    next step, the engines the last two while paused)."""
+
+    gather: float = 0.0
+    convert: float = 0.0
+    stage: float = 0.0
+    transfer: float = 0.0
+    load: float = 0.0
+
+    @property
+    def trainer_s(self) -> float:
+        return self.gather + self.convert + self.stage
+
+
+class VersionPath:
+    """The stages of ``path`` for a model of ``state_bytes`` (the trained parameters at the
+    model's dtype) sent as ``version_bytes``, from a trainer whose weights are split over
+    ``holders`` devices, into engines of ``engine_devices`` devices each."""
+
+    def __init__(self, path: str, *, state_bytes: float, version_bytes: float, holders: int,
+                 engine_devices: int, trainer_devices: int, links: Links,
+                 memory_bandwidth: float, host_bandwidth: float, interconnect: float,
+                 publish_s: float, load_s: float, member_s: float) -> None:
+        assert path in PATHS, path
+        self.path, self.state_bytes, self.version_bytes = path, state_bytes, version_bytes
+        self.holders, self.engine_devices = holders, engine_devices
+        self.trainer_devices, self.links = trainer_devices, links
+        self.memory_bandwidth, self.host_bandwidth = memory_bandwidth, host_bandwidth
+        self.interconnect, self.publish_s = interconnect, publish_s
+        self.load_s, self.member_s = load_s, member_s
+
+    @property
+    def gathered(self) -> bool:
+        return self.path == "gathered"
+
+    def gather(self) -> float:
+        """The state onto one rank: a ring all-gather among its ``holders`` (each receives
+        ``(n-1)/n`` of it) over the slowest link the ring crosses."""
+        n = self.holders
+        if not self.gathered or n <= 1:
+            return 0.0
+        bandwidth, latency = self.links.crossed(n)
+        return (n - 1) / n * self.state_bytes / bandwidth + latency
+
+    def convert(self) -> float:
+        """Reading the model's bytes and writing the version's: on the gathering rank, or
+        (direct) on every trainer device for its slice, and only when the dtype changes."""
+        if self.gathered:
+            return (self.state_bytes + self.version_bytes) / self.memory_bandwidth
+        if self.version_bytes == self.state_bytes:
+            return 0.0
+        return (self.state_bytes + self.version_bytes) / (
+            self.memory_bandwidth * self.trainer_devices)
+
+    def stage(self) -> float:
+        """The snapshot: in device memory (direct) or in host memory (gathered)."""
+        bandwidth = self.host_bandwidth if self.gathered else self.memory_bandwidth
+        return self.publish_s + self.version_bytes / bandwidth
+
+    def transfer(self, receivers: int, bucket_bytes: float) -> float:
+        """A pipelined chain broadcast to ``receivers`` engines in ``bucket_bytes``
+        buckets: every link carries the version once and the last engine holds the last
+        bucket ``receivers - 1`` bucket times after the first:
+        ``(S + (N - 1) B) / bandwidth + N m``."""
+        bucket = min(bucket_bytes, self.version_bytes)
+        return ((self.version_bytes + (receivers - 1) * bucket) / self.interconnect
+                + receivers * self.member_s)
+
+    def load(self) -> float:
+        """An engine's pause beyond the wire: fixed, and (gathered) the version copied
+        into its parameters at its devices' memory bandwidth."""
+        if not self.gathered:
+            return self.load_s
+        return self.load_s + self.version_bytes / (self.memory_bandwidth * self.engine_devices)
+
+    def stages(self, receivers: int, bucket_bytes: float) -> VersionStages:
+        return VersionStages(gather=self.gather(), convert=self.convert(), stage=self.stage(),
+                             transfer=self.transfer(receivers, bucket_bytes), load=self.load())
