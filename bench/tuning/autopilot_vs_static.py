@@ -80,12 +80,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=60, help="run.num_steps of every run")
     parser.add_argument("--out", default="runs/autopilot-vs-static", help="where runs go")
     parser.add_argument("--once", action="store_true", help="each setup once: A B C D")
+    parser.add_argument("--only", action="append", default=[], metavar="SETUP",
+                        help="run only this setup (repeat; e.g. 'poor+autopilot' and "
+                        "'tuned' for the first ratio alone)")
     add_run_options(parser)
     args = parser.parse_args(argv)
     setups = {"poor+autopilot": (args.config, [*POOR, *AUTOPILOT]),
               "tuned": (args.tuned, []),
               "tuned+autopilot": (args.tuned, list(AUTOPILOT)),
               "grid best": (args.config, list(args.best))}
+    if unknown := set(args.only) - set(setups):
+        parser.error(f"--only: no setup {sorted(unknown)[0]!r} (one of {', '.join(setups)})")
+    setups = {name: setup for name, setup in setups.items()
+              if not args.only or name in args.only}
     order = list(setups) if args.once else [*setups, *reversed(setups)]
     runs: dict[str, list[Measured]] = {name: [] for name in setups}
     for index, name in enumerate(order):
@@ -106,10 +113,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name in setups:
         print(f"{name}: mean second half {half[name]:.2f}, whole run {whole[name]:.2f} groups/s")
     print(f"autopilot_vs_static: poor+autopilot/tuned "
-          f"{half['poor+autopilot'] / half['tuned']:.2f} (second half), "
-          f"tuned+autopilot/grid best {whole['tuned+autopilot'] / whole['grid best']:.2f} "
+          f"{ratio(half, 'poor+autopilot', 'tuned')} (second half), "
+          f"tuned+autopilot/grid best {ratio(whole, 'tuned+autopilot', 'grid best')} "
           "(whole run)")
     return 0
+
+
+def ratio(means: dict[str, float], top: str, bottom: str) -> str:
+    """``top``'s mean over ``bottom``'s; "n/a" when either setup did not run."""
+    if top not in means or bottom not in means or means[bottom] <= 0:
+        return "n/a"
+    return f"{means[top] / means[bottom]:.2f}"
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from async_rl.run.run_dir import METRICS
-from bench.tuning.autopilot_vs_static import second_half
+from bench.tuning.autopilot_vs_static import main as autopilot_vs_static
+from bench.tuning.autopilot_vs_static import ratio, second_half
 from bench.tuning.tune_vs_grid import Final
 
 
@@ -41,3 +42,17 @@ def test_the_finals_means_skip_unknown_accuracies() -> None:
     final = Final(groups_per_s=(10.0, 14.0), accuracy=(0.8, None))
     assert final.mean_groups_per_s == 12.0 and final.mean_accuracy == 0.8
     assert Final(groups_per_s=(1.0,), accuracy=(None,)).mean_accuracy is None
+
+
+def test_a_ratio_of_a_setup_that_did_not_run_is_not_available() -> None:
+    means = {"poor+autopilot": 9.0, "tuned": 10.0}
+    assert ratio(means, "poor+autopilot", "tuned") == "0.90"
+    assert ratio(means, "tuned+autopilot", "grid best") == "n/a"
+    assert ratio({"a": 1.0, "b": 0.0}, "a", "b") == "n/a"
+
+
+def test_only_an_unknown_setup_is_refused_naming_it(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        autopilot_vs_static(["--only", "poor"])
+    assert exited.value.code == 2
+    assert "--only: no setup 'poor'" in capsys.readouterr().err
