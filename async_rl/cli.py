@@ -14,6 +14,7 @@ import argparse
 import logging
 import math
 import os
+import signal
 import sys
 import time
 from collections.abc import Sequence
@@ -73,8 +74,11 @@ def _stored_parameters(model_dir: Path) -> int:
     return total
 
 
-STOP_EXIT = {"SIGINT": 130, "SIGTERM": 143}
-"""Exit status of a run stopped by a signal: 128 + the signal's number, as shells do."""
+def stop_exit(stopped_by: str) -> int:
+    """Exit status of a run stopped by the signal named: 128 + its number, as shells do
+    (SIGINT 130, SIGTERM 143, SIGUSR1 138); 1 for any other stop."""
+    member = signal.Signals.__members__.get(stopped_by)
+    return 128 + member.value if member is not None else 1
 
 
 def _train_config(args: argparse.Namespace) -> Config:
@@ -116,7 +120,7 @@ def _train(args: argparse.Namespace) -> int:
             print(f"stopped at once by {err}: no checkpoint of the step in progress; "
                   f"async-rl train --resume {out} continues from the last one, if any",
                   file=sys.stderr)
-            return STOP_EXIT.get(str(err), 1)
+            return stop_exit(str(err))
         raise
     from async_rl.analysis.report import print_report
 
@@ -126,7 +130,7 @@ def _train(args: argparse.Namespace) -> int:
     if summary.stopped:
         print(f"stopped by {summary.stopped} after step {summary.steps}: "
               f"async-rl train --resume {out} continues it", file=sys.stderr)
-        return STOP_EXIT.get(summary.stopped, 1)
+        return stop_exit(summary.stopped)
     return 0
 
 

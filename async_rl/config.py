@@ -48,6 +48,12 @@ __all__ = ["DEFAULT_TASK_KIND", "TASK_SECTIONS", "AutopilotConfig", "Config", "C
            "unknown_task_key"]
 
 
+CATCHABLE_SIGNALS = ("SIGUSR1", "SIGUSR2", "SIGHUP", "SIGQUIT", "SIGALRM", "SIGCONT",
+                     "SIGXCPU")
+"""What run.stop_signal may name: signals a scheduler sends as a warning that a process
+can catch (SIGINT and SIGTERM stop a run anyway)."""
+
+
 class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """The run as a whole: length, seed, cluster and outputs."""
 
@@ -106,6 +112,11 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     """After a graceful stop (Ctrl-C, SIGTERM), how long the run waits for the step in
     progress to get its groups; past it the step is abandoned, the last consistent
     checkpoint is written and the run exits as a clean stop does."""
+    stop_signal: str = ""
+    """A further signal that stops the run as Ctrl-C does (after the step in progress,
+    a checkpoint, then exit 128 + its number), e.g. "SIGUSR1" for a scheduler's warning
+    before its time limit (Slurm: ``sbatch --signal=B:USR1@90``); "": SIGINT and SIGTERM
+    only."""
     save_merged: bool = False
     """With LoRA (model.lora.rank > 0): besides the adapter (peft's format) in
     RUN_DIR/final_model, write the policy with the adapters merged into the base weights,
@@ -123,6 +134,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
         return self.colocate is not False
 
     def __post_init__(self) -> None:
+        if self.stop_signal and self.stop_signal not in CATCHABLE_SIGNALS:
+            raise invalid("run.stop_signal", self.stop_signal,
+                          f"must be one of {', '.join(CATCHABLE_SIGNALS)}")
         if "jsonl" not in self.loggers or len(set(self.loggers)) < len(self.loggers):
             raise invalid("run.loggers", list(self.loggers),
                            'must list "jsonl" (always written: the reports read it) '

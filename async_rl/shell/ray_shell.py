@@ -87,18 +87,20 @@ class RunInterrupted(Exception):
 
 
 class StopSignals:
-    """SIGINT and SIGTERM during a run: the first asks the orchestrator to stop cleanly
-    after the current step (before it exists, during start-up, there is nothing to save:
-    the run stops at once); a second one stops the run at once."""
+    """SIGINT, SIGTERM and run.stop_signal during a run: the first asks the orchestrator
+    to stop cleanly after the current step (before it exists, during start-up, there is
+    nothing to save: the run stops at once); a second one stops the run at once."""
 
-    def __init__(self) -> None:
+    def __init__(self, stop_signal: str = "") -> None:
         self.run: anyio.CancelScope | None = None
         """The scope of the whole run, cancelled to stop at once (set in the event loop)."""
         self.received: list[int] = []
         self.orchestrator: Orchestrator | None = None
+        self.signals = (signal.SIGINT, signal.SIGTERM,
+                        *([signal.Signals[stop_signal]] if stop_signal else []))
 
     async def watch(self) -> None:
-        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        with anyio.open_signal_receiver(*self.signals) as signals:
             async for signum in signals:
                 self.received.append(signum)
                 if len(self.received) == 1 and self.orchestrator is not None:
@@ -140,7 +142,7 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
     started_ray = start_ray(config, job.plan, verbose)
     out = RunWriter(config.run.output_dir, config,
                     positions=job.state.files if job.state is not None else None)
-    stops = StopSignals()
+    stops = StopSignals(config.run.stop_signal)
     try:
         summary = anyio.run(serve, job, out, stops)
     except BaseExceptionGroup as group:
