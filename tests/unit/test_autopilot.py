@@ -33,10 +33,11 @@ INFLIGHT, QUEUE = "rollout.max_inflight_prompts", "queue.max_groups"
 MICRO, STALENESS = "trainer.micro_batch_tokens", "staleness.max_staleness"
 
 
-def _config(**autopilot: Any) -> Config:
+def _config(queue: int = 64, **autopilot: Any) -> Config:
+    """One rollout worker, 1 prompt in flight, 16-group steps, a queue of ``queue``."""
     return decode_config({"model": {"path": "m"},
                           "rollout": {"max_inflight_prompts": 1, "max_new_tokens": 256},
-                          "queue": {"max_groups": 16},
+                          "queue": {"max_groups": queue},
                           "staleness": {"max_staleness": 2},
                           "trainer": {"groups_per_step": 16, "micro_batch_tokens": 4096},
                           "autopilot": {"enabled": True, **autopilot}})
@@ -84,9 +85,29 @@ def test_a_badly_starved_trainer_raises_prompts_in_flight_as_far_as_its_wait_say
     assert back is not None and back.revert and (back.old, back.new) == (to, 1)
 
 
+@pytest.mark.parametrize(("queue", "waits", "to"), [(16, 0.8, 32), (20, 0.5, 32)])
+def test_a_queue_too_small_for_a_step_and_the_prompts_to_be_in_flight_rises_first(
+        queue: int, waits: float, to: int) -> None:
+    """Waiting 80% for data, 1 in flight would go to 8: a step's 16 groups plus 8 need
+    24 > 16, so the queue rises first, to the rung at or above 24 (32); then, with room,
+    the prompts in flight. Waiting 50%, 1 would go to 2: 16 + 2 fits a queue of 20, so
+    the prompts rise at once."""
+    pilot = Autopilot(_config(queue=queue))
+    move = pilot.observe(_window(5, trainer_wait_data=waits))
+    assert move is not None
+    if queue == 20:
+        assert (move.key, move.old, move.new) == (INFLIGHT, 1, 2)
+        return
+    assert (move.key, move.old, move.new) == (QUEUE, queue, to)
+    assert f"a queue of {queue} cannot hold a step's 16 groups and the 8 prompts" in move.cause
+    assert "raise rollout.max_inflight_prompts" in move.cause  # the wait's advice
+    then = pilot.observe(_window(10, trainer_wait_data=waits))  # kept: same groups/s
+    assert then is not None and (then.key, then.old, then.new) == (INFLIGHT, 1, 8)
+
+
 def test_a_full_queue_while_the_trainer_waits_raises_the_queue() -> None:
-    move = Autopilot(_config()).observe(_window(5, trainer_wait_data=0.3,
-                                                rollout_queue_full=0.5))
+    move = Autopilot(_config(queue=16)).observe(_window(5, trainer_wait_data=0.3,
+                                                        rollout_queue_full=0.5))
     assert move is not None and (move.key, move.old, move.new) == (QUEUE, 16, 32)
     assert "full queue 50%" in move.cause
 
@@ -272,7 +293,11 @@ def test_a_simulated_run_from_a_poor_setting_is_retuned_and_says_so_everywhere(
     record = read_record(out)
     assert record is not None
     changes = record.autopilot
-    assert len(changes) >= 2 and changes[0].key == INFLIGHT and changes[0].outcome == "kept"
+    # A queue of 8 cannot hold a step's groups and more prompts in flight: it rises
+    # first, then the prompts in flight.
+    assert len(changes) >= 2 and changes[0].key == QUEUE and changes[0].outcome == "kept"
+    raised = [c for c in changes if c.key == INFLIGHT]
+    assert len(raised) >= 1 and raised[0].outcome == "kept"
     assert all(c.key in knobs.LIVE_KEYS and c.cause for c in changes)
     rows = read_metrics(out)
     assert len(rows) == 40
@@ -280,7 +305,7 @@ def test_a_simulated_run_from_a_poor_setting_is_retuned_and_says_so_everywhere(
     assert columns[0] == 1 and max(columns) > 1
     assert all(f"autopilot/{key}" in row for row in rows for key in knobs.LIVE_KEYS)
     # A metrics row holds the value the step ran with: the change lands the step after.
-    first = changes[0]
+    first = raised[0]
     assert columns[first.step - 1] == first.old and columns[first.step] == first.new
     capsys.readouterr()
     assert main(["report", str(out)]) == 0
