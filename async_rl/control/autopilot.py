@@ -8,9 +8,8 @@ up: see ``Autopilot._candidates``; the queue first when it could not hold a step
 and the prompts then in flight: ``Autopilot._room_first``), or, when the window after
 a move trained slower than the window before it by more than the noise band (at the
 earlier window's group lengths: ``Window.at_lengths_of``), that move taken back. The
-rules, the
-shares they read and the range of each key are below; the advice they follow is the
-idle report's (``async_rl.analysis.idle.HINTS``), whose words go into each move's cause.
+rules, the shares they read and the range of each key are below; the advice they follow
+is the idle report's (``async_rl.analysis.idle.HINTS``), whose words go into each move's cause.
 Knows nothing about how a window is measured or how a move is applied
 (``async_rl.control.live_tuning``).
 
