@@ -227,10 +227,11 @@ class Autopilot:
                 f"trainer waited for data {waits:.0%}{_speedup(speedup)}",
                 ("rollout", "queue_full")), speedup))
         if waits >= WORTH_A_MOVE and max(gate, full) < WORTH_A_MOVE:
+            starved = (f"trainer waited {waits:.0%} of the window for data at "
+                       f"{self.values.get(INFLIGHT, 0)} prompts in flight per rollout "
+                       f"worker{_speedup(speedup)}")
             found.append(self._room_first(Rule(waits, INFLIGHT, 1, _cause(
-                f"trainer waited {waits:.0%} of the window for data at "
-                f"{self.values.get(INFLIGHT, 0)} prompts in flight per rollout worker"
-                f"{_speedup(speedup)}", ("trainer", "wait_data")), speedup)))
+                starved, ("trainer", "wait_data")), speedup), starved))
         if waits < NEVER_WAITS and full >= WORTH_A_MOVE:
             found.append(Rule(full, STALENESS, -1,
                           f"rollout waited on a full queue {full:.0%} of the window and the "
@@ -243,11 +244,12 @@ class Autopilot:
         return found
 
 
-    def _room_first(self, raise_inflight: Rule) -> Rule:
+    def _room_first(self, raise_inflight: Rule, starved: str) -> Rule:
         """``raise_inflight``, or the queue's rise before it when the queue could not
         hold a step's groups plus every prompt then in flight: the slots would wait on a
         full queue in bursts between the trainer's takes (measured on the long-tail job:
-        16 in flight over a 16-group queue made 1.9 s steps where 8 made 0.9 s)."""
+        16 in flight over a 16-group queue made 1.9 s steps where 8 made 0.9 s).
+        ``starved``: what the trainer's wait measured, the start of either move's cause."""
         if INFLIGHT not in self.values or QUEUE not in self.values:
             return raise_inflight
         target = self._next_rung(raise_inflight) or self.values[INFLIGHT]
@@ -257,7 +259,7 @@ class Autopilot:
         if queue >= room:
             return raise_inflight
         return Rule(raise_inflight.share, QUEUE, 1, _cause(
-            f"{raise_inflight.cause.split(' (')[0]}; a queue of {queue} cannot hold a "
+            f"{starved}; a queue of {queue} cannot hold a "
             f"step's {step_groups} groups and the {target * workers} prompts that would be "
             "in flight, so it rises first", ("trainer", "wait_data")), room / queue)
 

@@ -76,7 +76,7 @@ class LiveTuning:
 
     async def after_step(self, step: int, groups: int,
                          results: Sequence[ShardStepResult], wait_s: float,
-                         tokens: int = 0) -> None:
+                         tokens: int) -> None:
         """A step trained ``groups`` of ``tokens`` in all after waiting ``wait_s`` for
         them; at a window's end, the autopilot's move (if any) applies before the next
         step."""
