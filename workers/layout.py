@@ -1,11 +1,12 @@
 """The layout: which worker is which, and on CPU which cores each one owns.
 
 Owns: the explicit identity of every worker (``WorkerIdentity``: role, rank, node,
-devices), the planned identities of a run's workers before any actor exists (``Layout``)
-and ``assign_cpus``, which hands each worker its own cores so that rollout and training
-behave like separate accelerators (``own_role_identities`` for the reference and the
-critic on cores of their own). Plain Python: the simulator lays a CPU machine out as
-a real run would. Knows nothing about Ray or what workers do.
+devices), the planned identities of a run's workers before any actor exists (``Layout``),
+the cores a run lays out (``usable_cores``) and ``assign_cpus``, which hands each worker
+its own cores so that rollout and training behave like separate accelerators
+(``own_role_identities`` for the reference and the critic on cores of their own). Plain
+Python: the simulator lays a CPU machine out as a real run would. Knows nothing about Ray
+or what workers do.
 """
 
 from __future__ import annotations
@@ -54,6 +55,12 @@ class Layout(msgspec.Struct, frozen=True, kw_only=True):
     colocated: bool
 
 
+def usable_cores() -> tuple[int, ...]:
+    """The cores a run lays its workers out on, in the order the roles take them (rollout
+    first): this process's, lowest first."""
+    return tuple(sorted(os.sched_getaffinity(0)))
+
+
 def assign_cpus(
     num_rollout: int, cpus_per_rollout: int, num_trainer: int, cpus_per_trainer: int,
     *, available: tuple[int, ...] | None = None, colocated: bool = False,
@@ -64,7 +71,7 @@ def assign_cpus(
     cores are reused round-robin within the role (contention then shows up as slower
     compute, never as a failure). Co-located: both roles get the same cores.
     """
-    cores = tuple(sorted(available if available is not None else os.sched_getaffinity(0)))
+    cores = tuple(sorted(available)) if available is not None else usable_cores()
 
     def take(start: int, count: int, width: int) -> list[tuple[int, ...]]:
         return [
@@ -94,7 +101,7 @@ def own_role_identities(layout: Layout, roles: Sequence[tuple[Role, int]], cpus_
     """The workers of the roles placed on devices of their own (``roles``: each role and
     its count), ``cpus_each`` cores each, on the cores after the trainer shards' and
     round-robin over the node's cores when there are too few (as ``assign_cpus``)."""
-    cores = tuple(sorted(available if available is not None else os.sched_getaffinity(0)))
+    cores = tuple(sorted(available)) if available is not None else usable_cores()
     taken = [c for w in (*layout.rollout, *layout.trainer) for c in w.devices]
     start = cores.index(taken[-1]) + 1 if taken and taken[-1] in cores else 0
     out: list[WorkerIdentity] = []

@@ -23,6 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from async_rl.analysis.idle import busy_fraction
 from buffers.common.records import Group, Prompt
 from buffers.common.reports import BroadcastTiming
+from workers import layout
 from workers.model_config import ModelConfig
 from workers.rollout.config import RolloutConfig
 from workers.rollout.spec import RolloutSpec
@@ -128,7 +129,7 @@ def make_worker(model_dir: Path) -> Any:
                                   stream_tokens=True),
             weights=WEIGHTS,
             seed=0,
-            cpu_ids=(0,),
+            cpu_ids=layout.usable_cores()[:1],
         ),
         WorkerTask(reward_fn=starts_with_digit),
     )

@@ -45,7 +45,7 @@ output_dir = "{tmp_path / 'run'}"
 progress = false
 """)
     out = tmp_path / "tuned.toml"
-    assert main(["tune", str(job), "--budget-s", "400", "--out", str(out)]) == 0
+    assert main(["tune", str(job), "--budget-s", "150", "--out", str(out)]) == 0
     console = capsys.readouterr().out
     assert "measured groups/s" in console  # the candidates' table with the real checks
 

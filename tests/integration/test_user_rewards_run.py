@@ -24,6 +24,7 @@ from async_rl.cli import main
 from async_rl.run.run_dir import read_evals, read_ledger, read_metrics
 from async_rl.shell.ray_shell import run_training
 from buffers.common.records import Prompt
+from workers import layout
 from workers.model_config import ModelConfig
 from workers.rewards.runner import UserRewards
 from workers.rewards.spec import RewardSpec
@@ -175,7 +176,8 @@ def test_the_engine_sees_the_chat_templates_prompt_token_ids(
     worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16).remote(
         RolloutSpec(rank=0, model=ModelConfig(path=str(tiny_model_dir)),
                     rollout=RolloutConfig(group_size=2, max_new_tokens=4, max_inflight_prompts=1),
-                    weights=WeightsConfig(transport="gloo"), cpu_ids=(0,)),
+                    weights=WeightsConfig(transport="gloo"),
+                    cpu_ids=layout.usable_cores()[:1]),
         WorkerTask(
             reward_fn=lambda p, c: 0.0, prompt_format=fmt,
             user_rewards=UserRewards(specs=(RewardSpec(function=f"{rewards}:compute_score"),),

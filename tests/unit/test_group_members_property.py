@@ -63,7 +63,7 @@ def members(draw: st.DrawFn) -> tuple[str, Sample]:
                         text="")  # an empty completion: no policy token either
 
 
-@settings(max_examples=500, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(members(), min_size=1, max_size=8), st.booleans(),
        st.sampled_from(("none", "mask", "penalty")), st.integers(0, 2), st.integers(0, 8))
 def test_only_members_reach_the_advantages_the_filter_and_the_loss(

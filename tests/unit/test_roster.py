@@ -13,6 +13,7 @@ from hypothesis import strategies as st
 
 from async_rl.config import Config
 from async_rl.roster import Bundle, Roster, Start, registry_table, roster
+from workers import layout
 from workers.eval.spec import EvaluatorSpec
 from workers.layout import WorkerIdentity
 from workers.rollout.spec import RolloutSpec
@@ -250,3 +251,11 @@ def test_every_config_gives_each_role_its_count_of_uniquely_named_workers(
     registry = got.registry(placed)
     assert len(registry) == workers + shards + int(own)
     assert all(isinstance(w, WorkerIdentity) for w in registry)
+
+
+def test_without_cores_given_the_run_lays_out_on_usable_cores_in_their_order(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    assert layout.usable_cores() == tuple(sorted(layout.usable_cores()))  # lowest first
+    monkeypatch.setattr(layout, "usable_cores", lambda: (5, 2, 7, 3))
+    got = roster(config(**PPO_OWN))
+    assert [e.devices for e in got.entries] == [(5,), (2,), (7,), (3,), (5,)]
