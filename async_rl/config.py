@@ -201,6 +201,12 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
                 f"must be <= staleness.max_staleness + 1 ({self.staleness.max_staleness + 1}):"
                 " rollout would run weights older than the staleness bound allows",
             )
+        ahead = self.staleness.max_ahead
+        if 0 <= ahead < self.weights.sync_every - 1:
+            raise invalid("staleness.max_ahead", ahead,
+                          f"must be >= weights.sync_every - 1 ({self.weights.sync_every - 1})"
+                          " or -1: the trainer would wait for groups the gate admits only"
+                          " once a version it has not yet published is delivered")
         if self.weights.transport == "ipc" and not (
                 self.run.colocate and self.rollout.num_workers == 1
                 and self.trainer.num_shards == 1):

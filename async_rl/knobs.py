@@ -186,9 +186,9 @@ def bounds(key: str, config: Config) -> Range:
         "rollout.max_inflight_prompts": (1, BIG),
         "queue.max_groups": (config.trainer.groups_per_step, BIG),
         "trainer.micro_batch_tokens": (shortest_micro_batch, BIG * 16),
-        "staleness.max_staleness": (config.weights.sync_every - 1,
+        "staleness.max_staleness": (_least_staleness(config),
                                     config.staleness.max_staleness),
-        "weights.sync_every": (1, config.staleness.max_staleness + 1),
+        "weights.sync_every": (1, config.staleness.admission_ahead + 1),
         SPLIT: (_split_step(config), split_total(config) - _split_step(config)),
         "rollout.cpus_per_worker": (1, machine_cores(config)),
         "trainer.cpus_per_shard": (1, machine_cores(config)),
@@ -202,8 +202,14 @@ def bounds(key: str, config: Config) -> Range:
 def ceiling_bounds(key: str, config: Config) -> Range:
     """``bounds``, with staleness allowed past the config's own value (``--allow``)."""
     if key == "staleness.max_staleness":
-        return (config.weights.sync_every - 1, 64)
+        return (_least_staleness(config), 64)
     return bounds(key, config)
+
+
+def _least_staleness(config: Config) -> int:
+    """The lowest staleness.max_staleness a trial's config may have: what
+    weights.sync_every needs, and no lower than a staleness.max_ahead that is set."""
+    return max(config.weights.sync_every - 1, config.staleness.max_ahead)
 
 
 def _split_step(config: Config) -> int:

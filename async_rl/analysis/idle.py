@@ -239,7 +239,7 @@ HINTS = {
     ("trainer", "wait_critic"): "trainer waits for the critic's own workers: raise "
                                 'critic.num_shards or set critic.placement = "trainer"',
     ("rollout", "gate_closed"): "rollout waits at the staleness gate: raise max_staleness "
-                                "or add trainer shards",
+                                "(max_ahead, where set) or add trainer shards",
     ("rollout", "queue_full"): "rollout waits on a full queue: raise queue.max_groups or "
                                "train faster",
     ("rollout", "no_work"): "rollout has no prompts: raise rollout.max_inflight_prompts",

@@ -72,3 +72,27 @@ class StalenessConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
 
     max_staleness: NonNegative = 2
     """Hard bound η on (trained version - oldest token version); 0 = synchronous on-policy."""
+    max_ahead: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """How many policy versions generation may run ahead of training: a prompt starts
+    only while ``started < (version + max_ahead + 1) * groups_per_step``, while
+    max_staleness stays the bound past which a group is dropped (verl's split of how
+    far the rollout may run ahead from the off-policy bound). -1: max_staleness, one
+    knob for both. Below max_staleness, a group that comes back late (the long tail)
+    has the versions between the two to arrive in and still train, where one knob
+    would either drop it or hold the whole pipeline to its pace. Above max_staleness it
+    is refused: a prompt admitted that far ahead could not train within the drop bound,
+    so its group would be generated only to be thrown away. At least
+    weights.sync_every - 1. While the autopilot holds max_staleness below it,
+    admission follows max_staleness."""
+
+    @property
+    def admission_ahead(self) -> int:
+        """The versions generation may run ahead: max_ahead, or max_staleness at -1."""
+        return self.max_staleness if self.max_ahead < 0 else self.max_ahead
+
+    def __post_init__(self) -> None:
+        if self.max_ahead > self.max_staleness:
+            raise invalid("staleness.max_ahead", self.max_ahead,
+                          f"must be <= staleness.max_staleness ({self.max_staleness}) or -1:"
+                          " a prompt admitted further ahead could never train within the"
+                          " drop bound")

@@ -1,9 +1,13 @@
 """The admission gate: AReaL's staleness rule applied before a prompt starts.
 
 Owns: the count of started groups, the current policy version, and the rule that a
-prompt may start only while ``started < (version + max_staleness + 1) * groups_per_step``
-(so no group can be more than ``max_staleness`` versions old when its step trains it;
-the bound may change while a run trains: ``set_max_staleness``).
+prompt may start only while ``started < (version + ahead + 1) * groups_per_step``, where
+``ahead`` is ``max_ahead`` (staleness.max_ahead: how far generation may run ahead of
+training) capped at ``max_staleness``, or ``max_staleness`` itself when no ``max_ahead``
+is set. So a prompt starts at most ``ahead`` versions before the step its place in line
+falls to, and a group trained by that step is at most ``ahead`` versions old; one that
+comes back later has ``max_staleness - ahead`` versions more before the queue drops it.
+The bounds may change while a run trains: ``set_max_staleness``.
 Knows nothing about prompts, rollout workers or the queue: callers ``acquire`` a slot
 before starting a prompt and ``release`` it when the start is cancelled or failed, or when
 the queue drops the group as stale and the prompt is re-queued (without that give-back
@@ -32,7 +36,7 @@ class GateStatistics(msgspec.Struct, frozen=True, kw_only=True):
     started: int
     """Slots held: admitted minus released (plus what a restore brought)."""
     limit: int
-    """``(version + max_staleness + 1) * groups_per_step``."""
+    """``(version + ahead + 1) * groups_per_step`` (``AdmissionGate.ahead``)."""
     open_slots: int
     admitted_total: int
     released_total: int
@@ -72,30 +76,38 @@ class _GateWaiter:
 class AdmissionGate:
     """Counts started groups against the staleness budget of the current version.
 
-    With ``max_staleness == 0`` it admits exactly ``groups_per_step`` prompts per version:
-    synchronous on-policy training. Slots are handed to waiters in FIFO order. Like the
-    queue, ``acquire`` does not yield to the event loop when a slot is open.
+    With ``max_staleness == 0`` (or ``max_ahead == 0``) it admits exactly
+    ``groups_per_step`` prompts per version: synchronous on-policy training. Slots are
+    handed to waiters in FIFO order. Like the queue, ``acquire`` does not yield to the
+    event loop when a slot is open.
     """
 
     @classmethod
     def from_config(cls, staleness: StalenessConfig, *, groups_per_step: int,
                     clock: Callable[[], float] = time.perf_counter) -> AdmissionGate:
-        """The gate of staleness.max_staleness, for steps of ``groups_per_step`` groups
-        (trainer.groups_per_step)."""
+        """The gate of staleness.max_staleness and staleness.max_ahead (-1: none), for
+        steps of ``groups_per_step`` groups (trainer.groups_per_step)."""
         return cls(groups_per_step=groups_per_step, max_staleness=staleness.max_staleness,
+                   max_ahead=None if staleness.max_ahead < 0 else staleness.max_ahead,
                    clock=clock)
 
-    def __init__(self, *, groups_per_step: int, max_staleness: int, version: int = 0,
+    def __init__(self, *, groups_per_step: int, max_staleness: int,
+                 max_ahead: int | None = None, version: int = 0,
                  clock: Callable[[], float] = time.perf_counter) -> None:
-        """``clock``: what waits are timed with (a simulation passes its virtual clock)."""
+        """``max_ahead``: how many versions generation may run ahead (None: as many as
+        ``max_staleness``; more than it admits only ``max_staleness``). ``clock``: what
+        waits are timed with (a simulation passes its virtual clock)."""
         if groups_per_step < 1:
             raise ValueError(f"groups_per_step={groups_per_step}: must be >= 1")
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness}: must be >= 0")
+        if max_ahead is not None and max_ahead < 0:
+            raise ValueError(f"max_ahead={max_ahead}: must be >= 0 (None: max_staleness)")
         if version < 0:
             raise ValueError(f"version={version}: must be >= 0")
         self.groups_per_step = groups_per_step
         self.max_staleness = max_staleness
+        self.max_ahead = max_ahead
         self._clock = clock
         self._version = version
         self._started = 0
@@ -115,8 +127,17 @@ class AdmissionGate:
         return self._started
 
     @property
+    def ahead(self) -> int:
+        """Versions generation may run ahead now: ``max_ahead`` capped at
+        ``max_staleness`` (a run retuned below it admits no further than it may train),
+        or ``max_staleness`` without one."""
+        if self.max_ahead is None:
+            return self.max_staleness
+        return min(self.max_ahead, self.max_staleness)
+
+    @property
     def limit(self) -> int:
-        return (self._version + self.max_staleness + 1) * self.groups_per_step
+        return (self._version + self.ahead + 1) * self.groups_per_step
 
     @property
     def open_slots(self) -> int:
@@ -177,8 +198,9 @@ class AdmissionGate:
 
     def set_max_staleness(self, max_staleness: int) -> None:
         """A new bound (a run retuned while it trains): raised, waiters get the slots it
-        opens; lowered, no prompt starts until the version catches up with the slots
-        held (groups already started that end too stale are the queue's to drop)."""
+        opens (up to ``max_ahead``, if set); lowered, no prompt starts until the version
+        catches up with the slots held (groups already started that end too stale are
+        the queue's to drop)."""
         if max_staleness < 0:
             raise ValueError(f"max_staleness={max_staleness}: must be >= 0")
         self.max_staleness = max_staleness
