@@ -144,7 +144,13 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     not modelled: an engine or a trainer shard holds every expert."""
     kv_bytes_per_token: NonNegative = 0
     """KV-cache bytes one token of context holds (2 x layers x kv heads x head dim x
-    bytes); 0 = from model.path's config.json."""
+    bytes; latent attention: layers x (kv_lora_rank + qk_rope_head_dim) x bytes; a
+    hybrid's full-attention layers only); 0 = from model.path's config.json."""
+    state_bytes_per_sequence: NonNegativeFloat = 0.0
+    """Fixed bytes every running sequence holds in a hybrid model's linear-attention
+    layers (Gated DeltaNet, Kimi Delta Attention: their recurrent and convolution
+    states), read every decode step and reserved in the KV cache; 0 = from
+    model.path's config.json (none without linear-attention layers)."""
     attention_width: NonNegative = 0
     """Layers x query heads x head dim: training a sequence of T tokens costs 6 x this x
     T^2 FLOPs of causal attention besides 6 x parameters x T; 0 = from model.path's

@@ -19,8 +19,9 @@ its own; the others wait in the engine's queue, first come first served, and the
 counts how many waited and how long (``kv_queued``, ``kv_wait_s``). Time-shared
 devices (run.colocate = "time"): ``release`` stops the engine at a step boundary and
 frees its devices (``engine_release_s``) until ``take_back`` (then it reloads:
-``Costs.reload``), its requests kept. Knows nothing about prompts, groups or the
-orchestrator.
+``Costs.reload``), its requests kept. A sequence of a model with linear-attention layers
+reserves its fixed state too (``Costs.state_tokens``). Knows nothing about prompts,
+groups or the orchestrator.
 """
 
 from __future__ import annotations
@@ -283,7 +284,8 @@ class SimEngine:
     def _admit(self) -> None:
         admitted = 0
         for request in self._waiting:
-            need = request.prompt_tokens + sum(request.lengths)
+            state = self.costs.state_tokens  # a linear-attention sequence's fixed state
+            need = request.prompt_tokens + sum(request.lengths) + state * len(request.lengths)
             if (self.kv_limit is not None and self.kv_reserved + need > self.kv_limit
                     and self._running):  # alone, it runs whatever its size
                 request.queued = True
@@ -300,7 +302,8 @@ class SimEngine:
             offset = request.prompt_tokens - self.step
             share = request.prompt_tokens / len(request.lengths)
             for length in request.lengths:
-                bisect.insort(self._ends, (self.step + length, offset, length + share))
+                bisect.insort(self._ends, (self.step + length, offset,
+                                           length + share + state))
             self._running += len(request.lengths)
             self._evaluating += len(request.lengths) if request.evaluate else 0
             self._offset += offset * len(request.lengths)

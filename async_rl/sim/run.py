@@ -55,7 +55,8 @@ def simulation_costs(config: Config) -> Costs:
     shape = model_shape(config.model.path, config.model.dtype, parameters=sim.parameters,
                         kv_bytes_per_token=sim.kv_bytes_per_token,
                         attention_width=sim.attention_width,
-                        active_parameters=sim.active_parameters)
+                        active_parameters=sim.active_parameters,
+                        state_bytes_per_sequence=sim.state_bytes_per_sequence)
     lora = config.model.lora
     if lora.enabled:  # a version, and the gradients, are the adapters'
         shape = msgspec.structs.replace(shape, adapter_parameters=adapter_parameters(
