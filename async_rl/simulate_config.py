@@ -102,6 +102,9 @@ class Architecture(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 WeightsPath = Literal["direct", "gathered"]
 """How a framework moves a weight version (docs/simulator.md, "A weight version's stages")."""
+RefitOffload = Literal["none", "optimizer", "all"]
+"""What a time-shared trainer offloads while the engines generate (docs/simulator.md,
+"Time-shared devices")."""
 class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What ``async-rl simulate`` needs besides the run's own sections: the hardware,
     the lengths and the model's size (``async-rl train`` ignores this section)."""
@@ -193,6 +196,18 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     its update (the proximal, or verl's and NeMo RL's old log-prob pass): "trainer" as the
     real trainer makes it (several updates a step, trainer.tis_cap > 0), "always" (verl,
     NeMo RL), "never"."""
+    refit_offload: RefitOffload = "optimizer"
+    """run.colocate = "time": what the trainer moves to host memory while the engines
+    generate, and back before its step: "optimizer" (its state: Adam's moments and fp32
+    master weights), "all" (those and its weights: NeMo RL's and slime's offload), or
+    "none". Not counted when hardware gives engine_release_s / engine_reload_s."""
+    optimizer_bytes_per_parameter: NonNegativeFloat = 12.0
+    """Bytes of optimizer state per trained parameter (Adam in mixed precision: two fp32
+    moments and an fp32 master copy, 12); what refit_offload = "optimizer" moves."""
+    sleep_level: Literal[1, 2] = 2
+    """run.colocate = "time": vLLM's sleep level of a releasing engine: 2 discards its
+    weights (the new version replaces them), 1 offloads them to host memory and brings
+    them back on waking (its devices' share over the host link each way)."""
     detail: Positive = 16
     """Rollout engines the trace (trace.json) shows one by one when there are more:
     this many evenly spaced ranks, plus the most idle few; every trainer shard is kept,

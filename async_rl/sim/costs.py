@@ -25,6 +25,9 @@ seconds:
   to every engine at once over one pair group each, so the sends share its link. With
   LoRA (model.lora.rank > 0) a version, and the gradients all-reduced, are the adapters'
   (``adapter_parameters``) alone;
+- time-shared devices (run.colocate = "time"): an engine's release and reload, derived
+  from the bytes offloaded, resharded and copied (``async_rl.sim.refit``) unless the
+  hardware gives them;
 - the PPO roles beside a trainer shard (placement "trainer", on its devices): a forward
   pass (the frozen reference's logprobs, the critic's values) costs a third of a
   micro-batch's forward and backward, the critic's update a micro-batch's forward and
@@ -45,6 +48,7 @@ import msgspec
 from async_rl.sim.architecture import attention_state, mlp_parameters, moe_layout
 from async_rl.sim.hardware_file import Hardware
 from async_rl.sim.parallel import Collectives, Dims, Layout, Links
+from async_rl.sim.refit import RefitStages, refit_stages
 from async_rl.sim.version_stages import VersionPath, VersionStages
 from buffers.common.config import ConfigError
 from workers.model_config import LoraConfig, lora_features
@@ -96,6 +100,9 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     """0: the model's (bytes_per_parameter)."""
     version_fraction: float = 1.0
     recompute: bool = False
+    refit_offload: str = "optimizer"  # time-shared devices: async_rl.sim.refit
+    optimizer_bytes_per_parameter: float = 12.0
+    sleep_level: int = 2
 
 
 def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
@@ -225,6 +232,17 @@ class Costs:
             interconnect=h.interconnect_bandwidth, publish_s=h.publish_s,
             load_s=h.weight_load_s, member_s=h.weight_member_s)
         """A version's stages (simulate.weights_path)."""
+        self.refit: RefitStages = refit_stages(
+            weight_bytes=self.weight_bytes,
+            trained_bytes=self.trained_parameters * model.bytes_per_parameter,
+            version_bytes=self.version_bytes,
+            optimizer_bytes=self.trained_parameters * plan.optimizer_bytes_per_parameter,
+            offload=plan.refit_offload, sleep_level=plan.sleep_level,
+            trainer_devices=trainer * plan.shards, holders=self.version_path.holders,
+            engine_devices=rollout, host_bandwidth=self.version_path.host_bandwidth,
+            memory_bandwidth=h.memory_bandwidth * h.memory_efficiency, links=links,
+            release_s=h.engine_release_s, reload_s=h.engine_reload_s)
+        """A time-shared turn's parts (run.colocate = "time")."""
 
     def decode_step(self, running: int, context: float) -> float:
         """One engine step of ``running`` sequences holding ``context`` tokens in all."""
@@ -314,13 +332,14 @@ class Costs:
                 f"{self.weight_bytes / 1e9:.1f} GB of weights")
         return (room - self.weight_bytes) / self.model.kv_bytes_per_token
 
+    def release(self) -> float:
+        """run.colocate = "time": an engine frees its devices for a training step."""
+        return self.refit.release_s
+
     def reload(self) -> float:
-        """run.colocate = "time": an engine takes its devices back after a training step
-        and copies the new version (with LoRA, the adapters) from the trainer's memory on
-        the same devices."""
-        h = self.hardware
-        return h.engine_reload_s + self.version_bytes / (
-            h.memory_bandwidth * h.devices_per_rollout_worker * h.memory_efficiency)
+        """run.colocate = "time": an engine takes its devices back after the step and
+        copies the new version (with LoRA, the adapters) within them."""
+        return self.refit.reload_s
 
     def publish(self) -> float:
         """The trainer's part of a version: its gather, conversion and staging."""

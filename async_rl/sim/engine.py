@@ -18,10 +18,11 @@ busy on the engine's cores slows its steps (``slow_down``). With a KV-cache boun
 its own; the others wait in the engine's queue, first come first served, and the engine
 counts how many waited and how long (``kv_queued``, ``kv_wait_s``). Time-shared
 devices (run.colocate = "time"): ``release`` stops the engine at a step boundary and
-frees its devices (``engine_release_s``) until ``take_back`` (then it reloads:
-``Costs.reload``), its requests kept. A sequence of a model with linear-attention layers
-reserves its fixed state too (``Costs.state_tokens``). Knows nothing about prompts,
-groups or the orchestrator.
+frees its devices (``Costs.release``) until ``take_back`` (then it reloads:
+``Costs.reload``), its requests kept; a derived reload also recomputes the KV cache of
+the sequences it kept (a prefill of their context: the sleep freed it). A sequence of a
+model with linear-attention layers reserves its fixed state too (``Costs.state_tokens``).
+Knows nothing about prompts, groups or the orchestrator.
 """
 
 from __future__ import annotations
@@ -103,6 +104,8 @@ class SimEngine:
         self.kv_queued = 0
         self.kv_wait_s = 0.0
         self.releases = 0
+        self.recompute_s = 0.0
+        """Seconds spent recomputing the KV cache a release freed."""
         self._release: Load | None = None
         """A release asked for: the engine stops at its next step boundary."""
         self._back: asyncio.Future[None] | None = None
@@ -257,6 +260,10 @@ class SimEngine:
         await self._back
         self.spans.switch("weight_sync", self.version)
         reload = self.costs.reload()
+        if self.costs.refit.derived and self._running:  # the KV cache the sleep freed
+            recompute = self.costs.prefill(self._offset + self._running * self.step)
+            self.recompute_s += recompute
+            reload += recompute
         await asyncio.sleep(reload)
         self.busy_s += release.pause_s + reload
 
