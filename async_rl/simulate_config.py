@@ -102,6 +102,9 @@ class Architecture(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 WeightsPath = Literal["direct", "gathered"]
 """How a framework moves a weight version (docs/simulator.md, "A weight version's stages")."""
+RefitOffload = Literal["none", "optimizer", "all"]
+"""What a time-shared trainer offloads while the engines generate (docs/simulator.md,
+"Time-shared devices")."""
 class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
     """What ``async-rl simulate`` needs besides the run's own sections: the hardware,
     the lengths and the model's size (``async-rl train`` ignores this section)."""
@@ -144,7 +147,13 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     not modelled: an engine or a trainer shard holds every expert."""
     kv_bytes_per_token: NonNegative = 0
     """KV-cache bytes one token of context holds (2 x layers x kv heads x head dim x
-    bytes); 0 = from model.path's config.json."""
+    bytes; latent attention: layers x (kv_lora_rank + qk_rope_head_dim) x bytes; a
+    hybrid's full-attention layers only); 0 = from model.path's config.json."""
+    state_bytes_per_sequence: NonNegativeFloat = 0.0
+    """Fixed bytes every running sequence holds in a hybrid model's linear-attention
+    layers (Gated DeltaNet, Kimi Delta Attention: their recurrent and convolution
+    states), read every decode step and reserved in the KV cache; 0 = from
+    model.path's config.json (none without linear-attention layers)."""
     attention_width: NonNegative = 0
     """Layers x query heads x head dim: training a sequence of T tokens costs 6 x this x
     T^2 FLOPs of causal attention besides 6 x parameters x T; 0 = from model.path's
@@ -187,6 +196,18 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     its update (the proximal, or verl's and NeMo RL's old log-prob pass): "trainer" as the
     real trainer makes it (several updates a step, trainer.tis_cap > 0), "always" (verl,
     NeMo RL), "never"."""
+    refit_offload: RefitOffload = "optimizer"
+    """run.colocate = "time": what the trainer moves to host memory while the engines
+    generate, and back before its step: "optimizer" (its state: Adam's moments and fp32
+    master weights), "all" (those and its weights: NeMo RL's and slime's offload), or
+    "none". Not counted when hardware gives engine_release_s / engine_reload_s."""
+    optimizer_bytes_per_parameter: NonNegativeFloat = 12.0
+    """Bytes of optimizer state per trained parameter (Adam in mixed precision: two fp32
+    moments and an fp32 master copy, 12); what refit_offload = "optimizer" moves."""
+    sleep_level: Literal[1, 2] = 2
+    """run.colocate = "time": vLLM's sleep level of a releasing engine: 2 discards its
+    weights (the new version replaces them), 1 offloads them to host memory and brings
+    them back on waking (its devices' share over the host link each way)."""
     detail: Positive = 16
     """Rollout engines the trace (trace.json) shows one by one when there are more:
     this many evenly spaced ranks, plus the most idle few; every trainer shard is kept,

@@ -55,6 +55,12 @@ class SimStats(msgspec.Struct, frozen=True, kw_only=True):
     version_stages: dict[str, float] = {}
     """Seconds of each stage of one version into every engine (gather, convert, stage,
     transfer, load)."""
+    refit: dict[str, float] = {}
+    """Time-shared: seconds of one turn, ``release`` and ``reload``, and the parts of a
+    derived one (engine_offload, trainer_onload; trainer_offload, reshard, engine_onload;
+    copy: async_rl.sim.refit)."""
+    recompute_s: float = 0.0
+    """Time-shared: seconds the engines spent recomputing the KV cache a release freed."""
 
 
 class StepSplit(msgspec.Struct, frozen=True, kw_only=True):
@@ -155,6 +161,21 @@ def _idle_line(role: Breakdown) -> str:
             + (", ".join(f"{c} {pct(s, role.wall_s)}" for s, c in causes) or "none"))
 
 
+def _turn(refit: dict[str, float], recompute_s: float) -> str:
+    """One time-shared turn: its release and reload, each split into the parts sim.json
+    keeps that moved anything ("given": the hardware's fixed cost)."""
+    def side(name: str, parts: Sequence[tuple[str, str]]) -> str:
+        shown = ["given"] if parts[0][0] not in refit else []
+        shown += [f"{label} {refit[key]:.2f}" for key, label in parts if refit.get(key)]
+        return f"{name} {refit.get(name, 0.0):.2f} s ({', '.join(shown) or 'nothing moved'})"
+    return (side("release", (("engine_offload", "engine out"),
+                             ("trainer_onload", "trainer in")))
+            + " + " + side("reload", (("trainer_offload", "trainer out"),
+                                      ("reshard", "reshard"),
+                                      ("engine_onload", "engine in"), ("copy", "copy")))
+            + (f"; KV recomputed {recompute_s:.2f} s in all" if recompute_s else ""))
+
+
 def result_table(run_dir: Path, roles: Sequence[Breakdown]) -> Table:
     """The run's result (see the module docstring): at most ``RESULT_LINES`` lines."""
     s = read_summary(run_dir)
@@ -209,6 +230,8 @@ def result_table(run_dir: Path, roles: Sequence[Breakdown]) -> Table:
     if stats and stats.time_shared:
         table.add_row("time-shared", f"engines released their devices {stats.releases} "
                       "times for training (no weight bytes over the network)")
+        if stats.refit:
+            table.add_row("  a turn", _turn(stats.refit, stats.recompute_s))
     if not stats:
         table.add_row("accuracy", f"{s.accuracy_start} -> {s.accuracy_end}")
     return table

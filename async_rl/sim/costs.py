@@ -25,6 +25,9 @@ seconds:
   to every engine at once over one pair group each, so the sends share its link. With
   LoRA (model.lora.rank > 0) a version, and the gradients all-reduced, are the adapters'
   (``adapter_parameters``) alone;
+- time-shared devices (run.colocate = "time"): an engine's release and reload, derived
+  from the bytes offloaded, resharded and copied (``async_rl.sim.refit``) unless the
+  hardware gives them;
 - the PPO roles beside a trainer shard (placement "trainer", on its devices): a forward
   pass (the frozen reference's logprobs, the critic's values) costs a third of a
   micro-batch's forward and backward, the critic's update a micro-batch's forward and
@@ -39,16 +42,16 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import msgspec
 
+from async_rl.sim.architecture import attention_state, mlp_parameters, moe_layout
 from async_rl.sim.hardware_file import Hardware
 from async_rl.sim.parallel import Collectives, Dims, Layout, Links
+from async_rl.sim.refit import RefitStages, refit_stages
 from async_rl.sim.version_stages import VersionPath, VersionStages
 from buffers.common.config import ConfigError
 from workers.model_config import LoraConfig, lora_features
-from workers.model_config import kv_bytes_per_token as kv_bytes
 
 FORWARD_SHARE = 1 / 3
 """A forward pass alone over a forward and backward: 2 of the 6 FLOPs per parameter and
@@ -65,6 +68,9 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     """Those one token passes through (a mixture of experts': shared and routed-to
     experts): the FLOPs of training, decode and prefill; 0: all of them."""
     kv_bytes_per_token: float
+    state_bytes_per_sequence: float = 0.0
+    """Fixed bytes each running sequence holds beside its KV cache (linear-attention
+    layers' state: ``async_rl.sim.attention_state``)."""
     bytes_per_parameter: float
     """Of the weights as rollout and training hold them (model.dtype)."""
     attention_width: float = 0.0
@@ -94,22 +100,29 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     """0: the model's (bytes_per_parameter)."""
     version_fraction: float = 1.0
     recompute: bool = False
+    refit_offload: str = "optimizer"  # time-shared devices: async_rl.sim.refit
+    optimizer_bytes_per_parameter: float = 12.0
+    sleep_level: int = 2
 
 
 def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
                 kv_bytes_per_token: float = 0.0, attention_width: float = 0.0,
-                active_parameters: float = 0.0) -> ModelShape:
+                active_parameters: float = 0.0, state_bytes_per_sequence: float = 0.0
+                ) -> ModelShape:
     """The model's size: given figures win, the rest is counted from its config.json (a
     Qwen2/Llama-style decoder, its feed-forward layers dense or mixtures of experts:
     ``mlp_parameters``). A mixture of experts' active parameters are counted with its
     parameters, when neither is given. With parameters and kv_bytes_per_token given and
-    no config.json, attention is counted only if ``attention_width`` is given."""
+    no config.json, attention is counted only if ``attention_width`` is given. The KV
+    bytes, a sequence's fixed state and attention's width follow the attention kind
+    config.json names (``async_rl.sim.attention_state``: full, latent or linear)."""
     width = 2.0 if dtype in ("bfloat16", "float16", "auto") else 4.0
     path = Path(model_path) / "config.json"
     if parameters and kv_bytes_per_token and (attention_width or not path.is_file()):
         return ModelShape(parameters=parameters, kv_bytes_per_token=kv_bytes_per_token,
                           bytes_per_parameter=width, attention_width=attention_width,
-                          active_parameters=active_parameters)
+                          active_parameters=active_parameters,
+                          state_bytes_per_sequence=state_bytes_per_sequence)
     if not path.is_file():
         raise ConfigError(f"config error: simulate.parameters = {parameters:g}: model.path "
                           f"{model_path!r} has no config.json to count them from: give "
@@ -123,6 +136,7 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
     attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
     if c.get("attention_bias", c.get("model_type") == "qwen2"):  # Qwen2: q, k, v biases
         attention += head_dim * (heads + 2 * kv_heads)
+    kind = attention_state(c, width)
     mlp, active_mlp = mlp_parameters(c)
     embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
     rest = layers * (attention + 2 * hidden) + embeddings + hidden
@@ -131,55 +145,13 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
     moe_layers, routed = moe_layout(c)
     return ModelShape(parameters=parameters or float(rest + mlp),
                       active_parameters=active_parameters,
-                      kv_bytes_per_token=kv_bytes_per_token or kv_bytes(c, width),
+                      kv_bytes_per_token=kv_bytes_per_token or kind.kv_bytes_per_token,
+                      state_bytes_per_sequence=(state_bytes_per_sequence
+                                                or kind.state_bytes_per_sequence),
                       bytes_per_parameter=width,
-                      attention_width=attention_width or float(layers * heads * head_dim),
+                      attention_width=attention_width or kind.attention_width,
                       layers=layers, hidden=hidden, moe_layers=moe_layers,
                       experts_per_token=routed)
-
-
-def moe_layout(c: dict[str, Any]) -> tuple[int, int]:
-    """(layers with experts, experts per token) of the decoder whose config.json is ``c``:
-    (0, 0) for a dense one. Layers in ``mlp_only_layers``, off ``decoder_sparse_step``
-    (Qwen) or among the first ``first_k_dense_replace`` (DeepSeek) are dense."""
-    layers = c["num_hidden_layers"]
-    experts = (c.get("num_experts") or c.get("num_local_experts")
-               or c.get("n_routed_experts") or 0)
-    if not experts:
-        return 0, 0
-    routed = c.get("num_experts_per_tok") or c.get("experts_per_token") or 1
-    dense_only, step = set(c.get("mlp_only_layers") or ()), c.get("decoder_sparse_step") or 1
-    first = c.get("first_k_dense_replace") or 0
-    moe = sum(1 for i in range(first, layers) if i not in dense_only and (i + 1) % step == 0)
-    return moe, min(routed, experts)
-
-
-def mlp_parameters(c: dict[str, Any]) -> tuple[int, int]:
-    """The feed-forward parameters of every layer of the decoder whose config.json is
-    ``c``: all of them, and those one token passes through.
-
-    A dense layer has gate, up and down projections of ``intermediate_size``. A
-    mixture-of-experts layer (``num_experts`` or ``num_local_experts`` experts, of
-    ``moe_intermediate_size``, else ``intermediate_size``, each) holds its router
-    (hidden x experts), every expert and the shared expert of
-    ``shared_expert_intermediate_size`` with its one-output gate, if any; a token passes
-    through the router, ``num_experts_per_tok`` experts and the shared one. Layers in
-    ``mlp_only_layers``, or off the ``decoder_sparse_step`` (Qwen's MoE configs), are
-    dense. Biases and a MoE's router biases are not counted. Dense: the two are equal.
-    """
-    hidden, layers = c["hidden_size"], c["num_hidden_layers"]
-    dense = 3 * hidden * c["intermediate_size"]
-    experts = c.get("num_experts") or c.get("num_local_experts") or 0
-    if not experts:
-        return layers * dense, layers * dense
-    routed = c.get("num_experts_per_tok") or c.get("experts_per_token") or 1
-    expert = 3 * hidden * (c.get("moe_intermediate_size") or c["intermediate_size"])
-    shared_width = c.get("shared_expert_intermediate_size") or 0
-    shared = 3 * hidden * shared_width + (hidden if shared_width else 0)
-    moe_layers, _ = moe_layout(c)
-    fixed = (layers - moe_layers) * dense + moe_layers * (hidden * experts + shared)
-    return (fixed + moe_layers * experts * expert,
-            fixed + moe_layers * min(routed, experts) * expert)
 
 
 def adapter_parameters(model_path: str, lora: LoraConfig, per_rank: float = 0.0) -> float:
@@ -227,6 +199,11 @@ class Costs:
         bandwidth = h.memory_bandwidth * rollout * h.memory_efficiency
         self._weights_read_s = self.weight_bytes / bandwidth
         self._kv_read_s = model.kv_bytes_per_token / bandwidth
+        self._state_read_s = model.state_bytes_per_sequence / bandwidth
+        """Seconds of reading one running sequence's fixed state (linear attention)."""
+        self.state_tokens = (model.state_bytes_per_sequence / model.kv_bytes_per_token
+                             if model.kv_bytes_per_token else 0.0)
+        """A sequence's fixed state in KV-cache tokens (what it reserves besides its own)."""
         flops = 8 if plan.recompute else 6  # a second forward with recompute
         self._forward_share = 2 / flops
         train_flop_s = 1 / (h.peak_flops * trainer * h.train_mfu)
@@ -255,11 +232,23 @@ class Costs:
             interconnect=h.interconnect_bandwidth, publish_s=h.publish_s,
             load_s=h.weight_load_s, member_s=h.weight_member_s)
         """A version's stages (simulate.weights_path)."""
+        self.refit: RefitStages = refit_stages(
+            weight_bytes=self.weight_bytes,
+            trained_bytes=self.trained_parameters * model.bytes_per_parameter,
+            version_bytes=self.version_bytes,
+            optimizer_bytes=self.trained_parameters * plan.optimizer_bytes_per_parameter,
+            offload=plan.refit_offload, sleep_level=plan.sleep_level,
+            trainer_devices=trainer * plan.shards, holders=self.version_path.holders,
+            engine_devices=rollout, host_bandwidth=self.version_path.host_bandwidth,
+            memory_bandwidth=h.memory_bandwidth * h.memory_efficiency, links=links,
+            release_s=h.engine_release_s, reload_s=h.engine_reload_s)
+        """A time-shared turn's parts (run.colocate = "time")."""
 
     def decode_step(self, running: int, context: float) -> float:
         """One engine step of ``running`` sequences holding ``context`` tokens in all."""
         compute = self._decode_flop_s * running
-        memory = self._weights_read_s + self._kv_read_s * context
+        memory = (self._weights_read_s + self._kv_read_s * context
+                  + self._state_read_s * running)
         c = self.collectives
         return (self.hardware.decode_step_s + max(compute, memory) + c.decode_fixed_s
                 + c.decode_token_s * running)
@@ -270,7 +259,8 @@ class Costs:
         if steps <= 0:
             return 0.0
         a = self._decode_flop_s * running  # compute: the same every step
-        b = self._weights_read_s + self._kv_read_s * context  # memory at step 0 ...
+        b = (self._weights_read_s + self._kv_read_s * context  # memory at step 0 ...
+             + self._state_read_s * running)
         c = self._kv_read_s * running  # ... grows by c a step
         # Steps before the memory term overtakes compute run at a; the rest at b + c*s.
         first = steps if c <= 0 and b < a else max(0, min(steps, _ceil_div(a - b, c)))
@@ -342,13 +332,14 @@ class Costs:
                 f"{self.weight_bytes / 1e9:.1f} GB of weights")
         return (room - self.weight_bytes) / self.model.kv_bytes_per_token
 
+    def release(self) -> float:
+        """run.colocate = "time": an engine frees its devices for a training step."""
+        return self.refit.release_s
+
     def reload(self) -> float:
-        """run.colocate = "time": an engine takes its devices back after a training step
-        and copies the new version (with LoRA, the adapters) from the trainer's memory on
-        the same devices."""
-        h = self.hardware
-        return h.engine_reload_s + self.version_bytes / (
-            h.memory_bandwidth * h.devices_per_rollout_worker * h.memory_efficiency)
+        """run.colocate = "time": an engine takes its devices back after the step and
+        copies the new version (with LoRA, the adapters) within them."""
+        return self.refit.reload_s
 
     def publish(self) -> float:
         """The trainer's part of a version: its gather, conversion and staging."""

@@ -18,9 +18,11 @@ busy on the engine's cores slows its steps (``slow_down``). With a KV-cache boun
 its own; the others wait in the engine's queue, first come first served, and the engine
 counts how many waited and how long (``kv_queued``, ``kv_wait_s``). Time-shared
 devices (run.colocate = "time"): ``release`` stops the engine at a step boundary and
-frees its devices (``engine_release_s``) until ``take_back`` (then it reloads:
-``Costs.reload``), its requests kept. Knows nothing about prompts, groups or the
-orchestrator.
+frees its devices (``Costs.release``) until ``take_back`` (then it reloads:
+``Costs.reload``), its requests kept; a derived reload also recomputes the KV cache of
+the sequences it kept (a prefill of their context: the sleep freed it). A sequence of a
+model with linear-attention layers reserves its fixed state too (``Costs.state_tokens``).
+Knows nothing about prompts, groups or the orchestrator.
 """
 
 from __future__ import annotations
@@ -102,6 +104,8 @@ class SimEngine:
         self.kv_queued = 0
         self.kv_wait_s = 0.0
         self.releases = 0
+        self.recompute_s = 0.0
+        """Seconds spent recomputing the KV cache a release freed."""
         self._release: Load | None = None
         """A release asked for: the engine stops at its next step boundary."""
         self._back: asyncio.Future[None] | None = None
@@ -256,6 +260,10 @@ class SimEngine:
         await self._back
         self.spans.switch("weight_sync", self.version)
         reload = self.costs.reload()
+        if self.costs.refit.derived and self._running:  # the KV cache the sleep freed
+            recompute = self.costs.prefill(self._offset + self._running * self.step)
+            self.recompute_s += recompute
+            reload += recompute
         await asyncio.sleep(reload)
         self.busy_s += release.pause_s + reload
 
@@ -283,7 +291,8 @@ class SimEngine:
     def _admit(self) -> None:
         admitted = 0
         for request in self._waiting:
-            need = request.prompt_tokens + sum(request.lengths)
+            state = self.costs.state_tokens  # a linear-attention sequence's fixed state
+            need = request.prompt_tokens + sum(request.lengths) + state * len(request.lengths)
             if (self.kv_limit is not None and self.kv_reserved + need > self.kv_limit
                     and self._running):  # alone, it runs whatever its size
                 request.queued = True
@@ -300,7 +309,8 @@ class SimEngine:
             offset = request.prompt_tokens - self.step
             share = request.prompt_tokens / len(request.lengths)
             for length in request.lengths:
-                bisect.insort(self._ends, (self.step + length, offset, length + share))
+                bisect.insort(self._ends, (self.step + length, offset,
+                                           length + share + state))
             self._running += len(request.lengths)
             self._evaluating += len(request.lengths) if request.evaluate else 0
             self._offset += offset * len(request.lengths)

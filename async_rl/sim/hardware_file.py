@@ -43,13 +43,14 @@ class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     device_memory: float = 0.0
     """Bytes of one device's memory: with rollout.memory_fraction, the weights and the
     KV bytes per token, what bounds an engine's KV cache (0: not bounded)."""
-    engine_release_s: float = 0.0
+    engine_release_s: float | None = None
     """run.colocate = "time": fixed seconds an engine takes to release its devices to a
-    training step (vLLM's sleep: its KV cache freed, its weights kept or offloaded)."""
-    engine_reload_s: float = 0.0
+    training step (vLLM's sleep: its KV cache freed, its weights kept or offloaded).
+    Not given: derived from the bytes the turn moves (``async_rl.sim.refit``)."""
+    engine_reload_s: float | None = None
     """run.colocate = "time": fixed seconds an engine takes to take its devices back
     after the step (wake up, the KV cache allocated anew), besides copying the new
-    weights in device memory."""
+    weights in device memory. Not given: derived (``async_rl.sim.refit``)."""
     decode_step_s: float = 0.0
     """Fixed seconds per engine step (scheduling, sampling, launches)."""
     micro_batch_s: float = 0.0
@@ -92,7 +93,7 @@ class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """Seconds of one small collective across nodes."""
     host_bandwidth: float = 0.0
     """Bytes/s between one device and its host's memory (PCIe): staging a gathered weight
-    version; 0: memory_bandwidth."""
+    version, offloading and reloading a time-shared turn's state; 0: memory_bandwidth."""
     sources: tuple[str, ...] = ()
     """Where the figures come from (data sheets, papers, a calibration run)."""
 
@@ -117,5 +118,7 @@ def hardware_toml(hardware: Hardware) -> str:
     lines = []
     for name in Hardware.__struct_fields__:
         value = getattr(hardware, name)
+        if value is None:  # not given: TOML has no null
+            continue
         lines.append(f"{name} = {json.dumps(list(value) if isinstance(value, tuple) else value)}")
     return "\n".join(lines) + "\n"

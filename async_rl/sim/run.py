@@ -35,7 +35,7 @@ from async_rl.sim.lengths import length_law
 from async_rl.sim.parallel import rollout_layout, trainer_layout
 from async_rl.sim.roles import SimRoles, SimRoleStages
 from async_rl.sim.rollout import SimEvaluator, SimRollout
-from async_rl.sim.timeshare import SimLocalWeights, check_time_shared, time_shared
+from async_rl.sim.timeshare import SimLocalWeights, check_time_shared, refit_record, time_shared
 from async_rl.sim.weight_path import SimWeights
 from async_rl.sim.workers import SimTrainer, SimTraining
 from async_rl.tasks.sources import ArithmeticTask, PromptSource
@@ -55,7 +55,8 @@ def simulation_costs(config: Config) -> Costs:
     shape = model_shape(config.model.path, config.model.dtype, parameters=sim.parameters,
                         kv_bytes_per_token=sim.kv_bytes_per_token,
                         attention_width=sim.attention_width,
-                        active_parameters=sim.active_parameters)
+                        active_parameters=sim.active_parameters,
+                        state_bytes_per_sequence=sim.state_bytes_per_sequence)
     lora = config.model.lora
     if lora.enabled:  # a version, and the gradients, are the adapters'
         shape = msgspec.structs.replace(shape, adapter_parameters=adapter_parameters(
@@ -100,7 +101,10 @@ def simulation_plan(config: Config, hardware: Hardware) -> Plan:
     return Plan(rollout=rollout, trainer=trainer, shards=shards,
                 weights_path=sim.weights_path,
                 version_bytes_per_parameter=sim.version_bytes_per_parameter,
-                version_fraction=sim.version_fraction, recompute=sim.recompute == "full")
+                version_fraction=sim.version_fraction, recompute=sim.recompute == "full",
+                refit_offload=sim.refit_offload,
+                optimizer_bytes_per_parameter=sim.optimizer_bytes_per_parameter,
+                sleep_level=sim.sleep_level)
 
 
 def _task(config: Config) -> tuple[PromptSource, Sequence[Prompt]]:
@@ -178,5 +182,7 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
         time_shared=time_shared(config), weights_path=config.simulate.weights_path,
         version_stages=msgspec.structs.asdict(costs.version_stages(
             config.rollout.num_workers, config.weights.bucket_mb << 20)),
-        releases=sum(e.releases for e in engines.values())))))
+        releases=sum(e.releases for e in engines.values()),
+        refit=refit_record(costs) if time_shared(config) else {},
+        recompute_s=sum(e.recompute_s for e in engines.values())))))
     return summary

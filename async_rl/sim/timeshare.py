@@ -2,11 +2,12 @@
 
 Owns: what changes when rollout engines and trainer shards take turns on the same
 devices, as verl's hybrid engine does (and a one-GPU user must): ``check_time_shared``
-(the two roles must span the same devices) and ``SimLocalWeights``, the weight path of
+(the two roles must span the same devices), ``SimLocalWeights``, the weight path of
 such a run: no snapshot to send, no bytes over the interconnect, each engine only told
-its new version. The hand-over itself is ``SimTraining``'s (before a step every engine
-releases its devices, after it each takes them back and reloads: ``SimEngine.release``).
-Knows nothing about the orchestrator's rules.
+its new version, and ``refit_record``: a turn's costs as sim.json keeps them. The
+hand-over itself is ``SimTraining``'s (before a step every engine releases its devices,
+after it each takes them back and reloads: ``SimEngine.release``). Knows nothing about
+the orchestrator's rules.
 """
 
 from __future__ import annotations
@@ -37,6 +38,20 @@ def check_time_shared(config: Config, costs: Costs) -> None:
             f"devices (rollout.num_workers x devices_per_rollout_worker) and the trainer "
             f"shards {shards} (trainer.num_shards x devices_per_trainer_shard): "
             "time-shared roles take turns on the same devices")
+
+
+def refit_record(costs: Costs) -> dict[str, float]:
+    """One turn's seconds for sim.json: ``release`` and ``reload`` in all, and the parts
+    of each that was derived (``async_rl.sim.refit``; a side the hardware gives has
+    none)."""
+    r = costs.refit
+    parts: dict[str, float] = {"release": r.release_s, "reload": r.reload_s}
+    if r.release_given is None:
+        parts |= {"engine_offload": r.engine_offload, "trainer_onload": r.trainer_onload}
+    if r.reload_given is None:
+        parts |= {"trainer_offload": r.trainer_offload, "reshard": r.reshard,
+                  "engine_onload": r.engine_onload}
+    return parts | {"copy": r.copy}
 
 
 class SimLocalWeights:

@@ -131,7 +131,7 @@ class SimTraining:
         no-op when they already have, or without time-sharing."""
         if self.time_shared and not self._released:
             self._released = True
-            releases = [engine.release(self.costs.hardware.engine_release_s)
+            releases = [engine.release(self.costs.release())
                         for engine in self.engines.values()]
             for release in releases:
                 await release.done

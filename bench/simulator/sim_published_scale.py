@@ -44,8 +44,10 @@ def sync_seconds(s: Sync) -> float:
     costs = Costs(hardware, shape, Plan(
         trainer=Layout(tp=s.holders, given=s.path == "gathered"), shards=1, weights_path=path,
         version_bytes_per_parameter=s.bytes_per_parameter))
-    if s.path == "time":
-        return hardware.engine_release_s + costs.reload()
+    if s.path == "time":  # the fixed costs as committed: the file's 0 at the time
+        costs = Costs(msgspec.structs.replace(hardware, engine_release_s=0.0,
+                                              engine_reload_s=0.0), shape, costs.plan)
+        return costs.release() + costs.reload()
     stages = costs.version_stages(s.receivers, BUCKET)
     return stages.trainer_s + stages.transfer + stages.load
 

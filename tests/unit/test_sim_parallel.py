@@ -10,7 +10,8 @@ import msgspec
 import pytest
 
 from async_rl.config import Config
-from async_rl.sim.costs import Costs, ModelShape, Plan, moe_layout
+from async_rl.sim.architecture import moe_layout
+from async_rl.sim.costs import Costs, ModelShape, Plan
 from async_rl.sim.hardware_file import load_hardware
 from async_rl.sim.parallel import Collectives, Dims, Layout, Links, all_reduce, all_to_all
 from async_rl.sim.run import simulation_costs

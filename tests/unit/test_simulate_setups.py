@@ -61,6 +61,7 @@ def test_set_reaches_every_hardware_key(tmp_path: Path) -> None:
     overrides = []
     for i, key in enumerate(keys):
         value = getattr(base, key)
+        value = 0.0 if value is None else value  # not given: derived (engine_reload_s)
         new = (value + i + 1 if isinstance(value, int)
                else round(min(value * 0.5, 1.0) + 0.001 * i, 6))
         overrides.append(f"simulate.hardware_overrides.{key}={new}")
