@@ -208,6 +208,13 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """run.colocate = "time": vLLM's sleep level of a releasing engine: 2 discards its
     weights (the new version replaces them), 1 offloads them to host memory and brings
     them back on waking (its devices' share over the host link each way)."""
+    preemption_step: NonNegative = 0
+    """At the end of this step (the instant a checkpoint would be taken), count what a
+    stop there would cost (sim.json's ``stop``, a line of the result): the replay queue's
+    groups the checkpoint keeps (and how many would be too stale to train at its version
+    on resume), the in-flight rollouts' tokens it loses (generated again from scratch),
+    and each engine's in-flight tokens (what replacing that engine there loses). The
+    simulated run goes on unchanged; 0 = off. At most run.num_steps."""
     detail: Positive = 16
     """Rollout engines the trace (trace.json) shows one by one when there are more:
     this many evenly spaced ranks, plus the most idle few; every trainer shard is kept,

@@ -7,7 +7,8 @@ steps counted as filling it: the first max_staleness + 1, when there are more),
 ``StalenessSplit`` (the run's staleness in flight and in queue, over its trained tokens)
 and ``result_table``: throughput, the split, idle by role and cause, staleness, and what
 the simulator
-counted of its own (sim.json: requests queued for KV-cache room, time-shared releases),
+counted of its own (sim.json: requests queued for KV-cache room, time-shared releases,
+what a stop at simulate.preemption_step costs: ``StopCost``),
 in at most ``RESULT_LINES`` lines whatever the cluster size. Knows nothing about how the
 run was executed.
 """
@@ -29,6 +30,62 @@ RESULT_LINES = 30
 """The most lines ``result_table`` prints (a test holds it to that)."""
 SIM_STATS = "sim.json"
 """What a simulated run counted besides a real run's record (``SimStats``)."""
+
+
+class StopCost(msgspec.Struct, frozen=True, kw_only=True):
+    """What a stop at the end of simulate.preemption_step would keep and lose
+    (``async_rl.sim.preemption``). Tokens are completion tokens; seconds, those tokens
+    at the run's mean generation rate until then, all engines together."""
+
+    step: int
+    version: int
+    """The checkpoint's version: the resumed run's first."""
+    at_s: float
+    """When (virtual seconds)."""
+    generated_tokens: int
+    """Every rollout's tokens generated until then (evaluations not counted)."""
+    tokens_per_s: float
+    """Their mean rate: generated_tokens over the seconds since the first request."""
+    kept_groups: int
+    """The replay queue's groups, which the checkpoint keeps."""
+    kept_tokens: int
+    kept_s: float
+    stale_groups: int
+    """Of the kept groups, those too stale to train at the checkpoint's version
+    (version - oldest token's version > the queue's max_staleness): dropped on resume,
+    their prompts generated again."""
+    stale_tokens: int
+    owed_prompts: int
+    """Prompts admitted, not trained and not queued: a resume generates them again."""
+    lost_rollouts: int
+    """Of those, the ones with tokens generated (in flight, or finished and not yet in
+    the queue)."""
+    lost_tokens: int
+    lost_s: float
+    done_tokens: int
+    """Tokens of groups trained or dropped before the stop: generated_tokens =
+    done_tokens + kept_tokens + lost_tokens."""
+    engine_lost_tokens: tuple[int, ...] = ()
+    """Each engine's share of lost_tokens: what replacing that engine then loses."""
+
+    @property
+    def regenerated(self) -> float:
+        """Of the work not yet trained (kept and lost), the fraction a resume generates
+        again (the lost, and the kept groups too stale to train)."""
+        pending = self.kept_tokens + self.lost_tokens
+        return (self.lost_tokens + self.stale_tokens) / pending if pending else 0.0
+
+
+def stop_cost_line(cost: StopCost) -> str:
+    """One line of the result: what a stop at the end of its step costs."""
+    worst = max(cost.engine_lost_tokens, default=0)
+    return (f"after step {cost.step} (version {cost.version}): checkpoint keeps "
+            f"{cost.kept_groups} queued groups, {cost.kept_tokens:,} tokens "
+            f"({cost.kept_s:.1f} s of generation; {cost.stale_groups} too stale on "
+            f"resume); loses {cost.lost_rollouts} in-flight rollouts, "
+            f"{cost.lost_tokens:,} tokens ({cost.lost_s:.1f} s), generated again; "
+            f"{cost.regenerated:.0%} of the untrained work regenerated; replacing "
+            f"one engine loses at most {worst:,} tokens")
 
 
 class SimStats(msgspec.Struct, frozen=True, kw_only=True):
@@ -61,6 +118,8 @@ class SimStats(msgspec.Struct, frozen=True, kw_only=True):
     copy: async_rl.sim.refit)."""
     recompute_s: float = 0.0
     """Time-shared: seconds the engines spent recomputing the KV cache a release freed."""
+    stop: StopCost | None = None
+    """simulate.preemption_step: what a stop at the end of that step costs (None: off)."""
 
 
 class StepSplit(msgspec.Struct, frozen=True, kw_only=True):
@@ -227,6 +286,8 @@ def result_table(run_dir: Path, roles: Sequence[Breakdown]) -> Table:
                       f"{stats.requests} requests waited for room "
                       f"({pct(stats.kv_queued, stats.requests)}), "
                       f"{stats.kv_wait_s:.0f} s in all")
+    if stats and stats.stop:
+        table.add_row("a stop", stop_cost_line(stats.stop))
     if stats and stats.time_shared:
         table.add_row("time-shared", f"engines released their devices {stats.releases} "
                       "times for training (no weight bytes over the network)")

@@ -115,6 +115,8 @@ class SimEngine:
         self.spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
                                   device=f"sim:{rank}", clock=clock, enabled=record_spans)
         self.step = 0
+        self._stretch: tuple[float, float] | None = None
+        """While decoding towards an event: when the stretch began, its prefill's s."""
         self._waiting: list[Request] = []
         self._loads: list[Load] = []
         self._ends: list[tuple[int, int, float]] = []
@@ -141,11 +143,29 @@ class SimEngine:
                        evaluate: bool = False, after: float = 0.0) -> Request:
         """Runs the sequences; returns their request ``after`` seconds past the end of
         the last (one timer instead of a sleep of the caller's: a task step less)."""
+        request = self.submit(prompt_tokens, lengths, evaluate=evaluate, after=after)
+        await request.done
+        return request
+
+    def submit(self, prompt_tokens: int, lengths: tuple[int, ...], *,
+               evaluate: bool = False, after: float = 0.0) -> Request:
+        """``generate`` without the wait: the request, its ``done`` settled later."""
         request = Request(prompt_tokens, lengths, evaluate, after, self.clock())
         self._waiting.append(request)
         self._wake()
-        await request.done
         return request
+
+    def step_now(self) -> int:
+        """The last step boundary passed at this instant (mid-stretch too: the engine
+        sums a stretch's steps only when it wakes)."""
+        if self._stretch is None:
+            return self.step
+        began, prefill = self._stretch
+        budget = self.clock() - began - prefill
+        if budget <= 0 or not self._requests:
+            return self.step
+        step, seconds = self._walk(self._requests[0][0], budget)
+        return step if seconds <= budget else step - 1
 
     def load(self, version: int, wire_s: float, load_s: float,
              start: asyncio.Future[None] | None = None) -> Load:
@@ -212,12 +232,13 @@ class SimEngine:
                 target = min(target, self._ends[0][0])
             planned = self._prefill + self._time_to(target)
             began = self.clock()
+            self._stretch = (began, self._prefill)
             if await self._sleep(planned):  # woken: the step in progress ends first
                 elapsed = self.clock() - began
                 target = self._steps_within(elapsed - self._prefill)
                 await asyncio.sleep(max(self._prefill + self._time_to(target) - elapsed, 0.0))
             self.busy_s += self.clock() - began
-            self._prefill = 0.0
+            self._prefill, self._stretch = 0.0, None
             self._advance(target)
 
     def _wake(self) -> None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 import zlib
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 import anyio
 import msgspec
@@ -24,6 +25,9 @@ from async_rl.sim.lengths import LengthLaw, prompt_tokens
 from buffers.common.records import Group, Prompt
 from buffers.common.reports import EvalResult, UsageReading
 from workers.common.spans import Span
+
+if TYPE_CHECKING:
+    from async_rl.sim.preemption import Preemption
 
 Clock = Callable[[], float]
 """The virtual clock every simulated worker reads."""
@@ -40,9 +44,10 @@ class SimRollout:
     """One rollout worker: see the module docstring."""
 
     def __init__(self, rank: int, engine: SimEngine, config: Config, lengths: LengthLaw,
-                 clock: Clock) -> None:
+                 clock: Clock, preemption: Preemption | None = None) -> None:
+        """``preemption``: told of every request (simulate.preemption_step)."""
         self.rank, self.engine, self.config, self.lengths = rank, engine, config, lengths
-        self.clock = clock
+        self.clock, self.preemption = clock, preemption
         self._call_s = engine.costs.hardware.call_s
         self._rng = random.Random()
         """Reseeded per group (cheaper than a new one): its rewards' draws."""
@@ -59,8 +64,12 @@ class SimRollout:
         cfg = self.config
         completions = self._completions(prompt, cfg.rollout.group_size)
         length = prompt_tokens(cfg, prompt)
-        request = await self.engine.generate(length, completions,
-                                             after=cfg.simulate.reward_s + self._call_s)
+        request = self.engine.submit(length, completions,
+                                     after=cfg.simulate.reward_s + self._call_s)
+        if self.preemption is not None:
+            self.preemption.submitted((prompt.prompt_id, prompt.attempt), self.engine,
+                                      self.rank, request)
+        await request.done
         rng = self._rng
         rng.seed(zlib.crc32(f"reward:{prompt.prompt_id}:{prompt.attempt}".encode()))
         cap = cfg.rollout.max_new_tokens

@@ -8,7 +8,8 @@ and ``simulation_costs``. Checkpoints are off (run.checkpoint_every = 0: the end
 run still writes one, of no weights). Admission, the queue, the staleness rules, the
 balancing plan, the ledger and the evaluation schedule are the real ones. Writes
 sim.json besides (``SimStats``: the KV-cache bound and how often requests waited for it,
-time-shared releases). Knows nothing about how the costs are computed
+time-shared releases, what a stop at simulate.preemption_step costs:
+``async_rl.sim.preemption``). Knows nothing about how the costs are computed
 (``async_rl.sim.costs``) or what the workers do inside.
 """
 
@@ -33,6 +34,7 @@ from async_rl.sim.engine import SimEngine
 from async_rl.sim.hardware_file import Hardware, load_hardware
 from async_rl.sim.lengths import length_law
 from async_rl.sim.parallel import rollout_layout, trainer_layout
+from async_rl.sim.preemption import Preemption, ProbedOrchestrator
 from async_rl.sim.roles import SimRoles, SimRoleStages
 from async_rl.sim.rollout import SimEvaluator, SimRollout
 from async_rl.sim.timeshare import SimLocalWeights, check_time_shared, refit_record, time_shared
@@ -132,6 +134,11 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
     if time_shared(config):
         check_time_shared(config, costs)
     kv_limit = costs.kv_tokens(config.rollout.memory_fraction)
+    at_step = config.simulate.preemption_step
+    if at_step > config.run.num_steps:
+        raise ConfigError(f"config error: simulate.preemption_step = {at_step}: after the "
+                          f"run's last step (run.num_steps = {config.run.num_steps})")
+    probe: list[Preemption] = []
     engines: dict[int, SimEngine] = {}
     out = RunWriter(config.run.output_dir, config, simulated=costs.hardware.name,
                     line_flushed=False)
@@ -139,6 +146,8 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
     async def main() -> RunSummary:
         # The loop's own time() (what virtual_now reads), without looking the loop up.
         clock = asyncio.get_running_loop().time
+        preemption = Preemption(at_step, clock) if at_step else None
+        probe.extend([preemption] if preemption else [])
         engines.update({rank: SimEngine(rank, costs, clock,
                                         drain=config.weights.update_mode == "drain",
                                         record_spans=config.run.record_spans,
@@ -146,7 +155,7 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
                         for rank in range(config.rollout.num_workers)})
         training = SimTraining(config, costs, clock, engines)
         rollout: dict[int, RolloutClient] = {
-            rank: SimRollout(rank, engine, config, lengths, clock)
+            rank: SimRollout(rank, engine, config, lengths, clock, preemption)
             for rank, engine in engines.items()}
         trainers: list[TrainerClient] = [SimTrainer(rank, training)
                                          for rank in range(config.trainer.num_shards)]
@@ -162,7 +171,10 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
                           evaluator=evaluator,
                           stages=[SimRoleStages(rank, roles)
                                   for rank in range(config.trainer.num_shards)] if roles else [])
-        orchestrator = Orchestrator(config, out, source, eval_prompts, workers, clock=clock)
+        orchestrator = (
+            Orchestrator(config, out, source, eval_prompts, workers, clock=clock)
+            if preemption is None else ProbedOrchestrator(
+                preemption, config, out, source, eval_prompts, workers, clock=clock))
         async with anyio.create_task_group() as running:
             for engine in engines.values():
                 running.start_soon(engine.run)
@@ -184,5 +196,6 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
             config.rollout.num_workers, config.weights.bucket_mb << 20)),
         releases=sum(e.releases for e in engines.values()),
         refit=refit_record(costs) if time_shared(config) else {},
-        recompute_s=sum(e.recompute_s for e in engines.values())))))
+        recompute_s=sum(e.recompute_s for e in engines.values()),
+        stop=probe[0].cost if probe else None))))
     return summary
