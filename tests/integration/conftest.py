@@ -1,7 +1,6 @@
 """Shared fixtures of the integration tests (marker ``ray``): real Ray, real vLLM CPU build.
 
-Owns: the order modules are handed to the xdist processes (``SLOWEST_FIRST``),
-``process_cores``, which starts each pytest-xdist process's runs on a core of its
+Owns: ``process_cores``, which starts each pytest-xdist process's runs on a core of its
 own, ``ray_cluster``, a local Ray started per test module and always shut down
 afterwards, so no Ray context leaks from one module into the next, and ``ray_shutdown``
 (``ray_shutdown_module`` for a module's fixture).
@@ -18,22 +17,6 @@ import pytest
 import ray
 
 from workers import layout
-
-SLOWEST_FIRST = ("test_stop_resume", "test_failures", "test_ppo_run", "test_trainer",
-                 "test_user_rewards_run", "test_moe_run", "test_tune_run", "test_ppo_own_run",
-                 "test_async_grpo", "test_environment_run")
-"""The modules that take longest (several minutes each beside another), handed out first:
-``--dist loadscope`` gives each process the next module in collection order, and in
-alphabetical order the longest came last, leaving one process alone with them at the
-end. The rest keep their order after these."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    def rank(item: pytest.Item) -> int:
-        name = item.path.stem
-        return SLOWEST_FIRST.index(name) if name in SLOWEST_FIRST else len(SLOWEST_FIRST)
-
-    items.sort(key=rank)  # stable: each module's tests keep their order
 
 
 @pytest.fixture(scope="session", autouse=True)
