@@ -17,13 +17,15 @@ import logging
 import os
 import signal
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import anyio
+import psutil
 import ray
+from ray._private import worker as ray_worker
 from ray.util.placement_group import remove_placement_group
 
 from async_rl.config import Config
@@ -153,7 +155,7 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
         raise failure from None
     finally:
         if started_ray:
-            ray.shutdown()
+            shutdown_local_ray()
     if summary is None:
         raise RunInterrupted(stops.received[-1])
     return summary
@@ -201,10 +203,59 @@ def start_ray(config: Config, plan: Roster, verbose: bool) -> bool:
         ray.init(address=config.run.ray_address, namespace=NAMESPACE, **console)
     else:
         # "local": a new Ray for this run, never one already running on the machine.
-        ray.init(address="local", num_cpus=max(config.run.num_cpus, plan.cpus),
-                 include_dashboard=False, _node_ip_address="127.0.0.1",
-                 namespace=NAMESPACE, **console)
+        with sigterm_blocked():
+            ray.init(address="local", num_cpus=max(config.run.num_cpus, plan.cpus),
+                     include_dashboard=False, _node_ip_address="127.0.0.1",
+                     namespace=NAMESPACE, **console)
     return True
+
+
+@contextlib.contextmanager
+def sigterm_blocked() -> Iterator[None]:
+    """SIGTERM blocked in this thread while it starts Ray's processes: they (Ray's control
+    store, its raylet, and through it every worker and engine process) inherit the mask
+    across fork and exec, so a scheduler's SIGTERM to every process of the job stays
+    pending in them while the driver stops the run cleanly. A handler they install does
+    not unblock it; ``kill_leftovers`` ends them with SIGKILL after Ray's shutdown.
+    A SIGTERM to the driver meanwhile is delivered when the block ends."""
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
+
+
+def shutdown_local_ray() -> None:
+    """Shuts down the Ray this run started (``sigterm_blocked``: its processes keep SIGTERM
+    pending). The driver disconnects as in ``ray.shutdown``; Ray's processes then get
+    SIGKILL at once (a SIGTERM, ``ray.shutdown``'s first try, would leave each pending
+    for a second's wait), and so does every process below them still alive (a worker,
+    an engine or a log forwarder): nothing of the run is left behind."""
+    node = getattr(ray_worker, "_global_node", None)
+    processes = [info.process.pid for infos in node.all_processes.values()
+                 for info in infos] if node is not None else []
+    tree = _with_descendants(processes)
+    ray_worker._global_node = None  # so ray.shutdown only disconnects
+    try:
+        ray.shutdown()
+    finally:
+        if node is not None:
+            if node.is_head():
+                node.destroy_external_storage()
+            node.kill_all_processes(check_alive=False, allow_graceful=False, wait=True)
+        for process in tree:
+            with contextlib.suppress(psutil.Error):
+                process.kill()
+        psutil.wait_procs(tree, timeout=10)
+
+
+def _with_descendants(pids: Sequence[int]) -> list[psutil.Process]:
+    processes: list[psutil.Process] = []
+    for pid in pids:
+        with contextlib.suppress(psutil.Error):
+            process = psutil.Process(pid)
+            processes += [process, *process.children(recursive=True)]
+    return processes
 
 
 async def serve(job: Job, out: RunWriter, stops: StopSignals) -> RunSummary | None:

@@ -12,6 +12,9 @@
   test_environment_run.py's run at 1) are each trained once, without being generated
   again, and no prompt is both queued and owed. SIGINT in process is the
   LoRA test's stop (and test_ppo_run's, test_environment_run's).
+- SIGTERM to the run's whole process group (the driver and Ray's own processes) at
+  once, as a scheduler's stop sends it: exit 143 within 30 s, nothing of the run left,
+  and ``--resume`` trains every prompt once.
 - GRPO with the KL term in the loss to a reference of its own (reference.path, the
   long-tail warm start: another model of the policy's architecture and tokenizer): those
   runs have it, and ``kl/mean`` and ``kl/max`` are in every row, positive from the first
@@ -244,6 +247,54 @@ def test_stop_and_resume_trains_what_a_straight_run_trains(
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a), worst
 
 
+def test_sigterm_to_the_whole_process_group_stops_cleanly_and_resumes(
+    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
+) -> None:
+    """SIGTERM to the run's whole process group (the driver and Ray's own processes: its
+    control store, raylet and agents) at once, as a scheduler's stop sends it. Ray's
+    processes keep it pending, so the driver stops the run as for its own SIGTERM: exit
+    143 within Slurm's 30 s before SIGKILL, nothing of the run left, and the resume
+    trains every prompt once. (Ray's workers lead process groups of their own.)"""
+    out, steps = tmp_path / "run", STEPS
+    checked = config(tiny_model_dir, out, steps=steps)
+    toml = tmp_path / "config.toml"
+    toml.write_text(to_toml(msgspec.structs.replace(
+        checked, run=msgspec.structs.replace(checked.run, stop_timeout_s=20.0))))
+    command = [sys.executable, "-m", "async_rl.cli", "train", str(toml)]
+    child = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_bytes().splitlines()) >= 2):
+        assert child.poll() is None and time.monotonic() < deadline, child.returncode
+        time.sleep(0.05)
+    group = [p.pid for p in psutil.process_iter() if _pgid(p) == child.pid]
+    assert len(group) >= 3, group  # the driver, Ray's control store and its raylet
+    os.killpg(child.pid, signal.SIGTERM)
+    sent = time.monotonic()
+    try:
+        output, _ = child.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        output, _ = child.communicate()
+        pytest.fail(f"still running 30 s after the SIGTERM:\n{output[-2000:]}")
+    exited_s = time.monotonic() - sent
+    print(f"group SIGTERM: exit {child.returncode} after {exited_s:.1f} s")
+    assert child.returncode == 143, output[-2000:]
+    left = [p for p in psutil.process_iter(["pid", "name", "status"])
+            if _session(p) == child.pid and p.info["status"] != psutil.STATUS_ZOMBIE]
+    assert not left, [p.info for p in left]
+
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["stopped"] == "SIGTERM" and 2 <= summary["steps"] < steps
+    _, state = latest_checkpoint(out)
+    assert state.version == summary["steps"]
+    second = run_training(load_config(out / CONFIG), resume=True)
+    assert second.stopped == "" and second.final_version == steps
+    assert len(trained(out)) == steps * 4 and set(trained(out).values()) == {1}
+    check_restored(out, state)
+    assert [r["step"] for r in read_metrics(out)] == list(range(1, steps + 1))
+
+
 def test_lora_stops_and_resumes_with_its_adapter_and_sends_only_adapters(
     tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
 ) -> None:
@@ -280,6 +331,13 @@ def test_lora_stops_and_resumes_with_its_adapter_and_sends_only_adapters(
     assert merged.keys() == base.keys()
     assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
                            base["model.layers.0.self_attn.q_proj.weight"])
+
+
+def _pgid(process: psutil.Process) -> int:
+    try:
+        return os.getpgid(process.pid)
+    except OSError:  # exited meanwhile
+        return -1
 
 
 def _session(process: psutil.Process) -> int:

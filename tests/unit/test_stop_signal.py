@@ -2,20 +2,25 @@
 
 The signal is really sent to this process and caught by ``StopSignals`` (no Ray: the
 orchestrator it asks to stop is a stand-in that records the request); a bad name exits
-2 naming the key; the run's exit status is 128 + the signal's number.
+2 naming the key; the run's exit status is 128 + the signal's number. A process started
+while ``sigterm_blocked`` (Ray's, by a run) keeps a SIGTERM pending until SIGKILL, and
+the starting thread's own mask is as it was.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import anyio
 import pytest
 
 from async_rl.cli import main, stop_exit
-from async_rl.shell.ray_shell import StopSignals
+from async_rl.shell.ray_shell import StopSignals, sigterm_blocked
 
 GOOD = '[model]\npath = "m"\n'
 
@@ -83,3 +88,23 @@ def test_a_stop_signal_that_cannot_be_caught_or_is_unknown_exits_2_naming_the_ke
     assert main(["config", "show", str(path), "--set", f'run.stop_signal="{name}"']) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "run.stop_signal" in err and name in err
+
+
+def test_a_process_started_with_sigterm_blocked_keeps_it_pending_until_sigkill() -> None:
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    with sigterm_blocked():
+        child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, set()) == before
+        child.send_signal(signal.SIGTERM)
+        time.sleep(1.0)
+        assert child.poll() is None  # pending, not acted on
+        status = dict(line.split(":\t", 1) for line in
+                      Path(f"/proc/{child.pid}/status").read_text().splitlines()
+                      if ":\t" in line)
+        assert int(status["SigBlk"], 16) & (1 << (signal.SIGTERM - 1))
+        assert int(status["ShdPnd"], 16) & (1 << (signal.SIGTERM - 1))
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
