@@ -13,6 +13,7 @@ import pytest
 from async_helpers import wait_until
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_staleness import Item, admitted_now
 
 from async_rl.cli import main
 from async_rl.config import Config
@@ -20,19 +21,6 @@ from async_rl.config_io import load_config
 from async_rl.knobs import bounds, ceiling_bounds
 from buffers import AdmissionGate, Dropped, ReplayQueue
 from buffers.common.config import ConfigError, StalenessConfig
-
-
-class Item(msgspec.Struct, frozen=True, kw_only=True):
-    prompt_id: str
-    min_version: int
-    num_tokens: int = 10
-
-
-def admitted_now(gate: AdmissionGate) -> int:
-    n = 0
-    while gate.try_acquire():
-        n += 1
-    return n
 
 
 def limits(gate: AdmissionGate, versions: int) -> list[int]:

@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 from rich.console import Console
+from test_sim_version_stages import config as stages_config
 
 from async_rl.analysis.results import SIM_STATS, SimStats, result_table
 from async_rl.api import simulate
@@ -119,22 +120,12 @@ def test_costs_derive_the_turn_from_the_model_and_the_hardware_file() -> None:
 
 
 def config(out: Path, *, staleness: int = 1, **simulate_: object) -> Config:
+    """The stages' small run, time-shared; the fixed refit costs, when given, as the
+    hardware's."""
     overrides = {k: simulate_.pop(k) for k in ("engine_release_s", "engine_reload_s")
                  if k in simulate_}
-    return msgspec.convert({
-        "model": {"path": "not-needed"},
-        "task": {"kind": "longtail", "eval_size": 0},
-        "rollout": {"num_workers": 2, "group_size": 4, "max_new_tokens": 128,
-                    "max_inflight_prompts": 8},
-        "queue": {"max_groups": 64, "bucket_edges": [128, 512]},
-        "staleness": {"max_staleness": staleness},
-        "trainer": {"num_shards": 2, "groups_per_step": 8, "micro_batch_tokens": 512},
-        "run": {"num_steps": 4, "output_dir": str(out), "progress": False, "eval_every": 0,
-                "colocate": "time"},
-        "simulate": {"parameters": 4.0e8, "kv_bytes_per_token": 4096,
-                     "lengths": "lognormal", "length_median": 30.0, "length_sigma": 0.8,
-                     "hardware": "h100", "hardware_overrides": overrides, **simulate_},
-    }, Config)
+    return stages_config(out, staleness=staleness, run={"colocate": "time"},
+                         hardware_overrides=overrides, **simulate_)
 
 
 def stats(out: Path) -> SimStats:

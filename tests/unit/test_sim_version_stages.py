@@ -82,16 +82,19 @@ def test_fp8_and_delta_versions_carry_fewer_bytes() -> None:
     assert fp8.weight_bytes == delta.weight_bytes == 14e9  # the engines still hold bf16
 
 
-def config(out: Path, **simulate_: object) -> Config:
+def config(out: Path, *, staleness: int = 1, run: dict[str, object] | None = None,
+           **simulate_: object) -> Config:
+    """A small simulated long-tail run (``run``: more run keys)."""
     return msgspec.convert({
         "model": {"path": "not-needed"},
         "task": {"kind": "longtail", "eval_size": 0},
         "rollout": {"num_workers": 2, "group_size": 4, "max_new_tokens": 128,
                     "max_inflight_prompts": 8},
         "queue": {"max_groups": 64, "bucket_edges": [128, 512]},
-        "staleness": {"max_staleness": 1},
+        "staleness": {"max_staleness": staleness},
         "trainer": {"num_shards": 2, "groups_per_step": 8, "micro_batch_tokens": 512},
-        "run": {"num_steps": 4, "output_dir": str(out), "progress": False, "eval_every": 0},
+        "run": {"num_steps": 4, "output_dir": str(out), "progress": False, "eval_every": 0,
+                **(run or {})},
         "simulate": {"parameters": 4.0e8, "kv_bytes_per_token": 4096, "lengths": "lognormal",
                      "length_median": 30.0, "length_sigma": 0.8, "hardware": "h100",
                      **simulate_},
