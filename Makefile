@@ -45,17 +45,21 @@ unit test-fast: setup
 integration: setup
 	$(BIN)/python -m pytest tests/integration -q -n 2 --dist loadscope
 
-# The test models build in the background while ruff, mypy, lint-imports and the unit
-# tier (two xdist processes) run (the learnable model's warm start is about two
-# minutes): a test that needs a model meanwhile waits on the model cache's lock instead
-# of building it. Then the Ray tiers in two xdist processes, a test module to each at a
-# time (its module fixtures run once): one run leaves a core idle about 45% of the time
-# while it starts Ray and vLLM, and two side by side took 22 min against 26 in one.
+# The test models build in the background while ruff, lint-imports and the unit tier
+# (two xdist processes) run (the learnable model's warm start is about two minutes): a
+# test that needs a model meanwhile waits on the model cache's lock instead of building
+# it. mypy runs beside them too: single-threaded and without a cache in a fresh clone,
+# it took 92 s while the other core waited.
+# Then the Ray tiers in two xdist processes, a test module to each at a time (its module
+# fixtures run once): one run leaves a core idle about 45% of the time while it starts
+# Ray and vLLM, and two side by side took 22 min against 26 in one.
 test: setup
 	$(BIN)/python tests/models.py & models=$$!; \
-	  { $(BIN)/ruff check . && $(BIN)/mypy && $(BIN)/lint-imports \
+	  $(BIN)/mypy & typecheck=$$!; \
+	  { $(BIN)/ruff check . && $(BIN)/lint-imports \
 	    && $(BIN)/python -m pytest tests/unit -q -n 2 --durations=5; } \
-	    || { kill $$models; exit 1; }; \
+	    || { kill $$models $$typecheck; exit 1; }; \
+	  wait $$typecheck || { kill $$models; exit 1; }; \
 	  wait $$models
 	$(BIN)/python -m pytest tests/integration tests/gpu -q -n 2 --dist loadscope --durations=10
 

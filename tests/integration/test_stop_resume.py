@@ -1,6 +1,9 @@
 """Stop and resume on real Ray, the real vLLM CPU build and the tiny model.
 
-- As a user's process: ``async-rl train`` given SIGTERM mid-run exits 143 with a
+- As a user's process stopped by a scheduler: SIGTERM to the whole process group of
+  ``async-rl train`` (the driver and Ray's own processes: its control store, raylet and
+  agents) at once, mid-run. Ray's processes keep it pending, so the driver stops the
+  run as for its own SIGTERM: exit 143 within Slurm's 30 s before SIGKILL, with a
   checkpoint, a readable report, and no process of the run left behind. Its model is
   named by hub id, resolved offline from a hub cache laid out here, and the run records
   the snapshot directory it loaded.
@@ -12,9 +15,6 @@
   test_environment_run.py's run at 1) are each trained once, without being generated
   again, and no prompt is both queued and owed. SIGINT in process is the
   LoRA test's stop (and test_ppo_run's, test_environment_run's).
-- SIGTERM to the run's whole process group (the driver and Ray's own processes) at
-  once, as a scheduler's stop sends it: exit 143 within 30 s, nothing of the run left,
-  and ``--resume`` trains every prompt once.
 - GRPO with the KL term in the loss to a reference of its own (reference.path, the
   long-tail warm start: another model of the policy's architecture and tokenizer): those
   runs have it, and ``kl/mean`` and ``kl/max`` are in every row, positive from the first
@@ -24,7 +24,7 @@
   resume with the checkpoint's adapter, each version carries only the adapters' bytes,
   and final_model holds the peft adapter and the merged policy.
 
-The one SIGTERM run serves the first four tests (``stopped_by_sigterm``): a Ray and
+The one SIGTERM run serves the first five tests (``stopped_by_sigterm``): a Ray and
 vLLM start is most of a run's time here.
 """
 
@@ -134,8 +134,12 @@ class Stopped(NamedTuple):
     """The stop's checkpoint, read before anything resumed it."""
     checkpoints: int
     report: subprocess.CompletedProcess[str]
+    group: list[int]
+    """The process group the SIGTERM went to."""
+    exited_s: float
+    """Seconds from the SIGTERM to the driver's exit (at most 30: then it was killed)."""
     left: list[dict[str, Any]]
-    """Processes of the run's session still alive 30 s after it exited."""
+    """Processes of the run's session alive (not zombies) once it exited."""
     rows: list[dict[str, Any]]
     """Its metrics.jsonl."""
     snapshot: Path
@@ -145,9 +149,10 @@ class Stopped(NamedTuple):
 @pytest.fixture(scope="module")
 def stopped_by_sigterm(tiny_model_dir: Path, longtail_model_dir: Path,
                        tmp_path_factory: pytest.TempPathFactory) -> Stopped:
-    """``async-rl train`` (a user's process in its own session) on ``config``'s 6 steps
-    with the KL to a reference, the model named by hub id (``HUB_ID``: the tiny model
-    in a hub cache of its own, offline), given SIGTERM once 3 steps are logged."""
+    """``async-rl train`` (a user's process in its own session and process group) on
+    ``config``'s 6 steps with the KL to a reference, the model named by hub id
+    (``HUB_ID``: the tiny model in a hub cache of its own, offline), its process group
+    given SIGTERM once 3 steps are logged."""
     tmp = tmp_path_factory.mktemp("sigterm")
     out = tmp / "run"
     home = tmp / "hf-home"
@@ -155,31 +160,39 @@ def stopped_by_sigterm(tiny_model_dir: Path, longtail_model_dir: Path,
     checked = config(tiny_model_dir, out, reference=longtail_model_dir)
     toml = tmp / "config.toml"
     toml.write_text(to_toml(msgspec.structs.replace(
-        checked, model=msgspec.structs.replace(checked.model, path=HUB_ID))))
+        checked, model=msgspec.structs.replace(checked.model, path=HUB_ID),
+        run=msgspec.structs.replace(checked.run, stop_timeout_s=20.0))))
     env = {key: value for key, value in os.environ.items() if not key.startswith("HF_")}
     env |= {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
     command = [sys.executable, "-m", "async_rl.cli", "train", str(toml)]
-    # Its own session: every process it starts (Ray's too) carries the session id.
+    # Its own session and group: every process it starts (Ray's too) carries the
+    # session id; Ray's workers lead process groups of their own.
     child = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True, env=env)
-    signal_after_rows(out, 3, signal.SIGTERM, child.pid)
-    output, _ = child.communicate(timeout=300)
+    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.exists() and len(metrics.read_bytes().splitlines()) >= 3):
+        assert child.poll() is None and time.monotonic() < deadline, child.returncode
+        time.sleep(0.05)
+    group = [p.pid for p in psutil.process_iter() if _pgid(p) == child.pid]
+    os.killpg(child.pid, signal.SIGTERM)
+    sent = time.monotonic()
+    try:
+        output, _ = child.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(child.pid, signal.SIGKILL)
+        output, _ = child.communicate()
+    exited_s = time.monotonic() - sent
+    left = [p.info for p in psutil.process_iter(["pid", "name", "status"])
+            if _session(p) == child.pid and p.info["status"] != psutil.STATUS_ZOMBIE]
     assert (out / "summary.json").is_file(), output[-2000:]
     summary = json.loads((out / "summary.json").read_text())
     _, state = latest_checkpoint(out)
     checkpoints = len(list((out / CHECKPOINTS).iterdir()))
     report = subprocess.run([sys.executable, "-m", "async_rl.cli", "report", str(out)],
                             capture_output=True, text=True, timeout=120)
-    deadline = time.monotonic() + 30
-    while True:  # Ray's processes exit a moment after the driver
-        left = [p.info for p in psutil.process_iter(["pid", "name"])
-                if _session(p) == child.pid]
-        if not left or time.monotonic() > deadline:
-            break
-        time.sleep(0.5)
     return Stopped(out=out, returncode=child.returncode, output=output, summary=summary,
                    checkpoint_version=state.version, checkpoint=state,
-                   checkpoints=checkpoints, report=report,
+                   checkpoints=checkpoints, report=report, group=group, exited_s=exited_s,
                    left=left, rows=read_metrics(out), snapshot=snapshot)
 
 
@@ -194,6 +207,19 @@ def test_sigterm_exits_143_resumable_readable_and_leaves_nothing_behind(
     assert run.checkpoints == 1
     assert run.report.returncode == 0 and "idle" in run.report.stdout.lower()
     assert not run.left, run.left
+
+
+def test_sigterm_to_the_whole_process_group_stops_cleanly_and_resumes(
+    stopped_by_sigterm: Stopped,
+) -> None:
+    """The SIGTERM reached Ray's own processes too, and the driver still stopped the run
+    within Slurm's 30 s (the resume, which trains every prompt once: the straight-run
+    test below)."""
+    run = stopped_by_sigterm
+    assert len(run.group) >= 3, run.group  # the driver, Ray's control store and raylet
+    print(f"group SIGTERM: exit {run.returncode} after {run.exited_s:.1f} s")
+    assert run.exited_s < 30 and run.returncode == 143, run.output[-2000:]
+    assert run.summary["stopped"] == "SIGTERM" and not run.left
 
 
 def test_train_runs_a_model_named_by_hub_id(stopped_by_sigterm: Stopped) -> None:
@@ -245,54 +271,6 @@ def test_stop_and_resume_trains_what_a_straight_run_trains(
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     print(f"largest weight difference, straight vs stopped and resumed: {worst:.3g}")
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a), worst
-
-
-def test_sigterm_to_the_whole_process_group_stops_cleanly_and_resumes(
-    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
-) -> None:
-    """SIGTERM to the run's whole process group (the driver and Ray's own processes: its
-    control store, raylet and agents) at once, as a scheduler's stop sends it. Ray's
-    processes keep it pending, so the driver stops the run as for its own SIGTERM: exit
-    143 within Slurm's 30 s before SIGKILL, nothing of the run left, and the resume
-    trains every prompt once. (Ray's workers lead process groups of their own.)"""
-    out, steps = tmp_path / "run", STEPS
-    checked = config(tiny_model_dir, out, steps=steps)
-    toml = tmp_path / "config.toml"
-    toml.write_text(to_toml(msgspec.structs.replace(
-        checked, run=msgspec.structs.replace(checked.run, stop_timeout_s=20.0))))
-    command = [sys.executable, "-m", "async_rl.cli", "train", str(toml)]
-    child = subprocess.Popen(command, start_new_session=True, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True)
-    metrics, deadline = out / "metrics.jsonl", time.monotonic() + 300
-    while not (metrics.exists() and len(metrics.read_bytes().splitlines()) >= 2):
-        assert child.poll() is None and time.monotonic() < deadline, child.returncode
-        time.sleep(0.05)
-    group = [p.pid for p in psutil.process_iter() if _pgid(p) == child.pid]
-    assert len(group) >= 3, group  # the driver, Ray's control store and its raylet
-    os.killpg(child.pid, signal.SIGTERM)
-    sent = time.monotonic()
-    try:
-        output, _ = child.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        os.killpg(child.pid, signal.SIGKILL)
-        output, _ = child.communicate()
-        pytest.fail(f"still running 30 s after the SIGTERM:\n{output[-2000:]}")
-    exited_s = time.monotonic() - sent
-    print(f"group SIGTERM: exit {child.returncode} after {exited_s:.1f} s")
-    assert child.returncode == 143, output[-2000:]
-    left = [p for p in psutil.process_iter(["pid", "name", "status"])
-            if _session(p) == child.pid and p.info["status"] != psutil.STATUS_ZOMBIE]
-    assert not left, [p.info for p in left]
-
-    summary = json.loads((out / "summary.json").read_text())
-    assert summary["stopped"] == "SIGTERM" and 2 <= summary["steps"] < steps
-    _, state = latest_checkpoint(out)
-    assert state.version == summary["steps"]
-    second = run_training(load_config(out / CONFIG), resume=True)
-    assert second.stopped == "" and second.final_version == steps
-    assert len(trained(out)) == steps * 4 and set(trained(out).values()) == {1}
-    check_restored(out, state)
-    assert [r["step"] for r in read_metrics(out)] == list(range(1, steps + 1))
 
 
 def test_lora_stops_and_resumes_with_its_adapter_and_sends_only_adapters(
