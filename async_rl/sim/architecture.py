@@ -1,8 +1,10 @@
 """What a model's config.json says about its shape, as the simulator's costs need it.
 
 Owns: ``moe_layout`` and ``mlp_parameters`` (a decoder's feed-forward layers, dense or
-mixtures of experts), and ``AttentionState`` / ``attention_state``: the bytes an engine
-holds for a sequence as vLLM lays them out, for the attention kinds config.json names:
+mixtures of experts), ``attention_parameters`` (its attention layers' weights, of each
+kind below, as the models' own modules hold them), and ``AttentionState`` /
+``attention_state``: the bytes an engine holds for a sequence as vLLM lays them out,
+for the attention kinds config.json names:
 
 - **full attention** (Qwen2/Llama-style, grouped queries): keys and values of every
   layer, ``2 x kv heads x head dim`` values a token (``workers.model_config``'s count);
@@ -128,15 +130,28 @@ def moe_layout(c: dict[str, Any]) -> tuple[int, int]:
     (0, 0) for a dense one. Layers in ``mlp_only_layers``, off ``decoder_sparse_step``
     (Qwen) or among the first ``first_k_dense_replace`` (DeepSeek) are dense."""
     layers = c["num_hidden_layers"]
-    experts = (c.get("num_experts") or c.get("num_local_experts")
-               or c.get("n_routed_experts") or 0)
+    experts = routed_experts(c)
     if not experts:
         return 0, 0
-    routed = c.get("num_experts_per_tok") or c.get("experts_per_token") or 1
     dense_only, step = set(c.get("mlp_only_layers") or ()), c.get("decoder_sparse_step") or 1
-    first = c.get("first_k_dense_replace") or 0
-    moe = sum(1 for i in range(first, layers) if i not in dense_only and (i + 1) % step == 0)
-    return moe, min(routed, experts)
+    first, every = c.get("first_k_dense_replace") or 0, c.get("moe_layer_freq") or 1
+    moe = sum(1 for i in range(first, layers)
+              if i not in dense_only and (i + 1) % step == 0 and i % every == 0)
+    return moe, min(experts_per_token(c), experts)
+
+
+def routed_experts(c: Mapping[str, Any]) -> int:
+    """A MoE layer's routed experts (0: dense): ``num_experts`` (Qwen, Kimi),
+    ``num_local_experts`` (Mixtral) or ``n_routed_experts`` (DeepSeek)."""
+    return int(c.get("num_experts") or c.get("num_local_experts")
+               or c.get("n_routed_experts") or 0)
+
+
+def experts_per_token(c: Mapping[str, Any]) -> int:
+    """The routed experts a token passes through (``num_experts_per_tok``, Kimi's
+    ``num_experts_per_token``)."""
+    return int(c.get("num_experts_per_tok") or c.get("num_experts_per_token")
+               or c.get("experts_per_token") or 1)
 
 
 def mlp_parameters(c: dict[str, Any]) -> tuple[int, int]:
@@ -148,20 +163,97 @@ def mlp_parameters(c: dict[str, Any]) -> tuple[int, int]:
     ``moe_intermediate_size``, else ``intermediate_size``, each) holds its router
     (hidden x experts), every expert and the shared expert of
     ``shared_expert_intermediate_size`` with its one-output gate, if any; a token passes
-    through the router, ``num_experts_per_tok`` experts and the shared one. Layers in
-    ``mlp_only_layers``, or off the ``decoder_sparse_step`` (Qwen's MoE configs), are
-    dense. Biases and a MoE's router biases are not counted. Dense: the two are equal.
+    through the router, ``num_experts_per_tok`` experts and the shared one. DeepSeek's and
+    Kimi's shared experts are ``n_shared_experts`` (``num_shared_experts``) experts' width
+    without a gate. Layers in ``mlp_only_layers``, off the ``decoder_sparse_step`` (Qwen's
+    MoE configs), among the ``first_k_dense_replace`` or off the ``moe_layer_freq``
+    (DeepSeek's, Kimi's) are dense. Biases and a MoE's router biases are not counted.
+    Dense: the two are equal.
     """
     hidden, layers = c["hidden_size"], c["num_hidden_layers"]
     dense = 3 * hidden * c["intermediate_size"]
-    experts = c.get("num_experts") or c.get("num_local_experts") or 0
+    experts = routed_experts(c)
     if not experts:
         return layers * dense, layers * dense
-    routed = c.get("num_experts_per_tok") or c.get("experts_per_token") or 1
-    expert = 3 * hidden * (c.get("moe_intermediate_size") or c["intermediate_size"])
+    expert_width = c.get("moe_intermediate_size") or c["intermediate_size"]
+    expert = 3 * hidden * expert_width
     shared_width = c.get("shared_expert_intermediate_size") or 0
     shared = 3 * hidden * shared_width + (hidden if shared_width else 0)
-    moe_layers, _ = moe_layout(c)
+    if not shared_width:  # DeepSeek, Kimi: shared experts of the routed ones' width
+        shared = 3 * hidden * expert_width * int(c.get("n_shared_experts")
+                                                 or c.get("num_shared_experts") or 0)
+    moe_layers, routed = moe_layout(c)
     fixed = (layers - moe_layers) * dense + moe_layers * (hidden * experts + shared)
-    return (fixed + moe_layers * experts * expert,
-            fixed + moe_layers * min(routed, experts) * expert)
+    return (fixed + moe_layers * experts * expert, fixed + moe_layers * routed * expert)
+
+
+def attention_parameters(c: Mapping[str, Any]) -> int:
+    """The weights of every attention layer of the decoder whose config.json is ``c``
+    (its token mixers: full, latent or linear attention, as ``layer_kinds`` counts them),
+    as the models' modules hold them: projections, their norms, convolutions and gates.
+    Biases are counted where config.json turns them on (Qwen2's query, key and value)."""
+    full, linear = layer_kinds(c)
+    return full * full_attention_parameters(c) + linear * linear_attention_parameters(c)
+
+
+def full_attention_parameters(c: Mapping[str, Any]) -> int:
+    """One full-attention layer's weights. Grouped queries: query, key, value and output
+    projections, the query doubled where an output gate rides on it (Qwen3-Next's
+    ``attn_output_gate``), Qwen3's per-head query and key norms, OLMo's full-width ones.
+    Latent attention (``kv_lora_rank``): the query straight or through its
+    ``q_lora_rank`` latent and norm, the key-value latent with the rotary key, its norm,
+    its up-projection to every head's key and value, and the output projection."""
+    hidden, heads = int(c["hidden_size"]), int(c["num_attention_heads"])
+    bias = bool(c.get("attention_bias"))
+    if c.get("kv_lora_rank"):
+        latent, rope = int(c["kv_lora_rank"]), int(c.get("qk_rope_head_dim") or 0)
+        qk = int(c.get("qk_nope_head_dim") or 0) + rope
+        v = int(c.get("v_head_dim") or qk)
+        q_rank = int(c.get("q_lora_rank") or 0)
+        query = (hidden * q_rank + q_rank * (1 + bias) + q_rank * heads * qk if q_rank
+                 else hidden * heads * qk)
+        key_value = (hidden + bias) * (latent + rope) + latent + latent * heads * (qk - rope + v)
+        return query + key_value + heads * v * hidden + bias * hidden
+    kv_heads = int(c.get("num_key_value_heads") or heads)
+    head_dim = int(c.get("head_dim") or hidden // heads)
+    gated = bool(c.get("attn_output_gate", c.get("model_type") == "qwen3_next"))
+    projected = (heads * (1 + gated) + 2 * kv_heads) * head_dim
+    weights = hidden * projected + heads * head_dim * hidden
+    if bias:
+        weights += projected + hidden
+    elif c.get("model_type") == "qwen2":  # Qwen2: query, key and value biases
+        weights += (heads + 2 * kv_heads) * head_dim
+    if str(c.get("model_type", "")).startswith("qwen3"):  # per-head query and key norms
+        weights += 2 * head_dim
+    elif c.get("model_type") in ("olmoe", "olmo2"):  # query and key norms, full width
+        weights += (heads + kv_heads) * head_dim
+    return weights
+
+
+def linear_attention_parameters(c: Mapping[str, Any]) -> int:
+    """One linear-attention layer's weights (0: none named). Gated DeltaNet (Qwen3-Next):
+    the fused query-key-value-gate and beta-decay projections, the short convolution of
+    queries, keys and values, per value head a decay and its bias, the gated norm and the
+    output projection. Kimi Delta Attention: query, key and value projections, their
+    convolutions, the per-channel forget gate's two-step projection, decay and bias, the
+    per-head beta, the output gate's two-step projection, the gated norm and the output
+    projection."""
+    hidden = int(c["hidden_size"])
+    kimi = c.get("linear_attn_config")
+    if isinstance(kimi, Mapping) and kimi.get("num_heads"):
+        heads, dim = int(kimi["num_heads"]), int(kimi.get("head_dim") or 128)
+        kernel = int(kimi.get("short_conv_kernel_size") or 4)
+        width = heads * dim
+        return (3 * hidden * width + 3 * width * kernel  # q, k, v and their convolutions
+                + 2 * (hidden * dim + dim * width)  # forget gate and output gate
+                + width + heads + hidden * heads  # decay bias, decay, beta
+                + dim + width * hidden)  # gated norm, output
+    if c.get("linear_num_value_heads"):
+        v_heads, k_heads = int(c["linear_num_value_heads"]), int(c["linear_num_key_heads"])
+        keys = k_heads * int(c["linear_key_head_dim"])
+        v_dim = int(c["linear_value_head_dim"])
+        values = v_heads * v_dim
+        kernel = int(c.get("linear_conv_kernel_dim") or 4)
+        return (hidden * (2 * keys + 2 * values) + hidden * 2 * v_heads
+                + (2 * keys + values) * kernel + 2 * v_heads + v_dim + values * hidden)
+    return 0

@@ -45,7 +45,12 @@ from pathlib import Path
 
 import msgspec
 
-from async_rl.sim.architecture import attention_state, mlp_parameters, moe_layout
+from async_rl.sim.architecture import (
+    attention_parameters,
+    attention_state,
+    mlp_parameters,
+    moe_layout,
+)
 from async_rl.sim.hardware_file import Hardware
 from async_rl.sim.parallel import Collectives, Dims, Layout, Links
 from async_rl.sim.refit import RefitStages, refit_stages
@@ -130,16 +135,10 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
     c = json.loads(path.read_text())
     c = {**c, **c.get("text_config", {})}  # a multimodal config: its language model's
     hidden, layers, vocab = c["hidden_size"], c["num_hidden_layers"], c["vocab_size"]
-    heads = c["num_attention_heads"]
-    kv_heads = c.get("num_key_value_heads", heads)
-    head_dim = c.get("head_dim") or hidden // heads
-    attention = hidden * head_dim * (2 * heads + 2 * kv_heads)
-    if c.get("attention_bias", c.get("model_type") == "qwen2"):  # Qwen2: q, k, v biases
-        attention += head_dim * (heads + 2 * kv_heads)
     kind = attention_state(c, width)
     mlp, active_mlp = mlp_parameters(c)
     embeddings = vocab * hidden * (1 if c.get("tie_word_embeddings") else 2)
-    rest = layers * (attention + 2 * hidden) + embeddings + hidden
+    rest = attention_parameters(c) + layers * 2 * hidden + embeddings + hidden
     if not active_parameters and not parameters and active_mlp < mlp:  # counted: a MoE's
         active_parameters = float(rest + active_mlp)
     moe_layers, routed = moe_layout(c)

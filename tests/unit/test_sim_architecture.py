@@ -2,7 +2,10 @@
 attention's smaller KV cache, a linear-attention hybrid's full-attention layers and the
 fixed state of its linear ones (Gated DeltaNet, Kimi Delta Attention), each against a
 hand computation; a config.json without those keys counted as before; the state reaching
-a decode step's cost and an engine's KV-cache reservations."""
+a decode step's cost and an engine's KV-cache reservations. The weights of latent and
+linear attention layers and of DeepSeek's experts, by hand and against the published
+totals of DeepSeek-V3 and Qwen3-Next (every parameter of the transformers classes:
+``tests/unit/test_simulate_setups.py``)."""
 
 from __future__ import annotations
 
@@ -16,7 +19,13 @@ import pytest
 from async_rl.analysis.results import SIM_STATS, SimStats
 from async_rl.api import simulate
 from async_rl.config import Config
-from async_rl.sim.architecture import attention_state, layer_kinds
+from async_rl.sim.architecture import (
+    attention_state,
+    full_attention_parameters,
+    layer_kinds,
+    linear_attention_parameters,
+    mlp_parameters,
+)
 from async_rl.sim.costs import Costs, ModelShape, model_shape
 from async_rl.sim.hardware_file import load_hardware
 from async_rl.sim.run import simulation_costs
@@ -157,3 +166,67 @@ def test_an_engine_reserves_each_sequence_state_in_its_kv_cache(tmp_path: Path) 
     assert hybrid.requests > 0 and plain.requests > 0
     assert hybrid.kv_queued > 5 * plain.kv_queued
     assert hybrid.kv_wait_s > 5 * plain.kv_wait_s
+
+
+DEEPSEEK_V3_FULL: dict[str, Any] = {  # DeepSeek-V3's config.json, as the counts read it
+    **DEEPSEEK_V3, "model_type": "deepseek_v3", "vocab_size": 129280,
+    "intermediate_size": 18432, "moe_intermediate_size": 2048, "n_routed_experts": 256,
+    "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3,
+    "moe_layer_freq": 1, "tie_word_embeddings": False}
+QWEN3_NEXT_FULL: dict[str, Any] = {  # Qwen3-Next-80B-A3B's config.json
+    **QWEN3_NEXT, "model_type": "qwen3_next", "vocab_size": 151936,
+    "intermediate_size": 5120, "num_experts": 512, "num_experts_per_tok": 10,
+    "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "tie_word_embeddings": False}
+
+
+def test_latent_attention_weights_by_hand() -> None:
+    # q_a 7168·1536, its norm 1536, q_b 1536·128·(128 + 64); kv_a 7168·(512 + 64), its
+    # norm 512, kv_b 512·128·(128 + 128); o 128·128·7168.
+    assert full_attention_parameters(DEEPSEEK_V3) == (
+        7168 * 1536 + 1536 + 1536 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256
+        + 128 * 128 * 7168) == 187_107_328
+    # Without a query latent (DeepSeek-V2-Lite, Kimi's latent layers): q 7168·128·192.
+    no_latent = {**DEEPSEEK_V3, "q_lora_rank": None}
+    assert full_attention_parameters(no_latent) == (
+        7168 * 128 * 192 + 7168 * 576 + 512 + 512 * 128 * 256 + 128 * 128 * 7168)
+
+
+def test_linear_attention_weights_by_hand() -> None:
+    # Gated DeltaNet: keys 16·128 = 2048, values 32·128 = 4096; in_proj_qkvz
+    # 2048·(2·2048 + 2·4096), in_proj_ba 2048·2·32, the convolution (2·2048 + 4096)·4,
+    # a decay and its bias per value head 2·32, the gated norm 128, out 4096·2048.
+    assert linear_attention_parameters(QWEN3_NEXT) == (
+        2048 * 12288 + 2048 * 64 + 8192 * 4 + 64 + 128 + 4096 * 2048) == 33_718_464
+    # Kimi Delta Attention: width 32·128 = 4096; q, k, v 3·2304·4096 and their
+    # convolutions 3·4096·4; forget and output gates 2·(2304·128 + 128·4096); the decay's
+    # bias 4096, the decay 32, beta 2304·32; the gated norm 128; out 4096·2304.
+    assert linear_attention_parameters(KIMI_LINEAR) == (
+        3 * 2304 * 4096 + 3 * 4096 * 4 + 2 * (2304 * 128 + 128 * 4096) + 4096 + 32
+        + 2304 * 32 + 128 + 4096 * 2304)
+    assert linear_attention_parameters(DEEPSEEK_V3) == 0  # none named
+
+
+def test_deepseek_experts_by_hand() -> None:
+    # 3 dense layers of 3·7168·18432; 58 MoE layers of a router 7168·256, 256 routed
+    # experts and 1 shared expert of 3·7168·2048 each, 8 routed and the shared per token.
+    dense, expert = 3 * 7168 * 18432, 3 * 7168 * 2048
+    fixed = 3 * dense + 58 * (7168 * 256 + expert)
+    assert mlp_parameters(DEEPSEEK_V3_FULL) == (fixed + 58 * 256 * expert,
+                                                fixed + 58 * 8 * expert)
+
+
+@pytest.mark.parametrize(("config", "total", "active"), [
+    (DEEPSEEK_V3_FULL, 671e9, 37e9),  # without its multi-token prediction module
+    (QWEN3_NEXT_FULL, 80e9, 3e9),
+])
+def test_published_totals_are_counted_from_config_json(
+        config: dict[str, Any], total: float, active: float, tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    shape = model_shape(str(tmp_path), "bfloat16")
+    print(f"{config['model_type']}: {shape.parameters / 1e9:.2f}B, "
+          f"{shape.active_parameters / 1e9:.2f}B active")
+    assert shape.parameters == pytest.approx(total, rel=0.005)
+    # Published active counts are rounded down (to 37B and 3B) and may leave out the
+    # embeddings (Qwen3-Next: 0.62B of them).
+    assert active <= shape.active_parameters <= active * 1.3

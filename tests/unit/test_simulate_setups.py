@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -127,12 +128,12 @@ def test_a_mixture_of_experts_config_gives_its_total_and_active_parameters(
         tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps(QWEN3_MOE))
     shape = model_shape(str(tmp_path), "float32")
-    # Per layer: attention 128·32·(2·4 + 2·2) = 49152 and two norms 256; the router
-    # 128·4 = 512 and 4 experts of 3·128·64 = 24576 each, 2 of them per token.
-    # Untied embeddings 2·264·128 = 67584, final norm 128.
-    rest = 2 * (49152 + 256) + 67584 + 128
-    assert shape.parameters == rest + 2 * (512 + 4 * 24576) == 364160
-    assert shape.active_parameters == rest + 2 * (512 + 2 * 24576) == 265856
+    # Per layer: attention 128·32·(2·4 + 2·2) = 49152 with Qwen3's query and key norms
+    # 2·32, and two norms 256; the router 128·4 = 512 and 4 experts of 3·128·64 = 24576
+    # each, 2 of them per token. Untied embeddings 2·264·128 = 67584, final norm 128.
+    rest = 2 * (49152 + 64 + 256) + 67584 + 128
+    assert shape.parameters == rest + 2 * (512 + 4 * 24576) == 364288
+    assert shape.active_parameters == rest + 2 * (512 + 2 * 24576) == 265984
     # Qwen's sparse step: layer 0 (step 2) is a dense MLP of 3·128·256 = 98304.
     (tmp_path / "config.json").write_text(json.dumps({**QWEN3_MOE, "decoder_sparse_step": 2}))
     stepped = model_shape(str(tmp_path), "float32")
@@ -158,35 +159,60 @@ def test_a_shared_expert_counts_in_both_and_a_dense_model_has_no_active_count(
     (tmp_path / "config.json").write_text(json.dumps(
         {**QWEN3_MOE, "model_type": "qwen3_next", "shared_expert_intermediate_size": 64}))
     shared = model_shape(str(tmp_path), "float32")
-    # The shared expert (3·128·64) and its gate (128 -> 1), in every MoE layer.
-    assert shared.parameters == 364160 + 2 * (24576 + 128)
-    assert shared.active_parameters == 265856 + 2 * (24576 + 128)
+    # The shared expert (3·128·64) and its gate (128 -> 1), in every MoE layer; Qwen3-Next
+    # gates attention's output on a query projection twice as wide (4·32·128 more).
+    assert shared.parameters == 364288 + 2 * (24576 + 128 + 16384)
+    assert shared.active_parameters == 265984 + 2 * (24576 + 128 + 16384)
     dense = {k: v for k, v in QWEN3_MOE.items() if "expert" not in k} | {"model_type": "qwen3"}
     (tmp_path / "config.json").write_text(json.dumps(dense))
     shape = model_shape(str(tmp_path), "float32")
-    assert shape.parameters == 2 * (49152 + 256 + 3 * 128 * 256) + 67584 + 128
+    assert shape.parameters == 2 * (49152 + 64 + 256 + 3 * 128 * 256) + 67584 + 128
     assert shape.active_parameters == 0.0  # all of them: Costs counts parameters
 
 
-def test_a_moe_models_counts_are_those_of_its_transformers_class(tmp_path: Path) -> None:
-    """Against the real classes (up to the q/k norms of Qwen3 and OLMoE, not counted)."""
+LATENT = {"kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+          "v_head_dim": 16, "moe_intermediate_size": 64, "first_k_dense_replace": 1}
+"""Latent attention's keys and DeepSeek-style experts of a tiny config (4 layers)."""
+FAMILIES: dict[str, dict[str, Any]] = {
+    "qwen3_moe": {"moe_intermediate_size": 64, "num_experts": 4},
+    "mixtral": {"num_local_experts": 4},
+    "olmoe": {"num_experts": 4},
+    # Gated DeltaNet every other layer, gated full attention between, a shared expert.
+    "qwen3_next": {"num_experts": 4, "moe_intermediate_size": 64, "head_dim": 32,
+                   "shared_expert_intermediate_size": 64, "full_attention_interval": 2,
+                   "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+                   "linear_key_head_dim": 16, "linear_value_head_dim": 16},
+    # Latent attention with a query latent, a shared expert, the first layer dense.
+    "deepseek_v3": {**LATENT, "n_routed_experts": 4, "n_shared_experts": 1,
+                    "q_lora_rank": 48, "n_group": 1, "topk_group": 1},
+    # Kimi Delta Attention in three layers of four, latent attention (no query latent)
+    # in the fourth; Kimi's own names for the experts' keys.
+    "kimi_linear": {**LATENT, "num_experts": 4, "num_experts_per_token": 2,
+                    "num_shared_experts": 1, "q_lora_rank": None, "num_key_value_heads": 4,
+                    "pad_token_id": 0, "linear_attn_config": {
+                        "kda_layers": [1, 2, 3], "full_attn_layers": [4], "num_heads": 4,
+                        "head_dim": 16, "short_conv_kernel_size": 4}},
+}
+
+
+@pytest.mark.parametrize("model_type", FAMILIES)
+def test_a_moe_models_counts_are_those_of_its_transformers_class(
+        model_type: str, tmp_path: Path) -> None:
+    """Every parameter of the real classes, counted from the config.json each saves:
+    grouped-query, gated, latent and linear attention, and experts of each kind."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    families = {"qwen3_moe": {"moe_intermediate_size": 64, "num_experts": 4},
-                "mixtral": {"num_local_experts": 4}, "olmoe": {"num_experts": 4}}
-    assert len(families) == 3
-    for model_type, experts in families.items():
-        hf_config = AutoConfig.for_model(
-            model_type, vocab_size=264, hidden_size=128, intermediate_size=96,
-            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-            num_experts_per_tok=2, tie_word_embeddings=False, **experts)
-        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
-        folder = tmp_path / model_type
-        hf_config.save_pretrained(folder)
-        shape = model_shape(str(folder), "float32")
-        assert shape.parameters == pytest.approx(model.num_parameters(), rel=2e-3), model_type
-        assert 0 < shape.active_parameters < 0.75 * shape.parameters, model_type
+    hf_config = AutoConfig.for_model(
+        model_type, **{"vocab_size": 264, "hidden_size": 128, "intermediate_size": 96,
+                       "num_hidden_layers": 4, "num_attention_heads": 4,
+                       "num_key_value_heads": 2, "num_experts_per_tok": 2,
+                       "tie_word_embeddings": False, **FAMILIES[model_type]})
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    hf_config.save_pretrained(tmp_path)
+    shape = model_shape(str(tmp_path), "float32")
+    assert shape.parameters == model.num_parameters()
+    assert 0 < shape.active_parameters < 0.8 * shape.parameters  # 2 of 4 experts a token
 
 
 def test_the_kv_bound_holds_each_engine_under_its_limit_and_says_how_often(
