@@ -1,6 +1,8 @@
 """RolloutWorker as a real Ray actor around the real vLLM CPU engine and the tiny model.
 
-One engine serves the whole module (starting one takes ~25 s on this machine). Weights
+One engine serves the module (starting one takes ~25 s on this machine), its in-flight
+updates recomputing the running requests' KV (weights.kv_policy "recompute"); one test
+starts a second that keeps it ("keep"), to tell the two apart by their logprobs. Weights
 reach it as they do in a run: a ``WeightSender`` actor (the trainer's end) sends them
 through vLLM's weight-transfer API over the gloo backend. Tests read the current version
 instead of assuming one, so they do not depend on their order.
@@ -12,9 +14,11 @@ import math
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import msgspec
 import pytest
 import ray
 import torch
@@ -44,8 +48,11 @@ PROMPT = Prompt(prompt_id="t-0", text="12+7=", answer="19")
 EVAL = [Prompt(prompt_id=f"e-{a}", text=f"{a}+{a + 3}=", answer=str(2 * a + 3))
         for a in range(6)]
 TIMEOUT = 120
-WEIGHTS = WeightsConfig(update_mode="in_flight", transport="gloo", bucket_mb=1)
-"""1 MiB buckets: the tiny model's update takes several messages, its embedding a split."""
+WEIGHTS = WeightsConfig(update_mode="in_flight", transport="gloo", bucket_mb=1,
+                        kv_policy="recompute")
+"""1 MiB buckets: the tiny model's update takes several messages, its embedding a split.
+The module's worker recomputes its running requests' KV at an update; ``keeping_worker``
+keeps it."""
 
 
 def starts_with_digit(prompt: Prompt, completion_text: str) -> float:
@@ -118,7 +125,21 @@ def assert_behaviour_logprobs(model_dir: Path, state: dict[str, torch.Tensor] | 
         assert sample.logprobs == pytest.approx(ref, abs=1e-4)
 
 
-def make_worker(model_dir: Path) -> Any:
+def versions_logprob_errors(model_dir: Path, states: dict[int, dict[str, torch.Tensor]],
+                            group: Group) -> dict[int, float]:
+    """Per version, the largest difference between the engine's logprobs of the tokens
+    labelled with it and that version's weights' own over the whole context (``states``:
+    the weights of each version)."""
+    refs = {v: reference_logprobs(model_dir, state, group) for v, state in states.items()}
+    worst = dict.fromkeys(states, 0.0)
+    for k, sample in enumerate(samples(group)):
+        for i, (logprob, version) in enumerate(zip(sample.logprobs, sample.versions,
+                                                   strict=True)):
+            worst[version] = max(worst[version], abs(logprob - refs[version][k][i]))
+    return worst
+
+
+def make_worker(model_dir: Path, weights: WeightsConfig = WEIGHTS) -> Any:
     actor = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=64).remote(
         RolloutSpec(
             rank=0,
@@ -127,7 +148,7 @@ def make_worker(model_dir: Path) -> Any:
                                   prefix_caching=True, kv_cache_gib=1, ignore_eos=True,
                                   # wait_until_generating reads tokens_in_flight
                                   stream_tokens=True),
-            weights=WEIGHTS,
+            weights=weights,
             seed=0,
             cpu_ids=layout.usable_cores()[:1],
         ),
@@ -147,17 +168,23 @@ def worker(ray_cluster: None, tiny_model_dir: Path) -> Iterator[Any]:
         ray.get(actor.shutdown.remote(), timeout=TIMEOUT)
 
 
-@pytest.fixture(scope="module")
-def sender(worker: Any) -> Iterator[Any]:
+@contextmanager
+def connected_sender(worker: Any, weights: WeightsConfig) -> Iterator[Any]:
     """The trainer's end (no trainer: the tests choose the weights), connected to the
     worker as ``launch_workers`` connects trainer shard 0."""
     actor = ray.remote(WeightSender).options(num_cpus=0).remote(
-        WEIGHTS, address="127.0.0.1", device=torch.device("cpu"))
+        weights, address="127.0.0.1", device=torch.device("cpu"))
     ray.get(actor.connect.remote(0, worker), timeout=TIMEOUT)
     try:
         yield actor
     finally:
         ray.get(actor.shutdown.remote(), timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def sender(worker: Any) -> Iterator[Any]:
+    with connected_sender(worker, WEIGHTS) as actor:
+        yield actor
 
 
 @pytest.fixture(scope="module")
@@ -296,14 +323,13 @@ def test_update_weights_changes_policy(
     assert [s.token_ids for s in kept] == [s.token_ids for s in after]
 
 
-def test_in_flight_update_mixes_versions_within_a_sample(
-    worker: Any, sender: Any, noisy_states: list[dict[str, torch.Tensor]]
-) -> None:
+def mixed_group(worker: Any, sender: Any, state: dict[str, torch.Tensor]) -> Group:
+    """A group whose requests were running when ``state`` arrived as the next version
+    (in flight): each sample's first tokens of the version before, the rest of it."""
     version = ray.get(worker.version.remote(), timeout=TIMEOUT)
-    ray.get(worker.drain_spans.remote(), timeout=TIMEOUT)
     pending = worker.generate_group.remote(PROMPT)
     wait_until_generating(worker, min_tokens=GROUP_SIZE)
-    update(sender, version + 1, noisy_states[1])
+    update(sender, version + 1, state)
     group: Group = ray.get(pending, timeout=TIMEOUT)
     assert group.min_version == version and group.max_version == version + 1
     for sample in samples(group):
@@ -311,11 +337,63 @@ def test_in_flight_update_mixes_versions_within_a_sample(
         assert list(sample.versions) == sorted(sample.versions)
         assert len(sample.versions) == LONG and sample.finish_reason == "length"
     assert any(len(set(s.versions)) == 2 for s in samples(group))
+    return group
+
+
+def test_in_flight_update_mixes_versions_within_a_sample(
+    worker: Any, sender: Any, noisy_states: list[dict[str, torch.Tensor]],
+    tiny_model_dir: Path
+) -> None:
+    """weights.kv_policy "recompute": every token's logprob is its version's weights'
+    own over the whole context (the running requests rebuilt their KV at the update)."""
+    version = ray.get(worker.version.remote(), timeout=TIMEOUT) + 1
+    update(sender, version, noisy_states[0])  # known weights for the tokens before
+    ray.get(worker.drain_spans.remote(), timeout=TIMEOUT)
+    group = mixed_group(worker, sender, noisy_states[1])
+    errors = versions_logprob_errors(
+        tiny_model_dir, {version: noisy_states[0], version + 1: noisy_states[1]}, group)
+    print(f"recompute: largest logprob error per version {errors}")
+    assert max(errors.values()) < 1e-4, errors
 
     causes = {span.cause for span in ray.get(worker.drain_spans.remote(), timeout=TIMEOUT)}
     # The pause, split by phase: bytes arriving, then the load.
     assert {"generate", "weight_wire", "weight_load"} <= causes <= {
         "generate", "weight_sync", "weight_wire", "weight_load", "idle"}
+
+
+KEEP = msgspec.structs.replace(WEIGHTS, kv_policy="keep")
+
+
+@pytest.fixture(scope="module")
+def keeping_worker(ray_cluster: None, tiny_model_dir: Path) -> Iterator[Any]:
+    actor = make_worker(tiny_model_dir, KEEP)
+    try:
+        yield actor
+    finally:
+        ray.get(actor.shutdown.remote(), timeout=TIMEOUT)
+
+
+def test_kv_policy_keep_goes_on_over_the_cache_the_old_weights_computed(
+    keeping_worker: Any, noisy_states: list[dict[str, torch.Tensor]], tiny_model_dir: Path
+) -> None:
+    """weights.kv_policy "keep" (with prefix caching: requests salted by version): the
+    old version's tokens are its weights' own; the new version's were sampled from the
+    new weights over keys and values the old ones computed, so they are not the new
+    weights' own over the whole context, and the logprobs recorded are what sampled
+    them (the behaviour policy the importance weights divide by)."""
+    with connected_sender(keeping_worker, KEEP) as sender:
+        version = ray.get(keeping_worker.version.remote(), timeout=TIMEOUT) + 1
+        update(sender, version, noisy_states[0])
+        group = mixed_group(keeping_worker, sender, noisy_states[1])
+        after: Group = ray.get(keeping_worker.generate_group.remote(PROMPT),
+                               timeout=TIMEOUT)
+    errors = versions_logprob_errors(
+        tiny_model_dir, {version: noisy_states[0], version + 1: noisy_states[1]}, group)
+    print(f"keep: largest logprob error per version {errors}")
+    assert errors[version] < 1e-4 and errors[version + 1] > 1e-2, errors
+    # A request started after the update computes its own cache: the new weights' own.
+    assert after.min_version == after.max_version == version + 1
+    assert_behaviour_logprobs(tiny_model_dir, noisy_states[1], after)
 
 
 def test_drain_update_finishes_running_samples_first(

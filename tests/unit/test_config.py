@@ -93,6 +93,7 @@ BAD: list[tuple[str, list[str], str, str]] = [
     (GOOD, ["queue.bucket_edges=[0, 16]"], "queue.bucket_edges[0]", ">= 1"),
     (GOOD, ["queue.bucket_edges=12"], "queue.bucket_edges", "expected `array`"),
     (GOOD, ["weights.update_mode=sometimes"], "weights.update_mode", "'in_flight'"),
+    (GOOD, ["weights.kv_policy=reuse"], "weights.kv_policy", "'keep'"),
     (GOOD, ["model.dtype=float8"], "model.dtype", "'float32'"),
     (GOOD, ["task.kind=jsonl"], "task.jsonl_path", 'task.kind = "jsonl"'),
     (GOOD, ["rollout.memory_fraction=1.5"], "rollout.memory_fraction", "<= 1"),

@@ -1,4 +1,5 @@
-"""The KV cache a CPU engine is given: 1 GiB for a model whose worst case fits in it."""
+"""The KV cache a CPU engine is given: 1 GiB for a model whose worst case fits in it;
+the cache salt a prompt carries (raw_prompt)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ from pathlib import Path
 
 from workers.model_config import ModelConfig, kv_bytes_per_token
 from workers.rollout.config import RolloutConfig
-from workers.rollout.engine import cpu_kv_cache_gib
+from workers.rollout.engine import cpu_kv_cache_gib, raw_prompt
 
 SMALL = {"num_attention_heads": 4, "num_key_value_heads": 4, "hidden_size": 128,
          "num_hidden_layers": 4, "max_position_embeddings": 128}
@@ -43,3 +44,9 @@ def test_no_context_length_or_no_config_is_left_to_vllm(tmp_path: Path) -> None:
     no_context = {k: v for k, v in SMALL.items() if k != "max_position_embeddings"}
     assert cpu_kv_cache_gib(RolloutConfig(), model_dir(tmp_path, no_context)) == 0
     assert cpu_kv_cache_gib(RolloutConfig(), ModelConfig(path=str(tmp_path / "none"))) == 0
+
+
+def test_a_salted_prompt_carries_its_salt_and_an_unsalted_one_none() -> None:
+    assert raw_prompt("1+2=") == {"prompt": "1+2="}
+    assert raw_prompt([5, 6], "v3") == {"prompt_token_ids": [5, 6], "cache_salt": "v3"}
+    assert raw_prompt([], "") == {"prompt_token_ids": []}

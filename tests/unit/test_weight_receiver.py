@@ -58,18 +58,19 @@ class FakeEngine:
         await self._record(f"pause_generation:{mode}")()
 
 
-def receiver(mode: Literal["in_flight", "drain"] = "in_flight", clear_cache: bool = False
+def receiver(mode: Literal["in_flight", "drain"] = "in_flight",
+             kv_policy: Literal["keep", "recompute"] = "keep"
              ) -> tuple[WeightReceiver, list[bool]]:
     """A receiver and the ``updating`` value at each of its change notices."""
     changes: list[bool] = []
-    weights = WeightsConfig(update_mode=mode)
-    made = WeightReceiver(3, weights, clear_cache=clear_cache,
+    weights = WeightsConfig(update_mode=mode, kv_policy=kv_policy)
+    made = WeightReceiver(3, weights,
                           on_change=lambda: changes.append(made.updating))
     return made, changes
 
 
 def test_in_flight_update_pauses_keeping_requests_relabels_while_paused_then_resumes() -> None:
-    weights, changes = receiver(clear_cache=True)
+    weights, changes = receiver(kv_policy="recompute")
     engine: Any = FakeEngine()
 
     async def update() -> Any:
@@ -87,6 +88,29 @@ def test_in_flight_update_pauses_keeping_requests_relabels_while_paused_then_res
     assert changes[0] is True and changes[-1] is False  # busy from before the pause
     assert (timing.version, timing.rollout_rank, timing.publish_s) == (1, 3, 0.0)
     assert min(timing.pause_s, timing.transfer_s, timing.load_s) >= 0.0
+
+
+@pytest.mark.parametrize(("mode", "kv_policy", "pause"), [
+    ("in_flight", "keep", ["pause:keep:False"]),
+    ("in_flight", "recompute", ["clear_mm_cache", "pause:keep:True"]),
+    ("drain", "keep", ["pause:wait:False"]),
+    ("drain", "recompute", ["clear_mm_cache", "pause:wait:True"]),
+])
+def test_the_kv_policy_keeps_the_cache_or_drops_every_block_at_the_pause(
+        mode: Literal["in_flight", "drain"], kv_policy: Literal["keep", "recompute"],
+        pause: list[str]) -> None:
+    """"recompute": vLLM preempts the running requests to drop their blocks (they
+    rebuild them under the new weights); "keep": the pause leaves the cache alone."""
+    weights, _ = receiver(mode, kv_policy)
+    engine: Any = FakeEngine(drain=asyncio.Event())
+    engine.drain.set()
+
+    async def update() -> None:
+        await weights.start(engine, 1, None)
+        await weights.finish(engine)
+
+    asyncio.run(update())
+    assert engine.calls == [*pause, "finish:1", "resume"]
 
 
 def test_drain_is_generation_until_the_running_requests_are_done() -> None:
@@ -220,7 +244,7 @@ def test_a_cancelled_update_resumes_without_opening_a_session() -> None:
 
 def test_the_pause_is_told_apart_by_phase_wire_then_load() -> None:
     seen: list[tuple[bool, str]] = []
-    made = WeightReceiver(0, WeightsConfig(), clear_cache=False,
+    made = WeightReceiver(0, WeightsConfig(),
                           on_change=lambda: seen.append((made.updating, made.phase)))
     engine: Any = FakeEngine()
 

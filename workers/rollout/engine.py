@@ -235,13 +235,24 @@ def lora_engine_args(model: ModelConfig) -> dict[str, Any]:
                 max_lora_rank=next(r for r in LORA_RANKS if r >= model.lora.rank))
 
 
-def engine_request(engine: AsyncLLM, prompt: str | list[int]) -> Any:
+def raw_prompt(prompt: str | list[int], cache_salt: str = "") -> dict[str, Any]:
+    """vLLM's raw prompt of ``prompt`` (a text, or token ids); ``cache_salt``, when given,
+    keeps its KV blocks apart from those of requests with another salt (prefix caching
+    reuses a block only under the same salt)."""
+    raw: dict[str, Any] = ({"prompt": prompt} if isinstance(prompt, str)
+                           else {"prompt_token_ids": prompt})
+    if cache_salt:
+        raw["cache_salt"] = cache_salt
+    return raw
+
+
+def engine_request(engine: AsyncLLM, prompt: str | list[int], cache_salt: str = "") -> Any:
     """``prompt`` (a text, or token ids) made into a request for ``engine.generate`` by
     vLLM's renderer: what vLLM itself does with a raw prompt, a path it deprecates (and
-    warns about at every engine start)."""
+    warns about at every engine start). ``cache_salt``: ``raw_prompt``'s."""
     from vllm.renderers.inputs.preprocess import parse_model_prompt
 
-    raw = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+    raw = raw_prompt(prompt, cache_salt)
     renderer = engine.renderer
     (request,) = renderer.render_cmpl([parse_model_prompt(engine.model_config, raw)],
                                       renderer.default_cmpl_tok_params)

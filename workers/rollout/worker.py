@@ -100,7 +100,6 @@ class RolloutWorker:
         self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
         self._failed: str | None = None
         self._receiver = WeightReceiver(rank, spec.weights,
-                                        clear_cache=spec.rollout.prefix_caching,
                                         on_change=self._weights_changed, version=version)
         self._request_ids = itertools.count()
         self._in_flight: dict[str, int] = {}  # request id -> tokens generated so far
@@ -242,7 +241,10 @@ class RolloutWorker:
         try:
             # A text prompt: vLLM tokenises it itself. Either way the ids it really used
             # come back on the outputs (the trainer must see exactly those).
-            async for out in engine.generate(engine_request(engine, prompt), params,
+            # Prefix caching: the version's salt, so no request reuses blocks an older
+            # version computed (weights.kv_policy "keep" leaves them in the cache).
+            salt = f"v{started_version}" if self._rollout.prefix_caching else ""
+            async for out in engine.generate(engine_request(engine, prompt, salt), params,
                                              request_id, lora_request=self._lora_request):
                 prompt_ids = prompt_ids or tuple(out.prompt_token_ids or ())
                 completion = out.outputs[0]

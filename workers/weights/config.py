@@ -1,8 +1,8 @@
 """The weights section: how versioned weights travel from the trainer to the engines.
 
-Owns: ``WeightsConfig``, the update modes (``UpdateMode``) and ``check_transport``, the one
-weights rule that needs to know the hardware. Knows nothing about TOML or the other
-sections.
+Owns: ``WeightsConfig``, the update modes (``UpdateMode``), the KV policies (``KvPolicy``)
+and ``check_transport``, the one weights rule that needs to know the hardware. Knows
+nothing about TOML or the other sections.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from buffers.common.config import ConfigError, Positive, PositiveFloat
 
 UpdateMode = Literal["in_flight", "drain"]
 """in_flight: pause (keep requests), load, resume; drain: finish running requests first."""
+KvPolicy = Literal["keep", "recompute"]
+"""What an in-flight update does with the KV cache its running requests hold
+(docs/algorithm.md, "The KV cache across an in-flight update")."""
 
 
 class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -24,6 +27,16 @@ class WeightsConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Publish new weights every this many optimizer steps."""
     update_mode: UpdateMode = "in_flight"
     """in_flight: pause (keep requests), load, resume; drain: finish running requests first."""
+    kv_policy: KvPolicy = "keep"
+    """keep: a request running through an in-flight update goes on with the keys and
+    values its earlier tokens got under the old weights (no recompute; its later tokens
+    are sampled from the new weights over that cache); with prefix caching each request's
+    blocks are salted by the version it started under, so no later request reuses an
+    older version's. recompute: the pause drops every KV block: running requests are
+    preempted and rebuild their cache (prompt and tokens so far) under the new weights
+    before they go on, and the prefix cache starts empty. Either way each token's
+    behaviour log-prob is that of the distribution it was sampled from and its version
+    that of the weights that sampled it."""
     transport: Literal["gloo", "nccl", "ipc"] = "gloo"
     """How the weights travel from trainer shard 0 to the rollout engines, through vLLM's
     weight-transfer API: one broadcast group of shard 0 and every engine, one collective

@@ -76,13 +76,13 @@ class WeightReceiver:
     docstring. Steps run one at a time per update; a second ``start`` before ``finish``
     is refused (interleaved updates would resume the engine in the middle of a load)."""
 
-    def __init__(self, rank: int, weights: WeightsConfig, *, clear_cache: bool,
+    def __init__(self, rank: int, weights: WeightsConfig, *,
                  on_change: Callable[[], None], version: int = 0) -> None:
-        """clear_cache: drop the prefix cache at each pause (with prefix caching on: no
-        request may reuse prompt KV computed by the old weights). on_change: called
-        whenever ``updating``, ``phase`` or ``version`` changes. version: that of the weights the
-        engine starts with."""
-        self._rank, self._mode, self._clear_cache = rank, weights.update_mode, clear_cache
+        """on_change: called whenever ``updating``, ``phase`` or ``version`` changes.
+        version: that of the weights the engine starts with. weights.kv_policy
+        "recompute" drops every KV block at each pause (``start``)."""
+        self._rank, self._mode = rank, weights.update_mode
+        self._clear_cache = weights.kv_policy == "recompute"
         self._on_change = on_change
         self.version = version
         """Policy version of the weights in the engine (the label on its tokens)."""
@@ -117,9 +117,9 @@ class WeightReceiver:
         ``in_flight``: running requests stay in the engine and continue after the
         update (their later tokens carry the new version); ``drain``: no request starts
         and the running ones finish first. ``mode`` overrides ``weights.update_mode``.
-        With prefix caching the pause also drops every cached block; vLLM can do that
-        only by preempting running requests, so in-flight ones recompute their KV under
-        the new weights when they resume.
+        With weights.kv_policy "recompute" the pause also drops every cached block; vLLM
+        does that by preempting the running requests, so they recompute their KV under
+        the new weights when they resume ("keep": their KV stays as it was computed).
         """
         if self._pending is not None:
             raise RolloutWorkerError(f"rollout worker {self._rank}: update to version "
