@@ -24,6 +24,7 @@ from typing import Any
 
 from async_rl.api import train
 from async_rl.config_io import load_config
+from bench.common.overrides import bench_run
 
 ROOT = Path(__file__).resolve().parents[1]
 IN_PROCESS = ROOT / "examples" / "cpu_tools.toml"
@@ -53,9 +54,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    common = {"model.path": args.model, "run.num_steps": args.steps, "run.eval_every": 0,
-              "task.eval_size": 0, "trainer.groups_per_step": args.groups,
-              "run.progress": False}
+    common = bench_run(args.model, args.steps, **{"trainer.groups_per_step": args.groups})
     in_process = groups_per_s(IN_PROCESS, out / "in-process",
                               {**common, "rollout.prefix_caching": True})
     gateway = groups_per_s(GATEWAY, out / "gateway", common)

@@ -23,6 +23,7 @@ from typing import Any
 from async_rl.api import train
 from async_rl.config_io import load_config
 from async_rl.run.run_dir import read_metrics
+from bench.common.overrides import bench_run
 
 ROOT = Path(__file__).resolve().parents[2]
 LONGTAIL = ROOT / "examples" / "cpu_longtail.toml"
@@ -62,8 +63,7 @@ def main() -> None:
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    common = {"model.path": args.model, "run.num_steps": args.steps, "run.eval_every": 0,
-              "task.eval_size": 0, "run.progress": False}
+    common = bench_run(args.model, args.steps)
     arms: dict[str, list[dict[str, float]]] = {"keep": [], "recompute": []}
     for i, policy in enumerate(ORDER):
         arms[policy].append(one_run(policy, out / f"{i}-{policy}", common))
