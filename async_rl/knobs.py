@@ -158,15 +158,20 @@ def _on_cpu(config: Config) -> bool:
 
 
 def _per_rollout_worker(config: Config) -> int:
+    """A rollout worker's devices, as the simulator counts them: its layout's (an engine
+    spans tp x pp), else the hardware override's (the bundled hardware files: 1)."""
     if _on_cpu(config):
         return config.rollout.cpus_per_worker
-    return config.simulate.hardware_overrides.devices_per_rollout_worker or 1
+    return (config.simulate.rollout_layout.devices
+            or config.simulate.hardware_overrides.devices_per_rollout_worker or 1)
 
 
 def _per_trainer_shard(config: Config) -> int:
+    """A trainer shard's devices: its layout's (tp x pp x cp), else the override's."""
     if _on_cpu(config):
         return config.trainer.cpus_per_shard
-    return config.simulate.hardware_overrides.devices_per_trainer_shard or 1
+    return (config.simulate.trainer_layout.devices
+            or config.simulate.hardware_overrides.devices_per_trainer_shard or 1)
 
 
 def bounds(key: str, config: Config) -> Range:

@@ -66,6 +66,11 @@ class RolloutLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     ep: NonNegative = 0
     """Devices the experts are split over (their all-to-all per MoE layer); at most tp x pp."""
 
+    @property
+    def devices(self) -> int:
+        """Devices one engine spans: tp x pp (0: no key given)."""
+        return (self.tp or 1) * (self.pp or 1) if self.tp or self.pp or self.ep else 0
+
 
 class TrainerLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
                     omit_defaults=True):
@@ -82,6 +87,12 @@ class TrainerLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Expert-parallel size: its group's members are tp apart (Megatron's rank order), so
     it spans ep x tp devices, across replicas when that is more than one replica's."""
     dp: NonNegative = 0
+
+    @property
+    def devices(self) -> int:
+        """Devices one replica spans: tp x pp x cp (0: no key given)."""
+        given = self.tp or self.pp or self.cp or self.ep or self.dp
+        return (self.tp or 1) * (self.pp or 1) * (self.cp or 1) if given else 0
 
 
 class Architecture(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,

@@ -9,6 +9,8 @@ from hypothesis import strategies as st
 from async_rl import knobs
 from async_rl.config import Config
 from async_rl.config_io import decode_config, load_config
+from async_rl.sim.hardware_file import load_hardware
+from async_rl.sim.run import simulation_plan
 from buffers.common.config import ConfigError
 
 
@@ -72,6 +74,28 @@ def test_the_cluster_split_trades_whole_workers_across_a_fixed_device_count() ->
     assert moved.rollout.num_workers == 64
     assert moved.trainer.num_shards == 960
     assert knobs.split_total(moved) == 1024
+
+
+def test_the_split_counts_each_worker_as_its_layout_spans_devices() -> None:
+    """An engine of tp 4 x pp 2 is 8 devices, a trainer replica of tp 2 x cp 2 is 4,
+    as the simulator counts them: 16 engines and 8 replicas are a 160-device split."""
+    raw = {"model": {"path": "m"}, "rollout": {"num_workers": 16},
+           "trainer": {"num_shards": 8, "groups_per_step": 8},
+           "simulate": {"hardware": "h100", "rollout_layout": {"tp": 4, "pp": 2},
+                        "trainer_layout": {"tp": 2, "cp": 2, "ep": 2}}}
+    config = decode_config(raw)
+    assert (knobs.rollout_devices(config), knobs.trainer_devices(config)) == (128, 32)
+    plan = simulation_plan(config, load_hardware("h100"))
+    assert (plan.rollout.devices, plan.trainer.devices) == (8, 4)  # the simulator's
+    moved = knobs.with_values(config, {"split": 64})  # 8 engines, 24 replicas
+    assert (moved.rollout.num_workers, moved.trainer.num_shards) == (8, 24)
+    assert knobs.split_total(moved) == 160
+    # Only ep (or dp) given: a replica is one device, as the simulator lays it out.
+    only_ep = {**raw["simulate"], "trainer_layout": {"ep": 2}}
+    assert knobs.trainer_devices(decode_config({**raw, "simulate": only_ep})) == 8
+    unlaid = {**raw["simulate"], "rollout_layout": {}, "trainer_layout": {},
+              "hardware_overrides": {"devices_per_rollout_worker": 2}}
+    assert knobs.split_total(decode_config({**raw, "simulate": unlaid})) == 16 * 2 + 8
 
 
 def test_a_split_leaving_no_device_is_refused() -> None:
