@@ -66,9 +66,11 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     generating forever: the policy scores every sample alike (a task it always solves,
     or never does)."""
     prefix_caching: bool = False
-    """vLLM prefix caching. With it, an in-flight update clears the cache, so running
-    requests recompute their KV under the new weights; without it they keep the old KV
-    (PipelineRL's choice) and an update pauses the engine for less time."""
+    """vLLM prefix caching: a request reuses the KV blocks of a prefix an earlier request
+    computed (a group's shared prompt, a multi-turn trajectory's earlier turns). Each
+    request's blocks are salted by the policy version it started under, so none reuses
+    what an older version computed. What an in-flight update does with the running
+    requests' KV: weights.kv_policy."""
     kv_cache_gib: NonNegative = 0
     """KV-cache size in GiB on the CPU build (vLLM's ``VLLM_CPU_KVCACHE_SPACE``). 0: 1 GiB
     when the most sequences the engine runs, each at the model's longest context, fit
