@@ -216,7 +216,7 @@ def sigterm_blocked() -> Iterator[None]:
     store, its raylet, and through it every worker and engine process) inherit the mask
     across fork and exec, so a scheduler's SIGTERM to every process of the job stays
     pending in them while the driver stops the run cleanly. A handler they install does
-    not unblock it; ``kill_leftovers`` ends them with SIGKILL after Ray's shutdown.
+    not unblock it; ``shutdown_local_ray`` ends them with SIGKILL.
     A SIGTERM to the driver meanwhile is delivered when the block ends."""
     before = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
     try:

@@ -10,7 +10,7 @@ the first (the first waits on the engines' start), and over the steps' rows the 
 the importance weights correct), ``is_weight_max`` and the in-flight staleness. The last
 line is ``kv_policy: recompute/keep groups/s R, kl_behaviour keep K1 recompute K2``.
 
-    python -m bench.weights.kv_policy --model runs/longtail-model --steps 20
+    python -m bench.kv_policy --model runs/longtail-model --steps 20
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from async_rl.config_io import load_config
 from async_rl.run.run_dir import read_metrics
 from bench.common.overrides import bench_run
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 LONGTAIL = ROOT / "examples" / "cpu_longtail.toml"
 ORDER = ("keep", "recompute", "recompute", "keep")
 
