@@ -75,10 +75,11 @@ class Preemption:
         stale = [g for g in kept if version - g.min_version > bound]
         owed = [(p.prompt_id, p.attempt) for p in orchestrator.prompts.owed()]
         owed = [key for key in owed if key not in kept_keys]
+        owed_tokens = {key: self.tokens(key) for key in owed}
         per_engine = [0] * engines
-        for key in owed:
+        for key, tokens in owed_tokens.items():
             if key in self.requests:
-                per_engine[self.requests[key][1]] += self.tokens(key)
+                per_engine[self.requests[key][1]] += tokens
         generated = sum(self.tokens(key) for key in self.requests)
         kept_tokens = sum(self.tokens(key) for key in kept_keys)
         lost = sum(per_engine)
@@ -96,7 +97,7 @@ class Preemption:
             stale_tokens=sum(self.tokens((g.prompt.prompt_id, g.prompt.attempt))
                              for g in stale),
             owed_prompts=len(owed),
-            lost_rollouts=sum(1 for key in owed if self.tokens(key)),
+            lost_rollouts=sum(1 for tokens in owed_tokens.values() if tokens),
             lost_tokens=lost, lost_s=seconds(lost),
             done_tokens=generated - kept_tokens - lost,
             engine_lost_tokens=tuple(per_engine))
