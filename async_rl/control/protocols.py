@@ -6,7 +6,8 @@ Owns: the orchestrator's whole view of the compute plane — a rollout worker
 for the idle accounting (``ObservedWorker``), the PPO dataflow's stages on the trainer
 shards (``RoleStagesClient``) and on the roles' own workers (``ReferenceClient``,
 ``CriticClient``; the shards take their outputs, ``RoleOutputsClient``; together
-``OwnRoles``), where groups' tokens are kept (``TokenStore``: what a checkpoint of the
+``OwnRoles``), devices that may become rollout engines while a run trains
+(``EngineLending``), where groups' tokens are kept (``TokenStore``: what a checkpoint of the
 queue fetches and a resume puts back), the bundle the shell hands over (``Workers``)
 and the failures: a worker's (``RolloutFailed``, ``EvaluationFailed``) and the run's
 (``RunFailed``, ``TrainerFailed``, ``RoleFailed``). Knows nothing about Ray:
@@ -360,6 +361,29 @@ def first_error(group: BaseExceptionGroup[BaseException],
     return None
 
 
+class EngineLending(Protocol):
+    """Devices that may serve as rollout engines beyond rollout.num_workers while a run
+    trains: ``[autopilot]``'s engine count adds and removes them (ranks from
+    rollout.num_workers up). The simulator's lent trainer devices are one
+    (``async_rl.sim.lending``); real runs have none yet."""
+
+    engines: tuple[int, int]
+    """(fewest, most) rollout engines: rollout.num_workers, and with every device lent."""
+    devices_per_engine: int
+    trainer_devices: int
+    """The trainer's devices with no engine added, from which each added engine takes
+    ``devices_per_engine`` (0: added engines take spare devices, not the trainer's)."""
+
+    async def add(self, rank: int) -> RolloutClient:
+        """An engine on devices not yet generating, started (its switch paid) for ``rank``."""
+        ...
+
+    async def remove(self, rank: int) -> None:
+        """``rank``'s engine (out of the pool already) gives its devices back: its calls in
+        flight end as the lending says."""
+        ...
+
+
 @dataclass
 class Workers:
     """The started compute plane, as the orchestrator sees it."""
@@ -381,3 +405,5 @@ class Workers:
     tokens: TokenStore | None = None
     """Where the groups' tokens are kept; None: checkpoints keep no queued groups (their
     prompts are issued again on resume)."""
+    lending: EngineLending | None = None
+    """Devices ``[autopilot]`` may turn into rollout engines; None: the engines stay."""

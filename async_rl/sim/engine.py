@@ -20,7 +20,10 @@ counts how many waited and how long (``kv_queued``, ``kv_wait_s``). Time-shared
 devices (run.colocate = "time"): ``release`` stops the engine at a step boundary and
 frees its devices (``Costs.release``) until ``take_back`` (then it reloads:
 ``Costs.reload``), its requests kept; a derived reload also recomputes the KV cache of
-the sequences it kept (a prefill of their context: the sleep freed it). A sequence of a
+the sequences it kept (a prefill of their context: the sleep freed it). Lent devices
+(simulate.lend) release with ``abort``: every request ends unfinished (``Request.made``:
+each sequence's tokens so far; counted in ``aborted_tokens``), and loads asked take
+effect at once. A sequence of a
 model with linear-attention layers reserves its fixed state too (``Costs.state_tokens``).
 Knows nothing about prompts, groups or the orchestrator.
 """
@@ -43,8 +46,19 @@ class Request:
     """One call's sequences (a group's samples, or one evaluation prompt); ``done`` is
     settled ``after`` seconds past its last sequence's end (the reward's latency)."""
 
-    __slots__ = ("after", "arrived", "done", "evaluate", "finish", "lengths", "max_version",
-                 "min_version", "prompt_tokens", "queued")
+    __slots__ = (
+        "after",
+        "arrived",
+        "done",
+        "evaluate",
+        "finish",
+        "lengths",
+        "made",
+        "max_version",
+        "min_version",
+        "prompt_tokens",
+        "queued",
+    )
 
     def __init__(self, prompt_tokens: int, lengths: tuple[int, ...], evaluate: bool,
                  after: float, arrived: float) -> None:
@@ -52,6 +66,8 @@ class Request:
         self.after, self.arrived = after, arrived
         self.queued = False
         """It waited for KV-cache room."""
+        self.made: tuple[int, ...] | None = None
+        """Ended unfinished (its engine's devices left): each sequence's tokens by then."""
         # asyncio's own future, not an anyio.Event: the cheapest wait, on asyncio's loop.
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.finish = 0
@@ -103,10 +119,11 @@ class SimEngine:
         self.requests = 0
         self.kv_queued = 0
         self.kv_wait_s = 0.0
-        self.releases = 0
+        self.releases = self.aborted = self.aborted_tokens = 0
         self.recompute_s = 0.0
         """Seconds spent recomputing the KV cache a release freed."""
         self._release: Load | None = None
+        self._abort = False
         """A release asked for: the engine stops at its next step boundary."""
         self._back: asyncio.Future[None] | None = None
         """Settled by ``take_back``."""
@@ -178,11 +195,12 @@ class SimEngine:
         self._wake()
         return load
 
-    def release(self, pause_s: float) -> Load:
+    def release(self, pause_s: float, *, abort: bool = False) -> Load:
         """Asks the engine to free its devices at the next step boundary, after
         ``pause_s`` of releasing them (``Load.done`` then); it stays off them until
-        ``take_back``."""
+        ``take_back``. ``abort``: its requests end there unfinished."""
         self._release = Load(self.version, 0.0, pause_s, self.clock())
+        self._abort = abort
         self._back = asyncio.get_running_loop().create_future()
         self._wake()
         return self._release
@@ -202,6 +220,11 @@ class SimEngine:
     def busy(self) -> bool:
         """Sequences are running (or a weight load holds the engine)."""
         return bool(self._requests or self._loads)
+
+    @property
+    def pending(self) -> int:
+        """Requests running or waiting to join."""
+        return len(self._requests) + len(self._waiting)
 
     @property
     def kv_waiting(self) -> bool:
@@ -273,6 +296,8 @@ class SimEngine:
         release, self._release = self._release, None
         assert release is not None and self._back is not None
         self.releases += 1
+        if self._abort:
+            self._end_requests()
         self.spans.switch("weight_sync", self.version)
         await asyncio.sleep(release.pause_s)
         release.done_at = self.clock()
@@ -287,6 +312,27 @@ class SimEngine:
             reload += recompute
         await asyncio.sleep(reload)
         self.busy_s += release.pause_s + reload
+
+    def _end_requests(self) -> None:
+        """Every request ends unfinished (see the module docstring); the engine is empty."""
+        for _, _, request in self._requests:
+            joined = request.finish - max(request.lengths)
+            request.made = tuple(min(n, self.step - joined) for n in request.lengths)
+            self.aborted_tokens += sum(request.made)
+        for request in [r for *_, r in self._requests] + self._waiting:
+            request.made = request.made or (0,) * len(request.lengths)
+            self.aborted += 1
+            _settle(request.done)
+        self._requests.clear()
+        self._waiting.clear()
+        self._ends.clear()
+        self._running = self._evaluating = self._offset = 0
+        self.kv_reserved = self._prefill = 0.0
+        for load in self._loads:  # out of the group: a collective does not wait for it
+            self.version = load.version
+            _settle(load.paused)
+            _settle(load.done)
+        self._loads.clear()
 
     async def _apply_loads(self) -> None:
         """Each load asked, in order: paused, waiting on the group (``weight_sync``), the
