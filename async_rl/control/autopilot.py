@@ -289,7 +289,7 @@ class Autopilot:
         target = balanced_engines(engines, ratio, lending.devices_per_engine, trainer)
         return [Rule(share, ENGINES, direction,
                      f"{measured}: about {target:.0f} engines balance generation and "
-                     f"training ({lending.devices_per_engine} devices each, from "
+                     f"training ({lending.devices_per_engine} device(s) each, from "
                      + (f"the trainer's {trainer})" if trainer else "spare devices)"),
                      target / engines)]
 
