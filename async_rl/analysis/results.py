@@ -270,10 +270,10 @@ def lend_line(lend: LendRecord, wall_s: float) -> str:
     """One line of the result: what was lent, how often, and what switching cost."""
     if not lend.engines:
         return (f"{lend.arm}: nothing to lend (the trainer's {lend.trainer_devices} "
-                f"devices make no engine of {lend.devices_per_engine} to spare)")
+                f"device(s) make no engine of {lend.devices_per_engine} to spare)")
     share = lend.device_s / (lend.trainer_devices * wall_s) if wall_s > 0 else 0.0
     return (f"{lend.arm}: {lend.lends} lends, {lend.returns} returns, "
-            f"{lend.engines_lent} engines of {lend.devices_per_engine} devices started in "
+            f"{lend.engines_lent} engines of {lend.devices_per_engine} device(s) started in "
             f"all (at most {lend.engines}); {lend.device_s:,.0f} device-s lent "
             f"({share:.0%} of the trainer's); a switch {lend.lend_s:.2f} s out, "
             f"{lend.return_s:.2f} s back, the trainer waited {lend.switch_s:.1f} s on them; "

@@ -251,7 +251,7 @@ def test_nothing_to_lend_runs_as_off_and_says_why(tmp_path: Path) -> None:
     simulate(cfg)
     record = lent(tmp_path / "none")
     assert record is not None and record.engines == 0 and record.lends == 0
-    assert "nothing to lend (the trainer's 1 devices make no engine of 2" in shown(
+    assert "nothing to lend (the trainer's 1 device(s) make no engine of 2" in shown(
         tmp_path / "none")
 
 
