@@ -1,6 +1,7 @@
 """A simulated continuously batching engine (vLLM's scheduling, the cost model's time).
 
-Owns: ``SimEngine``, one rollout worker's engine on the virtual clock. Requests join at
+Owns: ``SimEngine``, one rollout worker's engine on the virtual clock (what it is
+asked, requests and loads: ``async_rl.sim.engine_calls``). Requests join at
 the next step boundary (their prefill adds to that step), every step emits one token per
 running sequence and costs ``Costs.decode_step`` of the running sequences and their
 context, a sequence leaves after its length, a request completes with its last
@@ -39,69 +40,8 @@ import math
 from collections.abc import Callable
 
 from async_rl.sim.costs import Costs
+from async_rl.sim.engine_calls import Load, Request, settle
 from workers.common.spans import UNRESOLVED, Span, SpanRecorder
-
-
-class Request:
-    """One call's sequences (a group's samples, or one evaluation prompt); ``done`` is
-    settled ``after`` seconds past its last sequence's end (the reward's latency)."""
-
-    __slots__ = (
-        "after",
-        "arrived",
-        "done",
-        "evaluate",
-        "finish",
-        "lengths",
-        "made",
-        "max_version",
-        "min_version",
-        "prompt_tokens",
-        "queued",
-    )
-
-    def __init__(self, prompt_tokens: int, lengths: tuple[int, ...], evaluate: bool,
-                 after: float, arrived: float) -> None:
-        self.prompt_tokens, self.lengths, self.evaluate = prompt_tokens, lengths, evaluate
-        self.after, self.arrived = after, arrived
-        self.queued = False
-        """It waited for KV-cache room."""
-        self.made: tuple[int, ...] | None = None
-        """Ended unfinished (its engine's devices left): each sequence's tokens by then."""
-        # asyncio's own future, not an anyio.Event: the cheapest wait, on asyncio's loop.
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.finish = 0
-        self.min_version = self.max_version = -1
-
-
-class Load:
-    """A weight update asked of an engine: when it was asked, paused and done. Its pause
-    is ``wire_s`` of bytes arriving then ``load_s`` of loading them, after ``start``
-    (a collective begins once every member has paused: until then the engine stands
-    paused, waiting on the group; None: at once)."""
-
-    __slots__ = ("asked", "done", "done_at", "load_s", "paused", "paused_at", "start",
-                 "version", "wire_s")
-
-    def __init__(self, version: int, wire_s: float, load_s: float, asked: float,
-                 start: asyncio.Future[None] | None = None) -> None:
-        self.version, self.wire_s, self.load_s, self.asked = version, wire_s, load_s, asked
-        self.start = start
-        loop = asyncio.get_running_loop()
-        # A settled future is awaited without a trip through the loop (an anyio.Event's
-        # wait yields even when set): a delivery awaits every engine's in turn.
-        self.paused: asyncio.Future[None] = loop.create_future()
-        self.done: asyncio.Future[None] = loop.create_future()
-        self.paused_at = self.done_at = asked
-
-    @property
-    def pause_s(self) -> float:
-        return self.wire_s + self.load_s
-
-    @property
-    def waited(self) -> float:
-        """Seconds from the ask to the pause (a drain, or the step in progress)."""
-        return self.paused_at - self.asked
 
 
 class SimEngine:
@@ -208,7 +148,7 @@ class SimEngine:
     def take_back(self) -> None:
         """The devices are the engine's again: it reloads (``Costs.reload``) and goes on."""
         assert self._back is not None
-        _settle(self._back)
+        settle(self._back)
 
     def slow_down(self, factor: float) -> None:
         """From the next step boundary on, steps take ``factor`` times their cost."""
@@ -301,7 +241,7 @@ class SimEngine:
         self.spans.switch("weight_sync", self.version)
         await asyncio.sleep(release.pause_s)
         release.done_at = self.clock()
-        _settle(release.done)
+        settle(release.done)
         self.spans.switch(UNRESOLVED, self.version)  # the trainer has the devices
         await self._back
         self.spans.switch("weight_sync", self.version)
@@ -322,7 +262,7 @@ class SimEngine:
         for request in [r for *_, r in self._requests] + self._waiting:
             request.made = request.made or (0,) * len(request.lengths)
             self.aborted += 1
-            _settle(request.done)
+            settle(request.done)
         self._requests.clear()
         self._waiting.clear()
         self._ends.clear()
@@ -330,8 +270,8 @@ class SimEngine:
         self.kv_reserved = self._prefill = 0.0
         for load in self._loads:  # out of the group: a collective does not wait for it
             self.version = load.version
-            _settle(load.paused)
-            _settle(load.done)
+            settle(load.paused)
+            settle(load.done)
         self._loads.clear()
 
     async def _apply_loads(self) -> None:
@@ -343,7 +283,7 @@ class SimEngine:
         for load in loads:
             self.spans.switch("weight_sync", self.version)
             load.paused_at = self.clock()
-            _settle(load.paused)
+            settle(load.paused)
             if load.start is not None:
                 await load.start
             for phase, seconds in (("weight_wire", load.wire_s), ("weight_load", load.load_s)):
@@ -352,7 +292,7 @@ class SimEngine:
                     await asyncio.sleep(seconds)
             self.version = load.version
             load.done_at = self.clock()
-            _settle(load.done)
+            settle(load.done)
         self.busy_s += self.clock() - began
 
     def _admit(self) -> None:
@@ -439,16 +379,11 @@ class SimEngine:
                 self._evaluating -= len(request.lengths)
             request.max_version = self.version
             if request.after > 0:
-                asyncio.get_running_loop().call_later(request.after, _settle, request.done)
+                asyncio.get_running_loop().call_later(request.after, settle, request.done)
             else:
-                _settle(request.done)
+                settle(request.done)
 
 
 def _slowed(factor: float, cost: Callable[[int, int, float], float], steps: int,
             running: int, context: float) -> float:
     return factor * cost(steps, running, context)
-
-
-def _settle(done: asyncio.Future[None]) -> None:
-    if not done.cancelled():  # its waiter was cancelled meanwhile
-        done.set_result(None)

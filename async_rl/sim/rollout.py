@@ -21,7 +21,8 @@ import anyio
 import msgspec
 
 from async_rl.config import Config
-from async_rl.sim.engine import Request, SimEngine
+from async_rl.sim.engine import SimEngine
+from async_rl.sim.engine_calls import Request
 from async_rl.sim.lengths import LengthLaw, prompt_tokens
 from buffers.common.records import Group, Prompt
 from buffers.common.reports import EvalResult, UsageReading
