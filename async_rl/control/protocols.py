@@ -362,25 +362,23 @@ def first_error(group: BaseExceptionGroup[BaseException],
 
 
 class EngineLending(Protocol):
-    """Devices that may serve as rollout engines beyond rollout.num_workers while a run
-    trains: ``[autopilot]``'s engine count adds and removes them (ranks from
-    rollout.num_workers up). The simulator's lent trainer devices are one
+    """Devices ``[autopilot]``'s engine count may turn into rollout engines (ranks from
+    rollout.num_workers up): the simulator's lent trainer devices
     (``async_rl.sim.lending``); real runs have none yet."""
 
     engines: tuple[int, int]
     """(fewest, most) rollout engines: rollout.num_workers, and with every device lent."""
     devices_per_engine: int
     trainer_devices: int
-    """The trainer's devices with no engine added, from which each added engine takes
-    ``devices_per_engine`` (0: added engines take spare devices, not the trainer's)."""
+    """The trainer's devices with no engine added, each added engine taking
+    ``devices_per_engine`` of them (0: spare devices, not the trainer's)."""
 
     async def add(self, rank: int) -> RolloutClient:
-        """An engine on devices not yet generating, started (its switch paid) for ``rank``."""
+        """An engine for ``rank`` on devices not yet generating, started (switch paid)."""
         ...
 
     async def remove(self, rank: int) -> None:
-        """``rank``'s engine (out of the pool already) gives its devices back: its calls in
-        flight end as the lending says."""
+        """``rank``'s engine, out of the pool already, gives its devices back."""
         ...
 
 
