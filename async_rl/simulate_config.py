@@ -235,6 +235,10 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """Engines (of devices_per_rollout_worker devices each) the lent trainer devices make
     at most; -1: as many as the trainer's devices hold ("autopilot": leaving it one
     replica's, devices_per_trainer_shard)."""
+    spare_devices: NonNegative = 0
+    """lend = "autopilot": devices in neither role at the start, from which the autopilot's
+    added engines come instead of the trainer's (each starts by receiving the version
+    over the weight path and loading it; the trainer keeps all its devices)."""
     lend_wait: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
     """lend = "starvation": the least share of a step's time (from the previous step's
     end to this one's start) the trainer must have waited for its groups to lend."""

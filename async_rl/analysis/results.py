@@ -97,6 +97,8 @@ class LendRecord(msgspec.Struct, frozen=True, kw_only=True):
     """Engines the lendable devices make at most."""
     devices_per_engine: int
     trainer_devices: int
+    spare_devices: int = 0
+    """simulate.spare_devices: where the engines came from instead of the trainer."""
     lends: int = 0
     """Switches of devices to generation (engines moved at one instant: one)."""
     returns: int = 0
@@ -268,14 +270,16 @@ def _turn(refit: dict[str, float], recompute_s: float) -> str:
 
 def lend_line(lend: LendRecord, wall_s: float) -> str:
     """One line of the result: what was lent, how often, and what switching cost."""
+    pool = lend.spare_devices or lend.trainer_devices
+    whose = "spare" if lend.spare_devices else "trainer's"
     if not lend.engines:
-        return (f"{lend.arm}: nothing to lend (the trainer's {lend.trainer_devices} "
-                f"device(s) make no engine of {lend.devices_per_engine} to spare)")
-    share = lend.device_s / (lend.trainer_devices * wall_s) if wall_s > 0 else 0.0
+        return (f"{lend.arm}: nothing to lend (the {whose} {pool} device(s) make no "
+                f"engine of {lend.devices_per_engine} to spare)")
+    share = lend.device_s / (pool * wall_s) if wall_s > 0 else 0.0
     return (f"{lend.arm}: {lend.lends} lends, {lend.returns} returns, "
             f"{lend.engines_lent} engines of {lend.devices_per_engine} device(s) started in "
             f"all (at most {lend.engines}); {lend.device_s:,.0f} device-s lent "
-            f"({share:.0%} of the trainer's); a switch {lend.lend_s:.2f} s out, "
+            f"({share:.0%} of the {whose}); a switch {lend.lend_s:.2f} s out, "
             f"{lend.return_s:.2f} s back, the trainer waited {lend.switch_s:.1f} s on them; "
             f"{lend.moved} requests resumed on standing engines with "
             f"{lend.moved_tokens:,} tokens made")

@@ -64,6 +64,8 @@ class SimEngine:
         """Seconds spent recomputing the KV cache a release freed."""
         self._release: Load | None = None
         self._abort = False
+        self._reload_s: float | None = None
+        """What the next reload costs when not ``Costs.reload`` (``take_back``)."""
         """A release asked for: the engine stops at its next step boundary."""
         self._back: asyncio.Future[None] | None = None
         """Settled by ``take_back``."""
@@ -145,9 +147,11 @@ class SimEngine:
         self._wake()
         return self._release
 
-    def take_back(self) -> None:
-        """The devices are the engine's again: it reloads (``Costs.reload``) and goes on."""
+    def take_back(self, reload_s: float | None = None) -> None:
+        """The devices are the engine's again: it reloads (``Costs.reload``, or
+        ``reload_s``) and goes on."""
         assert self._back is not None
+        self._reload_s = reload_s
         settle(self._back)
 
     def slow_down(self, factor: float) -> None:
@@ -245,7 +249,7 @@ class SimEngine:
         self.spans.switch(UNRESOLVED, self.version)  # the trainer has the devices
         await self._back
         self.spans.switch("weight_sync", self.version)
-        reload = self.costs.reload()
+        reload = self.costs.reload() if self._reload_s is None else self._reload_s
         if self.costs.refit.derived and self._running:  # the KV cache the sleep freed
             recompute = self.costs.prefill(self._offset + self._running * self.step)
             self.recompute_s += recompute

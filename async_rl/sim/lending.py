@@ -15,7 +15,9 @@ they join and leave the real orchestrator's ``RolloutPool`` (``join``, ``leave``
   ``ENGINES``): the real ``LiveTuning`` calls ``add`` and ``remove`` (``EngineLending``)
   between steps. The trainer trains on the devices left: a step's compute takes
   ``T / (T - lent)`` times as long (``compute_factor``; the optimizer update and the
-  gradient all-reduce keep their cost).
+  gradient all-reduce keep their cost). With simulate.spare_devices the engines come
+  from those instead: the trainer keeps its devices, and an engine starts by receiving
+  the version over the weight path (a broadcast to one) and loading it.
 
 A lend pays a colocated refit's reload of the devices moved (``async_rl.sim.refit``: the
 trainer's state on them to host memory, the weights resharded into the engine's layout,
@@ -53,6 +55,9 @@ def lend_plan(config: Config, costs: Costs) -> tuple[int, int, int]:
     sim, h = config.simulate, costs.hardware
     per_engine, per_shard = h.devices_per_rollout_worker, h.devices_per_trainer_shard
     trainer = config.trainer.num_shards * per_shard
+    if sim.spare_devices and sim.lend != "autopilot":
+        raise ConfigError(f"config error: simulate.spare_devices = {sim.spare_devices}: "
+                          'only simulate.lend = "autopilot" adds engines on spare devices')
     if sim.lend == "off":
         return 0, per_engine, trainer
     arm = f'config error: simulate.lend = "{sim.lend}"'
@@ -66,12 +71,14 @@ def lend_plan(config: Config, costs: Costs) -> tuple[int, int, int]:
         raise ConfigError(f"{arm}: the autopilot decides the engine count: set "
                           "autopilot.enabled = true")
     keep = per_shard if sim.lend == "autopilot" else 0  # the trainer keeps one replica
-    most = max(trainer - keep, 0) // per_engine
+    most = (sim.spare_devices or max(trainer - keep, 0)) // per_engine
     if sim.lend_engines > most:
+        source = (f"{sim.spare_devices} spare devices" if sim.spare_devices
+                  else f"trainer's {trainer} devices")
         raise ConfigError(
-            f"config error: simulate.lend_engines = {sim.lend_engines}: the trainer's "
-            f"{trainer} devices make at most {most} engines of {per_engine}"
-            + (f" and keep one replica's {keep}" if keep else ""))
+            f"config error: simulate.lend_engines = {sim.lend_engines}: the {source} make "
+            f"at most {most} engines of {per_engine}"
+            + (f" and keep one replica's {keep}" if keep and not sim.spare_devices else ""))
     return (most if sim.lend_engines < 0 else sim.lend_engines), per_engine, trainer
 
 
@@ -88,7 +95,15 @@ class SimLending:
         ``client``: a rollout worker over (rank, engine, its fallback engine)."""
         self.config, self.costs, self.clock = config, costs, clock
         self.arm = config.simulate.lend
-        count, self.devices_per_engine, self.trainer_devices = lend_plan(config, costs)
+        count, self.devices_per_engine, self.trainer = lend_plan(config, costs)
+        self.spare_devices = config.simulate.spare_devices
+        self.trainer_devices = 0 if self.spare_devices else self.trainer
+        """The devices an added engine takes from (0: spare ones, ``EngineLending``)."""
+        # From spare devices an engine receives the version as a broadcast to one and
+        # loads it, and frees its memory when given back; from the trainer's, a refit.
+        self.lend_s = (costs.transfer(1, config.weights.bucket_mb << 20) + costs.load()
+                       if self.spare_devices else costs.reload())
+        self.return_s = 0.0 if self.spare_devices else costs.release()
         first = config.rollout.num_workers
         self.engines = (first, first + count)
         self.standing = [engines[rank] for rank in range(first)]
@@ -132,7 +147,7 @@ class SimLending:
     def compute_factor(self) -> float:
         """How many times a training step's compute takes: the trainer's devices over
         those it has left ("autopilot"; 1 otherwise)."""
-        if self.arm != "autopilot" or not self.lent:
+        if self.arm != "autopilot" or not self.lent or self.spare_devices:
             return 1.0
         return self.trainer_devices / (self.trainer_devices
                                        - len(self.lent) * self.devices_per_engine)
@@ -140,15 +155,15 @@ class SimLending:
     # ---- "autopilot": EngineLending -----------------------------------------------------
 
     async def add(self, rank: int) -> RolloutClient:
-        self._switch(self.costs.reload())
+        self._switch(self.lend_s)
         self.lent[rank] = self.clock()
         self.engines_lent += 1
         self._take(rank)
-        await anyio.sleep(self.costs.reload())
+        await anyio.sleep(self.lend_s)
         return self.clients[rank]
 
     async def remove(self, rank: int) -> None:
-        self._switch(self.costs.release(), back=True)
+        self._switch(self.return_s, back=True)
         await self._give_back([rank])
 
     # ---- "starvation": the trainer's hooks ----------------------------------------------
@@ -183,7 +198,7 @@ class SimLending:
             self._take(rank)
         self.lends += 1
         self.engines_lent += len(self.spare)
-        await anyio.sleep(self.costs.reload())
+        await anyio.sleep(self.lend_s)
         for rank in self.spare:
             await self.pool.join(rank, self.clients[rank])
         self._moving.set()
@@ -195,7 +210,7 @@ class SimLending:
         ``SimEngine`` sleeps ``Costs.reload``)."""
         engine = self.spare[rank]
         engine.version = self.version()
-        engine.take_back()
+        engine.take_back(self.lend_s)
 
     async def _give_back(self, ranks: list[int]) -> None:
         """``ranks`` leave the pool (if there), their requests aborted, their devices
@@ -205,7 +220,7 @@ class SimLending:
         for rank in ranks:
             if rank in live:
                 self.pool.leave(rank)
-        releases = [self.spare[rank].release(self.costs.release(), abort=True)
+        releases = [self.spare[rank].release(self.return_s, abort=True)
                     for rank in ranks]
         for release in releases:
             await release.done
@@ -229,9 +244,9 @@ class SimLending:
         held = sum(now - since for since in self.lent.values()) * self.devices_per_engine
         return LendRecord(
             arm=self.arm, engines=len(self.spare), devices_per_engine=self.devices_per_engine,
-            trainer_devices=self.trainer_devices, lends=self.lends, returns=self.returns,
-            engines_lent=self.engines_lent, device_s=self.device_s + held,
-            lend_s=self.costs.reload(), return_s=self.costs.release(),
+            trainer_devices=self.trainer, spare_devices=self.spare_devices, lends=self.lends,
+            returns=self.returns, engines_lent=self.engines_lent,
+            device_s=self.device_s + held, lend_s=self.lend_s, return_s=self.return_s,
             switch_s=self.switch_s,
             moved=sum(e.aborted for e in self.spare.values()),
             moved_tokens=sum(e.aborted_tokens for e in self.spare.values()))

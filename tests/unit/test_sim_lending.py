@@ -217,6 +217,32 @@ def test_a_trainer_lending_to_the_autopilot_trains_on_the_devices_left(
     assert starved.compute_factor() == 1.0  # lent only while the trainer waits
 
 
+def test_engines_from_spare_devices_leave_the_trainer_whole(tmp_path: Path) -> None:
+    cfg = config(tmp_path, steps=12, lend="autopilot", spare_devices=4,
+                 autopilot={"enabled": True, "keys": [], "every_steps": 2})
+    costs = simulation_costs(cfg)
+    assert lend_plan(cfg, costs) == (4, 1, 2)  # the 4 spare devices, not the trainer's 2
+    # An engine on a spare device receives the version as a broadcast to one receiver
+    # and loads it; given back, it frees its memory (nothing moves).
+    start = costs.transfer(1, 16 << 20) + costs.load()
+    assert cfg.weights.bucket_mb == 16 and start > 0
+    engines = {rank: SimEngine(rank, costs, lambda: 0.0) for rank in range(2)}
+    lending = SimLending(cfg, costs, lambda: 0.0, engines, None,
+                         lambda rank, engine, fallback: None)  # type: ignore[arg-type,return-value]
+    assert (lending.trainer_devices, lending.lend_s, lending.return_s) == (0, start, 0.0)
+    lending.lent = {2: 0.0, 3: 0.0}
+    assert lending.compute_factor() == 1.0
+    simulate(cfg)
+    record_ = read_record(tmp_path)
+    assert record_ is not None and record_.autopilot
+    first = record_.autopilot[0]
+    assert first.key == ENGINES and first.new > 2 and "from spare devices" in first.cause
+    record = lent(tmp_path)
+    assert record is not None and record.spare_devices == 4 and record.engines_lent >= 1
+    assert record.lend_s == pytest.approx(start) and record.return_s == 0.0
+    assert "of the spare); a switch" in shown(tmp_path)
+
+
 # ---- the pool ----------------------------------------------------------------------------
 
 
@@ -275,6 +301,7 @@ def test_one_device_is_lent_whole_by_starvation_but_kept_by_the_autopilot(
     ("simulate.lend_wait=1.5", "simulate.lend_wait"),
     ('simulate.lend="autopilot"', 'simulate.lend = "autopilot": the autopilot decides'),
     ("simulate.lend_engines=3", "simulate.lend_engines = 3: the trainer's 2 devices"),
+    ("simulate.spare_devices=8", 'simulate.spare_devices = 8: only simulate.lend = "auto'),
 ])
 def test_bad_lending_exits_2_in_one_line_naming_the_key(
         tmp_path: Path, capsys: pytest.CaptureFixture[str], setting: str,
@@ -289,6 +316,14 @@ def test_bad_lending_exits_2_in_one_line_naming_the_key(
                  f"run.output_dir={out}"]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and names in lines[0], lines
+
+
+def test_spare_devices_fewer_than_an_engine_lend_nothing(tmp_path: Path) -> None:
+    cfg = config(tmp_path, lend="autopilot", spare_devices=1, autopilot={"enabled": True},
+                 hardware_overrides={"devices_per_rollout_worker": 2})
+    assert lend_plan(cfg, simulation_costs(cfg))[0] == 0
+    simulate(cfg)
+    assert "nothing to lend (the spare 1 device(s) make no engine of 2" in shown(tmp_path)
 
 
 def test_lending_beside_time_shared_devices_or_a_stop_count_is_refused(
