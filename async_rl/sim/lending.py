@@ -1,8 +1,8 @@
 """Devices lent between the roles in the simulator (simulate.lend).
 
-Owns: ``SimLending``, trainer devices that serve as extra rollout engines while a run
-trains, by one of two rules, and ``lend_plan`` (how many engines the trainer's devices
-make, the config checked). The extra engines have ranks from rollout.num_workers up;
+Owns: ``SimLending``, trainer (or spare) devices that serve as extra rollout engines
+while a run trains, by one of two rules, and ``lend_plan`` (how many engines those
+devices make, the config checked). The extra engines have ranks from rollout.num_workers up;
 they join and leave the real orchestrator's ``RolloutPool`` (``join``, ``leave``):
 
 - **"starvation"**, verl's separate_async switch (its ``enable_switch``): at the end of a
@@ -107,13 +107,13 @@ class SimLending:
         first = config.rollout.num_workers
         self.engines = (first, first + count)
         self.standing = [engines[rank] for rank in range(first)]
-        self.spare = {rank: SimEngine(rank, costs, clock,
+        self.lendable = {rank: SimEngine(rank, costs, clock,
                                       drain=config.weights.update_mode == "drain",
                                       record_spans=False, kv_limit=kv_limit)
                       for rank in range(first, first + count)}
-        engines.update(self.spare)
+        engines.update(self.lendable)
         self.clients = {rank: client(rank, engine, self.least_busy)
-                        for rank, engine in self.spare.items()}
+                        for rank, engine in self.lendable.items()}
         self.pool: RolloutPool | None = None
         self.version: Callable[[], int] = lambda: 0
         """The trainer's policy version (a lent engine starts at it)."""
@@ -137,7 +137,7 @@ class SimLending:
         engine starts off its devices."""
         self.pool, self.version, self.queued = attach
         self._tasks = tasks
-        for engine in self.spare.values():
+        for engine in self.lendable.values():
             engine.release(0.0)
 
     def least_busy(self) -> SimEngine:
@@ -185,7 +185,7 @@ class SimLending:
         """The step's last work on the trainer's devices is done; "starvation": they are
         lent when the trainer starved and the queue cannot fill the next step."""
         self._last_end = self.clock()
-        if (self.arm == "starvation" and self.spare and self._tasks is not None
+        if (self.arm == "starvation" and self.lendable and self._tasks is not None
                 and self._waited >= self.config.simulate.lend_wait
                 and self.queued() < self.config.trainer.groups_per_step):
             self._moving = anyio.Event()
@@ -193,34 +193,34 @@ class SimLending:
 
     async def _lend_all(self) -> None:
         assert self.pool is not None
-        for rank in self.spare:
+        for rank in self.lendable:
             self.lent[rank] = self.clock()
             self._take(rank)
         self.lends += 1
-        self.engines_lent += len(self.spare)
+        self.engines_lent += len(self.lendable)
         await anyio.sleep(self.lend_s)
-        for rank in self.spare:
+        for rank in self.lendable:
             await self.pool.join(rank, self.clients[rank])
         self._moving.set()
 
     # ---- both ---------------------------------------------------------------------------
 
     def _take(self, rank: int) -> None:
-        """``rank``'s engine takes its devices at the trainer's version (a refit's reload:
-        ``SimEngine`` sleeps ``Costs.reload``)."""
-        engine = self.spare[rank]
+        """``rank``'s engine takes its devices at the trainer's version (its engine sleeps
+        ``lend_s``: a refit's reload, or from spare devices a version's broadcast)."""
+        engine = self.lendable[rank]
         engine.version = self.version()
         engine.take_back(self.lend_s)
 
     async def _give_back(self, ranks: list[int]) -> None:
         """``ranks`` leave the pool (if there), their requests aborted, their devices
-        released (``Costs.release``)."""
+        released (``return_s``: a refit's release; nothing from spare devices)."""
         assert self.pool is not None
         live = self.pool.workers
         for rank in ranks:
             if rank in live:
                 self.pool.leave(rank)
-        releases = [self.spare[rank].release(self.return_s, abort=True)
+        releases = [self.lendable[rank].release(self.return_s, abort=True)
                     for rank in ranks]
         for release in releases:
             await release.done
@@ -243,10 +243,11 @@ class SimLending:
         now = self.clock()
         held = sum(now - since for since in self.lent.values()) * self.devices_per_engine
         return LendRecord(
-            arm=self.arm, engines=len(self.spare), devices_per_engine=self.devices_per_engine,
+            arm=self.arm, engines=len(self.lendable),
+            devices_per_engine=self.devices_per_engine,
             trainer_devices=self.trainer, spare_devices=self.spare_devices, lends=self.lends,
             returns=self.returns, engines_lent=self.engines_lent,
             device_s=self.device_s + held, lend_s=self.lend_s, return_s=self.return_s,
             switch_s=self.switch_s,
-            moved=sum(e.aborted for e in self.spare.values()),
-            moved_tokens=sum(e.aborted_tokens for e in self.spare.values()))
+            moved=sum(e.aborted for e in self.lendable.values()),
+            moved_tokens=sum(e.aborted_tokens for e in self.lendable.values()))
