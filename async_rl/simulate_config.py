@@ -113,6 +113,9 @@ class Architecture(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
 
 WeightsPath = Literal["direct", "gathered"]
 """How a framework moves a weight version (docs/simulator.md, "A weight version's stages")."""
+LendArm = Literal["off", "starvation", "autopilot"]
+"""Which rule lends trainer devices to generation while a run trains (docs/simulator.md,
+"Devices lent between the roles")."""
 RefitOffload = Literal["none", "optimizer", "all"]
 """What a time-shared trainer offloads while the engines generate (docs/simulator.md,
 "Time-shared devices")."""
@@ -219,6 +222,26 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     """run.colocate = "time": vLLM's sleep level of a releasing engine: 2 discards its
     weights (the new version replaces them), 1 offloads them to host memory and brings
     them back on waking (its devices' share over the host link each way)."""
+    lend: LendArm = "off"
+    """Trainer devices serving as extra rollout engines while the run trains: "off";
+    "starvation" (verl's separate_async switch: after a step whose trainer waited for its
+    groups at least simulate.lend_wait of the step, while the queue holds less than the
+    next step, the trainer's devices generate until the next step's groups are in hand,
+    then go back); "autopilot" (the autopilot's engine count, rollout.num_workers up to
+    rollout.num_workers + simulate.lend_engines, each added engine taken from the
+    trainer, which trains on what is left; needs autopilot.enabled). Each switch costs a
+    colocated refit's reload (lent) or release (returned) of the devices moved."""
+    lend_engines: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """Engines (of devices_per_rollout_worker devices each) the lent trainer devices make
+    at most; -1: as many as the trainer's devices hold ("autopilot": leaving it one
+    replica's, devices_per_trainer_shard)."""
+    spare_devices: NonNegative = 0
+    """lend = "autopilot": devices in neither role at the start, from which the autopilot's
+    added engines come instead of the trainer's (each starts by receiving the version
+    over the weight path and loading it; the trainer keeps all its devices)."""
+    lend_wait: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
+    """lend = "starvation": the least share of a step's time (from the previous step's
+    end to this one's start) the trainer must have waited for its groups to lend."""
     preemption_step: NonNegative = 0
     """At the end of this step (the instant a checkpoint would be taken), count what a
     stop there would cost (sim.json's ``stop``, a line of the result): the replay queue's

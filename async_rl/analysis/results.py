@@ -88,6 +88,37 @@ def stop_cost_line(cost: StopCost) -> str:
             f"one engine loses at most {worst:,} tokens")
 
 
+class LendRecord(msgspec.Struct, frozen=True, kw_only=True):
+    """simulate.lend: trainer devices lent to generation while the run trained."""
+
+    arm: str
+    """"starvation" or "autopilot"."""
+    engines: int
+    """Engines the lendable devices make at most."""
+    devices_per_engine: int
+    trainer_devices: int
+    spare_devices: int = 0
+    """simulate.spare_devices: where the engines came from instead of the trainer."""
+    lends: int = 0
+    """Switches of devices to generation (engines moved at one instant: one)."""
+    returns: int = 0
+    """Switches back to the trainer."""
+    engines_lent: int = 0
+    """Engines started on lent devices, over every lend."""
+    device_s: float = 0.0
+    """Device-seconds away from the trainer (from each lend's start to its return's end)."""
+    lend_s: float = 0.0
+    """Seconds of one lend (a colocated refit's reload of the devices moved)."""
+    return_s: float = 0.0
+    """Seconds of one return (a refit's release)."""
+    switch_s: float = 0.0
+    """Seconds the trainer waited on switches in all."""
+    moved: int = 0
+    """Requests a return ended unfinished, resumed on a standing engine."""
+    moved_tokens: int = 0
+    """Completion tokens they had made (prefilled again where they resumed)."""
+
+
 class SimStats(msgspec.Struct, frozen=True, kw_only=True):
     """A simulated run's own counts (sim.json)."""
 
@@ -120,6 +151,8 @@ class SimStats(msgspec.Struct, frozen=True, kw_only=True):
     """Time-shared: seconds the engines spent recomputing the KV cache a release freed."""
     stop: StopCost | None = None
     """simulate.preemption_step: what a stop at the end of that step costs (None: off)."""
+    lend: LendRecord | None = None
+    """simulate.lend: the devices lent and what the switches cost (None: off)."""
 
 
 class StepSplit(msgspec.Struct, frozen=True, kw_only=True):
@@ -235,6 +268,23 @@ def _turn(refit: dict[str, float], recompute_s: float) -> str:
             + (f"; KV recomputed {recompute_s:.2f} s in all" if recompute_s else ""))
 
 
+def lend_line(lend: LendRecord, wall_s: float) -> str:
+    """One line of the result: what was lent, how often, and what switching cost."""
+    pool = lend.spare_devices or lend.trainer_devices
+    whose = "spare" if lend.spare_devices else "trainer's"
+    if not lend.engines:
+        return (f"{lend.arm}: nothing to lend (the {whose} {pool} device(s) make no "
+                f"engine of {lend.devices_per_engine} to spare)")
+    share = lend.device_s / (pool * wall_s) if wall_s > 0 else 0.0
+    return (f"{lend.arm}: {lend.lends} lends, {lend.returns} returns, "
+            f"{lend.engines_lent} engines of {lend.devices_per_engine} device(s) started in "
+            f"all (at most {lend.engines}); {lend.device_s:,.0f} device-s lent "
+            f"({share:.0%} of the {whose}); a switch {lend.lend_s:.2f} s out, "
+            f"{lend.return_s:.2f} s back, the trainer waited {lend.switch_s:.1f} s on them; "
+            f"{lend.moved} requests resumed on standing engines with "
+            f"{lend.moved_tokens:,} tokens made")
+
+
 def result_table(run_dir: Path, roles: Sequence[Breakdown]) -> Table:
     """The run's result (see the module docstring): at most ``RESULT_LINES`` lines."""
     s = read_summary(run_dir)
@@ -293,6 +343,8 @@ def result_table(run_dir: Path, roles: Sequence[Breakdown]) -> Table:
                       "times for training (no weight bytes over the network)")
         if stats.refit:
             table.add_row("  a turn", _turn(stats.refit, stats.recompute_s))
+    if stats and stats.lend:
+        table.add_row("lent devices", lend_line(stats.lend, s.wall_s))
     if not stats:
         table.add_row("accuracy", f"{s.accuracy_start} -> {s.accuracy_end}")
     return table

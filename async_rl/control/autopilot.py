@@ -7,7 +7,9 @@ biggest idle cause (one rung, or as far as the trainer's wait says rollout must 
 up: see ``Autopilot._candidates``; the queue first when it could not hold a step's groups
 and the prompts then in flight: ``Autopilot._room_first``), or, when the window after
 a move trained slower than the window before it by more than the noise band (at the
-earlier window's group lengths: ``Window.at_lengths_of``), that move taken back. The
+earlier window's group lengths: ``Window.at_lengths_of``), that move taken back. Where
+the workers can lend devices (``EngineLending``), the engine count is a key too
+(``ENGINES``: ``balanced_engines`` says how far). The
 rules, the shares they read and the range of each key are below; the advice they follow
 is the idle report's (``async_rl.analysis.idle.HINTS``), whose words go into each move's cause.
 Knows nothing about how a window is measured or how a move is applied
@@ -29,6 +31,7 @@ import msgspec
 
 from async_rl.analysis.idle import HINTS
 from async_rl.config import Config
+from async_rl.control.protocols import EngineLending
 from async_rl.knobs import live_ladders
 from async_rl.run.run_record import AutopilotChange
 
@@ -36,6 +39,8 @@ INFLIGHT = "rollout.max_inflight_prompts"
 QUEUE = "queue.max_groups"
 MICRO_BATCH = "trainer.micro_batch_tokens"
 STALENESS = "staleness.max_staleness"
+ENGINES = "rollout.num_workers"
+"""The engine count: a key only where the workers can lend devices (``EngineLending``)."""
 
 WORTH_A_MOVE = 0.10
 """An idle cause below this share of the window is not worth a move."""
@@ -102,6 +107,22 @@ class Rule(msgspec.Struct, frozen=True):
     factor: float = 1.0
 
 
+def balanced_engines(engines: int, ratio: float, devices_per_engine: int,
+                     trainer_devices: int) -> float:
+    """The engine count at which generation keeps pace with training, from ``engines``
+    whose generation takes ``ratio`` times the trainer's time for a step's groups:
+    generation scales with the engines and training with the trainer's devices, each
+    engine added taking ``devices_per_engine`` of its ``trainer_devices`` now (0: spare
+    devices; the trainer keeps its pace, and the count scales by ``ratio``). With E
+    engines, T devices and e per engine, k engines more balance the roles when
+    ``r E (T - k e) = T (E + k)``: ``k = E T (r - 1) / (T + r E e)`` (negative when
+    ``ratio`` < 1: engines given back)."""
+    if trainer_devices <= 0:
+        return engines * ratio
+    e, t = devices_per_engine, trainer_devices
+    return engines + engines * t * (ratio - 1) / (t + ratio * engines * e)
+
+
 def noise_band(before: Window, after: Window) -> float:
     """See the module docstring."""
     spread = sum(variance(w.groups_per_s) / len(w.groups_per_s)
@@ -112,12 +133,19 @@ def noise_band(before: Window, after: Window) -> float:
 class Autopilot:
     """See the module docstring. ``values``: each tuned key's value in effect now."""
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, lending: EngineLending | None = None) -> None:
+        """``lending``: devices the engine count may take (None: it is no key)."""
         ladders = live_ladders(config)
         self.keys = config.autopilot.keys
         self.rungs = {key: rungs for key, (rungs, _) in ladders.items()}
         """Each key's values within its range (``async_rl.knobs.live_ladders``)."""
         self.values = {key: start for key, (_, start) in ladders.items()}
+        self.lending = lending
+        self.inflight = config.rollout.max_inflight_prompts
+        """rollout.max_inflight_prompts where it is no key (a cause names it)."""
+        if lending is not None and lending.engines[1] > lending.engines[0]:
+            lo, hi = lending.engines
+            self.rungs[ENGINES], self.values[ENGINES] = list(range(lo, hi + 1)), lo
         self.room_needed = (config.trainer.groups_per_step, config.rollout.num_workers)
         """(a step's groups, rollout workers): a queue that holds fewer than a step's
         groups plus every prompt in flight makes finished groups wait for room."""
@@ -228,21 +256,42 @@ class Autopilot:
                 ("rollout", "queue_full")), speedup))
         if waits >= WORTH_A_MOVE and max(gate, full) < WORTH_A_MOVE:
             starved = (f"trainer waited {waits:.0%} of the window for data at "
-                       f"{self.values.get(INFLIGHT, 0)} prompts in flight per rollout "
+                       f"{self.values.get(INFLIGHT, self.inflight)} prompts in flight per rollout "
                        f"worker{_speedup(speedup)}")
             found.append(self._room_first(Rule(waits, INFLIGHT, 1, _cause(
                 starved, ("trainer", "wait_data")), speedup), starved))
+            found += self._engines(waits, 1, speedup, starved)
         if waits < NEVER_WAITS and full >= WORTH_A_MOVE:
             found.append(Rule(full, STALENESS, -1,
                           f"rollout waited on a full queue {full:.0%} of the window and the "
                           f"trainer waited for data only {waits:.0%}: fresher groups cost "
                           "no groups/s"))
+            found += self._engines(full, -1, 1.0 - full,
+                                   f"rollout waited on a full queue {full:.0%} of the window "
+                                   f"and the trainer waited for data only {waits:.0%}")
         if barrier >= WORTH_A_MOVE:
             found.append(Rule(barrier, MICRO_BATCH, -1, _cause(
                 f"trainer shards waited on each other {barrier:.0%} of the window",
                 ("trainer", "barrier"))))
         return found
 
+
+    def _engines(self, share: float, direction: int, ratio: float, measured: str
+                 ) -> list[Rule]:
+        """The engine count's rule (after the in-flight prompts' or the staleness bound's:
+        free keys first): to ``balanced_engines`` at generation ``ratio`` times the
+        trainer's pace; none where the workers cannot lend."""
+        if ENGINES not in self.values or self.lending is None:
+            return []
+        engines, lending = self.values[ENGINES], self.lending
+        trainer = (lending.trainer_devices and lending.trainer_devices
+                   - (engines - lending.engines[0]) * lending.devices_per_engine)
+        target = balanced_engines(engines, ratio, lending.devices_per_engine, trainer)
+        return [Rule(share, ENGINES, direction,
+                     f"{measured}: about {target:.0f} engines balance generation and "
+                     f"training ({lending.devices_per_engine} device(s) each, from "
+                     + (f"the trainer's {trainer})" if trainer else "spare devices)"),
+                     target / engines)]
 
     def _room_first(self, raise_inflight: Rule, starved: str) -> Rule:
         """``raise_inflight``, or the queue's rise before it when the queue could not

@@ -1,18 +1,19 @@
 """The live keys of a run, measured into windows and retuned between steps.
 
 Owns: ``LiveTuning``, the orchestrator's part of ``[autopilot]``: the value each live
-key has now (the planner's trainer rules among them), the window of steps the
-autopilot (``async_rl.control.autopilot``) decides on, measured from what the controller
-already has in hand (no worker is called): each step's groups and wall time, the
-trainer's wait for data (the step's wait for its groups, the training track's
-``wait_data``), its shards' barrier waits, the admission's waits at the staleness gate
-(the gate's own count of seconds) and the rollout slots' waits on a full queue (the
-queue's seconds of waiting puts over the slots there were). It applies each move through
-the components' own setters, between steps (the pool's ``set_limit``, the queue's
-``resize`` and ``set_max_staleness``, the gate's ``set_max_staleness``), and says so:
-a console line with its cause, run.json's list of changes, the ``autopilot/<key>``
-columns of every metrics row. Without ``[autopilot]`` it holds the config's values and
-measures nothing.
+key has now (the planner's trainer rules among them), the window of steps the autopilot
+(``async_rl.control.autopilot``) decides on, measured from what the controller already
+has in hand (no worker is called): each step's groups and wall time, the trainer's wait
+for data (the step's wait for its groups, the training track's ``wait_data``), its
+shards' barrier waits, the admission's waits at the staleness gate (the gate's own count
+of seconds) and the rollout slots' waits on a full queue (the queue's seconds of waiting
+puts over the slots there were). It applies each move through the components' own
+setters, between steps (the pool's ``set_limit``, the queue's ``resize`` and
+``set_max_staleness``, the gate's ``set_max_staleness``; the engine count through the
+workers' lending, ``EngineLending``: engines added join the pool, removed ones leave
+it), and says so: a console line with its cause, run.json's list of changes, the
+``autopilot/<key>`` columns of every metrics row. Without ``[autopilot]`` it holds the
+config's values and measures nothing.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 
+import anyio
 import msgspec
 
 from async_rl.config import Config
 from async_rl.control.autopilot import (
+    ENGINES,
     INFLIGHT,
     MICRO_BATCH,
     QUEUE,
@@ -32,6 +35,7 @@ from async_rl.control.autopilot import (
     Move,
     Window,
 )
+from async_rl.control.protocols import EngineLending
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.run.run_dir import RunWriter
 from buffers.common.records import Group
@@ -48,11 +52,13 @@ class LiveTuning:
 
     def __init__(self, config: Config, out: RunWriter, *, pool: RolloutPool,
                  queue: ReplayQueue[Group], gate: AdmissionGate,
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], lending: EngineLending | None = None) -> None:
+        """``lending``: devices the engine count may take (None: the engines stay)."""
         self.out, self.pool, self.queue, self.gate, self.clock = out, pool, queue, gate, clock
+        self.lending = lending
         self.trainer: TrainerConfig = config.trainer
         """The trainer rules the planner lays steps out with (micro_batch_tokens live)."""
-        self.autopilot = Autopilot(config) if config.autopilot.enabled else None
+        self.autopilot = Autopilot(config, lending) if config.autopilot.enabled else None
         self.every = config.autopilot.every_steps
         self._groups: list[int] = []
         self._tokens = 0
@@ -115,11 +121,32 @@ class LiveTuning:
     async def _apply(self, step: int, move: Move) -> None:
         if move.key == INFLIGHT:
             await self.pool.set_limit(move.new)
+        elif move.key == ENGINES:
+            await self._engines(move.new)
         else:
             self._set(move.key, move.new)
         if not move.revert:
             log.info("autopilot after step %d: %s %d -> %d: %s", step, move.key, move.old,
                      move.new, move.cause)
+
+    async def _engines(self, count: int) -> None:
+        """Ranks rollout.num_workers up to ``count`` live (each added engine paying its
+        switch, all at once), those above it out of the pool and given back."""
+        lending = self.lending
+        assert lending is not None
+        lo, hi = lending.engines
+        live = self.pool.workers
+
+        async def add(rank: int) -> None:
+            await self.pool.join(rank, await lending.add(rank))
+
+        async with anyio.create_task_group() as moves:
+            for rank in range(lo, hi):
+                if rank < count and rank not in live:
+                    moves.start_soon(add, rank)
+                elif rank >= count and rank in live:
+                    self.pool.leave(rank)
+                    moves.start_soon(lending.remove, rank)
 
     def _set(self, key: str, value: int) -> None:
         """Applies a synchronous live key (the pool's limit is ``_apply``'s)."""

@@ -145,7 +145,7 @@ class Orchestrator:
                                           span=self.admission)
         # The live keys, retuned between steps by [autopilot] (the config's, without it).
         self.tuning = LiveTuning(config, out, pool=self.pool, queue=self.queue, gate=self.gate,
-                                 clock=self.clock)
+                                 clock=self.clock, lending=workers.lending)
         # What a checkpoint gathers from all of the above.
         self.checkpoints = RunCheckpoints.from_config(
             config.run, config.trainer, out, self.gate, source, self.totals, self.prompts,

@@ -6,7 +6,8 @@ Owns: the orchestrator's whole view of the compute plane — a rollout worker
 for the idle accounting (``ObservedWorker``), the PPO dataflow's stages on the trainer
 shards (``RoleStagesClient``) and on the roles' own workers (``ReferenceClient``,
 ``CriticClient``; the shards take their outputs, ``RoleOutputsClient``; together
-``OwnRoles``), where groups' tokens are kept (``TokenStore``: what a checkpoint of the
+``OwnRoles``), devices that may become rollout engines while a run trains
+(``EngineLending``), where groups' tokens are kept (``TokenStore``: what a checkpoint of the
 queue fetches and a resume puts back), the bundle the shell hands over (``Workers``)
 and the failures: a worker's (``RolloutFailed``, ``EvaluationFailed``) and the run's
 (``RunFailed``, ``TrainerFailed``, ``RoleFailed``). Knows nothing about Ray:
@@ -360,6 +361,27 @@ def first_error(group: BaseExceptionGroup[BaseException],
     return None
 
 
+class EngineLending(Protocol):
+    """Devices ``[autopilot]``'s engine count may turn into rollout engines (ranks from
+    rollout.num_workers up): the simulator's lent trainer devices
+    (``async_rl.sim.lending``); real runs have none yet."""
+
+    engines: tuple[int, int]
+    """(fewest, most) rollout engines: rollout.num_workers, and with every device lent."""
+    devices_per_engine: int
+    trainer_devices: int
+    """The trainer's devices with no engine added, each added engine taking
+    ``devices_per_engine`` of them (0: spare devices, not the trainer's)."""
+
+    async def add(self, rank: int) -> RolloutClient:
+        """An engine for ``rank`` on devices not yet generating, started (switch paid)."""
+        ...
+
+    async def remove(self, rank: int) -> None:
+        """``rank``'s engine, out of the pool already, gives its devices back."""
+        ...
+
+
 @dataclass
 class Workers:
     """The started compute plane, as the orchestrator sees it."""
@@ -381,3 +403,5 @@ class Workers:
     tokens: TokenStore | None = None
     """Where the groups' tokens are kept; None: checkpoints keep no queued groups (their
     prompts are issued again on resume)."""
+    lending: EngineLending | None = None
+    """Devices ``[autopilot]`` may turn into rollout engines; None: the engines stay."""

@@ -5,14 +5,15 @@ Owns: the one map of live rollout workers (rank -> worker: only the pool changes
 others get copies), prompts in flight on each, and the restart policy: a dead, broken or
 stuck worker is retired and a new one started in its place from the trainer's current
 policy, up to ``rollout.max_restarts`` in all (counted in the run's totals, so a resumed
-run keeps its count); past that, once no worker is left, the run fails. A replacement
-that fails to start (or to answer within its deadline) is a failed restart, counted, and
-its rank is lost like a worker: replaced again while restarts are left. Restarts run in
-the pool's own task group, open while ``replacing()`` is; at its exit a restart still
-under way gets run.call_timeout_s more, then it is cancelled and counted as failed, so a
-replacement that hangs cannot stall the end of a run. Knows nothing about prompts,
-versions or the queue: it is built with how to get the trainer's current policy as a
-model folder (``TrainerPolicy.written_for``).
+run keeps its count); past that, once no worker is left, the run fails. Workers may be
+added and taken out while the run trains (``join``, ``leave``: an engine count retuned).
+A replacement that fails to start (or to answer within its deadline) is a failed
+restart, counted, and its rank is lost like a worker: replaced again while restarts are
+left. Restarts run in the pool's own task group, open while ``replacing()`` is; at its
+exit a restart still under way gets run.call_timeout_s more, then it is cancelled and
+counted as failed, so a replacement that hangs cannot stall the end of a run. Knows
+nothing about prompts, versions or the queue: it is built with how to get the trainer's
+current policy as a model folder (``TrainerPolicy.written_for``).
 """
 
 from __future__ import annotations
@@ -125,6 +126,22 @@ class RolloutPool:
             self._by_busy += [[] for _ in range(limit + 1 - len(self._by_busy))]
             self.limit = limit
             self._changed.notify_all()
+
+    async def join(self, rank: int, worker: RolloutClient) -> None:
+        """A worker added while the run trains (``[autopilot]``'s engine count): live from
+        now, last in order, its slots those its rank still holds."""
+        async with self._changed:
+            self._workers[rank] = worker
+            self.busy.setdefault(rank, 0)
+            self._place(rank)
+            self._changed.notify_all()
+
+    def leave(self, rank: int) -> RolloutClient:
+        """Takes live ``rank`` out of the pool (an engine removed): no prompt goes to it
+        from now; its calls in flight give their slots back as they end."""
+        worker = self._workers.pop(rank)
+        self._unplace(rank)
+        return worker
 
     def full(self) -> bool:
         """No live worker can take another prompt now."""

@@ -1,6 +1,7 @@
 """A simulated continuously batching engine (vLLM's scheduling, the cost model's time).
 
-Owns: ``SimEngine``, one rollout worker's engine on the virtual clock. Requests join at
+Owns: ``SimEngine``, one rollout worker's engine on the virtual clock (what it is
+asked, requests and loads: ``async_rl.sim.engine_calls``). Requests join at
 the next step boundary (their prefill adds to that step), every step emits one token per
 running sequence and costs ``Costs.decode_step`` of the running sequences and their
 context, a sequence leaves after its length, a request completes with its last
@@ -20,7 +21,10 @@ counts how many waited and how long (``kv_queued``, ``kv_wait_s``). Time-shared
 devices (run.colocate = "time"): ``release`` stops the engine at a step boundary and
 frees its devices (``Costs.release``) until ``take_back`` (then it reloads:
 ``Costs.reload``), its requests kept; a derived reload also recomputes the KV cache of
-the sequences it kept (a prefill of their context: the sleep freed it). A sequence of a
+the sequences it kept (a prefill of their context: the sleep freed it). Lent devices
+(simulate.lend) release with ``abort``: every request ends unfinished (``Request.made``:
+each sequence's tokens so far; counted in ``aborted_tokens``), and loads asked take
+effect at once. A sequence of a
 model with linear-attention layers reserves its fixed state too (``Costs.state_tokens``).
 Knows nothing about prompts, groups or the orchestrator.
 """
@@ -36,56 +40,8 @@ import math
 from collections.abc import Callable
 
 from async_rl.sim.costs import Costs
+from async_rl.sim.engine_calls import Load, Request, settle
 from workers.common.spans import UNRESOLVED, Span, SpanRecorder
-
-
-class Request:
-    """One call's sequences (a group's samples, or one evaluation prompt); ``done`` is
-    settled ``after`` seconds past its last sequence's end (the reward's latency)."""
-
-    __slots__ = ("after", "arrived", "done", "evaluate", "finish", "lengths", "max_version",
-                 "min_version", "prompt_tokens", "queued")
-
-    def __init__(self, prompt_tokens: int, lengths: tuple[int, ...], evaluate: bool,
-                 after: float, arrived: float) -> None:
-        self.prompt_tokens, self.lengths, self.evaluate = prompt_tokens, lengths, evaluate
-        self.after, self.arrived = after, arrived
-        self.queued = False
-        """It waited for KV-cache room."""
-        # asyncio's own future, not an anyio.Event: the cheapest wait, on asyncio's loop.
-        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self.finish = 0
-        self.min_version = self.max_version = -1
-
-
-class Load:
-    """A weight update asked of an engine: when it was asked, paused and done. Its pause
-    is ``wire_s`` of bytes arriving then ``load_s`` of loading them, after ``start``
-    (a collective begins once every member has paused: until then the engine stands
-    paused, waiting on the group; None: at once)."""
-
-    __slots__ = ("asked", "done", "done_at", "load_s", "paused", "paused_at", "start",
-                 "version", "wire_s")
-
-    def __init__(self, version: int, wire_s: float, load_s: float, asked: float,
-                 start: asyncio.Future[None] | None = None) -> None:
-        self.version, self.wire_s, self.load_s, self.asked = version, wire_s, load_s, asked
-        self.start = start
-        loop = asyncio.get_running_loop()
-        # A settled future is awaited without a trip through the loop (an anyio.Event's
-        # wait yields even when set): a delivery awaits every engine's in turn.
-        self.paused: asyncio.Future[None] = loop.create_future()
-        self.done: asyncio.Future[None] = loop.create_future()
-        self.paused_at = self.done_at = asked
-
-    @property
-    def pause_s(self) -> float:
-        return self.wire_s + self.load_s
-
-    @property
-    def waited(self) -> float:
-        """Seconds from the ask to the pause (a drain, or the step in progress)."""
-        return self.paused_at - self.asked
 
 
 class SimEngine:
@@ -103,10 +59,13 @@ class SimEngine:
         self.requests = 0
         self.kv_queued = 0
         self.kv_wait_s = 0.0
-        self.releases = 0
+        self.releases = self.aborted = self.aborted_tokens = 0
         self.recompute_s = 0.0
         """Seconds spent recomputing the KV cache a release freed."""
         self._release: Load | None = None
+        self._abort = False
+        self._reload_s: float | None = None
+        """What the next reload costs when not ``Costs.reload`` (``take_back``)."""
         """A release asked for: the engine stops at its next step boundary."""
         self._back: asyncio.Future[None] | None = None
         """Settled by ``take_back``."""
@@ -178,19 +137,22 @@ class SimEngine:
         self._wake()
         return load
 
-    def release(self, pause_s: float) -> Load:
+    def release(self, pause_s: float, *, abort: bool = False) -> Load:
         """Asks the engine to free its devices at the next step boundary, after
         ``pause_s`` of releasing them (``Load.done`` then); it stays off them until
-        ``take_back``."""
+        ``take_back``. ``abort``: its requests end there unfinished."""
         self._release = Load(self.version, 0.0, pause_s, self.clock())
+        self._abort = abort
         self._back = asyncio.get_running_loop().create_future()
         self._wake()
         return self._release
 
-    def take_back(self) -> None:
-        """The devices are the engine's again: it reloads (``Costs.reload``) and goes on."""
+    def take_back(self, reload_s: float | None = None) -> None:
+        """The devices are the engine's again: it reloads (``Costs.reload``, or
+        ``reload_s``) and goes on."""
         assert self._back is not None
-        _settle(self._back)
+        self._reload_s = reload_s
+        settle(self._back)
 
     def slow_down(self, factor: float) -> None:
         """From the next step boundary on, steps take ``factor`` times their cost."""
@@ -202,6 +164,11 @@ class SimEngine:
     def busy(self) -> bool:
         """Sequences are running (or a weight load holds the engine)."""
         return bool(self._requests or self._loads)
+
+    @property
+    def pending(self) -> int:
+        """Requests running or waiting to join."""
+        return len(self._requests) + len(self._waiting)
 
     @property
     def kv_waiting(self) -> bool:
@@ -273,20 +240,43 @@ class SimEngine:
         release, self._release = self._release, None
         assert release is not None and self._back is not None
         self.releases += 1
+        if self._abort:
+            self._end_requests()
         self.spans.switch("weight_sync", self.version)
         await asyncio.sleep(release.pause_s)
         release.done_at = self.clock()
-        _settle(release.done)
+        settle(release.done)
         self.spans.switch(UNRESOLVED, self.version)  # the trainer has the devices
         await self._back
         self.spans.switch("weight_sync", self.version)
-        reload = self.costs.reload()
+        reload = self.costs.reload() if self._reload_s is None else self._reload_s
         if self.costs.refit.derived and self._running:  # the KV cache the sleep freed
             recompute = self.costs.prefill(self._offset + self._running * self.step)
             self.recompute_s += recompute
             reload += recompute
         await asyncio.sleep(reload)
         self.busy_s += release.pause_s + reload
+
+    def _end_requests(self) -> None:
+        """Every request ends unfinished (see the module docstring); the engine is empty."""
+        for _, _, request in self._requests:
+            joined = request.finish - max(request.lengths)
+            request.made = tuple(min(n, self.step - joined) for n in request.lengths)
+            self.aborted_tokens += sum(request.made)
+        for request in [r for *_, r in self._requests] + self._waiting:
+            request.made = request.made or (0,) * len(request.lengths)
+            self.aborted += 1
+            settle(request.done)
+        self._requests.clear()
+        self._waiting.clear()
+        self._ends.clear()
+        self._running = self._evaluating = self._offset = 0
+        self.kv_reserved = self._prefill = 0.0
+        for load in self._loads:  # out of the group: a collective does not wait for it
+            self.version = load.version
+            settle(load.paused)
+            settle(load.done)
+        self._loads.clear()
 
     async def _apply_loads(self) -> None:
         """Each load asked, in order: paused, waiting on the group (``weight_sync``), the
@@ -297,7 +287,7 @@ class SimEngine:
         for load in loads:
             self.spans.switch("weight_sync", self.version)
             load.paused_at = self.clock()
-            _settle(load.paused)
+            settle(load.paused)
             if load.start is not None:
                 await load.start
             for phase, seconds in (("weight_wire", load.wire_s), ("weight_load", load.load_s)):
@@ -306,7 +296,7 @@ class SimEngine:
                     await asyncio.sleep(seconds)
             self.version = load.version
             load.done_at = self.clock()
-            _settle(load.done)
+            settle(load.done)
         self.busy_s += self.clock() - began
 
     def _admit(self) -> None:
@@ -393,16 +383,11 @@ class SimEngine:
                 self._evaluating -= len(request.lengths)
             request.max_version = self.version
             if request.after > 0:
-                asyncio.get_running_loop().call_later(request.after, _settle, request.done)
+                asyncio.get_running_loop().call_later(request.after, settle, request.done)
             else:
-                _settle(request.done)
+                settle(request.done)
 
 
 def _slowed(factor: float, cost: Callable[[int, int, float], float], steps: int,
             running: int, context: float) -> float:
     return factor * cost(steps, running, context)
-
-
-def _settle(done: asyncio.Future[None]) -> None:
-    if not done.cancelled():  # its waiter was cancelled meanwhile
-        done.set_result(None)

@@ -29,7 +29,8 @@ if TYPE_CHECKING:
     from async_rl.config import Config
     from async_rl.control.protocols import Workers
     from async_rl.run.run_dir import RunWriter
-    from async_rl.sim.engine import Request, SimEngine
+    from async_rl.sim.engine import SimEngine
+    from async_rl.sim.engine_calls import Request
     from async_rl.sim.rollout import Clock
     from async_rl.tasks.sources import PromptSource
     from buffers.common.records import Prompt

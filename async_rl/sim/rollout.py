@@ -1,12 +1,13 @@
 """The simulated rollout side behind the orchestrator's protocols
 (``async_rl.control.protocols``).
 
-Owns: ``SimRollout`` (a ``RolloutClient`` over a ``SimEngine``: a group's lengths from the
-length law, its rewards drawn with ``simulate.reward_p``, the reward latency after its
-last sample), what a simulated group's token reference holds (``SimTokens``: its
-lengths, all a trainer shard costs) and ``SimEvaluator`` (run.eval_on = "idle_cpu": it
-takes only idle cores, so it costs the run nothing). Every timing is on the virtual
-clock.
+Owns: ``SimRollout`` (a ``RolloutClient`` over a ``SimEngine``: a group's lengths from
+the length law, its rewards drawn with ``simulate.reward_p``, the reward latency after
+its last sample; on lent devices, a request their return ended resumes on a standing
+engine, ``fallback``'s, with the tokens it made: a prefill of them, then the rest), what
+a simulated group's token reference holds (``SimTokens``: its lengths, all a trainer
+shard costs) and ``SimEvaluator`` (run.eval_on = "idle_cpu": it takes only idle cores,
+so it costs the run nothing). Every timing is on the virtual clock.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import msgspec
 
 from async_rl.config import Config
 from async_rl.sim.engine import SimEngine
+from async_rl.sim.engine_calls import Request
 from async_rl.sim.lengths import LengthLaw, prompt_tokens
 from buffers.common.records import Group, Prompt
 from buffers.common.reports import EvalResult, UsageReading
@@ -44,10 +46,12 @@ class SimRollout:
     """One rollout worker: see the module docstring."""
 
     def __init__(self, rank: int, engine: SimEngine, config: Config, lengths: LengthLaw,
-                 clock: Clock, preemption: Preemption | None = None) -> None:
-        """``preemption``: told of every request (simulate.preemption_step)."""
+                 clock: Clock, preemption: Preemption | None = None,
+                 fallback: Callable[[], SimEngine] | None = None) -> None:
+        """``preemption``: told of every request (simulate.preemption_step); ``fallback``:
+        the engine an aborted request runs again on (lent devices)."""
         self.rank, self.engine, self.config, self.lengths = rank, engine, config, lengths
-        self.clock, self.preemption = clock, preemption
+        self.clock, self.preemption, self.fallback = clock, preemption, fallback
         self._call_s = engine.costs.hardware.call_s
         self._rng = random.Random()
         """Reseeded per group (cheaper than a new one): its rewards' draws."""
@@ -70,6 +74,7 @@ class SimRollout:
             self.preemption.submitted((prompt.prompt_id, prompt.attempt), self.engine,
                                       self.rank, request)
         await request.done
+        request = await self._again(request)
         rng = self._rng
         rng.seed(zlib.crc32(f"reward:{prompt.prompt_id}:{prompt.attempt}".encode()))
         cap = cfg.rollout.max_new_tokens
@@ -87,9 +92,9 @@ class SimRollout:
         requests: list[object] = []
 
         async def one(prompt: Prompt) -> None:
-            requests.append(await self.engine.generate(
+            requests.append(await self._again(await self.engine.generate(
                 prompt_tokens(self.config, prompt), self._completions(prompt, 1),
-                evaluate=True))
+                evaluate=True)))
 
         version = self.engine.version
         async with anyio.create_task_group() as group:
@@ -98,6 +103,22 @@ class SimRollout:
         return EvalResult(accuracy=self.config.simulate.reward_p, version_min=version,
                           version_max=self.engine.version, num_prompts=len(prompts),
                           rollout_rank=self.rank, seconds=self.clock() - began)
+
+    async def _again(self, request: Request) -> Request:
+        """``request``, or where its engine's devices left before it finished, its
+        unfinished sequences resumed on the fallback engine (partial rollout's abort and
+        resume): their prompt and the tokens they made (their mean) prefilled, then the
+        tokens left; the versions span both engines'."""
+        first = request.min_version
+        while request.made is not None and self.fallback is not None:
+            left = [(n - m, m) for n, m in zip(request.lengths, request.made, strict=True)
+                    if n > m]
+            request = await self.fallback().generate(
+                request.prompt_tokens + round(sum(m for _, m in left) / len(left)),
+                tuple(n for n, _ in left), evaluate=request.evaluate, after=request.after)
+            first = min(first, request.min_version) if first >= 0 else request.min_version
+        request.min_version = first
+        return request
 
     async def version(self) -> int:
         return self.engine.version

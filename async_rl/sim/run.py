@@ -3,14 +3,15 @@
 Owns: ``simulate`` (the hardware file, the model's size, the length law and the task's
 prompts; the simulated engines, trainer shards and weight path handed to the real
 orchestrator as its protocols, with the reference and the critic beside the shards when
-the run has them; the run directory it writes, marked simulated in run.json)
-and ``simulation_costs``. Checkpoints are off (run.checkpoint_every = 0: the end of the
-run still writes one, of no weights). Admission, the queue, the staleness rules, the
+the run has them; the run directory it writes, marked simulated in run.json) and
+``simulation_costs``. Checkpoints are off (run.checkpoint_every = 0: the end of the run
+still writes one, of no weights). Admission, the queue, the staleness rules, the
 balancing plan, the ledger and the evaluation schedule are the real ones. Writes
 sim.json besides (``SimStats``: the KV-cache bound and how often requests waited for it,
 time-shared releases, what a stop at simulate.preemption_step costs:
-``async_rl.sim.preemption``). Knows nothing about how the costs are computed
-(``async_rl.sim.costs``) or what the workers do inside.
+``async_rl.sim.preemption``, the devices simulate.lend moved: ``async_rl.sim.lending``).
+Knows nothing about how the costs are computed (``async_rl.sim.costs``) or what the
+workers do inside.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from collections.abc import Sequence
 import anyio
 import msgspec
 
-from async_rl.analysis.results import SIM_STATS, SimStats
+from async_rl.analysis.results import SIM_STATS, LendRecord, SimStats
 from async_rl.config import Config
 from async_rl.control.orchestrator import Orchestrator
 from async_rl.control.protocols import RolloutClient, TrainerClient, Workers
@@ -32,6 +33,7 @@ from async_rl.sim.clock import run_virtual
 from async_rl.sim.costs import Costs, Plan, adapter_parameters, model_shape
 from async_rl.sim.engine import SimEngine
 from async_rl.sim.hardware_file import Hardware, load_hardware
+from async_rl.sim.lending import SimLending, lend_plan
 from async_rl.sim.lengths import length_law
 from async_rl.sim.parallel import rollout_layout, trainer_layout
 from async_rl.sim.preemption import Preemption, ProbedOrchestrator
@@ -133,6 +135,7 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
     source, eval_prompts = _task(config)
     if time_shared(config):
         check_time_shared(config, costs)
+    lend_plan(config, costs)  # exits 2 naming the key where lending cannot run
     kv_limit = costs.kv_tokens(config.rollout.memory_fraction)
     at_step = config.simulate.preemption_step
     if at_step > config.run.num_steps:
@@ -140,6 +143,7 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
                           f"run's last step (run.num_steps = {config.run.num_steps})")
     probe: list[Preemption] = []
     engines: dict[int, SimEngine] = {}
+    lent: list[LendRecord] = []
     out = RunWriter(config.run.output_dir, config, simulated=costs.hardware.name,
                     line_flushed=False)
 
@@ -153,10 +157,14 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
                                         record_spans=config.run.record_spans,
                                         kv_limit=kv_limit)
                         for rank in range(config.rollout.num_workers)})
-        training = SimTraining(config, costs, clock, engines)
         rollout: dict[int, RolloutClient] = {
             rank: SimRollout(rank, engine, config, lengths, clock, preemption)
             for rank, engine in engines.items()}
+        lending = (SimLending(config, costs, clock, engines, kv_limit,
+                              lambda rank, engine, fallback: SimRollout(
+                                  rank, engine, config, lengths, clock, fallback=fallback))
+                   if config.simulate.lend != "off" else None)
+        training = SimTraining(config, costs, clock, engines, lending)
         trainers: list[TrainerClient] = [SimTrainer(rank, training)
                                          for rank in range(config.trainer.num_shards)]
         evaluator = (SimEvaluator(config.simulate.reward_p)
@@ -170,7 +178,8 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
         workers = Workers(rollout=rollout, trainers=trainers, weights=weights,
                           evaluator=evaluator,
                           stages=[SimRoleStages(rank, roles)
-                                  for rank in range(config.trainer.num_shards)] if roles else [])
+                                  for rank in range(config.trainer.num_shards)] if roles else [],
+                          lending=lending if config.simulate.lend == "autopilot" else None)
         orchestrator = (
             Orchestrator(config, out, source, eval_prompts, workers, clock=clock)
             if preemption is None else ProbedOrchestrator(
@@ -178,7 +187,11 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
         async with anyio.create_task_group() as running:
             for engine in engines.values():
                 running.start_soon(engine.run)
+            if lending is not None:
+                lending.start((orchestrator.pool, lambda: orchestrator.version,
+                               lambda: len(orchestrator.queue)), running)
             summary = await orchestrator.run()
+            lent.extend([lending.record()] if lending is not None else [])
             running.cancel_scope.cancel()
         return summary
 
@@ -197,5 +210,6 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
         releases=sum(e.releases for e in engines.values()),
         refit=refit_record(costs) if time_shared(config) else {},
         recompute_s=sum(e.recompute_s for e in engines.values()),
-        stop=probe[0].cost if probe else None))))
+        stop=probe[0].cost if probe else None,
+        lend=lent[0] if lent else None))))
     return summary

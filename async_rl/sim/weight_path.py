@@ -2,7 +2,8 @@
 shard 0 and the rollout engines.
 
 Owns: ``SimWeights`` (a version's snapshot on shard 0, then one broadcast into every
-engine, which pauses for it; each engine's ``BroadcastTiming`` carries the version's bytes
+engine, which pauses for it (but one already running it: started on lent devices
+since); each engine's ``BroadcastTiming`` carries the version's bytes
 as a real one does: the whole policy, or with LoRA its adapters alone) and the
 published version it hands over (``SimPublished``). With run.colocate = "time" the
 weights stay on the devices instead (``async_rl.sim.timeshare``).
@@ -46,6 +47,8 @@ class SimWeights:
     async def deliver(self, published: PublishedWeights, ranks: Sequence[int]
                       ) -> tuple[list[BroadcastTiming], list[int]]:
         assert isinstance(published, SimPublished)
+        # An engine started on lent devices since runs the version already.
+        ranks = [r for r in ranks if self.engines[r].version < published.version]
         transfer = self.costs.transfer(len(ranks), self.bucket_bytes)
         load = self.costs.load()
         start: asyncio.Future[None] = asyncio.get_running_loop().create_future()

@@ -8,7 +8,9 @@ a real run, busy engines slow a step, and one on a shard's cores takes turns wit
 the shards' calls met together (``SimTraining.together``) and work of other roles on
 their devices (``beside_step``: ``async_rl.sim.roles``'s passes). Every span and timing
 is on the virtual clock. With run.colocate = "time", every engine releases its devices
-for each training step (``async_rl.sim.timeshare``). The rollout side is
+for each training step (``async_rl.sim.timeshare``); with simulate.lend, the lending is
+told of each step's start and end, and slows its compute by what it lent
+(``async_rl.sim.lending``). The rollout side is
 ``async_rl.sim.rollout``'s. Knows nothing about the orchestrator's rules: they are the
 real ones.
 """
@@ -26,6 +28,7 @@ from async_rl.config import Config
 from async_rl.roster import roster
 from async_rl.sim.costs import Costs
 from async_rl.sim.engine import SimEngine
+from async_rl.sim.lending import SimLending
 from async_rl.sim.rollout import Clock, SimTokens
 from buffers.common.reports import UsageReading
 from buffers.common.train_records import LossStats, ShardBatch, ShardStepResult
@@ -70,8 +73,9 @@ class SimTraining:
     """The trainer shards of one run, stepping together: see the module docstring."""
 
     def __init__(self, config: Config, costs: Costs, clock: Clock,
-                 engines: dict[int, SimEngine]) -> None:
+                 engines: dict[int, SimEngine], lending: SimLending | None = None) -> None:
         self.config, self.costs, self.clock, self.engines = config, costs, clock, engines
+        self.lending = lending
         self.shards = config.trainer.num_shards
         self.time_shared = config.run.colocate == "time"
         """Engines release their devices for every step (run.colocate = "time")."""
@@ -126,11 +130,15 @@ class SimTraining:
         return results
 
     async def release_devices(self) -> None:
-        """run.colocate = "time": the engines free the devices at a step boundary, before
-        the step's first work on them (the roles' passes, or the policy's update); a
-        no-op when they already have, or without time-sharing."""
-        if self.time_shared and not self._released:
-            self._released = True
+        """Before the step's first work on the devices (the roles' passes, or the policy's
+        update): the lending is told (lent devices come back); run.colocate = "time":
+        the engines free the devices at a step boundary. A no-op the second time."""
+        if self._released:
+            return
+        self._released = True
+        if self.lending is not None:
+            await self.lending.before_step()
+        if self.time_shared:
             releases = [engine.release(self.costs.release())
                         for engine in self.engines.values()]
             for release in releases:
@@ -140,7 +148,9 @@ class SimTraining:
         """The step's last work on the devices is done: the engines take them back."""
         if self._released:
             self._released = False
-            for engine in self.engines.values():
+            if self.lending is not None:
+                self.lending.after_step()
+            for engine in self.engines.values() if self.time_shared else ():
                 engine.take_back()
 
     async def beside_step(self, work: Sequence[float],
@@ -165,10 +175,12 @@ class SimTraining:
 
     async def _slowdowns(self, solo: float) -> list[float]:
         """Each shard's compute slowdown over ``solo`` seconds of work (1 without a CPU
-        machine laid out; else waits out the contended slices)."""
+        machine laid out, else waits out the contended slices; times the devices lent's
+        ``compute_factor``)."""
+        lent = self.lending.compute_factor() if self.lending is not None else 1.0
         if not self.sharing:
-            return [1.0] * self.shards
-        return await self._contended(solo)
+            return [lent] * self.shards
+        return [lent * slow for slow in await self._contended(solo)]
 
     async def _contended(self, solo: float) -> list[float]:
         """Runs a step of ``solo`` seconds on a machine the engines share, in
