@@ -12,8 +12,9 @@ setters, between steps (the pool's ``set_limit``, the queue's ``resize`` and
 ``set_max_staleness``, the gate's ``set_max_staleness``; the engine count through the
 workers' lending, ``EngineLending``: engines added join the pool, removed ones leave
 it), and says so: a console line with its cause, run.json's list of changes, the
-``autopilot/<key>`` columns of every metrics row. Without ``[autopilot]`` it holds the
-config's values and measures nothing.
+``autopilot/<key>`` columns of every metrics row. An engine move's switch (the engines'
+start) is no part of the window that judges it: that window starts once they moved.
+Without ``[autopilot]`` it holds the config's values and measures nothing.
 """
 
 from __future__ import annotations
@@ -115,6 +116,13 @@ class LiveTuning:
                          f"{change.old}", change.judgement)
         if move is not None:
             await self._apply(step, move)
+            if move.key == ENGINES:
+                # The switch (an engine's start: tens of seconds on a CPU) is paid once;
+                # the window that judges the move measures the pace after it.
+                switch_s = self.clock() - self._marks[0]
+                self._marks = self._now()
+                log.info("autopilot after step %d: the engines moved in %.1f s", step,
+                         switch_s)
         if move is not None or any(c.judged_step == step for c in self.autopilot.changes):
             self.out.autopilot(self.autopilot.changes)
 
