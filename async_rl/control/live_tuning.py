@@ -37,7 +37,7 @@ from async_rl.control.autopilot import (
     Move,
     Window,
 )
-from async_rl.control.protocols import EngineLending
+from async_rl.control.protocols import EngineLending, RolloutFailed
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.run.run_dir import RunWriter
 from buffers.common.records import Group
@@ -150,7 +150,12 @@ class LiveTuning:
         live = self.pool.workers
 
         async def add(rank: int) -> None:
-            await self.pool.join(rank, await lending.add(rank))
+            try:
+                worker = await lending.add(rank)
+            except RolloutFailed as failed:  # it did not start: the run goes on without it
+                log.warning("autopilot: rollout-%d was not added: %s", rank, failed.reason)
+                return
+            await self.pool.join(rank, worker)
 
         async with anyio.create_task_group() as moves:
             for rank in range(lo, hi):

@@ -6,10 +6,12 @@ cannot hold, and the reason a removed engine's calls fail with."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 from pathlib import Path
 from typing import Any
 
+import anyio
 import msgspec
 import pytest
 import ray
@@ -17,11 +19,18 @@ import ray
 from async_rl.cli import main
 from async_rl.config import Config
 from async_rl.config_io import decode_config
-from async_rl.control.protocols import RolloutFailed
+from async_rl.control.autopilot import ENGINES
+from async_rl.control.live_tuning import LiveTuning
+from async_rl.control.protocols import RolloutClient, RolloutFailed
+from async_rl.control.rollout_pool import RolloutPool
+from async_rl.control.step_metrics import StepTotals
 from async_rl.roster import Bundle, roster
+from async_rl.run.run_dir import RunWriter
 from async_rl.shell.adapters import RayRollout
 from async_rl.shell.lending import LEAVING
 from buffers.common.config import ConfigError
+from buffers.queue.replay_queue import ReplayQueue
+from buffers.queue.staleness import AdmissionGate
 from workers.layout import assign_cpus, lendable_identities
 from workers.placement import check_lendable
 
@@ -117,3 +126,80 @@ def test_a_removed_engines_calls_fail_with_its_reason_and_it_is_gone() -> None:
         assert isinstance(failed, RolloutFailed)
         assert (failed.reason, failed.worker_gone) == (LEAVING, True)
     assert msgspec.structs.asdict(config.autopilot)["max_rollout_workers"] == 2
+
+
+# ---- the live tuning's engine moves --------------------------------------------------------
+
+
+class FakeLending:
+    """Engines 1..2 to add; rank 2's start fails."""
+
+    engines = (1, 3)
+    devices_per_engine = 1
+    trainer_devices = 0
+
+    def __init__(self, now: list[float]) -> None:
+        self.now = now
+        self.added: list[int] = []
+        self.removed: list[int] = []
+
+    async def add(self, rank: int) -> RolloutClient:
+        if rank == 2:
+            raise RolloutFailed("no answer to start", worker_gone=True)
+        self.added.append(rank)
+        self.now[0] += 30.0  # its start
+        return f"w{rank}"  # type: ignore[return-value]
+
+    async def remove(self, rank: int) -> None:
+        self.removed.append(rank)
+
+
+def test_engine_moves_join_and_leave_the_pool_and_their_switch_is_in_no_window(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    config = decode_config({
+        "model": {"path": "m"}, "rollout": {"max_inflight_prompts": 1},
+        "queue": {"max_groups": 16}, "trainer": {"groups_per_step": 4},
+        "run": {"output_dir": str(tmp_path)},
+        "autopilot": {"enabled": True, "every_steps": 1, "keys": [],
+                      "max_rollout_workers": 3}})
+    now = [0.0]
+    lending = FakeLending(now)
+
+    async def run() -> None:
+        pool = RolloutPool({0: "w0"}, limit=1, max_restarts=0,  # type: ignore[dict-item]
+                           totals=StepTotals(bucket_edges=()), restart=None,
+                           current_policy=None, exit_wait_s=1.0)  # type: ignore[arg-type]
+        queue: ReplayQueue[Any] = ReplayQueue.from_config(config.queue, config.staleness)
+        gate = AdmissionGate.from_config(config.staleness, groups_per_step=4)
+        tuning = LiveTuning(config, RunWriter(tmp_path, config), pool=pool, queue=queue,
+                            gate=gate, clock=lambda: now[0], lending=lending)
+        assert tuning.columns() == {f"autopilot/{ENGINES}": 1}
+
+        async def step(number: int, wait_s: float, took_s: float = 1.0) -> None:
+            now[0] += took_s
+            await tuning.after_step(number, 4, [], wait_s=wait_s, tokens=400)
+
+        await step(1, 0.9)  # the fill: no window
+        group = msgspec.defstruct("G", [("prompt_id", str), ("min_version", int),
+                                        ("num_tokens", int)], frozen=True)
+        for index in range(6):  # what the standing engine queues during the switch
+            assert queue.put_nowait(group(str(index), 0, 1))
+        await step(2, 0.9)  # starved: every engine it may add, the start of rank 2 failing
+        assert tuning.columns() == {f"autopilot/{ENGINES}": 3}
+        assert lending.added == [1] and sorted(pool.workers) == [0, 1]
+        assert "rollout-2 was not added: no answer to start" in caplog.text
+        assert "moved in 30.0 s; the next 2 step(s)" in caplog.text
+        # The 6 groups queued make 2 steps in no window, however fast they train.
+        assert tuning.autopilot is not None
+        windows = tuning.autopilot.windows
+        await step(3, 0.0, 0.1)
+        await step(4, 0.0, 0.1)
+        assert tuning.autopilot.windows == windows
+        assert tuning.autopilot.changes[0].outcome == "pending"
+        await step(5, 0.9, 1.0)  # the window after the switch: as fast as before, kept
+        assert tuning.autopilot.windows == windows + 1
+        assert tuning.autopilot.changes[0].outcome == "kept"
+        assert tuning.autopilot.changes[0].judged_step == 5
+
+    with caplog.at_level(logging.INFO, logger="async_rl.control.live_tuning"):
+        anyio.run(run)
