@@ -19,7 +19,7 @@ import ray
 from async_rl.cli import main
 from async_rl.config import Config
 from async_rl.config_io import decode_config
-from async_rl.control.autopilot import ENGINES
+from async_rl.control.autopilot import ENGINES, INFLIGHT, QUEUE, Autopilot, Rule
 from async_rl.control.live_tuning import LiveTuning
 from async_rl.control.protocols import RolloutClient, RolloutFailed
 from async_rl.control.rollout_pool import RolloutPool
@@ -203,3 +203,17 @@ def test_engine_moves_join_and_leave_the_pool_and_their_switch_is_in_no_window(
 
     with caplog.at_level(logging.INFO, logger="async_rl.control.live_tuning"):
         anyio.run(run)
+
+
+def test_the_queues_room_counts_the_engines_running_now() -> None:
+    config = decode_config({
+        "model": {"path": "m"}, "rollout": {"max_inflight_prompts": 1},
+        "queue": {"max_groups": 20}, "trainer": {"groups_per_step": 16},
+        "autopilot": {"enabled": True, "max_rollout_workers": 3}})
+    pilot = Autopilot(config, FakeLending([0.0]))
+    starved = Rule(0.5, INFLIGHT, 1, "starved", 2.0)
+    # One engine at 2 in flight: 16 + 2 fit a queue of 20.
+    assert pilot._room_first(starved, "starved").key == INFLIGHT
+    pilot.values[ENGINES] = 3  # three: 16 + 6 do not
+    rise = pilot._room_first(starved, "starved")
+    assert rise.key == QUEUE and "the 6 prompts" in rise.cause
