@@ -2,7 +2,7 @@
 
 The long-tail job (``--config``) from a poor setting (``rollout.max_inflight_prompts =
 1``, ``queue.max_groups = 16``) with ``autopilot.enabled = true``, ``--steps`` steps,
-two setups in the order A B B A (``--once``: A B): A ``one engine``
+two setups in the order A B B A (``--once``: A B; with ``--reverse``, B A): A ``one engine``
 (``autopilot.max_rollout_workers = -1``), B ``up to two``
 (``autopilot.max_rollout_workers = 2``: the autopilot may add a second engine, on the
 trainer's core when the machine has no spare one).
@@ -54,13 +54,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=30, help="run.num_steps of every run")
     parser.add_argument("--out", default="runs/second-engine", help="where runs go")
     parser.add_argument("--once", action="store_true", help="each setup once: A B")
+    parser.add_argument("--reverse", action="store_true",
+                        help="with --once: B A (a second call completes an A B B A)")
     add_run_options(parser)
     args = parser.parse_args(argv)
     order = list(SETUPS) if args.once else [*SETUPS, *reversed(SETUPS)]
+    if args.once and args.reverse:
+        order.reverse()
     rows: dict[str, list[float]] = {name: [] for name in SETUPS}
     walls: dict[str, list[float]] = {name: [] for name in SETUPS}
     for index, name in enumerate(order):
-        run_dir = Path(args.out) / f"{index}-{name.replace(' ', '-')}"
+        run_dir = Path(args.out) / f"{index + 2 * args.reverse}-{name.replace(' ', '-')}"
         train(args.config, run_dir, args.steps,
               [*args.sets, *POOR, *AUTOPILOT, *SETUPS[name]], args.lock)
         measured, wall = measure(name, run_dir), wall_second_half(run_dir)
