@@ -189,6 +189,10 @@ class Orchestrator:
             async with anyio.create_task_group() as loops:
                 loops.start_soon(self.admitting.loop)
                 await self.training_loop(bar)
+                if self.stop_reason:  # a clean stop: the engines hand their rollouts back
+                    remaining = self.stop_deadline - anyio.current_time()
+                    await self.admitting.hand_back(
+                        max(2.0, min(remaining, self.config.run.call_timeout_s)))
                 loops.cancel_scope.cancel()
         self.health.watching = False
         wall_s = self.clock() - started
@@ -258,6 +262,8 @@ class Orchestrator:
                     continue
                 trained = self.clock()
                 self.book.trained(groups, version=self.version - 1)
+                if self.stop_reason:  # no step follows: nothing more is admitted
+                    self.admitting.stop_admitting()
                 await self._publish(to_deliver)
                 await self._record(bar, step, took, plan, update,
                                    times=(started, taken, trained))
