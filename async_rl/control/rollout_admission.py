@@ -58,7 +58,8 @@ class RolloutAdmission:
         """The loop's admissions: cancelled, no prompt is admitted any more."""
         self._running = 0
         self._idle = anyio.Event()
-        """Set while no generation is in flight."""
+        """Set while no worker call is in flight (a group waiting for room in the queue
+        is not: a stop does not wait for it, its prompt stays owed)."""
         self._idle.set()
 
     async def loop(self) -> None:
@@ -133,13 +134,16 @@ class RolloutAdmission:
             oldest = self.gate.version
             if partial is not None and partial.min_version != NO_VERSION:
                 oldest = min(oldest, partial.min_version)
-            with self.queue.expecting(oldest):
-                if partial is None:
-                    result = await worker.generate(prompt)
-                elif isinstance(worker, HandsBack):
-                    result = await worker.continue_group(partial)
-                else:  # a worker that cannot continue it generates the prompt anew
-                    result = await worker.generate(prompt)
+            try:
+                with self.queue.expecting(oldest):
+                    if partial is None:
+                        result = await worker.generate(prompt)
+                    elif isinstance(worker, HandsBack):
+                        result = await worker.continue_group(partial)
+                    else:  # a worker that cannot continue it generates the prompt anew
+                        result = await worker.generate(prompt)
+            finally:  # a group waiting for room in the queue is not waited for
+                self._ended()
             if isinstance(result, PartialGroup):
                 self.book.handed_back(result)
                 if result.leaving:  # the engine stops itself: it is replaced
@@ -157,5 +161,4 @@ class RolloutAdmission:
             if failed.worker_gone:
                 self.pool.retire(rank, worker, failed.reason)  # dead, broken or stuck
         finally:
-            self._ended()
             await self.pool.release(rank)
