@@ -14,7 +14,7 @@ import pytest
 
 from buffers.common.partials import PartialGroup, PartialSample, decode_partials, encode_partials
 from buffers.common.records import Prompt, Sample
-from workers.rollout.continuation import continuation_seed, continue_samples, remaining
+from workers.rollout.continuation import HandBack, continuation_seed, continue_samples, remaining
 from workers.rollout.worker import request_seed
 
 PROMPT = Prompt(prompt_id="p7", text="1+1=", answer="2")
@@ -92,3 +92,26 @@ def test_a_partials_file_that_disagrees_with_itself_is_refused_in_one_line() -> 
         decode_partials(encode_partials([bad]))
     with pytest.raises(ValueError, match=r"^not a file of partial rollouts"):
         decode_partials(b"\x93garbage")
+
+
+def test_what_a_hand_back_keeps_of_a_group() -> None:
+    """A mixed group keeps every sample (finished ones with their reason); a group with
+    no token produced and none finished keeps nothing (it restarts); after ``leave``
+    every partial says the engine is leaving."""
+    hand_back = HandBack()
+    cut = Sample(token_ids=(5, 6), logprobs=(-0.5, -1 / 3), versions=(2, 3),
+                 finish_reason="abort", text="")
+    done = Sample(token_ids=(5,), logprobs=(-0.5,), versions=(2,), finish_reason="stop",
+                  text="")
+    empty = Sample(token_ids=(), logprobs=(), versions=(), finish_reason="abort", text="")
+    mixed = hand_back.partial(PROMPT, (1, 2), [cut, done, empty], rank=1)
+    assert mixed.kept_lengths == (2, 1, 0) and mixed.prompt_token_ids == (1, 2)
+    assert [s.finish_reason for s in mixed.samples] == ["", "stop", ""]
+    assert mixed.samples[0].logprobs == cut.logprobs and mixed.min_version == 2
+    assert not mixed.leaving and mixed.rollout_rank == 1
+    nothing = hand_back.partial(PROMPT, (1, 2), [empty, empty], rank=1)
+    assert nothing.samples == () and nothing.restarts == "not_started"
+    assert nothing.prompt_token_ids == ()
+    assert hand_back.start(leaving=True) == 0 and hand_back.handing_back
+    again = hand_back.partial(PROMPT, (1, 2), [], rank=0, kept=mixed)
+    assert again.samples == mixed.samples and again.leaving

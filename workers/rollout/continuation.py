@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import Awaitable, Callable, Collection, Sequence
+from typing import Any
 
 import anyio
 
@@ -60,6 +61,31 @@ class HandBack:
         for scope in self.scopes:
             scope.cancel()
         return self.groups
+
+    async def abort(self, engine: Any) -> None:
+        """Aborts the sampling requests in ``engine`` (vLLM's ``AsyncLLM``): each ends
+        with the tokens it has. A request added just after an abort is aborted again."""
+        for _ in range(100):
+            if not self.requests:
+                return
+            await engine.abort(list(self.requests))
+            await anyio.sleep(0.01)
+
+    def partial(self, prompt: Prompt, prompt_ids: Sequence[int], samples: Sequence[Sample],
+                *, rank: int, restarts: str = "", kept: PartialGroup | None = None
+                ) -> PartialGroup:
+        """``samples`` (cut short or finished) as the partial group engine ``rank`` hands
+        back; with no token kept and none finished, a restart (``restarts`` says why);
+        ``kept``: a partial group handed on as it came."""
+        if kept is not None:
+            parts = kept.samples
+        else:
+            parts = tuple(partial_sample(s) for s in samples)
+            if not any(p.token_ids or p.finished for p in parts):
+                parts, restarts = (), restarts or "not_started"
+        return PartialGroup(prompt=prompt, prompt_token_ids=tuple(prompt_ids) if parts else (),
+                            samples=parts, rollout_rank=rank,
+                            restarts="" if parts else restarts, leaving=self.leaving)
 
 
 def partial_sample(sample: Sample) -> PartialSample:

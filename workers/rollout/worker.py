@@ -39,7 +39,6 @@ from workers.rollout.continuation import (
     any_cut,
     continuation_seed,
     continue_samples,
-    partial_sample,
 )
 from workers.rollout.engine import (
     build_engine,
@@ -388,13 +387,8 @@ class RolloutWorker:
         and so does every group asked for from now on. The run's clean stop calls it;
         ``leaving``: the engine stops itself (``leave``). Returns the groups in progress."""
         groups = self._hand_back.start(leaving)
-        engine = self._engine
-        # A request added to the engine just after an abort is aborted again.
-        for _ in range(100):
-            if engine is None or not self._hand_back.requests:
-                break
-            await engine.abort(list(self._hand_back.requests))
-            await asyncio.sleep(0.01)
+        if self._engine is not None:
+            await self._hand_back.abort(self._engine)
         return groups
 
     async def leave(self) -> int:
@@ -408,18 +402,8 @@ class RolloutWorker:
 
     def _partial(self, prompt: Prompt, prompt_ids: Sequence[int], samples: Sequence[Sample],
                  restarts: str = "", kept: PartialGroup | None = None) -> PartialGroup:
-        """``samples`` as a partial group; with none kept, a restart (``restarts``), or
-        ``kept`` handed on unchanged."""
-        if kept is not None:
-            parts = kept.samples
-        else:
-            parts = tuple(partial_sample(s) for s in samples)
-            if not any(p.token_ids or p.finished for p in parts):
-                parts, restarts = (), restarts or "not_started"
-        return PartialGroup(prompt=prompt, prompt_token_ids=tuple(prompt_ids) if parts else (),
-                            samples=parts, rollout_rank=self._rank,
-                            restarts="" if parts else restarts,
-                            leaving=self._hand_back.leaving)
+        return self._hand_back.partial(prompt, prompt_ids, samples, rank=self._rank,
+                                       restarts=restarts, kept=kept)
 
     async def _scored(self, prompt: Prompt, prompt_ids: list[int], samples: list[Sample]
                       ) -> Group | PartialGroup:
