@@ -352,10 +352,12 @@ class Orchestrator:
     # ---- stopping, failing, resuming ---------------------------------------------------
 
     def request_stop(self, reason: str) -> None:
-        """Ends the run cleanly after the step in progress: no new step starts. A step
-        still waiting for its groups gets run.stop_timeout_s more; then it is abandoned
-        (its groups stay owed: the checkpoint keeps their prompts). Call it in the run's
-        event loop."""
+        """Ends the run cleanly after the step in progress: no new step starts, and no
+        prompt is admitted once it has trained. A step still waiting for its groups gets
+        run.stop_timeout_s more; then it is abandoned (its groups stay owed: the
+        checkpoint keeps their prompts). The engines then hand their rollouts in
+        progress back, and the checkpoint keeps them (``RolloutAdmission.hand_back``).
+        Call it in the run's event loop."""
         if not self.stop_reason:
             self.stop_reason = reason
             timeout = self.config.run.stop_timeout_s
