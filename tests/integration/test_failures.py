@@ -32,12 +32,15 @@ def kill_during_run(tiny_model_dir: Path, out: Path, workers: int, victim: str,
                     leaving: str = "") -> tuple[RunSummary, int]:
     """Runs 12 steps on ``workers`` rollout workers and kills actor ``victim`` once 3
     steps have trained; ``leaving``: an actor stopped cleanly (``leave``) once 6 steps
-    have trained, while it generates. Returns the summary and the groups it handed
-    back."""
+    have trained, while it holds generated tokens. Returns the summary and the groups
+    it handed back."""
     config = decode_config({
         "model": {"path": str(tiny_model_dir)},
         "task": {"eval_size": 0},
-        "rollout": {"num_workers": workers, "group_size": 4, "max_new_tokens": 6,
+        # With an engine to stop cleanly: its tokens counted as they come, and longer
+        # samples, so that it is stopped with tokens to hand back.
+        "rollout": {"num_workers": workers, "group_size": 4,
+                    "max_new_tokens": 16 if leaving else 6, "stream_tokens": bool(leaving),
                     "max_inflight_prompts": 4, "memory_fraction": 0.1},
         "staleness": {"max_staleness": 1},
         "trainer": {"groups_per_step": 4, "micro_batch_tokens": 512},
@@ -68,7 +71,7 @@ def kill_during_run(tiny_model_dir: Path, out: Path, workers: int, victim: str,
         while time.monotonic() < deadline and not errors and not handed:
             metrics = out / METRICS
             if (metrics.exists() and len(metrics.read_bytes().splitlines()) >= 6
-                    and ray.get(actor.statistics.remote()).requests_running):
+                    and ray.get(actor.statistics.remote()).tokens_in_flight >= 2):
                 handed = ray.get(actor.leave.remote())
             time.sleep(0.01)
     thread.join(timeout=300)
@@ -111,6 +114,7 @@ def test_dead_rollout_worker_is_replaced_and_its_prompts_requeued(
     print(f"groups in progress at the clean stop: {handed}; handed back: "
           f"{[e.lengths for e in back]}")
     assert 1 <= len(back) <= handed
+    assert any(sum(e.lengths) for e in back)  # some tokens were kept, and continued
     for event in back:  # continued from what it kept (or run again: nothing kept)
         history = [(e.event, e.reason) for e in entries if e.prompt_id == event.prompt_id]
         after = history[history.index(("handed_back", "engine_stopped")) + 1:]
