@@ -210,8 +210,9 @@ def test_a_corrupt_queue_or_partials_file_fails_the_resume_in_one_line_naming_it
     assert len(warnings) == 1 and name in warnings[0]
 
 
-def test_resume_with_a_corrupt_queue_file_exits_2_before_anything_starts(
-    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("name", [QUEUE, PARTIALS])
+def test_resume_with_a_corrupt_queue_or_partials_file_exits_2_before_anything_starts(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], name: str
 ) -> None:
     from async_rl.cli import main
     from async_rl.config_io import decode_config, to_toml
@@ -223,9 +224,9 @@ def test_resume_with_a_corrupt_queue_file_exits_2_before_anything_starts(
         "model": {"path": str(tiny_model_dir)}, "task": {"eval_size": 0},
         "run": {"output_dir": str(out), "progress": False}})))
     folder = write(out, 1)
-    (folder / QUEUE).write_bytes(b"\x00" + (folder / QUEUE).read_bytes()[1:])
+    (folder / name).write_bytes(b"\x00" + (folder / name).read_bytes()[1:])
     before = sorted(p.name for p in out.iterdir())
     assert main(["train", "--resume", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("resume error: ") and f"step-000001/{QUEUE}" in err[-1], err
+    assert err[-1].startswith("resume error: ") and f"step-000001/{name}" in err[-1], err
     assert sorted(p.name for p in out.iterdir()) == before  # no worker, no run file
