@@ -342,7 +342,9 @@ class RolloutWorker:
             if self._agents is None and self._turns is None:
                 rendered = render(self._tokenizer, prompt, self._format)
                 streams = await self._stream_all([rendered] * size, "sample", seeds)
-                return await self._scored(prompt, list(streams[0][0]),
+                # A request handed back before it reached the engine has no prompt ids.
+                prompt_ids = next((list(ids) for ids, _ in streams if ids), [])
+                return await self._scored(prompt, prompt_ids,
                                           [sample for _, sample in streams])
             with anyio.CancelScope() as scope:  # ``hand_back`` cancels it: it restarts
                 self._hand_back.scopes.add(scope)
