@@ -17,7 +17,6 @@ generates what it is asked to and labels every token with the weights that produ
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import itertools
 import os
 import shutil
@@ -25,6 +24,9 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
+from buffers.common.partials import PartialGroup
 from buffers.common.records import NO_VERSION, Group, Prompt, Sample, make_group
 from buffers.common.reports import BroadcastTiming, EvalResult, RolloutStatistics, UsageReading
 from workers.common.errors import RolloutWorkerError
@@ -32,6 +34,12 @@ from workers.common.spans import UNRESOLVED, Span, SpanRecorder
 from workers.common.usage import UsageMeter, cuda_uuid
 from workers.rollout.adapter_serving import serve_policy_adapter
 from workers.rollout.agents import AgentRunner, serve_agents
+from workers.rollout.continuation import (
+    HandBack,
+    any_cut,
+    continuation_seed,
+    continue_samples,
+)
 from workers.rollout.engine import (
     build_engine,
     engine_request,
@@ -41,7 +49,7 @@ from workers.rollout.engine import (
 )
 from workers.rollout.idle_spin import IdleSpin
 from workers.rollout.prompts import render
-from workers.rollout.scoring import Scorer
+from workers.rollout.scoring import Scored, Scorer
 from workers.rollout.spec import RolloutSpec
 from workers.rollout.task import WorkerTask
 from workers.rollout.turns import TurnRunner
@@ -57,9 +65,9 @@ WARMUP_TEXT = "warm up"
 
 
 def request_seed(sampling_seed: int, prompt: Prompt, sample: int) -> int:
-    """The seed of one sample request: the same wherever and whenever it runs."""
-    key = f"{sampling_seed}/{prompt.prompt_id}/{prompt.attempt}/{sample}".encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") >> 1  # a signed int64
+    """The seed of one sample request: the same wherever and whenever it runs (a
+    signed int64)."""
+    return continuation_seed(sampling_seed, prompt, sample, kept=0)
 
 
 class RolloutWorker:
@@ -104,6 +112,7 @@ class RolloutWorker:
         self._request_ids = itertools.count()
         self._in_flight: dict[str, int] = {}  # request id -> tokens generated so far
         self._evaluating = 0  # greedy (evaluation) requests among those in flight
+        self._hand_back = HandBack()  # partial rollouts handed back (a clean stop)
         self._idle = IdleSpin(busy=lambda: bool(self._in_flight) or self._receiver.updating
                               or self._failed is not None)
 
@@ -227,6 +236,10 @@ class RolloutWorker:
         engine = self._ready()
         request_id = f"rollout{self._rank}-{next(self._request_ids)}"
         prompt_ids: tuple[int, ...] = ()
+        sampling = not evaluation
+        if sampling and self._hand_back.handing_back:  # handed back before it started
+            return prompt_ids, Sample(token_ids=(), logprobs=(), versions=(),
+                                      finish_reason="abort", text="")
         tokens: list[int] = []
         logprobs: list[float] = []
         # Fallback tag if the engine's spans are unusable. Streaming: the version current
@@ -237,6 +250,8 @@ class RolloutWorker:
         finish_reason, spans = "abort", None
         self._in_flight[request_id] = 0
         self._evaluating += evaluation
+        if sampling:  # ``hand_back`` aborts it (it ends with the tokens it has)
+            self._hand_back.requests.add(request_id)
         self._switch_span()
         try:
             # A text prompt: vLLM tokenises it itself. Either way the ids it really used
@@ -259,6 +274,7 @@ class RolloutWorker:
                     spans = completion.weight_versions
         finally:
             del self._in_flight[request_id]
+            self._hand_back.requests.discard(request_id)
             self._evaluating -= evaluation
             self._switch_span()
             self._idle.soon()
@@ -272,15 +288,19 @@ class RolloutWorker:
                                   text=text)
 
     async def _stream_all(
-        self, texts: Sequence[str | list[int]], kind: str, seeds: Sequence[int] = ()
+        self, texts: Sequence[str | list[int]], kind: str, seeds: Sequence[int] = (),
+        max_tokens: Sequence[int] = (),
     ) -> list[tuple[tuple[int, ...], Sample]]:
         """One request per text (or token ids); ``seeds``, when given, one per text (see
-        ``rollout.sampling_seed``)."""
+        ``rollout.sampling_seed``); ``max_tokens``, when given, each one's budget."""
         self._ready()
         params = [self._params[kind]] * len(texts)
         for i, seed in enumerate(seeds):
             params[i] = params[i].clone()
             params[i].seed = seed
+        for i, budget in enumerate(max_tokens):
+            params[i] = params[i].clone()
+            params[i].max_tokens = budget
         try:
             async with asyncio.TaskGroup() as tasks:
                 running = [tasks.create_task(self._stream(t, p, evaluation=kind == "greedy"))
@@ -305,27 +325,97 @@ class RolloutWorker:
         self._ready()  # a failed weight load aborted the requests: their output is void
         return played
 
-    async def generate_group(self, prompt: Prompt) -> Group:
+    async def generate_group(self, prompt: Prompt) -> Group | PartialGroup:
         """Generates and scores ``group_size`` samples of ``prompt``.
 
         Each sample is its own engine request (with prefix caching they share the
         prompt's KV). Raises ``RolloutWorkerError`` when the worker cannot generate.
+        After ``hand_back`` a group cut short comes back as a ``PartialGroup`` (a
+        multi-turn one keeps nothing: it restarts).
         """
         size, seed = self._rollout.group_size, self._rollout.sampling_seed
         seeds = [request_seed(seed, prompt, k) for k in range(size)] if seed >= 0 else []
-        refused = 0
-        if self._agents is not None:  # the agent plays each trajectory via the gateway
-            prompt_ids, played, refused = await self._agents.group(prompt, size, seeds)
-            self._ready()  # a failed weight load aborted the requests: their output is void
-            scored = await self._scorer.score_trajectories(prompt, played)
-        elif self._turns is not None:  # multi-turn: an environment answers every turn
-            prompt_ids, played = await self._play(prompt, size, "sample", seeds)
-            scored = await self._scorer.score_trajectories(prompt, played)
-        else:
-            rendered = render(self._tokenizer, prompt, self._format)
-            streams = await self._stream_all([rendered] * size, "sample", seeds)
-            prompt_ids = list(streams[0][0])
-            scored = await self._scorer.score(prompt, [sample for _, sample in streams])
+        if self._hand_back.handing_back:
+            return self._partial(prompt, (), [], "not_started")
+        self._hand_back.groups += 1
+        try:
+            if self._agents is None and self._turns is None:
+                rendered = render(self._tokenizer, prompt, self._format)
+                streams = await self._stream_all([rendered] * size, "sample", seeds)
+                # A request handed back before it reached the engine has no prompt ids.
+                prompt_ids = next((list(ids) for ids, _ in streams if ids), [])
+                return await self._scored(prompt, prompt_ids,
+                                          [sample for _, sample in streams])
+            with anyio.CancelScope() as scope:  # ``hand_back`` cancels it: it restarts
+                self._hand_back.scopes.add(scope)
+                refused = 0
+                if self._agents is not None:  # the agent plays each trajectory (gateway)
+                    prompt_ids, played, refused = await self._agents.group(prompt, size,
+                                                                           seeds)
+                    self._ready()  # a failed weight load aborted the requests: void output
+                else:  # multi-turn: an environment answers every turn
+                    prompt_ids, played = await self._play(prompt, size, "sample", seeds)
+                scored = await self._scorer.score_trajectories(prompt, played)
+            self._hand_back.scopes.discard(scope)
+            if scope.cancelled_caught:
+                return self._partial(prompt, (), [], "multi_turn")
+            return self._group(prompt, prompt_ids, scored, refused)
+        finally:
+            self._hand_back.groups -= 1
+
+    async def continue_group(self, partial: PartialGroup) -> Group | PartialGroup:
+        """Continues a group another engine (or this one, before a stop) handed back:
+        each sample cut short goes on from its kept tokens (``continue_samples``), the
+        others stay as they were; then the group is scored as ``generate_group``'s.
+        Handed back again, it comes back as a partial group of all it has by then."""
+        if self._hand_back.handing_back:
+            return self._partial(partial.prompt, partial.prompt_token_ids,
+                                 [], "not_started", kept=partial)
+        self._hand_back.groups += 1
+        try:
+            eos = (() if self._rollout.ignore_eos or self._tokenizer.eos_token_id is None
+                   else (int(self._tokenizer.eos_token_id),))
+            samples = await continue_samples(
+                partial, self._stream_all, self._decode, self._rollout.max_new_tokens,
+                eos, self._rollout.sampling_seed)
+            return await self._scored(partial.prompt, list(partial.prompt_token_ids),
+                                      samples)
+        finally:
+            self._hand_back.groups -= 1
+
+    async def hand_back(self, leaving: bool = False) -> int:
+        """Aborts every sampling request in the engine: each group in progress comes back
+        as a ``PartialGroup`` (its samples' tokens so far, their log-probs and versions),
+        and so does every group asked for from now on. The run's clean stop calls it;
+        ``leaving``: the engine stops itself (``leave``). Returns the groups in progress."""
+        groups = self._hand_back.start(leaving)
+        if self._engine is not None:
+            await self._hand_back.abort(self._engine)
+        return groups
+
+    async def leave(self) -> int:
+        """The clean stop of this engine alone: its rollouts in progress are handed back,
+        marked ``leaving`` (the run continues them on another engine and replaces this
+        one), and it takes no more work. Returns the groups handed back."""
+        return await self.hand_back(leaving=True)
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(tokens), skip_special_tokens=True))
+
+    def _partial(self, prompt: Prompt, prompt_ids: Sequence[int], samples: Sequence[Sample],
+                 restarts: str = "", kept: PartialGroup | None = None) -> PartialGroup:
+        return self._hand_back.partial(prompt, prompt_ids, samples, rank=self._rank,
+                                       restarts=restarts, kept=kept)
+
+    async def _scored(self, prompt: Prompt, prompt_ids: list[int], samples: list[Sample]
+                      ) -> Group | PartialGroup:
+        """A single-turn group's samples, scored; handed back while cut short, partial."""
+        if self._hand_back.handing_back and any_cut(samples):
+            return self._partial(prompt, prompt_ids, samples)
+        return self._group(prompt, prompt_ids, await self._scorer.score(prompt, samples))
+
+    def _group(self, prompt: Prompt, prompt_ids: Sequence[int], scored: Scored,
+               refused: int = 0) -> Group:
         samples = scored.samples
         self._groups += 1
         self._samples += len(samples)
