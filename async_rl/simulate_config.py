@@ -244,11 +244,13 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     end to this one's start) the trainer must have waited for its groups to lend."""
     preemption_step: NonNegative = 0
     """At the end of this step (the instant a checkpoint would be taken), count what a
-    stop there would cost (sim.json's ``stop``, a line of the result): the replay queue's
-    groups the checkpoint keeps (and how many would be too stale to train at its version
-    on resume), the in-flight rollouts' tokens it loses (generated again from scratch),
-    and each engine's in-flight tokens (what replacing that engine there loses). The
-    simulated run goes on unchanged; 0 = off. At most run.num_steps."""
+    clean stop there would cost (sim.json's ``stop``, a line of the result): the replay
+    queue's groups the checkpoint keeps (and how many would be too stale to train at its
+    version on resume), the in-flight rollouts it hands back (continued from their
+    tokens on resume; a multi-turn task's restart, lost), the tokens it loses (generated
+    again from scratch), and each engine's tokens of the prompts owed (what that
+    engine's death there loses). The simulated run goes on unchanged; 0 = off. At most
+    run.num_steps."""
     detail: Positive = 16
     """Rollout engines the trace (trace.json) shows one by one when there are more:
     this many evenly spaced ranks, plus the most idle few; every trainer shard is kept,

@@ -9,15 +9,21 @@ resume —
 
 - **queued groups**: generated (a ``generated`` event) and not trained; their tokens are
   that event's completion lengths (the members');
-- **in-flight rollouts**: admitted and not generated; their tokens at the stop are not in
-  the ledger, so they are estimated: each sample of the same prompt's next generation
+- **in-flight rollouts**: admitted and not generated. One its engine handed back at the
+  stop has a ``handed_back`` event carrying the tokens it kept per sample: exactly what
+  the checkpoint's partials file holds (the resume's ``partial_restored`` event carries
+  the same), so those are counted, not estimated. Only a rollout no engine handed back
+  (a worker that cannot) is estimated: each sample of the same prompt's next generation
   counts its length, capped at what the stopped run decoded per sequence in the time
   the rollout ran before the stop (``decode_rate``: the median over the stopped run's
   groups of their longest sample over their generation time).
 
-A unit of work is generated again when its prompt has a ``generated`` event after the
-resume (a queued group restored and then dropped as too stale is generated again, and
-counted as such). The resume starts at the ledger's first event with reason ``resume``.
+A queued group, or a rollout not handed back, is generated again when its prompt has a
+``generated`` event after the resume (a queued group restored and then dropped as too
+stale is generated again, and counted as such). A rollout handed back is continued, not
+generated again: its kept tokens are generated again only when its prompt is dropped
+(too stale at the restore or later) or fails after the resume. The resume starts at the
+ledger's first event with reason ``resume``.
 
 Printed: the stop's step, the queued groups and in-flight rollouts with their tokens and
 how many of each were generated again, the groups too stale to train after the resume,
@@ -58,10 +64,13 @@ class Work(NamedTuple):
     queued: bool
     """Generated before the stop (a group in the queue); else in flight."""
     tokens: float
-    """Completion tokens it held at the stop (estimated for an in-flight rollout)."""
+    """Completion tokens it held at the stop (estimated for an in-flight rollout that was
+    not handed back)."""
     regenerated: bool
     too_stale: bool
-    """Queued, and dropped as stale after the resume."""
+    """Dropped as stale after the resume."""
+    handed_back: bool = False
+    """In flight and handed back by its engine: its tokens counted from the ledger."""
 
 
 class Figures(NamedTuple):
@@ -95,18 +104,23 @@ def figures(entries: Sequence[LedgerEntry]) -> Figures:
             continue
         admitted = max(i for i, e in enumerate(history) if e.event == "admitted")
         generated = [e for e in history[admitted:] if e.event == "generated"]
+        handed = [e for e in history[admitted:] if e.event == "handed_back"]
         later = after[prompt_id]
         regen = [e for e in later if e.event == "generated"]
         if generated:
             tokens = float(sum(generated[-1].lengths))
+            regenerated = bool(regen)
+        elif handed:
+            tokens = float(sum(handed[-1].lengths))
+            regenerated = any(e.event in ("dropped", "failed") for e in later)
         else:
             ran_s = history[-1].time - history[admitted].time
             tokens = float(sum(min(n, rate * ran_s) for n in regen[0].lengths)) if regen else 0.0
+            regenerated = bool(regen)
         work.append(Work(
             prompt_id=prompt_id, queued=bool(generated), tokens=tokens,
-            regenerated=bool(regen),
-            too_stale=bool(generated) and any(
-                (e.event, e.reason) == ("dropped", DROP_STALE) for e in later)))
+            regenerated=regenerated, handed_back=bool(handed) and not generated,
+            too_stale=any((e.event, e.reason) == ("dropped", DROP_STALE) for e in later)))
     trained = Counter(e.prompt_id for e in entries if e.event == "trained")
     untouched = sum(1 for w in work if w.queued and not w.regenerated
                     and any(e.event == "trained" for e in after[w.prompt_id]))
@@ -187,7 +201,13 @@ def main() -> None:
         print(f"{name} at the stop: {len(chosen)}, {sum(w.tokens for w in chosen):.0f} "
               f"tokens; generated again: {sum(w.regenerated for w in chosen)}, "
               f"{sum(w.tokens for w in chosen if w.regenerated):.0f} tokens")
-    print(f"groups too stale to train after the resume: {sum(w.too_stale for w in queued)}")
+    handed = [w for w in flying if w.handed_back]
+    print(f"in-flight rollouts handed back by their engines and kept: {len(handed)}, "
+          f"{sum(w.tokens for w in handed):.0f} tokens (counted from the ledger's "
+          f"handed_back events: what the checkpoint kept); estimated: "
+          f"{len(flying) - len(handed)}")
+    print(f"groups too stale to train after the resume: {sum(w.too_stale for w in queued)} "
+          f"queued, {sum(w.too_stale for w in flying)} in flight")
     print(f"queued groups trained after the resume without a new generated event: "
           f"{result.restored_untouched}")
     print(f"prompts trained twice: {len(result.trained_twice)}")

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # Creates (or reuses) the project's virtualenv and installs async-rl with the CPU build of
-# vLLM, the test tools and the optional metric loggers (TensorBoard, W&B, so that their
-# tests run). Idempotent: a second run only re-installs when pyproject.toml changed since
-# the last successful install.
+# vLLM, the test tools, the optional metric loggers (TensorBoard, W&B) and the agent
+# frameworks of the examples (LangGraph), so that their tests run. Idempotent: a second
+# run only re-installs when pyproject.toml changed since the last successful install.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-EXTRAS=${EXTRAS:-cpu,test,loggers}
+EXTRAS=${EXTRAS:-cpu,test,loggers,agents}
 STAMP="$VENV/.installed-$EXTRAS"
 
 if [ ! -x "$VENV/bin/python" ]; then

@@ -22,6 +22,7 @@ from __future__ import annotations
 import msgspec
 import ray
 
+from buffers.common.partials import PartialGroup
 from buffers.common.records import Group, GroupTokens, Prompt
 from buffers.common.reports import CriticStepResult
 from buffers.common.train_records import ShardBatch, ShardStepResult
@@ -34,15 +35,25 @@ from workers.trainer.shard import TrainerShard
 class RolloutActor(RolloutWorker):
     """A rollout worker whose groups leave their tokens in the object store."""
 
-    async def generate_group_ref(self, prompt: Prompt) -> Group:
+    async def generate_group_ref(self, prompt: Prompt) -> Group | PartialGroup:
         """``generate_group``, with ``tokens`` a reference owned by this actor.
 
         The reference's object lives as long as someone holds the reference and this
         actor lives: if the actor dies first, a shard fetching it gets
-        ``ObjectLostError`` (``train_step_by_ref`` reports that as lost samples).
+        ``ObjectLostError`` (``train_step_by_ref`` reports that as lost samples). A
+        partial group (handed back) comes whole: the driver keeps it.
         """
-        group = await self.generate_group(prompt)
-        return msgspec.structs.replace(group, tokens=ray.put(group.tokens))
+        return _by_ref(await self.generate_group(prompt))
+
+    async def continue_group_ref(self, partial: PartialGroup) -> Group | PartialGroup:
+        """``continue_group``, its group's tokens left in the object store as above."""
+        return _by_ref(await self.continue_group(partial))
+
+
+def _by_ref(result: Group | PartialGroup) -> Group | PartialGroup:
+    if isinstance(result, PartialGroup):
+        return result
+    return msgspec.structs.replace(result, tokens=ray.put(result.tokens))
 
 
 class TrainerActor(TrainerShard):

@@ -56,23 +56,30 @@ class StopCost(msgspec.Struct, frozen=True, kw_only=True):
     their prompts generated again."""
     stale_tokens: int
     owed_prompts: int
-    """Prompts admitted, not trained and not queued: a resume generates them again."""
+    """Prompts admitted, not trained and not queued: the rollouts in flight a stop hands
+    back, and those a resume generates again."""
     lost_rollouts: int
-    """Of those, the ones with tokens generated (in flight, or finished and not yet in
-    the queue)."""
+    """Of those, the ones with tokens generated and generated again on resume (finished
+    and not yet in the queue; in flight, where the task is multi-turn)."""
     lost_tokens: int
     lost_s: float
     done_tokens: int
     """Tokens of groups trained or dropped before the stop: generated_tokens =
-    done_tokens + kept_tokens + lost_tokens."""
+    done_tokens + kept_tokens + handed_back_tokens + lost_tokens."""
     engine_lost_tokens: tuple[int, ...] = ()
-    """Each engine's share of lost_tokens: what replacing that engine then loses."""
+    """Each engine's tokens of the owed prompts: what that engine's death then loses (a
+    clean stop of it hands its rollouts in flight to another engine)."""
+    handed_back_rollouts: int = 0
+    """Of the owed prompts, the rollouts in flight a clean stop hands back: a resume
+    continues each from its tokens."""
+    handed_back_tokens: int = 0
+    handed_back_s: float = 0.0
 
     @property
     def regenerated(self) -> float:
-        """Of the work not yet trained (kept and lost), the fraction a resume generates
-        again (the lost, and the kept groups too stale to train)."""
-        pending = self.kept_tokens + self.lost_tokens
+        """Of the work not yet trained (kept, handed back and lost), the fraction a resume
+        generates again (the lost, and the kept groups too stale to train)."""
+        pending = self.kept_tokens + self.handed_back_tokens + self.lost_tokens
         return (self.lost_tokens + self.stale_tokens) / pending if pending else 0.0
 
 
@@ -82,10 +89,11 @@ def stop_cost_line(cost: StopCost) -> str:
     return (f"after step {cost.step} (version {cost.version}): checkpoint keeps "
             f"{cost.kept_groups} queued groups, {cost.kept_tokens:,} tokens "
             f"({cost.kept_s:.1f} s of generation; {cost.stale_groups} too stale on "
-            f"resume); loses {cost.lost_rollouts} in-flight rollouts, "
-            f"{cost.lost_tokens:,} tokens ({cost.lost_s:.1f} s), generated again; "
-            f"{cost.regenerated:.0%} of the untrained work regenerated; replacing "
-            f"one engine loses at most {worst:,} tokens")
+            f"resume), hands back {cost.handed_back_rollouts} in-flight rollouts, "
+            f"{cost.handed_back_tokens:,} tokens ({cost.handed_back_s:.1f} s); loses "
+            f"{cost.lost_rollouts} rollouts, {cost.lost_tokens:,} tokens "
+            f"({cost.lost_s:.1f} s), generated again; {cost.regenerated:.0%} of the "
+            f"untrained work regenerated; an engine's death loses at most {worst:,} tokens")
 
 
 class LendRecord(msgspec.Struct, frozen=True, kw_only=True):

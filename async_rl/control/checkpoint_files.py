@@ -1,19 +1,20 @@
 """Checkpoints: what a stopped run needs to go on, written atomically, verified on load.
 
 Owns: the ``RunState`` record (the orchestrator's side of a checkpoint: version, gate
-counters, prompt cursor, prompts to issue again, the replay queue's groups, counters, file
-positions), the layout of ``RUN_DIR/checkpoints/step-NNNNNN/`` (``state.json``,
-``queue.msgpack`` with the queue's groups and their tokens, the trainer's ``trainer/``
-folder, and ``manifest.json`` with a SHA-256 per file), writing one in two halves
-(``begin_checkpoint``: a temporary folder the trainer snapshots its state into;
+counters, prompt cursor, prompts to issue again, the replay queue's groups, the partial
+rollouts the engines handed back, counters, file positions), the layout of
+``RUN_DIR/checkpoints/step-NNNNNN/`` (``state.json``, ``queue.msgpack`` with the queue's
+groups and their tokens, ``partials.msgpack`` with the partial rollouts, the trainer's
+``trainer/`` folder, and ``manifest.json`` with a SHA-256 per file), writing one in two
+halves (``begin_checkpoint``: a temporary folder the trainer snapshots its state into;
 ``finish_checkpoint``, once the trainer's background write is complete: state, queue,
 manifest, the rename into place, the oldest beyond ``keep`` removed), refusing a
 checkpoint of the other trainer backend (``check_backend``), and finding the newest good
 one (``latest_checkpoint``, a ``Checkpoint``: its folder and state; a missing,
 mismatching or undecodable file refuses that checkpoint, in one line naming the file,
-and the one before it is tried; a checkpoint of the older layout, without a queue file,
-holds no queued groups). Knows nothing about Ray or what the trainer writes into its
-folder (``TrainerClient.save_checkpoint``).
+and the one before it is tried; a checkpoint of the older layout, without a queue or
+partials file, holds no queued groups or partial rollouts). Knows nothing about Ray or
+what the trainer writes into its folder (``TrainerClient.save_checkpoint``).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from async_rl.control.step_metrics import Counters
 from async_rl.run.run_dir import FilePositions
 from async_rl.run.summary import EvalPoint
 from async_rl.tasks.sources import SourceState
+from buffers.common.partials import PartialGroup, decode_partials, encode_partials
 from buffers.common.records import Prompt
 from buffers.common.saved_groups import SavedGroup, decode_groups, encode_groups
 from buffers.queue.staleness import GateSnapshot
@@ -39,6 +41,8 @@ CHECKPOINTS = "checkpoints"
 STATE = "state.json"
 QUEUE = "queue.msgpack"
 """The replay queue's groups, tokens included (``buffers.common.saved_groups``)."""
+PARTIALS = "partials.msgpack"
+"""The partial rollouts handed back at the stop (``buffers.common.partials``)."""
 MANIFEST = "manifest.json"
 TRAINER = "trainer"
 """The trainer's folder in a checkpoint: a Hugging Face model (the rollout engines of a
@@ -62,6 +66,9 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     queue: tuple[SavedGroup, ...] = ()
     """The replay queue's groups (generated, not trained), oldest first: back in the queue
     on resume. Kept in ``QUEUE`` beside ``STATE``, not in it."""
+    partials: tuple[PartialGroup, ...] = ()
+    """Partial rollouts the engines handed back (neither owed nor queued): continued
+    first on resume. Kept in ``PARTIALS`` beside ``STATE``, not in it."""
     counters: Counters
     evals: tuple[EvalPoint, ...]
     wall_s: float
@@ -110,8 +117,9 @@ async def finish_checkpoint(run_dir: Path, partial: Path, state: RunState,
     root = run_dir / CHECKPOINTS
     final = root / f"step-{state.step:06d}"
     (partial / STATE).write_bytes(msgspec.json.format(msgspec.json.encode(
-        msgspec.structs.replace(state, queue=()))))
+        msgspec.structs.replace(state, queue=(), partials=()))))
     (partial / QUEUE).write_bytes(encode_groups(state.queue))
+    (partial / PARTIALS).write_bytes(encode_partials(state.partials))
     manifest = {str(p.relative_to(partial)): _sha256(p) for p in _files(partial)}
     (partial / MANIFEST).write_bytes(msgspec.json.format(msgspec.json.encode(manifest)))
     shutil.rmtree(final, ignore_errors=True)  # a stale one of the same step (a resumed run)
@@ -156,12 +164,19 @@ def _check(folder: Path) -> RunState:
         state = msgspec.json.decode((folder / STATE).read_bytes(), type=RunState)
     except msgspec.DecodeError as err:
         raise CheckpointError(f"{folder / STATE}: {err}") from None
-    if not (folder / QUEUE).is_file():  # the older layout: no queued groups kept
-        return state
-    try:
-        return msgspec.structs.replace(state, queue=decode_groups((folder / QUEUE).read_bytes()))
-    except ValueError as err:
-        raise CheckpointError(f"{folder / QUEUE}: {err}") from None
+    if (folder / QUEUE).is_file():  # the older layout has none: no queued groups kept
+        try:
+            state = msgspec.structs.replace(
+                state, queue=decode_groups((folder / QUEUE).read_bytes()))
+        except ValueError as err:
+            raise CheckpointError(f"{folder / QUEUE}: {err}") from None
+    if (folder / PARTIALS).is_file():  # the older layout has none: no partial rollouts
+        try:
+            state = msgspec.structs.replace(
+                state, partials=decode_partials((folder / PARTIALS).read_bytes()))
+        except ValueError as err:
+            raise CheckpointError(f"{folder / PARTIALS}: {err}") from None
+    return state
 
 
 class Checkpoint(NamedTuple):

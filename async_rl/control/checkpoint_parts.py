@@ -1,15 +1,17 @@
 """A run's checkpoints as the orchestrator takes them and gives them back.
 
-Owns: which parts of a run a checkpoint holds (the gate's counters, the prompt cursor, the
-replay queue's groups with their tokens, the other prompts admitted but not trained, the
-step counters, the evaluations, the run files' positions), gathered from those parts at
-one instant when one is taken and handed back to them on resume (the queue's groups
-through the staleness rule as of the resumed version: a prompt is owed, queued or
-trained, never two of them); and the order of writes: the trainer snapshots in order
-with training, the write and rename may run in the background, one at a time, each
-waited for before the next begins. When a checkpoint falls due is the orchestrator's;
-the files, their layout and their checks are ``async_rl.control.checkpoint_files``'s.
-Knows nothing about Ray or what the trainer writes into its folder.
+Owns: which parts of a run a checkpoint holds (the gate's counters, the prompt cursor,
+the replay queue's groups with their tokens, the partial rollouts the engines handed
+back, the other prompts admitted but not trained, the step counters, the evaluations,
+the run files' positions), gathered from those parts at one instant when one is taken
+and handed back to them on resume (the queue's groups through the staleness rule as of
+the resumed version, and so the partial rollouts, judged by their oldest kept token: a
+prompt is owed, partial, queued or trained, never two of them); and the order of writes:
+the trainer snapshots in order with training, the write and rename may run in the
+background, one at a time, each waited for before the next begins. When a checkpoint
+falls due is the orchestrator's; the files, their layout and their checks are
+``async_rl.control.checkpoint_files``'s. Knows nothing about Ray or what the trainer
+writes into its folder.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from async_rl.control.protocols import TokenStore, TrainerClient
 from async_rl.control.step_metrics import StepTotals
 from async_rl.run.run_dir import RunWriter
 from async_rl.tasks.sources import PromptSource
-from buffers.common.records import Group
+from buffers.common.records import NO_VERSION, Group
 from buffers.common.saved_groups import SavedGroup
-from buffers.queue.queue_records import ReplayQueueSnapshot
+from buffers.queue.queue_records import DROP_STALE, ReplayQueueSnapshot
 from buffers.queue.replay_queue import ReplayQueue
 from buffers.queue.staleness import AdmissionGate
 from workers.common.errors import first_line
@@ -91,6 +93,7 @@ class RunCheckpoints:
         state = RunState(
             step=version, version=version, gate=self.gate.snapshot(in_flight=unspent),
             source=self.source.state(), reissue=self.prompts.owed(),
+            partials=tuple(self.prompts.partials),
             counters=self.totals.counters(), evals=tuple(self.evals.points),
             wall_s=wall_s, files=self.out.positions, trainer_backend=self.backend,
         )
@@ -169,6 +172,7 @@ class RunCheckpoints:
                            samples=self.totals.samples_trained,
                            groups=self.totals.groups_trained, tokens=self.totals.tokens_trained)
         self.prompts.reissue(state.reissue)
+        self._restore_partials(state)
         if not state.queue:
             return
         if self.tokens is None:  # no store to put them in: their prompts run again
@@ -182,3 +186,17 @@ class RunCheckpoints:
         self.prompts.restored(groups)
         self.queue.readmit(groups, [saved.entered_version for saved in state.queue],
                            at_version=state.version)
+
+    def _restore_partials(self, state: RunState) -> None:
+        """The checkpoint's partial rollouts, continued first; one whose oldest kept token
+        is already past the staleness bound at the resumed version is dropped as the
+        queue's stale groups are (counted, its prompt run again as its next attempt)."""
+        for partial in state.partials:
+            self.prompts.restore_partial(partial)
+            oldest = partial.min_version
+            if oldest == NO_VERSION or state.version - oldest <= self.queue.max_staleness:
+                continue
+            self.prompts.partials.pop()
+            self.totals.dropped_tokens(partial.num_tokens)
+            if not self.prompts.requeue(partial.prompt, "dropped", DROP_STALE):
+                self.totals.readmissions_exhausted += 1

@@ -189,6 +189,10 @@ class Orchestrator:
             async with anyio.create_task_group() as loops:
                 loops.start_soon(self.admitting.loop)
                 await self.training_loop(bar)
+                if self.stop_reason:  # a clean stop: the engines hand their rollouts back
+                    remaining = self.stop_deadline - anyio.current_time()
+                    await self.admitting.hand_back(
+                        max(2.0, min(remaining, self.config.run.call_timeout_s)))
                 loops.cancel_scope.cancel()
         self.health.watching = False
         wall_s = self.clock() - started
@@ -258,6 +262,8 @@ class Orchestrator:
                     continue
                 trained = self.clock()
                 self.book.trained(groups, version=self.version - 1)
+                if self.stop_reason:  # no step follows: nothing more is admitted
+                    self.admitting.stop_admitting()
                 await self._publish(to_deliver)
                 await self._record(bar, step, took, plan, update,
                                    times=(started, taken, trained))
@@ -346,10 +352,12 @@ class Orchestrator:
     # ---- stopping, failing, resuming ---------------------------------------------------
 
     def request_stop(self, reason: str) -> None:
-        """Ends the run cleanly after the step in progress: no new step starts. A step
-        still waiting for its groups gets run.stop_timeout_s more; then it is abandoned
-        (its groups stay owed: the checkpoint keeps their prompts). Call it in the run's
-        event loop."""
+        """Ends the run cleanly after the step in progress: no new step starts, and no
+        prompt is admitted once it has trained. A step still waiting for its groups gets
+        run.stop_timeout_s more; then it is abandoned (its groups stay owed: the
+        checkpoint keeps their prompts). The engines then hand their rollouts in
+        progress back, and the checkpoint keeps them (``RolloutAdmission.hand_back``).
+        Call it in the run's event loop."""
         if not self.stop_reason:
             self.stop_reason = reason
             timeout = self.config.run.stop_timeout_s

@@ -3,11 +3,12 @@
 Owns: what every turn of a prompt's life does to the run's accounts, in one place — the
 ledger's events (``PromptLedger``), the counts (``StepTotals``), the health rules that
 judge generated groups (``RunHealth``) and the admission slots given back to the gate —
-for a prompt admitted from the source, its group judged (``buffers.plan.group_verdict``),
-queued, dropped as stale by the queue (``on_drop``, which the queue is built with),
-failed on a worker, left untrained by a step, or trained. Every prompt given back goes
-through ``requeue``, so the ledger sees one way back. Built before the queue and the
-rollout side, which both receive it; it references neither. Knows nothing about workers,
+for a prompt admitted from the source, its group judged
+(``buffers.plan.group_verdict``), queued, dropped as stale by the queue (``on_drop``,
+which the queue is built with), handed back by its engine as a partial rollout, failed
+on a worker, left untrained by a step, or trained. Every prompt given back goes through
+``requeue``, so the ledger sees one way back. Built before the queue and the rollout
+side, which both receive it; it references neither. Knows nothing about workers,
 training or Ray.
 """
 
@@ -21,6 +22,7 @@ from async_rl.control.run_health import RunHealth
 from async_rl.control.step_metrics import StepTotals
 from async_rl.control.step_stages import CRITIC_WARMUP
 from async_rl.tasks.sources import PromptSource
+from buffers.common.partials import PartialGroup
 from buffers.common.records import Group, Prompt
 from buffers.plan.group_verdict import TOO_FEW_MEMBERS, GroupVerdict
 from buffers.queue.queue_records import Dropped
@@ -35,9 +37,16 @@ class PromptBook:
         self.source, self.ledger, self.gate = source, ledger, gate
         self.totals, self.health = totals, health
 
-    def admit(self) -> Prompt:
-        """The next prompt to run (a re-queued one first), in the ledger."""
+    def admit(self) -> Prompt | PartialGroup:
+        """The next work to run (a partial rollout to continue first, then a re-queued
+        prompt), in the ledger."""
         return self.ledger.admit(self.source)
+
+    def handed_back(self, partial: PartialGroup) -> None:
+        """An engine handed a rollout back: its admission slot is given back, and the
+        ledger keeps it to be continued (a checkpoint keeps it whole)."""
+        self.gate.release()
+        self.ledger.handed_back(partial)
 
     def generated(self, prompt: Prompt, verdict: GroupVerdict) -> bool:
         """``prompt``'s group came back, judged: counted and in the ledger; unless it

@@ -1,16 +1,16 @@
 """The prompt ledger: every admitted prompt's life, and the prompts still owed a training.
 
 Owns: writing each event of a prompt to ``ledger.jsonl`` (admitted, generated, trained,
-dropped or failed and re-queued with a reason, dropped for good as filtered, unfinished at
-the end, re-queued or restored to the queue on resume) and the two sets
-behind the run's "nothing lost, nothing trained twice": the prompts admitted and not yet
-trained (``open``) and those waiting to run again (``requeued``, handed out before new
-ones). Trained and filtered events carry the group's members' rewards only, as
-generated events carry the members' lengths. A filtered prompt (its group had no GRPO
-signal, rollout.filter_groups) is
-accounted, not owed: it leaves ``open`` and is not re-queued, as DAPO samples more
-instead. Knows nothing about the gate, the queue or workers: the orchestrator says what
-happened.
+dropped or failed and re-queued with a reason, dropped for good as filtered, unfinished
+at the end, re-queued or restored to the queue on resume, handed back by an engine as a
+partial rollout and restored as one on resume) and the sets behind the run's "nothing
+lost, nothing trained twice": the prompts admitted and not yet trained (``open``), those
+waiting to run again (``requeued``, handed out before new ones) and the partial rollouts
+waiting to be continued (``partials``, handed out first). Trained and filtered events
+carry the group's members' rewards only, as generated events carry the members' lengths.
+A filtered prompt (its group had no GRPO signal, rollout.filter_groups) is accounted,
+not owed: it leaves ``open`` and is not re-queued, as DAPO samples more instead. Knows
+nothing about the gate, the queue or workers: the orchestrator says what happened.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import msgspec
 from async_rl.config import RunConfig
 from async_rl.run.run_dir import RunWriter
 from async_rl.tasks.sources import PromptSource
+from buffers.common.partials import PartialGroup
 from buffers.common.records import Group, Prompt
 from buffers.common.reports import LedgerEntry
 from buffers.plan.group_verdict import GroupVerdict
@@ -51,6 +52,9 @@ class PromptLedger:
         self.requeued: deque[Prompt] = deque()
         self.open: dict[str, Prompt] = {}
         """Admitted and not yet trained or re-queued: in flight or in the queue."""
+        self.partials: deque[PartialGroup] = deque()
+        """Handed back by an engine with tokens kept, not yet continued: neither open nor
+        owed (a checkpoint keeps them whole)."""
 
     def write(self, prompt: Prompt, event: str, *, reason: str = "",
               version: int | None = None, rewards: tuple[float, ...] = (),
@@ -62,12 +66,42 @@ class PromptLedger:
             lengths=lengths,
         ))
 
-    def admit(self, source: PromptSource) -> Prompt:
-        """The next prompt to run: a re-queued one first, else a new one from ``source``."""
+    def admit(self, source: PromptSource) -> Prompt | PartialGroup:
+        """The next work to run: a partial rollout to continue first (event "admitted",
+        reason "continue", with its kept lengths), then a re-queued prompt, else a new
+        one from ``source``."""
+        if self.partials:
+            partial = self.partials.popleft()
+            self.write(partial.prompt, "admitted", reason="continue",
+                       lengths=partial.kept_lengths)
+            self.open[partial.prompt.prompt_id] = partial.prompt
+            return partial
         prompt = self.requeued.popleft() if self.requeued else source.next_prompt()
         self.write(prompt, "admitted")
         self.open[prompt.prompt_id] = prompt
         return prompt
+
+    def handed_back(self, partial: PartialGroup) -> None:
+        """An engine handed ``partial`` back (event "handed_back", reason "stop", or
+        "engine_stopped" when the engine stopped itself, with the kept lengths): it is
+        continued later, first in line; with nothing kept its prompt runs again, the
+        same attempt (it was cut short, not failed)."""
+        prompt = partial.prompt
+        self.write(prompt, "handed_back", reason="engine_stopped" if partial.leaving else "stop",
+                   lengths=partial.kept_lengths)
+        self.open.pop(prompt.prompt_id, None)
+        if partial.samples:
+            self.partials.append(partial)
+        else:
+            self.write(prompt, "requeued", reason=partial.restarts or "not_started")
+            self.requeued.append(prompt)
+
+    def restore_partial(self, partial: PartialGroup) -> None:
+        """A resumed run's partial rollout from its checkpoint (event "partial_restored",
+        reason "resume", with the kept lengths): continued first."""
+        self.write(partial.prompt, "partial_restored", reason="resume",
+                   lengths=partial.kept_lengths)
+        self.partials.append(partial)
 
     def generated(self, prompt: Prompt, verdict: GroupVerdict) -> bool:
         """``prompt``'s group came back: its "generated" event carries the members'
@@ -128,6 +162,7 @@ class PromptLedger:
             self.open[group.prompt_id] = group.prompt
 
     def close(self) -> None:
-        """The run ended: what was generated or queued and never trained is unfinished."""
-        for prompt in self.open.values():
+        """The run ended: what was generated or queued, or handed back, and never trained
+        is unfinished."""
+        for prompt in (*self.open.values(), *(p.prompt for p in self.partials)):
             self.write(prompt, "unfinished", reason="run_ended")

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar
+from typing import Protocol, TypeVar, runtime_checkable
 
+from buffers.common.partials import PartialGroup
 from buffers.common.records import Group, GroupTokens, Prompt, TokensRef
 from buffers.common.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
 from buffers.common.train_records import ShardBatch, ShardStepResult
@@ -68,8 +69,9 @@ class ObservedWorker(Protocol):
 class RolloutClient(ObservedWorker, Protocol):
     """A rollout engine: generates scored groups, evaluates, runs one policy version."""
 
-    async def generate(self, prompt: Prompt) -> Group:
-        """Generates and scores one group; raises ``RolloutFailed``."""
+    async def generate(self, prompt: Prompt) -> Group | PartialGroup:
+        """Generates and scores one group; raises ``RolloutFailed``. A worker that hands
+        its rollouts back (``HandsBack``) returns a ``PartialGroup`` once it has."""
         ...
 
     async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
@@ -78,6 +80,24 @@ class RolloutClient(ObservedWorker, Protocol):
 
     async def version(self) -> int:
         """Policy version of the weights the engine runs."""
+        ...
+
+
+@runtime_checkable
+class HandsBack(Protocol):
+    """A rollout worker that can hand its rollouts in progress back and continue those
+    another handed back (the Ray shell's can; the simulator's cannot: its rollouts in
+    progress at a stop run again from the start)."""
+
+    async def continue_group(self, partial: PartialGroup) -> Group | PartialGroup:
+        """Continues ``partial`` from its kept tokens and scores the group; raises
+        ``RolloutFailed``."""
+        ...
+
+    async def hand_back(self) -> int:
+        """Aborts the worker's sampling requests: each ``generate`` or
+        ``continue_group`` in progress, and each asked for from now on, returns a
+        ``PartialGroup``. Returns the groups in progress."""
         ...
 
 

@@ -125,8 +125,13 @@ class StepTotals:
 
     def dropped(self, group: Group) -> None:
         """The queue dropped a group as stale."""
+        self.dropped_tokens(group.num_tokens)
+
+    def dropped_tokens(self, num_tokens: int) -> None:
+        """A group of ``num_tokens`` dropped as stale (a partial rollout too stale to
+        continue on resume counts its kept tokens)."""
         self.dropped_stale += 1
-        self.dropped_by_bucket[bucket_index(self.bucket_edges, group.num_tokens)] += 1
+        self.dropped_by_bucket[bucket_index(self.bucket_edges, num_tokens)] += 1
 
     def by_length(self) -> tuple[BucketDrops, ...]:
         lows = (0, *self.bucket_edges)

@@ -42,6 +42,7 @@ from async_rl.control.protocols import (
 from async_rl.shell.launch import StartedWorkers
 from async_rl.shell.object_store import RayTokens
 from buffers.common.concurrent_calls import each
+from buffers.common.partials import PartialGroup
 from buffers.common.records import Group, Prompt
 from buffers.common.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
 from buffers.common.train_records import ShardBatch, ShardStepResult
@@ -154,11 +155,21 @@ class RayRollout(WorkerAdapter):
         return lambda waited: RolloutFailed(f"no answer to {method} {waited}",
                                             worker_gone=True, timed_out=True)
 
-    async def generate(self, prompt: Prompt) -> Group:
-        group: Group = await self._call(
+    async def generate(self, prompt: Prompt) -> Group | PartialGroup:
+        group: Group | PartialGroup = await self._call(
             "generate_group_ref", prompt, seconds=self.config.rollout.generate_timeout_s,
             key="rollout.generate_timeout_s", on_timeout=self._stuck("generate_group_ref"))
         return group
+
+    async def continue_group(self, partial: PartialGroup) -> Group | PartialGroup:
+        group: Group | PartialGroup = await self._call(
+            "continue_group_ref", partial, seconds=self.config.rollout.generate_timeout_s,
+            key="rollout.generate_timeout_s", on_timeout=self._stuck("continue_group_ref"))
+        return group
+
+    async def hand_back(self) -> int:
+        groups: int = await self._call("hand_back")
+        return groups
 
     async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
         result: EvalResult = await self._call("evaluate", list(prompts),

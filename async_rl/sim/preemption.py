@@ -4,12 +4,14 @@ Owns: ``Preemption`` (every rollout request of the run, by prompt attempt and en
 the count it takes at the end of simulate.preemption_step: ``StopCost``) and
 ``ProbedOrchestrator`` (the real orchestrator, which hands the probe its state at the
 instant a checkpoint of that step would be taken: after the step's update, publish and
-record). The count follows what a checkpoint keeps today (docs/operations.md): the
-replay queue's groups, with their tokens, go back in the queue on resume through the
-staleness rule at the checkpoint's version; every other prompt admitted and not trained
-(in flight, waiting for its reward or for queue room, re-queued) is owed and generated
-again from scratch. Tokens are completion tokens (what decoding costs); seconds are
-those tokens at the run's mean generation rate until the stop, all engines together.
+record). The count follows what a clean stop keeps (docs/operations.md): the replay
+queue's groups, with their tokens, go back in the queue on resume through the staleness
+rule at the checkpoint's version; a rollout in flight is handed back with the tokens it
+has and continued from them on resume (a multi-turn one, with an environment or an
+agent, restarts: it is lost); every other prompt admitted and not trained (finished and
+waiting for its reward or for queue room, re-queued) is owed and generated again from
+scratch. Tokens are completion tokens (what decoding costs); seconds are those tokens
+at the run's mean generation rate until the stop, all engines together.
 Nothing is changed: the simulated run goes on as without the probe. Knows nothing about
 how the engines cost their steps.
 """
@@ -39,8 +41,10 @@ if TYPE_CHECKING:
 class Preemption:
     """See the module docstring. ``step``: simulate.preemption_step (> 0)."""
 
-    def __init__(self, step: int, clock: Clock) -> None:
-        self.step, self.clock = step, clock
+    def __init__(self, step: int, clock: Clock, hands_back: bool = True) -> None:
+        """``hands_back``: a stop keeps the rollouts in flight (single-turn tasks); False:
+        they restart (multi-turn)."""
+        self.step, self.clock, self.hands_back = step, clock, hands_back
         self.requests: dict[tuple[str, int], tuple[SimEngine, int, Request]] = {}
         """(prompt id, attempt) -> its engine, that engine's rank, its request."""
         self.first = math.inf
@@ -66,6 +70,11 @@ class Preemption:
         decoded = engine.step_now() - (request.finish - max(request.lengths))
         return sum(min(length, max(decoded, 0)) for length in request.lengths)
 
+    def in_flight(self, key: tuple[str, int]) -> bool:
+        """Whether ``key``'s request is decoding now (joined its batch, not finished)."""
+        request = self.requests[key][2] if key in self.requests else None
+        return request is not None and request.min_version >= 0 > request.max_version
+
     def take(self, orchestrator: Orchestrator, engines: int) -> StopCost:
         """The count at this instant (see the module docstring); ``engines``:
         rollout.num_workers."""
@@ -81,9 +90,14 @@ class Preemption:
         for key, tokens in owed_tokens.items():
             if key in self.requests:
                 per_engine[self.requests[key][1]] += tokens
+        handed = {key: tokens for key, tokens in owed_tokens.items()
+                  if self.hands_back and tokens and self.in_flight(key)}
+        lost_tokens = {key: tokens for key, tokens in owed_tokens.items()
+                       if key not in handed}
         generated = sum(self.tokens(key) for key in self.requests)
         kept_tokens = sum(self.tokens(key) for key in kept_keys)
-        lost = sum(per_engine)
+        handed_back = sum(handed.values())
+        lost = sum(lost_tokens.values())
         elapsed = self.clock() - self.first if self.requests else 0.0
         rate = generated / elapsed if elapsed > 0 else 0.0
 
@@ -98,9 +112,11 @@ class Preemption:
             stale_tokens=sum(self.tokens((g.prompt.prompt_id, g.prompt.attempt))
                              for g in stale),
             owed_prompts=len(owed),
-            lost_rollouts=sum(1 for tokens in owed_tokens.values() if tokens),
+            handed_back_rollouts=len(handed), handed_back_tokens=handed_back,
+            handed_back_s=seconds(handed_back),
+            lost_rollouts=sum(1 for tokens in lost_tokens.values() if tokens),
             lost_tokens=lost, lost_s=seconds(lost),
-            done_tokens=generated - kept_tokens - lost,
+            done_tokens=generated - kept_tokens - handed_back - lost,
             engine_lost_tokens=tuple(per_engine))
 
 

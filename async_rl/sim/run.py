@@ -150,7 +150,9 @@ def simulate(config: Config, costs: Costs | None = None) -> RunSummary:
     async def main() -> RunSummary:
         # The loop's own time() (what virtual_now reads), without looking the loop up.
         clock = asyncio.get_running_loop().time
-        preemption = Preemption(at_step, clock) if at_step else None
+        # A clean stop hands single-turn rollouts back; multi-turn ones restart.
+        multi_turn = config.task.environment.enabled or config.task.kind == "agent"
+        preemption = Preemption(at_step, clock, hands_back=not multi_turn) if at_step else None
         probe.extend([preemption] if preemption else [])
         engines.update({rank: SimEngine(rank, costs, clock,
                                         drain=config.weights.update_mode == "drain",

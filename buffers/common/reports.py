@@ -70,7 +70,9 @@ class LedgerEntry(msgspec.Struct, frozen=True, kw_only=True):
     out), on its trained and filtered events."""
     lengths: tuple[int, ...] = ()
     """Completion tokens of each sample, on its generated events (what
-    ``async-rl simulate --lengths RUN_DIR`` replays)."""
+    ``async-rl simulate --lengths RUN_DIR`` replays); the tokens kept per sample on a
+    partial rollout's handed_back, partial_restored and admitted (reason "continue")
+    events."""
 
 
 class RolloutStatistics(msgspec.Struct, frozen=True, kw_only=True):

@@ -9,6 +9,9 @@ gateway with the real openai client (examples/agent_openai.toml's settings).
 - Faults: agents that hang (1 in 20), raise (1 in 10) or post malformed requests (1 in
   5) are counted; the run finishes every step, the engine serves on, and the ledger
   shows no prompt trained twice.
+- examples/agent_langgraph.py's graph plays half the other trajectories through the same
+  gateway: its model node's calls reach the tool node, whose results the next turn
+  continues from (tests/unit/test_agent_langgraph.py checks its rewards).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from test_async_grpo import check_ledger
 from async_rl.config_io import load_config
 from async_rl.run.run_dir import read_metrics
 from async_rl.shell.ray_shell import run_training
-from async_rl.tasks.calculator import CalculatorTask
+from async_rl.tasks.calculator import CALL_CLOSE, RESULT_OPEN, CalculatorTask
 
 pytestmark = pytest.mark.ray
 
@@ -67,7 +70,13 @@ def test_an_agent_trains_on_exact_tokens_through_faults(
     assert sum(r["samples"] + r["samples_excluded"] for r in rows_seen) \
         == STEPS * GROUPS * SIZE + 1
 
-    (record,) = [json.loads(line) for line in log.read_text().splitlines()]
+    records = [json.loads(line) for line in log.read_text().splitlines()]
+    graphs = [r for r in records if "langgraph" in r]
+    assert len(graphs) >= STEPS * GROUPS * SIZE // 4, len(graphs)
+    assert all(r["reward"] in (0.0, 1.0) for r in graphs)
+    # The tool node ran: a call closed and its result written after it.
+    assert any(f"{CALL_CLOSE}{RESULT_OPEN}" in r["langgraph"] for r in graphs)
+    (record,) = [r for r in records if "turns" in r]
     first, second, third, rewrite = record["turns"]
     tokenizer = AutoTokenizer.from_pretrained(str(calculator_model_dir))
     assert first["token_ids"] == [CUT] and first["text"] == "\ufffd"

@@ -1,5 +1,7 @@
 """Failures a run must survive or refuse cleanly: a rollout worker dies mid-run (the run
-is told, goes on with the others, starts a new one in its place, loses nothing), the
+is told, goes on with the others, starts a new one in its place, loses nothing) and, in
+the same run, another stops itself cleanly (its rollouts in progress are handed back and
+continued on another engine, and it is replaced), the
 only rollout worker dies mid-run and again after the model is saved, each time as
 evaluations start (it is restarted, the run completes, the evaluations run; one run for
 both: a Ray and vLLM start is most of a run's time here), and a weight transport the
@@ -26,14 +28,19 @@ from buffers.common.reports import EvalResult
 pytestmark = pytest.mark.ray
 
 
-def kill_during_run(tiny_model_dir: Path, out: Path, workers: int, victim: str
-                    ) -> RunSummary:
+def kill_during_run(tiny_model_dir: Path, out: Path, workers: int, victim: str,
+                    leaving: str = "") -> tuple[RunSummary, int]:
     """Runs 12 steps on ``workers`` rollout workers and kills actor ``victim`` once 3
-    steps have trained."""
+    steps have trained; ``leaving``: an actor stopped cleanly (``leave``) once 6 steps
+    have trained, while it holds generated tokens. Returns the summary and the groups
+    it handed back."""
     config = decode_config({
         "model": {"path": str(tiny_model_dir)},
         "task": {"eval_size": 0},
-        "rollout": {"num_workers": workers, "group_size": 4, "max_new_tokens": 6,
+        # With an engine to stop cleanly: its tokens counted as they come, and longer
+        # samples, so that it is stopped with tokens to hand back.
+        "rollout": {"num_workers": workers, "group_size": 4,
+                    "max_new_tokens": 16 if leaving else 6, "stream_tokens": bool(leaving),
                     "max_inflight_prompts": 4, "memory_fraction": 0.1},
         "staleness": {"max_staleness": 1},
         "trainer": {"groups_per_step": 4, "micro_batch_tokens": 512},
@@ -58,11 +65,20 @@ def kill_during_run(tiny_model_dir: Path, out: Path, workers: int, victim: str
         time.sleep(0.2)
     assert not errors, errors
     ray.kill(ray.get_actor(victim, namespace=NAMESPACE))
+    handed = 0
+    if leaving:
+        actor = ray.get_actor(leaving, namespace=NAMESPACE)
+        while time.monotonic() < deadline and not errors and not handed:
+            metrics = out / METRICS
+            if (metrics.exists() and len(metrics.read_bytes().splitlines()) >= 6
+                    and ray.get(actor.statistics.remote()).tokens_in_flight >= 2):
+                handed = ray.get(actor.leave.remote())
+            time.sleep(0.01)
     thread.join(timeout=300)
     assert not thread.is_alive()
     assert not errors, errors
     (summary,) = result
-    return summary
+    return summary, handed
 
 
 def check_nothing_lost(out: Path, steps: int = 12) -> None:
@@ -80,14 +96,30 @@ def check_nothing_lost(out: Path, steps: int = 12) -> None:
 def test_dead_rollout_worker_is_replaced_and_its_prompts_requeued(
     tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
 ) -> None:
+    """rollout-1 killed (SIGKILL: nothing handed back, its prompts run again) after
+    step 3; rollout-0 stopped cleanly after step 6 while it generates: its groups in
+    progress come back as partial rollouts, another engine continues each from its kept
+    tokens, and it is replaced. Nothing lost, nothing trained twice."""
     out = tmp_path / "run"
-    summary = kill_during_run(tiny_model_dir, out, workers=2, victim="rollout-1")
+    summary, handed = kill_during_run(tiny_model_dir, out, workers=2, victim="rollout-1",
+                                      leaving="rollout-0")
     assert summary.steps == 12
-    assert summary.retired_workers == summary.restarts == 1
+    assert summary.retired_workers == summary.restarts == 2
     # The dead worker's transfer group failed alone: the survivor got every version,
     # and so did the replacement from the version it started at.
     assert summary.rollout_version == summary.final_version == 12
     check_nothing_lost(out)
+    entries = read_ledger(out)
+    back = [e for e in entries if (e.event, e.reason) == ("handed_back", "engine_stopped")]
+    print(f"groups in progress at the clean stop: {handed}; handed back: "
+          f"{[e.lengths for e in back]}")
+    assert 1 <= len(back) <= handed
+    assert any(sum(e.lengths) for e in back)  # some tokens were kept, and continued
+    for event in back:  # continued from what it kept (or run again: nothing kept)
+        history = [(e.event, e.reason) for e in entries if e.prompt_id == event.prompt_id]
+        after = history[history.index(("handed_back", "engine_stopped")) + 1:]
+        first = ("admitted", "continue") if event.lengths else ("requeued", "not_started")
+        assert after[0] == first and after[-1] == ("trained", ""), history
 
 
 def test_the_only_rollout_worker_killed_mid_run_and_as_evaluations_start_is_restarted(

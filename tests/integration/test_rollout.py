@@ -19,12 +19,14 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import msgspec
+import numpy as np
 import pytest
 import ray
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_rl.analysis.idle import busy_fraction
+from buffers.common.partials import PartialGroup
 from buffers.common.records import Group, Prompt
 from buffers.common.reports import BroadcastTiming
 from workers import layout
@@ -251,6 +253,43 @@ def test_generate_group(worker: Any, tiny_model_dir: Path) -> None:
     assert after.groups_generated == stats.groups_generated + 1
     assert after.tokens_generated == stats.tokens_generated + GROUP_SIZE * LONG
     assert after.requests_running == 0 and after.engine_start_s > 0
+
+
+def test_a_hand_back_keeps_the_prefix_and_another_engine_continues_it(
+    worker: Any, tiny_model_dir: Path
+) -> None:
+    """A second engine hands its group back mid-generation (as at a clean stop): each
+    sample's tokens so far with their log-probs and versions, and it takes no more work.
+    The module's engine continues it: the kept prefix bit for bit, then new tokens up to
+    max_new_tokens, labelled with its version (docs/operations.md: exactness of a
+    continued rollout); at version 0 every log-prob is the policy's own."""
+    second = make_worker(tiny_model_dir)
+    try:
+        pending = second.generate_group.remote(PROMPT)
+        wait_until_generating(second, min_tokens=GROUP_SIZE)
+        assert ray.get(second.hand_back.remote(), timeout=TIMEOUT) == 1
+        partial = ray.get(pending, timeout=TIMEOUT)
+        refused = ray.get(second.generate_group.remote(PROMPT), timeout=TIMEOUT)
+    finally:
+        ray.get(second.shutdown.remote(), timeout=TIMEOUT)
+    assert isinstance(partial, PartialGroup) and len(partial.samples) == GROUP_SIZE
+    assert 0 < partial.kept_tokens < GROUP_SIZE * LONG, partial.kept_lengths
+    for kept in partial.samples:
+        assert len(kept.logprobs) == len(kept.versions) == len(kept.token_ids) < LONG
+        assert set(kept.versions) <= {0} and not kept.finished
+    assert isinstance(refused, PartialGroup) and refused.restarts == "not_started"
+
+    version = ray.get(worker.version.remote(), timeout=TIMEOUT)
+    group: Group = ray.get(worker.continue_group.remote(partial), timeout=TIMEOUT)
+    assert isinstance(group, Group)
+    check_group(group, list(partial.prompt_token_ids))
+    for kept, sample in zip(partial.samples, samples(group), strict=True):
+        n = len(kept.token_ids)
+        assert sample.token_ids[:n] == kept.token_ids
+        assert sample.logprobs[:n] == tuple(float(np.float32(x)) for x in kept.logprobs)
+        assert sample.versions == kept.versions + (version,) * (LONG - n)
+    if version == 0:
+        assert_behaviour_logprobs(tiny_model_dir, None, group)
 
 
 def test_idle_worker_uses_little_cpu(worker: Any) -> None:

@@ -13,8 +13,11 @@
   groups (``check_restored``: none at max_staleness 0, where the stop waits for the last
   version's delivery and the next step's prompts start only then; some in
   test_environment_run.py's run at 1) are each trained once, without being generated
-  again, and no prompt is both queued and owed. SIGINT in process is the
-  LoRA test's stop (and test_ppo_run's, test_environment_run's).
+  again, and no prompt is both queued and owed. No partial rollout either: no prompt is
+  admitted once the stop's step has trained, and at max_staleness 0 none started before
+  it is left, so the equal weights hold (a continued rollout is exact in a weaker sense,
+  docs/operations.md: its kept prefix bit for bit, its continuation a fresh sample).
+  SIGINT in process is the LoRA test's stop (and test_ppo_run's, test_environment_run's).
 - GRPO with the KL term in the loss to a reference of its own (reference.path, the
   long-tail warm start: another model of the policy's architecture and tokenizer): those
   runs have it, and ``kl/mean`` and ``kl/max`` are in every row, positive from the first
@@ -261,6 +264,7 @@ def test_stop_and_resume_trains_what_a_straight_run_trains(
     assert len(trained(resumed)) == STEPS * 4 and set(trained(resumed).values()) == {1}
     kept = check_restored(resumed, stopped_by_sigterm.checkpoint)
     print(f"queued groups kept by the stop: {len(kept)}")
+    assert stopped_by_sigterm.checkpoint.partials == ()  # nothing was in flight
     assert [r["step"] for r in read_metrics(resumed)] == list(range(1, STEPS + 1))
     assert all(r["kl/mean"] > 0 for r in read_metrics(resumed))  # the reference resumed
     # Equal weights: same samples (seeded per request), same updates; only float

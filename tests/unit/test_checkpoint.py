@@ -1,6 +1,7 @@
 """Checkpoints: written whole or not at all, the last K kept, a bad one refused in one line
-naming the file and the one before it used; the queue's groups kept in a file of their
-own, a checkpoint of the older layout (without it) still read."""
+naming the file and the one before it used; the queue's groups and the partial rollouts
+kept in files of their own, a checkpoint of the older layout (without them) still
+read."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 from async_rl.control.checkpoint_files import (
     CHECKPOINTS,
     MANIFEST,
+    PARTIALS,
     QUEUE,
     STATE,
     CheckpointError,
@@ -26,6 +28,7 @@ from async_rl.control.checkpoint_files import (
 from async_rl.control.step_metrics import StepTotals
 from async_rl.run.run_dir import FilePositions
 from async_rl.tasks.sources import SourceState
+from buffers.common.partials import PartialGroup, PartialSample
 from buffers.common.records import Prompt, Sample, make_group
 from buffers.common.saved_groups import SavedGroup
 from buffers.queue.staleness import AdmissionGate
@@ -41,7 +44,17 @@ def state(step: int) -> RunState:
                     reissue=(Prompt(prompt_id="p1", text="1+1=", answer="2"),),
                     counters=totals.counters(), evals=(), wall_s=1.5 * step,
                     files=FilePositions(metrics=step, ledger=5 * step, evals=1),
-                    queue=(queued(f"q{step}", version=step),))
+                    queue=(queued(f"q{step}", version=step),),
+                    partials=(partial(f"r{step}", version=step),))
+
+
+def partial(prompt_id: str, version: int) -> PartialGroup:
+    """A partial group: one sample cut short after 2 tokens, one with none, one done."""
+    cut = PartialSample(token_ids=(5, 6), logprobs=(-0.1, -1 / 3), versions=(version - 1, version))
+    return PartialGroup(prompt=Prompt(prompt_id=prompt_id, text="1+1=", answer="2"),
+                        prompt_token_ids=(1, 2),
+                        samples=(cut, PartialSample(token_ids=(), logprobs=(), versions=()),
+                                 msgspec.structs.replace(cut, finish_reason="stop")))
 
 
 def queued(prompt_id: str, version: int) -> SavedGroup:
@@ -83,6 +96,10 @@ def test_the_newest_checkpoint_is_found_and_older_ones_pruned(tmp_path: Path) ->
     assert group.group == state(3).queue[0].group and group.entered_version == 3
     assert group.tokens is not None and group.tokens.logprobs.tolist() == [-0.5, -0.25, -1.0] * 2
     assert json.loads((folder / STATE).read_text())["queue"] == []  # kept in QUEUE only
+    # The partial rollouts too, bit for bit (a float64 log-prob included), in PARTIALS.
+    assert loaded.partials == state(3).partials and loaded.partials[0].min_version == 2
+    assert loaded.partials[0].samples[0].logprobs[1] == -1 / 3
+    assert json.loads((folder / STATE).read_text())["partials"] == []
     assert loaded.counters.staleness == {0: 1, 1: 2}
 
 
@@ -150,14 +167,15 @@ def test_the_trainer_folder_says_which_backend_wrote_it(tmp_path: Path) -> None:
 
 
 def to_older_layout(folder: Path) -> None:
-    """The checkpoint in ``folder`` as one written before the queue was kept: no queue
-    file, no queue in the state (a queue it held is lost: use it on one without)."""
-    (folder / QUEUE).unlink()
+    """The checkpoint in ``folder`` as one written before the queue and the partial
+    rollouts were kept: no queue or partials file, neither in the state (what it held
+    of them is lost: use it on one without)."""
     old = json.loads((folder / STATE).read_text())
-    del old["queue"]
-    (folder / STATE).write_text(json.dumps(old))
     manifest = json.loads((folder / MANIFEST).read_text())
-    del manifest[QUEUE]
+    for name, key in ((QUEUE, "queue"), (PARTIALS, "partials")):
+        (folder / name).unlink()
+        del old[key], manifest[name]
+    (folder / STATE).write_text(json.dumps(old))
     manifest[STATE] = hashlib.sha256((folder / STATE).read_bytes()).hexdigest()
     (folder / MANIFEST).write_text(json.dumps(manifest))
 
@@ -170,28 +188,31 @@ def test_a_checkpoint_of_the_older_layout_without_a_queue_file_is_read(
     to_older_layout(write(tmp_path, 1))
     _, loaded = latest_checkpoint(tmp_path)
     assert loaded.queue == () and loaded.step == 1 and len(loaded.reissue) == 1
+    assert loaded.partials == ()
 
 
+@pytest.mark.parametrize("name", [QUEUE, PARTIALS])
 @pytest.mark.parametrize("damage", ["bytes changed", "checksum matches, content does not"])
-def test_a_corrupt_queue_file_fails_the_resume_in_one_line_naming_it(
-    tmp_path: Path, damage: str
+def test_a_corrupt_queue_or_partials_file_fails_the_resume_in_one_line_naming_it(
+    tmp_path: Path, damage: str, name: str
 ) -> None:
     folder = write(tmp_path, 1)
-    (folder / QUEUE).write_bytes((folder / QUEUE).read_bytes()[:-7])
+    (folder / name).write_bytes((folder / name).read_bytes()[:-7])
     if damage != "bytes changed":  # a writer that wrote nonsense, and hashed it
         manifest = json.loads((folder / MANIFEST).read_text())
-        manifest[QUEUE] = hashlib.sha256((folder / QUEUE).read_bytes()).hexdigest()
+        manifest[name] = hashlib.sha256((folder / name).read_bytes()).hexdigest()
         (folder / MANIFEST).write_text(json.dumps(manifest))
     warnings: list[str] = []
     with pytest.raises(CheckpointError) as info:
         latest_checkpoint(tmp_path, warn=warnings.append)
     message = str(info.value)
-    assert "\n" not in message and f"step-000001/{QUEUE}" in message, message
-    assert len(warnings) == 1 and QUEUE in warnings[0]
+    assert "\n" not in message and f"step-000001/{name}" in message, message
+    assert len(warnings) == 1 and name in warnings[0]
 
 
-def test_resume_with_a_corrupt_queue_file_exits_2_before_anything_starts(
-    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("name", [QUEUE, PARTIALS])
+def test_resume_with_a_corrupt_queue_or_partials_file_exits_2_before_anything_starts(
+    tmp_path: Path, tiny_model_dir: Path, capsys: pytest.CaptureFixture[str], name: str
 ) -> None:
     from async_rl.cli import main
     from async_rl.config_io import decode_config, to_toml
@@ -203,9 +224,9 @@ def test_resume_with_a_corrupt_queue_file_exits_2_before_anything_starts(
         "model": {"path": str(tiny_model_dir)}, "task": {"eval_size": 0},
         "run": {"output_dir": str(out), "progress": False}})))
     folder = write(out, 1)
-    (folder / QUEUE).write_bytes(b"\x00" + (folder / QUEUE).read_bytes()[1:])
+    (folder / name).write_bytes(b"\x00" + (folder / name).read_bytes()[1:])
     before = sorted(p.name for p in out.iterdir())
     assert main(["train", "--resume", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
-    assert err[-1].startswith("resume error: ") and f"step-000001/{QUEUE}" in err[-1], err
+    assert err[-1].startswith("resume error: ") and f"step-000001/{name}" in err[-1], err
     assert sorted(p.name for p in out.iterdir()) == before  # no worker, no run file

@@ -184,9 +184,9 @@ def test_rollout_span_is_evaluate_only_while_nothing_but_evaluation_runs() -> No
     worker = RolloutWorker(spec, WorkerTask(reward_fn=lambda prompt, text: 0.0))
     causes = []
     for running, evaluating in [(1, 1), (3, 1), (2, 0), (0, 0)]:
-        worker._in_flight = {f"r{i}": 0 for i in range(running)}
-        worker._evaluating = evaluating
-        worker._switch_span()
+        worker._requests.in_flight = {f"r{i}": 0 for i in range(running)}
+        worker._requests._evaluating = evaluating
+        worker._requests.switch_span()
         causes.append(worker._spans.cause)
     assert causes == ["evaluate", "generate", "generate", "idle"]
 

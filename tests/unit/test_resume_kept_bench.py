@@ -83,3 +83,37 @@ def test_the_decode_rate_is_the_median_group_s_longest_sample_per_second() -> No
 def test_a_ledger_without_a_resume_is_refused() -> None:
     with pytest.raises(ValueError, match="no resumed run"):
         bench.figures(STOPPED)
+
+
+def test_handed_back_rollouts_are_counted_from_the_ledger_and_kept() -> None:
+    """Two rollouts in flight at the stop, handed back with 3 + 4 and 5 tokens kept: the
+    first continued and trained (kept), the second too stale at the resume (dropped,
+    generated again); neither is estimated."""
+    stopped = [
+        entry("done", "admitted", 0.0), entry("done", "generated", 1.0, lengths=(4, 6)),
+        entry("done", "trained", 2.0),
+        entry("cont", "admitted", 9.0), entry("old", "admitted", 9.0),
+        entry("cont", "handed_back", 10.0, reason="stop", lengths=(3, 4)),
+        entry("old", "handed_back", 10.0, reason="stop", lengths=(5,)),
+        entry("cont", "unfinished", 10.0, reason="run_ended"),
+        entry("old", "unfinished", 10.0, reason="run_ended"),
+    ]
+    resumed = [
+        entry("cont", "partial_restored", 20.0, reason="resume", lengths=(3, 4)),
+        entry("old", "partial_restored", 20.0, reason="resume", lengths=(5,)),
+        entry("old", "dropped", 20.0, reason="stale"),
+        entry("old", "requeued", 20.0, reason="stale"),
+        entry("cont", "admitted", 21.0, reason="continue", lengths=(3, 4)),
+        entry("old", "admitted", 21.0),
+        entry("cont", "generated", 22.0, lengths=(6, 9)),
+        entry("old", "generated", 22.0, lengths=(8,)),
+        entry("cont", "trained", 23.0), entry("old", "trained", 23.0),
+    ]
+    result = bench.figures(stopped + resumed)
+    work = {w.prompt_id: w for w in result.work}
+    assert sorted(work) == ["cont", "old"]
+    assert work["cont"].handed_back and work["cont"].tokens == 7.0
+    assert not work["cont"].regenerated
+    assert work["old"].handed_back and work["old"].regenerated and work["old"].too_stale
+    assert result.fraction(queued=False) == pytest.approx(5 / 12)
+    assert result.trained_twice == []

@@ -49,9 +49,13 @@ def group(prompt_id: str, min_version: int) -> Any:
                            min_version=min_version)
 
 
-def test_counts_by_hand() -> None:
+@pytest.mark.parametrize("hands_back", [True, False])
+def test_counts_by_hand(hands_back: bool) -> None:
+    """A single-turn task's stop hands the rollout in flight back (its 14 tokens kept); a
+    multi-turn one's restarts it (lost). The finished group waiting for its reward is
+    lost either way: a stop does not wait for it."""
     now = [10.0]
-    probe = Preemption(3, lambda: now[0])
+    probe = Preemption(3, lambda: now[0], hands_back=hands_back)
     engine0: Any = SimpleNamespace(step_now=lambda: 30)
     engine1: Any = SimpleNamespace(step_now=lambda: 7)
     now[0] = 0.0
@@ -78,13 +82,17 @@ def test_counts_by_hand() -> None:
     assert (cost.kept_groups, cost.kept_tokens) == (2, 40)
     assert (cost.stale_groups, cost.stale_tokens) == (1, 10)  # 4 - 2 > 1
     assert cost.owed_prompts == 4  # the queued one is kept, not owed
-    assert (cost.lost_rollouts, cost.lost_tokens) == (2, 14 + 12)
-    assert cost.engine_lost_tokens == (14, 12)
+    handed, lost = (14, 12) if hands_back else (0, 14 + 12)
+    assert (cost.handed_back_rollouts, cost.handed_back_tokens) == (int(hands_back), handed)
+    assert (cost.lost_rollouts, cost.lost_tokens) == (2 - int(hands_back), lost)
+    assert cost.engine_lost_tokens == (14, 12)  # an engine's death loses both
     assert cost.done_tokens == 80
-    assert cost.lost_s == pytest.approx(26 / cost.tokens_per_s)
-    assert cost.regenerated == pytest.approx((26 + 10) / (40 + 26))
+    assert cost.lost_s == pytest.approx(lost / cost.tokens_per_s)
+    assert cost.handed_back_s == pytest.approx(handed / cost.tokens_per_s)
+    assert cost.regenerated == pytest.approx((lost + 10) / (40 + 26))
     line = stop_cost_line(cost)
     assert "2 queued groups, 40 tokens" in line and "1 too stale" in line
+    assert f"hands back {int(hands_back)} in-flight rollouts, {handed} tokens" in line
     assert "at most 14 tokens" in line
 
 
@@ -115,17 +123,20 @@ def test_every_token_is_trained_kept_or_lost(tmp_path: Path, workers: int, stale
     # No drops at this staleness: the done tokens are the trained groups' exactly.
     assert read_summary(tmp_path / "r").dropped_stale == 0
     assert cost.done_tokens == step * 2 * GROUP
-    assert cost.generated_tokens == cost.done_tokens + cost.kept_tokens + cost.lost_tokens
+    assert cost.generated_tokens == (cost.done_tokens + cost.kept_tokens
+                                     + cost.handed_back_tokens + cost.lost_tokens)
     assert cost.kept_tokens == cost.kept_groups * GROUP
     assert cost.kept_groups <= max_groups
     assert cost.stale_groups == 0  # every queued group is within 4 versions
     assert 0 <= cost.lost_tokens <= cost.lost_rollouts * GROUP
-    assert cost.lost_rollouts <= cost.owed_prompts
+    assert 0 <= cost.handed_back_tokens <= cost.handed_back_rollouts * GROUP
+    assert cost.lost_rollouts + cost.handed_back_rollouts <= cost.owed_prompts
     assert len(cost.engine_lost_tokens) == workers
-    assert sum(cost.engine_lost_tokens) == cost.lost_tokens
+    assert sum(cost.engine_lost_tokens) == cost.lost_tokens + cost.handed_back_tokens
     assert cost.kept_s == pytest.approx(cost.kept_tokens / cost.tokens_per_s)
     if staleness == 0:  # admission waits for each version: nothing open after a step
-        assert (cost.kept_groups, cost.owed_prompts, cost.lost_tokens) == (0, 0, 0)
+        assert (cost.kept_groups, cost.owed_prompts, cost.lost_tokens,
+                cost.handed_back_tokens) == (0, 0, 0, 0)
     else:
         assert cost.kept_groups + cost.owed_prompts > 0
 
@@ -138,8 +149,8 @@ def test_a_long_tail_holds_work_in_both_places(tmp_path: Path) -> None:
         base.staleness, max_staleness=2)), overwrite=True)
     cost = stats(tmp_path / "r").stop
     assert cost is not None
-    assert cost.kept_groups > 0 and cost.lost_tokens > 0
-    assert 0 < cost.regenerated < 1
+    assert cost.kept_groups > 0 and cost.handed_back_tokens > 0
+    assert 0 <= cost.regenerated < 1
 
 
 def test_the_probe_changes_nothing(tmp_path: Path) -> None:

@@ -2,8 +2,11 @@
 
 Owns: starting and warming up the engine (built by ``workers.rollout.engine``), generating
 a prompt's ``group_size`` samples with behaviour logprobs and a policy version per
-token (multi-turn trajectories with an environment: ``workers.rollout.turns``), scoring
-them, greedy evaluation, its counters and its spans, and the actor calls
+token (each sample's engine request and the spans they switch:
+``workers.rollout.requests``; multi-turn trajectories with an environment:
+``workers.rollout.turns``), scoring them, greedy evaluation, handing groups in progress
+back at a clean stop and continuing handed-back ones (``workers.rollout.continuation``),
+its counters, and the actor calls
 through which the trainer's weight-transfer engine updates its weights (the update
 itself is ``workers.weights.receiver``'s). A plain class; every method is async, so one
 actor serves many concurrent ``generate_group`` calls and a weight update between them
@@ -17,31 +20,35 @@ generates what it is asked to and labels every token with the weights that produ
 from __future__ import annotations
 
 import asyncio
-import hashlib
-import itertools
 import os
 import shutil
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+import anyio
+
+from buffers.common.partials import PartialGroup
 from buffers.common.records import NO_VERSION, Group, Prompt, Sample, make_group
 from buffers.common.reports import BroadcastTiming, EvalResult, RolloutStatistics, UsageReading
 from workers.common.errors import RolloutWorkerError
-from workers.common.spans import UNRESOLVED, Span, SpanRecorder
+from workers.common.spans import Span, SpanRecorder
 from workers.common.usage import UsageMeter, cuda_uuid
 from workers.rollout.adapter_serving import serve_policy_adapter
 from workers.rollout.agents import AgentRunner, serve_agents
+from workers.rollout.continuation import (
+    HandBack,
+    any_cut,
+    continuation_seed,
+    continue_samples,
+)
 from workers.rollout.engine import (
     build_engine,
-    engine_request,
     sampling_params,
-    token_logprobs,
-    versions_from_spans,
 )
-from workers.rollout.idle_spin import IdleSpin
 from workers.rollout.prompts import render
-from workers.rollout.scoring import Scorer
+from workers.rollout.requests import EngineRequests, Streamed
+from workers.rollout.scoring import Scored, Scorer
 from workers.rollout.spec import RolloutSpec
 from workers.rollout.task import WorkerTask
 from workers.rollout.turns import TurnRunner
@@ -57,9 +64,9 @@ WARMUP_TEXT = "warm up"
 
 
 def request_seed(sampling_seed: int, prompt: Prompt, sample: int) -> int:
-    """The seed of one sample request: the same wherever and whenever it runs."""
-    key = f"{sampling_seed}/{prompt.prompt_id}/{prompt.attempt}/{sample}".encode()
-    return int.from_bytes(hashlib.sha256(key).digest()[:8], "big") >> 1  # a signed int64
+    """The seed of one sample request: the same wherever and whenever it runs (a
+    signed int64)."""
+    return continuation_seed(sampling_seed, prompt, sample, kept=0)
 
 
 class RolloutWorker:
@@ -86,7 +93,6 @@ class RolloutWorker:
                                    device=device, enabled=spec.record_spans)
 
         self._engine: AsyncLLM | None = None
-        self._lora_request: Any = None  # with model.lora on: the policy's adapter
         self._adapter_dir = ""  # the engine's adapter folder, removed at shutdown
         self._tokenizer: Any = None  # the model's tokenizer, from start()
         environment = task.environment
@@ -101,11 +107,12 @@ class RolloutWorker:
         self._failed: str | None = None
         self._receiver = WeightReceiver(rank, spec.weights,
                                         on_change=self._weights_changed, version=version)
-        self._request_ids = itertools.count()
-        self._in_flight: dict[str, int] = {}  # request id -> tokens generated so far
-        self._evaluating = 0  # greedy (evaluation) requests among those in flight
-        self._idle = IdleSpin(busy=lambda: bool(self._in_flight) or self._receiver.updating
-                              or self._failed is not None)
+        self._hand_back = HandBack()  # partial rollouts handed back (a clean stop)
+        self._requests = EngineRequests(rank, spec.rollout, ready=self._ready,
+                                        receiver=self._receiver, spans=self._spans,
+                                        hand_back=self._hand_back,
+                                        failed=lambda: self._failed is not None)
+        self._idle = self._requests.idle
 
         self._groups = self._samples = self._tokens = 0
         self._engine_start_s = self._warmup_s = 0.0
@@ -129,13 +136,14 @@ class RolloutWorker:
         # The engine labels every step's tokens with this: the version of model.path.
         await self._engine.update_weight_version(str(self._receiver.version))
         if self._model.lora.enabled:
-            self._lora_request, self._adapter_dir = await serve_policy_adapter(
+            self._requests.lora_request, self._adapter_dir = await serve_policy_adapter(
                 self._engine, self._model)
         await self._idle.start(self._engine, self._rollout)
         cfg = self._rollout
         from transformers import AutoTokenizer
 
         self._tokenizer = AutoTokenizer.from_pretrained(self._model.path)
+        self._requests.decode = self._decode
         self._params = sampling_params(cfg)
         if self._environment is not None:
             self._turns = TurnRunner(self._environment, self._tokenizer, self._format,
@@ -144,7 +152,7 @@ class RolloutWorker:
 
             async def generate(ids: list[int], params: SamplingParams, greedy: bool
                                ) -> Sample:
-                return (await self._stream(ids, params, evaluation=greedy))[1]
+                return (await self._requests.stream(ids, params, evaluation=greedy))[1]
 
             self._agents = await serve_agents(
                 self._agent, engine=self._engine, rollout=cfg, tokenizer=self._tokenizer,
@@ -191,21 +199,6 @@ class RolloutWorker:
 
     # ---------------------------------------------------------------- spans
 
-    def _switch_span(self) -> None:
-        # Busy whenever the engine holds requests; idle causes are resolved later by
-        # the controller, which knows why nothing was submitted. A span has one cause:
-        # generation wins, so "evaluate" is time the engine ran nothing but evaluation.
-        version = self._receiver.version
-        if self._receiver.updating:
-            # A version's cost per engine: bytes arriving, then the load (the rest of the
-            # pause, waiting on the group and the trainer's calls, is weight_sync).
-            phase = self._receiver.phase
-            self._spans.switch(f"weight_{phase}" if phase else "weight_sync", version)
-        elif len(self._in_flight) > self._evaluating:
-            self._spans.switch("generate", version)
-        else:
-            self._spans.switch("evaluate" if self._in_flight else UNRESOLVED, version)
-
     async def drain_spans(self) -> list[Span]:
         """Closed spans since the last call (the current one is closed at now first)."""
         return self._spans.flush()
@@ -220,77 +213,15 @@ class RolloutWorker:
 
     # ---------------------------------------------------------------- generation
 
-    async def _stream(self, prompt: str | list[int], params: SamplingParams, *,
-                      evaluation: bool = False) -> tuple[tuple[int, ...], Sample]:
-        """One engine request (a text, or token ids from ``render``): the prompt ids vLLM
-        used and the unscored sample."""
-        engine = self._ready()
-        request_id = f"rollout{self._rank}-{next(self._request_ids)}"
-        prompt_ids: tuple[int, ...] = ()
-        tokens: list[int] = []
-        logprobs: list[float] = []
-        # Fallback tag if the engine's spans are unusable. Streaming: the version current
-        # as each step's tokens arrive. Otherwise the version the request started under,
-        # the oldest its tokens can have (staleness errs high, never low).
-        started_version = self._receiver.version
-        arrival_versions: list[int] = []
-        finish_reason, spans = "abort", None
-        self._in_flight[request_id] = 0
-        self._evaluating += evaluation
-        self._switch_span()
-        try:
-            # A text prompt: vLLM tokenises it itself. Either way the ids it really used
-            # come back on the outputs (the trainer must see exactly those).
-            # Prefix caching: the version's salt, so no request reuses blocks an older
-            # version computed (weights.kv_policy "keep" leaves them in the cache).
-            salt = f"v{started_version}" if self._rollout.prefix_caching else ""
-            async for out in engine.generate(engine_request(engine, prompt, salt), params,
-                                             request_id, lora_request=self._lora_request):
-                prompt_ids = prompt_ids or tuple(out.prompt_token_ids or ())
-                completion = out.outputs[0]
-                new = list(completion.token_ids)
-                logprobs.extend(token_logprobs(request_id, new, completion.logprobs))
-                tokens.extend(new)
-                arrival_versions.extend([self._receiver.version if self._rollout.stream_tokens
-                                         else started_version] * len(new))
-                self._in_flight[request_id] = len(tokens)
-                if completion.finish_reason is not None:
-                    finish_reason = str(completion.finish_reason)
-                    spans = completion.weight_versions
-        finally:
-            del self._in_flight[request_id]
-            self._evaluating -= evaluation
-            self._switch_span()
-            self._idle.soon()
-        # The engine labels each step's tokens with the label set while it was paused
-        # for the load, so its spans are exact; a token sampled just before a pause may
-        # reach this process only after the version changed.
-        versions = versions_from_spans(spans, len(tokens)) or arrival_versions
-        text = str(self._tokenizer.decode(tokens, skip_special_tokens=True))
-        return prompt_ids, Sample(token_ids=tuple(tokens), logprobs=tuple(logprobs),
-                                  versions=tuple(versions), finish_reason=finish_reason,
-                                  text=text)
-
     async def _stream_all(
-        self, texts: Sequence[str | list[int]], kind: str, seeds: Sequence[int] = ()
-    ) -> list[tuple[tuple[int, ...], Sample]]:
-        """One request per text (or token ids); ``seeds``, when given, one per text (see
-        ``rollout.sampling_seed``)."""
-        self._ready()
-        params = [self._params[kind]] * len(texts)
-        for i, seed in enumerate(seeds):
-            params[i] = params[i].clone()
-            params[i].seed = seed
-        try:
-            async with asyncio.TaskGroup() as tasks:
-                running = [tasks.create_task(self._stream(t, p, evaluation=kind == "greedy"))
-                           for t, p in zip(texts, params, strict=True)]
-        except ExceptionGroup as group:
-            # One error (the engine died, say) fails the call; the others were cancelled,
-            # which aborts their requests in the engine.
-            raise group.exceptions[0] from group
-        self._ready()  # a failed weight load aborted the requests: their output is void
-        return [task.result() for task in running]
+        self, texts: Sequence[str | list[int]], kind: str, seeds: Sequence[int] = (),
+        max_tokens: Sequence[int] = (),
+    ) -> list[Streamed]:
+        """One request per text (or token ids) with ``kind``'s sampling ("sample" or
+        "greedy": an evaluation's); ``EngineRequests.stream_all`` says the rest."""
+        return await self._requests.stream_all(texts, self._params[kind],
+                                               evaluation=kind == "greedy", seeds=seeds,
+                                               max_tokens=max_tokens)
 
     async def _play(self, prompt: Prompt, size: int, kind: str,
                     seeds: Sequence[int] = ()) -> tuple[list[int], list[Sample]]:
@@ -299,33 +230,103 @@ class RolloutWorker:
         greedy = kind == "greedy"
 
         async def stream(context: list[int], params: SamplingParams) -> Sample:
-            return (await self._stream(context, params, evaluation=greedy))[1]
+            return (await self._requests.stream(context, params, evaluation=greedy))[1]
 
         played = await self._turns.group(prompt, size, stream, self._params[kind], seeds)
         self._ready()  # a failed weight load aborted the requests: their output is void
         return played
 
-    async def generate_group(self, prompt: Prompt) -> Group:
+    async def generate_group(self, prompt: Prompt) -> Group | PartialGroup:
         """Generates and scores ``group_size`` samples of ``prompt``.
 
         Each sample is its own engine request (with prefix caching they share the
         prompt's KV). Raises ``RolloutWorkerError`` when the worker cannot generate.
+        After ``hand_back`` a group cut short comes back as a ``PartialGroup`` (a
+        multi-turn one keeps nothing: it restarts).
         """
         size, seed = self._rollout.group_size, self._rollout.sampling_seed
         seeds = [request_seed(seed, prompt, k) for k in range(size)] if seed >= 0 else []
-        refused = 0
-        if self._agents is not None:  # the agent plays each trajectory via the gateway
-            prompt_ids, played, refused = await self._agents.group(prompt, size, seeds)
-            self._ready()  # a failed weight load aborted the requests: their output is void
-            scored = await self._scorer.score_trajectories(prompt, played)
-        elif self._turns is not None:  # multi-turn: an environment answers every turn
-            prompt_ids, played = await self._play(prompt, size, "sample", seeds)
-            scored = await self._scorer.score_trajectories(prompt, played)
-        else:
-            rendered = render(self._tokenizer, prompt, self._format)
-            streams = await self._stream_all([rendered] * size, "sample", seeds)
-            prompt_ids = list(streams[0][0])
-            scored = await self._scorer.score(prompt, [sample for _, sample in streams])
+        if self._hand_back.handing_back:
+            return self._partial(prompt, (), [], "not_started")
+        self._hand_back.groups += 1
+        try:
+            if self._agents is None and self._turns is None:
+                rendered = render(self._tokenizer, prompt, self._format)
+                streams = await self._stream_all([rendered] * size, "sample", seeds)
+                # A request handed back before it reached the engine has no prompt ids.
+                prompt_ids = next((list(ids) for ids, _ in streams if ids), [])
+                return await self._scored(prompt, prompt_ids,
+                                          [sample for _, sample in streams])
+            with anyio.CancelScope() as scope:  # ``hand_back`` cancels it: it restarts
+                self._hand_back.scopes.add(scope)
+                refused = 0
+                if self._agents is not None:  # the agent plays each trajectory (gateway)
+                    prompt_ids, played, refused = await self._agents.group(prompt, size,
+                                                                           seeds)
+                    self._ready()  # a failed weight load aborted the requests: void output
+                else:  # multi-turn: an environment answers every turn
+                    prompt_ids, played = await self._play(prompt, size, "sample", seeds)
+                scored = await self._scorer.score_trajectories(prompt, played)
+            self._hand_back.scopes.discard(scope)
+            if scope.cancelled_caught:
+                return self._partial(prompt, (), [], "multi_turn")
+            return self._group(prompt, prompt_ids, scored, refused)
+        finally:
+            self._hand_back.groups -= 1
+
+    async def continue_group(self, partial: PartialGroup) -> Group | PartialGroup:
+        """Continues a group another engine (or this one, before a stop) handed back:
+        each sample cut short goes on from its kept tokens (``continue_samples``), the
+        others stay as they were; then the group is scored as ``generate_group``'s.
+        Handed back again, it comes back as a partial group of all it has by then."""
+        if self._hand_back.handing_back:
+            return self._partial(partial.prompt, partial.prompt_token_ids,
+                                 [], "not_started", kept=partial)
+        self._hand_back.groups += 1
+        try:
+            eos = (() if self._rollout.ignore_eos or self._tokenizer.eos_token_id is None
+                   else (int(self._tokenizer.eos_token_id),))
+            samples = await continue_samples(
+                partial, self._stream_all, self._decode, self._rollout.max_new_tokens,
+                eos, self._rollout.sampling_seed)
+            return await self._scored(partial.prompt, list(partial.prompt_token_ids),
+                                      samples)
+        finally:
+            self._hand_back.groups -= 1
+
+    async def hand_back(self, leaving: bool = False) -> int:
+        """Aborts every sampling request in the engine: each group in progress comes back
+        as a ``PartialGroup`` (its samples' tokens so far, their log-probs and versions),
+        and so does every group asked for from now on. The run's clean stop calls it;
+        ``leaving``: the engine stops itself (``leave``). Returns the groups in progress."""
+        groups = self._hand_back.start(leaving)
+        if self._engine is not None:
+            await self._hand_back.abort(self._engine)
+        return groups
+
+    async def leave(self) -> int:
+        """The clean stop of this engine alone: its rollouts in progress are handed back,
+        marked ``leaving`` (the run continues them on another engine and replaces this
+        one), and it takes no more work. Returns the groups handed back."""
+        return await self.hand_back(leaving=True)
+
+    def _decode(self, tokens: Sequence[int]) -> str:
+        return str(self._tokenizer.decode(list(tokens), skip_special_tokens=True))
+
+    def _partial(self, prompt: Prompt, prompt_ids: Sequence[int], samples: Sequence[Sample],
+                 restarts: str = "", kept: PartialGroup | None = None) -> PartialGroup:
+        return self._hand_back.partial(prompt, prompt_ids, samples, rank=self._rank,
+                                       restarts=restarts, kept=kept)
+
+    async def _scored(self, prompt: Prompt, prompt_ids: list[int], samples: list[Sample]
+                      ) -> Group | PartialGroup:
+        """A single-turn group's samples, scored; handed back while cut short, partial."""
+        if self._hand_back.handing_back and any_cut(samples):
+            return self._partial(prompt, prompt_ids, samples)
+        return self._group(prompt, prompt_ids, await self._scorer.score(prompt, samples))
+
+    def _group(self, prompt: Prompt, prompt_ids: Sequence[int], scored: Scored,
+               refused: int = 0) -> Group:
         samples = scored.samples
         self._groups += 1
         self._samples += len(samples)
@@ -412,7 +413,7 @@ class RolloutWorker:
             await self._receiver.abandon(self._engine, reason)
 
     def _weights_changed(self) -> None:
-        self._switch_span()
+        self._requests.switch_span()
         self._idle.soon()
 
     # ---------------------------------------------------------------- state
@@ -427,7 +428,7 @@ class RolloutWorker:
             samples_generated=self._samples, tokens_generated=self._tokens,
             reward_failures=self._scorer.failures, rewards_skipped=self._scorer.skipped,
             weight_updates=self._receiver.updates,
-            requests_running=len(self._in_flight),
-            tokens_in_flight=sum(self._in_flight.values()),
+            requests_running=len(self._requests.in_flight),
+            tokens_in_flight=sum(self._requests.in_flight.values()),
             engine_start_s=self._engine_start_s, warmup_s=self._warmup_s,
         )
