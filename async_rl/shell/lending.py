@@ -8,19 +8,26 @@ restart does (``restart_rollout``): from the trainer's current policy, written f
 under the step lock (``TrainerPolicy.written_for``: exactly the version it is labelled
 with), then a member of trainer shard 0's weight group, so every later version reaches
 it; ``LiveTuning`` then hands it to the pool. Removing rank r (out of the pool already:
-no prompt goes to it) stops its actor: its calls in flight fail with the reason
-``LEAVING``, and their prompts are re-queued as a dead worker's are (the ledger's
-"failed" event with ``rollout_error:`` and that reason; the group of such a call is
-never queued, so nothing is trained twice); then its engine is shut down and the actor
-killed, its bundle kept for the next add. The weight group is rebuilt without it at the
-next delivery (a delivery goes to the pool's live ranks only). Knows nothing about when
-engines move (``async_rl.control.autopilot``).
+no prompt goes to it) is the engine's clean stop: it hands its rollouts in progress
+back (the actor's ``leave``: each comes back as a partial group, the ledger's
+"handed_back" event with reason "engine_stopped", and another engine continues it from
+its kept tokens), the removal waits for its calls in progress to end (within
+run.call_timeout_s), then its engine is shut down. A call that fails instead (the
+hand-back did not reach it) fails with the reason ``LEAVING`` and its prompt is
+re-queued as a dead worker's is (the ledger's "failed" event, ``rollout_error:`` and
+that reason). The actor itself is parked, not killed: it owns the tokens of the groups
+it generated that wait in the queue, which a shard fetches when it trains them; it is
+killed when its rank is added again (``restart_rollout``) or at the run's end. The
+weight group is rebuilt without it at the next delivery (a delivery goes to the pool's
+live ranks only). Knows nothing about when engines move
+(``async_rl.control.autopilot``).
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+from collections.abc import Awaitable, Sequence
 from typing import Any
 
 import anyio
@@ -32,11 +39,66 @@ from async_rl.control.protocols import RolloutClient
 from async_rl.control.rollout_pool import CurrentPolicy
 from async_rl.shell.adapters import RayRollout, RayTrainer, restart_rollout
 from async_rl.shell.launch import StartedWorkers
+from buffers.common.partials import PartialGroup
+from buffers.common.records import Group, Prompt
+from buffers.common.reports import EvalResult, UsageReading
+from workers.common.spans import Span
 
 log = logging.getLogger(__name__)
 
 LEAVING = "engine removed by the autopilot"
 """Why a removed engine's calls in flight failed (the ledger's re-queue reason)."""
+
+
+class _Lent:
+    """An added engine's client: the worker, with its calls in progress counted (a
+    removal waits for them to hand their rollouts back)."""
+
+    def __init__(self, worker: RayRollout) -> None:
+        self.worker = worker
+        self.calls = 0
+        self._idle = anyio.Event()
+        self._idle.set()
+
+    @property
+    def name(self) -> str:
+        return self.worker.name
+
+    async def usage(self) -> UsageReading:
+        return await self.worker.usage()
+
+    async def spans(self) -> list[Span]:
+        return await self.worker.spans()
+
+    async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
+        return await self.worker.evaluate(prompts)
+
+    async def version(self) -> int:
+        return await self.worker.version()
+
+    async def hand_back(self) -> int:
+        return await self.worker.hand_back()
+
+    async def generate(self, prompt: Prompt) -> Group | PartialGroup:
+        return await self._counted(self.worker.generate(prompt))
+
+    async def continue_group(self, partial: PartialGroup) -> Group | PartialGroup:
+        return await self._counted(self.worker.continue_group(partial))
+
+    async def _counted(self, call: Awaitable[Group | PartialGroup]) -> Group | PartialGroup:
+        if not self.calls:
+            self._idle = anyio.Event()
+        self.calls += 1
+        try:
+            return await call
+        finally:
+            self.calls -= 1
+            if not self.calls:
+                self._idle.set()
+
+    async def drained(self) -> None:
+        """Returns once no call is in progress."""
+        await self._idle.wait()
 
 
 class RayLending:
@@ -54,7 +116,7 @@ class RayLending:
         trainer shard's cores; the autopilot's judgement of the move measures that)."""
         self.config, self.started, self.source = config, started, source
         self.current_policy: CurrentPolicy | None = None
-        self.added: dict[int, RayRollout] = {}
+        self.added: dict[int, _Lent] = {}
 
     def attach(self, current_policy: CurrentPolicy) -> None:
         """The run's policy, as the orchestrator writes it for an engine to start from."""
@@ -66,19 +128,22 @@ class RayLending:
         model = msgspec.structs.replace(self.config.model, path=model_dir)
         worker = await restart_rollout(self.started, self.source, rank, model, version,
                                        self.config)
-        self.added[rank] = worker
+        self.added[rank] = lent = _Lent(worker)
         log.info("rollout-%d added at version %d", rank, version)
-        return worker
+        return lent
 
     async def remove(self, rank: int) -> None:
-        worker = self.added.pop(rank, None)
-        handle: Any = self.started.rollout.pop(rank, None)
-        if worker is not None:
-            worker.leaving = LEAVING
-        if handle is None:
+        lent = self.added.pop(rank, None)
+        handle: Any = self.started.rollout.get(rank)
+        if lent is None or handle is None:
             return  # lost meanwhile (its restart, if any, is the pool's)
+        lent.worker.leaving = LEAVING
+        handed = 0
+        with anyio.move_on_after(self.config.run.call_timeout_s):
+            with contextlib.suppress(ray.exceptions.RayError):
+                handed = await handle.leave.remote()
+            await lent.drained()
         with anyio.move_on_after(self.config.run.call_timeout_s), contextlib.suppress(
                 ray.exceptions.RayError):
             await handle.shutdown.remote()
-        ray.kill(handle)
-        log.info("rollout-%d removed: its prompts in flight are re-queued", rank)
+        log.info("rollout-%d removed: %d rollout(s) in progress handed back", rank, handed)

@@ -5,9 +5,9 @@ waits for data, and the autopilot's own rule adds a second engine
 the one move left). Its removal is forced: the judgement's noise band is patched so that
 the next window reverts the move (whether a second engine pays on two cores is not
 something a test can count on). Checked: the added engine generated at the version it
-was added at or later, the removed engine's prompts in flight were re-queued with the
-reason and trained once, metrics.jsonl has the engine count every step, and the ledger
-is whole (every prompt trained once)."""
+was added at or later, the removed engine's rollouts in progress were handed back (or
+re-queued with the reason) and trained once, metrics.jsonl has the engine count every
+step, and the ledger is whole (every prompt trained once)."""
 
 from __future__ import annotations
 
@@ -24,6 +24,7 @@ from async_rl.shell.adapters import RayRollout
 from async_rl.shell.lending import LEAVING
 from async_rl.shell.ray_shell import run_training
 from async_rl.tasks.longtail import MAX_NEW_TOKENS
+from buffers.common.partials import PartialGroup
 from buffers.common.records import Group, Prompt
 
 pytestmark = pytest.mark.ray
@@ -37,16 +38,18 @@ def test_an_engine_joins_at_the_current_version_and_a_leaving_ones_prompts_are_r
         longtail_model_dir: Path, tmp_path: Path, ray_shutdown: None,
         monkeypatch: pytest.MonkeyPatch) -> None:
     calls: list[tuple[str, str, int, str]] = []
-    """(engine, prompt id, the group's oldest token version or -1, failure reason)"""
+    """(engine, prompt id, the group's oldest token version or -1, "handed back" or the
+    failure's reason or "")"""
     generate = RayRollout.generate
 
-    async def spied(self: RayRollout, prompt: Prompt) -> Group:
+    async def spied(self: RayRollout, prompt: Prompt) -> Group | PartialGroup:
         try:
             group = await generate(self, prompt)
         except RolloutFailed as failed:
             calls.append((self.name, prompt.prompt_id, -1, failed.reason))
             raise
-        calls.append((self.name, prompt.prompt_id, group.min_version, ""))
+        handed = "handed back" if isinstance(group, PartialGroup) else ""
+        calls.append((self.name, prompt.prompt_id, group.min_version, handed))
         return group
 
     monkeypatch.setattr(RayRollout, "generate", spied)
@@ -90,14 +93,16 @@ def test_an_engine_joins_at_the_current_version_and_a_leaving_ones_prompts_are_r
     made = [version for _, _, version, reason in added if not reason]
     assert made and min(made) >= 3, added
 
-    # Its prompts in flight when it left failed with the reason, and were re-queued.
-    left = {pid for _, pid, _, reason in added if reason == LEAVING}
+    # Its rollouts in progress when it left were handed back (continued by the other
+    # engine) or, where the hand-back did not reach them, failed and were re-queued.
+    left = {pid for _, pid, _, how in added if how in ("handed back", LEAVING)}
     assert left, added
-    assert all(reason in ("", LEAVING) for *_, reason in calls), calls
+    assert all(how in ("", "handed back", LEAVING) for *_, how in calls), calls
     entries = read_ledger(run_dir)
-    failed = {e.prompt_id for e in entries
-              if e.event == "failed" and e.reason == f"rollout_error:{LEAVING}"}
-    assert failed == left
+    back = {e.prompt_id for e in entries
+            if (e.event, e.reason) in (("handed_back", "engine_stopped"),
+                                       ("failed", f"rollout_error:{LEAVING}"))}
+    assert back == left
 
     # The ledger is whole: every step's groups trained once, none twice; every prompt
     # admitted ends trained, or still owed at the end (unfinished, or re-queued).
@@ -108,7 +113,9 @@ def test_an_engine_joins_at_the_current_version_and_a_leaving_ones_prompts_are_r
     for entry in entries:
         last[entry.prompt_id] = entry.event
     assert left <= set(last)
-    assert set(last.values()) <= {"trained", "unfinished", "failed", "dropped"}, last
+    assert set(last.values()) <= {"trained", "unfinished", "failed", "dropped",
+                                  "handed_back"}, last
     for pid in left & set(trained):
         events = [e.event for e in entries if e.prompt_id == pid]
-        assert events.index("failed") < events.index("trained")
+        assert max(events.index(ev) for ev in ("handed_back", "failed") if ev in events) \
+            < events.index("trained")

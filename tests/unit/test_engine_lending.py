@@ -21,13 +21,13 @@ from async_rl.config import Config
 from async_rl.config_io import decode_config
 from async_rl.control.autopilot import ENGINES, INFLIGHT, QUEUE, Autopilot, Rule
 from async_rl.control.live_tuning import LiveTuning
-from async_rl.control.protocols import RolloutClient, RolloutFailed
+from async_rl.control.protocols import HandsBack, RolloutClient, RolloutFailed
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.step_metrics import StepTotals
 from async_rl.roster import Bundle, roster
 from async_rl.run.run_dir import RunWriter
 from async_rl.shell.adapters import RayRollout
-from async_rl.shell.lending import LEAVING
+from async_rl.shell.lending import LEAVING, _Lent
 from buffers.common.config import ConfigError
 from buffers.queue.replay_queue import ReplayQueue
 from buffers.queue.staleness import AdmissionGate
@@ -217,3 +217,44 @@ def test_the_queues_room_counts_the_engines_running_now() -> None:
     pilot.values[ENGINES] = 3  # three: 16 + 6 do not
     rise = pilot._room_first(starved, "starved")
     assert rise.key == QUEUE and "the 6 prompts" in rise.cause
+
+
+def test_an_added_engines_client_counts_its_calls_and_hands_back() -> None:
+    release = [anyio.Event()]
+
+    class Worker:
+        name = "rollout-1"
+
+        async def generate(self, prompt: Any) -> Any:
+            await release[0].wait()
+            return prompt
+
+        async def continue_group(self, partial: Any) -> Any:
+            return partial
+
+        async def hand_back(self) -> int:
+            return 2
+
+    async def run() -> None:
+        lent = _Lent(Worker())  # type: ignore[arg-type]
+        assert isinstance(lent, HandsBack) and lent.name == "rollout-1"
+        await lent.drained()  # no call: at once
+        done: list[Any] = []
+        async with anyio.create_task_group() as calls:
+            for prompt in ("a", "b"):
+                calls.start_soon(lambda p=prompt: _append(done, lent.generate(p)))
+            await anyio.sleep(0.01)
+            assert lent.calls == 2 and await lent.hand_back() == 2
+            with anyio.move_on_after(0.05) as waited:
+                await lent.drained()
+            assert waited.cancelled_caught  # calls in progress
+            release[0].set()
+            await lent.drained()
+        assert sorted(done) == ["a", "b"] and lent.calls == 0
+        assert await lent.continue_group("p") == "p"
+
+    anyio.run(run)
+
+
+async def _append(into: list[Any], call: Any) -> None:
+    into.append(await call)
