@@ -167,6 +167,12 @@ class AutopilotConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_
     """The most staleness.max_staleness may reach under the autopilot (the run starts
     there); -1: staleness.max_staleness. At most staleness.max_staleness, the run's hard
     bound."""
+    max_rollout_workers: Annotated[int, msgspec.Meta(ge=-1)] = -1
+    """The most rollout engines the autopilot may run: from rollout.num_workers (the run
+    starts there) up to this many, engines joining and leaving while the run trains
+    (docs/autopilot.md); -1: rollout.num_workers, no engine added. Each engine added
+    takes rollout.cpus_per_worker cores (spare ones first, then the trainer's) or one
+    GPU of the cluster's."""
 
 
 class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True):
@@ -234,6 +240,7 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             raise invalid("autopilot.max_staleness", ceiling,
                           f"must be >= weights.sync_every - 1 ({self.weights.sync_every - 1})"
                           ": rollout runs weights that many versions old")
+        self._check_engines()
         env = self.task.environment
         turns = env.enabled or self.task.kind == "agent"  # multi-turn trajectories
         if turns and self.run.eval_on == "idle_cpu":
@@ -271,6 +278,27 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
     @property
     def has_critic(self) -> bool:
         return self.algorithm.advantage == "gae"
+
+    def _check_engines(self) -> None:
+        most = self.autopilot.max_rollout_workers
+        if 0 <= most < self.rollout.num_workers:
+            raise invalid("autopilot.max_rollout_workers", most,
+                          f"must be >= rollout.num_workers ({self.rollout.num_workers}), "
+                          "or -1: no engine beyond them")
+        if most > self.rollout.num_workers and self.run.colocate is not False:
+            raise invalid("autopilot.max_rollout_workers", most,
+                          "not with run.colocate = "
+                          + ("true" if self.run.colocate is True else '"time"')
+                          + ": an engine added "
+                          "needs devices of its own")
+
+    @property
+    def lendable_engines(self) -> int:
+        """Rollout engines the autopilot may add beyond rollout.num_workers (0 without
+        ``[autopilot]``)."""
+        if not self.autopilot.enabled:
+            return 0
+        return max(self.autopilot.max_rollout_workers - self.rollout.num_workers, 0)
 
     def _check_roles(self) -> None:
         """The reference and the critic compute on the packed layout, beside the

@@ -26,7 +26,14 @@ import msgspec
 
 from async_rl.config import Config
 from workers.eval.spec import EvaluatorSpec
-from workers.layout import Layout, Role, WorkerIdentity, assign_cpus, own_role_identities
+from workers.layout import (
+    Layout,
+    Role,
+    WorkerIdentity,
+    assign_cpus,
+    lendable_identities,
+    own_role_identities,
+)
 from workers.model_config import ModelConfig
 from workers.rollout.config import Sampling, sampling
 from workers.rollout.spec import RolloutSpec
@@ -56,7 +63,7 @@ class Start(msgspec.Struct, frozen=True, kw_only=True):
 class Bundle(msgspec.Struct, frozen=True, kw_only=True):
     """A worker's place in the run's placement groups."""
 
-    group: Literal["rollout", "trainer", "own"]
+    group: Literal["rollout", "trainer", "own", "lendable"]
     """Co-located, "rollout" and "trainer" name one shared group."""
     index: int
     shared: bool = False
@@ -101,6 +108,11 @@ class Roster(msgspec.Struct, frozen=True, kw_only=True):
     critic_beside_trainer: bool
     """Critic shard i lives in trainer shard i's process (critic.placement "trainer"):
     the registry lists that process again as critic-i."""
+    lendable: tuple[Entry, ...] = ()
+    """The rollout engines ``[autopilot]`` may add (ranks from rollout.num_workers up to
+    autopilot.max_rollout_workers): placed with the others, started only when added."""
+    lendable_room: int = 0
+    """How many added engines have cores no other added engine has (on CPU)."""
 
     def of(self, role: Kind) -> list[Entry]:
         return [entry for entry in self.entries if entry.role == role]
@@ -112,8 +124,9 @@ class Roster(msgspec.Struct, frozen=True, kw_only=True):
 
     @property
     def cpus(self) -> int:
-        """CPUs the workers ask for in all: what a local Ray must have at least."""
-        return sum(entry.cpus for entry in self.entries)
+        """CPUs the workers ask for in all (the engines the autopilot may add included):
+        what a local Ray must have at least."""
+        return sum(entry.cpus for entry in (*self.entries, *self.lendable))
 
     def registry(self, placed: Mapping[str, WorkerIdentity]) -> list[WorkerIdentity]:
         """Who runs where: each placed worker's identity from ``placed`` (by name, with
@@ -154,13 +167,21 @@ def roster(config: Config, start: Start | None = None, *,
                       devices=w.devices, bundle=Bundle(group="own", index=index),
                       spec=workers.own(w.role, w.rank, w.devices))
                 for index, w in enumerate(own)]
+    extra, room = lendable_identities(layout, own, rollout.num_workers,
+                                      config.lendable_engines, rollout.cpus_per_worker,
+                                      available=available)
+    lendable = tuple(Entry(role="rollout", rank=w.rank, cpus=rollout.cpus_per_worker,
+                           devices=w.devices, bundle=Bundle(group="lendable", index=index),
+                           spec=workers.rollout(w.rank, w.devices))
+                     for index, w in enumerate(extra))
     if config.run.eval_on == "idle_cpu":
         # No cores of its own: it runs at idle priority on whichever core is idle.
         entries.append(Entry(role="evaluator", rank=0, cpus=0, bundle=None,
                              spec=EvaluatorSpec(model=policy,
                                                 max_new_tokens=rollout.max_new_tokens)))
     return Roster(entries=tuple(entries), layout=layout, start=start,
-                  critic_beside_trainer=config.has_critic and "critic" not in workers.own_roles)
+                  critic_beside_trainer=config.has_critic and "critic" not in workers.own_roles,
+                  lendable=lendable, lendable_room=room)
 
 
 def _own_roles(config: Config) -> list[tuple[Role, int]]:

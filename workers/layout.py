@@ -4,7 +4,8 @@ Owns: the explicit identity of every worker (``WorkerIdentity``: role, rank, nod
 devices), the planned identities of a run's workers before any actor exists (``Layout``),
 the cores a run lays out (``usable_cores``) and ``assign_cpus``, which hands each worker
 its own cores so that rollout and training behave like separate accelerators
-(``own_role_identities`` for the reference and the critic on cores of their own). Plain
+(``own_role_identities`` for the reference and the critic on cores of their own;
+``lendable_identities`` for the rollout engines ``[autopilot]`` may add). Plain
 Python: the simulator lays a CPU machine out as a real run would. Knows nothing about Ray
 or what workers do.
 """
@@ -111,3 +112,24 @@ def own_role_identities(layout: Layout, roles: Sequence[tuple[Role, int]], cpus_
                 cores[(start + j) % len(cores)] for j in range(cpus_each))))
             start += cpus_each
     return tuple(out)
+
+
+def lendable_identities(layout: Layout, own: Sequence[WorkerIdentity], first_rank: int,
+                        count: int, cpus_each: int, *, available: tuple[int, ...] | None = None
+                        ) -> tuple[tuple[WorkerIdentity, ...], int]:
+    """The rollout engines ``[autopilot]`` may add (ranks from ``first_rank`` up),
+    ``cpus_each`` cores each, and how many of them fit on cores no other added engine
+    has. Their cores: the node's spare ones (no worker's) first, then the trainer
+    shards' (an engine is added when the trainer waits for data: its cores idle then),
+    round-robin over those when there are too few. On a node without spare cores an
+    added engine shares a trainer shard's."""
+    cores = tuple(sorted(available)) if available is not None else usable_cores()
+    taken = {c for w in (*layout.rollout, *layout.trainer, *own) for c in w.devices}
+    trainer = [c for w in layout.trainer for c in w.devices]
+    pool = [c for c in cores if c not in taken] + list(dict.fromkeys(trainer))
+    pool = pool or list(cores)
+    engines = tuple(
+        WorkerIdentity(role="rollout", rank=first_rank + i, devices=tuple(
+            pool[(i * cpus_each + j) % len(pool)] for j in range(cpus_each)))
+        for i in range(count))
+    return engines, len(pool) // cpus_each

@@ -2,7 +2,8 @@
 
 Owns: the node a placement group's bundle landed on (``bundle_node``), and the Ray
 placement groups of the two roles (and of the reference's and critic's workers of their
-own, ``own_roles_placement_group``), either disaggregated (the default: rollout and
+own, ``own_roles_placement_group``; of the rollout engines ``[autopilot]`` may add,
+``lendable_placement_group``), either disaggregated (the default: rollout and
 trainer on their own devices) or co-located (both roles share one STRICT_PACK group),
 and refusing, in one line, a layout the cluster cannot hold: too few GPUs for the
 layout (``check_gpus``, before any group is asked for) or a group that is still
@@ -132,6 +133,40 @@ def own_roles_placement_group(count: int, cpus_each: int, gpus: float = 0.0, *,
             f"placement error: no placement within {timeout_s:g}s (run.call_timeout_s) for "
             f"reference/critic: {count} x {{{_resources(bundle)}}}; the cluster has "
             f"{_resources(ray.cluster_resources())} in all") from None
+    return group
+
+
+def check_lendable(most: int, added: int, room: int, cluster_gpus: float, *,
+                   needed: int) -> None:
+    """Refuses, in one line naming autopilot.max_rollout_workers (``most``), ``added``
+    engines beyond rollout.num_workers that the cluster cannot hold: on GPUs, one each
+    beyond the ``needed`` of the run's other workers; on CPU, more than ``room`` (the
+    roster's: added engines with cores no other added engine has)."""
+    key = f"config error: autopilot.max_rollout_workers = {most}"
+    if cluster_gpus and needed + added > cluster_gpus:
+        raise ConfigError(f"{key}: {added} engine(s) added need a GPU each beyond the run's "
+                          f"{needed}, and the cluster has {cluster_gpus:g}")
+    if not cluster_gpus and added > room:
+        raise ConfigError(f"{key}: {added} engine(s) added, and the spare and trainer cores "
+                          f"hold {room} (rollout.cpus_per_worker each)")
+
+
+def lendable_placement_group(most: int, count: int, cpus_each: int, gpus: float = 0.0, *,
+                             timeout_s: float) -> PlacementGroup:
+    """The placement group of the ``count`` engines ``[autopilot]`` may add (up to
+    autopilot.max_rollout_workers, ``most``): one bundle each, held from the start.
+    Raises ``ConfigError`` naming the key when it is not placed within ``timeout_s``."""
+    bundle: dict[str, float] = {"CPU": float(cpus_each)} | ({"GPU": gpus} if gpus else {})
+    group = placement_group([dict(bundle) for _ in range(count)], "PACK")
+    try:
+        ray.get(group.ready(), timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        remove_placement_group(group)
+        raise ConfigError(
+            f"config error: autopilot.max_rollout_workers = {most}: no placement within "
+            f"{timeout_s:g}s (run.call_timeout_s) for {count} engine(s) added: {count} x "
+            f"{{{_resources(bundle)}}}; the cluster has {_resources(ray.cluster_resources())} "
+            "in all") from None
     return group
 
 

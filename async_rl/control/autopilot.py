@@ -303,6 +303,7 @@ class Autopilot:
             return raise_inflight
         target = self._next_rung(raise_inflight) or self.values[INFLIGHT]
         step_groups, workers = self.room_needed
+        workers = self.values.get(ENGINES, workers)  # the engines running now
         room = step_groups + target * workers
         queue = self.values[QUEUE]
         if queue >= room:

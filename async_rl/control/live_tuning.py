@@ -12,8 +12,10 @@ setters, between steps (the pool's ``set_limit``, the queue's ``resize`` and
 ``set_max_staleness``, the gate's ``set_max_staleness``; the engine count through the
 workers' lending, ``EngineLending``: engines added join the pool, removed ones leave
 it), and says so: a console line with its cause, run.json's list of changes, the
-``autopilot/<key>`` columns of every metrics row. Without ``[autopilot]`` it holds the
-config's values and measures nothing.
+``autopilot/<key>`` columns of every metrics row. An engine move's switch (the engines'
+start) is no part of the window that judges it, nor are the steps that train the groups
+queued during it: that window starts once those are trained.
+Without ``[autopilot]`` it holds the config's values and measures nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from async_rl.control.autopilot import (
     Move,
     Window,
 )
-from async_rl.control.protocols import EngineLending
+from async_rl.control.protocols import EngineLending, RolloutFailed
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.run.run_dir import RunWriter
 from buffers.common.records import Group
@@ -66,10 +68,10 @@ class LiveTuning:
         self._wait_s = self._barrier_s = 0.0
         self._marks = (0.0, 0.0, 0.0)
         """(clock, gate wait seconds, queue put wait seconds) at the window's start."""
-        self._filling = True
-        """The loop's first step is to come or under way: it is in no window (the
-        pipeline's fill would make the first window look starved and every first move
-        look like a gain)."""
+        self._filling = 1
+        """Steps to come that are in no window: the loop's first (the pipeline's fill
+        would make the first window look starved and every first move look like a
+        gain), and after an engine move those of the groups queued during its switch."""
         if self.autopilot is not None and STALENESS in self.autopilot.values:
             # The run starts at the autopilot's ceiling (at most the config's bound).
             self._set(STALENESS, self.autopilot.values[STALENESS])
@@ -89,7 +91,7 @@ class LiveTuning:
         if self.autopilot is None:
             return
         if self._filling:
-            self._filling = False
+            self._filling -= 1
             self._marks = self._now()
             return
         start_s = self._marks[0] + sum(self._walls)
@@ -115,6 +117,16 @@ class LiveTuning:
                          f"{change.old}", change.judgement)
         if move is not None:
             await self._apply(step, move)
+            if move.key == ENGINES:
+                # The switch (an engine's start: tens of seconds on a CPU) is paid once;
+                # the window that judges the move measures the pace after it, once the
+                # groups the standing engines queued meanwhile are trained.
+                switch_s = self.clock() - self._marks[0]
+                self._filling = -(-len(self.queue) // self.trainer.groups_per_step)
+                self._marks = self._now()
+                log.info("autopilot after step %d: the engines moved in %.1f s; the next "
+                         "%d step(s) train what was queued meanwhile, in no window", step,
+                         switch_s, self._filling)
         if move is not None or any(c.judged_step == step for c in self.autopilot.changes):
             self.out.autopilot(self.autopilot.changes)
 
@@ -138,7 +150,12 @@ class LiveTuning:
         live = self.pool.workers
 
         async def add(rank: int) -> None:
-            await self.pool.join(rank, await lending.add(rank))
+            try:
+                worker = await lending.add(rank)
+            except RolloutFailed as failed:  # it did not start: the run goes on without it
+                log.warning("autopilot: rollout-%d was not added: %s", rank, failed.reason)
+                return
+            await self.pool.join(rank, worker)
 
         async with anyio.create_task_group() as moves:
             for rank in range(lo, hi):

@@ -136,9 +136,14 @@ class WorkerAdapter(_Adapter):
 class RayRollout(WorkerAdapter):
     """A ``RolloutClient`` over a ``workers.actors.RolloutActor`` handle."""
 
+    leaving = ""
+    """Why the engine is being stopped ("": it is not): its calls fail with that reason."""
+
     def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:
         # Dead (the actor is gone) or broken (it refuses work after a failed weight
         # load): either way it gets no more prompts. Anything else fails this call.
+        if self.leaving:
+            return RolloutFailed(self.leaving, worker_gone=True)
         broken = isinstance(getattr(err, "cause", None), RolloutWorkerError)
         gone = broken or isinstance(err, ray.exceptions.RayActorError)
         return RolloutFailed(type(err).__name__, worker_gone=gone,

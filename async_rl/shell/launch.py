@@ -36,8 +36,10 @@ from workers.model_config import ModelConfig
 from workers.placement import (
     bundle_node,
     check_gpus,
+    check_lendable,
     gpus_per_worker,
     in_bundle,
+    lendable_placement_group,
     own_roles_placement_group,
     role_placement_groups,
 )
@@ -188,8 +190,18 @@ def place(config: Config, plan: Roster, task: WorkerTask, started: StartedWorker
             len(plan.own), config.trainer.cpus_per_shard,
             gpus_per_worker(cluster_gpus, colocated=False), timeout_s=config.run.call_timeout_s)
         started.placement_groups.append(groups["own"])
+    if plan.lendable:  # the engines [autopilot] may add: held for them from the start
+        gpus = gpus_per_worker(cluster_gpus, colocated=False)
+        check_lendable(config.autopilot.max_rollout_workers, len(plan.lendable),
+                       plan.lendable_room, cluster_gpus,
+                       needed=len(plan.layout.rollout) + len(plan.layout.trainer)
+                       + len(plan.own))
+        groups["lendable"] = lendable_placement_group(
+            config.autopilot.max_rollout_workers, len(plan.lendable),
+            config.rollout.cpus_per_worker, gpus, timeout_s=config.run.call_timeout_s)
+        started.placement_groups.append(groups["lendable"])
     placed = Placed(nodes={}, options={}, task=task, max_inflight=inflight_ceiling(config))
-    for entry in plan.entries:
+    for entry in (*plan.entries, *plan.lendable):
         placed.options[entry.name] = {"num_cpus": entry.cpus}
         if entry.bundle is not None:  # the evaluator: in no group, on cores left idle
             group, index = groups[entry.bundle.group], entry.bundle.index
@@ -203,7 +215,8 @@ def place(config: Config, plan: Roster, task: WorkerTask, started: StartedWorker
 def with_group_addresses(plan: Roster, placed: Placed) -> dict[str, WorkerSpec]:
     """Each entry's spec by name, with the address of its process group filled in
     (the roster leaves it empty): the trainer shards' on shard 0's node, the critic's
-    own workers' on the first one's, each on a free port."""
+    own workers' on the first one's, each on a free port; the engines the autopilot may
+    add as they are."""
     addresses: dict[str, tuple[str, int]] = {}
     specs: dict[str, WorkerSpec] = {}
     for entry in plan.entries:
@@ -214,14 +227,15 @@ def with_group_addresses(plan: Roster, placed: Placed) -> dict[str, WorkerSpec]:
             host, port = addresses[entry.role]
             spec = msgspec.structs.replace(spec, master_addr=host, master_port=port)
         specs[entry.name] = spec
-    return specs
+    return specs | {entry.name: entry.spec for entry in plan.lendable}
 
 
 def rollout_replacement(plan: Roster, placed: Placed, specs: dict[str, WorkerSpec]
                         ) -> Callable[[int, ModelConfig, int, str], Any]:
-    """Creates (does not start) rollout worker ``rank`` again in its bundle, from a
-    model at a version, named ``name`` ("": none, the old name may linger)."""
-    entries = plan.of("rollout")
+    """Creates (does not start) rollout worker ``rank`` again in its bundle (or one the
+    autopilot adds, in its own), from a model at a version, named ``name`` ("": none,
+    the old name may linger)."""
+    entries = [*plan.of("rollout"), *plan.lendable]
 
     def create(rank: int, model: ModelConfig, version: int, name: str) -> Any:
         spec = specs[entries[rank].name]

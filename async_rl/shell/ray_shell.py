@@ -4,7 +4,8 @@ Owns: ``run_training`` as named steps: the job (the run's roster, ``async_rl.ros
 starting from a checkpoint when resuming; its task), ``ray.init`` with the roster's CPUs
 (or joining a cluster), creating the actors (through ``async_rl.shell.launch``), the
 registry printout, and handing them to the orchestrator as its protocols
-(``async_rl.shell.adapters``), resuming from a checkpoint, stop signals, and shutting
+(``async_rl.shell.adapters``; with ``[autopilot]``'s engine count, the engines it adds:
+``async_rl.shell.lending``), resuming from a checkpoint, stop signals, and shutting
 everything down. The run's logic is ``async_rl.control.orchestrator``'s; nothing
 here decides anything about it.
 """
@@ -12,6 +13,7 @@ here decides anything about it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import logging
 import os
@@ -44,8 +46,9 @@ from async_rl.control.protocols import (
 from async_rl.roster import Roster, Start, registry_table, roster
 from async_rl.run.run_dir import WORKERS_LOG, RunWriter
 from async_rl.run.summary import RunSummary
-from async_rl.shell.adapters import adapt
+from async_rl.shell.adapters import RayTrainer, adapt
 from async_rl.shell.launch import StartedWorkers, launch_workers
+from async_rl.shell.lending import RayLending
 from async_rl.shell.role_adapters import adapt_own_roles
 from async_rl.shell.worker_logs import ray_notices_to_log, ray_options
 from async_rl.tasks.table import Task, build_task, worker_task
@@ -285,7 +288,14 @@ async def orchestrate(job: Job, started: StartedWorkers, out: RunWriter,
     out.workers(started.identities)
     config = job.config
     workers = adapt(started, config, adapt_own_roles(started, config))
+    lending = None
+    if job.plan.lendable:  # [autopilot]'s engine count: engines join and leave
+        assert isinstance(workers.trainers[0], RayTrainer)
+        lending = RayLending(config, started, workers.trainers[0])
+        workers = dataclasses.replace(workers, lending=lending)
     orchestrator = Orchestrator(config, out, job.task.source, job.task.eval_prompts, workers)
+    if lending is not None:
+        lending.attach(orchestrator.policy.written_for)
     if job.state is not None:
         orchestrator.restore(job.state, refused=job.refused)
     stops.orchestrator = orchestrator
