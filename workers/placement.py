@@ -13,6 +13,8 @@ cores) is ``workers.layout``'s. Knows nothing about what workers do.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import ray
 from ray.util.placement_group import (
     PlacementGroup,
@@ -123,16 +125,23 @@ def own_roles_placement_group(count: int, cpus_each: int, gpus: float = 0.0, *,
     """The placement group of the reference's and the critic's workers of their own
     (placement "own"): one bundle each, apart from the rollout and trainer groups.
     Raises ``ConfigError`` as ``role_placement_groups`` does."""
+    return _equal_bundles(count, cpus_each, gpus, timeout_s=timeout_s, refusal=lambda asked: (
+        f"placement error: no placement within {timeout_s:g}s (run.call_timeout_s) for "
+        f"reference/critic: {asked}; the cluster has "
+        f"{_resources(ray.cluster_resources())} in all"))
+
+
+def _equal_bundles(count: int, cpus_each: int, gpus: float, *, timeout_s: float,
+                   refusal: Callable[[str], str]) -> PlacementGroup:
+    """``count`` equal bundles, packed, once placed; not placed within ``timeout_s``: the
+    group is removed and ``ConfigError(refusal("N x {resources}"))`` raised."""
     bundle: dict[str, float] = {"CPU": float(cpus_each)} | ({"GPU": gpus} if gpus else {})
     group = placement_group([dict(bundle) for _ in range(count)], "PACK")
     try:
         ray.get(group.ready(), timeout=timeout_s)
     except ray.exceptions.GetTimeoutError:
         remove_placement_group(group)
-        raise ConfigError(
-            f"placement error: no placement within {timeout_s:g}s (run.call_timeout_s) for "
-            f"reference/critic: {count} x {{{_resources(bundle)}}}; the cluster has "
-            f"{_resources(ray.cluster_resources())} in all") from None
+        raise ConfigError(refusal(f"{count} x {{{_resources(bundle)}}}")) from None
     return group
 
 
@@ -156,18 +165,10 @@ def lendable_placement_group(most: int, count: int, cpus_each: int, gpus: float 
     """The placement group of the ``count`` engines ``[autopilot]`` may add (up to
     autopilot.max_rollout_workers, ``most``): one bundle each, held from the start.
     Raises ``ConfigError`` naming the key when it is not placed within ``timeout_s``."""
-    bundle: dict[str, float] = {"CPU": float(cpus_each)} | ({"GPU": gpus} if gpus else {})
-    group = placement_group([dict(bundle) for _ in range(count)], "PACK")
-    try:
-        ray.get(group.ready(), timeout=timeout_s)
-    except ray.exceptions.GetTimeoutError:
-        remove_placement_group(group)
-        raise ConfigError(
-            f"config error: autopilot.max_rollout_workers = {most}: no placement within "
-            f"{timeout_s:g}s (run.call_timeout_s) for {count} engine(s) added: {count} x "
-            f"{{{_resources(bundle)}}}; the cluster has {_resources(ray.cluster_resources())} "
-            "in all") from None
-    return group
+    return _equal_bundles(count, cpus_each, gpus, timeout_s=timeout_s, refusal=lambda asked: (
+        f"config error: autopilot.max_rollout_workers = {most}: no placement within "
+        f"{timeout_s:g}s (run.call_timeout_s) for {count} engine(s) added: {asked}; the "
+        f"cluster has {_resources(ray.cluster_resources())} in all"))
 
 
 def in_bundle(group: PlacementGroup, index: int) -> PlacementGroupSchedulingStrategy:
