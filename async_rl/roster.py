@@ -9,7 +9,9 @@ workers of their own, whether rollout and training share devices
 initial weights: a resumed run's policy comes from its checkpoint, its reference and
 critic weights never do), which trainer shards write checkpoints. And what is read off
 the whole roster: the CPUs a local Ray needs (``Roster.cpus``) and the registry of who
-runs where (``Roster.registry``, ``registry_table``).
+runs where (``Roster.registry``, ``registry_table``; an engine the autopilot adds or
+removes while the run trains, ``registry_line``), and the engines a resumed run starts
+with when the autopilot had added some (``resumed_engines``).
 
 Plain Python (no Ray): the Ray shell (``async_rl.shell.launch``) creates one actor per
 entry and fills in what only placement knows (node, process group address, pid); the
@@ -113,6 +115,9 @@ class Roster(msgspec.Struct, frozen=True, kw_only=True):
     autopilot.max_rollout_workers): placed with the others, started only when added."""
     lendable_room: int = 0
     """How many added engines have cores no other added engine has (on CPU)."""
+    resumed: int = 0
+    """Of ``lendable``, the first this many start with the run: a resumed run's engines
+    that ``[autopilot]`` had added (``resumed_engines``)."""
 
     def of(self, role: Kind) -> list[Entry]:
         return [entry for entry in self.entries if entry.role == role]
@@ -123,6 +128,12 @@ class Roster(msgspec.Struct, frozen=True, kw_only=True):
         return [e for e in self.entries if e.bundle is not None and e.bundle.group == "own"]
 
     @property
+    def started(self) -> tuple[Entry, ...]:
+        """The workers started with the run, in order: its entries, then the resumed
+        engines the autopilot had added."""
+        return (*self.entries, *self.lendable[:self.resumed])
+
+    @property
     def cpus(self) -> int:
         """CPUs the workers ask for in all (the engines the autopilot may add included):
         what a local Ray must have at least."""
@@ -131,18 +142,23 @@ class Roster(msgspec.Struct, frozen=True, kw_only=True):
     def registry(self, placed: Mapping[str, WorkerIdentity]) -> list[WorkerIdentity]:
         """Who runs where: each placed worker's identity from ``placed`` (by name, with
         its node and pid once it runs), the critic beside the trainer shards as their
-        processes again."""
+        processes again, the resumed engines the autopilot had added marked added after
+        the step the run resumed after."""
         trainers = [placed[e.name] for e in self.of("trainer")]
         beside = ([msgspec.structs.replace(w, role="critic") for w in trainers]
                   if self.critic_beside_trainer else [])
-        return [*(placed[e.name] for e in self.of("rollout")), *trainers, *beside,
+        resumed = [msgspec.structs.replace(placed[e.name], added_after_step=self.start.version)
+                   for e in self.lendable[:self.resumed]]
+        return [*(placed[e.name] for e in self.of("rollout")), *resumed, *trainers, *beside,
                 *(placed[e.name] for e in self.own)]
 
 
 def roster(config: Config, start: Start | None = None, *,
-           available: tuple[int, ...] | None = None) -> Roster:
+           available: tuple[int, ...] | None = None, engines: int = 0) -> Roster:
     """Every worker of the run ``config`` describes, starting the policy from ``start``
-    (None: a new run). ``available``: the cores to lay out (None: this process's)."""
+    (None: a new run). ``available``: the cores to lay out (None: this process's).
+    ``engines``: the rollout engines to start with, the autopilot's added ones included
+    (a resumed run's: ``resumed_engines``; 0: rollout.num_workers)."""
     start = start or Start()
     rollout, trainer = config.rollout, config.trainer
     own_roles = _own_roles(config)
@@ -181,7 +197,27 @@ def roster(config: Config, start: Start | None = None, *,
                                                 max_new_tokens=rollout.max_new_tokens)))
     return Roster(entries=tuple(entries), layout=layout, start=start,
                   critic_beside_trainer=config.has_critic and "critic" not in workers.own_roles,
-                  lendable=lendable, lendable_room=room)
+                  lendable=lendable, lendable_room=room,
+                  resumed=min(max(engines - rollout.num_workers, 0), len(lendable)))
+
+
+def resumed_engines(config: Config, saved: int) -> tuple[int, str]:
+    """The rollout engines a resumed run starts with, from ``saved``, the engine count
+    ``[autopilot]`` had reached when the checkpoint was taken (0: none recorded), and a
+    line saying why when that is not ``saved``: within rollout.num_workers ..
+    autopilot.max_rollout_workers of the resumed config (clamped, not refused: the
+    count is a throughput setting, not the algorithm's; whether the cluster can hold
+    that many is checked as for a new run, when the run is placed)."""
+    first = config.rollout.num_workers
+    most = first + config.lendable_engines
+    if saved <= first:
+        return first, ""
+    if saved <= most:
+        return saved, ""
+    why = ("without autopilot.enabled" if not config.autopilot.enabled else
+           f"autopilot.max_rollout_workers = {config.autopilot.max_rollout_workers}")
+    return most, (f"the checkpoint ran {saved} rollout engines (the autopilot's); {why}: "
+                  f"the run resumes with {most}")
 
 
 def _own_roles(config: Config) -> list[tuple[Role, int]]:
@@ -246,8 +282,28 @@ class _Workers:
 def registry_table(identities: list[WorkerIdentity]) -> str:
     """The registry as a small fixed-width table, for the shell to print."""
     gateway = any(w.address for w in identities)  # an agent task's: one column more
-    rows = [("worker", "node", "devices", "pid", *(("gateway",) if gateway else ()))]
+    added = any(w.added_after_step >= 0 for w in identities)  # the autopilot's engines
+    rows = [("worker", "node", "devices", "pid", *(("gateway",) if gateway else ()),
+             *(("autopilot",) if added else ()))]
     rows += [(w.name, w.node or "-", w.device_label, str(w.pid or "-"),
-              *((w.address,) if gateway else ())) for w in identities]
+              *((w.address,) if gateway else ()), *((lent(w) or "-",) if added else ()))
+             for w in identities]
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows)
+
+
+def lent(identity: WorkerIdentity) -> str:
+    """When ``[autopilot]`` added (and removed) an engine, in words ("": a worker of the
+    run's own)."""
+    if identity.added_after_step < 0:
+        return ""
+    removed = (f", removed after step {identity.removed_after_step}"
+               if identity.removed_after_step >= 0 else "")
+    return f"added after step {identity.added_after_step}{removed}"
+
+
+def registry_line(identity: WorkerIdentity) -> str:
+    """One worker's registry row as a console line (an engine the autopilot added or
+    removed while the run trains)."""
+    return (f"{identity.name}: node {identity.node or '-'}, {identity.device_label}, "
+            f"pid {identity.pid or '-'}; {lent(identity) or 'a worker of the run'}")

@@ -37,6 +37,12 @@ class WorkerIdentity(msgspec.Struct, frozen=True, kw_only=True):
     address: str = ""
     """A rollout worker's gateway (an agent task's OpenAI-compatible endpoint); "" for
     none."""
+    added_after_step: int = -1
+    """A rollout engine ``[autopilot]`` added: the step after which it joined (the
+    policy version it started from); a resumed run's engines the autopilot had added,
+    the step it resumed after. -1: a worker of the run's own."""
+    removed_after_step: int = -1
+    """The step after which ``[autopilot]`` removed it (-1: it ran to the run's end)."""
 
     @property
     def name(self) -> str:

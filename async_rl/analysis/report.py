@@ -3,7 +3,8 @@
 Owns: reading a run directory's stored spans and summary, resolving idle causes, writing
 ``trace.json`` (with each step's staleness split as counter tracks) and ``timeline.png``,
 and the tables printed at the end of a run and by ``async-rl report RUN_DIR [RUN_B]``:
-the run's experiment record (run.json) and the autopilot's changes in it, and for two
+the run's experiment record (run.json) and the autopilot's changes in it (with the
+engines it added, from workers.json), and for two
 runs what differs in their config and record before their figures side by side. Knows
 nothing about how the run was executed.
 """
@@ -43,6 +44,7 @@ from async_rl.analysis.tables import (
 )
 from async_rl.analysis.trace import Counter, write_chrome_trace, write_timeline_png
 from async_rl.config import SimulateConfig
+from async_rl.roster import registry_line
 from async_rl.run.run_dir import (
     CONFIG,
     EVALS,
@@ -54,11 +56,13 @@ from async_rl.run.run_dir import (
     read_metrics,
     read_record,
     read_summary,
+    read_workers,
 )
 from async_rl.run.run_record import RunRecord, describe
 from async_rl.run.summary import BucketDrops, RunSummary, describe_failures
 from buffers.common.reports import UsageReading
 from workers.common.spans import COMPUTING_IDLE, Span
+from workers.layout import WorkerIdentity
 
 TRACE = "trace.json"
 TIMELINE = "timeline.png"
@@ -273,7 +277,7 @@ def print_report(run_dir: str | Path, console: Console | None = None, *,
                           f"({len(s.evals)} evaluations in {EVALS})")
         console.print(f"failures: {describe_failures(s.failures) or 'none'}"
                       + (f"; stopped: {s.stopped}" if s.stopped else ""), markup=False)
-    for line in autopilot_lines(read_record(path)):
+    for line in autopilot_lines(read_record(path), read_workers(path)):
         console.print(line, markup=False, highlight=False)
     sampled = _sampled(idle, traced_engines(idle, _detail(path)))
     console.print(f"trace: {path / TRACE} (open in ui.perfetto.dev"
@@ -282,10 +286,13 @@ def print_report(run_dir: str | Path, console: Console | None = None, *,
     return idle
 
 
-def autopilot_lines(record: RunRecord | None) -> list[str]:
-    """The autopilot's changes (run.json), one line each: none without any."""
+def autopilot_lines(record: RunRecord | None,
+                    registry: Sequence[WorkerIdentity] = ()) -> list[str]:
+    """The autopilot's changes (run.json), one line each, then the engines it added
+    (workers.json: where each ran, when added and removed): none without any."""
     changes = record.autopilot if record else ()
-    if not changes:
+    lent = [w for w in registry if w.added_after_step >= 0]
+    if not changes and not lent:
         return []
     lines = [f"autopilot: {len(changes)} change(s), each judged on the window after it"]
     for change in changes:
@@ -293,6 +300,9 @@ def autopilot_lines(record: RunRecord | None) -> list[str]:
                   if change.judged_step else "pending: the run ended first")
         lines.append(f"  after step {change.step}: {change.key} {change.old} -> "
                      f"{change.new} ({judged}); cause: {change.cause}")
+    if lent:
+        lines.append(f"engines the autopilot added ({len(lent)}, workers.json):")
+        lines += [f"  {registry_line(w)}" for w in lent]
     return lines
 
 

@@ -33,7 +33,7 @@ from async_rl.analysis.idle import HINTS
 from async_rl.config import Config
 from async_rl.control.protocols import EngineLending
 from async_rl.knobs import live_ladders
-from async_rl.run.run_record import AutopilotChange
+from async_rl.run.run_record import AutopilotChange, AutopilotState
 
 INFLIGHT = "rollout.max_inflight_prompts"
 QUEUE = "queue.max_groups"
@@ -155,6 +155,33 @@ class Autopilot:
         """The window a move was decided on, and the move's place in ``changes``."""
         self._blocked: dict[tuple[str, int], int] = {}
         """(key, direction) -> the window count until which it is not tried."""
+
+    def state(self) -> AutopilotState:
+        """What a checkpoint keeps: the values in effect and the changes so far."""
+        return AutopilotState(values=dict(self.values), changes=tuple(self.changes))
+
+    def restore(self, saved: AutopilotState, engines: int) -> list[str]:
+        """Goes on from a checkpoint's ``saved`` state: its changes, and each key's value
+        where this run tunes the key, within its range here (the config may have changed:
+        a value off the ladder moves to the nearest rung); the engine count is
+        ``engines``, those the resumed run started with. A move pending at the
+        checkpoint stays pending (the window it was decided on is gone). Lines saying
+        where a value was not resumed as saved."""
+        self.changes = list(saved.changes)
+        lines = []
+        for key, rungs in self.rungs.items():
+            if key == ENGINES:
+                self.values[key] = min(max(engines, rungs[0]), rungs[-1])
+                continue
+            if key not in saved.values:
+                continue
+            value = saved.values[key]
+            self.values[key] = min(rungs, key=lambda rung: (abs(rung - value), rung))
+            if self.values[key] != value:
+                lines.append(f"autopilot: {key} was {value} at the checkpoint, outside "
+                             f"its range here ({rungs[0]}..{rungs[-1]}): it resumes at "
+                             f"{self.values[key]}")
+        return lines
 
     def observe(self, window: Window) -> Move | None:
         """The move after ``window`` (None: none). A window that trained nothing decides

@@ -2,7 +2,8 @@
 
 Owns: the ``RunState`` record (the orchestrator's side of a checkpoint: version, gate
 counters, prompt cursor, prompts to issue again, the replay queue's groups, the partial
-rollouts the engines handed back, counters, file positions), the layout of
+rollouts the engines handed back, counters, file positions, what ``[autopilot]`` had
+tuned), the layout of
 ``RUN_DIR/checkpoints/step-NNNNNN/`` (``state.json``, ``queue.msgpack`` with the queue's
 groups and their tokens, ``partials.msgpack`` with the partial rollouts, the trainer's
 ``trainer/`` folder, and ``manifest.json`` with a SHA-256 per file), writing one in two
@@ -30,6 +31,7 @@ import msgspec
 
 from async_rl.control.step_metrics import Counters
 from async_rl.run.run_dir import FilePositions
+from async_rl.run.run_record import AutopilotState
 from async_rl.run.summary import EvalPoint
 from async_rl.tasks.sources import SourceState
 from buffers.common.partials import PartialGroup, decode_partials, encode_partials
@@ -79,6 +81,9 @@ class RunState(msgspec.Struct, frozen=True, kw_only=True):
     trainer_backend: str = "ddp"
     """trainer.backend of the run that wrote it: the trainer folder's layout differs
     (a replica's state, or every shard's part), so the other backend refuses it."""
+    autopilot: AutopilotState | None = None
+    """``[autopilot]``'s tuned values and changes (None: without it, or a checkpoint
+    written before it was kept): a resumed run starts from them."""
 
 
 def _sha256(path: Path) -> str:

@@ -3,22 +3,22 @@
 Owns: which parts of a run a checkpoint holds (the gate's counters, the prompt cursor,
 the replay queue's groups with their tokens, the partial rollouts the engines handed
 back, the other prompts admitted but not trained, the step counters, the evaluations,
-the run files' positions), gathered from those parts at one instant when one is taken
-and handed back to them on resume (the queue's groups through the staleness rule as of
-the resumed version, and so the partial rollouts, judged by their oldest kept token: a
-prompt is owed, partial, queued or trained, never two of them); and the order of writes:
-the trainer snapshots in order with training, the write and rename may run in the
-background, one at a time, each waited for before the next begins. When a checkpoint
-falls due is the orchestrator's; the files, their layout and their checks are
-``async_rl.control.checkpoint_files``'s. Knows nothing about Ray or what the trainer
-writes into its folder.
+the run files' positions, what ``[autopilot]`` had tuned), gathered from those parts at
+one instant when one is taken and handed back to them on resume (the queue's groups
+through the staleness rule as of the resumed version, and so the partial rollouts,
+judged by their oldest kept token: a prompt is owed, partial, queued or trained, never
+two of them); and the order of writes: the trainer snapshots in order with training,
+the write and rename may run in the background, one at a time, each waited for before
+the next begins. When a checkpoint falls due is the orchestrator's; the files, their
+layout and their checks are ``async_rl.control.checkpoint_files``'s. Knows nothing about
+Ray or what the trainer writes into its folder.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.abc
@@ -31,6 +31,7 @@ from async_rl.control.prompt_ledger import PromptLedger
 from async_rl.control.protocols import TokenStore, TrainerClient
 from async_rl.control.step_metrics import StepTotals
 from async_rl.run.run_dir import RunWriter
+from async_rl.run.run_record import AutopilotState
 from async_rl.tasks.sources import PromptSource
 from buffers.common.records import NO_VERSION, Group
 from buffers.common.saved_groups import SavedGroup
@@ -50,10 +51,15 @@ class RunCheckpoints:
     def from_config(cls, run: RunConfig, trainer: TrainerConfig, out: RunWriter,
                     gate: AdmissionGate, source: PromptSource, totals: StepTotals,
                     prompts: PromptLedger, evals: EvalLog, queue: ReplayQueue[Group],
-                    tokens: TokenStore | None) -> RunCheckpoints:
-        """Checkpoints of trainer.backend's state, run.keep_checkpoints of them kept."""
-        return cls(out, gate, source, totals, prompts, evals, queue, tokens,
-                   backend=trainer.backend, keep=run.keep_checkpoints)
+                    tokens: TokenStore | None,
+                    tuned: Callable[[], AutopilotState | None] = lambda: None
+                    ) -> RunCheckpoints:
+        """Checkpoints of trainer.backend's state, run.keep_checkpoints of them kept;
+        ``tuned``: what ``[autopilot]`` has tuned now (None: no autopilot)."""
+        checkpoints = cls(out, gate, source, totals, prompts, evals, queue, tokens,
+                          backend=trainer.backend, keep=run.keep_checkpoints)
+        checkpoints.tuned = tuned
+        return checkpoints
 
     def __init__(self, out: RunWriter, gate: AdmissionGate, source: PromptSource,
                  totals: StepTotals, prompts: PromptLedger, evals: EvalLog,
@@ -69,6 +75,8 @@ class RunCheckpoints:
         self.backend, self.keep = backend, keep
         self.written: anyio.Event | None = None
         """Set when the last checkpoint started in the background is renamed into place."""
+        self.tuned: Callable[[], AutopilotState | None] = lambda: None
+        """What ``[autopilot]`` has tuned now (None: no autopilot)."""
 
     async def save(self, version: int, wall_s: float, saver: TrainerClient, *,
                    background: anyio.abc.TaskGroup | None = None) -> None:
@@ -96,6 +104,7 @@ class RunCheckpoints:
             partials=tuple(self.prompts.partials),
             counters=self.totals.counters(), evals=tuple(self.evals.points),
             wall_s=wall_s, files=self.out.positions, trainer_backend=self.backend,
+            autopilot=self.tuned(),
         )
         state = await self._with_queue(state, queued)
         partial = await begin_checkpoint(self.out.path, state.step, saver.save_checkpoint)

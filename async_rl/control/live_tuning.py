@@ -14,7 +14,10 @@ workers' lending, ``EngineLending``: engines added join the pool, removed ones l
 it), and says so: a console line with its cause, run.json's list of changes, the
 ``autopilot/<key>`` columns of every metrics row. An engine move's switch (the engines'
 start) is no part of the window that judges it, nor are the steps that train the groups
-queued during it: that window starts once those are trained.
+queued during it: that window starts once those are trained. A checkpoint keeps the
+values in effect and the changes (``state``); a resumed run starts from them
+(``restore``: the engines it started with are the shell's,
+``async_rl.roster.resumed_engines``).
 Without ``[autopilot]`` it holds the config's values and measures nothing.
 """
 
@@ -40,6 +43,7 @@ from async_rl.control.autopilot import (
 from async_rl.control.protocols import EngineLending, RolloutFailed
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.run.run_dir import RunWriter
+from async_rl.run.run_record import AutopilotState
 from buffers.common.records import Group
 from buffers.common.train_records import ShardStepResult
 from buffers.queue.replay_queue import ReplayQueue
@@ -75,6 +79,28 @@ class LiveTuning:
         if self.autopilot is not None and STALENESS in self.autopilot.values:
             # The run starts at the autopilot's ceiling (at most the config's bound).
             self._set(STALENESS, self.autopilot.values[STALENESS])
+
+    def state(self) -> AutopilotState | None:
+        """What a checkpoint keeps of the autopilot (None: no autopilot)."""
+        return self.autopilot.state() if self.autopilot is not None else None
+
+    def restore(self, saved: AutopilotState | None) -> None:
+        """A resumed run goes on from the values and changes a checkpoint kept, each
+        applied before the first step (the pool's limit, the queue, the gate, the
+        trainer rules); the engine count is the engines in the pool, those the run
+        started with. Nothing without the autopilot or a kept state."""
+        if self.autopilot is None or saved is None:
+            return
+        for line in self.autopilot.restore(saved, engines=len(self.pool)):
+            log.warning("%s", line)
+        for key, value in self.autopilot.values.items():
+            if key == INFLIGHT:
+                self.pool.restore_limit(value)
+            else:
+                self._set(key, value)
+        self.out.autopilot(self.autopilot.changes)
+        log.info("autopilot: resumed at %s", ", ".join(
+            f"{key} = {value}" for key, value in self.autopilot.values.items()))
 
     def columns(self) -> dict[str, int]:
         """Each tuned key's value in effect, for the step's metrics row."""

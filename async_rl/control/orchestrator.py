@@ -149,7 +149,7 @@ class Orchestrator:
         # What a checkpoint gathers from all of the above.
         self.checkpoints = RunCheckpoints.from_config(
             config.run, config.trainer, out, self.gate, source, self.totals, self.prompts,
-            self.evals, self.queue, workers.tokens)
+            self.evals, self.queue, workers.tokens, tuned=self.tuning.state)
 
     @property
     def version(self) -> int:
@@ -390,4 +390,5 @@ class Orchestrator:
         self.first_step = state.step + 1
         self.wall_offset = state.wall_s
         self.stages.resumed()
+        self.tuning.restore(state.autopilot)  # before the queue's groups are back in it
         self.checkpoints.restore(state, refused)

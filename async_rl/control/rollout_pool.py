@@ -120,12 +120,17 @@ class RolloutPool:
         """A new rollout.max_inflight_prompts (a run retuned while it trains): raised,
         a wait for a slot goes on at once; lowered, workers above it finish what they
         hold and get no more until they are below it."""
+        async with self._changed:
+            self.restore_limit(limit)
+            self._changed.notify_all()
+
+    def restore_limit(self, limit: int) -> None:
+        """``set_limit`` before the run starts (a resumed run's tuned value: nothing
+        waits for a slot yet)."""
         if limit < 1:
             raise ValueError(f"limit={limit}: must be >= 1")
-        async with self._changed:
-            self._by_busy += [[] for _ in range(limit + 1 - len(self._by_busy))]
-            self.limit = limit
-            self._changed.notify_all()
+        self._by_busy += [[] for _ in range(limit + 1 - len(self._by_busy))]
+        self.limit = limit
 
     async def join(self, rank: int, worker: RolloutClient) -> None:
         """A worker added while the run trains (``[autopilot]``'s engine count): live from

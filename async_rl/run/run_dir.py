@@ -22,6 +22,7 @@ from async_rl.run.run_record import AutopilotChange, RunRecord, collect, now
 from async_rl.run.summary import EvalPoint, RunSummary
 from buffers.common.reports import LedgerEntry
 from workers.common.spans import Span
+from workers.layout import WorkerIdentity
 
 CONFIG = "config.toml"
 METRICS = "metrics.jsonl"
@@ -126,7 +127,9 @@ class RunWriter:
         (self.path / SPANS).write_bytes(b"".join(self._encoder.encode(s) + b"\n" for s in spans))
 
     def workers(self, registry: Sequence[Any]) -> None:
-        """Who ran where: one record per worker (role, rank, node, devices, pid)."""
+        """Who ran where: one record per worker (role, rank, node, devices, pid), written
+        at the start and again when ``[autopilot]`` adds or removes an engine (each
+        engine it added has a row of its own, marked added and removed after a step)."""
         (self.path / WORKERS).write_bytes(msgspec.json.format(self._encoder.encode(registry)))
 
     def usage(self, usage: dict[str, Any]) -> None:
@@ -165,6 +168,14 @@ def read_evals(run_dir: str | Path) -> list[EvalPoint]:
     decoder = msgspec.json.Decoder(EvalPoint)
     lines = (Path(run_dir) / EVALS).read_bytes().splitlines()
     return [decoder.decode(line) for line in lines if line]
+
+
+def read_workers(run_dir: str | Path) -> list[WorkerIdentity]:
+    """The run's worker registry (workers.json); empty when it has none."""
+    path = Path(run_dir) / WORKERS
+    if not path.exists():
+        return []
+    return msgspec.json.decode(path.read_bytes(), type=list[WorkerIdentity])
 
 
 def read_summary(run_dir: str | Path) -> RunSummary:

@@ -3,7 +3,8 @@
 Owns: collecting the command line, the async-rl checkout's commit and dirty flag, the
 Python and key package versions, the hardware (CPU model, cores, memory; GPU model,
 count and driver when NVML is there), the seeds, the start and end times and the
-autopilot's live changes (``AutopilotChange``), into one frozen ``RunRecord``. Knows
+autopilot's live changes (``AutopilotChange``; what a checkpoint keeps of them,
+``AutopilotState``), into one frozen ``RunRecord``. Knows
 nothing about training; ``async_rl.run.run_dir`` writes the record when a run starts,
 after each autopilot change, and again, with its end time, when it ends.
 """
@@ -71,6 +72,17 @@ class AutopilotChange(msgspec.Struct, frozen=True, kw_only=True):
     """The step whose window judged it (0 while pending)."""
     judgement: str = ""
     """The groups/s of the two windows and the noise band, in words."""
+
+
+class AutopilotState(msgspec.Struct, frozen=True, kw_only=True):
+    """What ``[autopilot]`` had reached when a checkpoint was taken: a resumed run goes on
+    from it (``async_rl.control.live_tuning.LiveTuning.restore``)."""
+
+    values: dict[str, int]
+    """Each tuned key's value in effect (the engine count, ``rollout.num_workers``,
+    among them where engines were lent)."""
+    changes: tuple[AutopilotChange, ...] = ()
+    """Its changes so far (run.json's list, continued by the resumed run)."""
 
 
 class RunRecord(msgspec.Struct, frozen=True, kw_only=True):

@@ -138,6 +138,8 @@ class RayRollout(WorkerAdapter):
 
     leaving = ""
     """Why the engine is being stopped ("": it is not): its calls fail with that reason."""
+    pid = 0
+    """Its process, once ``restart_rollout`` started it (0: not known here)."""
 
     def _failed(self, err: ray.exceptions.RayError, what: str) -> Exception:
         # Dead (the actor is gone) or broken (it refuses work after a failed weight
@@ -180,11 +182,12 @@ class RayRollout(WorkerAdapter):
         version: int = await self._call("version")
         return version
 
-    async def start(self) -> None:
+    async def start(self) -> int:
         """Starts a replacement's engine (``restart_rollout``), within
         run.call_timeout_s: one that does not is stuck, like a worker that stops
-        answering (``RolloutFailed``)."""
-        await self._call("start", on_timeout=self._stuck("start"))
+        answering (``RolloutFailed``). Its process id."""
+        pid: int = await self._call("start", on_timeout=self._stuck("start"))
+        return pid
 
 
 class RayTrainer(WorkerAdapter):
@@ -370,7 +373,7 @@ async def restart_rollout(started: StartedWorkers, source: RayTrainer, rank: int
     handle = started.new_rollout(rank, model, version, "")  # the old name may linger
     worker = RayRollout(f"rollout-{rank}", handle, config)
     try:
-        await worker.start()
+        worker.pid = await worker.start()
     except BaseException:  # failed, timed out or cancelled
         ray.kill(handle)
         raise

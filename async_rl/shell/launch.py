@@ -75,6 +75,8 @@ class StartedWorkers:
     evaluator: Any = None
     """The run.eval_on = "idle_cpu" evaluator (None: evaluations run on rollout workers)."""
     identities: list[WorkerIdentity] = field(default_factory=list)
+    lendable: dict[int, WorkerIdentity] = field(default_factory=dict)
+    """Where each engine ``[autopilot]`` may add goes, by rank (no pid: not started)."""
     placement_groups: list[PlacementGroup] = field(default_factory=list)
     new_rollout: Callable[[int, ModelConfig, int, str], Any] | None = None
     """Creates (does not start) rollout worker ``rank`` on its cores from a model at a
@@ -144,11 +146,11 @@ async def launch_workers(config: Config, plan: Roster, task: WorkerTask,
     placed = place(config, plan, task, started)
     specs = with_group_addresses(plan, placed)
     handles = []
-    for entry in plan.entries:
+    for entry in plan.started:  # a resumed run's engines the autopilot had added too
         handles.append(placed.create(entry, specs[entry.name], plan.start.version, entry.name))
         started.add(entry, handles[-1])
     started.new_rollout = rollout_replacement(plan, placed, specs)
-    pids = await start_side_by_side(plan.entries, handles)
+    pids = await start_side_by_side(plan.started, handles)
     await connect_weight_groups(started)
     # Shard 0 sends each version to the rollout workers; with fsdp2 it gathers the whole
     # policy from every shard first (ddp's shards are replicas).
@@ -158,9 +160,12 @@ async def launch_workers(config: Config, plan: Roster, task: WorkerTask,
     started.identities = plan.registry({
         entry.name: entry.identity(node=placed.nodes[entry.name][1],
                                    node_id=placed.nodes[entry.name][0], pid=pid)
-        for entry, pid in zip(plan.entries, pids, strict=True) if entry.bundle is not None})
+        for entry, pid in zip(plan.started, pids, strict=True) if entry.bundle is not None})
+    started.lendable = {entry.rank: entry.identity(node=placed.nodes[entry.name][1],
+                                                   node_id=placed.nodes[entry.name][0])
+                        for entry in plan.lendable}
     if task.agent is not None:  # each rollout engine's gateway, in the registry printout
-        rollout = [(e, h) for e, h in zip(plan.entries, handles, strict=True)
+        rollout = [(e, h) for e, h in zip(plan.started, handles, strict=True)
                    if e.role == "rollout"]
         addresses = await each([h.gateway_address.remote for _, h in rollout])
         names = {e.name: a for (e, _), a in zip(rollout, addresses, strict=True)}

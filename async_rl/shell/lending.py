@@ -19,7 +19,11 @@ that reason). The actor itself is parked, not killed: it owns the tokens of the 
 it generated that wait in the queue, which a shard fetches when it trains them; it is
 killed when its rank is added again (``restart_rollout``) or at the run's end. The
 weight group is rebuilt without it at the next delivery (a delivery goes to the pool's
-live ranks only). Knows nothing about when engines move
+live ranks only). Each add and removal goes into the run's worker registry: one
+console line (``async_rl.roster.registry_line``) and workers.json written again, the
+engine's row marked added (and removed) after its step. A resumed run's engines the
+autopilot had added start with the run (``async_rl.roster.resumed_engines``); they are
+adopted here, to be removed as any added one. Knows nothing about when engines move
 (``async_rl.control.autopilot``).
 """
 
@@ -27,7 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from collections.abc import Awaitable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
@@ -37,12 +41,14 @@ import ray
 from async_rl.config import Config
 from async_rl.control.protocols import RolloutClient
 from async_rl.control.rollout_pool import CurrentPolicy
+from async_rl.roster import registry_line
 from async_rl.shell.adapters import RayRollout, RayTrainer, restart_rollout
 from async_rl.shell.launch import StartedWorkers
 from buffers.common.partials import PartialGroup
 from buffers.common.records import Group, Prompt
 from buffers.common.reports import EvalResult, UsageReading
 from workers.common.spans import Span
+from workers.layout import WorkerIdentity
 
 log = logging.getLogger(__name__)
 
@@ -105,8 +111,12 @@ class RayLending:
     """See the module docstring. As ``EngineLending``: ``engines``,
     ``devices_per_engine``, ``trainer_devices``, ``add``, ``remove``."""
 
-    def __init__(self, config: Config, started: StartedWorkers, source: RayTrainer) -> None:
-        """``source``: trainer shard 0, whose weight group an added engine joins."""
+    def __init__(self, config: Config, started: StartedWorkers, source: RayTrainer,
+                 registry: Callable[[Sequence[WorkerIdentity]], None] = lambda _: None
+                 ) -> None:
+        """``source``: trainer shard 0, whose weight group an added engine joins;
+        ``registry``: writes the run's worker registry (workers.json), called with every
+        worker that ran so far after each add and removal."""
         first = config.rollout.num_workers
         self.engines = (first, first + config.lendable_engines)
         gpus = ray.cluster_resources().get("GPU", 0)
@@ -116,11 +126,28 @@ class RayLending:
         trainer shard's cores; the autopilot's judgement of the move measures that)."""
         self.config, self.started, self.source = config, started, source
         self.current_policy: CurrentPolicy | None = None
+        self.version: Callable[[], int] = lambda: 0
+        """The policy version now: the steps trained (a removal's step)."""
         self.added: dict[int, _Lent] = {}
+        self.registry = list(started.identities)
+        """Every worker that ran, the engines added and removed included."""
+        self._write_registry = registry
 
-    def attach(self, current_policy: CurrentPolicy) -> None:
-        """The run's policy, as the orchestrator writes it for an engine to start from."""
-        self.current_policy = current_policy
+    def attach(self, current_policy: CurrentPolicy, version: Callable[[], int]) -> None:
+        """The run's policy, as the orchestrator writes it for an engine to start from,
+        and its version now."""
+        self.current_policy, self.version = current_policy, version
+
+    def adopt(self, rank: int, worker: RolloutClient) -> RolloutClient:
+        """A resumed run's engine the autopilot had added, started with the run: its
+        client, counted as an added engine's (to be removed as one)."""
+        assert isinstance(worker, RayRollout)
+        self.added[rank] = lent = _Lent(worker)
+        return lent
+
+    def _registered(self, identity: WorkerIdentity) -> None:
+        log.info("%s", registry_line(identity))
+        self._write_registry(self.registry)
 
     async def add(self, rank: int) -> RolloutClient:
         assert self.current_policy is not None, "attach() the run's policy first"
@@ -129,7 +156,10 @@ class RayLending:
         worker = await restart_rollout(self.started, self.source, rank, model, version,
                                        self.config)
         self.added[rank] = lent = _Lent(worker)
-        log.info("rollout-%d added at version %d", rank, version)
+        identity = msgspec.structs.replace(self.started.lendable[rank], pid=worker.pid,
+                                           added_after_step=version)
+        self.registry.append(identity)
+        self._registered(identity)
         return lent
 
     async def remove(self, rank: int) -> None:
@@ -147,3 +177,11 @@ class RayLending:
                 ray.exceptions.RayError):
             await handle.shutdown.remote()
         log.info("rollout-%d removed: %d rollout(s) in progress handed back", rank, handed)
+        name, step = f"rollout-{rank}", self.version()
+        for index in reversed(range(len(self.registry))):  # its latest row: still running
+            row = self.registry[index]
+            if row.name == name and row.removed_after_step < 0:
+                self.registry[index] = row = msgspec.structs.replace(
+                    row, removed_after_step=step)
+                self._registered(row)
+                break

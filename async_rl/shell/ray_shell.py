@@ -31,6 +31,7 @@ from ray._private import worker as ray_worker
 from ray.util.placement_group import remove_placement_group
 
 from async_rl.config import Config
+from async_rl.control.autopilot import ENGINES
 from async_rl.control.checkpoint_files import (
     TRAINER,
     CheckpointError,
@@ -43,7 +44,7 @@ from async_rl.control.protocols import (
     RunFailed,
     first_error,
 )
-from async_rl.roster import Roster, Start, registry_table, roster
+from async_rl.roster import Roster, Start, registry_table, resumed_engines, roster
 from async_rl.run.run_dir import WORKERS_LOG, RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.shell.adapters import RayTrainer, adapt
@@ -166,11 +167,17 @@ def run_training(config: Config, *, resume: bool = False, verbose: bool = False,
 
 def new_job(config: Config, rewards: Sequence[Reward], start: Start | None = None,
             state: RunState | None = None, refused: int = 0) -> Job:
-    """The job of ``config`` with its workers starting from ``start`` (None: a new run).
-    Before Ray: a dataset's rows are read and measured here (a bad one is a
-    ConfigError)."""
+    """The job of ``config`` with its workers starting from ``start`` (None: a new run;
+    resumed, with the engines ``[autopilot]`` had when ``state`` was saved: within the
+    config's bounds, ``resumed_engines``). Before Ray: a dataset's rows are read and
+    measured here (a bad one is a ConfigError)."""
     task = build_task(config)
-    return Job(config=config, plan=roster(config, start), task=task,
+    engines = 0
+    if state is not None and state.autopilot is not None:
+        engines, clamped = resumed_engines(config, state.autopilot.values.get(ENGINES, 0))
+        if clamped:
+            log.warning("%s", clamped)
+    return Job(config=config, plan=roster(config, start, engines=engines), task=task,
                workers_task=worker_task(config.task, task, rewards,
                                          model_name=config.model.path), state=state,
                refused=refused)
@@ -291,11 +298,14 @@ async def orchestrate(job: Job, started: StartedWorkers, out: RunWriter,
     lending = None
     if job.plan.lendable:  # [autopilot]'s engine count: engines join and leave
         assert isinstance(workers.trainers[0], RayTrainer)
-        lending = RayLending(config, started, workers.trainers[0])
-        workers = dataclasses.replace(workers, lending=lending)
+        lending = RayLending(config, started, workers.trainers[0], registry=out.workers)
+        resumed = {entry.rank for entry in job.plan.started[len(job.plan.entries):]}
+        workers = dataclasses.replace(workers, lending=lending, rollout={
+            rank: lending.adopt(rank, worker) if rank in resumed else worker
+            for rank, worker in workers.rollout.items()})
     orchestrator = Orchestrator(config, out, job.task.source, job.task.eval_prompts, workers)
     if lending is not None:
-        lending.attach(orchestrator.policy.written_for)
+        lending.attach(orchestrator.policy.written_for, orchestrator.policy.current)
     if job.state is not None:
         orchestrator.restore(job.state, refused=job.refused)
     stops.orchestrator = orchestrator

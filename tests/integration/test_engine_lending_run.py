@@ -7,7 +7,9 @@ the next window reverts the move (whether a second engine pays on two cores is n
 something a test can count on). Checked: the added engine generated at the version it
 was added at or later, the removed engine's rollouts in progress were handed back (or
 re-queued with the reason) and trained once, metrics.jsonl has the engine count every
-step, and the ledger is whole (every prompt trained once)."""
+step, the ledger is whole (every prompt trained once), the worker registry
+(workers.json, and report's lines) has the engine's row, added and removed after their
+steps, and the run's last checkpoint keeps the engine count a resume starts from."""
 
 from __future__ import annotations
 
@@ -16,10 +18,12 @@ from pathlib import Path
 
 import pytest
 
+from async_rl.analysis.report import autopilot_lines
 from async_rl.config_io import decode_config
 from async_rl.control import autopilot
+from async_rl.control.checkpoint_files import latest_checkpoint
 from async_rl.control.protocols import RolloutFailed
-from async_rl.run.run_dir import read_ledger, read_metrics, read_record
+from async_rl.run.run_dir import read_ledger, read_metrics, read_record, read_workers
 from async_rl.shell.adapters import RayRollout
 from async_rl.shell.lending import LEAVING
 from async_rl.shell.ray_shell import run_training
@@ -86,6 +90,19 @@ def test_an_engine_joins_at_the_current_version_and_a_leaving_ones_prompts_are_r
     rows = read_metrics(run_dir)
     assert [row[f"autopilot/{ENGINES}"] for row in rows] == (
         [1] * 3 + [2] * (removed - 3) + [1] * (STEPS - removed))
+
+    # The registry: the engine's own row, where it ran and when it came and went; the
+    # last checkpoint keeps the engine count (a resume starts with as many).
+    registry = read_workers(run_dir)
+    lent = [w for w in registry if w.name == "rollout-1"]
+    assert [(w.added_after_step, w.removed_after_step) for w in lent] == [(3, removed)]
+    assert lent[0].pid > 0 and lent[0].devices and lent[0].node
+    assert all(w.added_after_step == -1 for w in registry if w.name != "rollout-1")
+    assert any(line.strip().startswith("rollout-1: ") and
+               line.endswith(f"added after step 3, removed after step {removed}")
+               for line in autopilot_lines(record, registry)), autopilot_lines(record, registry)
+    _, saved = latest_checkpoint(run_dir)
+    assert saved.autopilot is not None and saved.autopilot.values[ENGINES] == 1
 
     # The added engine generated from the version it was added at (after step 3: 3).
     added = [c for c in calls if c[0] == "rollout-1"]
