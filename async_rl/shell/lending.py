@@ -163,6 +163,12 @@ class RayLending:
         return lent
 
     async def remove(self, rank: int) -> None:
+        try:
+            await self._stop(rank)
+        finally:  # in the registry as removed, whether it stopped cleanly or was lost
+            self._unregister(rank)
+
+    async def _stop(self, rank: int) -> None:
         lent = self.added.pop(rank, None)
         handle: Any = self.started.rollout.get(rank)
         if lent is None or handle is None:
@@ -177,6 +183,8 @@ class RayLending:
                 ray.exceptions.RayError):
             await handle.shutdown.remote()
         log.info("rollout-%d removed: %d rollout(s) in progress handed back", rank, handed)
+
+    def _unregister(self, rank: int) -> None:
         name, step = f"rollout-{rank}", self.version()
         for index in reversed(range(len(self.registry))):  # its latest row: still running
             row = self.registry[index]
