@@ -37,6 +37,7 @@ from workers.common.errors import first_line
 from workers.common.loop_thread import LoopThread
 from workers.common.user_code import import_object
 from workers.rollout.gateway import Gateway, GatewayLimits, Generate
+from workers.rollout.local_http import local_http_client
 from workers.rollout.sessions import Segment
 
 log = logging.getLogger("async_rl.agents")
@@ -104,31 +105,10 @@ def reward_of(value: Any) -> float:
 def shared_http_client() -> Any:
     """The HTTP client every session's ``AsyncOpenAI`` shares: one pool of keep-alive
     connections to the gateway (a client of its own per trajectory costs a new pool, and
-    an SSL context, each time), with no cap on the idle connections it keeps (httpx's
-    default keeps 100: a run with more sessions than that would reconnect). aiohttp
-    carries its requests (the openai client's ``DefaultAioHttpClient``): on the rollout
-    worker's one core the agents' HTTP client, the gateway and the engine share, the
-    client's CPU per turn was 2.3 ms against httpx's 3.0-3.5 (docs/benchmarks.md); httpx
-    where aiohttp is missing. A session's ``client.close()`` leaves it open for the
-    others; ``close_pool`` closes it, on the agents' loop."""
-    import httpx2
-    import openai
-
-    def shared(base: type[Any], **kwargs: Any) -> Any:
-        class Shared(base):
-            async def aclose(self) -> None:
-                return None
-
-            async def close_pool(self) -> None:
-                await super().aclose()
-
-        return Shared(**kwargs)
-
-    try:
-        return shared(openai.DefaultAioHttpClient)
-    except RuntimeError:  # the openai client's aiohttp extra is missing
-        unbounded = httpx2.Limits(max_connections=None, max_keepalive_connections=None)
-        return shared(openai.DefaultAsyncHttpxClient, limits=unbounded)
+    an SSL context, each time; a pool capped below the sessions at once would reconnect),
+    on plain HTTP/1.1 (``workers.rollout.local_http``). A session's ``client.close()``
+    leaves it open for the others; ``close_pool`` closes it, on the agents' loop."""
+    return local_http_client()
 
 
 async def _close_pool(http: Any) -> None:
