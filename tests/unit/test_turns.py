@@ -240,7 +240,9 @@ def test_encode_plain_gives_the_tokenizer_s_own_ids() -> None:
     texts = ["", "x", "</call><result>3901</result>", "a</s>b", " ünï\ncode\t 😀 ", "<pad>"]
     assert len(texts) == 6
     for text in texts:
-        assert encode_plain(tokenizer, text) == tokenizer.encode(text, add_special_tokens=False)
+        for special in (False, True):
+            assert (encode_plain(tokenizer, text, special)
+                    == tokenizer.encode(text, add_special_tokens=special))
     tokenizer.backend_tokenizer.enable_truncation(max_length=2)  # what the fast path skips
     assert encode_plain(tokenizer, "abcdef") == tokenizer.encode("abcdef",
                                                                 add_special_tokens=False)

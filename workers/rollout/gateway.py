@@ -239,9 +239,7 @@ class Gateway:
                            param="messages", code="invalid_value") from None
 
     def _encode(self, text: str, *, special: bool) -> list[int]:
-        if not special:
-            return encode_plain(self._tokenizer, text)
-        return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=True)]
+        return encode_plain(self._tokenizer, text, special)
 
     def _prompt_ids(self, session: Session, prompt: str | list[int], *, chat: bool
                     ) -> tuple[list[int], str]:
