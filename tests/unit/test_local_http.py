@@ -61,7 +61,7 @@ def test_requests_side_by_side_reuse_their_connections() -> None:
 
 def test_an_idle_connection_past_keep_alive_is_not_reused(monkeypatch: pytest.MonkeyPatch
                                                           ) -> None:
-    monkeypatch.setattr(local_http, "KEEP_ALIVE_S", 0.0)
+    monkeypatch.setattr(local_http, "REUSE_S", 0.0)
 
     async def test(url: str) -> None:
         transport = LocalTransport()

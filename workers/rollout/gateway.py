@@ -55,6 +55,11 @@ Generate = Callable[[list[int], Any, bool], Awaitable[Sample]]
 """Runs one engine request (prompt ids, sampling parameters, greedy) and returns its
 unscored sample with per-token logprobs and versions: the rollout worker's."""
 _SEED_RANGE = 2**63
+KEEP_ALIVE_S = 60
+"""How long the server keeps an idle connection open: far past the agents' transport's
+reuse (``workers.rollout.local_http.REUSE_S``), so a connection it reuses is not one
+the server is closing, even on a core so busy that the client reads a response seconds
+after it was sent."""
 _JSON = msgspec.json.Encoder()
 
 
@@ -106,7 +111,8 @@ class _Server:
                 yield
 
         return Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                     lifespan="off", interface="asgi3"))
+                                     lifespan="off", interface="asgi3",
+                                     timeout_keep_alive=KEEP_ALIVE_S))
 
 
 class Gateway:

@@ -10,8 +10,9 @@ compressed bodies, HTTP/2): on the one core the agents, the gateway and the engi
 httpx's own transport took about a third of a turn's CPU and aiohttp's a fifth
 (docs/benchmarks.md). A response must carry Content-Length (the gateway's always do);
 anything else is a protocol error, as is a connection closed mid-response. An idle
-connection is reused while younger than ``KEEP_ALIVE_S`` (under uvicorn's 5 s, after
-which the server closes it); a request cancelled midway closes its connection. Runs on
+connection is reused while younger than ``REUSE_S``, half the time after which the
+gateway's server closes it (``workers.rollout.gateway.KEEP_ALIVE_S``); a request
+cancelled midway closes its connection. Runs on
 the agents' event loop only.
 """
 
@@ -23,8 +24,8 @@ from typing import Any
 
 import httpx2
 
-KEEP_ALIVE_S = 4.0
-"""How long an idle connection is reused (the gateway's server closes it after 5 s)."""
+REUSE_S = 30.0
+"""How long an idle connection is reused (the gateway's server closes it after 60 s)."""
 _MAX_HEAD = 65536
 
 
@@ -77,7 +78,7 @@ class LocalTransport(httpx2.AsyncBaseTransport):
         idle = self._idle.get(address, [])
         while idle:
             since, reader, writer = idle.pop()
-            if time.monotonic() - since < KEEP_ALIVE_S and not reader.at_eof():
+            if time.monotonic() - since < REUSE_S and not reader.at_eof():
                 return reader, writer
             writer.close()
         try:
