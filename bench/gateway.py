@@ -8,11 +8,13 @@ it), at equal samples (steps, groups per step, group size), evaluation off: grou
 each and their ratio. Second, whether asynchrony still hides a slow tool through the
 gateway: each tool call of the agent takes ``--latency-ms`` (rows carrying
 ``tool_latency_ms``), at ``max_staleness`` 2 against 0. Each run starts and stops its
-own Ray; single runs, no ABBA: a first look, not a verdict. The last line is
-``gateway: gateway/in-process R1, eta2/eta0 at L ms R2``.
+own Ray. Each pair runs in the order A B B A (gateway, in-process, in-process, gateway;
+eta2, eta0, eta0, eta2), and each ratio is of the two runs' means, so a drift of the
+shared machine's load over the four runs falls on both arms alike (``--once``: A B
+only). The last line is ``gateway: gateway/in-process R1, eta2/eta0 at L ms R2``.
 
     python -m bench.gateway --model runs/calculator-model
-    python -m bench.gateway --model runs/calculator-model --steps 10 --latency-ms 200
+    python -m bench.gateway --model runs/calculator-model --steps 12 --once
 """
 
 from __future__ import annotations
@@ -51,21 +53,33 @@ def main() -> None:
     parser.add_argument("--groups", type=int, default=8, help="groups per step")
     parser.add_argument("--latency-ms", type=float, default=200.0)
     parser.add_argument("--out", default="runs/bench-gateway")
+    parser.add_argument("--once", action="store_true", help="each arm once (A B), not A B B A")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     common = bench_run(args.model, args.steps, **{"trainer.groups_per_step": args.groups})
-    in_process = groups_per_s(IN_PROCESS, out / "in-process",
-                              {**common, "rollout.prefix_caching": True})
-    gateway = groups_per_s(GATEWAY, out / "gateway", common)
     slow = out / "rows-slow-tool.jsonl"
     slow.write_text("".join(json.dumps({**json.loads(line), "tool_latency_ms": args.latency_ms})
                             + "\n" for line in ROWS.read_text().splitlines() if line))
-    eta = {k: groups_per_s(GATEWAY, out / f"gateway-slow-tool-eta{k}",
-                           {**common, "task.path": str(slow), "staleness.max_staleness": k})
-           for k in (2, 0)}
-    print(f"gateway: gateway/in-process {gateway / in_process:.2f}, eta2/eta0 at "
-          f"{args.latency_ms:g} ms {eta[2] / eta[0]:.2f}")
+    arms: dict[str, tuple[Path, dict[str, Any]]] = {
+        "gateway": (GATEWAY, common),
+        "in-process": (IN_PROCESS, {**common, "rollout.prefix_caching": True}),
+        "eta2": (GATEWAY, {**common, "task.path": str(slow), "staleness.max_staleness": 2}),
+        "eta0": (GATEWAY, {**common, "task.path": str(slow), "staleness.max_staleness": 0}),
+    }
+    order = (0, 1) if args.once else (0, 1, 1, 0)
+    runs: dict[str, list[float]] = {name: [] for name in arms}
+    for pair in (("gateway", "in-process"), ("eta2", "eta0")):
+        for k, i in enumerate(order):
+            name = pair[i]
+            config, overrides = arms[name]
+            runs[name].append(groups_per_s(config, out / f"{name}-{k}", overrides))
+    mean = {name: sum(v) / len(v) for name, v in runs.items()}
+    for name, values in runs.items():
+        print(f"{name}: {', '.join(f'{v:.2f}' for v in values)} groups/s (mean "
+              f"{mean[name]:.2f})")
+    print(f"gateway: gateway/in-process {mean['gateway'] / mean['in-process']:.2f}, eta2/eta0 "
+          f"at {args.latency_ms:g} ms {mean['eta2'] / mean['eta0']:.2f}")
 
 
 if __name__ == "__main__":

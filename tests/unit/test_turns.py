@@ -230,3 +230,19 @@ def test_the_task_s_own_rewards_add_to_the_environment_s() -> None:
     finally:
         scorer.close()
     assert [s.reward for s in scored.samples] == [1.5, 0.5]
+
+
+def test_encode_plain_gives_the_tokenizer_s_own_ids() -> None:
+    from async_rl.models.tiny_model import build_tokenizer
+    from workers.rollout.prompts import encode_plain
+
+    tokenizer = build_tokenizer()
+    texts = ["", "x", "</call><result>3901</result>", "a</s>b", " ünï\ncode\t 😀 ", "<pad>"]
+    assert len(texts) == 6
+    for text in texts:
+        for special in (False, True):
+            assert (encode_plain(tokenizer, text, special)
+                    == tokenizer.encode(text, add_special_tokens=special))
+    tokenizer.backend_tokenizer.enable_truncation(max_length=2)  # what the fast path skips
+    assert encode_plain(tokenizer, "abcdef") == tokenizer.encode("abcdef",
+                                                                add_special_tokens=False)

@@ -37,6 +37,7 @@ from workers.common.errors import first_line
 from workers.common.loop_thread import LoopThread
 from workers.common.user_code import import_object
 from workers.rollout.gateway import Gateway, GatewayLimits, Generate
+from workers.rollout.local_http import local_http_client
 from workers.rollout.sessions import Segment
 
 log = logging.getLogger("async_rl.agents")
@@ -104,15 +105,21 @@ def reward_of(value: Any) -> float:
 def shared_http_client() -> Any:
     """The HTTP client every session's ``AsyncOpenAI`` shares: one pool of keep-alive
     connections to the gateway (a client of its own per trajectory costs a new pool, and
-    an SSL context, each time). A session's ``client.close()`` leaves it open for the
-    others; it goes with the agents' loop."""
-    import openai
+    an SSL context, each time; a pool capped below the sessions at once would reconnect),
+    on plain HTTP/1.1 (``workers.rollout.local_http``). A session's ``client.close()``
+    leaves it open for the others; ``close_pool`` closes it, on the agents' loop."""
+    return local_http_client()
 
-    class Shared(openai.DefaultAsyncHttpxClient):
-        async def aclose(self) -> None:
-            return None
 
-    return Shared()
+async def _close_pool(http: Any) -> None:
+    """Cancels the agents still running on this loop, then closes ``http`` (closing it
+    under them would fail them with connection errors instead)."""
+    others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    for task in others:
+        task.cancel()
+    if others:
+        await asyncio.wait(others, timeout=1.0)
+    await http.close_pool()
 
 
 def _common_prefix(prompts: Sequence[Sequence[int]]) -> list[int]:
@@ -183,11 +190,15 @@ class AgentRunner:
         self._http: Any = None  # one connection pool for every session's client
 
     async def close(self) -> None:
-        """Stops the agents' loop (calls still running are cancelled) and the gateway."""
-        # The agents still running are cancelled with their loop first: closing the
-        # shared connection pool under them would fail them with connection errors.
+        """Stops the agents' loop (calls still running are cancelled, then the shared
+        connection pool is closed) and the gateway."""
+        http, self._http = self._http, None
+        if http is not None:
+            try:
+                await self._loop.run(_close_pool(http), 2.0)
+            except Exception:
+                log.debug("could not close the agents' connection pool", exc_info=True)
         self._loop.close()
-        self._http = None  # its connections go with the loop
         await self.gateway.close()
 
     async def group(self, prompt: Prompt, size: int, seeds: Sequence[int] = (),

@@ -1,7 +1,7 @@
 """The gateway: an OpenAI-compatible HTTP endpoint in front of one rollout engine.
 
 Owns: ``Gateway`` (``/v1/completions``, ``/v1/chat/completions`` and ``/v1/models``
-served by uvicorn on the rollout worker's own event loop, beside its engine, bound to
+served by uvicorn on the rollout worker's own event loop as bare ASGI, beside its engine, bound to
 127.0.0.1 on a free port), how a request becomes a turn of its session
 (``workers.rollout.sessions``: the session is the request's API key; its prompt
 continues the session's last segment as exact token ids, or starts a new one) and how
@@ -45,6 +45,7 @@ from workers.rollout.openai_format import (
     prompt_of,
     turn_request,
 )
+from workers.rollout.prompts import encode_plain
 from workers.rollout.sessions import OPEN, Session, SessionError, SessionTable, extend
 from workers.rollout.stop_strings import cut_at_stop
 
@@ -54,6 +55,32 @@ Generate = Callable[[list[int], Any, bool], Awaitable[Sample]]
 """Runs one engine request (prompt ids, sampling parameters, greedy) and returns its
 unscored sample with per-token logprobs and versions: the rollout worker's."""
 _SEED_RANGE = 2**63
+KEEP_ALIVE_S = 60
+"""How long the server keeps an idle connection open: far past the agents' transport's
+reuse (``workers.rollout.local_http.REUSE_S``), so a connection it reuses is not one
+the server is closing, even on a core so busy that the client reads a response seconds
+after it was sent."""
+_JSON = msgspec.json.Encoder()
+
+
+def _bearer(scope: dict[str, Any]) -> str:
+    """The request's API key: its ``Authorization: Bearer`` token ("" when none)."""
+    for name, value in scope["headers"]:
+        if name == b"authorization":
+            return value.decode("latin-1").removeprefix("Bearer ").strip()
+    return ""
+
+
+async def _read_body(receive: Any) -> bytes:
+    """The request's whole body (ASGI may hand it over in parts)."""
+    parts: list[bytes] = []
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ApiError(400, "the client went away", code="client_disconnected")
+        parts.append(message.get("body", b""))
+        if not message.get("more_body"):
+            return b"".join(parts)
 
 
 class GatewayLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -84,7 +111,8 @@ class _Server:
                 yield
 
         return Server(uvicorn.Config(app, log_level="warning", access_log=False,
-                                     lifespan="off"))
+                                     lifespan="off", interface="asgi3",
+                                     timeout_keep_alive=KEEP_ALIVE_S))
 
 
 class Gateway:
@@ -108,21 +136,30 @@ class Gateway:
 
     # ---- serving ----------------------------------------------------------------------
 
-    def app(self) -> Any:
-        """The ASGI application (Starlette)."""
-        from starlette.applications import Starlette
-        from starlette.routing import Route
-
-        async def not_found(request: Any, exc: Any) -> Any:
-            status = getattr(exc, "status_code", 404)
-            return self._error(ApiError(status, f"no route {request.method} "
-                                                f"{request.url.path}", code="not_found"))
-
-        return Starlette(routes=[
-            Route("/v1/completions", self._completions, methods=["POST"]),
-            Route("/v1/chat/completions", self._chat, methods=["POST"]),
-            Route("/v1/models", self._models, methods=["GET"]),
-        ], exception_handlers={404: not_found, 405: not_found})
+    async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """The ASGI application: three routes, each answered with one JSON body. Bare
+        ASGI, no framework: on the one core the rollout worker's engine, gateway and
+        agents share, Starlette's middleware and routing were about a tenth of a turn's
+        CPU (docs/benchmarks.md)."""
+        if scope["type"] != "http":
+            return
+        method, path = scope["method"], scope["path"]
+        route = _ROUTES.get(path)
+        try:
+            if route is None or method not in route[0]:
+                raise ApiError(404 if route is None else 405,
+                               f"no route {method} {path}", code="not_found")
+            status, body = await route[1](self, _bearer(scope), receive)
+        except ApiError as err:
+            status, body = self._error(err)
+        except Exception:  # a bug, not the request's: the engine keeps serving
+            log.exception("gateway: %s %s failed", method, path)
+            status, body = self._error(ApiError(500, "the gateway failed",
+                                                code="internal_error"))
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
     async def start(self, host: str = "127.0.0.1") -> str:
         """Serves on ``host`` at a free port, on the running loop; returns the base URL."""
@@ -130,7 +167,7 @@ class Gateway:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, 0))
         port = sock.getsockname()[1]
-        self._server = _Server.make(self.app())
+        self._server = _Server.make(self.app)
         self._task = asyncio.create_task(self._server.serve(sockets=[sock]))
         while not self._server.started:
             if self._task.done():
@@ -151,59 +188,48 @@ class Gateway:
 
     # ---- the routes ---------------------------------------------------------------------
 
-    def _error(self, err: ApiError) -> Any:
-        from starlette.responses import JSONResponse
-
+    def _error(self, err: ApiError) -> tuple[int, bytes]:
         self.refused[err.code or str(err.status)] += 1
-        return JSONResponse(err.body(), status_code=err.status)
+        return err.status, _JSON.encode(err.body())
 
-    def _session(self, request: Any) -> Session:
-        header = request.headers.get("authorization", "")
-        token = header.removeprefix("Bearer ").strip()
+    def _session(self, token: str) -> Session:
         try:
             return self.table.get(token)
         except SessionError as err:
             raise ApiError(err.status, err.message, code=err.code) from None
 
-    async def _models(self, request: Any) -> Any:
-        from starlette.responses import JSONResponse
+    async def _models(self, token: str, receive: Any) -> tuple[int, bytes]:
+        self._session(token)
+        return 200, _JSON.encode(models_body([self.model_name]))
 
-        try:
-            self._session(request)
-        except ApiError as err:
-            return self._error(err)
-        return JSONResponse(models_body([self.model_name]))
+    async def _completions(self, token: str, receive: Any) -> tuple[int, bytes]:
+        return await self._serve(token, receive, chat=False)
 
-    async def _completions(self, request: Any) -> Any:
-        return await self._serve(request, chat=False)
+    async def _chat(self, token: str, receive: Any) -> tuple[int, bytes]:
+        return await self._serve(token, receive, chat=True)
 
-    async def _chat(self, request: Any) -> Any:
-        return await self._serve(request, chat=True)
-
-    async def _serve(self, request: Any, *, chat: bool) -> Any:
-        from starlette.responses import JSONResponse
-
+    async def _serve(self, token: str, receive: Any, *, chat: bool) -> tuple[int, bytes]:
         session: Session | None = None
         try:
-            session = self._session(request)
-            body = parse_body(await request.body())
+            session = self._session(token)
+            body = parse_body(await _read_body(receive))
             check_model(body, self.model_name)
             turn = turn_request(body, self.limits.vocab_size)
             prompt = self._render(messages_of(body)) if chat else prompt_of(body)
             async with session.lock:
-                session = self._session(request)  # still open
+                session = self._session(token)  # still open
                 try:
                     session.check_turn()
                 except SessionError as err:
                     raise ApiError(err.status, err.message, code=err.code) from None
                 result = await self._turn(session, prompt, turn, chat=chat)
-        except ApiError as err:
+        except ApiError:
             if session is not None:
                 session.refused += 1
-            return self._error(err)
+            raise
         self.served += 1
         make = chat_body if chat else completion_body
-        return JSONResponse(make(result, turn, self.model_name))
+        return 200, _JSON.encode(make(result, turn, self.model_name))
 
     # ---- one turn -------------------------------------------------------------------------
 
@@ -219,7 +245,7 @@ class Gateway:
                            param="messages", code="invalid_value") from None
 
     def _encode(self, text: str, *, special: bool) -> list[int]:
-        return [int(i) for i in self._tokenizer.encode(text, add_special_tokens=special)]
+        return encode_plain(self._tokenizer, text, special)
 
     def _prompt_ids(self, session: Session, prompt: str | list[int], *, chat: bool
                     ) -> tuple[list[int], str]:
@@ -289,3 +315,12 @@ class Gateway:
         return TurnResult(text=text, finish_reason=finish, prompt_ids=tuple(ids),
                           token_ids=tuple(kept), logprobs=cut.logprobs, tokens=tokens,
                           stop_reason=cut.stop or None)
+
+
+_ROUTES: dict[str, tuple[frozenset[str], Callable[[Gateway, str, Any],
+                                                  Awaitable[tuple[int, bytes]]]]] = {
+    "/v1/completions": (frozenset({"POST"}), Gateway._completions),
+    "/v1/chat/completions": (frozenset({"POST"}), Gateway._chat),
+    "/v1/models": (frozenset({"GET", "HEAD"}), Gateway._models),
+}
+"""Path -> (its methods, its handler); anything else is 404, a wrong method 405."""

@@ -12,9 +12,10 @@ no HTTP server, no engine (``workers.rollout.gateway`` serves these).
 
 from __future__ import annotations
 
+import itertools
 import json
+import secrets
 import time
-import uuid
 from collections.abc import Sequence
 from typing import Any
 
@@ -192,6 +193,16 @@ def _extras(turn: TurnResult, request: TurnRequest) -> dict[str, Any]:
     return {"prompt_token_ids": list(turn.prompt_ids), "token_ids": list(turn.token_ids)}
 
 
+_IDS = itertools.count()
+_ID_PREFIX = secrets.token_hex(8)
+
+
+def response_id(kind: str) -> str:
+    """A response's id, unique within this process and across processes: a random
+    prefix drawn once and a counter (no system call per response, as uuid4 makes)."""
+    return f"{kind}-{_ID_PREFIX}{next(_IDS):x}"
+
+
 def completion_body(turn: TurnResult, request: TurnRequest, model: str) -> dict[str, Any]:
     """A ``text_completion`` response (vLLM's ``return_token_ids`` extension: the
     choice's ``prompt_token_ids`` and ``token_ids``)."""
@@ -202,7 +213,7 @@ def completion_body(turn: TurnResult, request: TurnRequest, model: str) -> dict[
     choice = {"index": 0, "text": turn.text, "logprobs": logprobs,
               "finish_reason": turn.finish_reason, "stop_reason": turn.stop_reason,
               **_extras(turn, request)}
-    return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion",
+    return {"id": response_id("cmpl"), "object": "text_completion",
             "created": int(time.time()), "model": model, "choices": [choice],
             "usage": _usage(turn)}
 
@@ -216,7 +227,7 @@ def chat_body(turn: TurnResult, request: TurnRequest, model: str) -> dict[str, A
     choice = {"index": 0, "message": {"role": "assistant", "content": turn.text},
               "logprobs": logprobs, "finish_reason": turn.finish_reason,
               "stop_reason": turn.stop_reason, **_extras(turn, request)}
-    return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion",
+    return {"id": response_id("chatcmpl"), "object": "chat.completion",
             "created": int(time.time()), "model": model, "choices": [choice],
             "usage": _usage(turn)}
 

@@ -5,7 +5,8 @@ the rollout workers and the evaluator need), ``conversation`` (a prompt as the m
 the template renders, the system prompt first), ``render`` (what an engine or the
 evaluator is given: the text, or the template's token ids with the generation prompt) and
 ``observation_ids`` (the tokens a multi-turn environment's observation adds: its text,
-or the template's tool turn).
+or the template's tool turn) and ``encode_plain`` (text to ids as the tokenizer's
+``encode`` gives them, quicker).
 Training, evaluation on a rollout engine and the idle-CPU evaluator all call ``render``,
 so the three see the same tokens, and the driver measures prompt lengths with it too
 (too-long prompts are refused before they reach an engine). Knows nothing about engines.
@@ -58,6 +59,20 @@ _MARK = "\u2063async-rl-turn\u2063"
 """A placeholder assistant message: what the template writes after it is the tool turn."""
 
 
+def encode_plain(tokenizer: Any, text: str, special: bool = False) -> list[int]:
+    """``tokenizer.encode(text, add_special_tokens=special)``, through a fast tokenizer's
+    own backend when its settings make that the same (no truncation or padding set,
+    special tokens not split): 20 us a call against 45 us through transformers' Python
+    (the test models' tokenizer; a gateway turn makes one or two)."""
+    backend = getattr(tokenizer, "_tokenizer", None)
+    if (getattr(tokenizer, "is_fast", False) and backend is not None
+            and backend.truncation is None and backend.padding is None
+            and backend.encode_special_tokens
+            == bool(getattr(tokenizer, "split_special_tokens", False))):
+        return list(backend.encode(text, add_special_tokens=special).ids)
+    return [int(i) for i in tokenizer.encode(text, add_special_tokens=special)]
+
+
 def observation_ids(tokenizer: Any, observation: str, fmt: PromptFormat,
                     after_eos: bool = False) -> list[int]:
     """The tokens an environment's observation adds to a trajectory: its text as the
@@ -66,7 +81,7 @@ def observation_ids(tokenizer: Any, observation: str, fmt: PromptFormat,
     tool role) and the next generation prompt. ``after_eos``: the policy's turn ended
     with the EOS token, which then is not written again."""
     if not fmt.chat_template:
-        return [int(i) for i in tokenizer.encode(observation, add_special_tokens=False)]
+        return encode_plain(tokenizer, observation)
     head = [{"role": "user", "content": "."}, {"role": "assistant", "content": _MARK}]
     text = ""
     for role in ("tool", "user"):
@@ -82,7 +97,7 @@ def observation_ids(tokenizer: Any, observation: str, fmt: PromptFormat,
     eos = getattr(tokenizer, "eos_token", None)
     if after_eos and eos and turn.startswith(eos):
         turn = turn[len(eos):]
-    return [int(i) for i in tokenizer.encode(turn, add_special_tokens=False)]
+    return encode_plain(tokenizer, turn)
 
 
 def prompt_tokens(tokenizer: Any, prompt: Prompt, fmt: PromptFormat) -> int:
