@@ -45,7 +45,10 @@ output_dir = "{tmp_path / 'run'}"
 progress = false
 """)
     out = tmp_path / "tuned.toml"
-    assert main(["tune", str(job), "--budget-s", "150", "--out", str(out)]) == 0
+    # A short budget: the search then gets its least share (SEARCH_SHARE, 15 s) on one
+    # core; how well it searches is the unit tier's (tests/unit/test_tune.py), the path is
+    # this test's.
+    assert main(["tune", str(job), "--budget-s", "60", "--out", str(out)]) == 0
     console = capsys.readouterr().out
     assert "measured groups/s" in console  # the candidates' table with the real checks
 

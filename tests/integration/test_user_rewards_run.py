@@ -1,14 +1,14 @@
 """The task's own reward functions (task.rewards) in a real run: real Ray, the real vLLM
 CPU build and the tiny local model.
 
-A TRL-style and a verl-style reward from a file outside the package score every group,
-each one's mean is logged per step as reward/<name>, and a reward that never returns
-on some calls costs those scores only: the run finishes every step, the timeouts are
-counted, and the ledger shows no prompt lost or trained twice. The same rewards score a
-Parquet dataset with columns of its own names, rendered by the tokenizer's chat template
-(the prompt token ids the engine saw are the template's). A reward that hangs across a
-Ctrl-C and a resume: ``test_environment_run.py`` (one run with a hanging environment).
-"""
+A TRL-style and a verl-style reward from a file outside the package score every group
+of a Parquet dataset with columns of its own names, rendered by the tokenizer's chat
+template (the prompt token ids the engine saw are the template's); each one's mean is
+logged per step as reward/<name>, and a reward that never returns on some calls costs
+those scores only: the run finishes every step, the timeouts are counted, and the
+ledger shows no prompt lost or trained twice (one run for all of it: a Ray and vLLM
+start is most of a run's time here). A reward that hangs across a Ctrl-C and a resume:
+``test_environment_run.py`` (one run with a hanging environment)."""
 
 from __future__ import annotations
 
@@ -37,63 +37,6 @@ from workers.weights.config import WeightsConfig
 
 pytestmark = pytest.mark.ray
 
-REWARDS = '''
-import hashlib
-import time
-
-
-def digits(completions, **kwargs):
-    """TRL style: one call per group."""
-    return [1.0 if c.strip()[:1].isdigit() else 0.0 for c in completions]
-
-
-def compute_score(data_source, solution_str, ground_truth, extra_info=None):
-    """verl style: one call per sample, a dict with an extra metric."""
-    hit = solution_str.strip().startswith(str(ground_truth))
-    return {"score": 1.0 if hit else 0.0, "length": float(len(solution_str))}
-
-
-def hangs_sometimes(prompt, completion, answer):
-    """Per-sample style; never returns for about 1 completion in 12."""
-    key = hashlib.sha256((prompt + completion).encode()).digest()[0]
-    if key % 12 == 0:
-        time.sleep(3600)
-    return 0.0
-'''
-
-
-def write_rewards(tmp_path: Path) -> Path:
-    path = tmp_path / "my_rewards.py"
-    path.write_text(REWARDS)
-    return path
-
-
-def test_trl_and_verl_rewards_score_a_run_and_a_hanging_one_costs_only_its_scores(
-    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None,
-) -> None:
-    rewards = write_rewards(tmp_path)
-    out = tmp_path / "run"
-    config = small_config(tiny_model_dir, out, max_staleness=1, task={
-        "eval_size": 0, "reward_timeout_s": 1.0, "reward_workers": 2,
-        "rewards": [{"function": f"{rewards}:digits", "weight": 1.0},
-                    {"function": f"{rewards}:compute_score", "weight": 0.5},
-                    {"function": f"{rewards}:hangs_sometimes", "weight": 1.0}]})
-    summary = run_training(config)
-    assert summary.steps == 6 and summary.groups_trained == 6 * 4
-    assert summary.failures["reward_timeouts"] > 0
-    check_ledger(out, summary.groups_trained)
-    rows = read_metrics(out)
-    assert len(rows) == 6
-    for row in rows:
-        assert 0.0 <= row["reward/digits"] <= 1.0
-        assert 0.0 <= row["reward/compute_score"] <= 1.0
-        assert row["reward/compute_score/length"] > 0.0
-        assert row["reward/hangs_sometimes"] == 0.0
-    # The weighted sum is what was trained on: digits + 0.5 * compute_score.
-    top = max(row["reward_mean"] for row in rows)
-    assert top <= 1.5
-
-
 def test_a_reward_that_does_not_import_exits_2_naming_the_key(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
@@ -111,6 +54,10 @@ def test_a_reward_that_does_not_import_exits_2_naming_the_key(
 
 
 CHAT_REWARDS = '''
+import hashlib
+import time
+
+
 def correctness(prompts, completions, answer, **kwargs):
     """TRL style, chat templates on: message lists, and the dataset's columns as lists."""
     assert prompts[0][0] == {"role": "system", "content": "Answer with a number."}
@@ -124,6 +71,14 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     assert data_source == "sums" and isinstance(extra_info["level"], int)
     return {"score": 1.0 if solution_str.strip().startswith(ground_truth) else 0.0,
             "length": float(len(solution_str))}
+
+
+def hangs_sometimes(prompt, completion, answer):
+    """Per-sample style; never returns for about 1 completion in 8."""
+    key = hashlib.sha256((str(prompt) + str(completion)).encode()).digest()[0]
+    if key % 8 == 0:
+        time.sleep(3600)
+    return 0.0
 '''
 SYSTEM = "Answer with a number."
 
@@ -137,7 +92,7 @@ def sums_parquet(tmp_path: Path) -> Path:
     return path
 
 
-def test_a_parquet_dataset_with_a_chat_template_runs_with_trl_and_verl_rewards(
+def test_trl_and_verl_rewards_score_a_parquet_dataset_and_a_hanging_one_costs_its_scores(
     tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None,
 ) -> None:
     rewards = tmp_path / "chat_rewards.py"
@@ -147,20 +102,27 @@ def test_a_parquet_dataset_with_a_chat_template_runs_with_trl_and_verl_rewards(
         "kind": "dataset", "path": str(sums_parquet(tmp_path)), "prompt_key": "question",
         "answer_key": "solution", "eval_fraction": 0.1, "eval_size": 3,
         "chat_template": True, "system_prompt": SYSTEM, "eval_reward": "compute_score",
+        "reward_timeout_s": 1.0, "reward_workers": 2,
         "rewards": [{"function": f"{rewards}:correctness", "weight": 1.0},
-                    {"function": f"{rewards}:compute_score", "weight": 0.5}]},
-        run={"num_steps": 3, "eval_on": "idle_cpu"})
+                    {"function": f"{rewards}:compute_score", "weight": 0.5},
+                    {"function": f"{rewards}:hangs_sometimes", "weight": 1.0}]},
+        run={"num_steps": 4, "eval_on": "idle_cpu"})
     summary = run_training(config)
-    assert summary.steps == 3 and summary.groups_trained == 3 * 4
-    # The rewards assert what they are handed: an error would count here.
-    assert summary.failures.get("reward_errors", 0) == 0 and summary.reward_failures == 0
+    assert summary.steps == 4 and summary.groups_trained == 4 * 4
+    assert summary.failures["reward_timeouts"] > 0
+    # The chat rewards assert what they are handed: an error would count here.
+    assert summary.failures.get("reward_errors", 0) == 0
     check_ledger(out, summary.groups_trained)
     assert all(e.prompt_id.startswith("sums-") for e in read_ledger(out))
     rows = read_metrics(out)
-    assert len(rows) == 3
+    assert len(rows) == 4
     for row in rows:
         assert 0.0 <= row["reward/correctness"] <= 1.0
+        assert 0.0 <= row["reward/compute_score"] <= 1.0
         assert row["reward/compute_score/length"] > 0.0
+        assert row["reward/hangs_sometimes"] == 0.0
+    # The weighted sum is what was trained on: correctness + 0.5 * compute_score.
+    assert max(row["reward_mean"] for row in rows) <= 1.5
     evals = read_evals(out)
     assert len(evals) == 2 and all(r.num_prompts == 3 for r in evals)
     assert all(0.0 <= r.accuracy <= 1.0 for r in evals)
