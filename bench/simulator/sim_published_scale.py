@@ -37,13 +37,14 @@ def sync_seconds(s: Sync) -> float:
         base, interconnect_bandwidth=s.interconnect,
         intra_node_bandwidth=s.intra_node_bandwidth or base.intra_node_bandwidth,
         devices_per_rollout_worker=s.engine_devices,
-        devices_per_trainer_shard=s.trainer_devices)
+        devices_per_trainer_shard=s.trainer_devices, weight_tensor_s=s.tensor_s,
+        host_bandwidth=s.host_bandwidth or base.host_bandwidth)
     shape = ModelShape(parameters=s.parameters, kv_bytes_per_token=1,
-                       bytes_per_parameter=2.0)
+                       bytes_per_parameter=2.0, tensors=s.tensors)
     path = "direct" if s.path == "time" else s.path
     costs = Costs(hardware, shape, Plan(
         trainer=Layout(tp=s.holders, given=s.path == "gathered"), shards=1, weights_path=path,
-        version_bytes_per_parameter=s.bytes_per_parameter))
+        version_bytes_per_parameter=s.bytes_per_parameter, version_native=s.native))
     if s.path == "time":  # the fixed costs as committed: the file's 0 at the time
         costs = Costs(msgspec.structs.replace(hardware, engine_release_s=0.0,
                                               engine_reload_s=0.0), shape, costs.plan)
@@ -58,8 +59,11 @@ def step_config(step: Step, out: Path, steps: int) -> Config:
               train_devices=step.train[0] * step.train[1] * step.train[3],
               prompts=step.prompts, samples=32, max_length=step.max_length,
               mean_response=step.mean_response, in_flight=step.in_flight,
-              published_s=step.published_s)
+              published_s=step.published_s, rollout_gpus=step.rollout_gpus)
     config = run.config(out, steps)
+    if step.off_policy and step.staleness != 1:
+        config = msgspec.structs.replace(config, staleness=msgspec.structs.replace(
+            config.staleness, max_staleness=step.staleness))
     tp, cp, ep, pp = step.train
     arch = ARCHITECTURES[step.model.name]
     sim = msgspec.convert({
