@@ -1,8 +1,12 @@
-"""Predicts the published figures of ``bench.simulator.published_scale_setups`` (weight-sync
-times of three frameworks, NeMo RL's mixture-of-experts step times) and prints each
-prediction beside its figure, then how many are within 25%. Nothing is fitted.
+"""Predicts the published figures of ``bench.simulator.published_scale_setups`` (the
+development set since 2026-12-06: weight-sync times of three frameworks, NeMo RL v0.4's
+mixture-of-experts step times) or, with ``--setups heldout``, those of
+``bench.simulator.published_heldout_setups`` (held out: weight-sync times of four
+frameworks, NeMo RL v0.6's step times), and prints each prediction beside its figure,
+then how many are within 25%.
 
     python -m bench.simulator.sim_published_scale
+    python -m bench.simulator.sim_published_scale --setups heldout
     python -m bench.simulator.sim_published_scale --steps 4 --only sync
 """
 
@@ -23,6 +27,7 @@ from async_rl.sim.costs import Costs, ModelShape, Plan
 from async_rl.sim.hardware_file import load_hardware
 from async_rl.sim.parallel import Layout
 from async_rl.sim.run import simulate
+from bench.simulator.published_heldout_setups import HELDOUT_STEPS, HELDOUT_SYNCS
 from bench.simulator.published_scale_setups import ARCHITECTURES, STEPS, WEIGHT_SYNCS, Step
 from bench.simulator.published_scale_setups import WeightSync as Sync
 from bench.simulator.sim_published_unseen import Run
@@ -89,7 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--only", choices=("sync", "steps", "all"), default="all")
+    parser.add_argument("--setups", choices=("development", "heldout"), default="development")
     args = parser.parse_args(argv)
+    heldout = args.setups == "heldout"
+    syncs, steps = (HELDOUT_SYNCS, HELDOUT_STEPS) if heldout else (WEIGHT_SYNCS, STEPS)
     logging.getLogger("async_rl").setLevel(logging.WARNING)
     print("| figure | source | published s | predicted s | error |")
     print("| --- | --- | --- | --- | --- |")
@@ -104,15 +112,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
 
     if args.only in ("sync", "all"):
-        for sync in WEIGHT_SYNCS:
+        for sync in syncs:
             row(f"weight sync: {sync.name}", sync.framework, sync.published_s,
                 sync_seconds(sync))
     if args.only in ("steps", "all"):
-        for step in STEPS:
-            how = "1-step off" if step.off_policy else "on-policy"
+        for step in steps:
+            how = f"{step.staleness}-step off" if step.off_policy else "on-policy"
             seen = "" if not step.seen else " (seen before)"
-            row(f"step: {step.model.name} {how} on {step.gpus} H100{seen}",
-                "NeMo RL v0.4", step.published_s, step_seconds(step, args.steps))
+            label = f" ({step.label})" if step.label else ""
+            row(f"step: {step.model.name} {how} on {step.gpus} H100{label}{seen}",
+                "NeMo RL v0.6" if heldout else "NeMo RL v0.4", step.published_s,
+                step_seconds(step, args.steps))
     print(f"within 25%: {within} of {total}")
     return 0
 

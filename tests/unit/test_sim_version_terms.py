@@ -9,10 +9,12 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from async_rl.config import Config
 from async_rl.sim.costs import Costs, ModelShape, Plan
 from async_rl.sim.hardware_file import load_hardware
 from async_rl.sim.parallel import Layout, Links
 from async_rl.sim.refit import refit_stages
+from async_rl.sim.run import simulation_costs
 from async_rl.sim.version_stages import VersionPath, version_tensors
 
 LINKS = Links(per_node=8, intra_bandwidth=400e9, intra_latency=1e-5, inter_bandwidth=50e9,
@@ -117,3 +119,24 @@ def test_pipeline_bubble_by_hand() -> None:
     assert 1 - 1 / pp8.pipeline_bubble(32) == pytest.approx(7 / 39)
     assert Costs(h, SHAPE).pipeline_bubble(32) == 1.0  # no layout given
     assert Costs(h, SHAPE, Plan(trainer=Layout(tp=8, given=True))).pipeline_bubble(4) == 1.0
+
+
+def _config(**simulate: object) -> Config:
+    return msgspec.convert({
+        "model": {"path": "not-needed"},
+        "simulate": {"hardware": "h100", "parameters": 30e9, "kv_bytes_per_token": 98304,
+                     **simulate}}, Config)
+
+
+def test_the_config_reaches_the_tensors_and_the_native_version() -> None:
+    arch = {"layers": 48, "hidden_size": 2048, "experts": 128, "experts_per_token": 8}
+    counted = simulation_costs(_config(architecture=arch))
+    assert counted.model.tensors == 18_771 and counted.version_path.tensors == 18_771
+    given = simulation_costs(_config(architecture=arch, version_tensors=100,
+                                     weights_path="host", version_native=True,
+                                     version_bytes_per_parameter=1.0,
+                                     hardware_overrides={"weight_tensor_s": 1e-3}))
+    assert given.version_path.tensors == 100 and given.version_path.path == "host"
+    assert given.load() == pytest.approx(given.hardware.weight_load_s + 0.1)
+    assert given.version_path.native and given.version_path.convert() == 0.0
+    assert simulation_costs(_config()).model.tensors == 0  # no shape: none counted
