@@ -40,6 +40,7 @@ class HardwareOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     publish_s: NonNegativeFloat | None = None
     weight_load_s: NonNegativeFloat | None = None
     weight_member_s: NonNegativeFloat | None = None
+    weight_tensor_s: NonNegativeFloat | None = None
     call_s: NonNegativeFloat | None = None
     cores: NonNegative | None = None
     engine_processes: PositiveFloat | None = None
@@ -111,7 +112,7 @@ class Architecture(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Layers with experts (0 with experts given: every layer)."""
 
 
-WeightsPath = Literal["direct", "gathered"]
+WeightsPath = Literal["direct", "gathered", "host"]
 """How a framework moves a weight version (docs/simulator.md, "A weight version's stages")."""
 LendArm = Literal["off", "starvation", "autopilot"]
 """Which rule lends trainer devices to generation while a run trains (docs/simulator.md,
@@ -186,12 +187,21 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     weights_path: WeightsPath = "direct"
     """Which stages a weight version passes through: "direct" (buckets streamed from the
     trainer's devices: a snapshot in device memory, the broadcast, the engines' load:
-    slime's and NeMo RL's NCCL path, this project's) or "gathered" (the whole state
+    slime's and NeMo RL's NCCL path, this project's), "gathered" (the whole state
     gathered onto one rank over the trainer's links, converted, staged in host memory,
-    then sent: verl's FSDP state dict)."""
+    then sent: verl's FSDP state dict) or "host" (the version in host memory, each bucket
+    copied up to a device and broadcast, the two pipelined: Moonshot's checkpoint
+    engine)."""
     version_bytes_per_parameter: NonNegativeFloat = 0.0
     """Bytes a parameter takes in a weight version (1: FP8); 0: model.dtype's. Converting
     into it is a stage of its own."""
+    version_native: bool = False
+    """The trainer holds the version at its bytes per parameter already (an FP8 checkpoint
+    served as FP8): no conversion stage."""
+    version_tensors: NonNegative = 0
+    """Tensors a version carries, each paying the hardware's weight_tensor_s where the
+    framework moves them one by one; 0: counted from the model's layers and experts
+    (``async_rl.sim.version_stages.version_tensors``)."""
     version_fraction: Fraction = 1.0
     """Share of the trained parameters a version carries (a delta or sparse version: the
     changed ones and their indices); 1: every parameter."""

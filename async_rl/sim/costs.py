@@ -50,11 +50,12 @@ from async_rl.sim.architecture import (
     attention_state,
     mlp_parameters,
     moe_layout,
+    routed_experts,
 )
 from async_rl.sim.hardware_file import Hardware
 from async_rl.sim.parallel import Collectives, Dims, Layout, Links
 from async_rl.sim.refit import RefitStages, refit_stages
-from async_rl.sim.version_stages import VersionPath, VersionStages
+from async_rl.sim.version_stages import VersionPath, VersionStages, version_tensors
 from buffers.common.config import ConfigError
 from workers.model_config import LoraConfig, lora_features
 
@@ -90,6 +91,8 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     """Layers with experts (their all-to-alls under expert parallelism)."""
     experts_per_token: int = 0
     """Experts each token is routed to (0: a dense model)."""
+    tensors: int = 0
+    """Tensors of the state dict a weight version carries (0: unknown, none counted)."""
 
 
 class Plan(msgspec.Struct, frozen=True, kw_only=True):
@@ -104,6 +107,8 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     version_bytes_per_parameter: float = 0.0
     """0: the model's (bytes_per_parameter)."""
     version_fraction: float = 1.0
+    version_native: bool = False
+    """The version's dtype is the trainer's already: no conversion."""
     recompute: bool = False
     refit_offload: str = "optimizer"  # time-shared devices: async_rl.sim.refit
     optimizer_bytes_per_parameter: float = 12.0
@@ -150,7 +155,9 @@ def model_shape(model_path: str, dtype: str, *, parameters: float = 0.0,
                       bytes_per_parameter=width,
                       attention_width=attention_width or kind.attention_width,
                       layers=layers, hidden=hidden, moe_layers=moe_layers,
-                      experts_per_token=routed)
+                      experts_per_token=routed,
+                      tensors=version_tensors(layers=layers, moe_layers=moe_layers,
+                                              experts=routed_experts(c)))
 
 
 def adapter_parameters(model_path: str, lora: LoraConfig, per_rank: float = 0.0) -> float:
@@ -191,6 +198,7 @@ class Costs:
         """What the optimizer updates and the shards all-reduce: with LoRA, the adapters."""
         self.version_bytes = self.trained_parameters * plan.version_fraction * (
             plan.version_bytes_per_parameter or model.bytes_per_parameter)
+        calls = 0 if model.adapter_parameters else model.tensors  # LoRA: a few adapters
         """What a weight version carries: with LoRA, the adapters alone; a delta's share,
         at the version's bytes per parameter."""
         self._decode_flop_s = 2 * n / (h.peak_flops * rollout * h.decode_mfu)
@@ -223,13 +231,16 @@ class Costs:
         t = plan.trainer
         holders = (t.tp * t.pp * t.ep if t.given else trainer * plan.shards)
         self.version_path = VersionPath(
-            plan.weights_path, state_bytes=self.trained_parameters * model.bytes_per_parameter,
+            plan.weights_path, state_bytes=self.trained_parameters * (
+                (plan.version_bytes_per_parameter or model.bytes_per_parameter)
+                if plan.version_native else model.bytes_per_parameter),
             version_bytes=self.version_bytes, holders=min(holders, trainer * plan.shards),
             engine_devices=rollout, trainer_devices=trainer * plan.shards, links=links,
             memory_bandwidth=h.memory_bandwidth * h.memory_efficiency,
             host_bandwidth=h.host_bandwidth or h.memory_bandwidth * h.memory_efficiency,
             interconnect=h.interconnect_bandwidth, publish_s=h.publish_s,
-            load_s=h.weight_load_s, member_s=h.weight_member_s)
+            load_s=h.weight_load_s, member_s=h.weight_member_s, native=plan.version_native,
+            tensors=calls, tensor_s=h.weight_tensor_s)
         """A version's stages (simulate.weights_path)."""
         self.refit: RefitStages = refit_stages(
             weight_bytes=self.weight_bytes,
@@ -240,7 +251,8 @@ class Costs:
             trainer_devices=trainer * plan.shards, holders=self.version_path.holders,
             engine_devices=rollout, host_bandwidth=self.version_path.host_bandwidth,
             memory_bandwidth=h.memory_bandwidth * h.memory_efficiency, links=links,
-            release_s=h.engine_release_s, reload_s=h.engine_reload_s)
+            release_s=h.engine_release_s, reload_s=h.engine_reload_s,
+            calls_s=calls * h.weight_tensor_s)
         """A time-shared turn's parts (run.colocate = "time")."""
 
     def decode_step(self, running: int, context: float) -> float:
@@ -278,6 +290,16 @@ class Costs:
         return (self.hardware.micro_batch_s + c.train_fixed_s
                 + (self._train_token_s + c.train_token_s) * sum(lengths)
                 + self._train_square_s * sum(t * t for t in lengths))
+
+    def pipeline_bubble(self, micro_batches: int) -> float:
+        """How many times longer a trainer replica's ``micro_batches`` take through a
+        pipeline of pp stages than their work alone: the first fills and the last drains
+        the pipeline, ``(m + pp - 1) / m`` (the bubble's share of the whole is
+        ``(pp - 1) / (m + pp - 1)``, 1F1B's); 1 without a given layout or with pp 1."""
+        pp = self.plan.trainer.pp if self.plan.trainer.given else 1
+        if pp <= 1 or micro_batches <= 0:
+            return 1.0
+        return (micro_batches + pp - 1) / micro_batches
 
     def forward_pass(self, lengths: Sequence[int]) -> float:
         """A forward pass alone (no gradient) over a micro-batch of ``lengths``: a third of

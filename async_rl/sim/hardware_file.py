@@ -64,6 +64,10 @@ class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     weight_member_s: float = 0.0
     """Fixed seconds each engine adds to a version's broadcast (its hop of the chain: a
     message's latency, its share of the group's calls)."""
+    weight_tensor_s: float = 0.0
+    """Fixed seconds per tensor of a weight version that the framework moves one by one (a
+    gather or broadcast call, a CUDA IPC handle, an engine's loader call per tensor: verl's
+    and slime's paths), paid in the engine's load; 0: buckets, nothing per tensor."""
     call_s: float = 0.0
     """Fixed seconds of every call to a worker (the driver's round trip)."""
     cores: int = 0

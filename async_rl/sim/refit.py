@@ -22,8 +22,9 @@ before). A turn, as verl's hybrid engine, NeMo RL's and slime's colocated modes 
   holders span nodes, as verl's and NeMo RL's per-tensor gathers do); a level-1 engine
   brings its weights back from host memory; the version is copied into the engine's
   parameters at its devices' memory bandwidth (``copy``: paid whichever way the rest is
-  costed). The sequences an engine kept across the turn lost their KV cache: it
-  recomputes it, a prefill of their context (``SimEngine``; only when derived).
+  costed; with a tensor-by-tensor update, its calls per tensor besides). The sequences
+  an engine kept across the turn lost their KV cache: it recomputes it, a prefill of
+  their context (``SimEngine``; only when derived).
 
 Gradients are freed after the update, not moved. Every device has a host link of its
 own (``host_bandwidth``: PCIe), all used at once. Knows nothing about the event loop.
@@ -83,13 +84,14 @@ def refit_stages(*, weight_bytes: float, trained_bytes: float, version_bytes: fl
                  optimizer_bytes: float, offload: str, sleep_level: int,
                  trainer_devices: int, holders: int, engine_devices: int,
                  host_bandwidth: float, memory_bandwidth: float, links: Links,
-                 release_s: float | None = None, reload_s: float | None = None
-                 ) -> RefitStages:
+                 release_s: float | None = None, reload_s: float | None = None,
+                 calls_s: float = 0.0) -> RefitStages:
     """The parts of one turn. ``weight_bytes``: the whole model at its dtype;
     ``trained_bytes``: the trained parameters at it (with LoRA, the adapters);
     ``optimizer_bytes``: the optimizer's state in all; ``trainer_devices``: devices the
     trainer spans (the engines span the same); ``holders``: those holding a distinct
-    slice of its weights; ``memory_bandwidth``: one device's, achieved."""
+    slice of its weights; ``memory_bandwidth``: one device's, achieved; ``calls_s``: a
+    tensor-by-tensor update's calls (tensors x weight_tensor_s), paid with the copy."""
     assert offload in OFFLOADS and sleep_level in (1, 2), (offload, sleep_level)
     moved = 0.0
     if offload != "none":
@@ -104,5 +106,5 @@ def refit_stages(*, weight_bytes: float, trained_bytes: float, version_bytes: fl
         engine_offload=engine_share / host_bandwidth,
         trainer_onload=moved / host_bandwidth, trainer_offload=moved / host_bandwidth,
         reshard=reshard, engine_onload=engine_share / host_bandwidth,
-        copy=version_bytes / (memory_bandwidth * engine_devices),
+        copy=version_bytes / (memory_bandwidth * engine_devices) + calls_s,
         release_given=release_s, reload_given=reload_s)

@@ -40,6 +40,7 @@ from async_rl.sim.preemption import Preemption, ProbedOrchestrator
 from async_rl.sim.roles import SimRoles, SimRoleStages
 from async_rl.sim.rollout import SimEvaluator, SimRollout
 from async_rl.sim.timeshare import SimLocalWeights, check_time_shared, refit_record, time_shared
+from async_rl.sim.version_stages import version_tensors
 from async_rl.sim.weight_path import SimWeights
 from async_rl.sim.workers import SimTrainer, SimTraining
 from async_rl.tasks.sources import ArithmeticTask, PromptSource
@@ -76,6 +77,10 @@ def simulation_costs(config: Config) -> Costs:
             sim.architecture.experts and (sim.architecture.layers or shape.layers))))
         if value}
     shape = msgspec.structs.replace(shape, **arch)
+    a = sim.architecture
+    if sim.version_tensors or (a.layers and a.experts):  # given, or the shape given
+        shape = msgspec.structs.replace(shape, tensors=sim.version_tensors or version_tensors(
+            layers=shape.layers, moe_layers=shape.moe_layers, experts=a.experts))
     overrides = {key: value for key, value in msgspec.structs.asdict(
         sim.hardware_overrides).items() if value is not None}
     hardware = msgspec.structs.replace(load_hardware(sim.hardware), **overrides)
@@ -105,7 +110,8 @@ def simulation_plan(config: Config, hardware: Hardware) -> Plan:
     return Plan(rollout=rollout, trainer=trainer, shards=shards,
                 weights_path=sim.weights_path,
                 version_bytes_per_parameter=sim.version_bytes_per_parameter,
-                version_fraction=sim.version_fraction, recompute=sim.recompute == "full",
+                version_fraction=sim.version_fraction, version_native=sim.version_native,
+                recompute=sim.recompute == "full",
                 refit_offload=sim.refit_offload,
                 optimizer_bytes_per_parameter=sim.optimizer_bytes_per_parameter,
                 sleep_level=sim.sleep_level)

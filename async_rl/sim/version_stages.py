@@ -17,6 +17,19 @@ transfer, load) and ``VersionPath``, which costs them for simulate.weights_path:
   memory bandwidth), staged in host memory over the host link (``publish_s`` plus the
   version's bytes at ``host_bandwidth``), broadcast as above, and loaded by each engine
   (``weight_load_s`` plus the version's bytes at its devices' memory bandwidth).
+- "host" (Moonshot's checkpoint engine: the version registered in host memory): no
+  gather and no device snapshot (``publish_s`` alone); each bucket is copied up to a
+  device over its host link, then broadcast, the two pipelined, so the wire takes the
+  slower of the version over one host link and the broadcast, plus one bucket through
+  the faster (the pipeline's fill); the engine's fixed pause ``weight_load_s``.
+
+Whatever the path, a framework that moves a version tensor by tensor (an all-gather or a
+broadcast call, a CUDA IPC handle, an engine's loader call per tensor: verl's and slime's
+paths) pays ``tensor_s`` (the hardware's ``weight_tensor_s``) per tensor, ``tensors`` of
+them (simulate.version_tensors, else counted from the model's layers and experts:
+``version_tensors``), in the engine's load; buckets pay none (``tensor_s`` 0). A version
+already at its bytes per parameter (``native``: an FP8 checkpoint served as FP8) is not
+converted.
 
 A version's bytes: the trained parameters (with LoRA the adapters) x
 simulate.version_fraction (a delta or sparse version) x its bytes per parameter
@@ -29,7 +42,7 @@ import msgspec
 
 from async_rl.sim.parallel import Links
 
-PATHS = ("direct", "gathered")
+PATHS = ("direct", "gathered", "host")
 
 
 class VersionStages(msgspec.Struct, frozen=True, kw_only=True):
@@ -55,7 +68,8 @@ class VersionPath:
     def __init__(self, path: str, *, state_bytes: float, version_bytes: float, holders: int,
                  engine_devices: int, trainer_devices: int, links: Links,
                  memory_bandwidth: float, host_bandwidth: float, interconnect: float,
-                 publish_s: float, load_s: float, member_s: float) -> None:
+                 publish_s: float, load_s: float, member_s: float, native: bool = False,
+                 tensors: int = 0, tensor_s: float = 0.0) -> None:
         assert path in PATHS, path
         self.path, self.state_bytes, self.version_bytes = path, state_bytes, version_bytes
         self.holders, self.engine_devices = holders, engine_devices
@@ -63,6 +77,7 @@ class VersionPath:
         self.memory_bandwidth, self.host_bandwidth = memory_bandwidth, host_bandwidth
         self.interconnect, self.publish_s = interconnect, publish_s
         self.load_s, self.member_s = load_s, member_s
+        self.native, self.tensors, self.tensor_s = native, tensors, tensor_s
 
     @property
     def gathered(self) -> bool:
@@ -80,6 +95,8 @@ class VersionPath:
     def convert(self) -> float:
         """Reading the model's bytes and writing the version's: on the gathering rank, or
         (direct) on every trainer device for its slice, and only when the dtype changes."""
+        if self.native:
+            return 0.0
         if self.gathered:
             return (self.state_bytes + self.version_bytes) / self.memory_bandwidth
         if self.version_bytes == self.state_bytes:
@@ -88,7 +105,10 @@ class VersionPath:
             self.memory_bandwidth * self.trainer_devices)
 
     def stage(self) -> float:
-        """The snapshot: in device memory (direct) or in host memory (gathered)."""
+        """The snapshot: in device memory (direct) or in host memory (gathered); the host
+        path's version is in host memory already (its copies up are the transfer's)."""
+        if self.path == "host":
+            return self.publish_s
         bandwidth = self.host_bandwidth if self.gathered else self.memory_bandwidth
         return self.publish_s + self.version_bytes / bandwidth
 
@@ -98,16 +118,36 @@ class VersionPath:
         bucket ``receivers - 1`` bucket times after the first:
         ``(S + (N - 1) B) / bandwidth + N m``."""
         bucket = min(bucket_bytes, self.version_bytes)
-        return ((self.version_bytes + (receivers - 1) * bucket) / self.interconnect
+        wire = ((self.version_bytes + (receivers - 1) * bucket) / self.interconnect
                 + receivers * self.member_s)
+        if self.path != "host":
+            return wire
+        # Host to device and the broadcast, pipelined: the slower bounds, one bucket fills.
+        up = self.version_bytes / self.host_bandwidth
+        return max(up, wire) + bucket / max(self.host_bandwidth, self.interconnect)
 
     def load(self) -> float:
         """An engine's pause beyond the wire: fixed, and (gathered) the version copied
-        into its parameters at its devices' memory bandwidth."""
+        into its parameters at its devices' memory bandwidth; a tensor-by-tensor
+        framework's calls (``tensors`` x ``tensor_s``)."""
+        calls = self.tensors * self.tensor_s
         if not self.gathered:
-            return self.load_s
-        return self.load_s + self.version_bytes / (self.memory_bandwidth * self.engine_devices)
+            return self.load_s + calls
+        return (self.load_s + calls
+                + self.version_bytes / (self.memory_bandwidth * self.engine_devices))
 
     def stages(self, receivers: int, bucket_bytes: float) -> VersionStages:
         return VersionStages(gather=self.gather(), convert=self.convert(), stage=self.stage(),
                              transfer=self.transfer(receivers, bucket_bytes), load=self.load())
+
+
+def version_tensors(*, layers: int, moe_layers: int, experts: int, dense_mlp: bool = True
+                    ) -> int:
+    """Tensors of a decoder's state dict as a version carries them: per layer the four
+    attention projections and two norms; per MoE layer each expert's three matrices and
+    the router; per dense layer its three MLP matrices (``dense_mlp``); the embeddings,
+    the final norm and the output head (0 layers: 0, unknown)."""
+    if layers <= 0:
+        return 0
+    dense = (layers - moe_layers) * 3 if dense_mlp else 0
+    return layers * 6 + moe_layers * (experts * 3 + 1) + dense + 3

@@ -218,7 +218,9 @@ class SimTraining:
         updates = len(batch.updates) * cfg.epochs
         proximal = 4 / 3 if proximal_pass(self.config, updates) else 1.0
         slowest = max(sum(per) for per in compute)
-        return (costs.hardware.call_s + slowest * (cfg.epochs + proximal - 1)
+        per_update = max(len(per) for per in compute) / max(updates // cfg.epochs, 1)
+        bubble = costs.pipeline_bubble(round(per_update))
+        return (costs.hardware.call_s + bubble * slowest * (cfg.epochs + proximal - 1)
                 + updates * costs.update(self.shards))
 
     def _step(self, batches: list[ShardBatch], compute: list[list[float]],
@@ -240,13 +242,15 @@ class SimTraining:
         backward = [0.0] * self.shards
         waited = [0.0] * self.shards
         # The proximal pass: one more forward over the step.
-        extra = ([slow * sum(per) / 3
+        # A pipeline's fill and drain (pp > 1): per pass over a batch of micro-batches.
+        bubble = costs.pipeline_bubble
+        extra = ([slow * sum(per) / 3 * bubble(len(per))
                   for slow, per in zip(slowdowns, compute, strict=True)] if proximal
                  else [0.0] * self.shards)
         for _ in range(cfg.epochs):
             first = 0
             for count in updates:
-                work = [slow * sum(per[first:first + count])
+                work = [slow * sum(per[first:first + count]) * bubble(count)
                         for slow, per in zip(slowdowns, compute, strict=True)]
                 first += count
                 now = self._update(now, work, extra, forward, backward, waited)

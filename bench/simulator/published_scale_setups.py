@@ -1,6 +1,12 @@
 """Published results at the scale people rent, the setups the simulator predicts them with,
 and the assumptions where the sources are silent: written down before any prediction.
 
+Since 2026-12-06 these fifteen figures are the DEVELOPMENT set: the terms their misses
+pointed at were built on them (the "host" weight path, an FP8 checkpoint served as FP8,
+tensor-by-tensor calls, a pipeline's fill and drain), and the setups below were changed to
+use them (each change marked "development"). ``published_heldout_setups`` holds the
+figures they were validated on.
+
 Two kinds of figure:
 
 - ``WEIGHT_SYNCS``: the seconds a framework takes to move one weight version into its
@@ -63,11 +69,19 @@ from __future__ import annotations
 
 import msgspec
 
+from async_rl.sim.version_stages import version_tensors
 from bench.simulator.sim_published_unseen import QWEN3_30B_A3B, QWEN3_235B_A22B, Model
 
 GIB = 1 << 30
 H800_NVLINK = 200e9
 NIC = 50e9
+QWEN3_30B_TENSORS = version_tensors(layers=48, moe_layers=48, experts=128)
+TENSOR_S = 2e-4
+"""Development, 2026-12-06: seconds per tensor and per side that moves a version tensor by
+tensor (a per-tensor all-gather or broadcast call on the trainer's side, a per-tensor
+IPC handle or loader call on the engine's): fitted on verl's checkpoint-engine benchmark
+(7 s; its receivers load nothing, one side), then slime's colocated update pays it on
+both sides (Megatron's per-tensor gather and serialisation, SGLang's per-tensor load)."""
 
 
 class WeightSync(msgspec.Struct, frozen=True, kw_only=True):
@@ -91,44 +105,68 @@ class WeightSync(msgspec.Struct, frozen=True, kw_only=True):
     """Bytes/s of the link the broadcast crosses."""
     intra_node_bandwidth: float = 0.0
     """0: the hardware file's."""
+    host_bandwidth: float = 0.0
+    """0: the hardware file's (the "host" path's link up to a device)."""
+    native: bool = False
+    """The checkpoint is at the version's dtype already (FP8 served as FP8): no conversion
+    (development, 2026-12-06)."""
+    tensors: int = 0
+    """Tensors of the version, each paying ``tensor_s`` (0: none counted)."""
+    tensor_s: float = 0.0
+    """Seconds per tensor where the framework moves the version tensor by tensor
+    (development, 2026-12-06: ``TENSOR_S``)."""
     published_s: float
 
 
 WEIGHT_SYNCS = (
     WeightSync(name="GLM-4.5-Air BF16, 8 H800, TP8", framework="checkpoint-engine",
-               parameters=106e9, bytes_per_parameter=2, hardware="h100", path="direct",
+               parameters=106e9, bytes_per_parameter=2, hardware="h100", path="host",
                engine_devices=8, receivers=8, interconnect=H800_NVLINK,
                intra_node_bandwidth=H800_NVLINK, published_s=3.94),
     WeightSync(name="Qwen3-235B-A22B BF16, 8 H800, TP8", framework="checkpoint-engine",
-               parameters=235e9, bytes_per_parameter=2, hardware="h100", path="direct",
+               parameters=235e9, bytes_per_parameter=2, hardware="h100", path="host",
                engine_devices=8, receivers=8, interconnect=H800_NVLINK,
                intra_node_bandwidth=H800_NVLINK, published_s=6.75),
     WeightSync(name="DeepSeek-V3.1 FP8, 16 H20, TP16", framework="checkpoint-engine",
-               parameters=671e9, bytes_per_parameter=1, hardware="h20", path="direct",
+               parameters=671e9, bytes_per_parameter=1, hardware="h20", path="host",
+               native=True,
                engine_devices=16, receivers=16, interconnect=NIC, published_s=12.22),
     WeightSync(name="Kimi-K2 FP8, 16 H20, TP16", framework="checkpoint-engine",
-               parameters=1.04e12, bytes_per_parameter=1, hardware="h20", path="direct",
+               parameters=1.04e12, bytes_per_parameter=1, hardware="h20", path="host",
+               native=True,
                engine_devices=16, receivers=16, interconnect=NIC, published_s=15.45),
     WeightSync(name="DeepSeek-V3.1 FP8, 256 H20, 16 x TP16", framework="checkpoint-engine",
-               parameters=671e9, bytes_per_parameter=1, hardware="h20", path="direct",
+               parameters=671e9, bytes_per_parameter=1, hardware="h20", path="host",
+               native=True,
                engine_devices=16, receivers=256, interconnect=NIC, published_s=13.88),
     WeightSync(name="Kimi-K2 FP8, 256 H20, 16 x TP16", framework="checkpoint-engine",
-               parameters=1.04e12, bytes_per_parameter=1, hardware="h20", path="direct",
+               parameters=1.04e12, bytes_per_parameter=1, hardware="h20", path="host",
+               native=True,
                engine_devices=16, receivers=256, interconnect=NIC, published_s=21.50),
     WeightSync(name="Qwen3-30B-A3B BF16, FSDP 2 -> 30 GPUs, 4 x 8 H100", framework="verl",
                parameters=30.5e9, bytes_per_parameter=2, hardware="h100", path="gathered",
                holders=2, trainer_devices=2, engine_devices=1, receivers=30,
-               interconnect=NIC, published_s=7.0),
+               interconnect=NIC, tensors=QWEN3_30B_TENSORS, tensor_s=TENSOR_S,
+               published_s=7.0),
     WeightSync(name="Qwen3-30B-A3B BF16, verl + SGLang disaggregated, H100",
                framework="verl", parameters=30.5e9, bytes_per_parameter=2, hardware="h100",
                path="gathered", holders=8, trainer_devices=8, engine_devices=1,
-               receivers=8, interconnect=NIC, published_s=59.0),
+               receivers=8, interconnect=NIC, tensors=QWEN3_30B_TENSORS,
+               tensor_s=2 * TENSOR_S, published_s=59.0),
     WeightSync(name="Qwen3-30B-A3B BF16, colocated, 8 H200, SGLang TP4", framework="slime",
                parameters=30.5e9, bytes_per_parameter=2, hardware="h200", path="time",
-               engine_devices=4, receivers=2, interconnect=NIC, published_s=8.0),
+               engine_devices=4, receivers=2, interconnect=NIC, tensors=QWEN3_30B_TENSORS,
+               tensor_s=2 * TENSOR_S, published_s=8.0),
 )
 """The verl + SGLang row's trainer and engine sizes are not given: one node of 8 trainer
-GPUs and 8 one-GPU engines across the network are assumed."""
+GPUs and 8 one-GPU engines across the network are assumed.
+
+Development, 2026-12-06: the checkpoint engine's rows take the "host" path (its version
+is registered in host memory; each bucket is copied up, broadcast and read by the
+engines, pipelined), its FP8 rows serve the FP8 checkpoint as is (``native``); verl's and
+slime's rows pay ``TENSOR_S`` a tensor on each side that moves the version tensor by
+tensor (verl + SGLang: FSDP's per-tensor gather and SGLang's per-tensor loader, whose
+quadratic cost in the issue is not modelled)."""
 
 
 DEEPSEEK_V3 = Model(name="DeepSeek V3", parameters=671e9, active=37e9,
@@ -170,6 +208,12 @@ class Step(msgspec.Struct, frozen=True, kw_only=True):
     in_flight: bool = False
     seen: bool = True
     """In this project's validation set before (its miss known)."""
+    staleness: int = 1
+    """max_staleness of an off-policy row (its "N-step off")."""
+    rollout_gpus: int = 0
+    """GPUs generating in an off-policy row (0: half of them)."""
+    label: str = ""
+    """What the row's name shows beside its policy (e.g. its generation layout)."""
 
 
 STEPS = (

@@ -1,8 +1,12 @@
-"""Predicts the published figures of ``bench.simulator.published_scale_setups`` (weight-sync
-times of three frameworks, NeMo RL's mixture-of-experts step times) and prints each
-prediction beside its figure, then how many are within 25%. Nothing is fitted.
+"""Predicts the published figures of ``bench.simulator.published_scale_setups`` (the
+development set since 2026-12-06: weight-sync times of three frameworks, NeMo RL v0.4's
+mixture-of-experts step times) or, with ``--setups heldout``, those of
+``bench.simulator.published_heldout_setups`` (held out: weight-sync times of four
+frameworks, NeMo RL v0.6's step times), and prints each prediction beside its figure,
+then how many are within 25%.
 
     python -m bench.simulator.sim_published_scale
+    python -m bench.simulator.sim_published_scale --setups heldout
     python -m bench.simulator.sim_published_scale --steps 4 --only sync
 """
 
@@ -23,6 +27,7 @@ from async_rl.sim.costs import Costs, ModelShape, Plan
 from async_rl.sim.hardware_file import load_hardware
 from async_rl.sim.parallel import Layout
 from async_rl.sim.run import simulate
+from bench.simulator.published_heldout_setups import HELDOUT_STEPS, HELDOUT_SYNCS
 from bench.simulator.published_scale_setups import ARCHITECTURES, STEPS, WEIGHT_SYNCS, Step
 from bench.simulator.published_scale_setups import WeightSync as Sync
 from bench.simulator.sim_published_unseen import Run
@@ -37,13 +42,14 @@ def sync_seconds(s: Sync) -> float:
         base, interconnect_bandwidth=s.interconnect,
         intra_node_bandwidth=s.intra_node_bandwidth or base.intra_node_bandwidth,
         devices_per_rollout_worker=s.engine_devices,
-        devices_per_trainer_shard=s.trainer_devices)
+        devices_per_trainer_shard=s.trainer_devices, weight_tensor_s=s.tensor_s,
+        host_bandwidth=s.host_bandwidth or base.host_bandwidth)
     shape = ModelShape(parameters=s.parameters, kv_bytes_per_token=1,
-                       bytes_per_parameter=2.0)
+                       bytes_per_parameter=2.0, tensors=s.tensors)
     path = "direct" if s.path == "time" else s.path
     costs = Costs(hardware, shape, Plan(
         trainer=Layout(tp=s.holders, given=s.path == "gathered"), shards=1, weights_path=path,
-        version_bytes_per_parameter=s.bytes_per_parameter))
+        version_bytes_per_parameter=s.bytes_per_parameter, version_native=s.native))
     if s.path == "time":  # the fixed costs as committed: the file's 0 at the time
         costs = Costs(msgspec.structs.replace(hardware, engine_release_s=0.0,
                                               engine_reload_s=0.0), shape, costs.plan)
@@ -58,8 +64,11 @@ def step_config(step: Step, out: Path, steps: int) -> Config:
               train_devices=step.train[0] * step.train[1] * step.train[3],
               prompts=step.prompts, samples=32, max_length=step.max_length,
               mean_response=step.mean_response, in_flight=step.in_flight,
-              published_s=step.published_s)
+              published_s=step.published_s, rollout_gpus=step.rollout_gpus)
     config = run.config(out, steps)
+    if step.off_policy and step.staleness != 1:
+        config = msgspec.structs.replace(config, staleness=msgspec.structs.replace(
+            config.staleness, max_staleness=step.staleness))
     tp, cp, ep, pp = step.train
     arch = ARCHITECTURES[step.model.name]
     sim = msgspec.convert({
@@ -85,7 +94,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--only", choices=("sync", "steps", "all"), default="all")
+    parser.add_argument("--setups", choices=("development", "heldout"), default="development")
     args = parser.parse_args(argv)
+    heldout = args.setups == "heldout"
+    syncs, steps = (HELDOUT_SYNCS, HELDOUT_STEPS) if heldout else (WEIGHT_SYNCS, STEPS)
     logging.getLogger("async_rl").setLevel(logging.WARNING)
     print("| figure | source | published s | predicted s | error |")
     print("| --- | --- | --- | --- | --- |")
@@ -100,15 +112,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               flush=True)
 
     if args.only in ("sync", "all"):
-        for sync in WEIGHT_SYNCS:
+        for sync in syncs:
             row(f"weight sync: {sync.name}", sync.framework, sync.published_s,
                 sync_seconds(sync))
     if args.only in ("steps", "all"):
-        for step in STEPS:
-            how = "1-step off" if step.off_policy else "on-policy"
+        for step in steps:
+            how = f"{step.staleness}-step off" if step.off_policy else "on-policy"
             seen = "" if not step.seen else " (seen before)"
-            row(f"step: {step.model.name} {how} on {step.gpus} H100{seen}",
-                "NeMo RL v0.4", step.published_s, step_seconds(step, args.steps))
+            label = f" ({step.label})" if step.label else ""
+            row(f"step: {step.model.name} {how} on {step.gpus} H100{label}{seen}",
+                "NeMo RL v0.6" if heldout else "NeMo RL v0.4", step.published_s,
+                step_seconds(step, args.steps))
     print(f"within 25%: {within} of {total}")
     return 0
 
