@@ -64,9 +64,12 @@ def check_ledger(run_dir: Path, groups_trained: int, filtered_groups: int = 0) -
         assert evs[0] == "admitted", (pid, evs)
         # Each admission ends trained, filtered, re-queued (then admitted again) or
         # unfinished; a resume re-queues what the stop left unfinished, or restores its
-        # queued group (one ending, two events).
+        # queued group (one ending, two events). A prompt already waiting in the re-queue
+        # line at the stop (a multi-turn trajectory handed back, say) is owed as well:
+        # the resume re-queues it again, one ending, two "requeued" events.
         reissued = sum(1 for a, b in itertools.pairwise(evs)
-                       if (a, b) in (("unfinished", "requeued"), ("unfinished", "restored")))
+                       if (a, b) in (("unfinished", "requeued"), ("unfinished", "restored"),
+                                     ("requeued", "requeued")))
         assert evs.count("admitted") == (
             evs.count("trained") + evs.count("filtered") + evs.count("requeued")
             + evs.count("unfinished") + evs.count("given_up") - reissued
