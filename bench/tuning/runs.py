@@ -47,3 +47,22 @@ def add_run_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--set", action="append", default=[], dest="sets",
                         metavar="KEY=VALUE", help="override for every run")
     parser.add_argument("--lock", default="", help="run each run under flock FILE")
+
+
+def add_order_options(parser: argparse.ArgumentParser) -> None:
+    """``--once`` (each setup once: A B) and ``--reverse`` (with it, B A: a second call
+    completes an A B B A)."""
+    parser.add_argument("--once", action="store_true", help="each setup once: A B")
+    parser.add_argument("--reverse", action="store_true",
+                        help="with --once: B A (a second call completes an A B B A)")
+
+
+def ordered_runs(setups: Sequence[str], out: str, once: bool, reverse: bool
+                 ) -> list[tuple[str, Path]]:
+    """Each run's setup and folder in order: A B B A, or A B / B A with ``once``; the
+    folders numbered so that the two halves of an A B B A do not overwrite each other."""
+    order = list(setups) if once else [*setups, *reversed(setups)]
+    if once and reverse:
+        order.reverse()
+    return [(name, Path(out) / f"{index + 2 * reverse}-{name.replace(' ', '-')}")
+            for index, name in enumerate(order)]

@@ -28,7 +28,7 @@ from statistics import mean
 
 from async_rl.run.run_dir import read_ledger, read_metrics
 from bench.tuning.autopilot_vs_static import AUTOPILOT, POOR, describe, measure
-from bench.tuning.runs import add_run_options, train
+from bench.tuning.runs import add_order_options, add_run_options, ordered_runs, train
 
 SETUPS = {"one engine": ("autopilot.max_rollout_workers=-1",),
           "up to two": ("autopilot.max_rollout_workers=2",)}
@@ -53,18 +53,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", default="examples/cpu_longtail.toml")
     parser.add_argument("--steps", type=int, default=30, help="run.num_steps of every run")
     parser.add_argument("--out", default="runs/second-engine", help="where runs go")
-    parser.add_argument("--once", action="store_true", help="each setup once: A B")
-    parser.add_argument("--reverse", action="store_true",
-                        help="with --once: B A (a second call completes an A B B A)")
+    add_order_options(parser)
     add_run_options(parser)
     args = parser.parse_args(argv)
-    order = list(SETUPS) if args.once else [*SETUPS, *reversed(SETUPS)]
-    if args.once and args.reverse:
-        order.reverse()
     rows: dict[str, list[float]] = {name: [] for name in SETUPS}
     walls: dict[str, list[float]] = {name: [] for name in SETUPS}
-    for index, name in enumerate(order):
-        run_dir = Path(args.out) / f"{index + 2 * args.reverse}-{name.replace(' ', '-')}"
+    for name, run_dir in ordered_runs(list(SETUPS), args.out, args.once, args.reverse):
         train(args.config, run_dir, args.steps,
               [*args.sets, *POOR, *AUTOPILOT, *SETUPS[name]], args.lock)
         measured, wall = measure(name, run_dir), wall_second_half(run_dir)

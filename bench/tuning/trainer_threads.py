@@ -37,7 +37,7 @@ from statistics import mean
 from async_rl.analysis.report import read_spans
 from async_rl.run.run_dir import read_metrics, read_summary
 from bench.tuning.autopilot_vs_static import second_half
-from bench.tuning.runs import add_run_options, train
+from bench.tuning.runs import add_order_options, add_run_options, ordered_runs, train
 from workers.common.spans import Span
 
 SETUPS = {"1 thread": ("trainer.cpus_per_shard=1",),
@@ -88,19 +88,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", default="examples/cpu_longtail.toml")
     parser.add_argument("--steps", type=int, default=60, help="run.num_steps of every run")
     parser.add_argument("--out", default="runs/trainer-threads", help="where runs go")
-    parser.add_argument("--once", action="store_true", help="each setup once: A B")
-    parser.add_argument("--reverse", action="store_true",
-                        help="with --once: B A (a second call completes an A B B A)")
+    add_order_options(parser)
     add_run_options(parser)
     args = parser.parse_args(argv)
-    order = list(SETUPS) if args.once else [*SETUPS, *reversed(SETUPS)]
-    if args.once and args.reverse:
-        order.reverse()
     halves: dict[str, list[float]] = {name: [] for name in SETUPS}
     wholes: dict[str, list[float]] = {name: [] for name in SETUPS}
     trains: dict[str, list[float]] = {name: [] for name in SETUPS}
-    for index, name in enumerate(order):
-        run_dir = Path(args.out) / f"{index + 2 * args.reverse}-{name.replace(' ', '-')}"
+    for name, run_dir in ordered_runs(list(SETUPS), args.out, args.once, args.reverse):
         train(args.config, run_dir, args.steps, [*args.sets, *SETUPS[name]], args.lock)
         half, whole = second_half(run_dir), read_summary(run_dir).groups_per_s
         compute, waited = trainer_seconds(run_dir)
