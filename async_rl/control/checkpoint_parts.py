@@ -56,27 +56,26 @@ class RunCheckpoints:
                     ) -> RunCheckpoints:
         """Checkpoints of trainer.backend's state, run.keep_checkpoints of them kept;
         ``tuned``: what ``[autopilot]`` has tuned now (None: no autopilot)."""
-        checkpoints = cls(out, gate, source, totals, prompts, evals, queue, tokens,
-                          backend=trainer.backend, keep=run.keep_checkpoints)
-        checkpoints.tuned = tuned
-        return checkpoints
+        return cls(out, gate, source, totals, prompts, evals, queue, tokens,
+                   backend=trainer.backend, keep=run.keep_checkpoints, tuned=tuned)
 
     def __init__(self, out: RunWriter, gate: AdmissionGate, source: PromptSource,
                  totals: StepTotals, prompts: PromptLedger, evals: EvalLog,
                  queue: ReplayQueue[Group], tokens: TokenStore | None, *,
-                 backend: str, keep: int) -> None:
+                 backend: str, keep: int,
+                 tuned: Callable[[], AutopilotState | None] = lambda: None) -> None:
         """``tokens``: where the queue's groups' tokens are fetched from and put back
         (None: the queue's groups are not kept, their prompts are owed); ``backend``:
         trainer.backend, recorded so the other backend refuses it; ``keep``:
-        run.keep_checkpoints."""
+        run.keep_checkpoints; ``tuned``: what ``[autopilot]`` has tuned now (None: no
+        autopilot)."""
         self.out, self.gate, self.source = out, gate, source
         self.totals, self.prompts, self.evals = totals, prompts, evals
         self.queue, self.tokens = queue, tokens
         self.backend, self.keep = backend, keep
         self.written: anyio.Event | None = None
         """Set when the last checkpoint started in the background is renamed into place."""
-        self.tuned: Callable[[], AutopilotState | None] = lambda: None
-        """What ``[autopilot]`` has tuned now (None: no autopilot)."""
+        self.tuned = tuned
 
     async def save(self, version: int, wall_s: float, saver: TrainerClient, *,
                    background: anyio.abc.TaskGroup | None = None) -> None:
