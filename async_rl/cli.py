@@ -106,7 +106,7 @@ def _train(args: argparse.Namespace) -> int:
     except Exception as err:
         # Imported only now: train checks its inputs before it imports torch, Ray or vLLM.
         from async_rl.control.checkpoint_files import CheckpointError
-        from async_rl.control.protocols import RunFailed
+        from async_rl.control.failures import RunFailed
         from async_rl.shell.ray_shell import RunInterrupted
 
         if isinstance(err, CheckpointError):

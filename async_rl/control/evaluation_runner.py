@@ -18,13 +18,8 @@ from collections.abc import Sequence
 import anyio
 
 from async_rl.control.evaluation import EvalLog, describe
-from async_rl.control.protocols import (
-    EvaluationFailed,
-    Evaluator,
-    PolicyWeights,
-    RolloutFailed,
-    TrainerClient,
-)
+from async_rl.control.failures import EvaluationFailed, RolloutFailed
+from async_rl.control.protocols import Evaluator, PolicyWeights, TrainerClient
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.run_health import RunHealth
 from async_rl.run.run_dir import RunWriter

@@ -40,7 +40,8 @@ from async_rl.control.autopilot import (
     Move,
     Window,
 )
-from async_rl.control.protocols import EngineLending, RolloutFailed
+from async_rl.control.failures import RolloutFailed
+from async_rl.control.protocols import EngineLending
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.run.run_dir import RunWriter
 from async_rl.run.run_record import AutopilotState

@@ -45,16 +45,12 @@ from async_rl.control.checkpoint_files import RunState
 from async_rl.control.checkpoint_parts import RunCheckpoints
 from async_rl.control.evaluation import EvalLog
 from async_rl.control.evaluation_runner import EvaluationRunner
+from async_rl.control.failures import RunFailed, first_error
 from async_rl.control.live_tuning import LiveTuning
 from async_rl.control.loss_stats import role_metrics
 from async_rl.control.prompt_book import PromptBook
 from async_rl.control.prompt_ledger import PromptLedger
-from async_rl.control.protocols import (
-    PublishedWeights,
-    RunFailed,
-    Workers,
-    first_error,
-)
+from async_rl.control.protocols import PublishedWeights, Workers
 from async_rl.control.role_stages import step_stages
 from async_rl.control.rollout_admission import RolloutAdmission, group_rules
 from async_rl.control.rollout_pool import RolloutPool

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from async_rl.control.failures import RolloutFailed
 from async_rl.control.prompt_ledger import PromptLedger
-from async_rl.control.protocols import RolloutFailed
 from async_rl.control.run_health import RunHealth
 from async_rl.control.step_metrics import StepTotals
 from async_rl.control.step_stages import CRITIC_WARMUP

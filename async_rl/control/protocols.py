@@ -1,4 +1,4 @@
-"""What the orchestrator may ask of its workers: the protocols, and the errors they raise.
+"""What the orchestrator may ask of its workers: the protocols.
 
 Owns: the orchestrator's whole view of the compute plane — a rollout worker
 (``RolloutClient``), a trainer shard (``TrainerClient``), the weight path
@@ -8,9 +8,8 @@ shards (``RoleStagesClient``) and on the roles' own workers (``ReferenceClient``
 ``CriticClient``; the shards take their outputs, ``RoleOutputsClient``; together
 ``OwnRoles``), devices that may become rollout engines while a run trains
 (``EngineLending``), where groups' tokens are kept (``TokenStore``: what a checkpoint of the
-queue fetches and a resume puts back), the bundle the shell hands over (``Workers``)
-and the failures: a worker's (``RolloutFailed``, ``EvaluationFailed``) and the run's
-(``RunFailed``, ``TrainerFailed``, ``RoleFailed``). Knows nothing about Ray:
+queue fetches and a resume puts back) and the bundle the shell hands over (``Workers``);
+what they raise is ``async_rl.control.failures``'s. Knows nothing about Ray:
 ``async_rl.shell.ray_shell`` adapts actor handles to these protocols, and the unit tests
 pass in-process fakes, so the orchestrator's loops run the same against both.
 
@@ -22,31 +21,13 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, TypeVar, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from buffers.common.partials import PartialGroup
 from buffers.common.records import Group, GroupTokens, Prompt, TokensRef
 from buffers.common.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
 from buffers.common.train_records import ShardBatch, ShardStepResult
 from workers.common.spans import Span
-
-E = TypeVar("E", bound=Exception)
-
-
-class RolloutFailed(Exception):
-    """A rollout call did not produce its result.
-
-    ``worker_gone``: the worker is dead or broken (a failed weight load, say) and must
-    get no more work; otherwise only this call failed.
-    """
-
-    def __init__(self, reason: str, *, worker_gone: bool, out_of_memory: bool = False,
-                 timed_out: bool = False) -> None:
-        super().__init__(reason)
-        self.reason = reason
-        self.worker_gone = worker_gone
-        self.out_of_memory = out_of_memory
-        self.timed_out = timed_out
 
 
 class ObservedWorker(Protocol):
@@ -280,11 +261,6 @@ class Evaluator(Protocol):
         ...
 
 
-class EvaluationFailed(Exception):
-    """The evaluator could not score a version (it died, timed out or raised): the
-    evaluation's row is lost, the run goes on."""
-
-
 class PublishedWeights(Protocol):
     """A published version, ready to deliver (what it holds is the weight path's own)."""
 
@@ -319,66 +295,6 @@ class TokenStore(Protocol):
     def put(self, tokens: GroupTokens) -> TokensRef:
         """A reference to ``tokens`` that the trainer shards resolve."""
         ...
-
-
-class RunFailed(Exception):
-    """The run cannot go on (every rollout worker gone, restarts used up): one line."""
-
-
-class RoleFailed(RunFailed):
-    """A reference or critic worker of its own failed a stage (``dead``: its process
-    is gone or stuck). The run stops as for a failed trainer shard; the trainer shards
-    are alive, so they write its checkpoint (a dead critic's state cannot be in it)."""
-
-    def __init__(self, name: str, reason: str, *, dead: bool, timed_out: bool = False) -> None:
-        super().__init__(f"{name} {'died' if dead else 'failed'}: {reason}")
-        self.name = name
-        self.dead = dead
-        self.timed_out = timed_out
-
-
-class WaitTimedOut(RunFailed):
-    """A call to a worker got no answer in time: names what was waited for, how long."""
-
-    def __init__(self, what: str, seconds: float, key: str) -> None:
-        super().__init__(f"timed out after {seconds:g} s waiting for {what} ({key})")
-
-
-class TrainerFailed(RunFailed):
-    """A trainer shard's step failed. ``dead``: its process is gone or stuck, so only
-    the other shards can still write the checkpoint (shards are replicas)."""
-
-    def __init__(self, rank: int, reason: str, *, dead: bool,
-                 out_of_memory: bool = False, timed_out: bool = False) -> None:
-        super().__init__(f"trainer-{rank} {'died' if dead else 'failed'}: {reason}")
-        self.rank = rank
-        self.dead = dead
-        self.out_of_memory = out_of_memory
-        self.timed_out = timed_out
-
-
-def all_errors(group: BaseExceptionGroup[BaseException], kind: type[E]) -> list[E]:
-    """Every error of ``kind`` inside nested task-group errors."""
-    found: list[E] = []
-    for error in group.exceptions:
-        if isinstance(error, kind):
-            found.append(error)
-        elif isinstance(error, BaseExceptionGroup):
-            found += all_errors(error, kind)
-    return found
-
-
-def first_error(group: BaseExceptionGroup[BaseException],
-                kinds: tuple[type[Exception], ...] = ()) -> Exception | None:
-    """The first error of ``kinds`` (default: ``RunFailed``) inside nested task-group
-    errors, if there is one: what the user gets as one line instead of the tree."""
-    for error in group.exceptions:
-        if isinstance(error, BaseExceptionGroup):  # groups are Exceptions too: look inside
-            if found := first_error(error, kinds):
-                return found
-        elif isinstance(error, kinds or (RunFailed,)):
-            return error
-    return None
 
 
 class EngineLending(Protocol):

@@ -20,8 +20,9 @@ import logging
 import anyio
 
 from async_rl.config import Config
+from async_rl.control.failures import RolloutFailed
 from async_rl.control.prompt_book import PromptBook
-from async_rl.control.protocols import HandsBack, RolloutClient, RolloutFailed
+from async_rl.control.protocols import HandsBack, RolloutClient
 from async_rl.control.rollout_pool import RolloutPool
 from buffers.common.partials import PartialGroup
 from buffers.common.records import NO_VERSION, Group, Prompt

@@ -27,7 +27,8 @@ from contextlib import asynccontextmanager
 import anyio
 import anyio.abc
 
-from async_rl.control.protocols import RolloutClient, RolloutFailed, RunFailed, Workers
+from async_rl.control.failures import RolloutFailed, RunFailed
+from async_rl.control.protocols import RolloutClient, Workers
 from async_rl.control.step_metrics import StepTotals
 from workers.rollout.config import RolloutConfig
 

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import anyio
 
-from async_rl.control.protocols import (
+from async_rl.control.failures import (
     RoleFailed,
     RolloutFailed,
     RunFailed,

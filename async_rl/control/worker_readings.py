@@ -14,12 +14,12 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
+from async_rl.control.failures import RolloutFailed
 from async_rl.control.protocols import (
     CriticClient,
     ObservedWorker,
     ReferenceClient,
     RolloutClient,
-    RolloutFailed,
     TrainerClient,
 )
 from async_rl.control.rollout_pool import RolloutPool

@@ -5,16 +5,15 @@ Owns: one adapter per protocol of ``async_rl.control.protocols`` (``RayRollout``
 its actor (``_Adapter._call``): with a deadline (``run.call_timeout_s`` unless the call
 has its own), Ray's errors turned into the adapter's protocol error, and a missed
 deadline into the error the call names (``WaitTimedOut`` by default). Also aligning a
-worker's span clock with the driver's, and replacing a lost rollout worker
-(``restart_rollout``: a new actor on the same cores, joined to the weight group).
-The reference's and critic's workers of their own have their adapters beside these
-(``async_rl.shell.role_adapters``). Knows nothing about the run's logic.
+worker's span clock with the driver's. The reference's and critic's workers of their
+own have their adapters beside these (``async_rl.shell.role_adapters``); the started
+actors become the orchestrator's ``Workers`` in ``async_rl.shell.adapted_workers``.
+Knows nothing about the run's logic.
 """
 
 from __future__ import annotations
 
 import abc
-import dataclasses
 import functools
 import time
 from collections.abc import Callable, Sequence
@@ -26,21 +25,19 @@ import msgspec
 import ray
 
 from async_rl.config import Config
-from async_rl.control.protocols import (
-    CriticClient,
+from async_rl.control.failures import (
     EvaluationFailed,
-    OwnRoles,
-    PolicyWeights,
-    PublishedWeights,
     RoleFailed,
-    RoleOutput,
     RolloutFailed,
     TrainerFailed,
     WaitTimedOut,
-    Workers,
 )
-from async_rl.shell.launch import StartedWorkers
-from async_rl.shell.object_store import RayTokens
+from async_rl.control.protocols import (
+    CriticClient,
+    PolicyWeights,
+    PublishedWeights,
+    RoleOutput,
+)
 from buffers.common.concurrent_calls import each
 from buffers.common.partials import PartialGroup
 from buffers.common.records import Group, Prompt
@@ -48,7 +45,6 @@ from buffers.common.reports import BroadcastTiming, CriticStepResult, EvalResult
 from buffers.common.train_records import ShardBatch, ShardStepResult
 from workers.common.errors import RolloutWorkerError, first_line
 from workers.common.spans import Span
-from workers.model_config import ModelConfig
 from workers.trainer.checkpoint_folder import WAIT_GROUP
 from workers.weights.broadcast import Published, WeightBroadcast
 
@@ -357,59 +353,3 @@ class RayWeights:
                       ) -> tuple[list[BroadcastTiming], list[int]]:
         assert isinstance(published, Published)
         return await self._broadcast.deliver(published, ranks)
-
-
-async def restart_rollout(started: StartedWorkers, source: RayTrainer, rank: int,
-                          model: ModelConfig, version: int, config: Config) -> RayRollout:
-    """Replaces rollout worker ``rank`` (dead or broken) by a new one on the same cores,
-    started from ``model`` labelled ``version`` and made a member of the weight group of
-    ``source`` (trainer shard 0) in its place (it joins at the next version). Both calls
-    have their deadlines (``RayRollout.start``, ``RayTrainer.connect_rollout``); a
-    replacement that fails to start is killed, freeing its cores."""
-    assert started.new_rollout is not None
-    old = started.rollout.pop(rank, None)
-    if old is not None:
-        ray.kill(old)  # a broken worker may still hold its engine and cores
-    handle = started.new_rollout(rank, model, version, "")  # the old name may linger
-    worker = RayRollout(f"rollout-{rank}", handle, config)
-    try:
-        worker.pid = await worker.start()
-    except BaseException:  # failed, timed out or cancelled
-        ray.kill(handle)
-        raise
-    await source.connect_rollout(rank, handle)
-    started.rollout[rank] = handle
-    return worker
-
-
-def adapt(started: StartedWorkers, config: Config, own: OwnRoles | None = None) -> Workers:
-    """The started actors as the orchestrator's protocols; ``own``: the roles' workers
-    of their own, already adapted (``async_rl.shell.role_adapters``)."""
-
-    trainers = [RayTrainer(rank, handle, config)
-                for rank, handle in enumerate(started.trainers)]
-
-    async def restart(rank: int, model_dir: str, version: int) -> RayRollout:
-        model = msgspec.structs.replace(config.model, path=model_dir)
-        return await restart_rollout(started, trainers[0], rank, model, version, config)
-    # fsdp2: shard 0's client gathers the whole policy from every shard, as its
-    # broadcasts do; ddp: replicas.
-    assert started.broadcast is not None
-    trainers[0].peers = trainers[1:] if started.broadcast.gather_from else []
-    own = own or OwnRoles()
-    if own.workers:  # every shard takes its share of the roles' outputs
-        own = dataclasses.replace(own, shards=[*trainers])
-    for trainer in trainers:
-        trainer.critics = own.critics
-    return Workers(
-        rollout={rank: RayRollout(f"rollout-{rank}", handle, config)
-                 for rank, handle in started.rollout.items()},
-        trainers=[*trainers],
-        weights=RayWeights(started.broadcast),
-        evaluator=(RayEvaluator("evaluator", started.evaluator, config)
-                   if started.evaluator is not None else None),
-        restart_rollout=restart,
-        stages=[*trainers] if config.has_reference or config.has_critic else [],
-        own=own,
-        tokens=RayTokens(config.run.call_timeout_s),
-    )

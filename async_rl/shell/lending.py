@@ -42,7 +42,8 @@ from async_rl.config import Config
 from async_rl.control.protocols import RolloutClient
 from async_rl.control.rollout_pool import CurrentPolicy
 from async_rl.roster import registry_line
-from async_rl.shell.adapters import RayRollout, RayTrainer, restart_rollout
+from async_rl.shell.adapted_workers import restart_rollout
+from async_rl.shell.adapters import RayRollout, RayTrainer
 from async_rl.shell.launch import StartedWorkers
 from buffers.common.partials import PartialGroup
 from buffers.common.records import Group, Prompt

@@ -39,15 +39,13 @@ from async_rl.control.checkpoint_files import (
     check_backend,
     latest_checkpoint,
 )
+from async_rl.control.failures import RunFailed, first_error
 from async_rl.control.orchestrator import Orchestrator
-from async_rl.control.protocols import (
-    RunFailed,
-    first_error,
-)
 from async_rl.roster import Roster, Start, registry_table, resumed_engines, roster
 from async_rl.run.run_dir import WORKERS_LOG, RunWriter
 from async_rl.run.summary import RunSummary
-from async_rl.shell.adapters import RayTrainer, adapt
+from async_rl.shell.adapted_workers import adapt
+from async_rl.shell.adapters import RayTrainer
 from async_rl.shell.launch import StartedWorkers, launch_workers
 from async_rl.shell.lending import RayLending
 from async_rl.shell.role_adapters import adapt_own_roles

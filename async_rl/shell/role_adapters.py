@@ -19,7 +19,8 @@ from typing import Any
 import ray
 
 from async_rl.config import Config
-from async_rl.control.protocols import OwnRoles, RoleFailed, RoleOutput
+from async_rl.control.failures import RoleFailed
+from async_rl.control.protocols import OwnRoles, RoleOutput
 from async_rl.shell.adapters import RayRoleOutput, WorkerAdapter
 from async_rl.shell.launch import StartedWorkers
 from buffers.common.reports import CriticStepResult
@@ -112,7 +113,7 @@ class RayCritic(RayOwnRole):
 
 def adapt_own_roles(started: StartedWorkers, config: Config) -> OwnRoles:
     """The started workers of the roles placed on their own, as the protocols (the
-    trainer shards that take their outputs are added by ``adapters.adapt``)."""
+    trainer shards that take their outputs are added by ``adapted_workers.adapt``)."""
     return OwnRoles(
         reference=(RayReference("reference-0", started.reference, config)
                    if started.reference is not None else None),

@@ -22,7 +22,7 @@ from async_rl.analysis.report import autopilot_lines
 from async_rl.config_io import decode_config
 from async_rl.control import autopilot
 from async_rl.control.checkpoint_files import latest_checkpoint
-from async_rl.control.protocols import RolloutFailed
+from async_rl.control.failures import RolloutFailed
 from async_rl.run.run_dir import read_ledger, read_metrics, read_record, read_workers
 from async_rl.shell.adapters import RayRollout
 from async_rl.shell.lending import LEAVING

@@ -18,15 +18,9 @@ import msgspec
 
 from async_rl.config import Config
 from async_rl.control.checkpoint_files import latest_checkpoint
+from async_rl.control.failures import EvaluationFailed, RolloutFailed
 from async_rl.control.orchestrator import Orchestrator
-from async_rl.control.protocols import (
-    EvaluationFailed,
-    OwnRoles,
-    PolicyWeights,
-    RoleStagesClient,
-    RolloutFailed,
-    Workers,
-)
+from async_rl.control.protocols import OwnRoles, PolicyWeights, RoleStagesClient, Workers
 from async_rl.run.run_dir import RunWriter
 from async_rl.run.summary import RunSummary
 from async_rl.sim.clock import run_virtual, virtual_now

@@ -26,7 +26,7 @@ from orchestrator_fakes import (
 
 from async_rl.config import Config
 from async_rl.config_io import decode_config
-from async_rl.control.protocols import RunFailed
+from async_rl.control.failures import RunFailed
 from async_rl.control.step_metrics import StepTotals
 from async_rl.models.tiny_model import build_config
 from async_rl.run.run_dir import read_metrics, read_summary

@@ -20,8 +20,9 @@ from async_rl.cli import main
 from async_rl.config import Config
 from async_rl.config_io import decode_config
 from async_rl.control.autopilot import ENGINES, INFLIGHT, QUEUE, Autopilot, Rule
+from async_rl.control.failures import RolloutFailed
 from async_rl.control.live_tuning import LiveTuning
-from async_rl.control.protocols import HandsBack, RolloutClient, RolloutFailed
+from async_rl.control.protocols import HandsBack, RolloutClient
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.step_metrics import StepTotals
 from async_rl.roster import Bundle, roster

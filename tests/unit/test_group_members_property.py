@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from async_rl.control.protocols import RunFailed
+from async_rl.control.failures import RunFailed
 from buffers.common.records import NO_VERSION, Group, Prompt, Sample, make_group
 from buffers.plan.advantages import group_advantages, has_signal
 from buffers.plan.batching import shard_batches, training_rewards, with_reward_failures

@@ -22,7 +22,7 @@ from orchestrator_fakes import (
 )
 
 from async_rl.control.checkpoint_files import latest_checkpoint
-from async_rl.control.protocols import RunFailed
+from async_rl.control.failures import RunFailed
 from async_rl.run.run_dir import FINAL_MODEL, SPANS
 from buffers.common.records import Group, Prompt
 from buffers.common.train_records import ShardBatch, ShardStepResult

@@ -18,7 +18,8 @@ from orchestrator_fakes import LOST, FakeRollout, FakeTrainer, config, run
 
 from async_rl.config import Config
 from async_rl.control.checkpoint_files import latest_checkpoint
-from async_rl.control.protocols import OwnRoles, RoleFailed, RoleOutput, RunFailed
+from async_rl.control.failures import RoleFailed, RunFailed
+from async_rl.control.protocols import OwnRoles, RoleOutput
 from async_rl.run.run_dir import read_metrics
 from buffers.common.reports import CriticStepResult, UsageReading
 from buffers.common.train_records import ShardBatch, ShardStepResult

@@ -13,7 +13,8 @@ from typing import cast
 import anyio
 import pytest
 
-from async_rl.control.protocols import RolloutClient, RolloutFailed
+from async_rl.control.failures import RolloutFailed
+from async_rl.control.protocols import RolloutClient
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.step_metrics import StepTotals
 

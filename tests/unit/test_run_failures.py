@@ -23,8 +23,8 @@ from orchestrator_fakes import (
 
 from async_rl.config import Config
 from async_rl.control.checkpoint_files import latest_checkpoint
-from async_rl.control.protocols import RolloutFailed, RunFailed, TrainerFailed, WaitTimedOut
-from async_rl.shell import adapters
+from async_rl.control.failures import RolloutFailed, RunFailed, TrainerFailed, WaitTimedOut
+from async_rl.shell import adapted_workers, adapters
 from async_rl.shell.adapters import RayRollout, RayTrainer
 from async_rl.shell.launch import StartedWorkers
 from buffers.common.records import Prompt
@@ -236,8 +236,8 @@ def test_a_replacements_start_and_connect_have_their_deadlines(
 
     async def restart(new: Any, shard: Any) -> RayRollout:
         started = StartedWorkers(new_rollout=lambda *args: new)
-        return await adapters.restart_rollout(started, RayTrainer(0, shard, cfg), 1,
-                                              cfg.model, 3, cfg)
+        return await adapted_workers.restart_rollout(
+            started, RayTrainer(0, shard, cfg), 1, cfg.model, 3, cfg)
 
     async def main() -> None:
         with pytest.raises(RolloutFailed, match=r"^no answer to start after 0.05 s "
