@@ -43,7 +43,7 @@ unit test-fast: setup
 	$(BIN)/python -m pytest tests/unit -q -n 2
 
 integration: setup
-	$(BIN)/python -m pytest tests/integration -q -n 2 --dist loadscope
+	$(BIN)/python -m pytest tests/integration -q -n 2 --dist loadscope --no-loadscope-reorder
 
 # The test models build in the background while ruff, lint-imports and the unit tier
 # (two xdist processes) run (the learnable model's warm start is about two minutes): a
@@ -51,7 +51,7 @@ integration: setup
 # it. mypy runs beside them too: single-threaded and without a cache in a fresh clone,
 # it took 92 s while the other core waited.
 # Then the Ray tiers in two xdist processes, a test module to each at a time (its module
-# fixtures run once): one run leaves a core idle about 45% of the time while it starts
+# fixtures run once), the longest modules first (tests/integration/conftest.py): one run leaves a core idle about 45% of the time while it starts
 # Ray and vLLM, and two side by side took 22 min against 26 in one.
 test: setup
 	$(BIN)/python tests/models.py & models=$$!; \
@@ -61,7 +61,8 @@ test: setup
 	    || { kill $$models $$typecheck; exit 1; }; \
 	  wait $$typecheck || { kill $$models; exit 1; }; \
 	  wait $$models
-	$(BIN)/python -m pytest tests/integration tests/gpu -q -n 2 --dist loadscope --durations=10
+	$(BIN)/python -m pytest tests/integration tests/gpu -q -n 2 --dist loadscope \
+	  --no-loadscope-reorder --durations=10
 
 # The benchmarks that need neither a model nor Ray (bench/README.md lists every one, each
 # run as python -m bench.FOLDER.SCRIPT from here).
