@@ -51,8 +51,9 @@ integration: setup
 # it. mypy runs beside them too: single-threaded and without a cache in a fresh clone,
 # it took 92 s while the other core waited.
 # Then the Ray tiers in two xdist processes, a test module to each at a time (its module
-# fixtures run once), the longest modules first (tests/integration/conftest.py): one run leaves a core idle about 45% of the time while it starts
-# Ray and vLLM, and two side by side took 22 min against 26 in one.
+# fixtures run once), the longest modules first (tests/integration/conftest.py): one
+# run leaves a core idle about 45% of the time while it starts Ray and vLLM, and two
+# side by side took 22 min against 26 in one.
 test: setup
 	$(BIN)/python tests/models.py & models=$$!; \
 	  $(BIN)/mypy & typecheck=$$!; \
