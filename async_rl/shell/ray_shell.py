@@ -59,6 +59,12 @@ from workers.rollout.task import WorkerTask
 log = logging.getLogger(__name__)
 
 NAMESPACE = "async-rl"
+
+LOCAL_RAY_SYSTEM = {"prestart_worker_first_driver": False}
+"""Ray settings of a run's own local Ray. Ray starts one idle worker per CPU for the
+first driver; a run's actors never take them (Ray starts a worker of their own for each
+actor, and kills the idle ones later), so each local start spent about 1 CPU-second on
+processes nothing used (docs/benchmarks.md, "Demo and test timings")."""
 """Ray namespace of a run's named actors ("rollout-0", "trainer-1", ...)."""
 
 
@@ -214,7 +220,7 @@ def start_ray(config: Config, plan: Roster, verbose: bool) -> bool:
         with sigterm_blocked():
             ray.init(address="local", num_cpus=max(config.run.num_cpus, plan.cpus),
                      include_dashboard=False, _node_ip_address="127.0.0.1",
-                     namespace=NAMESPACE, **console)
+                     namespace=NAMESPACE, _system_config=LOCAL_RAY_SYSTEM, **console)
     return True
 
 

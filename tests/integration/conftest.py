@@ -17,6 +17,7 @@ from contextlib import contextmanager
 import pytest
 import ray
 
+from async_rl.shell.ray_shell import LOCAL_RAY_SYSTEM
 from workers import layout
 
 LONGEST_FIRST = (
@@ -62,7 +63,8 @@ def ray_cluster() -> Iterator[None]:
     """A fresh local two-CPU Ray for one test module; shut down even when tests fail."""
     if ray.is_initialized():  # left over by something else: never share its state
         ray.shutdown()
-    ray.init(num_cpus=2, include_dashboard=False, address="local")
+    ray.init(num_cpus=2, include_dashboard=False, address="local",
+             _system_config=LOCAL_RAY_SYSTEM)
     try:
         yield
     finally:

@@ -22,7 +22,7 @@ from transformers import AutoTokenizer
 
 from async_rl.cli import main
 from async_rl.run.run_dir import read_evals, read_ledger, read_metrics
-from async_rl.shell.ray_shell import run_training
+from async_rl.shell.ray_shell import LOCAL_RAY_SYSTEM, run_training
 from buffers.common.records import Prompt
 from workers import layout
 from workers.model_config import ModelConfig
@@ -134,7 +134,8 @@ def test_the_engine_sees_the_chat_templates_prompt_token_ids(
     rewards = tmp_path / "chat_rewards.py"
     rewards.write_text(CHAT_REWARDS)
     fmt = PromptFormat(chat_template=True, system_prompt=SYSTEM)
-    ray.init(num_cpus=1, include_dashboard=False, address="local")
+    ray.init(num_cpus=1, include_dashboard=False, address="local",
+             _system_config=LOCAL_RAY_SYSTEM)
     worker = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=16).remote(
         RolloutSpec(rank=0, model=ModelConfig(path=str(tiny_model_dir)),
                     rollout=RolloutConfig(group_size=2, max_new_tokens=4, max_inflight_prompts=1),

@@ -130,7 +130,7 @@ def test_the_script_brings_every_module_the_check_imports() -> None:
 # -- the dry run ------------------------------------------------------------------------
 
 
-DRY_SCALE = {"model": TINY, "sequences": 6, "long_sequences": 8, "long_micro_batches": 2,
+DRY_SCALE = {"model": TINY, "sequences": 4, "long_sequences": 4, "long_micro_batches": 2,
              "attention_tokens": (300,), "wide_vocab": 1024, "repeats": 1,
              "fsdp_batch": (2, 32)}
 ROWS = [

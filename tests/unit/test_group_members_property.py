@@ -144,7 +144,7 @@ def test_every_admitted_prompt_ends_trained_once_or_dropped_once_with_a_reason(
     cfg = msgspec.structs.replace(
         cfg, run=msgspec.structs.replace(cfg.run, max_readmissions=max_readmissions,
                                          eval_every=0),
-        rollout=msgspec.structs.replace(cfg.rollout, stall_timeout_s=5.0))
+        rollout=msgspec.structs.replace(cfg.rollout, stall_timeout_s=0.5))
     scripted = dict(enumerate(script))
     # Every prompt degenerate on every attempt it gets: nothing can train, and the run
     # must say so (a rollout stall), never spin.
