@@ -33,6 +33,8 @@ def kind(cmdline: str) -> str:
     if cmdline.startswith("ray::"):
         name = cmdline.split()[0].removeprefix("ray::").split(".")[0]
         return "ray worker waiting for work" if name == "IDLE" else f"ray actor {name}"
+    if "default_worker.py" in cmdline:
+        return "ray worker starting"
     if any(part in cmdline for part in RAY_OWN):
         return "ray's own processes"
     if "pytest" in cmdline:
@@ -49,7 +51,11 @@ def sample(seen: dict[tuple[int, float], tuple[str, float]], since: float) -> No
             continue
         key = (info["pid"], info["create_time"])
         cpu = info["cpu_times"].user + info["cpu_times"].system
-        name = seen[key][0] if key in seen else kind(" ".join(info["cmdline"] or []))
+        # A process is named by its last command line: a Ray worker starts as
+        # default_worker.py and takes its actor's name (ray::RolloutActor) later.
+        name = kind(" ".join(info["cmdline"] or []))
+        if name == "?" and key in seen:  # exiting: its command line is gone
+            name = seen[key][0]
         seen[key] = (name, cpu)
 
 

@@ -19,6 +19,8 @@ def test_kinds_from_command_lines() -> None:
     assert kind("ray::RolloutActor.generate_group_ref") == "ray actor RolloutActor"
     assert kind("ray::TrainerActor") == "ray actor TrainerActor"
     assert kind("ray::IDLE") == "ray worker waiting for work"
+    assert kind("/venv/bin/python /venv/ray/_private/workers/default_worker.py "
+                "--node-ip-address=127.0.0.1") == "ray worker starting"
     assert kind("/venv/lib/ray/core/src/ray/gcs/gcs_server --log_dir=x") == "ray's own processes"
     assert kind("/venv/bin/python -u /venv/ray/_private/log_monitor.py") == "ray's own processes"
     assert kind("/venv/bin/python -m pytest tests -n 2") == "pytest"
