@@ -174,7 +174,7 @@ def roster(config: Config, start: Start | None = None, *,
     entries = [Entry(role="rollout", rank=w.rank, cpus=rollout.cpus_per_worker,
                      devices=w.devices, bundle=Bundle(group="rollout", index=w.rank,
                                                       shared=shared),
-                     spec=workers.rollout(w.rank, w.devices)) for w in layout.rollout]
+                     spec=workers.rollout(w.rank, w.devices, layout)) for w in layout.rollout]
     entries += [Entry(role="trainer", rank=w.rank, cpus=trainer.cpus_per_shard,
                       devices=w.devices, bundle=Bundle(group="trainer", index=w.rank,
                                                        shared=shared),
@@ -188,7 +188,7 @@ def roster(config: Config, start: Start | None = None, *,
                                       available=available)
     lendable = tuple(Entry(role="rollout", rank=w.rank, cpus=rollout.cpus_per_worker,
                            devices=w.devices, bundle=Bundle(group="lendable", index=index),
-                           spec=workers.rollout(w.rank, w.devices))
+                           spec=workers.rollout(w.rank, w.devices, layout))
                      for index, w in enumerate(extra))
     if config.run.eval_on == "idle_cpu":
         # No cores of its own: it runs at idle priority on whichever core is idle.
@@ -243,11 +243,19 @@ class _Workers:
         self.critic: CriticConfig = msgspec.structs.replace(
             config.critic, path=config.critic.path or config.model.path)
 
-    def rollout(self, rank: int, cores: tuple[int, ...]) -> RolloutSpec:
+    def rollout(self, rank: int, cores: tuple[int, ...], layout: Layout) -> RolloutSpec:
         run = self.config.run
         return RolloutSpec(rank=rank, model=self.policy, rollout=self.config.rollout,
                            weights=self.config.weights, seed=run.seed + rank,
-                           cpu_ids=cores, record_spans=run.record_spans)
+                           cpu_ids=cores, worker_cpu_ids=self.worker_cores(layout),
+                           record_spans=run.record_spans)
+
+    def worker_cores(self, layout: Layout) -> tuple[int, ...]:
+        """Where a rollout worker's own process moves once its engine is built
+        (rollout.worker_cores): the trainer shards' cores, or nowhere (empty)."""
+        if self.config.rollout.worker_cores != "trainer" or layout.colocated:
+            return ()
+        return tuple(sorted({core for w in layout.trainer for core in w.devices}))
 
     def trainer(self, rank: int, cores: tuple[int, ...]) -> TrainerSpec:
         config, run = self.config, self.config.run

@@ -11,6 +11,7 @@ instead of assuming one, so they do not depend on their order.
 from __future__ import annotations
 
 import math
+import os
 import sys
 import time
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
+import psutil
 import pytest
 import ray
 import torch
@@ -141,7 +143,8 @@ def versions_logprob_errors(model_dir: Path, states: dict[int, dict[str, torch.T
     return worst
 
 
-def make_worker(model_dir: Path, weights: WeightsConfig = WEIGHTS) -> Any:
+def make_worker(model_dir: Path, weights: WeightsConfig = WEIGHTS,
+                worker_cores: tuple[int, ...] = ()) -> Any:
     actor = ray.remote(RolloutWorker).options(num_cpus=1, max_concurrency=64).remote(
         RolloutSpec(
             rank=0,
@@ -153,6 +156,7 @@ def make_worker(model_dir: Path, weights: WeightsConfig = WEIGHTS) -> Any:
             weights=weights,
             seed=0,
             cpu_ids=layout.usable_cores()[:1],
+            worker_cpu_ids=worker_cores,
         ),
         WorkerTask(reward_fn=starts_with_digit),
     )
@@ -405,7 +409,8 @@ KEEP = msgspec.structs.replace(WEIGHTS, kv_policy="keep")
 
 @pytest.fixture(scope="module")
 def keeping_worker(ray_cluster: None, tiny_model_dir: Path) -> Iterator[Any]:
-    actor = make_worker(tiny_model_dir, KEEP)
+    # Its own process on the next core once its engine is built (rollout.worker_cores).
+    actor = make_worker(tiny_model_dir, KEEP, worker_cores=layout.usable_cores()[1:2])
     try:
         yield actor
     finally:
@@ -450,3 +455,19 @@ def test_drain_update_finishes_running_samples_first(
     fresh: Group = ray.get(worker.generate_group.remote(PROMPT), timeout=TIMEOUT)
     assert fresh.min_version == fresh.max_version == version + 1
     assert_behaviour_logprobs(tiny_model_dir, noisy_states[2], fresh)
+
+
+def test_worker_cores_move_the_workers_own_threads_and_leave_its_engine(
+    keeping_worker: Any,
+) -> None:
+    cores = layout.usable_cores()
+    if len(cores) < 2:
+        pytest.skip("needs two cores")
+    process = psutil.Process(ray.get(keeping_worker.start.remote(), timeout=TIMEOUT))
+    threads = [t.id for t in process.threads()]
+    assert len(threads) >= 2
+    assert {tid: os.sched_getaffinity(tid) for tid in threads} == {
+        tid: {cores[1]} for tid in threads}
+    engines = [c for c in process.children(recursive=True) if "EngineCore" in c.name()
+               or "EngineCore" in " ".join(c.cmdline())]
+    assert len(engines) == 1 and engines[0].cpu_affinity() == [cores[0]]

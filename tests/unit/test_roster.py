@@ -132,6 +132,27 @@ def test_colocated_pairs_share_their_cores_and_their_bundle() -> None:
     assert got.cpus == 4  # each pair's bundle holds both workers' CPUs
 
 
+def test_rollout_workers_move_their_own_process_to_the_trainers_cores_when_asked() -> None:
+    """rollout.worker_cores: "engine" (the default) keeps a worker's process beside its
+    engine; "trainer" moves it to every trainer shard's cores, engines added by the
+    autopilot included; with co-located roles there is nowhere else to go."""
+    sections: dict[str, Any] = {"rollout": {"num_workers": 2},
+                                "trainer": {"num_shards": 2, "cpus_per_shard": 2}}
+    default = plan(config(**sections))
+    assert [e.spec.worker_cpu_ids for e in default.of("rollout")] == [(), ()]  # type: ignore[union-attr]
+    moved = plan(config(rollout={"num_workers": 2, "worker_cores": "trainer"},
+                        trainer=sections["trainer"],
+                        autopilot={"enabled": True, "max_rollout_workers": 3}))
+    rollout = moved.of("rollout")
+    assert [e.devices for e in rollout] == [(0,), (1,)]
+    assert [e.spec.cpu_ids for e in rollout] == [(0,), (1,)]  # type: ignore[union-attr]
+    assert [e.spec.worker_cpu_ids for e in rollout] == [(2, 3, 4, 5)] * 2  # type: ignore[union-attr]
+    assert len(moved.lendable) == 1
+    assert moved.lendable[0].spec.worker_cpu_ids == (2, 3, 4, 5)  # type: ignore[union-attr]
+    colocated = plan(config(run={"colocate": True}, rollout={"worker_cores": "trainer"}))
+    assert [e.spec.worker_cpu_ids for e in colocated.of("rollout")] == [()]  # type: ignore[union-attr]
+
+
 def test_time_shared_devices_lay_out_as_colocated_for_the_simulator() -> None:
     assert plan(config(run={"colocate": "time"})).layout.colocated
     assert not plan(config()).layout.colocated

@@ -92,6 +92,16 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     """Let an idle CPU engine's worker process block instead of spinning on its message
     queue while the rollout worker has no requests; false leaves vLLM's idle spin (for
     before/after figures)."""
+    worker_cores: Literal["engine", "trainer"] = "engine"
+    """Where a CPU rollout worker's own process runs once its engine is built: its
+    Python (the engine's client and detokenizer, environments and agents, the gateway,
+    scoring) beside the engine on the worker's cores ("engine"), or on the trainer
+    shards' cores ("trainer"; the engine's processes keep the worker's cores). "trainer"
+    pays where the trainer's cores have room and generation bounds the run: 1.22x
+    groups/s on the long-tail job, 1.15x and 1.19x on the calculator task through the
+    gateway and in-process; it costs where the trainer is busy: 0.90x on the CPU
+    default (docs/benchmarks.md, rollout speed). No effect with CUDA or with
+    co-located roles."""
     preload_cpu_libs: bool = False
     """CPU engines start with the tcmalloc allocator and Intel's OpenMP runtime preloaded
     (LD_PRELOAD), as vLLM's CPU guide asks, where they are found: intel-openmp comes with

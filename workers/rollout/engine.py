@@ -16,6 +16,7 @@ stays cheap.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import platform
 import sys
@@ -27,6 +28,8 @@ from typing import TYPE_CHECKING, Any
 from workers.common.errors import RolloutWorkerError
 from workers.model_config import ModelConfig, kv_bytes_per_token
 from workers.rollout.config import RolloutConfig, engine_dtype
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from vllm import SamplingParams
@@ -68,6 +71,20 @@ def bind_cpus(rank: int, cpu_ids: tuple[int, ...]) -> None:
         # The scheduler and detokenizer loops run outside the OpenMP threads;
         # pinning keeps them off other roles' cores (the engine processes inherit it).
         os.sched_setaffinity(0, cpu_ids)
+
+
+def move_own_threads(rank: int, cpu_ids: tuple[int, ...]) -> None:
+    """Moves every thread of this process to ``cpu_ids`` (rollout.worker_cores); the
+    engine processes it spawned keep their cores, and threads it starts later inherit
+    these. Cores it may not use leave it where it is, with a warning."""
+    if not cpu_ids or not hasattr(os, "sched_setaffinity"):
+        return
+    try:
+        for thread in os.listdir("/proc/self/task"):
+            os.sched_setaffinity(int(thread), cpu_ids)
+    except OSError as err:
+        log.warning("rollout worker %d: rollout.worker_cores: cannot move to cores %s (%s); "
+                    "it stays beside its engine", rank, list(cpu_ids), err)
 
 
 CPU_PRELOAD_LIBS = (

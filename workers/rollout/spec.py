@@ -30,5 +30,9 @@ class RolloutSpec(msgspec.Struct, frozen=True, kw_only=True):
     """Cores it owns (CPU build only; ignored when CUDA is present): the engine's OpenMP
     threads are bound to them and the actor process, with the engine processes it
     spawns, is pinned to them. Empty: vLLM's automatic binding, no pinning."""
+    worker_cpu_ids: tuple[int, ...] = ()
+    """Cores its own process moves to once the engine is built, the engine's processes
+    staying on ``cpu_ids`` (rollout.worker_cores = "trainer": the trainer shards'; CPU
+    build only). Empty: it stays on ``cpu_ids``."""
     record_spans: bool = True
     """run.record_spans."""

@@ -44,6 +44,7 @@ from workers.rollout.continuation import (
 )
 from workers.rollout.engine import (
     build_engine,
+    move_own_threads,
     sampling_params,
 )
 from workers.rollout.prompts import render
@@ -88,6 +89,7 @@ class RolloutWorker:
         self._format = task.prompt_format
         self._scorer = Scorer(task.reward_fn, task.user_rewards, self._format)
         self._cpu_ids = tuple(spec.cpu_ids)
+        self._worker_cpu_ids = tuple(spec.worker_cpu_ids)
         device = "cpu:" + ",".join(map(str, self._cpu_ids)) if self._cpu_ids else "cpu"
         self._spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
                                    device=device, enabled=spec.record_spans)
@@ -129,6 +131,9 @@ class RolloutWorker:
                                     seed=self._seed, cpu_ids=self._cpu_ids,
                                     transport=self._transport)
         import torch
+
+        if not torch.cuda.is_available():
+            move_own_threads(self._rank, self._worker_cpu_ids)
 
         if torch.cuda.is_available():  # the NVML cross-check samples the engine's GPU
             self._usage.close()
