@@ -15,6 +15,7 @@ only). The last line is ``gateway: gateway/in-process R1, eta2/eta0 at L ms R2``
 
     python -m bench.gateway --model runs/calculator-model
     python -m bench.gateway --model runs/calculator-model --steps 12 --once
+    python -m bench.gateway --model runs/calculator-model --set rollout.worker_cores=trainer
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from async_rl.api import train
-from async_rl.config_io import load_config
+from async_rl.config_io import load_config, toml_value
 from bench.common.overrides import bench_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -34,9 +35,12 @@ GATEWAY = ROOT / "examples" / "agent_openai.toml"
 ROWS = ROOT / "examples" / "data" / "calculator_train.jsonl"
 
 
-def groups_per_s(config_path: Path, out: Path, overrides: dict[str, Any]) -> float:
-    """One run of ``config_path`` with ``overrides`` into ``out``: its groups/s."""
-    config = load_config(config_path, {**overrides, "run.output_dir": str(out)})
+def groups_per_s(config_path: Path, out: Path, overrides: dict[str, Any],
+                 sets: list[str]) -> float:
+    """One run of ``config_path`` with ``overrides``, then ``sets`` (``--set`` items),
+    into ``out``: its groups/s."""
+    items = {**overrides, "run.output_dir": str(out)}.items()
+    config = load_config(config_path, [*(f"{k}={toml_value(v)}" for k, v in items), *sets])
     summary = train(config, overwrite=True)
     if summary.stopped:
         raise SystemExit(f"{out}: the run stopped: {summary.stopped}")
@@ -54,6 +58,8 @@ def main() -> None:
     parser.add_argument("--latency-ms", type=float, default=200.0)
     parser.add_argument("--out", default="runs/bench-gateway")
     parser.add_argument("--once", action="store_true", help="each arm once (A B), not A B B A")
+    parser.add_argument("--set", dest="sets", action="append", default=[],
+                        metavar="SECTION.KEY=VALUE", help="config override of every arm")
     args = parser.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -73,7 +79,7 @@ def main() -> None:
         for k, i in enumerate(order):
             name = pair[i]
             config, overrides = arms[name]
-            runs[name].append(groups_per_s(config, out / f"{name}-{k}", overrides))
+            runs[name].append(groups_per_s(config, out / f"{name}-{k}", overrides, args.sets))
     mean = {name: sum(v) / len(v) for name, v in runs.items()}
     for name, values in runs.items():
         print(f"{name}: {', '.join(f'{v:.2f}' for v in values)} groups/s (mean "
