@@ -6,7 +6,8 @@
 Runs the command, samples every process started after it began (psutil, each
 ``--interval`` seconds), keeps each process's last CPU time (user + system), and when
 the command ends prints the sums by kind, largest first, with how many processes each
-kind had: a vLLM engine core, a Ray actor by its class, a Ray worker waiting for work,
+kind had: a vLLM engine core, a Ray actor by its class (named by its last command line: a
+Ray worker is "starting" until it takes its actor), a Ray worker waiting for work,
 Ray's own processes, pytest. A process that lives less than an interval may be missed, so
 the total is a lower bound. Exits with the command's status.
 """

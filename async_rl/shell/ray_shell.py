@@ -59,13 +59,13 @@ from workers.rollout.task import WorkerTask
 log = logging.getLogger(__name__)
 
 NAMESPACE = "async-rl"
+"""Ray namespace of a run's named actors ("rollout-0", "trainer-1", ...)."""
 
 LOCAL_RAY_SYSTEM = {"prestart_worker_first_driver": False}
 """Ray settings of a run's own local Ray. Ray starts one idle worker per CPU for the
 first driver; a run's actors never take them (Ray starts a worker of their own for each
 actor, and kills the idle ones later), so each local start spent about 1 CPU-second on
 processes nothing used (docs/benchmarks.md, "Demo and test timings")."""
-"""Ray namespace of a run's named actors ("rollout-0", "trainer-1", ...)."""
 
 
 async def _shutdown(started: StartedWorkers) -> None:
