@@ -15,6 +15,7 @@ stays cheap.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -81,7 +82,9 @@ def move_own_threads(rank: int, cpu_ids: tuple[int, ...]) -> None:
         return
     try:
         for thread in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(thread), cpu_ids)
+            # A thread that ended since the listing has nothing left to move.
+            with contextlib.suppress(ProcessLookupError):
+                os.sched_setaffinity(int(thread), cpu_ids)
     except OSError as err:
         log.warning("rollout worker %d: rollout.worker_cores: cannot move to cores %s (%s); "
                     "it stays beside its engine", rank, list(cpu_ids), err)
