@@ -29,6 +29,7 @@ class HardwareOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     memory_bandwidth: PositiveFloat | None = None
     interconnect_bandwidth: PositiveFloat | None = None
     train_mfu: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
+    moe_train_mfu: Annotated[float, msgspec.Meta(ge=0, le=1)] | None = None
     decode_mfu: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     memory_efficiency: Annotated[float, msgspec.Meta(gt=0, le=1)] | None = None
     device_memory: NonNegativeFloat | None = None
@@ -49,6 +50,7 @@ class HardwareOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     intra_node_bandwidth: NonNegativeFloat | None = None
     intra_node_latency: NonNegativeFloat | None = None
     inter_node_bandwidth: NonNegativeFloat | None = None
+    nic_rails: NonNegative | None = None
     inter_node_latency: NonNegativeFloat | None = None
     host_bandwidth: NonNegativeFloat | None = None
 
@@ -112,7 +114,7 @@ class Architecture(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Layers with experts (0 with experts given: every layer)."""
 
 
-WeightsPath = Literal["direct", "gathered", "host"]
+WeightsPath = Literal["direct", "gathered", "host", "p2p"]
 """How a framework moves a weight version (docs/simulator.md, "A weight version's stages")."""
 LendArm = Literal["off", "starvation", "autopilot"]
 """Which rule lends trainer devices to generation while a run trains (docs/simulator.md,
@@ -191,7 +193,13 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     gathered onto one rank over the trainer's links, converted, staged in host memory,
     then sent: verl's FSDP state dict) or "host" (the version in host memory, each bucket
     copied up to a device and broadcast, the two pipelined: Moonshot's checkpoint
-    engine)."""
+    engine) or "p2p" (every device of every engine pulls its shard from the trainer's
+    devices at once over RDMA, with no snapshot and no fixed pauses: NIXL, Perplexity's
+    RDMA writes, miles' P2P mode)."""
+    weights_rails: Positive = 1
+    """NIC rails one device's share of a weight version stripes over across nodes (NCCL's
+    channels over several NICs, a NIXL pull over several): at most the hardware's
+    nic_rails, shared by the node's devices that move bytes at once; 1: one NIC."""
     version_bytes_per_parameter: NonNegativeFloat = 0.0
     """Bytes a parameter takes in a weight version (1: FP8); 0: model.dtype's. Converting
     into it is a stage of its own."""

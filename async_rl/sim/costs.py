@@ -17,6 +17,7 @@ seconds:
   6·W·T² for causal attention (W: layers x query heads x head dim; forward 2·W·T²,
   backward twice that) at the training MFU, plus a fixed overhead, slower while rollout
   engines are busy on the same machine (``cores``, ``contention``: CPU machines only);
+  a mixture of experts trains at ``moe_train_mfu`` where the hardware gives it;
   an optimizer update: a fixed overhead plus the gradient all-reduce between shards
   (ring: 2·(S-1)/S of the gradient's bytes, each of a shard's devices sending its own
   slice over its own link);
@@ -104,6 +105,8 @@ class Plan(msgspec.Struct, frozen=True, kw_only=True):
     shards: int = 1
     """Trainer replicas (trainer.num_shards)."""
     weights_path: str = "direct"
+    weights_rails: int = 1
+    """NIC rails one device's share of a version stripes over (simulate.weights_rails)."""
     version_bytes_per_parameter: float = 0.0
     """0: the model's (bytes_per_parameter)."""
     version_fraction: float = 1.0
@@ -213,7 +216,9 @@ class Costs:
         """A sequence's fixed state in KV-cache tokens (what it reserves besides its own)."""
         flops = 8 if plan.recompute else 6  # a second forward with recompute
         self._forward_share = 2 / flops
-        train_flop_s = 1 / (h.peak_flops * trainer * h.train_mfu)
+        moe = model.experts_per_token > 0 or 0 < model.active_parameters < model.parameters
+        mfu = h.moe_train_mfu if moe and h.moe_train_mfu else h.train_mfu
+        train_flop_s = 1 / (h.peak_flops * trainer * mfu)
         self._train_token_s = flops * n * train_flop_s
         self._train_square_s = flops * model.attention_width * train_flop_s
         """Seconds of causal attention per squared token of a sequence."""
@@ -240,7 +245,8 @@ class Costs:
             host_bandwidth=h.host_bandwidth or h.memory_bandwidth * h.memory_efficiency,
             interconnect=h.interconnect_bandwidth, publish_s=h.publish_s,
             load_s=h.weight_load_s, member_s=h.weight_member_s, native=plan.version_native,
-            tensors=calls, tensor_s=h.weight_tensor_s)
+            tensors=calls, tensor_s=h.weight_tensor_s, rails=plan.weights_rails,
+            nic_rails=h.nic_rails)
         """A version's stages (simulate.weights_path)."""
         self.refit: RefitStages = refit_stages(
             weight_bytes=self.weight_bytes,

@@ -36,6 +36,12 @@ class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     between trainer shards."""
     train_mfu: float
     """Achieved / peak FLOP/s in training."""
+    moe_train_mfu: float = 0.0
+    """Achieved / peak FLOP/s in training a mixture of experts (its experts' grouped GEMMs
+    over a few tokens each, the tokens' permutation, the router: Megatron-Core reaches
+    167-276 TFLOP/s per H100 in BF16 on Qwen3-235B-A22B, 0.17-0.28 of peak, where dense
+    models reach 0.4 and more); 0: train_mfu. The expert-parallel all-to-alls are the
+    parallelism model's (``async_rl.sim.parallel``), not this."""
     decode_mfu: float
     """Achieved / peak FLOP/s in decode and prefill."""
     memory_efficiency: float = 0.8
@@ -93,6 +99,10 @@ class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     """Seconds of one small collective within a node (its latency, whatever its bytes)."""
     inter_node_bandwidth: float = 0.0
     """Bytes/s one device sends to other nodes (its NIC); 0: interconnect_bandwidth."""
+    nic_rails: int = 0
+    """NICs (rails) of one node on the network, each at inter_node_bandwidth: how many a
+    weight transfer may stripe one device's bytes over (simulate.weights_rails); 0: one
+    a device (devices_per_node)."""
     inter_node_latency: float = 0.0
     """Seconds of one small collective across nodes."""
     host_bandwidth: float = 0.0

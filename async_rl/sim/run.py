@@ -107,8 +107,11 @@ def simulation_plan(config: Config, hardware: Hardware) -> Plan:
         if layout.given and given and given != layout.devices:
             raise ConfigError(f"config error: simulate.hardware_overrides.{key} = {given}: "
                               f"the layout given spans {layout.devices} devices")
+    if hardware.nic_rails and sim.weights_rails > hardware.nic_rails:
+        raise ConfigError(f"config error: simulate.weights_rails = {sim.weights_rails}: more "
+                          f"than the hardware's nic_rails = {hardware.nic_rails}")
     return Plan(rollout=rollout, trainer=trainer, shards=shards,
-                weights_path=sim.weights_path,
+                weights_path=sim.weights_path, weights_rails=sim.weights_rails,
                 version_bytes_per_parameter=sim.version_bytes_per_parameter,
                 version_fraction=sim.version_fraction, version_native=sim.version_native,
                 recompute=sim.recompute == "full",

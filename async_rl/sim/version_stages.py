@@ -22,6 +22,20 @@ transfer, load) and ``VersionPath``, which costs them for simulate.weights_path:
   device over its host link, then broadcast, the two pipelined, so the wire takes the
   slower of the version over one host link and the broadcast, plus one bucket through
   the faster (the pipeline's fill); the engine's fixed pause ``weight_load_s``.
+- "p2p" (one-sided RDMA writes or NIXL pulls: Perplexity's, NeMo RL's and prime-rl's
+  NIXL path, miles' P2P mode): every device of every receiving engine takes its own
+  shard (the version over the engine's devices) at once, from the trainer's devices,
+  straight from their memory: no gather, no snapshot and none of the fixed pauses
+  (``publish_s``, ``weight_load_s``: those belong to a path that stages a copy and
+  pauses the engine around a collective); a conversion only when the dtype changes
+  (each trainer device its slice). The wire is the slower of a receiving device's
+  shard over its NIC rails and every receiver's bytes over the senders' NICs, plus one
+  message's latency; the load is the receiving engine's per-tensor calls alone.
+
+A transfer over the network may stripe each device's share over several NIC rails
+(``rails``: NCCL's channels over the node's NICs, a NIXL pull over several): at most the
+node's rails (``nic_rails``) shared by the node's devices moving bytes at once; the
+chain broadcast's hops each take ``rails`` times the link's bandwidth.
 
 Whatever the path, a framework that moves a version tensor by tensor (an all-gather or a
 broadcast call, a CUDA IPC handle, an engine's loader call per tensor: verl's and slime's
@@ -42,7 +56,7 @@ import msgspec
 
 from async_rl.sim.parallel import Links
 
-PATHS = ("direct", "gathered", "host")
+PATHS = ("direct", "gathered", "host", "p2p")
 
 
 class VersionStages(msgspec.Struct, frozen=True, kw_only=True):
@@ -69,7 +83,8 @@ class VersionPath:
                  engine_devices: int, trainer_devices: int, links: Links,
                  memory_bandwidth: float, host_bandwidth: float, interconnect: float,
                  publish_s: float, load_s: float, member_s: float, native: bool = False,
-                 tensors: int = 0, tensor_s: float = 0.0) -> None:
+                 tensors: int = 0, tensor_s: float = 0.0, rails: int = 1, nic_rails: int = 0
+                 ) -> None:
         assert path in PATHS, path
         self.path, self.state_bytes, self.version_bytes = path, state_bytes, version_bytes
         self.holders, self.engine_devices = holders, engine_devices
@@ -78,10 +93,18 @@ class VersionPath:
         self.interconnect, self.publish_s = interconnect, publish_s
         self.load_s, self.member_s = load_s, member_s
         self.native, self.tensors, self.tensor_s = native, tensors, tensor_s
+        self.rails, self.nic_rails = rails, nic_rails
 
     @property
     def gathered(self) -> bool:
         return self.path == "gathered"
+
+    def rails_used(self, busy: int) -> int:
+        """NIC rails one device's bytes stripe over while ``busy`` devices of its node move
+        bytes at once: ``rails``, at most its share of the node's ``nic_rails`` (0: one
+        rail a device, ``links.per_node`` a node), and at least one."""
+        node = self.nic_rails or self.links.per_node
+        return max(1, min(self.rails, node // max(1, min(busy, self.links.per_node))))
 
     def gather(self) -> float:
         """The state onto one rank: a ring all-gather among its ``holders`` (each receives
@@ -107,6 +130,8 @@ class VersionPath:
     def stage(self) -> float:
         """The snapshot: in device memory (direct) or in host memory (gathered); the host
         path's version is in host memory already (its copies up are the transfer's)."""
+        if self.path == "p2p":  # written from the trainer's own memory
+            return 0.0
         if self.path == "host":
             return self.publish_s
         bandwidth = self.host_bandwidth if self.gathered else self.memory_bandwidth
@@ -117,20 +142,38 @@ class VersionPath:
         buckets: every link carries the version once and the last engine holds the last
         bucket ``receivers - 1`` bucket times after the first:
         ``(S + (N - 1) B) / bandwidth + N m``."""
+        if self.path == "p2p":
+            return self.pulls(receivers)
         bucket = min(bucket_bytes, self.version_bytes)
-        wire = ((self.version_bytes + (receivers - 1) * bucket) / self.interconnect
+        # A chain's hops cross nodes one at a time: each may take the node's rails.
+        link = self.interconnect * self.rails_used(1)
+        wire = ((self.version_bytes + (receivers - 1) * bucket) / link
                 + receivers * self.member_s)
         if self.path != "host":
             return wire
         # Host to device and the broadcast, pipelined: the slower bounds, one bucket fills.
         up = self.version_bytes / self.host_bandwidth
-        return max(up, wire) + bucket / max(self.host_bandwidth, self.interconnect)
+        return max(up, wire) + bucket / max(self.host_bandwidth, link)
+
+    def pulls(self, engines: int) -> float:
+        """Point to point: each of the ``engines`` x ``engine_devices`` receiving devices
+        takes its shard over its rails while every device of its node pulls, and the
+        ``trainer_devices`` senders send every receiver's bytes over theirs, at once; the
+        slower bounds, plus one message across nodes."""
+        nic = self.links.inter_bandwidth
+        shard = self.version_bytes / self.engine_devices
+        receive = shard / (nic * self.rails_used(self.engine_devices))
+        send = engines * self.version_bytes / (
+            self.trainer_devices * nic * self.rails_used(self.trainer_devices))
+        return max(receive, send) + self.links.inter_latency
 
     def load(self) -> float:
         """An engine's pause beyond the wire: fixed, and (gathered) the version copied
         into its parameters at its devices' memory bandwidth; a tensor-by-tensor
         framework's calls (``tensors`` x ``tensor_s``)."""
         calls = self.tensors * self.tensor_s
+        if self.path == "p2p":  # no pause around a collective: the engine's calls alone
+            return calls
         if not self.gathered:
             return self.load_s + calls
         return (self.load_s + calls
