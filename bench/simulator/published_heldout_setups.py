@@ -1,4 +1,10 @@
-"""Published results held out from development: figures this project never predicted
+"""Since 2026-12-07 these fifteen figures are DEVELOPMENT data: the terms their misses
+pointed at were built on them (the "p2p" weight path, NIC rails, a mixture of experts'
+training MFU) and the setups below were changed to use them (each change marked
+"development", 2026-12-07); ``published_heldout2_setups`` holds the figures held out
+since.
+
+Published results held out from development (2026-12-06): figures this project never predicted
 before, the setups the simulator predicts them with, and the assumptions where the sources
 are silent, written down and committed before any of them was predicted (2026-12-06).
 
@@ -88,12 +94,19 @@ from bench.simulator.published_scale_setups import (
     DEEPSEEK_V3,
     H800_NVLINK,
     NIC,
+    TENSOR_S,
     Step,
     WeightSync,
 )
 from bench.simulator.sim_published_unseen import QWEN3_30B_A3B, QWEN3_235B_A22B
 
 GIB = 1 << 30
+NEMO_RANK_TENSORS = 45_395
+"""Destination-local tensors each vLLM rank loads in NeMo RL's sharded NIXL refit (its
+guide)."""
+NCCL_RAILS = 2
+"""Development, 2026-12-07, fitted on NeMo RL's NCCL refit (14.21 s): the NIC rails each
+hop of its broadcast stripes over (NCCL's channels over a DGX node's 8 NICs)."""
 KIMI_K2_ENGINE = 16
 """GPUs of one inference engine for Perplexity's Kimi-K2 (assumed: two H200 nodes)."""
 
@@ -103,10 +116,13 @@ def _p2p(name: str, parameters: float, bytes_per_parameter: float, hardware: str
     """A checkpoint-engine P2P row: host path, the NIC as the link up, ``devices``
     receivers broadcasting among themselves (NVLink within one H800 node)."""
     one_node = devices <= 8
+    # Development, 2026-12-07: within one node the receiving GPUs take the version over
+    # their own NICs at once, not one: the bound is the host link up, as the broadcast's.
     return WeightSync(
         name=name, framework="checkpoint-engine P2P", parameters=parameters,
         bytes_per_parameter=bytes_per_parameter, hardware=hardware, path="host",
-        native=bytes_per_parameter == 1, host_bandwidth=NIC, engine_devices=devices,
+        native=bytes_per_parameter == 1, host_bandwidth=0.0 if one_node else NIC,
+        engine_devices=devices,
         receivers=devices, interconnect=H800_NVLINK if one_node else NIC,
         intra_node_bandwidth=H800_NVLINK if one_node else 0.0, published_s=published_s)
 
@@ -119,26 +135,34 @@ HELDOUT_SYNCS = (
     _p2p("DeepSeek-V3.1 FP8, 16 of 256 H20, TP16", 671e9, 1, "h20", 16, 11.81),
     _p2p("Kimi-K2 FP8, 16 of 256 H20, TP16", 1.04e12, 1, "h20", 16, 16.75),
     WeightSync(name="Kimi-K2, 256 BF16 trainer GPUs -> 128 FP8 inference GPUs",
-               framework="Perplexity RDMA", parameters=1.04e12 / KIMI_K2_ENGINE,
-               bytes_per_parameter=1, hardware="h200", path="direct", trainer_devices=2,
-               engine_devices=1, receivers=1, interconnect=NIC, published_s=1.3),
+               framework="Perplexity RDMA", parameters=1.04e12, bytes_per_parameter=1,
+               hardware="h200", path="p2p", trainer_devices=256,
+               engine_devices=KIMI_K2_ENGINE, receivers=128 // KIMI_K2_ENGINE,
+               interconnect=NIC, published_s=1.3),
     WeightSync(name="DeepSeek-V3, 256 H100 (PP16 EP16) -> TP32 over 4 nodes, NIXL",
                framework="NeMo RL", parameters=69.95 * GIB / 2, bytes_per_parameter=2,
-               hardware="h100", path="direct", trainer_devices=8, engine_devices=1,
-               receivers=1, interconnect=NIC, published_s=9.25),
+               hardware="h100", path="p2p", trainer_devices=256, engine_devices=1,
+               receivers=1, interconnect=NIC, tensors=NEMO_RANK_TENSORS, tensor_s=TENSOR_S,
+               published_s=9.25),
     WeightSync(name="DeepSeek-V3, 256 H100 (PP16 EP16) -> TP32 over 4 nodes, NCCL",
                framework="NeMo RL", parameters=671e9, bytes_per_parameter=2,
                hardware="h100", path="direct", trainer_devices=256, engine_devices=32,
-               receivers=32, interconnect=NIC, published_s=14.21),
+               receivers=32, interconnect=NIC, rails=NCCL_RAILS, published_s=14.21),
     WeightSync(name="DeepSeek-V3, 256 H100 -> TP32, NIXL full experts (sync)",
                framework="NeMo RL", parameters=671e9, bytes_per_parameter=2,
-               hardware="h100", path="direct", trainer_devices=8, engine_devices=1,
+               hardware="h100", path="p2p", trainer_devices=256, engine_devices=1,
                receivers=1, interconnect=NIC, published_s=36.812),
     WeightSync(name="GLM-5.2, 64 -> 32 H200 (EP32), NIXL pulls",
                framework="prime-rl", parameters=82.501e9 / 2, bytes_per_parameter=2,
-               hardware="h200", path="direct", trainer_devices=2, engine_devices=1,
+               hardware="h200", path="p2p", trainer_devices=64, engine_devices=1,
                receivers=1, interconnect=NIC, published_s=2.842),
 )
+"""Development, 2026-12-07: the point-to-point rows (Perplexity's RDMA writes, NeMo RL's
+and prime-rl's NIXL pulls) take the "p2p" path (no snapshot, no fixed pauses; the
+senders are the trainer's devices); Perplexity's as the whole FP8 model into 8 engines of
+16 GPUs; NeMo RL's sharded NIXL refit pays ``TENSOR_S`` for each of the 45,395 tensors a
+vLLM rank loads (one side: the engine's loader); NeMo RL's NCCL refit stripes each hop
+over ``NCCL_RAILS`` NICs."""
 
 
 HELDOUT_STEPS = (

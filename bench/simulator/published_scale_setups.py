@@ -60,9 +60,10 @@ Assumptions, the same for every setup, fixed before any prediction:
   the training layout [TP, CP, EP, PP] of the row as simulate.trainer_layout, generation
   TP as simulate.rollout_layout (no expert parallel in generation), the architecture from
   the models' config.json (layers, hidden size, MoE layers, experts per token), the old
-  log-prob pass always (NeMo RL computes the policy's logprobs every step), no activation
-  recompute; DeepSeek V3's 512 samples a step as 16 prompts x 32 samples, its KV bytes
-  those of multi-head latent attention (61 layers x (512 + 64) x 2 bytes).
+  log-prob pass always (NeMo RL computes the policy's logprobs every step), no
+  activation recompute, training at ``MOE_TRAIN_MFU`` (development, 2026-12-07);
+  DeepSeek V3's 512 samples a step as 16 prompts x 32 samples, its KV bytes those of
+  multi-head latent attention (61 layers x (512 + 64) x 2 bytes).
 """
 
 from __future__ import annotations
@@ -76,6 +77,12 @@ GIB = 1 << 30
 H800_NVLINK = 200e9
 NIC = 50e9
 QWEN3_30B_TENSORS = version_tensors(layers=48, moe_layers=48, experts=128)
+MOE_TRAIN_MFU = 0.25
+"""Development, 2026-12-07: the training MFU of a mixture of experts
+(``moe_train_mfu``) for every step row: Megatron-Core's Qwen3-235B-A22B on 256 H100s in
+BF16 reaches 167-276 TFLOP/s per GPU (NVIDIA's Megatron-MoE-ModelZoo,
+best_practice/Qwen3), 245 in the layout nearest NeMo RL's (TP2, EP32, PP8): 0.25 of the
+989 TFLOP/s peak; not fitted on these rows."""
 TENSOR_S = 2e-4
 """Development, 2026-12-06: seconds per tensor and per side that moves a version tensor by
 tensor (a per-tensor all-gather or broadcast call on the trainer's side, a per-tensor
@@ -115,6 +122,9 @@ class WeightSync(msgspec.Struct, frozen=True, kw_only=True):
     tensor_s: float = 0.0
     """Seconds per tensor where the framework moves the version tensor by tensor
     (development, 2026-12-06: ``TENSOR_S``)."""
+    rails: int = 1
+    """NIC rails a device's share stripes over (simulate.weights_rails; development,
+    2026-12-07)."""
     published_s: float
 
 

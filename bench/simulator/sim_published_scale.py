@@ -28,7 +28,13 @@ from async_rl.sim.hardware_file import load_hardware
 from async_rl.sim.parallel import Layout
 from async_rl.sim.run import simulate
 from bench.simulator.published_heldout_setups import HELDOUT_STEPS, HELDOUT_SYNCS
-from bench.simulator.published_scale_setups import ARCHITECTURES, STEPS, WEIGHT_SYNCS, Step
+from bench.simulator.published_scale_setups import (
+    ARCHITECTURES,
+    MOE_TRAIN_MFU,
+    STEPS,
+    WEIGHT_SYNCS,
+    Step,
+)
 from bench.simulator.published_scale_setups import WeightSync as Sync
 from bench.simulator.sim_published_unseen import Run
 
@@ -49,7 +55,8 @@ def sync_seconds(s: Sync) -> float:
     path = "direct" if s.path == "time" else s.path
     costs = Costs(hardware, shape, Plan(
         trainer=Layout(tp=s.holders, given=s.path == "gathered"), shards=1, weights_path=path,
-        version_bytes_per_parameter=s.bytes_per_parameter, version_native=s.native))
+        version_bytes_per_parameter=s.bytes_per_parameter, version_native=s.native,
+        weights_rails=s.rails))
     if s.path == "time":  # the fixed costs as committed: the file's 0 at the time
         costs = Costs(msgspec.structs.replace(hardware, engine_release_s=0.0,
                                               engine_reload_s=0.0), shape, costs.plan)
@@ -77,7 +84,8 @@ def step_config(step: Step, out: Path, steps: int) -> Config:
         "trainer_layout": {"tp": tp, "cp": cp, "ep": ep, "pp": pp},
         "architecture": msgspec.to_builtins(arch),
         "old_logprob_pass": "always",
-        "hardware_overrides": {"device_memory": run.device_bytes}}, type(config.simulate))
+        "hardware_overrides": {"device_memory": run.device_bytes,
+                               "moe_train_mfu": MOE_TRAIN_MFU}}, type(config.simulate))
     return msgspec.structs.replace(config, simulate=sim)
 
 
