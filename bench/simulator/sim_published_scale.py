@@ -1,12 +1,15 @@
 """Predicts the published figures of ``bench.simulator.published_scale_setups`` (the
 development set since 2026-12-06: weight-sync times of three frameworks, NeMo RL v0.4's
-mixture-of-experts step times) or, with ``--setups heldout``, those of
-``bench.simulator.published_heldout_setups`` (held out: weight-sync times of four
-frameworks, NeMo RL v0.6's step times), and prints each prediction beside its figure,
-then how many are within 25%.
+mixture-of-experts step times), with ``--setups heldout`` those of
+``bench.simulator.published_heldout_setups`` (development since 2026-12-07: weight-sync
+times of four frameworks, NeMo RL v0.6's step times) or, with ``--setups heldout2``,
+those of ``bench.simulator.published_heldout2_setups`` (held out: weight-sync times of
+miles and verl), and prints each prediction beside its figure, then how many are within
+25%.
 
     python -m bench.simulator.sim_published_scale
     python -m bench.simulator.sim_published_scale --setups heldout
+    python -m bench.simulator.sim_published_scale --setups heldout2
     python -m bench.simulator.sim_published_scale --steps 4 --only sync
 """
 
@@ -27,6 +30,7 @@ from async_rl.sim.costs import Costs, ModelShape, Plan
 from async_rl.sim.hardware_file import load_hardware
 from async_rl.sim.parallel import Layout
 from async_rl.sim.run import simulate
+from bench.simulator.published_heldout2_setups import HELDOUT2_SYNCS
 from bench.simulator.published_heldout_setups import HELDOUT_STEPS, HELDOUT_SYNCS
 from bench.simulator.published_scale_setups import (
     ARCHITECTURES,
@@ -102,10 +106,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--only", choices=("sync", "steps", "all"), default="all")
-    parser.add_argument("--setups", choices=("development", "heldout"), default="development")
+    parser.add_argument("--setups", choices=("development", "heldout", "heldout2"),
+                        default="development")
     args = parser.parse_args(argv)
     heldout = args.setups == "heldout"
-    syncs, steps = (HELDOUT_SYNCS, HELDOUT_STEPS) if heldout else (WEIGHT_SYNCS, STEPS)
+    syncs, steps = {"development": (WEIGHT_SYNCS, STEPS),
+                    "heldout": (HELDOUT_SYNCS, HELDOUT_STEPS),
+                    "heldout2": (HELDOUT2_SYNCS, ())}[args.setups]
     logging.getLogger("async_rl").setLevel(logging.WARNING)
     print("| figure | source | published s | predicted s | error |")
     print("| --- | --- | --- | --- | --- |")
