@@ -22,7 +22,7 @@ from workers import layout
 
 LONGEST_FIRST = (
     "test_stop_resume", "test_failures", "test_ppo_run", "test_trainer", "test_moe_run",
-    "test_ppo_own_run", "test_tune_run", "test_user_rewards_run", "test_rollout",
+    "test_tune_run", "test_user_rewards_run", "test_rollout",
     "test_async_grpo", "test_engine_lending_run", "test_longtail_run",
     "test_environment_run", "test_multinode", "test_model_matrix_engine",
 )
