@@ -132,12 +132,11 @@ class RolloutWorker:
                                     transport=self._transport)
         import torch
 
-        if not torch.cuda.is_available():
-            move_own_threads(self._rank, self._worker_cpu_ids)
-
         if torch.cuda.is_available():  # the NVML cross-check samples the engine's GPU
             self._usage.close()
             self._usage = UsageMeter(gpu_uuid=cuda_uuid(0))
+        else:
+            move_own_threads(self._rank, self._worker_cpu_ids)
         # The engine labels every step's tokens with this: the version of model.path.
         await self._engine.update_weight_version(str(self._receiver.version))
         if self._model.lora.enabled:
