@@ -37,7 +37,8 @@ from workers.weights.bucket_transfer import (
     segment_views,
     send_buckets,
 )
-from workers.weights.gloo_transfer import GlooWeightTransferEngine, _shared
+from workers.weights.gloo_trainer_end import _shared
+from workers.weights.gloo_transfer import GlooWeightTransferEngine
 from workers.weights.shared_segment import WRITING, SharedSegment
 
 

@@ -30,7 +30,7 @@ from vllm.distributed.weight_transfer.nccl_engine import (
 )
 
 from buffers.common.reports import BroadcastTiming
-from workers.weights import group_client
+from workers.weights import group_client, vllm_trainer_end
 from workers.weights.config import WeightsConfig
 from workers.weights.group_client import GroupClient, GroupFailed
 from workers.weights.sender import WeightSender
@@ -89,8 +89,7 @@ def test_the_ipc_handshake_reaches_the_engine_as_vllm_sends_it(cuda_queries: Non
                           device=torch.device("cpu"))
     member = Member(0)
     client = GroupClient([(0, member)], 5.0, sender_bounds_transfer=False)
-    engine = WeightTransferTrainerFactory.trainer_init(sender._init_info(1), client=client,
-                                                       source=sender._source)
+    engine = vllm_trainer_end.trainer_init(sender._init_info(1), client, sender._source)
     assert isinstance(engine, IPCTrainerWeightTransferEngine) and engine.packed
     (payload,) = member.payloads
     assert payload == {"packed": True}  # no rank: IPC has no group

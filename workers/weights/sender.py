@@ -1,16 +1,18 @@
 """Trainer shard 0's end of weight broadcasts: versioned snapshots of the weights,
-broadcast to every rollout engine at once through vLLM's weight-transfer API.
+broadcast to every rollout engine at once, which receives them through vLLM's
+weight-transfer API.
 
-Owns: ``WeightSender`` — the published snapshots (one per version, until delivered),
-the members (the rollout workers connected, by rank) and the one broadcast group over
-them: a trainer-side weight-transfer engine (vLLM's ``WeightTransferTrainerFactory``
-builds it for ``weights.transport``: "gloo" is ``workers.weights.gloo_transfer``, "nccl"
-and "ipc" are vLLM's) driving a ``workers.weights.group_client.GroupClient`` over every
-member. One collective per version, whatever the number of engines. The group is
-built at the first send and again whenever its members change: a member lost in a
-broadcast is left out and the others take the version again over the new group in the
-same delivery; a member connected since (a replacement) joins at the next version. At
-start it removes the shared-memory segments that killed senders left on this machine
+Owns: ``WeightSender`` — the published snapshots (one per version, until delivered), the
+members (the rollout workers connected, by rank) and the one broadcast group over them:
+the transport's trainer end (``weights.transport``: "gloo" is
+``workers.weights.gloo_trainer_end``; "nccl" and "ipc" are vLLM's trainer engines,
+``workers.weights.vllm_trainer_end``, imported only then) driving a
+``workers.weights.group_client.GroupClient`` over every member. One collective per
+version, whatever the number of engines. The group is built at the first send and again
+whenever its members change: a member lost in a broadcast is left out and the others
+take the version again over the new group in the same delivery; a member connected since
+(a replacement) joins at the next version. At start it removes the shared-memory
+segments that killed senders left on this machine
 (``workers.weights.shared_segment.remove_orphans``).
 
 Knows nothing about when to publish or deliver (the controller, through
@@ -24,25 +26,15 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import torch
 import torch.distributed as dist
-from vllm.distributed.weight_transfer.base import (
-    ParamMeta,
-    TrainerInitInfo,
-    TrainerWeightTransferEngine,
-    WeightSource,
-)
-from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-from vllm.utils.network_utils import get_open_port
 
 from buffers.common.reports import BroadcastTiming
 from workers.weights.broadcast import Delivery
 from workers.weights.config import UpdateMode, WeightsConfig
-from workers.weights.gloo_transfer import GlooTrainerInitInfo
+from workers.weights.gloo_trainer_end import GlooTrainerEnd, GlooTrainerInitInfo
 from workers.weights.group_client import GroupClient, GroupFailed
 from workers.weights.shared_segment import remove_orphans
 
@@ -59,24 +51,30 @@ lost, or already on a newer version; a failure nobody can be blamed for is not
 retried, since the same group would meet it again)."""
 
 
-class SnapshotSource(WeightSource):
-    """What the trainer engine sends next: the snapshot set before each send (vLLM's
-    engines take their source once, at ``trainer_init``)."""
+class SnapshotSource:
+    """What the transport's trainer end sends next: the snapshot set before each send
+    (the ends take their source once, when the group is built)."""
 
     def __init__(self) -> None:
         self.snapshot: Snapshot = ()
-
-    def metadata(self) -> list[ParamMeta]:
-        return [ParamMeta(name, t.dtype, tuple(t.shape)) for name, t in self.snapshot]
 
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         return iter(self.snapshot)
 
 
+class TrainerEnd(Protocol):
+    """A transport's trainer end once its group is built (``GlooTrainerEnd``, or one of
+    vLLM's trainer engines)."""
+
+    def send_weights(self) -> None: ...
+
+    def shutdown(self) -> None: ...
+
+
 @dataclass
 class _Group:
     client: GroupClient
-    engine: TrainerWeightTransferEngine[Any]
+    engine: TrainerEnd
 
 
 def _within(call: Callable[[], T], timeout_s: float, *, name: str,
@@ -234,34 +232,35 @@ class WeightSender:
             self._drop_group(shut=not isinstance(err, TimeoutError))
         return client
 
-    def _init_info(self, engines: int) -> TrainerInitInfo:
+    def _init_info(self, engines: int) -> Any:
+        """The transport's init info for rank 0, the sender (the group is this process and
+        every engine worker)."""
         cfg = self._weights
-        bucket_bytes = cfg.bucket_mb << 20
-        # Rank 0 is the sender; the group is this process and every engine worker.
         if cfg.transport == "gloo":
             return GlooTrainerInitInfo(master_address=self._address, world_size=engines + 1,
-                                       bucket_bytes=bucket_bytes, timeout_s=cfg.timeout_s,
+                                       bucket_bytes=cfg.bucket_mb << 20,
+                                       timeout_s=cfg.timeout_s,
                                        shared_memory=cfg.shared_memory, rank=0)
-        if cfg.transport == "nccl":
-            return NCCLTrainerInitInfo(master_address=self._address,
-                                       master_port=get_open_port(), world_size=engines + 1,
-                                       packed_buffer_size_bytes=bucket_bytes, rank=0)
-        return IPCTrainerInitInfo(packed=True, packed_buffer_size_bytes=bucket_bytes, rank=0)
+        from workers.weights import vllm_trainer_end  # vLLM's import, only for its transports
 
-    def _join(self, client: GroupClient) -> TrainerWeightTransferEngine[Any]:
+        return vllm_trainer_end.trainer_init_info(cfg, self._address, engines)
+
+    def _join(self, client: GroupClient) -> TrainerEnd:
         """The group's rendezvous (the engine's ``trainer_init``), given up after
         ``weights.timeout_s`` on the NCCL and IPC transports: vLLM's NCCL rendezvous waits
         for every member with no deadline of its own, so one engine that never joins
         would hold this sender, and every later publish, forever (gloo's group times out
         by itself). A missed deadline is a ``GroupFailed``: the members that never
         joined are lost, and the others take the version over a group without them."""
-        def join() -> TrainerWeightTransferEngine[Any]:
-            return WeightTransferTrainerFactory.trainer_init(
-                self._init_info(len(client.members)), client=client, source=self._source)
-
         transport, timeout_s = self._weights.transport, self._weights.timeout_s
+        info = self._init_info(len(client.members))
         if transport == "gloo":
-            return join()
+            return GlooTrainerEnd.trainer_init(info, client=client, source=self._source)
+        from workers.weights import vllm_trainer_end
+
+        def join() -> TrainerEnd:
+            return vllm_trainer_end.trainer_init(info, client, self._source)
+
         try:
             # A group formed after all (too late) is shut down: nobody will use it.
             return _within(join, timeout_s, name="weight-join",
