@@ -1,9 +1,10 @@
 """End-to-end async GRPO on real Ray, the real vLLM CPU build and the tiny local model.
 
 Checks the staleness contract (every trained group within max_staleness; with 0 it is
-synchronous), the prompt ledger (nothing lost, nothing trained twice) and that the run
-directory holds what users read: metrics, spans, the report, the evaluations beside
-training (eval.jsonl, time-to-target in the summary) and the final model.
+synchronous: test_stop_resume.py's straight run, ``check_synchronous``), the prompt
+ledger (nothing lost, nothing trained twice) and that the run directory holds what users
+read: metrics, spans, the report, the evaluations beside training (eval.jsonl, time-to-
+target in the summary) and the final model.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from collections import defaultdict
 from pathlib import Path
 
 import pytest
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_rl.analysis.report import build_report
 from async_rl.config import Config
@@ -21,8 +21,6 @@ from async_rl.config_io import decode_config
 from async_rl.run.run_dir import FINAL_MODEL, read_evals, read_ledger, read_metrics
 from async_rl.run.summary import RunSummary
 from async_rl.shell.ray_shell import run_training
-from async_rl.tasks.table import build_task
-from workers.eval.greedy import evaluate_accuracy
 
 pytestmark = pytest.mark.ray
 
@@ -144,26 +142,3 @@ def test_staleness_bound_two_is_kept_and_used(
     for role in idle.roles:
         assert role.busy_s + role.idle_s == pytest.approx(role.wall_s, rel=0.01)
     assert {r.role for r in idle.roles} == {"rollout", "trainer"}
-
-
-def test_staleness_zero_is_synchronous(
-    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
-) -> None:
-    # Evaluations every 2 steps on the idle-CPU evaluator: each scores exactly its step.
-    config = small_config(tiny_model_dir, tmp_path / "run", max_staleness=0,
-                          weights={"update_mode": "drain"}, task={"eval_size": 16},
-                          run={"eval_every": 2, "eval_on": "idle_cpu"})
-    summary = run_training(config)
-    assert summary.staleness_histogram == (6 * 4,)
-    assert summary.dropped_stale == 0
-    check_ledger(tmp_path / "run", summary.groups_trained)
-    check_evals(tmp_path / "run", summary, steps=[0, 2, 4, 6], group_size=4,
-                groups_per_step=4)
-    rows = read_evals(tmp_path / "run")
-    assert [(r.version_min, r.version) for r in rows] == [(0, 0), (2, 2), (4, 4), (6, 6)]
-    # Scored by transformers at the trainer's final weights: the saved final model.
-    final = AutoModelForCausalLM.from_pretrained(tmp_path / "run" / FINAL_MODEL)
-    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
-    _, reward_fn, prompts = build_task(config)
-    assert rows[-1].accuracy == evaluate_accuracy(final, tokenizer, prompts, reward_fn,
-                                                  max_new_tokens=6)

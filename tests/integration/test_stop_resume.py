@@ -17,6 +17,9 @@
   admitted once the stop's step has trained, and at max_staleness 0 none started before
   it is left, so the equal weights hold (a continued rollout is exact in a weaker sense,
   docs/operations.md: its kept prefix bit for bit, its continuation a fresh sample).
+  The straight run is also the synchronous run (``check_synchronous``): every group
+  on-policy, and evaluations every 2 steps on the idle-CPU evaluator, versions
+  delivered with the engines drained, each scoring exactly its step.
   SIGINT in process is the LoRA test's stop (and test_ppo_run's, test_environment_run's).
 - GRPO with the KL term in the loss to a reference of its own (reference.path, the
   long-tail warm start: another model of the policy's architecture and tokenizer): those
@@ -50,13 +53,18 @@ import pytest
 import torch
 from hub_cache import add_to_hub_cache
 from safetensors.torch import load_file
+from test_async_grpo import check_evals, check_ledger
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from async_rl.config import Config
 from async_rl.config_io import decode_config, load_config, to_toml
 from async_rl.control.checkpoint_files import CHECKPOINTS, TRAINER, RunState, latest_checkpoint
 from async_rl.run.inputs import check_inputs
-from async_rl.run.run_dir import CONFIG, FINAL_MODEL, read_ledger, read_metrics
+from async_rl.run.run_dir import CONFIG, FINAL_MODEL, read_evals, read_ledger, read_metrics
+from async_rl.run.summary import RunSummary
 from async_rl.shell.ray_shell import run_training
+from async_rl.tasks.table import build_task
+from workers.eval.greedy import evaluate_accuracy
 
 pytestmark = pytest.mark.ray
 
@@ -65,11 +73,15 @@ HUB_ID = "async-rl-tests/tiny"
 
 
 def config(model_dir: Path, out: Path, *, steps: int = STEPS,
-           lora: dict[str, Any] | None = None, reference: Path | None = None) -> Config:
-    """``reference``: a model for the KL term in the loss (reference.path)."""
+           lora: dict[str, Any] | None = None, reference: Path | None = None,
+           evals: bool = False) -> Config:
+    """``reference``: a model for the KL term in the loss (reference.path). ``evals``:
+    held-out evaluations every 2 steps on the idle-CPU evaluator, versions delivered
+    with the engines drained (neither changes what trains)."""
     return check_inputs(decode_config({
         "model": {"path": str(model_dir), **({"lora": lora} if lora else {})},
-        "task": {"eval_size": 0},
+        "task": {"eval_size": 16 if evals else 0},
+        **({"weights": {"update_mode": "drain"}} if evals else {}),
         "rollout": {"group_size": 4, "max_new_tokens": 6, "max_inflight_prompts": 4,
                     "sampling_seed": 7},
         "staleness": {"max_staleness": 0},
@@ -77,7 +89,8 @@ def config(model_dir: Path, out: Path, *, steps: int = STEPS,
                     **({"kl_coef": 0.1} if reference else {})},
         **({"reference": {"path": str(reference)}} if reference else {}),
         "run": {"num_steps": steps, "output_dir": str(out), "progress": False,
-                "save_merged": bool(lora)},
+                "save_merged": bool(lora),
+                **({"eval_every": 2, "eval_on": "idle_cpu"} if evals else {})},
     }))
 
 
@@ -246,7 +259,10 @@ def test_stop_and_resume_trains_what_a_straight_run_trains(
     tmp_path: Path, ray_shutdown: None
 ) -> None:
     straight, resumed = tmp_path / "straight", stopped_by_sigterm.out
-    run_training(config(tiny_model_dir, straight, reference=longtail_model_dir))
+    straight_config = config(tiny_model_dir, straight, reference=longtail_model_dir,
+                             evals=True)
+    summary = run_training(straight_config)
+    check_synchronous(straight, summary, straight_config, tiny_model_dir)
 
     stopped = stopped_by_sigterm.summary["steps"]
     assert stopped_by_sigterm.summary["stopped"] == "SIGTERM" and 3 <= stopped < STEPS
@@ -275,6 +291,24 @@ def test_stop_and_resume_trains_what_a_straight_run_trains(
     worst = max(float((a[k] - b[k]).abs().max()) for k in a)
     print(f"largest weight difference, straight vs stopped and resumed: {worst:.3g}")
     assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a), worst
+
+
+def check_synchronous(run_dir: Path, summary: RunSummary, run_config: Config,
+                      model_dir: Path) -> None:
+    """At max_staleness 0 every group trains on-policy, none is dropped as stale, and each
+    evaluation (every 2 steps, on the idle-CPU evaluator) scores exactly its step's
+    version, the last one the saved final model as transformers scores it."""
+    assert summary.staleness_histogram == (STEPS * 4,)
+    assert summary.dropped_stale == 0
+    check_ledger(run_dir, summary.groups_trained)
+    check_evals(run_dir, summary, steps=[0, 2, 4, 6], group_size=4, groups_per_step=4)
+    rows = read_evals(run_dir)
+    assert [(r.version_min, r.version) for r in rows] == [(0, 0), (2, 2), (4, 4), (6, 6)]
+    final = AutoModelForCausalLM.from_pretrained(run_dir / FINAL_MODEL)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    _, reward_fn, prompts = build_task(run_config)
+    assert rows[-1].accuracy == evaluate_accuracy(final, tokenizer, prompts, reward_fn,
+                                                  max_new_tokens=6)
 
 
 def test_lora_stops_and_resumes_with_its_adapter_and_sends_only_adapters(
