@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import faulthandler
 import socket
 import time
 from pathlib import Path
@@ -154,13 +155,15 @@ def _setup(rank: int, world: int, setup: str, model_dir: str, port: int,
     return rank, steps, resumed
 
 
-def _shard(rank: int, world: int, model_dir: str, ports: list[int], folder: str) -> None:
+def _shard(rank: int, world: int, model_dir: str, folder: str) -> None:
     """One process of the pair: each setup's steps in turn (each in a fresh process
-    group: a shard's shutdown leaves its own)."""
+    group: a shard's shutdown leaves its own). Stuck near the fixture's deadline, it
+    prints every thread's stack (to the test's captured output)."""
+    faulthandler.dump_traceback_later(SPAWN_DEADLINE_S - 20, exit=False)
     torch.set_num_threads(1)
-    for setup, port in zip(SETUPS, ports, strict=True):
+    for setup in SETUPS:
         out = Path(folder) / setup
-        got = _setup(rank, world, setup, model_dir, port, out)
+        got = _setup(rank, world, setup, model_dir, _setup_port(rank, out), out)
         # A file, not a queue: tensors sent through one die with their process.
         torch.save(got, out / f"rank{rank}.pt")
 
@@ -169,10 +172,24 @@ SPAWN_DEADLINE_S = 300
 """About ten times the three setups' time on two busy cores."""
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+def _setup_port(rank: int, out: Path) -> int:
+    """The setup's rendezvous port: rank 0 picks a free one just before it binds it and
+    writes it down; rank 1 reads it. Picked ahead for every setup, a port stayed unbound
+    for a whole setup's time, long enough for another process on a busy machine to take
+    it."""
+    written = out / "port"
+    if rank == 0:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = int(probe.getsockname()[1])
+        written.with_suffix(".tmp").write_text(str(port))
+        written.with_suffix(".tmp").rename(written)  # whole when it appears
+        return port
+    deadline = time.monotonic() + SPAWN_DEADLINE_S
+    while not written.exists():
+        assert time.monotonic() < deadline, f"rank 0 never wrote {written}"
+        time.sleep(0.05)
+    return int(written.read_text())
 
 
 @pytest.fixture(scope="module")
@@ -183,8 +200,7 @@ def two_shards(model_dir: Path, tmp_path_factory: pytest.TempPathFactory
     folder = tmp_path_factory.mktemp("two-shards")
     for setup in SETUPS:
         (folder / setup).mkdir()
-    shards = mp.spawn(_shard, args=(2, str(model_dir), [_free_port() for _ in SETUPS],
-                                    str(folder)), nprocs=2, join=False)
+    shards = mp.spawn(_shard, args=(2, str(model_dir), str(folder)), nprocs=2, join=False)
     # A stuck rendezvous or collective fails the test in bounded time, never the tier.
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     while not shards.join(timeout=5):
