@@ -10,8 +10,8 @@ dicts; the engine's end, ``workers.weights.gloo_transfer``, parses them as vLLM'
 weight-transfer API does).
 
 It imports no vLLM: the trainer's process is the only one that builds this end, and
-importing vLLM there cost a CPU trainer about 3 CPU-seconds at every start
-(docs/benchmarks.md). vLLM's own transports ("nccl", "ipc") are
+importing vLLM there lengthened every trainer's start (docs/benchmarks.md, "Demo and
+test timings"). vLLM's own transports ("nccl", "ipc") are
 ``workers.weights.vllm_trainer_end``.
 
 Which members are local (``weights.shared_memory``): this end makes a probe in shared

@@ -6,8 +6,8 @@ Owns: ``VllmSource`` (the sender's snapshot as vLLM's trainer engines read it: a
 from the run's ``weights`` section) and ``trainer_init`` (the factory's rendezvous).
 
 Imported only when ``weights.transport`` names one of them (``workers.weights.sender``):
-importing vLLM costs a CPU trainer about 3 CPU-seconds at start, which the "gloo"
-transport's own end (``workers.weights.gloo_trainer_end``) does without.
+importing vLLM lengthens a trainer's start, which the "gloo" transport's own end
+(``workers.weights.gloo_trainer_end``) does without.
 """
 
 from __future__ import annotations
