@@ -26,7 +26,9 @@ from async_rl.tasks.calculator import (
     ERROR_RESULT,
     RESULT_CLOSE,
     RESULT_OPEN,
+    TOOL_LATENCY_SIGMA,
     ExpressionError,
+    ToolLatency,
     evaluate_expression,
     final_answer,
 )
@@ -34,6 +36,7 @@ from async_rl.tasks.calculator import (
 MAX_TOOL_CALLS = 3
 TURN_TOKENS = 32
 _MODELS: dict[str, str] = {}
+_LATENCIES: dict[tuple[float, float], ToolLatency] = {}
 
 
 async def served_model(client: openai.AsyncOpenAI) -> str:
@@ -52,9 +55,25 @@ def tool(expression: str) -> str:
         return ERROR_RESULT
 
 
-async def play(client: openai.AsyncOpenAI, prompt: str, tool_latency_s: float = 0.0) -> str:
+def tool_latency(row: dict[str, Any]) -> ToolLatency | None:
+    """The emulated latency of a remote sandbox's tool calls, when ``row`` carries
+    ``tool_latency_ms``: the in-process calculator's model (``task.tool_latency_ms``),
+    log-normal around that median with ``tool_latency_sigma`` (default
+    ``TOOL_LATENCY_SIGMA``; 0 makes every call take the median). One seeded stream per
+    setting in this process, as the in-process tool shares one between environments."""
+    median_ms = float(row.get("tool_latency_ms", 0.0))
+    if median_ms == 0:
+        return None
+    key = (median_ms, float(row.get("tool_latency_sigma", TOOL_LATENCY_SIGMA)))
+    if key not in _LATENCIES:
+        _LATENCIES[key] = ToolLatency(median_ms, sigma=key[1])
+    return _LATENCIES[key]
+
+
+async def play(client: openai.AsyncOpenAI, prompt: str,
+               latency: ToolLatency | None = None) -> str:
     """One trajectory: the completion after ``prompt`` (turns, tool results, answer);
-    each tool call takes ``tool_latency_s`` (a remote sandbox's, emulated)."""
+    each tool call waits ``latency``'s next draw, when given."""
     model = await served_model(client)
     text = prompt
     for _ in range(MAX_TOOL_CALLS + 1):
@@ -66,15 +85,17 @@ async def play(client: openai.AsyncOpenAI, prompt: str, tool_latency_s: float = 
             break  # the model answered (or ran out of tokens): no tool call
         # The stop string is not in the returned text: write it back, then the result.
         expression = text[text.rfind(CALL_OPEN) + len(CALL_OPEN):]
-        await asyncio.sleep(tool_latency_s)
+        if latency is not None:
+            await asyncio.sleep(latency.draw_s())
         text += f"{CALL_CLOSE}{RESULT_OPEN}{tool(expression)}{RESULT_CLOSE}"
     return text[len(prompt):]
 
 
 async def solve(client: openai.AsyncOpenAI, row: dict[str, Any]) -> float:
     """The calculator's reward: 1 when the final answer is the row's. A row may carry
-    ``tool_latency_ms``: each tool call then takes that long (bench/gateway.py)."""
-    completion = await play(client, row["prompt"], row.get("tool_latency_ms", 0) / 1000)
+    ``tool_latency_ms`` (and ``tool_latency_sigma``): its tool calls then take that long
+    (``tool_latency``; bench/gateway.py)."""
+    completion = await play(client, row["prompt"], tool_latency(row))
     return 1.0 if final_answer(completion) == str(row["answer"]) else 0.0
 
 
