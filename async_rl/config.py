@@ -77,7 +77,9 @@ class RunConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields
     progress: bool = True
     """Show a progress bar."""
     record_spans: bool = True
-    """Record per-worker spans for idle accounting, the Perfetto trace and the timeline."""
+    """Record per-worker spans for idle accounting, the Perfetto trace and the timeline
+    (and, for an agent task, each engine's agent sessions and their turns for the
+    trace)."""
     eval_every: NonNegative = 0
     """Evaluate greedy held-out accuracy every this many optimizer steps, beside training
     (where: run.eval_on; rows in eval.jsonl); 0 = only at the start and end."""

@@ -1,7 +1,8 @@
 """Run reports: the idle table, the Perfetto trace and the timeline, rebuilt from spans.
 
 Owns: reading a run directory's stored spans and summary, resolving idle causes, writing
-``trace.json`` (with each step's staleness split as counter tracks) and ``timeline.png``,
+``trace.json`` (with each step's staleness split as counter tracks, and the agent
+sessions of the engines it shows) and ``timeline.png``,
 and the tables printed at the end of a run and by ``async-rl report RUN_DIR [RUN_B]``:
 the run's experiment record (run.json) and the autopilot's changes in it (with the
 engines it added, from workers.json), and for two
@@ -55,6 +56,7 @@ from async_rl.run.run_dir import (
     USAGE,
     read_metrics,
     read_record,
+    read_sessions,
     read_summary,
     read_workers,
 )
@@ -132,7 +134,8 @@ def build_report(run_dir: str | Path) -> RunIdle:
     """Writes trace.json, timeline.png and idle.json into the run directory. Past
     ``DEVICE_ROWS`` workers, the trace keeps every trainer shard and the engines
     ``traced_engines`` picks (simulate.detail of the run's config), and the timeline
-    draws one row per role and the most idle devices."""
+    draws one row per role and the most idle devices. The trace draws the agent
+    sessions (sessions.jsonl) of the engines it keeps that ran within the window."""
     path = Path(run_dir)
     idle, resolved = idle_of(read_spans(path))
     if (path / USAGE).exists():
@@ -140,7 +143,9 @@ def build_report(run_dir: str | Path) -> RunIdle:
     engines = traced_engines(idle, _detail(path))
     write_chrome_trace([s for s in resolved if s.role != "rollout" or s.worker in engines],
                        path / TRACE, note=_sampled(idle, engines),
-                       counters=staleness_counters(path, idle.steps))
+                       counters=staleness_counters(path, idle.steps),
+                       sessions=[s for s in read_sessions(path) if s.worker in engines
+                                 and idle.start <= s.opened and s.closed <= idle.end])
     notes = {w.name: f"busy {w.busy_s / w.wall_s:.0%}, most waiting: {w.top_cause}"
              for w in idle.workers if w.wall_s}
     hints = [f"{r.role}: {hint(r)}" for r in idle.roles if r.idle_s > 0 and hint(r)]

@@ -2,7 +2,9 @@
 
 Owns: the trace event layout (one track per worker, the controller's tracks, version
 markers, weight-broadcast flow arrows, counter tracks of per-step figures, a note of
-which workers were left out) and the
+which workers were left out; after them, one process per rollout engine holding its
+agent sessions, a track each: the session, and inside it its turns and the agent's
+stretches between them) and the
 matplotlib timeline (one row per device, coloured by cause; for a large run, one row per
 role above them, each time bin split by the share of the role's devices in each cause).
 Knows nothing about how spans were recorded or resolved, or which workers to draw.
@@ -20,8 +22,8 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from async_rl.analysis.idle import ROLE_ORDER
-from workers.common.spans import WEIGHT_UPDATE, Span
+from async_rl.analysis.idle import ROLE_ORDER, natural_key
+from workers.common.spans import WEIGHT_UPDATE, SessionSpan, Span
 
 # One colour per cause, busy causes in greens/blues, idle causes in warm colours, so the
 # picture reads "green good, red/orange waiting" without a legend lookup.
@@ -73,7 +75,69 @@ class _Complete(msgspec.Struct, frozen=True, kw_only=True):
     tid: int
     ts: float
     dur: float
-    args: dict[str, int]
+    args: dict[str, int | str]
+
+
+def _us(t: float, origin: float, digits: int | None = 1) -> float:
+    """A time as the trace's: microseconds since ``origin``, to ``digits`` places (None:
+    whole ones)."""
+    return round((t - origin) * 1e6, digits)
+
+
+def _track(pid: int, tid: int, name: str, sort: int) -> list[dict[str, Any]]:
+    """The metadata of a track: its name and place within its process."""
+    return [{"ph": "M", "name": "thread_name", "pid": pid, "tid": tid,
+             "args": {"name": name}},
+            {"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": tid,
+             "args": {"sort_index": sort}}]
+
+
+def _process(pid: int, name: str) -> list[dict[str, Any]]:
+    """The metadata of a process: its name, and its place (in pid order)."""
+    return [{"ph": "M", "name": "process_name", "pid": pid, "args": {"name": name}},
+            {"ph": "M", "name": "process_sort_index", "pid": pid,
+             "args": {"sort_index": pid}}]
+
+
+def session_events(sessions: Sequence[SessionSpan], origin: float, first_tid: int
+                   ) -> list[dict[str, Any] | _Complete]:
+    """The agent sessions' events: a process per rollout engine (pids from 2, in the
+    engines' order), a track per session in the order opened (tids from ``first_tid``)
+    with a slice over the whole session named by how it ended ("session done",
+    "session timeout", "session error") and, inside it, each turn ("turn 0", "turn
+    1", ...: its tokens, versions, segment) and each of the agent's own stretches
+    ("agent"). In whole microseconds, so that each slice ends inside its session's
+    exactly as the viewer reads them."""
+    by_worker: dict[str, list[SessionSpan]] = defaultdict(list)
+    for session in sessions:
+        by_worker[session.worker].append(session)
+    events: list[dict[str, Any] | _Complete] = []
+    tid = first_tid
+    for pid, worker in enumerate(sorted(by_worker, key=natural_key), 2):
+        events += _process(pid, f"{worker}: agent sessions")
+        for session in sorted(by_worker[worker], key=lambda s: s.session):
+            kind = "eval session" if session.greedy else "session"
+            ended = f" ({session.outcome})" if session.outcome != "done" else ""
+            events += _track(pid, tid, f"{kind} {session.session}{ended}", session.session)
+            start = _us(session.opened, origin, None)
+            events.append(_Complete(
+                name=f"session {session.outcome}", cat="session", pid=pid, tid=tid,
+                ts=start, dur=_us(session.closed, origin, None) - start,
+                args={"prompt_id": session.prompt_id, "member": session.member,
+                      "turns": len(session.turns), "refused": session.refused}))
+            for begin, end, turn in session.stretches():
+                start = _us(begin, origin, None)
+                events.append(_Complete(
+                    name="agent" if turn is None else f"turn {turn.turn}",
+                    cat="agent" if turn is None else "turn", pid=pid, tid=tid, ts=start,
+                    dur=_us(end, origin, None) - start, args={} if turn is None else {
+                        "segment": turn.segment, "prompt_tokens": turn.prompt_tokens,
+                        "new_prompt_tokens": turn.new_prompt_tokens,
+                        "completion_tokens": turn.completion_tokens,
+                        "min_version": turn.min_version, "max_version": turn.max_version,
+                        "finish_reason": turn.finish_reason}))
+            tid += 1
+    return events
 
 
 ROLE_BINS = 600
@@ -91,29 +155,22 @@ class Counter(msgspec.Struct, frozen=True, kw_only=True):
 
 
 def chrome_trace(spans: Sequence[Span], note: str = "",
-                 counters: Sequence[Counter] = ()) -> dict[str, Any]:
+                 counters: Sequence[Counter] = (),
+                 sessions: Sequence[SessionSpan] = ()) -> dict[str, Any]:
     """Trace-event JSON (open at ui.perfetto.dev): tracks, markers, broadcast flows,
-    ``counters``; ``note`` (which workers were left out) is the process's name and the
-    trace's metadata."""
+    ``counters``, then the agent ``sessions`` (``session_events``); ``note`` (which
+    workers were left out) is the run's process's name and the trace's metadata."""
     if not spans:
         return {"traceEvents": [], "displayTimeUnit": "ms"}
     origin = min(s.start for s in spans)
     tids = {name: i + 1 for i, name in enumerate(_order(spans))}
     events: list[dict[str, Any] | _Complete] = [
-        {"ph": "M", "name": "process_name", "pid": 1,
-         "args": {"name": f"async-rl run ({note})" if note else "async-rl run"}}
-    ]
+        *_process(1, f"async-rl run ({note})" if note else "async-rl run")]
     devices = {s.worker: s.device for s in spans}
     for name, tid in tids.items():
-        events.append({"ph": "M", "name": "thread_name", "pid": 1, "tid": tid,
-                       "args": {"name": f"{name} ({devices[name]})"}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": 1, "tid": tid,
-                       "args": {"sort_index": tid}})
+        events += _track(1, tid, f"{name} ({devices[name]})", tid)
 
-    def us(t: float) -> float:
-        return round((t - origin) * 1e6, 1)
-
-    # The hot loop of a large run's trace (a million spans): us() inlined, and a
+    # The hot loop of a large run's trace (a million spans): _us() inlined, and a
     # Struct a span (quicker to make and to encode than a dict).
     for s in spans:
         start = round((s.start - origin) * 1e6, 1)
@@ -131,23 +188,26 @@ def chrome_trace(spans: Sequence[Span], note: str = "",
         syncs[version].append(s)
     for version, publish in sorted(publishes.items()):
         events.append({"ph": "i", "s": "g", "name": f"v{version}", "pid": 1,
-                       "tid": tids[publish.worker], "ts": us(publish.end)})
+                       "tid": tids[publish.worker], "ts": _us(publish.end, origin)})
         for sync in syncs[version]:
             flow = {"name": f"weights v{version}", "cat": "broadcast", "pid": 1,
                     "id": version * 1000 + sync.rank}
             events.append({**flow, "ph": "s", "tid": tids[publish.worker],
-                           "ts": us(publish.start)})
+                           "ts": _us(publish.start, origin)})
             events.append({**flow, "ph": "f", "bp": "e", "tid": tids[sync.worker],
-                           "ts": us(sync.start)})
-    events.extend({"ph": "C", "name": c.track, "pid": 1, "ts": us(c.at), "args": c.values}
-                  for c in counters)
+                           "ts": _us(sync.start, origin)})
+    events.extend({"ph": "C", "name": c.track, "pid": 1, "ts": _us(c.at, origin),
+                   "args": c.values} for c in counters)
+    events += session_events(sessions, origin, len(tids) + 1)
     return {"traceEvents": events, "displayTimeUnit": "ms",
             **({"metadata": {"workers": note}} if note else {})}
 
 
 def write_chrome_trace(spans: Sequence[Span], path: str | Path, note: str = "",
-                       counters: Sequence[Counter] = ()) -> None:
-    Path(path).write_bytes(msgspec.json.encode(chrome_trace(spans, note, counters)))
+                       counters: Sequence[Counter] = (),
+                       sessions: Sequence[SessionSpan] = ()) -> None:
+    Path(path).write_bytes(msgspec.json.encode(chrome_trace(spans, note, counters,
+                                                            sessions)))
 
 
 def cause_shares(spans: Sequence[Span], devices: int, edges: np.ndarray

@@ -201,6 +201,7 @@ class Orchestrator:
         if self.config.run.record_spans:
             self.out.spans(self.admission.flush() + self.training.flush()
                            + await self.readings.spans())
+            self.out.sessions(await self.readings.sessions())
         # Evaluations still due finish (after the training window was recorded).
         await self.evaluations.over.wait()
         await self.checkpoints.save(self.version, wall_s, self.trainers[0])

@@ -3,8 +3,9 @@
 Owns: the orchestrator's whole view of the compute plane — a rollout worker
 (``RolloutClient``), a trainer shard (``TrainerClient``), the weight path
 (``WeightPath``), the evaluator beside them (``Evaluator``), what every worker reports
-for the idle accounting (``ObservedWorker``), the PPO dataflow's stages on the trainer
-shards (``RoleStagesClient``) and on the roles' own workers (``ReferenceClient``,
+for the idle accounting (``ObservedWorker``) and a rollout worker's agent sessions for
+the trace (``TracesSessions``), the PPO dataflow's stages on the trainer shards
+(``RoleStagesClient``) and on the roles' own workers (``ReferenceClient``,
 ``CriticClient``; the shards take their outputs, ``RoleOutputsClient``; together
 ``OwnRoles``), devices that may become rollout engines while a run trains
 (``EngineLending``), where groups' tokens are kept (``TokenStore``: what a checkpoint of the
@@ -27,7 +28,7 @@ from buffers.common.partials import PartialGroup
 from buffers.common.records import Group, GroupTokens, Prompt, TokensRef
 from buffers.common.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
 from buffers.common.train_records import ShardBatch, ShardStepResult
-from workers.common.spans import Span
+from workers.common.spans import SessionSpan, Span
 
 
 class ObservedWorker(Protocol):
@@ -61,6 +62,16 @@ class RolloutClient(ObservedWorker, Protocol):
 
     async def version(self) -> int:
         """Policy version of the weights the engine runs."""
+        ...
+
+
+@runtime_checkable
+class TracesSessions(Protocol):
+    """A rollout worker that keeps its agent sessions for the trace (the Ray shell's
+    does; the simulator's runs no agents)."""
+
+    async def sessions(self) -> list[SessionSpan]:
+        """The sessions it kept since the last call, on the orchestrator's clock."""
         ...
 
 

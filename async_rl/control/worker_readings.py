@@ -1,11 +1,12 @@
-"""Reading what the live workers measured: usage counters, spans, engine versions.
+"""Reading what the live workers measured: usage counters, spans, sessions, versions.
 
 Owns: ``WorkerReadings``, the orchestrator's reads of every live worker at the edges of
 the training window (CPU-time and NVML counters for the cross-check, spans for idle
-accounting, the versions the engines end on). A rollout worker found lost while being
-read is retired and left out, its figures with it, as during training; trainer shards
-are read as they are (a lost shard has already failed the run). Knows nothing about the
-run's loops or what the readings mean. The reference's and critic's workers of their
+accounting, the rollout workers' agent sessions for the trace, the versions the engines
+end on). A rollout worker found lost while being read is retired and left out, its
+figures with it, as during training; trainer shards are read as they are (a lost shard
+has already failed the run). Knows nothing about the run's loops or what the readings
+mean. The reference's and critic's workers of their
 own are read as trainer shards are.
 """
 
@@ -20,12 +21,13 @@ from async_rl.control.protocols import (
     ObservedWorker,
     ReferenceClient,
     RolloutClient,
+    TracesSessions,
     TrainerClient,
 )
 from async_rl.control.rollout_pool import RolloutPool
 from async_rl.control.run_health import RunHealth
 from buffers.common.reports import UsageReading
-from workers.common.spans import Span
+from workers.common.spans import SessionSpan, Span
 
 T = TypeVar("T")
 
@@ -77,6 +79,14 @@ class WorkerReadings:
         """Every live worker's recorded spans."""
         return [span for spans in (await self.from_every(lambda w: w.spans())).values()
                 for span in spans]
+
+    async def sessions(self) -> list[SessionSpan]:
+        """The agent sessions every live rollout worker kept for the trace."""
+
+        async def kept(worker: RolloutClient) -> list[SessionSpan]:
+            return await worker.sessions() if isinstance(worker, TracesSessions) else []
+
+        return [s for _, sessions in await self.from_rollout(kept) for s in sessions]
 
     async def rollout_versions(self) -> list[int]:
         """The policy version each live rollout engine runs."""

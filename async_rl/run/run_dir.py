@@ -21,7 +21,7 @@ from async_rl.run.loggers import open_loggers, scalars, summary_scalars
 from async_rl.run.run_record import AutopilotChange, RunRecord, collect, now
 from async_rl.run.summary import EvalPoint, RunSummary
 from buffers.common.reports import LedgerEntry
-from workers.common.spans import Span
+from workers.common.spans import SessionSpan, Span
 from workers.layout import WorkerIdentity
 
 CONFIG = "config.toml"
@@ -30,6 +30,7 @@ LEDGER = "ledger.jsonl"
 SUMMARY = "summary.json"
 EVALS = "eval.jsonl"
 SPANS = "spans.jsonl"
+SESSIONS = "sessions.jsonl"
 USAGE = "usage.json"
 WORKERS = "workers.json"
 RUN_RECORD = "run.json"
@@ -126,6 +127,13 @@ class RunWriter:
     def spans(self, spans: list[Span]) -> None:
         (self.path / SPANS).write_bytes(b"".join(self._encoder.encode(s) + b"\n" for s in spans))
 
+    def sessions(self, sessions: list[SessionSpan]) -> None:
+        """The agent sessions the rollout workers kept for the trace (an agent task's;
+        no file without any)."""
+        if sessions:
+            (self.path / SESSIONS).write_bytes(
+                b"".join(self._encoder.encode(s) + b"\n" for s in sessions))
+
     def workers(self, registry: Sequence[Any]) -> None:
         """Who ran where: one record per worker (role, rank, node, devices, pid), written
         at the start and again when ``[autopilot]`` adds or removes an engine (each
@@ -176,6 +184,14 @@ def read_workers(run_dir: str | Path) -> list[WorkerIdentity]:
     if not path.exists():
         return []
     return msgspec.json.decode(path.read_bytes(), type=list[WorkerIdentity])
+
+
+def read_sessions(run_dir: str | Path) -> list[SessionSpan]:
+    """The agent sessions kept for the trace (sessions.jsonl); empty when it has none."""
+    path = Path(run_dir) / SESSIONS
+    if not path.exists():
+        return []
+    return msgspec.json.Decoder(SessionSpan).decode_lines(path.read_bytes())
 
 
 def read_summary(run_dir: str | Path) -> RunSummary:

@@ -5,10 +5,10 @@ Owns: one adapter per protocol of ``async_rl.control.protocols`` (``RayRollout``
 its actor (``_Adapter._call``): with a deadline (``run.call_timeout_s`` unless the call
 has its own), Ray's errors turned into the adapter's protocol error, and a missed
 deadline into the error the call names (``WaitTimedOut`` by default). Also aligning a
-worker's span clock with the driver's. The reference's and critic's workers of their
-own have their adapters beside these (``async_rl.shell.role_adapters``); the started
-actors become the orchestrator's ``Workers`` in ``async_rl.shell.adapted_workers``.
-Knows nothing about the run's logic.
+worker's span clock (and a rollout worker's agent sessions') with the driver's. The
+reference's and critic's workers of their own have their adapters beside these
+(``async_rl.shell.role_adapters``); the started actors become the orchestrator's
+``Workers`` in ``async_rl.shell.adapted_workers``. Knows nothing about the run's logic.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from buffers.common.records import Group, Prompt
 from buffers.common.reports import BroadcastTiming, CriticStepResult, EvalResult, UsageReading
 from buffers.common.train_records import ShardBatch, ShardStepResult
 from workers.common.errors import RolloutWorkerError, first_line
-from workers.common.spans import Span
+from workers.common.spans import SessionSpan, Span
 from workers.trainer.checkpoint_folder import WAIT_GROUP
 from workers.weights.broadcast import Published, WeightBroadcast
 
@@ -118,12 +118,16 @@ class WorkerAdapter(_Adapter):
         reading: UsageReading = await self._call("usage")
         return reading
 
-    async def spans(self) -> list[Span]:
-        """The worker's spans shifted onto this process's clock (workers may sit on other
-        nodes): the offset is the remote clock minus ours at the call's midpoint."""
+    async def _offset(self) -> float:
+        """The worker's clock minus this process's (workers may sit on other nodes), at
+        the midpoint of a call that reads it."""
         sent = time.time()
         remote_now: float = await self._call("clock")
-        offset = remote_now - (sent + time.time()) / 2
+        return remote_now - (sent + time.time()) / 2
+
+    async def spans(self) -> list[Span]:
+        """The worker's spans shifted onto this process's clock."""
+        offset = await self._offset()
         spans: list[Span] = await self._call("drain_spans")
         return [msgspec.structs.replace(s, start=s.start - offset, end=s.end - offset)
                 for s in spans]
@@ -177,6 +181,12 @@ class RayRollout(WorkerAdapter):
     async def version(self) -> int:
         version: int = await self._call("version")
         return version
+
+    async def sessions(self) -> list[SessionSpan]:
+        """The agent sessions the worker kept, shifted onto this process's clock."""
+        offset = await self._offset()
+        sessions: list[SessionSpan] = await self._call("drain_sessions")
+        return [s.shifted(-offset) for s in sessions]
 
     async def start(self) -> int:
         """Starts a replacement's engine (``restart_rollout``), within

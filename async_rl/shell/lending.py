@@ -48,7 +48,7 @@ from async_rl.shell.launch import StartedWorkers
 from buffers.common.partials import PartialGroup
 from buffers.common.records import Group, Prompt
 from buffers.common.reports import EvalResult, UsageReading
-from workers.common.spans import Span
+from workers.common.spans import SessionSpan, Span
 from workers.layout import WorkerIdentity
 
 log = logging.getLogger(__name__)
@@ -76,6 +76,9 @@ class _Lent:
 
     async def spans(self) -> list[Span]:
         return await self.worker.spans()
+
+    async def sessions(self) -> list[SessionSpan]:
+        return await self.worker.sessions()
 
     async def evaluate(self, prompts: Sequence[Prompt]) -> EvalResult:
         return await self.worker.evaluate(prompts)

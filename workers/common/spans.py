@@ -3,7 +3,11 @@
 Owns: the ``Span`` record, the vocabulary of busy and idle causes per role, and
 ``SpanRecorder``, a cheap state machine a worker switches on state changes (never per
 token): a worker is always in exactly one cause, so its spans tile its wall time with no
-gaps or overlaps. Knows nothing about Ray, engines or files.
+gaps or overlaps. Also the agent sessions' records, which travel beside the spans into
+the trace: ``TurnSpan`` (one turn through the gateway), ``SessionSpan`` (one session:
+its turns, the agent's stretches between them, how it ended) and ``SessionRecorder``
+(the sessions one rollout engine keeps for the trace, at most ``SESSIONS_KEPT``, evenly
+spaced over the run). Knows nothing about Ray, engines or files.
 
 A worker often cannot see why it is idle (a rollout engine with no requests does not know
 the gate is closed). It records ``idle``; ``async_rl.analysis.idle`` later resolves each idle
@@ -135,3 +139,110 @@ class SpanRecorder:
                 )
             self.since = now
         return self.drain()
+
+
+SESSIONS_KEPT = 512
+"""Agent sessions a rollout engine keeps for the trace at most: past that, every second
+one of those kept is let go and only every second one from then on is kept (and so on),
+so a long run's are evenly spaced over it."""
+
+
+class TurnSpan(msgspec.Struct, frozen=True, kw_only=True):
+    """One turn of an agent session: a request the gateway generated (times in seconds
+    since the epoch, as spans')."""
+
+    turn: int
+    """Its place in the session, from 0."""
+    segment: int
+    """The session's segment it went to, from 0 (a new one when the agent rewrote its
+    history: ``workers.rollout.sessions``)."""
+    arrived: float
+    """When the gateway got the request."""
+    finished: float
+    """When its generation was done and recorded."""
+    prompt_tokens: int
+    new_prompt_tokens: int
+    """The prompt's tokens past the segment's context (what the agent added since its
+    last turn); the whole prompt on a segment's first turn."""
+    completion_tokens: int
+    min_version: int
+    """The oldest policy version of its generated tokens (``NO_VERSION`` when it
+    generated none)."""
+    max_version: int
+    """The newest (a weight update landed during the turn when it is above the
+    oldest)."""
+    finish_reason: str
+    """stop | length"""
+
+
+class SessionSpan(msgspec.Struct, frozen=True, kw_only=True):
+    """One agent session (trajectory) from its opening to its closing."""
+
+    worker: str
+    """Its rollout engine, e.g. "rollout-0"."""
+    session: int
+    """Its number on that engine, in the order opened, from 0."""
+    prompt_id: str
+    member: int
+    """Its trajectory's place in the group."""
+    greedy: bool
+    """An evaluation's trajectory."""
+    opened: float
+    closed: float
+    outcome: str
+    """done | timeout | error (``workers.rollout.agents``)."""
+    refused: int
+    """Its requests the gateway refused (they are no turns)."""
+    turns: tuple[TurnSpan, ...]
+
+    def stretches(self) -> list[tuple[float, float, TurnSpan | None]]:
+        """Its time from opening to closing, in order, as its turns and the agent's own
+        stretches between them (None: its tool calls and thinking, the wait before its
+        first request and after its last). A turn that arrived while the one before it
+        still ran (the session's requests are served one at a time) starts when that
+        one ended."""
+        out: list[tuple[float, float, TurnSpan | None]] = []
+        at = self.opened
+        for turn in self.turns:
+            start = max(turn.arrived, at)
+            if start > at:
+                out.append((at, start, None))
+            out.append((start, turn.finished, turn))
+            at = turn.finished
+        if self.closed > at:
+            out.append((at, self.closed, None))
+        return out
+
+    def shifted(self, by: float) -> SessionSpan:
+        """The same session with every time moved by ``by`` seconds."""
+        return msgspec.structs.replace(
+            self, opened=self.opened + by, closed=self.closed + by,
+            turns=tuple(msgspec.structs.replace(t, arrived=t.arrived + by,
+                                                finished=t.finished + by)
+                        for t in self.turns))
+
+
+class SessionRecorder:
+    """The agent sessions one rollout engine keeps for the trace: every session whose
+    number is a multiple of the stride, the stride doubling (and the kept ones thinned
+    to its multiples) whenever more than ``limit`` are kept."""
+
+    def __init__(self, *, worker: str, enabled: bool = True,
+                 limit: int = SESSIONS_KEPT) -> None:
+        self.worker, self.enabled, self.limit = worker, enabled, limit
+        self.stride = 1
+        self._kept: list[SessionSpan] = []
+
+    def keep(self, session: SessionSpan) -> None:
+        """Keeps ``session`` if its number is one the stride keeps."""
+        if not self.enabled or session.session % self.stride:
+            return
+        self._kept.append(session)
+        while len(self._kept) > self.limit:
+            self.stride *= 2
+            self._kept = [s for s in self._kept if s.session % self.stride == 0]
+
+    def drain(self) -> list[SessionSpan]:
+        """The sessions kept since the last drain, in the order they closed."""
+        kept, self._kept = self._kept, []
+        return kept

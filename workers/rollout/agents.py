@@ -6,7 +6,8 @@ def solve(client, row)`` that task.agent names, checked), ``AgentRunner`` (a gro
 trajectories: one session each, ``solve`` called with an ``openai.AsyncOpenAI`` client
 whose API key is the session's token, on an event loop of its own, cut at
 agent_timeout_s) and ``agent_samples`` (a group's sessions as samples: each segment one
-training sequence, ``workers.rollout.sessions``).
+training sequence, ``workers.rollout.sessions``). Each closed session, with its outcome,
+goes to the engine's ``SessionRecorder`` for the trace.
 
 A trajectory that ran past task.agent_timeout_s ends with outcome "timeout", one whose
 ``solve`` raised or returned no finite reward with "error"; task.environment.on_timeout /
@@ -35,6 +36,7 @@ from buffers.common.config import ConfigError
 from buffers.common.records import NO_VERSION, Prompt, Sample
 from workers.common.errors import first_line
 from workers.common.loop_thread import LoopThread
+from workers.common.spans import SessionRecorder
 from workers.common.user_code import import_object
 from workers.rollout.gateway import Gateway, GatewayLimits, Generate
 from workers.rollout.local_http import local_http_client
@@ -181,8 +183,11 @@ class AgentRunner:
     ``gateway``; see the module docstring. Made in the rollout worker's process."""
 
     def __init__(self, config: AgentConfig, gateway: Gateway, tokenizer: Any,
-                 solve: Solve | None = None) -> None:
+                 solve: Solve | None = None, sessions: SessionRecorder | None = None
+                 ) -> None:
+        """``sessions``: where each closed session goes for the trace (None: nowhere)."""
         self.config, self.gateway, self._tokenizer = config, gateway, tokenizer
+        self.sessions = sessions
         self._solve = solve or agent_function(config.agent)
         self._loop = LoopThread("async-rl-agents")
         self._failures = 0
@@ -215,6 +220,10 @@ class AgentRunner:
         finally:
             closed = [table.close(s.token) for s in sessions]
         self.outcomes.update(outcome for outcome, _ in ended)
+        if self.sessions is not None:
+            for k, (session, (outcome, _)) in enumerate(zip(closed, ended, strict=True)):
+                self.sessions.keep(session.span(self.sessions.worker, prompt.prompt_id, k,
+                                                outcome))
         prompt_ids, samples = agent_samples(
             [(s.segments, outcome, reward)
              for s, (outcome, reward) in zip(closed, ended, strict=True)],
@@ -254,11 +263,12 @@ class AgentRunner:
 
 
 async def serve_agents(config: AgentConfig, *, engine: Any, rollout: Any, tokenizer: Any,
-                       params: dict[str, Any], generate: Generate, model_name: str
-                       ) -> AgentRunner:
+                       params: dict[str, Any], generate: Generate, model_name: str,
+                       sessions: SessionRecorder) -> AgentRunner:
     """The gateway in front of ``engine`` (vLLM's, on the running loop), started, and the
-    runner of the agents that use it. ``rollout``: the rollout section (its token
-    budget, and the in-flight bound: max_inflight_prompts x group_size requests)."""
+    runner of the agents that use it, its sessions kept in ``sessions``. ``rollout``:
+    the rollout section (its token budget, and the in-flight bound:
+    max_inflight_prompts x group_size requests)."""
     model = engine.model_config
     gateway = Gateway(
         model_name=model_name, tokenizer=tokenizer, params=params, generate=generate,
@@ -268,4 +278,4 @@ async def serve_agents(config: AgentConfig, *, engine: Any, rollout: Any, tokeni
                              max_concurrency=rollout.max_inflight_prompts * rollout.group_size,
                              vocab_size=model.get_vocab_size()))
     await gateway.start()
-    return AgentRunner(config, gateway, tokenizer)
+    return AgentRunner(config, gateway, tokenizer, sessions=sessions)

@@ -209,6 +209,7 @@ class Gateway:
         return await self._serve(token, receive, chat=True)
 
     async def _serve(self, token: str, receive: Any, *, chat: bool) -> tuple[int, bytes]:
+        arrived = self.table.clock()
         session: Session | None = None
         try:
             session = self._session(token)
@@ -222,6 +223,7 @@ class Gateway:
                     session.check_turn()
                 except SessionError as err:
                     raise ApiError(err.status, err.message, code=err.code) from None
+                session.arrived = arrived  # the turn's start in the trace
                 result = await self._turn(session, prompt, turn, chat=chat)
         except ApiError:
             if session is not None:

@@ -1,10 +1,12 @@
 """Agent sessions: one trajectory's turns through the gateway, kept as the exact tokens.
 
 Owns: ``Session`` (one trajectory of an agent task: its random token, its segments, its
-turn count, open or finished), ``Segment`` (a run of turns that each extended the one
-before: one training sequence), ``SessionTable`` (the sessions of one rollout engine,
-by token) and ``extend`` (the rule that decides whether a request continues the last
-segment or starts a new one).
+turn count, open or finished, and each turn's ``TurnSpan`` for the trace: when it
+arrived and finished, its tokens and versions), ``Segment`` (a run of turns that each
+extended the one before: one training sequence), ``SessionTable`` (the sessions of one
+rollout engine, by token, numbered and timed as they open and close) and ``extend``
+(the rule that decides whether a request continues the last segment or starts a new
+one).
 
 The rule. After each turn a segment keeps its context as token ids (the prompt's, then
 every turn's, exactly as generated) and as text (what those ids render to for the
@@ -24,11 +26,13 @@ from __future__ import annotations
 
 import asyncio
 import secrets
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 from buffers.common.records import NO_VERSION
+from workers.common.spans import SessionSpan, TurnSpan
 
 OPEN, FINISHED = "open", "finished"
 REMEMBERED = 65536
@@ -103,6 +107,17 @@ class Session:
     """Requests of this session the gateway refused."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     """Held through each request: one session's turns run one at a time."""
+    number: int = 0
+    """Its place among its engine's sessions, in the order opened, from 0."""
+    opened: float = 0.0
+    closed: float = 0.0
+    arrived: float = 0.0
+    """When the request holding ``lock`` arrived (the gateway sets it): where the turn
+    ``record`` notes begins."""
+    turn_spans: list[TurnSpan] = field(default_factory=list)
+    """Each turn's record for the trace."""
+    clock: Callable[[], float] = field(default=time.time, repr=False)
+    """Its table's clock (seconds since the epoch)."""
 
     @property
     def last(self) -> Segment | None:
@@ -127,9 +142,11 @@ class Session:
             raise ValueError(f"{len(token_ids)} token ids came with {len(logprobs)} "
                              f"logprobs and {len(versions)} versions")
         segment = self.last
+        new_tokens = len(prompt_ids)
         if extend_ids(segment, prompt_ids):
             assert segment is not None
             added = list(prompt_ids[len(segment.context_ids):])
+            new_tokens = len(added)
             segment.tokens += added
             segment.logprobs += [0.0] * len(added)
             segment.versions += [NO_VERSION] * len(added)
@@ -146,8 +163,22 @@ class Session:
         segment.longest_turn = max(segment.longest_turn, len(token_ids))
         if finish_reason == "length":
             segment.finish_reason = "length"
+        self.turn_spans.append(TurnSpan(
+            turn=self.turns, segment=len(self.segments) - 1, arrived=self.arrived,
+            finished=self.clock(), prompt_tokens=len(prompt_ids),
+            new_prompt_tokens=new_tokens, completion_tokens=len(token_ids),
+            min_version=min(versions, default=NO_VERSION),
+            max_version=max(versions, default=NO_VERSION), finish_reason=finish_reason))
         self.turns += 1
         return segment
+
+    def span(self, worker: str, prompt_id: str, member: int, outcome: str) -> SessionSpan:
+        """The closed session's record for the trace: on rollout engine ``worker``,
+        trajectory ``member`` of ``prompt_id``'s group, ended with ``outcome``."""
+        return SessionSpan(worker=worker, session=self.number, prompt_id=prompt_id,
+                           member=member, greedy=self.greedy, opened=self.opened,
+                           closed=self.closed, outcome=outcome, refused=self.refused,
+                           turns=tuple(self.turn_spans))
 
 
 class SessionError(Exception):
@@ -163,10 +194,14 @@ class SessionTable:
     """The sessions of one rollout engine, by token. Its methods run on the engine's
     event loop only (the gateway's handlers and the agent runner both live there)."""
 
-    def __init__(self, remember: int = REMEMBERED) -> None:
+    def __init__(self, remember: int = REMEMBERED,
+                 clock: Callable[[], float] = time.time) -> None:
+        """``clock``: when sessions open and close and their turns finish (seconds since
+        the epoch, as spans')."""
         self._open: dict[str, Session] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._remember = remember
+        self.clock = clock
         self.opened = 0
 
     def __len__(self) -> int:
@@ -176,7 +211,8 @@ class SessionTable:
              ) -> Session:
         """A new session behind a fresh random token (128 bits)."""
         token = "sk-session-" + secrets.token_urlsafe(16)
-        session = Session(token=token, max_turns=max_turns, greedy=greedy, seed=seed)
+        session = Session(token=token, max_turns=max_turns, greedy=greedy, seed=seed,
+                          number=self.opened, opened=self.clock(), clock=self.clock)
         self._open[token] = session
         self.opened += 1
         return session
@@ -195,7 +231,7 @@ class SessionTable:
     def close(self, token: str) -> Session:
         """Ends the session: later requests with its token get 409. Returns it."""
         session = self._open.pop(token)
-        session.state = FINISHED
+        session.state, session.closed = FINISHED, self.clock()
         self._finished[token] = None
         while len(self._finished) > self._remember:
             self._finished.popitem(last=False)  # older ones answer 401 instead of 409

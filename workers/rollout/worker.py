@@ -32,7 +32,7 @@ from buffers.common.partials import PartialGroup
 from buffers.common.records import NO_VERSION, Group, Prompt, Sample, make_group
 from buffers.common.reports import BroadcastTiming, EvalResult, RolloutStatistics, UsageReading
 from workers.common.errors import RolloutWorkerError
-from workers.common.spans import Span, SpanRecorder
+from workers.common.spans import SessionRecorder, SessionSpan, Span, SpanRecorder
 from workers.common.usage import UsageMeter, cuda_uuid
 from workers.rollout.adapter_serving import serve_policy_adapter
 from workers.rollout.agents import AgentRunner, serve_agents
@@ -93,6 +93,7 @@ class RolloutWorker:
         device = "cpu:" + ",".join(map(str, self._cpu_ids)) if self._cpu_ids else "cpu"
         self._spans = SpanRecorder(worker=f"rollout-{rank}", role="rollout", rank=rank,
                                    device=device, enabled=spec.record_spans)
+        self._sessions = SessionRecorder(worker=f"rollout-{rank}", enabled=spec.record_spans)
 
         self._engine: AsyncLLM | None = None
         self._adapter_dir = ""  # the engine's adapter folder, removed at shutdown
@@ -160,7 +161,8 @@ class RolloutWorker:
 
             self._agents = await serve_agents(
                 self._agent, engine=self._engine, rollout=cfg, tokenizer=self._tokenizer,
-                params=self._params, generate=generate, model_name=self._model_name)
+                params=self._params, generate=generate, model_name=self._model_name,
+                sessions=self._sessions)
         # Warm-up: the CPU build's first steps at each new batch shape are many times
         # slower than later ones (a run's first 16 groups took 2.1 s to generate cold
         # against 0.18 s warm), which would otherwise land in the first training step as
@@ -206,6 +208,10 @@ class RolloutWorker:
     async def drain_spans(self) -> list[Span]:
         """Closed spans since the last call (the current one is closed at now first)."""
         return self._spans.flush()
+
+    async def drain_sessions(self) -> list[SessionSpan]:
+        """The agent sessions kept for the trace since the last call (an agent task's)."""
+        return self._sessions.drain()
 
     async def clock(self) -> float:
         """This process's wall clock, for aligning span times across nodes."""
