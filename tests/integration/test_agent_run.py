@@ -12,6 +12,8 @@ gateway with the real openai client (examples/agent_openai.toml's settings).
 - examples/agent_langgraph.py's graph plays half the other trajectories through the same
   gateway: its model node's calls reach the tool node, whose results the next turn
   continues from (tests/unit/test_agent_langgraph.py checks its rewards).
+- The sessions reach the run directory from the rollout actor (sessions.jsonl, on the
+  driver's clock) with how each ended, and the trace draws them turn by turn.
 """
 
 from __future__ import annotations
@@ -22,8 +24,9 @@ from pathlib import Path
 import pytest
 from test_async_grpo import check_ledger
 
+from async_rl.analysis.report import TRACE, build_report
 from async_rl.config_io import load_config
-from async_rl.run.run_dir import read_metrics
+from async_rl.run.run_dir import read_metrics, read_sessions
 from async_rl.shell.ray_shell import run_training
 from async_rl.tasks.calculator import CALL_CLOSE, RESULT_OPEN, CalculatorTask
 
@@ -89,3 +92,20 @@ def test_an_agent_trains_on_exact_tokens_through_faults(
     assert third["prompt_token_ids"][:len(context)] == context
     assert rewrite["prompt_token_ids"] == tokenizer.encode(rewrite["prompt"])
     assert CUT not in rewrite["prompt_token_ids"]
+
+    # The sessions, from the actor to sessions.jsonl: each fault's ending is there, the
+    # probe's rewrite went to a second segment, and the trace draws the turns.
+    sessions = read_sessions(out)
+    assert len(sessions) >= STEPS * GROUPS * SIZE // 2, len(sessions)
+    assert {"done", "timeout", "error"} <= {s.outcome for s in sessions}
+    assert sum(s.refused for s in sessions) >= 3
+    assert any(t.segment == 1 for s in sessions for t in s.turns)
+    for session in sessions:
+        assert session.worker == "rollout-0" and session.opened <= session.closed
+        assert all(session.opened <= t.arrived <= t.finished <= session.closed
+                   for t in session.turns)
+    build_report(out)
+    events = json.loads((out / TRACE).read_text())["traceEvents"]
+    turns = [e for e in events if e.get("ph") == "X" and e["name"].startswith("turn ")]
+    # Those within the training window (sessions.jsonl keeps the ones around it too).
+    assert 0 < len(turns) <= sum(len(s.turns) for s in sessions)
