@@ -11,9 +11,10 @@ trainer.packed = true is not asked of a model whose features the packed path can
 compute (``workers.trainer.packed_support``); trainer.router_aux_coef > 0 has a model
 with routers; without model.lora, full weight versions can reach the engine of the
 model's type (``workers.rollout.engine.update_refusal``); reference.path and critic.path
-are models of the policy's architecture and tokenizer), raising ``ConfigError`` with one
-line. Used by ``async_rl.train`` (so ``async-rl train``) and by each trial of ``async-rl
-sweep`` before it is launched.
+are models of the policy's architecture and tokenizer; rollout.tool_call_parser names a
+tool parser of the installed vLLM that can use the model's tokenizer), raising
+``ConfigError`` with one line. Used by ``async_rl.train`` (so ``async-rl train``) and by
+each trial of ``async-rl sweep`` before it is launched.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from async_rl.run.loggers import check_installed
 from async_rl.run.model_source import resolve_model_path
 from async_rl.tasks.table import check_task
 from buffers.common.config import ConfigError
+from workers.common.errors import first_line
 from workers.rewards.callables import Reward, check_function
 from workers.rewards.spec import load_reward, reward_name, unique_names
 from workers.rollout.environment import environment_class
@@ -64,9 +66,32 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
     check_rewards(config, columns)
     if config.task.environment.enabled:
         check_environment(config)
+    if config.rollout.tool_call_parser:
+        check_tool_parser(config)
     for index, reward in enumerate(rewards):
         check_function(reward, index=index, columns=columns)  # naming rewards[i]
     return config
+
+
+def check_tool_parser(config: Config) -> None:
+    """rollout.tool_call_parser names one of the installed vLLM's tool parsers (what its
+    ``--tool-call-parser`` takes), and it can read the tokenizer of model.path."""
+    from transformers import AutoTokenizer
+
+    from workers.rollout.tool_parser import VllmToolParser, parser_names
+
+    name, path = config.rollout.tool_call_parser, config.model.path
+    names = parser_names()
+    if name not in names:
+        raise ConfigError(f"config error: rollout.tool_call_parser = {name!r}: not a tool "
+                          f"parser of the installed vLLM (one of {', '.join(names)})")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    try:
+        VllmToolParser(name, tokenizer)
+    except Exception as err:
+        raise ConfigError(f"config error: rollout.tool_call_parser = {name!r}: it cannot "
+                          f"use the tokenizer of model.path = {path!r}: {first_line(err)}"
+                          ) from None
 
 
 def check_shardable(model_path: str) -> None:

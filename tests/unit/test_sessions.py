@@ -194,7 +194,7 @@ def test_a_trajectory_of_several_segments_counts_once_in_its_advantages() -> Non
 @pytest.mark.parametrize(("raw", "code"), [
     (b"{not json", "invalid_json"), (b"[1, 2]", "invalid_json"), (b"", "invalid_json"),
     (b'{"stream": true}', "unsupported_parameter"), (b'{"n": 2}', "unsupported_parameter"),
-    (b'{"tools": [{"type": "function"}]}', "unsupported_parameter"),
+    (b'{"functions": [{"name": "f"}]}', "unsupported_parameter"),
 ])
 def test_bad_bodies_are_400_in_the_openai_error_format(raw: bytes, code: str) -> None:
     with pytest.raises(ApiError) as refused:

@@ -41,6 +41,7 @@ from workers.common.user_code import import_object
 from workers.rollout.gateway import Gateway, GatewayLimits, Generate
 from workers.rollout.local_http import local_http_client
 from workers.rollout.sessions import Segment
+from workers.rollout.tool_calls import ToolParser
 
 log = logging.getLogger("async_rl.agents")
 
@@ -264,11 +265,13 @@ class AgentRunner:
 
 async def serve_agents(config: AgentConfig, *, engine: Any, rollout: Any, tokenizer: Any,
                        params: dict[str, Any], generate: Generate, model_name: str,
-                       sessions: SessionRecorder) -> AgentRunner:
+                       sessions: SessionRecorder, tool_parser: ToolParser | None = None
+                       ) -> AgentRunner:
     """The gateway in front of ``engine`` (vLLM's, on the running loop), started, and the
     runner of the agents that use it, its sessions kept in ``sessions``. ``rollout``:
     the rollout section (its token budget, and the in-flight bound:
-    max_inflight_prompts x group_size requests)."""
+    max_inflight_prompts x group_size requests); ``tool_parser``:
+    rollout.tool_call_parser's (None: function calling off)."""
     model = engine.model_config
     gateway = Gateway(
         model_name=model_name, tokenizer=tokenizer, params=params, generate=generate,
@@ -276,6 +279,7 @@ async def serve_agents(config: AgentConfig, *, engine: Any, rollout: Any, tokeni
                              max_context=model.max_model_len,
                              max_trajectory_tokens=config.max_trajectory_tokens,
                              max_concurrency=rollout.max_inflight_prompts * rollout.group_size,
-                             vocab_size=model.get_vocab_size()))
+                             vocab_size=model.get_vocab_size()),
+        tool_parser=tool_parser)
     await gateway.start()
     return AgentRunner(config, gateway, tokenizer, sessions=sessions)

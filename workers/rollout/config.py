@@ -102,6 +102,14 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     gateway and in-process; it costs where the trainer is busy: 0.90x on the CPU
     default (docs/benchmarks.md, rollout speed). No effect with CUDA or with
     co-located roles."""
+    tool_call_parser: str = ""
+    """vLLM's tool parser for the model's function calls, by the name vLLM's
+    ``--tool-call-parser`` takes ("hermes" for Hermes and Qwen2.5/Qwen3 models, "mistral",
+    "llama3_json", ...): with it, the agents' gateway serves ``tools`` on
+    /v1/chat/completions (the chat template renders them; each completion is parsed into
+    ``tool_calls``). "" = off: a request with tools gets 400 (docs/agents.md, function
+    calling). A name the installed vLLM lacks, or a parser that cannot use the model's
+    tokenizer, fails the config check."""
     preload_cpu_libs: bool = False
     """CPU engines start with the tcmalloc allocator and Intel's OpenMP runtime preloaded
     (LD_PRELOAD), as vLLM's CPU guide asks, where they are found: intel-openmp comes with

@@ -8,9 +8,10 @@ continues the session's last segment as exact token ids, or starts a new one) an
 that turn is generated: the run's sampling parameters (temperature, top_p: the behaviour
 policy's) with the request's max_tokens (at most rollout.max_new_tokens and the room
 left under task.environment.max_trajectory_tokens), stop strings, seed and vLLM's
-allowed_token_ids; at most ``max_concurrency`` requests on the engine at once. Every
-refusal is an OpenAI-format error (``workers.rollout.openai_format``) and counted; the
-engine keeps serving.
+allowed_token_ids; at most ``max_concurrency`` requests on the engine at once; with
+rollout.tool_call_parser set, a chat's ``tools`` rendered and its completion parsed into
+``tool_calls`` (``workers.rollout.tool_calls``). Every refusal is an OpenAI-format error
+(``workers.rollout.openai_format``) and counted; the engine keeps serving.
 
 One gateway per engine, not per node: a session's turns then always reach the engine
 whose prefix cache holds its context, and the engine's event loop runs the handlers
@@ -48,6 +49,13 @@ from workers.rollout.openai_format import (
 from workers.rollout.prompts import encode_plain
 from workers.rollout.sessions import OPEN, Session, SessionError, SessionTable, extend
 from workers.rollout.stop_strings import cut_at_stop
+from workers.rollout.tool_calls import (
+    ParserTurn,
+    ToolParser,
+    answer,
+    template_messages,
+    tool_request,
+)
 
 log = logging.getLogger("async_rl.gateway")
 
@@ -120,7 +128,8 @@ class Gateway:
 
     def __init__(self, *, model_name: str, tokenizer: Any, params: dict[str, Any],
                  generate: Generate, limits: GatewayLimits,
-                 table: SessionTable | None = None) -> None:
+                 table: SessionTable | None = None, tool_parser: ToolParser | None = None
+                 ) -> None:
         self.model_name = model_name
         self.table = table if table is not None else SessionTable()
         self.limits = limits
@@ -128,6 +137,9 @@ class Gateway:
         """Refused requests by error code."""
         self.served = 0
         self._tokenizer, self._params, self._generate = tokenizer, params, generate
+        self._tool_parser = tool_parser
+        """rollout.tool_call_parser's (``workers.rollout.tool_parser``); None: off, a
+        request with tools is refused."""
         self._slots = asyncio.Semaphore(limits.max_concurrency)
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -216,7 +228,9 @@ class Gateway:
             body = parse_body(await _read_body(receive))
             check_model(body, self.model_name)
             turn = turn_request(body, self.limits.vocab_size)
-            prompt = self._render(messages_of(body)) if chat else prompt_of(body)
+            parsing = tool_request(body, self._tool_parser, chat=chat, model=self.model_name)
+            prompt = (self._render(template_messages(messages_of(body), session.replies),
+                                   parsing) if chat else prompt_of(body))
             async with session.lock:
                 session = self._session(token)  # still open
                 try:
@@ -225,6 +239,8 @@ class Gateway:
                     raise ApiError(err.status, err.message, code=err.code) from None
                 session.arrived = arrived  # the turn's start in the trace
                 result = await self._turn(session, prompt, turn, chat=chat)
+                if parsing is not None:
+                    result = answer(result, parsing, self._tokenizer, session.replies)
         except ApiError:
             if session is not None:
                 session.refused += 1
@@ -235,13 +251,14 @@ class Gateway:
 
     # ---- one turn -------------------------------------------------------------------------
 
-    def _render(self, messages: list[dict[str, str]]) -> str:
+    def _render(self, messages: list[dict[str, Any]], parsing: ParserTurn | None) -> str:
         if not getattr(self._tokenizer, "chat_template", None):
             raise ApiError(400, "the model's tokenizer has no chat template: use "
                                 "/v1/completions", code="no_chat_template")
+        with_tools = {"tools": parsing.tools} if parsing is not None else {}
         try:
             return str(self._tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False))
+                messages, add_generation_prompt=True, tokenize=False, **with_tools))
         except Exception as err:
             raise ApiError(400, f"the chat template refused the messages: {err}",
                            param="messages", code="invalid_value") from None

@@ -3,11 +3,14 @@
 Owns: ``ApiError`` (a refused request: its HTTP status and the OpenAI error body),
 ``parse_body`` (the JSON object of a request), the readers of the request fields the
 gateway honours (``TurnRequest``: max_tokens, stop, seed, allowed_token_ids,
-include_stop_str_in_output, logprobs, return_token_ids; ``prompt_of``, ``messages_of``)
-and the response bodies of ``/v1/completions``, ``/v1/chat/completions`` and
-``/v1/models``. Sampling itself (temperature, top_p) is the run's: a request's values
-are ignored, since the behaviour policy must be the one the run trains against. Pure:
-no HTTP server, no engine (``workers.rollout.gateway`` serves these).
+include_stop_str_in_output, logprobs, return_token_ids; ``prompt_of``, ``messages_of``:
+a chat's messages with their tool calls and tool results), ``ToolCall`` (one function
+call of an assistant message) and the response bodies of ``/v1/completions``,
+``/v1/chat/completions`` and ``/v1/models`` (a request's ``tools`` and ``tool_choice``
+are read by ``workers.rollout.tool_calls``). Sampling itself (temperature, top_p) is the
+run's: a request's values are ignored, since the behaviour policy must be the one the
+run trains against. Pure: no HTTP server, no engine (``workers.rollout.gateway`` serves
+these).
 """
 
 from __future__ import annotations
@@ -22,8 +25,7 @@ from typing import Any
 import msgspec
 
 REFUSED_FIELDS = {
-    "tools": "function calling (tools) is not supported by the gateway yet",
-    "functions": "function calling is not supported by the gateway yet",
+    "functions": "functions (deprecated) is not supported by the gateway: use tools",
     "response_format": "structured output is not supported by the gateway",
 }
 """Request fields the gateway refuses (400) when set, and why."""
@@ -145,9 +147,10 @@ def prompt_of(body: dict[str, Any]) -> str | list[int]:
                    param="prompt", code="invalid_value")
 
 
-def messages_of(body: dict[str, Any]) -> list[dict[str, str]]:
+def messages_of(body: dict[str, Any]) -> list[dict[str, Any]]:
     """A chat request's messages as ``{"role", "content"}`` texts (a content given as
-    parts keeps its text parts, joined); 400 for anything else."""
+    parts keeps its text parts, joined), an assistant message's ``tool_calls`` and a tool
+    message's ``tool_call_id`` and ``name`` kept; 400 for anything else."""
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "messages must be a non-empty list", param="messages",
@@ -163,8 +166,47 @@ def messages_of(body: dict[str, Any]) -> list[dict[str, str]]:
         if not isinstance(content, str):
             raise ApiError(400, "a message's content must be text", param="messages",
                            code="invalid_value")
-        out.append({"role": m["role"], "content": content})
+        message: dict[str, Any] = {"role": m["role"], "content": content}
+        if m["role"] == "assistant" and m.get("tool_calls"):
+            message["tool_calls"] = _tool_calls_of(m["tool_calls"])
+        if m["role"] == "tool":
+            message.update((k, m[k]) for k in ("tool_call_id", "name")
+                           if isinstance(m.get(k), str))
+        out.append(message)
     return out
+
+
+def _tool_calls_of(calls: Any) -> list[dict[str, Any]]:
+    """An assistant message's tool calls as ``{"id", "type", "function": {"name",
+    "arguments"}}`` (the arguments as sent: a JSON text, or an object); 400 unless each
+    is a function call with a name."""
+    refused = ApiError(400, "an assistant message's tool_calls must be a list of function "
+                            "calls, each with a name", param="messages", code="invalid_value")
+    if not isinstance(calls, list):
+        raise refused
+    out = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+            raise refused
+        out.append({"id": str(call.get("id") or ""), "type": "function",
+                    "function": {"name": function["name"],
+                                 "arguments": function.get("arguments") or ""}})
+    return out
+
+
+class ToolCall(msgspec.Struct, frozen=True, kw_only=True):
+    """One function call of an assistant message, as the gateway issued it."""
+
+    id: str
+    name: str
+    arguments: str
+    """The arguments as JSON text (OpenAI's format)."""
+
+    def body(self) -> dict[str, Any]:
+        """The call as a chat message's ``tool_calls`` item."""
+        return {"id": self.id, "type": "function",
+                "function": {"name": self.name, "arguments": self.arguments}}
 
 
 class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
@@ -179,6 +221,9 @@ class TurnResult(msgspec.Struct, frozen=True, kw_only=True):
     """Each token's text (for the logprobs block)."""
     stop_reason: str | None = None
     """The stop string the turn ended at (vLLM's ``stop_reason``); None otherwise."""
+    tool_calls: tuple[ToolCall, ...] = ()
+    """The calls parsed from the completion (``workers.rollout.tool_calls``); ``text`` is
+    then the content outside them ("" for none)."""
 
 
 def _usage(turn: TurnResult) -> dict[str, int]:
@@ -224,9 +269,13 @@ def chat_body(turn: TurnResult, request: TurnRequest, model: str) -> dict[str, A
     if request.logprobs:
         logprobs = {"content": [{"token": t, "logprob": p, "bytes": None, "top_logprobs": []}
                                 for t, p in zip(turn.tokens, turn.logprobs, strict=True)]}
-    choice = {"index": 0, "message": {"role": "assistant", "content": turn.text},
-              "logprobs": logprobs, "finish_reason": turn.finish_reason,
-              "stop_reason": turn.stop_reason, **_extras(turn, request)}
+    message: dict[str, Any] = {"role": "assistant", "content": turn.text}
+    if turn.tool_calls:
+        message.update(content=turn.text or None,
+                       tool_calls=[call.body() for call in turn.tool_calls])
+    choice = {"index": 0, "message": message, "logprobs": logprobs,
+              "finish_reason": turn.finish_reason, "stop_reason": turn.stop_reason,
+              **_extras(turn, request)}
     return {"id": response_id("chatcmpl"), "object": "chat.completion",
             "created": int(time.time()), "model": model, "choices": [choice],
             "usage": _usage(turn)}

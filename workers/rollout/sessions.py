@@ -17,7 +17,10 @@ the text is tokenized and appended (as context: loss mask 0, no version). Anythi
 (the agent dropped, reordered or rewrote part of its history) starts a new segment,
 tokenized whole. So a completion that decodes to text which tokenizes back to other ids
 (a byte-level model's token cut mid-character decodes to U+FFFD; an EOS the text does not
-show) trains on the ids the policy produced, never on the re-tokenized text.
+show) trains on the ids the policy produced, never on the re-tokenized text. A reply
+with tool calls, which the template renders otherwise than the model wrote it, is
+rendered as the model's text when sent back unchanged (``Session.replies``,
+``workers.rollout.tool_calls``), so tool turns continue the segment too.
 
 Pure: no engine, no HTTP; the tokenizer is duck-typed (``encode``).
 """
@@ -105,6 +108,10 @@ class Session:
     turns: int = 0
     refused: int = 0
     """Requests of this session the gateway refused."""
+    replies: dict[str, str] = field(default_factory=dict)
+    """The turns answered with tool calls: each reply as issued (its key in
+    ``workers.rollout.tool_calls``) -> the text the model generated, rendered in its place
+    when the agent sends the reply back."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock, repr=False)
     """Held through each request: one session's turns run one at a time."""
     number: int = 0

@@ -52,6 +52,7 @@ from workers.rollout.requests import EngineRequests, Streamed
 from workers.rollout.scoring import Scored, Scorer
 from workers.rollout.spec import RolloutSpec
 from workers.rollout.task import WorkerTask
+from workers.rollout.tool_parser import VllmToolParser
 from workers.rollout.turns import TurnRunner
 from workers.weights.config import UpdateMode
 from workers.weights.receiver import WeightReceiver
@@ -159,10 +160,12 @@ class RolloutWorker:
                                ) -> Sample:
                 return (await self._requests.stream(ids, params, evaluation=greedy))[1]
 
+            tools = (VllmToolParser(cfg.tool_call_parser, self._tokenizer)
+                     if cfg.tool_call_parser else None)
             self._agents = await serve_agents(
                 self._agent, engine=self._engine, rollout=cfg, tokenizer=self._tokenizer,
                 params=self._params, generate=generate, model_name=self._model_name,
-                sessions=self._sessions)
+                sessions=self._sessions, tool_parser=tools)
         # Warm-up: the CPU build's first steps at each new batch shape are many times
         # slower than later ones (a run's first 16 groups took 2.1 s to generate cold
         # against 0.18 s warm), which would otherwise land in the first training step as
