@@ -15,9 +15,8 @@ import pytest
 from script_modules import load_script
 
 from buffers.common.records import Prompt, Sample, make_group
-from tests.unit.test_gateway import MODEL, OFFSET, Params, Utf8Tokenizer, text_ids
+from tests.unit.test_gateway import Params, Utf8Tokenizer, fake_gateway, text_ids
 from workers.rollout.agents import AgentConfig, AgentRunner
-from workers.rollout.gateway import Gateway, GatewayLimits
 
 pytest.importorskip("langgraph")
 example = load_script("examples/agent_langgraph.py", "agent_langgraph_example")
@@ -115,11 +114,7 @@ def test_a_group_through_the_gateway_is_rewarded_and_trains_the_models_tokens() 
                     columns={"prompt": "7*6=", "answer": "42"})
 
     async def main() -> Any:
-        gateway = Gateway(model_name=MODEL, tokenizer=Utf8Tokenizer(),
-                          params={"sample": Params(), "greedy": Params()},
-                          generate=engine.generate, limits=GatewayLimits(
-                              max_new_tokens=32, max_context=128, max_trajectory_tokens=128,
-                              max_concurrency=4, vocab_size=OFFSET + 256))
+        gateway = fake_gateway(engine, max_new_tokens=32, context=128, concurrency=4)
         await gateway.start()
         config = AgentConfig(agent="unused", agent_timeout_s=5.0, max_turns=4)
         runner = AgentRunner(config, gateway, Utf8Tokenizer(), solve=example.solve)

@@ -18,9 +18,8 @@ from async_rl.tasks.agent_rows import AgentRowSource
 from async_rl.tasks.table import check_task
 from buffers.common.config import ConfigError
 from buffers.common.records import Prompt, make_group
-from tests.unit.test_gateway import MODEL, FakeEngine, Params, Utf8Tokenizer, text_ids
+from tests.unit.test_gateway import MODEL, FakeEngine, Utf8Tokenizer, fake_gateway, text_ids
 from workers.rollout.agents import AgentConfig, AgentRunner, agent_function
-from workers.rollout.gateway import Gateway, GatewayLimits
 
 AGENT = """
 async def solve(client, row):
@@ -120,11 +119,7 @@ def play(solves: list[Any], on_error: str = "exclude") -> tuple[Any, list[str]]:
     prompt = Prompt(prompt_id="p", text="7*6=", answer="42", columns={"prompt": "7*6="})
 
     async def main() -> tuple[Any, list[str]]:
-        gateway = Gateway(model_name=MODEL, tokenizer=Utf8Tokenizer(),
-                          params={"sample": Params(), "greedy": Params()},
-                          generate=engine.generate, limits=GatewayLimits(
-                              max_new_tokens=8, max_context=64, max_trajectory_tokens=64,
-                              max_concurrency=8, vocab_size=259))
+        gateway = fake_gateway(engine, max_new_tokens=8, context=64, concurrency=8)
         await gateway.start()
         calls, tokens = iter(solves), []
 

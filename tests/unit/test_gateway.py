@@ -89,15 +89,22 @@ def text_ids(text: str) -> list[int]:
     return Utf8Tokenizer().encode(text)
 
 
+def fake_gateway(engine: Any, *, max_new_tokens: int = 32, context: int = 64,
+                 concurrency: int = 4) -> Gateway:
+    """A gateway over the byte tokenizer in front of ``engine`` (its ``generate``), not
+    started."""
+    return Gateway(model_name=MODEL, tokenizer=Utf8Tokenizer(),
+                   params={"sample": Params(), "greedy": Params()},
+                   generate=engine.generate, limits=GatewayLimits(
+                       max_new_tokens=max_new_tokens, max_context=context,
+                       max_trajectory_tokens=context, max_concurrency=concurrency,
+                       vocab_size=OFFSET + 256))
+
+
 def serve(engine: FakeEngine, test: Callable[[Gateway], Awaitable[None]], *,
           context: int = 64, concurrency: int = 4) -> None:
     async def main() -> None:
-        gateway = Gateway(model_name=MODEL, tokenizer=Utf8Tokenizer(),
-                          params={"sample": Params(), "greedy": Params()},
-                          generate=engine.generate, limits=GatewayLimits(
-                              max_new_tokens=32, max_context=context,
-                              max_trajectory_tokens=context, max_concurrency=concurrency,
-                              vocab_size=OFFSET + 256))
+        gateway = fake_gateway(engine, context=context, concurrency=concurrency)
         url = await gateway.start()
         assert url.startswith("http://127.0.0.1:") and url.endswith("/v1")
         try:

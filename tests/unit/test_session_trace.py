@@ -20,11 +20,10 @@ from async_rl.analysis.trace import chrome_trace
 from async_rl.run.run_dir import SESSIONS, RunWriter, read_sessions
 from buffers.common.records import NO_VERSION, Prompt
 from tests.unit.test_agent_task import hangs, returns
-from tests.unit.test_gateway import MODEL, FakeEngine, Params, Utf8Tokenizer, text_ids
+from tests.unit.test_gateway import FakeEngine, Utf8Tokenizer, fake_gateway, text_ids
 from tests.unit.test_report import s, write_run
 from workers.common.spans import SessionRecorder, SessionSpan, TurnSpan
 from workers.rollout.agents import DONE, TIMEOUT, AgentConfig, AgentRunner
-from workers.rollout.gateway import Gateway, GatewayLimits
 from workers.rollout.sessions import Session, SessionTable, extend
 
 
@@ -162,11 +161,7 @@ def test_a_group_through_the_gateway_records_each_turn_and_how_each_session_ende
     prompt = Prompt(prompt_id="p-9", text="7*6=", answer="42", columns={"prompt": "7*6="})
 
     async def main() -> None:
-        gateway = Gateway(model_name=MODEL, tokenizer=Utf8Tokenizer(),
-                          params={"sample": Params(), "greedy": Params()},
-                          generate=engine.generate, limits=GatewayLimits(
-                              max_new_tokens=8, max_context=64, max_trajectory_tokens=64,
-                              max_concurrency=8, vocab_size=259))
+        gateway = fake_gateway(engine, max_new_tokens=8, context=64, concurrency=8)
         await gateway.start()
         solves = iter([returns, hangs])
 
