@@ -1,11 +1,8 @@
-"""The calculator task as a verifiers environment, played through one async-rl gateway
-session (docs/agents.md, "verifiers").
+"""The calculator task as a verifiers environment, and the process that plays its
+episodes for async-rl's gateway sessions (docs/agents.md, "verifiers").
 
 Runs in the verifiers virtualenv (``make verifiers``: verifiers 0.4.0, whose pins cannot
 share async-rl's), never in async-rl's: it imports nothing from async_rl.
-examples/agent_verifiers.py starts it once per trajectory, with the session in
-``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` and the row on stdin, and reads the reward it
-prints last.
 
 Written with verifiers' own API (``verifiers.v1``), one plugin module exporting:
 
@@ -27,6 +24,19 @@ So the model sees chat messages. The tiny calculator model learnt the task's raw
 so its run renders them with examples/calculator_chat.jinja (rollout.chat_template):
 each message's content, nothing around it, which is the task's own format.
 
+Run with no argument, it is the episode server that examples/agent_verifiers.py starts
+once per rollout worker process (``serve``): the environment loaded once, then one JSON
+object a line on stdin, each answered by one on stdout, in any order:
+
+- ``{"id", "base_url", "api_key", "row"}`` plays one episode of ``row`` in the session
+  (an asyncio task of its own; any number at once), answered ``{"id", "reward"}`` or
+  ``{"id", "error"}``;
+- ``{"cancel": id}`` cancels that episode, which is answered nothing.
+
+It exits when stdin ends (its parent closed it, or died), cancelling what still runs.
+Anything else the process prints goes to stderr. Given a row, it plays that one episode
+against the session of ``OPENAI_BASE_URL`` / ``OPENAI_API_KEY`` and prints the reward:
+
     OPENAI_BASE_URL=... OPENAI_API_KEY=... .venv-verifiers/bin/python \
         examples/verifiers_calculator.py '{"prompt": "47*83=", "answer": "3901"}'
 """
@@ -35,6 +45,8 @@ from __future__ import annotations
 
 import ast
 import asyncio
+import functools
+import itertools
 import json
 import operator
 import os
@@ -44,10 +56,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import verifiers.v1 as vf
 from openai import AsyncOpenAI
 from verifiers.v1.dialects.chat import message_to_wire
 from verifiers.v1.runtimes import ProgramResult, SubprocessConfig
+from verifiers.v1.utils.memory import trim_memory_periodically
 
 PLUGIN = "verifiers_calculator"
 """This module's name as a verifiers plugin id: verifiers imports its taskset, and the
@@ -61,6 +75,10 @@ DATA = Path(__file__).resolve().parent / "data" / "calculator_train.jsonl"
 _CALL = re.compile(r"<call>([^<]*)</call>\s*$")
 ANSWER_MARK = "#### "
 _INTEGER = re.compile(r"0|-?[1-9][0-9]*")
+KEY_VARIABLE = "ASYNC_RL_SESSION_KEY_"
+"""The prefix of the environment variable that holds one episode's session key."""
+LINE_LIMIT = 64 << 20
+ERROR_CHARS = 2000
 _OPERATORS: dict[type, Any] = {ast.Add: operator.add, ast.Sub: operator.sub,
                                ast.Mult: operator.mul}
 
@@ -130,6 +148,27 @@ def task_of(row: dict[str, Any], config: vf.TaskConfig | None = None) -> Calcula
                                          answer=str(row["answer"])), config)
 
 
+_http: httpx.AsyncClient | None = None
+
+
+def http_client() -> httpx.AsyncClient:
+    """The HTTP client of every turn of this process's harness: one pool, made once (an
+    ``AsyncOpenAI`` of its own a turn would build a TLS context each time, about 30 ms
+    of CPU). Closed by ``close_http_client``."""
+    global _http
+    if _http is None:
+        _http = httpx.AsyncClient(timeout=httpx.Timeout(600.0, connect=30.0),
+                                  limits=httpx.Limits(max_connections=None))
+    return _http
+
+
+async def close_http_client() -> None:
+    global _http
+    if _http is not None:
+        await _http.aclose()
+        _http = None
+
+
 class ChatHarnessConfig(vf.HarnessConfig):
     pass
 
@@ -151,8 +190,9 @@ class ChatHarness(vf.Harness[ChatHarnessConfig]):
             messages.append({"role": "user", "content": prompt})
         else:
             messages += [message_to_wire(m) for m in prompt or []]
-        async with AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0) as model:
-            await model.chat.completions.create(model=ctx.model, messages=messages)
+        model = AsyncOpenAI(base_url=endpoint, api_key=secret, max_retries=0,
+                            http_client=http_client())
+        await model.chat.completions.create(model=ctx.model, messages=messages)
         return ProgramResult(exit_code=0, stdout="", stderr="")
 
 
@@ -181,16 +221,24 @@ class CalculatorEnv(vf.Env[CalculatorEnvConfig]):
                 segment = await chat.turn(f"<result>{calculate(call.group(1))}</result>")
 
 
-async def play(row: dict[str, Any]) -> float:
-    """One episode of ``row`` against the session that ``OPENAI_BASE_URL`` and
-    ``OPENAI_API_KEY`` name: its reward. Raises when the episode failed."""
-    async with AsyncOpenAI(max_retries=0) as client:
-        model = (await client.models.list()).data[0].id
-    env = vf.load_environment(vf.resolve_env_config({"taskset": {"id": PLUGIN}}))
-    ctx = vf.ModelContext(model=model, client=vf.EvalClientConfig(
-        base_url=os.environ["OPENAI_BASE_URL"], api_key_var="OPENAI_API_KEY"))
-    async with env.serving():
-        episode = await env.run_episode(task_of(row), ctx)
+def load_env() -> vf.Env:
+    """The calculator environment, through verifiers' own loader."""
+    return vf.load_environment(vf.resolve_env_config({"taskset": {"id": PLUGIN}}))
+
+
+async def model_of(base_url: str, api_key: str) -> str:
+    """The name the session's endpoint serves its model under."""
+    async with AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0) as client:
+        return (await client.models.list()).data[0].id
+
+
+async def play(env: vf.Env, model: str, client: vf.EvalClientConfig, row: dict[str, Any]
+               ) -> float:
+    """One episode of ``row`` against ``client``'s endpoint: its reward. Raises when the
+    episode failed. Outside ``env.serving()``, so verifiers brings up an interception
+    server for this episode alone and closes it, with the model client it built for
+    ``client`` (one a session key), when the episode ends."""
+    episode = await env.run_episode(task_of(row), vf.ModelContext(model=model, client=client))
     if not episode.ok:
         errors = [*episode.errors, *(e for t in episode.traces for e in t.errors)]
         raise RuntimeError("; ".join(f"{e.type}: {e.message}" for e in errors)
@@ -198,9 +246,110 @@ async def play(row: dict[str, Any]) -> float:
     return episode.traces[0].reward
 
 
+async def play_one(row: dict[str, Any]) -> float:
+    """One episode of ``row`` against the session of ``OPENAI_BASE_URL`` and
+    ``OPENAI_API_KEY``: its reward."""
+    base_url = os.environ["OPENAI_BASE_URL"]
+    model = await model_of(base_url, os.environ["OPENAI_API_KEY"])
+    client = vf.EvalClientConfig(base_url=base_url, api_key_var="OPENAI_API_KEY")
+    try:
+        return await play(load_env(), model, client, row)
+    finally:
+        await close_http_client()
+
+
+class Server:
+    """The episodes requested on stdin, each an asyncio task of its own, answered on the
+    file descriptor ``out``; see the module docstring."""
+
+    def __init__(self, env: vf.Env, out: int) -> None:
+        self.env, self.out = env, out
+        self.episodes: dict[Any, asyncio.Task[float]] = {}
+        self.models: dict[str, str] = {}  # each endpoint's model name, once known
+        self.keys = itertools.count()
+
+    async def serve(self, lines: asyncio.StreamReader) -> None:
+        """Handles each line until stdin ends, then cancels the episodes still running."""
+        try:
+            while line := await lines.readline():
+                try:
+                    self.handle(json.loads(line))
+                except (ValueError, TypeError, KeyError) as err:
+                    print(f"verifiers server: ignored {line[:200]!r} ({err!r})",
+                          file=sys.stderr, flush=True)
+        finally:
+            for task in self.episodes.values():
+                task.cancel()
+            await asyncio.gather(*self.episodes.values(), return_exceptions=True)
+
+    def handle(self, message: dict[str, Any]) -> None:
+        """Starts the episode ``message`` requests, or cancels the one it names."""
+        if "cancel" in message:
+            cancelled = self.episodes.get(message["cancel"])
+            if cancelled is not None:
+                cancelled.cancel()
+            return
+        key = message["id"]
+        if key in self.episodes:
+            raise ValueError(f"episode {key!r} is running already")
+        task = asyncio.create_task(self.episode(message))
+        self.episodes[key] = task
+        task.add_done_callback(functools.partial(self.answer, key))
+
+    async def episode(self, request: dict[str, Any]) -> float:
+        """The reward of the episode ``request`` asks for. verifiers reads the session's
+        key from the environment variable the client config names, when the episode's
+        agent registers with its interception server: a variable of the episode's own,
+        set while it runs (episodes run on this one thread, so no other sees it change)."""
+        base_url, api_key, row = request["base_url"], request["api_key"], request["row"]
+        variable = f"{KEY_VARIABLE}{next(self.keys)}"
+        os.environ[variable] = api_key
+        try:
+            if base_url not in self.models:
+                self.models[base_url] = await model_of(base_url, api_key)
+            client = vf.EvalClientConfig(base_url=base_url, api_key_var=variable)
+            reward = await play(self.env, self.models[base_url], client, row)
+        finally:
+            del os.environ[variable]
+        await trim_memory_periodically()  # as verifiers' own runner does after an episode
+        return reward
+
+    def answer(self, key: Any, task: asyncio.Task[float]) -> None:
+        """Writes the reply to the episode ``key`` (none when it was cancelled)."""
+        if self.episodes.get(key) is task:
+            del self.episodes[key]
+        if task.cancelled():
+            return
+        error = task.exception()
+        reply = ({"id": key, "reward": task.result()} if error is None else
+                 {"id": key, "error": f"{type(error).__name__}: {error}"[:ERROR_CHARS]})
+        data = (json.dumps(reply) + "\n").encode()
+        try:
+            while data:
+                data = data[os.write(self.out, data):]
+        except OSError:  # the parent is gone: stdin ends next
+            pass
+
+
+async def serve() -> None:
+    """Serves episodes on stdin and stdout until stdin ends."""
+    out = os.dup(1)
+    os.dup2(2, 1)  # stdout carries the replies alone: any print goes to stderr
+    server = Server(load_env(), out)
+    lines = asyncio.StreamReader(limit=LINE_LIMIT)
+    await asyncio.get_running_loop().connect_read_pipe(
+        lambda: asyncio.StreamReaderProtocol(lines), sys.stdin)
+    try:
+        await server.serve(lines)
+    finally:
+        await close_http_client()
+
+
 def main(argv: list[str]) -> None:
-    row = json.loads(argv[1] if len(argv) > 1 else sys.stdin.read())
-    print(asyncio.run(play(row)), flush=True)
+    if len(argv) > 1:
+        print(asyncio.run(play_one(json.loads(argv[1]))), flush=True)
+    else:
+        asyncio.run(serve())
 
 
 if __name__ == "__main__":
