@@ -7,10 +7,15 @@ CONFIG ?= examples/cpu_default.toml
 LONGTAIL_MODEL ?= runs/longtail-model
 CALCULATOR_MODEL ?= runs/calculator-model
 
-.PHONY: setup demo demo-longtail demo-tools test test-fast lint unit integration bench clean
+.PHONY: setup verifiers demo demo-longtail demo-tools test test-fast lint unit integration bench clean
 
 setup:
 	@scripts/setup-venv.sh
+
+# verifiers in a virtualenv of its own (.venv-verifiers), for examples/agent_verifiers.toml:
+# its pins cannot share .venv (docs/agents.md, verifiers).
+verifiers:
+	@scripts/setup-verifiers.sh
 
 $(MODEL)/config.json: | setup
 	$(BIN)/async-rl make-model --size small --out $(MODEL)

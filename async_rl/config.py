@@ -249,6 +249,9 @@ class Config(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=Tr
             raise invalid("run.eval_on", self.run.eval_on,
                           'the idle-CPU evaluator generates single-turn: use "rollout" '
                           "with task.environment or an agent task")
+        if self.rollout.chat_template and self.task.kind != "agent":
+            raise invalid("rollout.chat_template", self.rollout.chat_template,
+                          'only an agent task\'s gateway renders chats (task.kind = "agent")')
         if turns and env.max_trajectory_tokens > self.trainer.micro_batch_tokens:
             raise invalid("task.environment.max_trajectory_tokens", env.max_trajectory_tokens,
                           f"must be <= trainer.micro_batch_tokens "

@@ -12,7 +12,8 @@ compute (``workers.trainer.packed_support``); trainer.router_aux_coef > 0 has a 
 with routers; without model.lora, full weight versions can reach the engine of the
 model's type (``workers.rollout.engine.update_refusal``); reference.path and critic.path
 are models of the policy's architecture and tokenizer; rollout.tool_call_parser names a
-tool parser of the installed vLLM that can use the model's tokenizer), raising
+tool parser of the installed vLLM that can use the model's tokenizer;
+rollout.chat_template is a Jinja file that renders a conversation with it), raising
 ``ConfigError`` with one line. Used by ``async_rl.train`` (so ``async-rl train``) and by
 each trial of ``async-rl sweep`` before it is launched.
 """
@@ -68,6 +69,8 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
         check_environment(config)
     if config.rollout.tool_call_parser:
         check_tool_parser(config)
+    if config.rollout.chat_template:
+        config = check_gateway_template(config)
     for index, reward in enumerate(rewards):
         check_function(reward, index=index, columns=columns)  # naming rewards[i]
     return config
@@ -92,6 +95,35 @@ def check_tool_parser(config: Config) -> None:
         raise ConfigError(f"config error: rollout.tool_call_parser = {name!r}: it cannot "
                           f"use the tokenizer of model.path = {path!r}: {first_line(err)}"
                           ) from None
+
+
+TEMPLATE_PROBE = ({"role": "system", "content": "You add."},
+                  {"role": "user", "content": "1+2="},
+                  {"role": "assistant", "content": "3"},
+                  {"role": "user", "content": "2+3="})
+"""The conversation a rollout.chat_template must render (every role a chat agent sends
+without tools)."""
+
+
+def check_gateway_template(config: Config) -> Config:
+    """rollout.chat_template is a Jinja file that renders a conversation with the
+    tokenizer of model.path; returns ``config`` with its path made absolute (the rollout
+    workers read it)."""
+    from transformers import AutoTokenizer
+
+    key = f"rollout.chat_template = {config.rollout.chat_template!r}"
+    path = Path(config.rollout.chat_template)
+    if not path.is_file():
+        raise ConfigError(f"config error: {key}: no such file")
+    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
+    try:
+        tokenizer.apply_chat_template(list(TEMPLATE_PROBE), chat_template=path.read_text(),
+                                      add_generation_prompt=True, tokenize=False)
+    except Exception as err:
+        raise ConfigError(f"config error: {key}: it does not render a conversation: "
+                          f"{first_line(err)}") from None
+    return msgspec.structs.replace(config, rollout=msgspec.structs.replace(
+        config.rollout, chat_template=str(path.resolve())))
 
 
 def check_shardable(model_path: str) -> None:

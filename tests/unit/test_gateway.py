@@ -12,6 +12,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 import httpx
+import jinja2
 import openai
 import pytest
 
@@ -47,7 +48,12 @@ class Utf8Tokenizer:
         return out + run.decode(errors="replace")
 
     def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool,
-                            tokenize: bool) -> str:
+                            tokenize: bool, chat_template: str | None = None) -> str:
+        if chat_template is not None:  # rollout.chat_template's, as transformers renders it
+            jinja = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+            return jinja.from_string(chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                eos_token=self.eos_token)
         text = "".join(f"<|{m['role']}|>{m['content']}"
                        f"{self.eos_token if m['role'] == 'assistant' else ''}\n"
                        for m in messages)
@@ -90,10 +96,10 @@ def text_ids(text: str) -> list[int]:
 
 
 def fake_gateway(engine: Any, *, max_new_tokens: int = 32, context: int = 64,
-                 concurrency: int = 4) -> Gateway:
+                 concurrency: int = 4, chat_template: str = "") -> Gateway:
     """A gateway over the byte tokenizer in front of ``engine`` (its ``generate``), not
-    started."""
-    return Gateway(model_name=MODEL, tokenizer=Utf8Tokenizer(),
+    started; ``chat_template``: rollout.chat_template's text."""
+    return Gateway(model_name=MODEL, tokenizer=Utf8Tokenizer(), chat_template=chat_template,
                    params={"sample": Params(), "greedy": Params()},
                    generate=engine.generate, limits=GatewayLimits(
                        max_new_tokens=max_new_tokens, max_context=context,

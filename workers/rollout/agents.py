@@ -265,13 +265,14 @@ class AgentRunner:
 
 async def serve_agents(config: AgentConfig, *, engine: Any, rollout: Any, tokenizer: Any,
                        params: dict[str, Any], generate: Generate, model_name: str,
-                       sessions: SessionRecorder, tool_parser: ToolParser | None = None
-                       ) -> AgentRunner:
+                       sessions: SessionRecorder, tool_parser: ToolParser | None = None,
+                       chat_template: str = "") -> AgentRunner:
     """The gateway in front of ``engine`` (vLLM's, on the running loop), started, and the
     runner of the agents that use it, its sessions kept in ``sessions``. ``rollout``:
     the rollout section (its token budget, and the in-flight bound:
     max_inflight_prompts x group_size requests); ``tool_parser``:
-    rollout.tool_call_parser's (None: function calling off)."""
+    rollout.tool_call_parser's (None: function calling off); ``chat_template``:
+    rollout.chat_template's text ("": the tokenizer's own)."""
     model = engine.model_config
     gateway = Gateway(
         model_name=model_name, tokenizer=tokenizer, params=params, generate=generate,
@@ -280,6 +281,6 @@ async def serve_agents(config: AgentConfig, *, engine: Any, rollout: Any, tokeni
                              max_trajectory_tokens=config.max_trajectory_tokens,
                              max_concurrency=rollout.max_inflight_prompts * rollout.group_size,
                              vocab_size=model.get_vocab_size()),
-        tool_parser=tool_parser)
+        tool_parser=tool_parser, chat_template=chat_template)
     await gateway.start()
     return AgentRunner(config, gateway, tokenizer, sessions=sessions)

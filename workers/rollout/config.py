@@ -110,6 +110,13 @@ class RolloutConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fi
     ``tool_calls``). "" = off: a request with tools gets 400 (docs/agents.md, function
     calling). A name the installed vLLM lacks, or a parser that cannot use the model's
     tokenizer, fails the config check."""
+    chat_template: str = ""
+    """A Jinja chat template file (vLLM's ``--chat-template``) that the agents' gateway
+    renders /v1/chat/completions messages with, in place of the tokenizer's own; "" = the
+    tokenizer's. For a model that learnt another format than its template's:
+    examples/calculator_chat.jinja renders each message's content alone, the calculator
+    task's own text (docs/agents.md, verifiers). Only with task.kind = "agent"; a file
+    that is missing or does not render a conversation fails the config check."""
     preload_cpu_libs: bool = False
     """CPU engines start with the tcmalloc allocator and Intel's OpenMP runtime preloaded
     (LD_PRELOAD), as vLLM's CPU guide asks, where they are found: intel-openmp comes with

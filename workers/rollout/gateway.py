@@ -8,7 +8,8 @@ continues the session's last segment as exact token ids, or starts a new one) an
 that turn is generated: the run's sampling parameters (temperature, top_p: the behaviour
 policy's) with the request's max_tokens (at most rollout.max_new_tokens and the room
 left under task.environment.max_trajectory_tokens), stop strings, seed and vLLM's
-allowed_token_ids; at most ``max_concurrency`` requests on the engine at once; with
+allowed_token_ids; at most ``max_concurrency`` requests on the engine at once; a chat's
+messages rendered by the tokenizer's chat template, or by rollout.chat_template's; with
 rollout.tool_call_parser set, a chat's ``tools`` rendered and its completion parsed into
 ``tool_calls`` (``workers.rollout.tool_calls``). Every refusal is an OpenAI-format error
 (``workers.rollout.openai_format``) and counted; the engine keeps serving.
@@ -128,8 +129,8 @@ class Gateway:
 
     def __init__(self, *, model_name: str, tokenizer: Any, params: dict[str, Any],
                  generate: Generate, limits: GatewayLimits,
-                 table: SessionTable | None = None, tool_parser: ToolParser | None = None
-                 ) -> None:
+                 table: SessionTable | None = None, tool_parser: ToolParser | None = None,
+                 chat_template: str = "") -> None:
         self.model_name = model_name
         self.table = table if table is not None else SessionTable()
         self.limits = limits
@@ -140,6 +141,9 @@ class Gateway:
         self._tool_parser = tool_parser
         """rollout.tool_call_parser's (``workers.rollout.tool_parser``); None: off, a
         request with tools is refused."""
+        self._template = {"chat_template": chat_template} if chat_template else {}
+        """rollout.chat_template's Jinja text, rendered in place of the tokenizer's own
+        chat template (none: the tokenizer's)."""
         self._slots = asyncio.Semaphore(limits.max_concurrency)
         self._server: Any = None
         self._task: asyncio.Task[None] | None = None
@@ -252,13 +256,15 @@ class Gateway:
     # ---- one turn -------------------------------------------------------------------------
 
     def _render(self, messages: list[dict[str, Any]], parsing: ParserTurn | None) -> str:
-        if not getattr(self._tokenizer, "chat_template", None):
+        if not self._template and not getattr(self._tokenizer, "chat_template", None):
             raise ApiError(400, "the model's tokenizer has no chat template: use "
-                                "/v1/completions", code="no_chat_template")
+                                "/v1/completions, or set rollout.chat_template",
+                           code="no_chat_template")
         with_tools = {"tools": parsing.tools} if parsing is not None else {}
         try:
             return str(self._tokenizer.apply_chat_template(
-                messages, add_generation_prompt=True, tokenize=False, **with_tools))
+                messages, add_generation_prompt=True, tokenize=False, **with_tools,
+                **self._template))
         except Exception as err:
             raise ApiError(400, f"the chat template refused the messages: {err}",
                            param="messages", code="invalid_value") from None

@@ -24,6 +24,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import anyio
@@ -165,7 +166,9 @@ class RolloutWorker:
             self._agents = await serve_agents(
                 self._agent, engine=self._engine, rollout=cfg, tokenizer=self._tokenizer,
                 params=self._params, generate=generate, model_name=self._model_name,
-                sessions=self._sessions, tool_parser=tools)
+                sessions=self._sessions, tool_parser=tools,
+                chat_template=(Path(cfg.chat_template).read_text() if cfg.chat_template
+                               else ""))
         # Warm-up: the CPU build's first steps at each new batch shape are many times
         # slower than later ones (a run's first 16 groups took 2.1 s to generate cold
         # against 0.18 s warm), which would otherwise land in the first training step as
