@@ -62,7 +62,9 @@ integration: setup
 # and without a cache in a fresh clone it takes about 90 CPU-seconds, which beside the
 # unit tier lengthened it by about 45 s. It has no clock to miss; the unit tier, whose
 # timeouts are real, stays at normal priority. A type error stops the tiers.
-test: setup
+# .venv-verifiers first (once; a few minutes on a cold pip cache): the unit tier plays the
+# verifiers example through its real process, which would otherwise skip.
+test: setup verifiers
 	$(BIN)/python tests/models.py & models=$$!; \
 	  { $(BIN)/ruff check . && $(BIN)/lint-imports \
 	    && $(BIN)/python -m pytest tests/unit -q -n 2 --durations=5; } \
