@@ -84,18 +84,21 @@ _OPERATORS: dict[type, Any] = {ast.Add: operator.add, ast.Sub: operator.sub,
 
 
 def calculate(expression: str) -> str:
-    """The calculator: integers with + - * and parentheses ("error" for anything else)."""
+    """The calculator: integers with + - * and parentheses ("error" for anything else).
+    A copy of async_rl.tasks.calculator's rule (this process cannot import async_rl);
+    tests/unit/test_agent_verifiers.py checks the two agree."""
     def value(node: ast.AST) -> int:
         if isinstance(node, ast.Constant) and type(node.value) is int:
-            return node.value
-        if isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
-            return -value(node.operand)
-        if isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
-            result = _OPERATORS[type(node.op)](value(node.left), value(node.right))
-            if abs(result) > 10**12:
-                raise ValueError("too large")
-            return int(result)
-        raise ValueError("not an integer expression")
+            result = int(node.value)
+        elif isinstance(node, ast.UnaryOp) and isinstance(node.op, ast.USub):
+            result = -value(node.operand)
+        elif isinstance(node, ast.BinOp) and type(node.op) in _OPERATORS:
+            result = int(_OPERATORS[type(node.op)](value(node.left), value(node.right)))
+        else:
+            raise ValueError("not an integer expression")
+        if abs(result) > 10**12:  # every value, literals too, as the task's calculator
+            raise ValueError("too large")
+        return result
 
     if len(expression) > 200 or not re.fullmatch(r"[0-9+\-*() ]+", expression):
         return "error"

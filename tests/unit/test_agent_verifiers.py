@@ -33,6 +33,7 @@ import psutil
 import pytest
 from script_modules import ROOT, load_script
 
+from async_rl.tasks.calculator import ERROR_RESULT, ExpressionError, evaluate_expression
 from buffers.common.records import Prompt, Sample, make_group
 from tests.unit.test_gateway import Params, Utf8Tokenizer, fake_gateway, text_ids
 from workers.rollout.agents import AgentConfig, AgentRunner
@@ -207,6 +208,14 @@ def test_an_episode_costs_little_cpu_once_the_server_runs(capsys: pytest.Capture
     assert per_trajectory < 1.0  # a process of its own a trajectory took about 7.5 s
 
 
+def calculator_value(expression: str) -> str:
+    """The calculator task's value of ``expression``, as the tool reports it."""
+    try:
+        return str(evaluate_expression(expression))
+    except ExpressionError:
+        return ERROR_RESULT
+
+
 def test_the_taskset_loads_the_calculator_rows_through_verifiers() -> None:
     python = verifiers_python()
     check = (
@@ -218,13 +227,20 @@ def test_the_taskset_loads_the_calculator_rows_through_verifiers() -> None:
         "assert type(env._harnesses['agent']).__name__ == 'ChatHarness'\n"
         "assert len(tasks) == 1000 and tasks[0].data.prompt == '34*43=', tasks[0].data\n"
         "assert tasks[0].data.answer == '1462' and tasks[1].data.answer == '-44'\n"
-        "assert [calc.calculate(e) for e in ('2*(3+4)', '-5-7', '1/2', 'x', '10**13')] == "
-        "['14', '-12', 'error', 'error', 'error']\n"
+        "import json, sys\n"
+        "expressions, values = json.loads(sys.argv[1])\n"
+        "assert [calc.calculate(e) for e in expressions] == values, expressions\n"
         "assert [calc.final_answer(r) for r in ('#### -4', '#### 42</s>', '#### 042', "
         "' #### 4', '#### 4 ', '<call>1+2</call>', '4')] == ['-4', '42', None, None, None, "
         "None, None]\n"
         "print('ok')\n")
-    out = subprocess.run([str(python), "-c", check], cwd=ROOT / "examples",
+    # The copy of the calculator agrees with the task's own, errors included.
+    expressions = ["2*(3+4)", "-5-7", "1/2", "x", "10**13", "10000000000000",
+                   "999999*999999*9", "(((1)))", "2*-3", "", " 7 ", "1+" * 150 + "1"]
+    values = [calculator_value(e) for e in expressions]
+    assert values[:5] == ["14", "-12", "error", "error", "error"]
+    out = subprocess.run([str(python), "-c", check, json.dumps([expressions, values])],
+                         cwd=ROOT / "examples",
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr[-2000:]
 
@@ -327,14 +343,21 @@ def test_a_server_that_fails_to_start_fails_its_episodes_and_the_next_starts_ano
     assert example.starts() == starts + 2 and len(pids) == 2
 
 
-def test_a_cut_trajectory_cancels_its_episode_and_the_server_plays_the_next(
-        fake_server: Any) -> None:
-    script = fake_server(
+def hanging_server(fake_server: Any) -> Path:
+    """A fake server whose episodes hang while the file ``hang`` beside it exists (it
+    does, until the test removes it), then reward 1."""
+    script: Path = fake_server(
         "async def handle(request):\n"
         "    if HANG.exists():\n"
         "        await asyncio.sleep(3600)\n"
         "    return {'reward': 1.0}\n")
     script.with_name("hang").touch()
+    return script
+
+
+def test_a_cut_trajectory_cancels_its_episode_and_the_server_plays_the_next(
+        fake_server: Any) -> None:
+    script = hanging_server(fake_server)
     pids = set[int]()
     _, _, outcomes = play_group(CalculatorEngine(), served(pids, script), 1, timeout_s=3)
     assert outcomes == Counter(timeout=1)
@@ -348,12 +371,7 @@ def test_a_cut_trajectory_cancels_its_episode_and_the_server_plays_the_next(
 
 def test_a_killed_server_fails_its_pending_episodes_and_the_next_solve_starts_another(
         fake_server: Any, caplog: pytest.LogCaptureFixture) -> None:
-    script = fake_server(
-        "async def handle(request):\n"
-        "    if HANG.exists():\n"
-        "        await asyncio.sleep(3600)\n"
-        "    return {'reward': 1.0}\n")
-    script.with_name("hang").touch()
+    script = hanging_server(fake_server)
     killed: list[int] = []
 
     async def solve(client: Any, row: dict[str, Any]) -> float:
