@@ -1,4 +1,4 @@
-"""Stop and resume on real Ray, the real vLLM CPU build and the tiny model.
+"""Stop and resume on real Ray, the real vLLM CPU build and the tiny model, with LoRA.
 
 - As a user's process stopped by a scheduler: SIGTERM to the whole process group of
   ``async-rl train`` (the driver and Ray's own processes: its control store, raylet and
@@ -9,7 +9,8 @@
   the snapshot directory it loaded.
 - Exact resume: that run (6 steps, SIGTERM after 3, at max_staleness 0 with seeded
   sampling) resumed with ``--resume`` trains the same prompts once each as 6 steps
-  straight, to final weights equal within float tolerance. The checkpoint's queued
+  straight, to final adapters (and merged policies) equal within float tolerance. The
+  checkpoint's queued
   groups (``check_restored``: none at max_staleness 0, where the stop waits for the last
   version's delivery and the next step's prompts start only then; some in
   test_environment_run.py's run at 1) are each trained once, without being generated
@@ -20,18 +21,19 @@
   The straight run is also the synchronous run (``check_synchronous``): every group
   on-policy, and evaluations every 2 steps on the idle-CPU evaluator, versions
   delivered with the engines drained, each scoring exactly its step.
-  SIGINT in process is the LoRA test's stop (and test_ppo_run's, test_environment_run's).
+  SIGINT in process is test_ppo_run's stop (and test_environment_run's); the exact
+  resume of full weights is test_ppo_run's too.
+- LoRA, in both runs: the stop's checkpoint holds the adapter, the engines resume with
+  it, each version carries only the adapters' bytes, and final_model holds the peft
+  adapter and the merged policy.
 - GRPO with the KL term in the loss to a reference of its own (reference.path, the
   long-tail warm start: another model of the policy's architecture and tokenizer): those
   runs have it, and ``kl/mean`` and ``kl/max`` are in every row, positive from the first
   step whatever the policy's rewards (0 at the first step with the initial policy as the
   reference: ``tests/unit/test_ppo_roles.py``); no critic metrics.
-- LoRA: a short run stopped by SIGINT and resumed trains every prompt once, its engines
-  resume with the checkpoint's adapter, each version carries only the adapters' bytes,
-  and final_model holds the peft adapter and the merged policy.
 
-The one SIGTERM run serves the first five tests (``stopped_by_sigterm``): a Ray and
-vLLM start is most of a run's time here.
+The one SIGTERM run serves every test here (``stopped_by_sigterm``): a Ray and vLLM
+start is most of a run's time here.
 """
 
 from __future__ import annotations
@@ -72,24 +74,26 @@ STEPS = 6
 HUB_ID = "async-rl-tests/tiny"
 
 
-def config(model_dir: Path, out: Path, *, steps: int = STEPS,
-           lora: dict[str, Any] | None = None, reference: Path | None = None,
-           evals: bool = False) -> Config:
-    """``reference``: a model for the KL term in the loss (reference.path). ``evals``:
-    held-out evaluations every 2 steps on the idle-CPU evaluator, versions delivered
-    with the engines drained (neither changes what trains)."""
+LORA = {"rank": 8, "alpha": 16}
+
+
+def config(model_dir: Path, out: Path, *, reference: Path, evals: bool = False) -> Config:
+    """LoRA adapters with the merged policy saved too, the KL term in the loss to
+    ``reference`` (reference.path). ``evals``: held-out evaluations every 2 steps on the
+    idle-CPU evaluator, versions delivered with the engines drained (neither changes
+    what trains)."""
     return check_inputs(decode_config({
-        "model": {"path": str(model_dir), **({"lora": lora} if lora else {})},
+        "model": {"path": str(model_dir), "lora": LORA},
         "task": {"eval_size": 16 if evals else 0},
         **({"weights": {"update_mode": "drain"}} if evals else {}),
         "rollout": {"group_size": 4, "max_new_tokens": 6, "max_inflight_prompts": 4,
                     "sampling_seed": 7},
         "staleness": {"max_staleness": 0},
         "trainer": {"groups_per_step": 4, "micro_batch_tokens": 512, "lr": 1e-4,
-                    **({"kl_coef": 0.1} if reference else {})},
-        **({"reference": {"path": str(reference)}} if reference else {}),
-        "run": {"num_steps": steps, "output_dir": str(out), "progress": False,
-                "save_merged": bool(lora),
+                    "kl_coef": 0.1},
+        "reference": {"path": str(reference)},
+        "run": {"num_steps": STEPS, "output_dir": str(out), "progress": False,
+                "save_merged": True,
                 **({"eval_every": 2, "eval_on": "idle_cpu"} if evals else {})},
     }))
 
@@ -148,6 +152,8 @@ class Stopped(NamedTuple):
     checkpoint_version: int
     checkpoint: RunState
     """The stop's checkpoint, read before anything resumed it."""
+    checkpoint_adapter: bool
+    """Whether that checkpoint's trainer folder held the adapter (peft's file)."""
     checkpoints: int
     report: subprocess.CompletedProcess[str]
     group: list[int]
@@ -202,12 +208,14 @@ def stopped_by_sigterm(tiny_model_dir: Path, longtail_model_dir: Path,
             if _session(p) == child.pid and p.info["status"] != psutil.STATUS_ZOMBIE]
     assert (out / "summary.json").is_file(), output[-2000:]
     summary = json.loads((out / "summary.json").read_text())
-    _, state = latest_checkpoint(out)
+    folder, state = latest_checkpoint(out)
     checkpoints = len(list((out / CHECKPOINTS).iterdir()))
     report = subprocess.run([sys.executable, "-m", "async_rl.cli", "report", str(out)],
                             capture_output=True, text=True, timeout=120)
     return Stopped(out=out, returncode=child.returncode, output=output, summary=summary,
                    checkpoint_version=state.version, checkpoint=state,
+                   checkpoint_adapter=(folder / TRAINER / "adapter"
+                                       / "adapter_model.safetensors").is_file(),
                    checkpoints=checkpoints, report=report, group=group, exited_s=exited_s,
                    left=left, rows=read_metrics(out), snapshot=snapshot)
 
@@ -267,6 +275,7 @@ def test_stop_and_resume_trains_what_a_straight_run_trains(
     stopped = stopped_by_sigterm.summary["steps"]
     assert stopped_by_sigterm.summary["stopped"] == "SIGTERM" and 3 <= stopped < STEPS
     assert stopped_by_sigterm.checkpoint_version == stopped
+    assert stopped_by_sigterm.checkpoint_adapter
     # What --resume runs (the run directory's own config), with a checkpoint every step:
     # that rotates away the one the run resumed from (keep 2), and the later saves must
     # not need its folder.
@@ -281,72 +290,61 @@ def test_stop_and_resume_trains_what_a_straight_run_trains(
     kept = check_restored(resumed, stopped_by_sigterm.checkpoint)
     print(f"queued groups kept by the stop: {len(kept)}")
     assert stopped_by_sigterm.checkpoint.partials == ()  # nothing was in flight
-    assert [r["step"] for r in read_metrics(resumed)] == list(range(1, STEPS + 1))
-    assert all(r["kl/mean"] > 0 for r in read_metrics(resumed))  # the reference resumed
-    # Equal weights: same samples (seeded per request), same updates; only float
-    # summation order may differ.
-    a = load_file(straight / FINAL_MODEL / "model.safetensors")
-    b = load_file(resumed / FINAL_MODEL / "model.safetensors")
-    assert a.keys() == b.keys() and len(a) > 0
-    worst = max(float((a[k] - b[k]).abs().max()) for k in a)
-    print(f"largest weight difference, straight vs stopped and resumed: {worst:.3g}")
-    assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a), worst
+    rows = read_metrics(resumed)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert all(r["kl/mean"] > 0 for r in rows)  # the reference resumed
+    # Equal adapters, and so equal merged policies: same samples (seeded per request),
+    # same updates; only float summation order may differ.
+    for name in ("adapter_model.safetensors", "merged/model.safetensors"):
+        a = load_file(straight / FINAL_MODEL / name)
+        b = load_file(resumed / FINAL_MODEL / name)
+        assert a.keys() == b.keys() and len(a) > 0
+        worst = max(float((a[k] - b[k]).abs().max()) for k in a)
+        print(f"largest difference in {name}, straight vs stopped and resumed: {worst:.3g}")
+        assert all(torch.allclose(a[k], b[k], rtol=1e-4, atol=1e-6) for k in a), worst
+    check_adapter_versions(resumed, rows, tiny_model_dir)
+
+
+def check_adapter_versions(run_dir: Path, rows: list[dict[str, Any]],
+                           base_dir: Path) -> None:
+    """Every version the run (stopped and resumed) delivered beside the next step carried
+    the adapters' bytes only, and final_model holds that adapter, trained, with peft's
+    config and the merged policy beside it."""
+    full = sum(t.numel() * t.element_size()
+               for t in load_file(base_dir / "model.safetensors").values())
+    sent = [b["bytes"] for r in rows for b in r["broadcast"]]
+    assert len(sent) >= 2 and len(set(sent)) == 1
+    print(f"bytes per version: {sent[0]} of {full} ({sent[0] / full:.1%})")
+    assert 0 < sent[0] < 0.1 * full
+
+    final = run_dir / FINAL_MODEL
+    adapter = load_file(final / "adapter_model.safetensors")
+    assert sum(t.numel() * t.element_size() for t in adapter.values()) == sent[0]
+    assert any(t.any() for k, t in adapter.items() if ".lora_B." in k)  # it trained
+    assert (final / "adapter_config.json").is_file()
+    merged = load_file(final / "merged" / "model.safetensors")
+    base = load_file(base_dir / "model.safetensors")
+    assert merged.keys() == base.keys()
+    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
+                           base["model.layers.0.self_attn.q_proj.weight"])
 
 
 def check_synchronous(run_dir: Path, summary: RunSummary, run_config: Config,
                       model_dir: Path) -> None:
     """At max_staleness 0 every group trains on-policy, none is dropped as stale, and each
     evaluation (every 2 steps, on the idle-CPU evaluator) scores exactly its step's
-    version, the last one the saved final model as transformers scores it."""
+    version, the last one the saved merged policy as transformers scores it."""
     assert summary.staleness_histogram == (STEPS * 4,)
     assert summary.dropped_stale == 0
     check_ledger(run_dir, summary.groups_trained)
     check_evals(run_dir, summary, steps=[0, 2, 4, 6], group_size=4, groups_per_step=4)
     rows = read_evals(run_dir)
     assert [(r.version_min, r.version) for r in rows] == [(0, 0), (2, 2), (4, 4), (6, 6)]
-    final = AutoModelForCausalLM.from_pretrained(run_dir / FINAL_MODEL)
+    final = AutoModelForCausalLM.from_pretrained(run_dir / FINAL_MODEL / "merged")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     _, reward_fn, prompts = build_task(run_config)
     assert rows[-1].accuracy == evaluate_accuracy(final, tokenizer, prompts, reward_fn,
                                                   max_new_tokens=6)
-
-
-def test_lora_stops_and_resumes_with_its_adapter_and_sends_only_adapters(
-    tiny_model_dir: Path, tmp_path: Path, ray_shutdown: None
-) -> None:
-    out, steps = tmp_path / "lora", 4
-    lora = {"rank": 8, "alpha": 16}
-    signal_after_rows(out, 2, signal.SIGINT, os.getpid())
-    first = run_training(config(tiny_model_dir, out, steps=steps, lora=lora))
-    assert first.stopped == "SIGINT" and 2 <= first.steps < steps
-    checkpoint, state = latest_checkpoint(out)
-    assert state.version == first.steps
-    assert (checkpoint / TRAINER / "adapter" / "adapter_model.safetensors").is_file()
-    second = run_training(config(tiny_model_dir, out, steps=steps, lora=lora), resume=True)
-    assert second.stopped == "" and second.final_version == second.rollout_version == steps
-    assert len(trained(out)) == steps * 4 and set(trained(out).values()) == {1}
-    check_restored(out, state)
-    rows = read_metrics(out)
-    assert [r["step"] for r in rows] == list(range(1, steps + 1))
-
-    full = sum(t.numel() * t.element_size()
-               for t in load_file(tiny_model_dir / "model.safetensors").values())
-    # Versions delivered beside the next step, in each of the two runs.
-    sent = [b["bytes"] for r in rows for b in r["broadcast"]]
-    assert len(sent) >= 2 and len(set(sent)) == 1
-    print(f"bytes per version: {sent[0]} of {full} ({sent[0] / full:.1%})")
-    assert 0 < sent[0] < 0.1 * full
-
-    final = out / FINAL_MODEL
-    adapter = load_file(final / "adapter_model.safetensors")
-    assert sum(t.numel() * t.element_size() for t in adapter.values()) == sent[0]
-    assert any(t.any() for k, t in adapter.items() if ".lora_B." in k)  # it trained
-    assert (final / "adapter_config.json").is_file()
-    merged = load_file(final / "merged" / "model.safetensors")
-    base = load_file(tiny_model_dir / "model.safetensors")
-    assert merged.keys() == base.keys()
-    assert not torch.equal(merged["model.layers.0.self_attn.q_proj.weight"],
-                           base["model.layers.0.self_attn.q_proj.weight"])
 
 
 def _pgid(process: psutil.Process) -> int:
