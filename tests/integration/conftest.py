@@ -21,16 +21,17 @@ from async_rl.shell.ray_shell import LOCAL_RAY_SYSTEM
 from workers import layout
 
 LONGEST_FIRST = (
-    "test_stop_resume", "test_failures", "test_ppo_run", "test_trainer", "test_rollout",
-    "test_moe_run", "test_tune_run", "test_environment_run", "test_engine_lending_run",
-    "test_user_rewards_run", "test_weight_faults", "test_model_matrix_engine",
-    "test_longtail_run", "test_dynamic_sampling_run", "test_multinode",
+    "test_failures", "test_ppo_run", "test_stop_resume", "test_trainer", "test_moe_run",
+    "test_rollout", "test_tune_run", "test_model_matrix_engine", "test_weight_faults",
+    "test_engine_lending_run", "test_user_rewards_run", "test_environment_run",
+    "test_multinode", "test_cpu_tools_run", "test_longtail_run",
 )
 """The Ray tiers' modules that take longest, longest first (summed test time in the last
-fresh clone's run of the tiers on two xdist processes, 379 s down to 70 s; the others
-took 63 s or less), handed out before the rest (``make test`` runs them with
-``--no-loadscope-reorder``): in the collection's order, which xdist's own reordering (by
-test count) kept, a 134 s module started last and one process finished alone.
+run of the tiers on two xdist processes, 223 s down to 41 s, test_stop_resume's less
+its LoRA runs since folded into the others; the others took 40 s or less), handed out
+before the rest (``make test`` runs them with ``--no-loadscope-reorder``): in the
+collection's order, which xdist's own reordering (by test count) kept, a 134 s module
+started last and one process finished alone.
 """
 
 
