@@ -157,6 +157,19 @@ async def launch_workers(config: Config, plan: Roster, task: WorkerTask,
     started.broadcast = WeightBroadcast(
         started.trainers[0],
         gather_from=started.trainers[1:] if config.trainer.backend == "fsdp2" else ())
+    await name_workers(plan, placed, handles, pids, gateways=task.agent is not None,
+                       started=started)
+    if plan.start.resumed:  # the shards' (and own critics') optimizer, RNG and critic state
+        await each([functools.partial(t.load_training_state.remote, plan.start.policy_path)
+                    for t in [*started.trainers, *started.critics]])
+
+
+async def name_workers(plan: Roster, placed: Placed, handles: Sequence[Any],
+                       pids: Sequence[int], *, gateways: bool,
+                       started: StartedWorkers) -> None:
+    """The registry of ``started``: every started worker where it runs (node, pid), each
+    rollout engine's gateway address with ``gateways`` (an agent task), and the
+    lendable ranks' identities."""
     started.identities = plan.registry({
         entry.name: entry.identity(node=placed.nodes[entry.name][1],
                                    node_id=placed.nodes[entry.name][0], pid=pid)
@@ -164,7 +177,7 @@ async def launch_workers(config: Config, plan: Roster, task: WorkerTask,
     started.lendable = {entry.rank: entry.identity(node=placed.nodes[entry.name][1],
                                                    node_id=placed.nodes[entry.name][0])
                         for entry in plan.lendable}
-    if task.agent is not None:  # each rollout engine's gateway, in the registry printout
+    if gateways:
         rollout = [(e, h) for e, h in zip(plan.started, handles, strict=True)
                    if e.role == "rollout"]
         addresses = await each([h.gateway_address.remote for _, h in rollout])
@@ -172,9 +185,6 @@ async def launch_workers(config: Config, plan: Roster, task: WorkerTask,
         started.identities = [
             msgspec.structs.replace(w, address=names[w.name])
             if w.role == "rollout" and w.name in names else w for w in started.identities]
-    if plan.start.resumed:  # the shards' (and own critics') optimizer, RNG and critic state
-        await each([functools.partial(t.load_training_state.remote, plan.start.policy_path)
-                    for t in [*started.trainers, *started.critics]])
 
 
 def place(config: Config, plan: Roster, task: WorkerTask, started: StartedWorkers) -> Placed:

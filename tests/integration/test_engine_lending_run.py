@@ -5,8 +5,9 @@ waits for data, and the autopilot's own rule adds a second engine
 the one move left). Its removal is forced: the judgement's noise band is patched so that
 the next window reverts the move (whether a second engine pays on two cores is not
 something a test can count on). Checked: the added engine generated at the version it
-was added at or later, the removed engine's rollouts in progress were handed back (or
-re-queued with the reason) and trained once, metrics.jsonl has the engine count every
+was added at or later, the removed engine's rollouts in progress (as many as it held
+when its removal began, none when it was idle then) were handed back (or re-queued with
+the reason) and trained once, metrics.jsonl has the engine count every
 step, the ledger is whole (every prompt trained once), the worker registry
 (workers.json, and report's lines) has the engine's row, added and removed after their
 steps, and the run's last checkpoint keeps the engine count a resume starts from."""
@@ -25,7 +26,7 @@ from async_rl.control.checkpoint_files import latest_checkpoint
 from async_rl.control.failures import RolloutFailed
 from async_rl.run.run_dir import read_ledger, read_metrics, read_record, read_workers
 from async_rl.shell.adapters import RayRollout
-from async_rl.shell.lending import LEAVING
+from async_rl.shell.lending import LEAVING, RayLending
 from async_rl.shell.ray_shell import run_training
 from async_rl.tasks.longtail import MAX_NEW_TOKENS
 from buffers.common.partials import PartialGroup
@@ -57,6 +58,15 @@ def test_an_engine_joins_at_the_current_version_and_a_leaving_ones_prompts_are_r
         return group
 
     monkeypatch.setattr(RayRollout, "generate", spied)
+    in_progress: list[int] = []
+    """The removed engine's calls in progress as its removal began."""
+    stop = RayLending._stop
+
+    async def counted_stop(self: RayLending, rank: int) -> None:
+        in_progress.append(self.added[rank].calls if rank in self.added else 0)
+        await stop(self, rank)
+
+    monkeypatch.setattr(RayLending, "_stop", counted_stop)
     # Every judged move falls beyond its band: the engine added is taken back.
     monkeypatch.setattr(autopilot, "noise_band", lambda before, after: -1e9)
 
@@ -111,9 +121,15 @@ def test_an_engine_joins_at_the_current_version_and_a_leaving_ones_prompts_are_r
     assert made and min(made) >= 3, added
 
     # Its rollouts in progress when it left were handed back (continued by the other
-    # engine) or, where the hand-back did not reach them, failed and were re-queued.
+    # engine) or, where the hand-back did not reach them, failed and were re-queued; one
+    # that finished as the leave arrived trained as it was. The engine may also have
+    # been idle then (the staleness gate shut, or its prompts done): whether it held any
+    # is timing, so the count is checked, not assumed (a clean stop with rollouts
+    # certainly in progress: test_failures.py).
     left = {pid for _, pid, _, how in added if how in ("handed back", LEAVING)}
-    assert left, added
+    print(f"the removed engine's calls in progress: {in_progress}; handed back or "
+          f"re-queued: {len(left)}")
+    assert len(in_progress) == 1 and len(left) <= in_progress[0], (in_progress, added)
     assert all(how in ("", "handed back", LEAVING) for *_, how in calls), calls
     entries = read_ledger(run_dir)
     back = {e.prompt_id for e in entries
