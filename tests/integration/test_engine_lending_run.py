@@ -48,6 +48,8 @@ def test_an_engine_joins_at_the_current_version_and_a_leaving_ones_prompts_are_r
     generate = RayRollout.generate
 
     async def spied(self: RayRollout, prompt: Prompt) -> Group | PartialGroup:
+        if in_progress and self.name == "rollout-1":  # reached it after its removal began
+            late.append(prompt.prompt_id)
         try:
             group = await generate(self, prompt)
         except RolloutFailed as failed:
@@ -60,6 +62,8 @@ def test_an_engine_joins_at_the_current_version_and_a_leaving_ones_prompts_are_r
     monkeypatch.setattr(RayRollout, "generate", spied)
     in_progress: list[int] = []
     """The removed engine's calls in progress as its removal began."""
+    late: list[str] = []
+    """Its calls whose request reached it after that (sent before the pool let it go)."""
     stop = RayLending._stop
 
     async def counted_stop(self: RayLending, rank: int) -> None:
@@ -127,9 +131,10 @@ def test_an_engine_joins_at_the_current_version_and_a_leaving_ones_prompts_are_r
     # is timing, so the count is checked, not assumed (a clean stop with rollouts
     # certainly in progress: test_failures.py).
     left = {pid for _, pid, _, how in added if how in ("handed back", LEAVING)}
-    print(f"the removed engine's calls in progress: {in_progress}; handed back or "
-          f"re-queued: {len(left)}")
-    assert len(in_progress) == 1 and len(left) <= in_progress[0], (in_progress, added)
+    print(f"the removed engine's calls in progress: {in_progress} (and {len(late)} "
+          f"reaching it later); handed back or re-queued: {len(left)}")
+    assert len(in_progress) == 1 and len(left) <= in_progress[0] + len(late), (
+        in_progress, late, added)
     assert all(how in ("", "handed back", LEAVING) for *_, how in calls), calls
     entries = read_ledger(run_dir)
     back = {e.prompt_id for e in entries
