@@ -62,12 +62,14 @@ integration: setup
 # and without a cache in a fresh clone it takes about 90 CPU-seconds, which beside the
 # unit tier lengthened it by about 45 s. It has no clock to miss; the unit tier, whose
 # timeouts are real, stays at normal priority. A type error stops the tiers.
-# .venv-verifiers first (once; a few minutes on a cold pip cache): the unit tier plays the
-# verifiers example through its real process, which would otherwise skip.
+# .venv-verifiers first (once; a minute or so on a cold pip cache): the unit tier plays the
+# verifiers example through its real process, and fails here without it (elsewhere those
+# tests skip).
 test: setup verifiers
 	$(BIN)/python tests/models.py & models=$$!; \
 	  { $(BIN)/ruff check . && $(BIN)/lint-imports \
-	    && $(BIN)/python -m pytest tests/unit -q -n 2 --durations=5; } \
+	    && ASYNC_RL_VERIFIERS_REQUIRED=1 $(BIN)/python -m pytest tests/unit -q -n 2 \
+	      --durations=5; } \
 	    || { kill $$models; exit 1; }; \
 	  wait $$models
 	$(BIN)/python -m pytest tests/integration tests/gpu -q -n 2 --dist loadscope \

@@ -1,11 +1,11 @@
 """examples/agent_verifiers.py without Ray or vLLM, through the real gateway and
 ``AgentRunner`` in front of a fake engine that has learnt the task.
 
-With the verifiers virtualenv (else skipped: ``make verifiers``, or
-``ASYNC_RL_VERIFIERS_PYTHON``), the real episode server (examples/verifiers_calculator.py):
-a group played by one server process (the rewards come back, each trajectory is one
-segment trained only on the model's tokens, and the model sees the task's raw text
-through examples/calculator_chat.jinja); trajectories cut at their timeout leave the
+With the verifiers virtualenv (else skipped, except under ``make test``, which makes it
+first: ``make verifiers``, or ``ASYNC_RL_VERIFIERS_PYTHON``), the real episode server
+(examples/verifiers_calculator.py): a group played by one server process (the rewards
+come back, each trajectory is one segment trained only on the model's tokens, and the
+model sees the task's raw text through examples/calculator_chat.jinja); trajectories cut at their timeout leave the
 server playing the next ones; a server whose stdin ends exits and the next ``solve``
 starts another; what an episode costs once the server runs; the taskset loaded through
 verifiers' own loader.
@@ -43,10 +43,17 @@ TEMPLATE = (ROOT / "examples" / "calculator_chat.jinja").read_text()
 EOS = 1
 
 
+REQUIRED = "ASYNC_RL_VERIFIERS_REQUIRED"
+"""Set by ``make test``, which makes the virtualenv first: there a missing one fails
+these tests instead of skipping them."""
+
+
 def verifiers_python() -> Path:
     try:
         return example.verifiers_python()
     except FileNotFoundError as err:
+        if os.environ.get(REQUIRED):
+            pytest.fail(f"{REQUIRED} is set: {err}")
         pytest.skip(str(err))
 
 
