@@ -5,10 +5,10 @@ With the verifiers virtualenv (else skipped, except under ``make test``, which m
 first: ``make verifiers``, or ``ASYNC_RL_VERIFIERS_PYTHON``), the real episode server
 (examples/verifiers_calculator.py): a group played by one server process (the rewards
 come back, each trajectory is one segment trained only on the model's tokens, and the
-model sees the task's raw text through examples/calculator_chat.jinja); trajectories cut at their timeout leave the
-server playing the next ones; a server whose stdin ends exits and the next ``solve``
-starts another; what an episode costs once the server runs; the taskset loaded through
-verifiers' own loader.
+model sees the task's raw text through examples/calculator_chat.jinja); trajectories cut
+at their timeout leave the server playing the next ones; a server whose stdin ends exits
+and the next ``solve`` starts another; what an episode costs once the server runs; the
+taskset loaded through verifiers' own loader.
 
 Without it, fake servers (any python speaking the same JSON lines) for the faults: an
 episode that fails or replies no reward, a server that fails to start or is killed with
