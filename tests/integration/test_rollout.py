@@ -474,20 +474,22 @@ def test_worker_cores_move_the_workers_own_threads_and_leave_its_engine(
 
 
 def engine_processes(worker: psutil.Process) -> tuple[list[psutil.Process], list[str]]:
-    """The worker's vLLM engine-core processes (titled "VLLM::EngineCore", which the
-    kernel's 15-character name cuts to "VLLM::EngineCor"), and what its children looked
-    like. Read again for a few seconds: once, on a busy machine, a read found none of
-    them while the engine served (its shutdown was logged after the test)."""
+    """The worker's vLLM engine-core processes, and what its children looked like. The
+    engine titles itself "VLLM::EngineCore" (the kernel's 15-character name cuts it to
+    "VLLM::EngineCor"), but where setproctitle cannot rewrite the command line (seen on
+    CI's interpreter, the engine serving) it keeps multiprocessing's spawn command line:
+    the worker's only spawned child is its engine (the other is the resource tracker).
+    Read again for a few seconds: a child just forked may not show its command line."""
     seen: list[str] = []
     for _ in range(20):
         seen, engines = [], []
-        for child in worker.children(recursive=True):
+        for child in worker.children():
             try:
                 title = f"{child.name()} {' '.join(child.cmdline())}"
             except psutil.Error as error:
                 title = repr(error)
             seen.append(f"{child.pid}: {title}")
-            if "EngineCor" in title:
+            if "EngineCor" in title or "multiprocessing.spawn" in title:
                 engines.append(child)
         if engines:
             return engines, seen

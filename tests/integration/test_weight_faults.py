@@ -42,8 +42,11 @@ def kill_engine_when_version_arrives(worker: Any, version: int) -> None:
 
     async def receive_into_a_dead_engine(engine: Any, update_info: Any) -> None:
         if receiver._pending == version:
-            for child in psutil.Process().children(recursive=True):
-                if "EngineCore" in " ".join(child.cmdline()) + child.name():
+            # The engine's title, or multiprocessing's spawn command line where
+            # setproctitle cannot rewrite it (CI's interpreter).
+            for child in psutil.Process().children():
+                title = " ".join(child.cmdline()) + child.name()
+                if "EngineCore" in title or "multiprocessing.spawn" in title:
                     child.kill()
                     child.wait(timeout=30)
         await receive(engine, update_info)
