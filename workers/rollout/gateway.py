@@ -11,7 +11,8 @@ left under task.environment.max_trajectory_tokens), stop strings, seed and vLLM'
 allowed_token_ids; at most ``max_concurrency`` requests on the engine at once; a chat's
 messages rendered by the tokenizer's chat template, or by rollout.chat_template's; with
 rollout.tool_call_parser set, a chat's ``tools`` rendered and its completion parsed into
-``tool_calls`` (``workers.rollout.tool_calls``). Every refusal is an OpenAI-format error
+``tool_calls`` (``workers.rollout.tool_calls``); a ``stream: true`` request's turn, once
+generated, sent as server-sent events. Every refusal is an OpenAI-format error
 (``workers.rollout.openai_format``) and counted; the engine keeps serving.
 
 One gateway per engine, not per node: a session's turns then always reach the engine
@@ -41,6 +42,7 @@ from workers.rollout.openai_format import (
     chat_body,
     check_model,
     completion_body,
+    event_stream,
     messages_of,
     models_body,
     parse_body,
@@ -70,6 +72,9 @@ reuse (``workers.rollout.local_http.REUSE_S``), so a connection it reuses is not
 the server is closing, even on a core so busy that the client reads a response seconds
 after it was sent."""
 _JSON = msgspec.json.Encoder()
+JSON_TYPE, EVENTS_TYPE = b"application/json", b"text/event-stream"
+Reply = tuple[int, bytes, bytes]
+"""A route's answer: its status, body and content type."""
 
 
 def _bearer(scope: dict[str, Any]) -> str:
@@ -153,7 +158,8 @@ class Gateway:
     # ---- serving ----------------------------------------------------------------------
 
     async def app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        """The ASGI application: three routes, each answered with one JSON body. Bare
+        """The ASGI application: three routes, each answered with one body (JSON, or a
+        ``stream: true`` turn's events), always with its Content-Length. Bare
         ASGI, no framework: on the one core the rollout worker's engine, gateway and
         agents share, Starlette's middleware and routing were about a tenth of a turn's
         CPU (docs/benchmarks.md)."""
@@ -165,15 +171,15 @@ class Gateway:
             if route is None or method not in route[0]:
                 raise ApiError(404 if route is None else 405,
                                f"no route {method} {path}", code="not_found")
-            status, body = await route[1](self, _bearer(scope), receive)
+            status, body, media = await route[1](self, _bearer(scope), receive)
         except ApiError as err:
-            status, body = self._error(err)
+            status, body, media = self._error(err)
         except Exception:  # a bug, not the request's: the engine keeps serving
             log.exception("gateway: %s %s failed", method, path)
-            status, body = self._error(ApiError(500, "the gateway failed",
-                                                code="internal_error"))
+            status, body, media = self._error(ApiError(500, "the gateway failed",
+                                                       code="internal_error"))
         await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
+                    "headers": [(b"content-type", media),
                                 (b"content-length", str(len(body)).encode())]})
         await send({"type": "http.response.body", "body": body})
 
@@ -204,9 +210,9 @@ class Gateway:
 
     # ---- the routes ---------------------------------------------------------------------
 
-    def _error(self, err: ApiError) -> tuple[int, bytes]:
+    def _error(self, err: ApiError) -> Reply:
         self.refused[err.code or str(err.status)] += 1
-        return err.status, _JSON.encode(err.body())
+        return err.status, _JSON.encode(err.body()), JSON_TYPE
 
     def _session(self, token: str) -> Session:
         try:
@@ -214,17 +220,17 @@ class Gateway:
         except SessionError as err:
             raise ApiError(err.status, err.message, code=err.code) from None
 
-    async def _models(self, token: str, receive: Any) -> tuple[int, bytes]:
+    async def _models(self, token: str, receive: Any) -> Reply:
         self._session(token)
-        return 200, _JSON.encode(models_body([self.model_name]))
+        return 200, _JSON.encode(models_body([self.model_name])), JSON_TYPE
 
-    async def _completions(self, token: str, receive: Any) -> tuple[int, bytes]:
+    async def _completions(self, token: str, receive: Any) -> Reply:
         return await self._serve(token, receive, chat=False)
 
-    async def _chat(self, token: str, receive: Any) -> tuple[int, bytes]:
+    async def _chat(self, token: str, receive: Any) -> Reply:
         return await self._serve(token, receive, chat=True)
 
-    async def _serve(self, token: str, receive: Any, *, chat: bool) -> tuple[int, bytes]:
+    async def _serve(self, token: str, receive: Any, *, chat: bool) -> Reply:
         arrived = self.table.clock()
         session: Session | None = None
         try:
@@ -250,8 +256,10 @@ class Gateway:
                 session.refused += 1
             raise
         self.served += 1
-        make = chat_body if chat else completion_body
-        return 200, _JSON.encode(make(result, turn, self.model_name))
+        body = (chat_body if chat else completion_body)(result, turn, self.model_name)
+        if turn.stream:  # a refusal above is still one JSON error, as OpenAI's are
+            return 200, event_stream(body, turn), EVENTS_TYPE
+        return 200, _JSON.encode(body), JSON_TYPE
 
     # ---- one turn -------------------------------------------------------------------------
 
@@ -343,7 +351,7 @@ class Gateway:
 
 
 _ROUTES: dict[str, tuple[frozenset[str], Callable[[Gateway, str, Any],
-                                                  Awaitable[tuple[int, bytes]]]]] = {
+                                                  Awaitable[Reply]]]] = {
     "/v1/completions": (frozenset({"POST"}), Gateway._completions),
     "/v1/chat/completions": (frozenset({"POST"}), Gateway._chat),
     "/v1/models": (frozenset({"GET", "HEAD"}), Gateway._models),

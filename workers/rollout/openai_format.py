@@ -3,10 +3,12 @@
 Owns: ``ApiError`` (a refused request: its HTTP status and the OpenAI error body),
 ``parse_body`` (the JSON object of a request), the readers of the request fields the
 gateway honours (``TurnRequest``: max_tokens, stop, seed, allowed_token_ids,
-include_stop_str_in_output, logprobs, return_token_ids; ``prompt_of``, ``messages_of``:
+include_stop_str_in_output, logprobs, return_token_ids, stream and
+stream_options.include_usage; ``prompt_of``, ``messages_of``:
 a chat's messages with their tool calls and tool results), ``ToolCall`` (one function
 call of an assistant message) and the response bodies of ``/v1/completions``,
-``/v1/chat/completions`` and ``/v1/models`` (a request's ``tools`` and ``tool_choice``
+``/v1/chat/completions`` and ``/v1/models``, and a turn's ``event_stream`` for a
+``stream: true`` request (a request's ``tools`` and ``tool_choice``
 are read by ``workers.rollout.tool_calls``). Sampling itself (temperature, top_p) is the
 run's: a request's values are ignored, since the behaviour policy must be the one the
 run trains against. Pure: no HTTP server, no engine (``workers.rollout.gateway`` serves
@@ -65,9 +67,12 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     for key, why in REFUSED_FIELDS.items():
         if body.get(key):
             raise ApiError(400, why, param=key, code="unsupported_parameter")
-    if body.get("stream"):
-        raise ApiError(400, "streaming is not supported by the gateway", param="stream",
-                       code="unsupported_parameter")
+    if not isinstance(body.get("stream", False), bool | None):
+        raise ApiError(400, "stream must be true or false", param="stream",
+                       code="invalid_value")
+    if body.get("stream_options") is not None and not body.get("stream"):
+        raise ApiError(400, "stream_options is only allowed when stream is true",
+                       param="stream_options", code="invalid_value")
     if body.get("n", 1) != 1:
         raise ApiError(400, "n must be 1: each trajectory is one session", param="n",
                        code="unsupported_parameter")
@@ -95,6 +100,10 @@ class TurnRequest(msgspec.Struct, frozen=True, kw_only=True):
     include_stop_str_in_output: bool = False
     logprobs: bool = False
     return_token_ids: bool = False
+    stream: bool = False
+    """The response as server-sent events (``event_stream``)."""
+    stream_usage: bool = False
+    """stream_options.include_usage: a last event with the usage."""
 
 
 def _int(body: dict[str, Any], key: str, low: int) -> int | None:
@@ -123,13 +132,18 @@ def turn_request(body: dict[str, Any], vocab_size: int) -> TurnRequest:
                             f"below {vocab_size}", param="allowed_token_ids",
                        code="invalid_value")
     logprobs = body.get("logprobs")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "stream_options must be an object", param="stream_options",
+                       code="invalid_value")
     return TurnRequest(
         max_tokens=_int(body, "max_tokens", 1) or _int(body, "max_completion_tokens", 1),
         stop=tuple(stop), seed=_int(body, "seed", 0),
         allowed_token_ids=tuple(allowed) if allowed is not None else None,
         include_stop_str_in_output=bool(body.get("include_stop_str_in_output")),
         logprobs=logprobs is not None and logprobs is not False,
-        return_token_ids=bool(body.get("return_token_ids")))
+        return_token_ids=bool(body.get("return_token_ids")),
+        stream=bool(body.get("stream")), stream_usage=bool(options.get("include_usage")))
 
 
 def prompt_of(body: dict[str, Any]) -> str | list[int]:
@@ -285,3 +299,35 @@ def models_body(served: Sequence[str]) -> dict[str, Any]:
     """The ``/v1/models`` list."""
     return {"object": "list", "data": [{"id": name, "object": "model", "created": 0,
                                         "owned_by": "async-rl"} for name in served]}
+
+
+def event_stream(body: dict[str, Any], request: TurnRequest) -> bytes:
+    """A whole response (``completion_body`` or ``chat_body``) as the server-sent events a
+    ``stream: true`` request reads: one chunk with the turn's text (a chat's ``delta``:
+    the role, content and tool calls), one with its finish_reason, with
+    stream_options.include_usage one with the usage and no choices, then ``[DONE]``. The
+    turn is generated whole first: the stream gives a streaming client the same text,
+    calls and token ids, not its tokens sooner."""
+    choice = body["choices"][0]
+    chat = body["object"] == "chat.completion"
+    base = {"id": body["id"], "object": "chat.completion.chunk" if chat else body["object"],
+            "created": body["created"], "model": body["model"]}
+    if request.stream_usage:
+        base["usage"] = None
+    last = {"index": 0, "logprobs": None, "finish_reason": choice["finish_reason"],
+            "stop_reason": choice["stop_reason"]}
+    first = {k: v for k, v in choice.items() if k not in last or k in ("index", "logprobs")}
+    first["finish_reason"] = None
+    if chat:
+        message = first["delta"] = dict(first.pop("message"))
+        if "tool_calls" in message:
+            message["tool_calls"] = [{"index": i, **call}
+                                     for i, call in enumerate(message["tool_calls"])]
+        last["delta"] = {}
+    else:
+        last["text"] = ""
+    chunks = [{**base, "choices": [first]}, {**base, "choices": [last]}]
+    if request.stream_usage:
+        chunks.append({**base, "choices": [], "usage": body["usage"]})
+    return b"".join(b"data: " + msgspec.json.encode(chunk) + b"\n\n" for chunk in chunks
+                    ) + b"data: [DONE]\n\n"
