@@ -4,7 +4,8 @@ What bench/gateway.py's gateway arm pays per turn beyond the in-process arm, alo
 examples/agent_openai.py's ``solve`` (the real ``openai`` client) plays calculator
 trajectories through a real ``Gateway`` (uvicorn, HTTP on 127.0.0.1) and the
 ``AgentRunner``'s shared client, in front of a fake engine that answers each turn at
-once (a tool call, then the answer after the tool's result), with the test models'
+once (a tool call, then the answer after the tool's result) and vLLM's own
+``SamplingParams`` (each turn clones them, as in a run), with the test models'
 byte-level tokenizer (``async_rl.models.tiny_model.build_tokenizer``). ``--groups``
 groups of 8 trajectories, ``--side-by-side`` groups at once (16: the examples'
 rollout.max_inflight_prompts). Prints the process's CPU per turn (both threads: the
@@ -19,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import copy
 import os
 import time
 from pathlib import Path
@@ -29,17 +29,6 @@ from buffers.common.records import Prompt, Sample
 
 ROOT = Path(__file__).resolve().parents[1]
 AGENT = str(ROOT / "examples" / "agent_openai.py") + ":solve"
-
-
-class Params:
-    """vLLM's SamplingParams as far as the gateway sets them."""
-
-    def __init__(self) -> None:
-        self.max_tokens, self.stop, self.seed, self.detokenize = 32, None, None, False
-        self.include_stop_str_in_output, self.allowed_token_ids = False, None
-
-    def clone(self) -> Params:
-        return copy.copy(self)
 
 
 def thread_cpu_s() -> dict[str, float]:
@@ -53,6 +42,8 @@ def thread_cpu_s() -> dict[str, float]:
 
 
 async def main(groups: int, side_by_side: int) -> None:
+    from vllm import SamplingParams  # what the rollout worker hands the gateway
+
     from async_rl.models.tiny_model import build_tokenizer
     from workers.rollout.agents import AgentConfig, AgentRunner
     from workers.rollout.gateway import Gateway, GatewayLimits
@@ -72,7 +63,9 @@ async def main(groups: int, side_by_side: int) -> None:
                       versions=(0,) * len(reply), finish_reason="stop", text="")
 
     gateway = Gateway(model_name="calculator", tokenizer=tokenizer,
-                      params={"sample": Params(), "greedy": Params()}, generate=generate,
+                      params={"sample": SamplingParams(max_tokens=32),
+                              "greedy": SamplingParams(max_tokens=32, temperature=0.0)},
+                      generate=generate,
                       limits=GatewayLimits(max_new_tokens=32, max_context=1024,
                                            max_trajectory_tokens=160,
                                            max_concurrency=side_by_side * 8,
