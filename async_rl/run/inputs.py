@@ -21,8 +21,10 @@ each trial of ``async-rl sweep`` before it is launched.
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import cache, partial
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
@@ -62,25 +64,31 @@ def check_inputs(config: Config, rewards: Sequence[Reward] = ()) -> Config:
     else:
         check_engine_updates(config.model.path)
     columns = check_task(config.task)  # the prompt file or dataset
+    tokenizer = cache(partial(_load_tokenizer, config.model.path))  # once, if asked
     if config.task.chat_template:
-        check_chat_template(config)
+        check_chat_template(config, tokenizer)
     check_rewards(config, columns)
     if config.task.environment.enabled:
         check_environment(config)
     if config.rollout.tool_call_parser:
-        check_tool_parser(config)
+        check_tool_parser(config, tokenizer)
     if config.rollout.chat_template:
-        config = check_gateway_template(config)
+        config = check_gateway_template(config, tokenizer)
     for index, reward in enumerate(rewards):
         check_function(reward, index=index, columns=columns)  # naming rewards[i]
     return config
 
 
-def check_tool_parser(config: Config) -> None:
-    """rollout.tool_call_parser names one of the installed vLLM's tool parsers (what its
-    ``--tool-call-parser`` takes), and it can read the tokenizer of model.path."""
+def _load_tokenizer(model_path: str) -> Any:
     from transformers import AutoTokenizer
 
+    return AutoTokenizer.from_pretrained(model_path)
+
+
+def check_tool_parser(config: Config, tokenizer: Callable[[], Any]) -> None:
+    """rollout.tool_call_parser names one of the installed vLLM's tool parsers (what its
+    ``--tool-call-parser`` takes), and it can read the tokenizer of model.path
+    (``tokenizer()``)."""
     from workers.rollout.tool_parser import VllmToolParser, parser_names
 
     name, path = config.rollout.tool_call_parser, config.model.path
@@ -88,9 +96,8 @@ def check_tool_parser(config: Config) -> None:
     if name not in names:
         raise ConfigError(f"config error: rollout.tool_call_parser = {name!r}: not a tool "
                           f"parser of the installed vLLM (one of {', '.join(names)})")
-    tokenizer = AutoTokenizer.from_pretrained(path)
     try:
-        VllmToolParser(name, tokenizer)
+        VllmToolParser(name, tokenizer())
     except Exception as err:
         raise ConfigError(f"config error: rollout.tool_call_parser = {name!r}: it cannot "
                           f"use the tokenizer of model.path = {path!r}: {first_line(err)}"
@@ -105,19 +112,16 @@ TEMPLATE_PROBE = ({"role": "system", "content": "You add."},
 without tools)."""
 
 
-def check_gateway_template(config: Config) -> Config:
+def check_gateway_template(config: Config, tokenizer: Callable[[], Any]) -> Config:
     """rollout.chat_template is a Jinja file that renders a conversation with the
-    tokenizer of model.path; returns ``config`` with its path made absolute (the rollout
-    workers read it)."""
-    from transformers import AutoTokenizer
-
+    tokenizer of model.path (``tokenizer()``); returns ``config`` with its path made
+    absolute (the rollout workers read it)."""
     key = f"rollout.chat_template = {config.rollout.chat_template!r}"
     path = Path(config.rollout.chat_template)
     if not path.is_file():
         raise ConfigError(f"config error: {key}: no such file")
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
     try:
-        tokenizer.apply_chat_template(list(TEMPLATE_PROBE), chat_template=path.read_text(),
+        tokenizer().apply_chat_template(list(TEMPLATE_PROBE), chat_template=path.read_text(),
                                       add_generation_prompt=True, tokenize=False)
     except Exception as err:
         raise ConfigError(f"config error: {key}: it does not render a conversation: "
@@ -226,12 +230,10 @@ def check_lora_targets(config: Config) -> None:
             "head is not supported, remove it")
 
 
-def check_chat_template(config: Config) -> None:
-    """task.chat_template = true needs a tokenizer with a chat template."""
-    from transformers import AutoTokenizer
-
-    tokenizer = AutoTokenizer.from_pretrained(config.model.path)
-    if not getattr(tokenizer, "chat_template", None):
+def check_chat_template(config: Config, tokenizer: Callable[[], Any]) -> None:
+    """task.chat_template = true needs a tokenizer (``tokenizer()``) with a chat
+    template."""
+    if not getattr(tokenizer(), "chat_template", None):
         raise ConfigError(
             f"config error: task.chat_template = true: the tokenizer of model.path = "
             f"{config.model.path!r} has no chat template (set task.chat_template = false)")

@@ -118,3 +118,20 @@ def test_a_template_that_renders_is_passed_on_by_its_absolute_path(
     config = load_config(AGENT, {"model.path": str(model),
                                  "rollout.chat_template": "examples/calculator_chat.jinja"})
     assert check_inputs(config).rollout.chat_template == str(TEMPLATE)
+
+
+def test_the_tokenizer_checks_load_the_tokenizer_once(
+        model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rollout.tool_call_parser and rollout.chat_template both check against the model's
+    tokenizer, which loads once for both (and not at all without them)."""
+    import async_rl.run.inputs as inputs
+
+    loads: list[str] = []
+    load = inputs._load_tokenizer
+    monkeypatch.setattr(inputs, "_load_tokenizer", lambda path: loads.append(path) or load(path))
+    both = load_config(AGENT, {"model.path": str(model), "rollout.tool_call_parser": "hermes",
+                               "rollout.chat_template": str(TEMPLATE)})
+    checked = check_inputs(both)
+    assert checked.rollout.tool_call_parser == "hermes" and loads == [str(model)]
+    check_inputs(load_config(AGENT, {"model.path": str(model)}))
+    assert loads == [str(model)]
