@@ -73,7 +73,7 @@ BENIGN_WARNINGS = (
            "vLLM seeds the rollout worker's global generators because the engine runs "
            "with V1 multiprocessing off (rollout.model_in_engine_core). The worker draws "
            "nothing from them: every sample request carries its own seed "
-           "(workers.rollout.worker.request_seed)."),
+           "(workers.rollout.continuation.request_seed)."),
     Benign(re.compile(r"FutureWarning: `torch\.distributed\.reduce_op` is deprecated"),
            "vLLM's Triton dispatcher (vllm/triton_utils/dispatcher.py) scans the attributes "
            "of every loaded module when an engine starts, and merely reading "

@@ -14,8 +14,13 @@ import pytest
 
 from buffers.common.partials import PartialGroup, PartialSample, decode_partials, encode_partials
 from buffers.common.records import Prompt, Sample
-from workers.rollout.continuation import HandBack, continuation_seed, continue_samples, remaining
-from workers.rollout.worker import request_seed
+from workers.rollout.continuation import (
+    HandBack,
+    continuation_seed,
+    continue_samples,
+    remaining,
+    request_seed,
+)
 
 PROMPT = Prompt(prompt_id="p7", text="1+1=", answer="2")
 EOS = 99

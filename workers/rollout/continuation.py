@@ -112,6 +112,12 @@ def remaining(sample: PartialSample, max_new_tokens: int, eos_ids: Collection[in
     return left, ""
 
 
+def request_seed(sampling_seed: int, prompt: Prompt, sample: int) -> int:
+    """The seed of one sample request: the same wherever and whenever it runs (a
+    signed int64)."""
+    return continuation_seed(sampling_seed, prompt, sample, kept=0)
+
+
 def continuation_seed(seed: int, prompt: Prompt, sample: int, kept: int) -> int:
     """The seed of sample ``sample``'s continuation after ``kept`` tokens (``seed``:
     rollout.sampling_seed): ``request_seed``'s own when nothing was kept."""

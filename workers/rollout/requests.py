@@ -74,6 +74,11 @@ class EngineRequests:
         else:
             self._spans.switch("evaluate" if self.in_flight else UNRESOLVED, version)
 
+    async def sample(self, ids: list[int], params: SamplingParams, greedy: bool) -> Sample:
+        """``stream``'s sample alone (an evaluation's when ``greedy``): a turn of a
+        multi-turn trajectory, or a gateway request."""
+        return (await self.stream(ids, params, evaluation=greedy))[1]
+
     async def stream(self, prompt: str | list[int], params: SamplingParams, *,
                      evaluation: bool = False) -> Streamed:
         """One engine request (a text, or token ids from ``render``)."""

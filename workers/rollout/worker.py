@@ -6,12 +6,11 @@ token (each sample's engine request and the spans they switch:
 ``workers.rollout.requests``; multi-turn trajectories with an environment:
 ``workers.rollout.turns``), scoring them, greedy evaluation, handing groups in progress
 back at a clean stop and continuing handed-back ones (``workers.rollout.continuation``),
-its counters, and the actor calls
-through which the trainer's weight-transfer engine updates its weights (the update
-itself is ``workers.weights.receiver``'s). A plain class; every method is async, so one
-actor serves many concurrent ``generate_group`` calls and a weight update between them
-(``workers.actors`` is the Ray actor around it). vLLM is imported only when the engine
-is built, so importing this module stays cheap.
+its counters; the calls through which the trainer's weight-transfer engine updates its
+weights are its base's (``workers.rollout.weight_calls``). A plain class; every method
+is async, so one actor serves many concurrent ``generate_group`` calls and a weight
+update between them (``workers.actors`` is the Ray actor around it). vLLM is imported
+only when the engine is built, so importing this module stays cheap.
 
 Knows nothing about admission, staleness bounds, queues, advantages or training: it
 generates what it is asked to and labels every token with the weights that produced it.
@@ -24,6 +23,7 @@ import os
 import shutil
 import time
 from collections.abc import Sequence
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ import anyio
 
 from buffers.common.partials import PartialGroup
 from buffers.common.records import NO_VERSION, Group, Prompt, Sample, make_group
-from buffers.common.reports import BroadcastTiming, EvalResult, RolloutStatistics, UsageReading
+from buffers.common.reports import EvalResult, RolloutStatistics, UsageReading
 from workers.common.errors import RolloutWorkerError
 from workers.common.spans import SessionRecorder, SessionSpan, Span, SpanRecorder
 from workers.common.usage import UsageMeter, cuda_uuid
@@ -40,8 +40,8 @@ from workers.rollout.agents import AgentRunner, serve_agents
 from workers.rollout.continuation import (
     HandBack,
     any_cut,
-    continuation_seed,
     continue_samples,
+    request_seed,
 )
 from workers.rollout.engine import (
     build_engine,
@@ -55,7 +55,7 @@ from workers.rollout.spec import RolloutSpec
 from workers.rollout.task import WorkerTask
 from workers.rollout.tool_parser import VllmToolParser
 from workers.rollout.turns import TurnRunner
-from workers.weights.config import UpdateMode
+from workers.rollout.weight_calls import WeightUpdateCalls
 from workers.weights.receiver import WeightReceiver
 
 if TYPE_CHECKING:
@@ -66,14 +66,9 @@ WARMUP_TEXT = "warm up"
 """Prompt of the start-up warm-up requests (their output is thrown away)."""
 
 
-def request_seed(sampling_seed: int, prompt: Prompt, sample: int) -> int:
-    """The seed of one sample request: the same wherever and whenever it runs (a
-    signed int64)."""
-    return continuation_seed(sampling_seed, prompt, sample, kept=0)
-
-
-class RolloutWorker:
-    """A vLLM engine with a policy version; see the module docstring."""
+class RolloutWorker(WeightUpdateCalls):
+    """A vLLM engine with a policy version; see the module docstring. Its weight-update
+    calls are ``WeightUpdateCalls``'."""
 
     def __init__(self, spec: RolloutSpec, task: WorkerTask, version: int = 0) -> None:
         """Cheap: records the arguments; ``start()`` builds the engine.
@@ -110,8 +105,8 @@ class RolloutWorker:
         self._usage = UsageMeter()
         self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
         self._failed: str | None = None
-        self._receiver = WeightReceiver(rank, spec.weights,
-                                        on_change=self._weights_changed, version=version)
+        super().__init__(WeightReceiver(rank, spec.weights, on_change=self._weights_changed,
+                                        version=version))
         self._hand_back = HandBack()  # partial rollouts handed back (a clean stop)
         self._requests = EngineRequests(rank, spec.rollout, ready=self._ready,
                                         receiver=self._receiver, spans=self._spans,
@@ -156,16 +151,11 @@ class RolloutWorker:
             self._turns = TurnRunner(self._environment, self._tokenizer, self._format,
                                      cfg.max_new_tokens, self._make_environment)
         if self._agent is not None:  # the gateway on this engine, and the agents' loop
-
-            async def generate(ids: list[int], params: SamplingParams, greedy: bool
-                               ) -> Sample:
-                return (await self._requests.stream(ids, params, evaluation=greedy))[1]
-
             tools = (VllmToolParser(cfg.tool_call_parser, self._tokenizer)
                      if cfg.tool_call_parser else None)
             self._agents = await serve_agents(
                 self._agent, engine=self._engine, rollout=cfg, tokenizer=self._tokenizer,
-                params=self._params, generate=generate, model_name=self._model_name,
+                params=self._params, generate=self._requests.sample, model_name=self._model_name,
                 sessions=self._sessions, tool_parser=tools,
                 chat_template=(Path(cfg.chat_template).read_text() if cfg.chat_template
                                else ""))
@@ -243,11 +233,7 @@ class RolloutWorker:
                     seeds: Sequence[int] = ()) -> tuple[list[int], list[Sample]]:
         """``size`` multi-turn trajectories of ``prompt`` (``TurnRunner.group``)."""
         assert self._turns is not None
-        greedy = kind == "greedy"
-
-        async def stream(context: list[int], params: SamplingParams) -> Sample:
-            return (await self._requests.stream(context, params, evaluation=greedy))[1]
-
+        stream = partial(self._requests.sample, greedy=kind == "greedy")
         played = await self._turns.group(prompt, size, stream, self._params[kind], seeds)
         self._ready()  # a failed weight load aborted the requests: their output is void
         return played
@@ -396,47 +382,11 @@ class RolloutWorker:
 
     # ---------------------------------------------------------------- weights
 
-    # The VLLMWeightSyncClient calls the trainer's weight-transfer engine makes
-    # (workers.weights.sender.EngineClient); workers.weights.receiver does the work.
-
-    async def init_weight_transfer(self, init_info: dict[str, Any]) -> None:
-        """Joins the trainer's weight-broadcast group (again whenever the trainer rebuilds
-        it: a member was lost or joined)."""
-        await self._receiver.connect(self._ready(), init_info)
-
-    async def start_weight_update(self, version: int, mode: UpdateMode | None = None) -> None:
-        """Pauses the engine to take in ``version`` (``mode`` overrides
-        ``weights.update_mode`` for this update); ``WeightReceiver.start`` says how."""
-        await self._receiver.start(self._ready(), version, mode)
-
-    async def update_weights(self, update_info: dict[str, Any] | list[Any]) -> None:
-        """Receives (a part of) the started update."""
-        await self._receiver.receive(self._ready(), update_info)
-
-    async def cancel_weight_update(self) -> None:
-        """The trainer gave the started update up before its transfer: resume on the
-        old weights (``WeightReceiver.cancel``)."""
-        await self._receiver.cancel(self._ready())
-
-    async def finish_weight_update(self) -> BroadcastTiming:
-        """Completes the update, relabels, resumes; its timing (publish_s left 0)."""
-        return await self._receiver.finish(self._ready())
-
-    async def abandon_weight_update(self, reason: str) -> None:
-        """The trainer gave up on the update under way: this worker fails (see
-        ``WeightReceiver.abandon``)."""
-        if self._engine is not None:
-            await self._receiver.abandon(self._engine, reason)
-
     def _weights_changed(self) -> None:
         self._requests.switch_span()
         self._idle.soon()
 
     # ---------------------------------------------------------------- state
-
-    async def version(self) -> int:
-        """Policy version of the weights now in the engine."""
-        return self._receiver.version
 
     async def statistics(self) -> RolloutStatistics:
         return RolloutStatistics(
