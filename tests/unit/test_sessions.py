@@ -193,7 +193,8 @@ def test_a_trajectory_of_several_segments_counts_once_in_its_advantages() -> Non
 
 @pytest.mark.parametrize(("raw", "code"), [
     (b"{not json", "invalid_json"), (b"[1, 2]", "invalid_json"), (b"", "invalid_json"),
-    (b'{"stream": true}', "unsupported_parameter"), (b'{"n": 2}', "unsupported_parameter"),
+    (b'{"stream": "yes"}', "invalid_value"), (b'{"n": 2}', "unsupported_parameter"),
+    (b'{"stream_options": {"include_usage": true}}', "invalid_value"),
     (b'{"functions": [{"name": "f"}]}', "unsupported_parameter"),
 ])
 def test_bad_bodies_are_400_in_the_openai_error_format(raw: bytes, code: str) -> None:
