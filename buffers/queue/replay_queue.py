@@ -11,6 +11,10 @@ prompts, rewards, trainers or Ray: a group is anything with ``prompt_id``,
 ``on_drop`` callback so its prompt can be re-run (``buffers.queue.drop_accounting``).
 Each group's policy version when it entered is kept beside it and handed out with the
 take (``TakenGroups``), so its staleness splits in two (``buffers.queue.taken_staleness``).
+This module is the calls (put, take, ``expecting``, the live bounds, close and drain,
+statistics, snapshot, restore and readmit); the queue's state and the steps they share
+(fit, room, stale on arrival, a take's readiness, popping, whom to wake) are
+``buffers.queue.queue_core``'s.
 
 Speed: ``put`` and ``take`` do not yield to the event loop when they need not wait (like
 ``asyncio.Queue``), because a checkpoint per call would cost more than the queue itself.
@@ -19,35 +23,30 @@ Speed: ``put`` and ``take`` do not yield to the event loop when they need not wa
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Generic
 
 import anyio
 
-from buffers.common.config import QueueConfig, StalenessConfig, bucket_index
-from buffers.queue.drop_accounting import DropAccounting, DropHandler
-from buffers.queue.errors import NotEnoughGroups, QueueClosed, QueueFull, QueueTooSmall
-from buffers.queue.in_flight import InFlight
+from buffers.common.config import QueueConfig, StalenessConfig
+from buffers.queue.drop_accounting import DropHandler
+from buffers.queue.errors import NotEnoughGroups, QueueClosed, QueueFull
+from buffers.queue.queue_core import QueueCore
 from buffers.queue.queue_records import (
     DROP_STALE,
     Dropped,
-    Queued,
     QueueItem,
     ReplayQueueSnapshot,
     ReplayQueueStatistics,
     T,
     TakenGroups,
 )
-from buffers.queue.replay_store import BucketedStore
-from buffers.queue.taken_staleness import TakenStaleness
-from buffers.queue.waiters import Waiter, WaitLine
+from buffers.queue.waiters import Waiter
 
 __all__ = ["QueueItem", "ReplayQueue"]
 
 
-class ReplayQueue(Generic[T]):
+class ReplayQueue(QueueCore[T]):
     """Groups wait here, bucketed by token count, until a trainer takes them.
 
     ``bucket_edges`` are increasing token counts: edges ``(1024, 4096)`` make buckets
@@ -69,43 +68,6 @@ class ReplayQueue(Generic[T]):
                    bucket_edges=queue.bucket_edges, max_staleness=staleness.max_staleness,
                    on_drop=on_drop, wait_for_expiring=queue.wait_for_expiring, clock=clock,
                    policy_version=policy_version)
-
-    def __init__(
-        self,
-        *,
-        max_groups: int,
-        max_tokens: int,
-        max_staleness: int,
-        bucket_edges: Sequence[int] = (),
-        on_drop: DropHandler[T] | None = None,
-        wait_for_expiring: bool = True,
-        clock: Callable[[], float] = time.perf_counter,
-        policy_version: Callable[[], int] | None = None,
-    ) -> None:
-        if max_groups < 1 or max_tokens < 1:
-            raise ValueError(f"max_groups={max_groups}, max_tokens={max_tokens}: both must be >= 1")
-        if max_staleness < 0:
-            raise ValueError(f"max_staleness must be >= 0, got {max_staleness}")
-        edges = tuple(int(e) for e in bucket_edges)
-        if any(e <= 0 for e in edges) or any(b <= a for a, b in itertools.pairwise(edges)):
-            raise ValueError(f"bucket_edges must be positive and strictly increasing, got {edges}")
-        self.max_groups = max_groups
-        self.max_tokens = max_tokens
-        self.max_staleness = max_staleness
-        self.bucket_edges = edges
-        self.wait_for_expiring = wait_for_expiring
-        self._clock = clock
-        self._drops: DropAccounting[T] = DropAccounting(edges, on_drop)
-        self._store: BucketedStore[Queued[T]] = BucketedStore(edges)
-        self._in_flight = InFlight(max_staleness)
-        self._sink_version: int | None = None
-        self._closed = False
-        self._putters = WaitLine()
-        self._takers = WaitLine()
-        self._put_total = 0
-        self._taken_total = 0
-        self._drained_total = 0
-        self._staleness: TakenStaleness[T] = TakenStaleness(max_staleness, policy_version)
 
     def __len__(self) -> int:
         return self._store.groups
@@ -348,99 +310,3 @@ class ReplayQueue(Generic[T]):
             self._check_fits(item)
             if not self._drop_if_stale(item):
                 self._insert(item, version)
-
-    # -- internals -------------------------------------------------------------------
-
-    def _check_fits(self, item: T) -> None:
-        if item.num_tokens > self.max_tokens:
-            raise ValueError(
-                f"group {item.prompt_id!r} has {item.num_tokens} tokens, more than "
-                f"max_tokens={self.max_tokens}: it could never be queued; raise max_tokens"
-            )
-
-    def _has_room(self, tokens: int) -> bool:
-        store = self._store
-        return store.groups < self.max_groups and store.tokens + tokens <= self.max_tokens
-
-    def _insert(self, item: T, entered_version: int | None = None) -> None:
-        """Stores the group, entered at ``entered_version`` (None: now)."""
-        queued = self._staleness.queued(item, self._sink_version, entered_version)
-        self._drops.put_by_bucket[self._store.insert(queued)] += 1
-        self._put_total += 1
-        if self._takers:
-            self._wake_taker()
-
-    def _drop_if_stale(self, item: T) -> bool:
-        sink = self._sink_version
-        if sink is None or sink - item.min_version <= self.max_staleness:
-            return False
-        # Dropped on arrival: a taker already works at a version this group is too old
-        # for, so keeping it would only hold room (and an admission slot) hostage.
-        self._put_total += 1
-        self._drops.put_by_bucket[bucket_index(self.bucket_edges, item.num_tokens)] += 1
-        self._drops.drop([item], DROP_STALE, sink)
-        return True
-
-    def _ready(self, n_groups: int, at_version: int) -> bool:
-        """Enough groups are queued, and none the take must hold is still generating."""
-        if self._store.groups < n_groups:
-            return False
-        if not (self.wait_for_expiring and self._in_flight.by_version):
-            return True
-        return not self._in_flight.must_wait(n_groups, at_version, self._store.groups_up_to)
-
-    def _advance_sink(self, n_groups: int, at_version: int) -> None:
-        if n_groups < 1 or n_groups > self.max_groups:
-            raise ValueError(f"n_groups={n_groups}: must be in [1, max_groups={self.max_groups}]")
-        sink = self._sink_version
-        if sink is not None and at_version < sink:
-            raise ValueError(f"at_version went back from {sink} to {at_version}")
-        if sink == at_version:
-            return
-        self._sink_version = at_version
-        stale = self._store.pop_older_than(at_version - self.max_staleness)
-        if stale:
-            self._drops.drop([queued.item for queued in stale], DROP_STALE, at_version)
-        # Parked putters re-check: their groups may now be stale, and room may have opened.
-        for waiter in self._putters:
-            waiter.event.set()
-
-    def _pop(self, n: int, at_version: int, homogeneous: bool) -> TakenGroups[T]:
-        if homogeneous and self.bucket_edges and self.max_staleness > 0:
-            # Urgent: groups that would be too stale at the next version must go now.
-            items = self._store.pop_homogeneous(n, at_version + 1 - self.max_staleness)
-        else:
-            items = self._store.pop_oldest(n)
-        self._taken_total += len(items)
-        self._wake_putter()
-        return self._staleness.taken(items, at_version)
-
-    def _wake_putter(self) -> None:
-        if self._putters:
-            head = self._putters[0]
-            if self._closed or self._has_room(head.need):
-                head.event.set()
-
-    def _wake_taker(self) -> None:
-        if self._takers:
-            head = self._takers[0]
-            if self._closed or self._ready(head.need, head.at_version):
-                head.event.set()
-
-    def _wake_starved_taker(self) -> None:
-        # A putter just parked: if the head taker wants more groups than are queued, only
-        # that taker could free room, so it must wake and find out it never will.
-        if self._takers and self._takers[0].need > self._store.groups:
-            self._takers[0].event.set()
-
-    def _check_starved(self, waiter: Waiter) -> None:
-        if self._takers[0] is not waiter or self._store.groups >= waiter.need or not self._putters:
-            return
-        head = self._putters[0]
-        if head.event.is_set() or self._has_room(head.need):
-            return  # that putter is about to run and may still fit or be dropped
-        raise QueueTooSmall(
-            f"take of {waiter.need} groups can never be served: the queue holds "
-            f"{self._store.groups} groups ({self._store.tokens} tokens) and the next group "
-            f"({head.need} tokens) does not fit in max_tokens={self.max_tokens}"
-        )

@@ -3,7 +3,7 @@
 Owns: ``Waiter`` (one parked put or take: what it needs and the event that wakes it) and
 ``WaitLine`` (one kind's waiters, first in first out, with how many waited and for how
 long, as ``WaitStatistics``). Knows nothing about when a waiter may go on
-(``buffers.queue.replay_queue``).
+(``buffers.queue.queue_core``).
 """
 
 from __future__ import annotations
