@@ -1,8 +1,9 @@
 """Running a task's reward functions off the caller's event loop: bounded, summed, counted.
 
-Owns: ``RewardRunner`` (scores a group with every reward and sums them by weight) and
-``GroupRewards`` (what it reports). Sync rewards run in a ``pebble.ProcessPool`` whose
-workers load the rewards once when they start (specs by the same file path or module;
+Owns: ``RewardRunner`` (scores a group with every reward and sums them by weight),
+``GroupRewards`` (what it reports) and ``UserRewards`` (a task's rewards as sent to an
+actor, which builds its runner from them). Sync rewards run in a ``pebble.ProcessPool``
+whose workers load the rewards once when they start (specs by the same file path or module;
 callables passed directly travel pickled, by value with cloudpickle where it is
 installed), or, with ``threads=True``, in a thread pool. ``async def`` rewards run on an
 event loop of their own, in its own thread (``workers.common.loop_thread``). Every call is
@@ -15,7 +16,8 @@ calls are refused at once and counted (``saturated``; ``workers.rewards.threads`
 processes start by forkserver (spawn where there is none; never fork, as the caller has
 threads), so, as with any multiprocessing, a script that makes a runner
 needs an ``if __name__ == "__main__":`` guard. How one call binds its arguments is
-``workers.rewards.calls``'; the guarded call and the workers' side ``workers.rewards.guard``'.
+``workers.rewards.calls``'; the guarded call and the workers' side ``workers.rewards.guard``';
+loading and naming the rewards it is given, ``workers.rewards.loading``'.
 """
 
 from __future__ import annotations
@@ -26,12 +28,11 @@ import math
 import multiprocessing
 from collections.abc import Callable, Collection, Mapping, Sequence
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import msgspec
 import pebble
 
-from buffers.common.config import ConfigError
 from workers.common.loop_thread import LoopThread
 from workers.common.user_code import loaded_user_files
 from workers.rewards import guard as reward_guard
@@ -45,24 +46,12 @@ from workers.rewards.guard import (
     guarded,
     guarded_async,
 )
-from workers.rewards.spec import (
-    DEFAULT_COLUMNS,
-    RewardSpec,
-    Style,
-    absolute_spec,
-    check_reward,
-    load_reward,
-    reward_name,
-    reward_style,
-    unique_names,
-)
+from workers.rewards.loading import RewardLike, final_names, load_rewards
+from workers.rewards.spec import DEFAULT_COLUMNS, RewardSpec, Style, reward_name
 from workers.rewards.threads import PoolSaturated, RewardThreads
 
 log = logging.getLogger("async_rl.rewards")
 
-RewardLike = RewardSpec | Reward | Callable[..., Any]
-"""A reward as the runner takes it: a config entry, a script's ``Reward``, or the
-function itself."""
 _GRACE_S = 1.0  # an async reward that blocks its event loop is given up this much later
 _LOGGED_FAILURES = 3  # per reward, at WARNING; the rest at DEBUG
 
@@ -98,52 +87,6 @@ class _Reward(msgspec.Struct, frozen=True, kw_only=True):
     """Its index in the process workers' list of sync rewards (-1: not there)."""
 
 
-class _Loaded(NamedTuple):
-    fn: Callable[..., Any]
-    spec: RewardSpec | None
-    weight: float
-    name: str
-    style: Style
-
-
-def _load_all(rewards: Sequence[RewardLike], styles: Sequence[str], columns: Collection[str],
-              base_dir: str | Path | None) -> list[_Loaded]:
-    """Each reward loaded (a spec, by file path made absolute) and checked."""
-    loaded = []
-    for i, (reward, forced) in enumerate(zip(rewards, styles, strict=True)):
-        if isinstance(reward, RewardSpec):
-            spec = absolute_spec(reward, base_dir)
-            if forced:
-                spec = msgspec.structs.replace(spec, style=forced)
-            fn = load_reward(spec, index=i, columns=columns)
-            loaded.append(_Loaded(fn, spec, spec.weight, spec.name,
-                                  reward_style(fn, spec.style)))
-        elif isinstance(reward, Reward) or callable(reward):
-            given = reward if isinstance(reward, Reward) else Reward(fn=reward)
-            style = reward_style(given.fn, forced or given.style)
-            why = check_reward(given.fn, style, columns)
-            if why:
-                raise TypeError(f"reward {i} ({reward_name(given.fn)}): {why}")
-            loaded.append(_Loaded(given.fn, None, given.weight, given.name, style))
-        else:
-            raise TypeError(f"reward {i} is a {type(reward).__name__}: expected a "
-                            "RewardSpec, a Reward or a callable")
-    return loaded
-
-
-def _final_names(loaded: Sequence[_Loaded], names: Sequence[str]) -> list[str]:
-    """The metric names: given ones (which must not clash), else derived and unique."""
-    given = [name or item.name for item, name in zip(loaded, names, strict=True)]
-    first: dict[str, int] = {}
-    for i, name in enumerate(given):
-        if name in first:
-            raise ConfigError(f"config error: task.rewards[{i}].name = {name!r}: already "
-                              f"the name of task.rewards[{first[name]}]")
-        if name:
-            first[name] = i
-    return unique_names([reward_name(item.fn) for item in loaded], given)
-
-
 class RewardRunner:
     """Scores groups with several rewards, off the caller's event loop."""
 
@@ -170,8 +113,8 @@ class RewardRunner:
             if given is not None and len(given) != len(rewards):
                 raise ValueError(f"{len(given)} {label} for {len(rewards)} rewards")
         self._timeout_s, self._workers, self._chat = timeout_s, workers, chat
-        loaded = _load_all(rewards, styles or [""] * len(rewards), columns, base_dir)
-        final = _final_names(loaded, names or [""] * len(rewards))
+        loaded = load_rewards(rewards, styles or [""] * len(rewards), columns, base_dir)
+        final = final_names(loaded, names or [""] * len(rewards))
         self._entries: list[RewardSpec | bytes] = []  # what the process workers load
         self._rewards: list[_Reward] = []
         for i, (item, name) in enumerate(zip(loaded, final, strict=True)):
