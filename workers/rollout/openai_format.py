@@ -316,8 +316,8 @@ def event_stream(body: dict[str, Any], request: TurnRequest) -> bytes:
         base["usage"] = None
     last = {"index": 0, "logprobs": None, "finish_reason": choice["finish_reason"],
             "stop_reason": choice["stop_reason"]}
-    first = {k: v for k, v in choice.items() if k not in last or k in ("index", "logprobs")}
-    first["finish_reason"] = None
+    first = {**{k: v for k, v in choice.items() if k != "stop_reason"},
+             "finish_reason": None}
     if chat:
         message = first["delta"] = dict(first.pop("message"))
         if "tool_calls" in message:

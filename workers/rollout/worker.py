@@ -106,7 +106,8 @@ class RolloutWorker(WeightUpdateCalls):
         self._params: dict[str, SamplingParams] = {}  # "sample" and "greedy", from start()
         self._failed: str | None = None
         super().__init__(WeightReceiver(rank, spec.weights, on_change=self._weights_changed,
-                                        version=version))
+                                        version=version),
+                         ready=self._ready, built=lambda: self._engine)
         self._hand_back = HandBack()  # partial rollouts handed back (a clean stop)
         self._requests = EngineRequests(rank, spec.rollout, ready=self._ready,
                                         receiver=self._receiver, spans=self._spans,
