@@ -53,6 +53,7 @@ class HardwareOverrides(msgspec.Struct, frozen=True, kw_only=True, forbid_unknow
     nic_rails: NonNegative | None = None
     inter_node_latency: NonNegativeFloat | None = None
     host_bandwidth: NonNegativeFloat | None = None
+    host_copy_bandwidth: NonNegativeFloat | None = None
 
 
 class RolloutLayout(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=True,
@@ -114,7 +115,7 @@ class Architecture(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fie
     """Layers with experts (0 with experts given: every layer)."""
 
 
-WeightsPath = Literal["direct", "gathered", "host", "p2p"]
+WeightsPath = Literal["direct", "gathered", "host", "p2p", "stage_heads", "host_replica"]
 """How a framework moves a weight version (docs/simulator.md, "A weight version's stages")."""
 LendArm = Literal["off", "starvation", "autopilot"]
 """Which rule lends trainer devices to generation while a run trains (docs/simulator.md,
@@ -195,7 +196,12 @@ class SimulateConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_f
     copied up to a device and broadcast, the two pipelined: Moonshot's checkpoint
     engine) or "p2p" (every device of every engine pulls its shard from the trainer's
     devices at once over RDMA, with no snapshot and no fixed pauses: NIXL, Perplexity's
-    RDMA writes, miles' P2P mode)."""
+    RDMA writes) or "stage_heads" (each pipeline stage's weights all-gathered onto its
+    head rank and broadcast to every engine device, the stages in turn: a Megatron
+    trainer's NCCL path, miles', slime's) or "host_replica" (each stage gathered as
+    there, the stages at once, every trainer rank copying its targets' parts into a
+    replica of their shard in host memory and writing them over RDMA: miles' P2P
+    mode)."""
     weights_rails: Positive = 1
     """NIC rails one device's share of a weight version stripes over across nodes (NCCL's
     channels over several NICs, a NIXL pull over several): at most the hardware's

@@ -147,7 +147,8 @@ class SimStats(msgspec.Struct, frozen=True, kw_only=True):
     releases: int = 0
     """Times an engine released its devices to a training step and reloaded after."""
     weights_path: str = ""
-    """simulate.weights_path: "direct", "gathered", "host" or "p2p" ("": not recorded)."""
+    """simulate.weights_path: "direct", "gathered", "host", "p2p", "stage_heads" or
+    "host_replica" ("": not recorded)."""
     version_stages: dict[str, float] = {}
     """Seconds of each stage of one version into every engine (gather, convert, stage,
     transfer, load)."""

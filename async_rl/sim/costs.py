@@ -246,7 +246,8 @@ class Costs:
             interconnect=h.interconnect_bandwidth, publish_s=h.publish_s,
             load_s=h.weight_load_s, member_s=h.weight_member_s, native=plan.version_native,
             tensors=calls, tensor_s=h.weight_tensor_s, rails=plan.weights_rails,
-            nic_rails=h.nic_rails)
+            nic_rails=h.nic_rails, pipeline_stages=t.pp,
+            host_copy_bandwidth=h.host_copy_bandwidth)
         """A version's stages (simulate.weights_path)."""
         self.refit: RefitStages = refit_stages(
             weight_bytes=self.weight_bytes,

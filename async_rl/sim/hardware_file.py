@@ -108,6 +108,10 @@ class Hardware(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fields=
     host_bandwidth: float = 0.0
     """Bytes/s between one device and its host's memory (PCIe): staging a gathered weight
     version, offloading and reloading a time-shared turn's state; 0: memory_bandwidth."""
+    host_copy_bandwidth: float = 0.0
+    """Bytes/s of one device's copies into a replica of an engine's shard in its host's
+    pageable memory (the copy off the device, then the CPU's copy into the replica's
+    tensors): simulate.weights_path = "host_replica"; 0: host_bandwidth."""
     sources: tuple[str, ...] = ()
     """Where the figures come from (data sheets, papers, a calibration run)."""
 

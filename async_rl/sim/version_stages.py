@@ -31,6 +31,17 @@ transfer, load) and ``VersionPath``, which costs them for simulate.weights_path:
   (each trainer device its slice). The wire is the slower of a receiving device's
   shard over its NIC rails and every receiver's bytes over the senders' NICs, plus one
   message's latency; the load is the receiving engine's per-tensor calls alone.
+- "stage_heads" (a Megatron trainer's NCCL path: miles', slime's): each pipeline
+  stage's weights are all-gathered over the stage's ranks (tensor and expert parallel
+  shards) onto its head rank, which broadcasts them to every device of every engine
+  (each keeps its shard); the stages go in turn, each a gather then a chain broadcast of
+  its part. No snapshot; the engine's fixed pause and its calls.
+- "host_replica" (miles' P2P mode): each stage's weights are all-gathered over the
+  stage's ranks as above, the stages at once; every rank of a stage serves its share of
+  the engines' devices one by one, loading each target's part (the version over the
+  stages and the engine's devices) into a replica of the target's shard in its host's
+  pageable memory (``host_copy_bandwidth``: the copy off the device and the CPU's copy
+  into the replica's tensors) and writing it over RDMA; the load is the calls alone.
 
 A transfer over the network may stripe each device's share over several NIC rails
 (``rails``: NCCL's channels over the node's NICs, a NIXL pull over several): at most the
@@ -56,7 +67,7 @@ import msgspec
 
 from async_rl.sim.parallel import Links
 
-PATHS = ("direct", "gathered", "host", "p2p")
+PATHS = ("direct", "gathered", "host", "p2p", "stage_heads", "host_replica")
 
 
 class VersionStages(msgspec.Struct, frozen=True, kw_only=True):
@@ -83,8 +94,8 @@ class VersionPath:
                  engine_devices: int, trainer_devices: int, links: Links,
                  memory_bandwidth: float, host_bandwidth: float, interconnect: float,
                  publish_s: float, load_s: float, member_s: float, native: bool = False,
-                 tensors: int = 0, tensor_s: float = 0.0, rails: int = 1, nic_rails: int = 0
-                 ) -> None:
+                 tensors: int = 0, tensor_s: float = 0.0, rails: int = 1, nic_rails: int = 0,
+                 pipeline_stages: int = 1, host_copy_bandwidth: float = 0.0) -> None:
         assert path in PATHS, path
         self.path, self.state_bytes, self.version_bytes = path, state_bytes, version_bytes
         self.holders, self.engine_devices = holders, engine_devices
@@ -94,6 +105,23 @@ class VersionPath:
         self.load_s, self.member_s = load_s, member_s
         self.native, self.tensors, self.tensor_s = native, tensors, tensor_s
         self.rails, self.nic_rails = rails, nic_rails
+        self.pipeline_stages = max(1, pipeline_stages)
+        """The trainer's pipeline stages (its layout's pp)."""
+        self.host_copy_bandwidth = host_copy_bandwidth or host_bandwidth
+
+    @property
+    def stage_ranks(self) -> int:
+        """Trainer devices holding one pipeline stage's weights."""
+        return max(1, self.trainer_devices // self.pipeline_stages)
+
+    def stage_gather(self) -> float:
+        """One pipeline stage's weights all-gathered over its ranks (each receives
+        ``(n-1)/n`` of them) over the slowest link the group crosses."""
+        n = self.stage_ranks
+        if n <= 1:
+            return 0.0
+        bandwidth, latency = self.links.crossed(n)
+        return (n - 1) / n * self.state_bytes / self.pipeline_stages / bandwidth + latency
 
     @property
     def gathered(self) -> bool:
@@ -109,6 +137,10 @@ class VersionPath:
     def gather(self) -> float:
         """The state onto one rank: a ring all-gather among its ``holders`` (each receives
         ``(n-1)/n`` of it) over the slowest link the ring crosses."""
+        if self.path == "stage_heads":  # the stages in turn
+            return self.pipeline_stages * self.stage_gather()
+        if self.path == "host_replica":  # the stages at once
+            return self.stage_gather()
         n = self.holders
         if not self.gathered or n <= 1:
             return 0.0
@@ -130,7 +162,7 @@ class VersionPath:
     def stage(self) -> float:
         """The snapshot: in device memory (direct) or in host memory (gathered); the host
         path's version is in host memory already (its copies up are the transfer's)."""
-        if self.path == "p2p":  # written from the trainer's own memory
+        if self.path in ("p2p", "host_replica", "stage_heads"):  # sent as gathered
             return 0.0
         if self.path == "host":
             return self.publish_s
@@ -144,6 +176,10 @@ class VersionPath:
         ``(S + (N - 1) B) / bandwidth + N m``."""
         if self.path == "p2p":
             return self.pulls(receivers)
+        if self.path == "host_replica":
+            return self.replica_writes(receivers)
+        if self.path == "stage_heads":
+            return self.stage_broadcasts(receivers, bucket_bytes)
         bucket = min(bucket_bytes, self.version_bytes)
         # A chain's hops cross nodes one at a time: each may take the node's rails.
         link = self.interconnect * self.rails_used(1)
@@ -167,12 +203,33 @@ class VersionPath:
             self.trainer_devices * nic * self.rails_used(self.trainer_devices))
         return max(receive, send) + self.links.inter_latency
 
+    def stage_broadcasts(self, receivers: int, bucket_bytes: float) -> float:
+        """Each stage's part broadcast from its head rank to every device of the
+        ``receivers`` engines (``N`` members) in a pipelined chain, the stages in turn:
+        ``pp ((S / pp + (N - 1) B) / bandwidth + N m)``."""
+        part = self.version_bytes / self.pipeline_stages
+        members = receivers * self.engine_devices
+        bucket = min(bucket_bytes, part)
+        link = self.interconnect * self.rails_used(1)
+        return self.pipeline_stages * ((part + (members - 1) * bucket) / link
+                              + members * self.member_s)
+
+    def replica_writes(self, receivers: int) -> float:
+        """Each rank of a stage serves ``k = ceil(N / ranks)`` of the ``N`` receiving
+        devices one by one: the target's part (``S / (pp x engine devices)``) copied into
+        the host replica, then written over the NIC; plus one message across nodes."""
+        targets = -(-receivers * self.engine_devices // self.stage_ranks)
+        part = self.version_bytes / (self.pipeline_stages * self.engine_devices)
+        nic = self.links.inter_bandwidth * self.rails_used(self.stage_ranks)
+        return (targets * part * (1 / self.host_copy_bandwidth + 1 / nic)
+                + self.links.inter_latency)
+
     def load(self) -> float:
         """An engine's pause beyond the wire: fixed, and (gathered) the version copied
         into its parameters at its devices' memory bandwidth; a tensor-by-tensor
         framework's calls (``tensors`` x ``tensor_s``)."""
         calls = self.tensors * self.tensor_s
-        if self.path == "p2p":  # no pause around a collective: the engine's calls alone
+        if self.path in ("p2p", "host_replica"):  # no collective to pause around
             return calls
         if not self.gathered:
             return self.load_s + calls

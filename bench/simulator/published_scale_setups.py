@@ -125,6 +125,9 @@ class WeightSync(msgspec.Struct, frozen=True, kw_only=True):
     rails: int = 1
     """NIC rails a device's share stripes over (simulate.weights_rails; development,
     2026-12-07)."""
+    stages: int = 1
+    """The trainer's pipeline stages ("stage_heads", "host_replica"; development,
+    2026-12-07, second round)."""
     published_s: float
 
 

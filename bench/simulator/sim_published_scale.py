@@ -58,7 +58,8 @@ def sync_seconds(s: Sync) -> float:
                        bytes_per_parameter=2.0, tensors=s.tensors)
     path = "direct" if s.path == "time" else s.path
     costs = Costs(hardware, shape, Plan(
-        trainer=Layout(tp=s.holders, given=s.path == "gathered"), shards=1, weights_path=path,
+        trainer=Layout(tp=s.holders, pp=s.stages, given=s.path == "gathered"), shards=1,
+        weights_path=path,
         version_bytes_per_parameter=s.bytes_per_parameter, version_native=s.native,
         weights_rails=s.rails))
     if s.path == "time":  # the fixed costs as committed: the file's 0 at the time
