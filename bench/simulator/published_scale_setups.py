@@ -128,6 +128,8 @@ class WeightSync(msgspec.Struct, frozen=True, kw_only=True):
     stages: int = 1
     """The trainer's pipeline stages ("stage_heads", "host_replica"; development,
     2026-12-07, second round)."""
+    fraction: float = 1.0
+    """simulate.version_fraction: a delta version's share of the full one's bytes."""
     published_s: float
 
 

@@ -2,14 +2,17 @@
 development set since 2026-12-06: weight-sync times of three frameworks, NeMo RL v0.4's
 mixture-of-experts step times), with ``--setups heldout`` those of
 ``bench.simulator.published_heldout_setups`` (development since 2026-12-07: weight-sync
-times of four frameworks, NeMo RL v0.6's step times) or, with ``--setups heldout2``,
-those of ``bench.simulator.published_heldout2_setups`` (held out: weight-sync times of
-miles and verl), and prints each prediction beside its figure, then how many are within
-25%.
+times of four frameworks, NeMo RL v0.6's step times), with ``--setups heldout2`` those
+of ``bench.simulator.published_heldout2_setups`` (development since 2026-12-07's second
+round: weight-sync times of miles and verl) or, with ``--setups heldout3``, those of
+``bench.simulator.published_heldout3_setups`` (held out: weight-sync times of verl, NeMo
+RL, slime and Perplexity), and prints each prediction beside its figure, then how many
+are within 25%.
 
     python -m bench.simulator.sim_published_scale
     python -m bench.simulator.sim_published_scale --setups heldout
     python -m bench.simulator.sim_published_scale --setups heldout2
+    python -m bench.simulator.sim_published_scale --setups heldout3
     python -m bench.simulator.sim_published_scale --steps 4 --only sync
 """
 
@@ -31,6 +34,7 @@ from async_rl.sim.hardware_file import load_hardware
 from async_rl.sim.parallel import Layout
 from async_rl.sim.run import simulate
 from bench.simulator.published_heldout2_setups import HELDOUT2_SYNCS
+from bench.simulator.published_heldout3_setups import HELDOUT3_SYNCS
 from bench.simulator.published_heldout_setups import HELDOUT_STEPS, HELDOUT_SYNCS
 from bench.simulator.published_scale_setups import (
     ARCHITECTURES,
@@ -61,6 +65,7 @@ def sync_seconds(s: Sync) -> float:
         trainer=Layout(tp=s.holders, pp=s.stages, given=s.path == "gathered"), shards=1,
         weights_path=path,
         version_bytes_per_parameter=s.bytes_per_parameter, version_native=s.native,
+        version_fraction=s.fraction,
         weights_rails=s.rails))
     if s.path == "time":  # the fixed costs as committed: the file's 0 at the time
         costs = Costs(msgspec.structs.replace(hardware, engine_release_s=0.0,
@@ -107,13 +112,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--only", choices=("sync", "steps", "all"), default="all")
-    parser.add_argument("--setups", choices=("development", "heldout", "heldout2"),
+    parser.add_argument("--setups", choices=("development", "heldout", "heldout2", "heldout3"),
                         default="development")
     args = parser.parse_args(argv)
     heldout = args.setups == "heldout"
     syncs, steps = {"development": (WEIGHT_SYNCS, STEPS),
                     "heldout": (HELDOUT_SYNCS, HELDOUT_STEPS),
-                    "heldout2": (HELDOUT2_SYNCS, ())}[args.setups]
+                    "heldout2": (HELDOUT2_SYNCS, ()),
+                    "heldout3": (HELDOUT3_SYNCS, ())}[args.setups]
     logging.getLogger("async_rl").setLevel(logging.WARNING)
     print("| figure | source | published s | predicted s | error |")
     print("| --- | --- | --- | --- | --- |")
