@@ -136,7 +136,8 @@ class VersionPath:
 
     def gather(self) -> float:
         """The state onto one rank: a ring all-gather among its ``holders`` (each receives
-        ``(n-1)/n`` of it) over the slowest link the ring crosses."""
+        ``(n-1)/n`` of it) over the slowest link the ring crosses; on the stage paths,
+        each pipeline stage's part over its own ranks."""
         if self.path == "stage_heads":  # the stages in turn
             return self.pipeline_stages * self.stage_gather()
         if self.path == "host_replica":  # the stages at once
@@ -162,7 +163,7 @@ class VersionPath:
     def stage(self) -> float:
         """The snapshot: in device memory (direct) or in host memory (gathered); the host
         path's version is in host memory already (its copies up are the transfer's)."""
-        if self.path in ("p2p", "host_replica", "stage_heads"):  # sent as gathered
+        if self.path in ("p2p", "host_replica", "stage_heads"):  # sent from live weights
             return 0.0
         if self.path == "host":
             return self.publish_s
@@ -211,8 +212,8 @@ class VersionPath:
         members = receivers * self.engine_devices
         bucket = min(bucket_bytes, part)
         link = self.interconnect * self.rails_used(1)
-        return self.pipeline_stages * ((part + (members - 1) * bucket) / link
-                              + members * self.member_s)
+        one_stage = (part + (members - 1) * bucket) / link + members * self.member_s
+        return self.pipeline_stages * one_stage
 
     def replica_writes(self, receivers: int) -> float:
         """Each rank of a stage serves ``k = ceil(N / ranks)`` of the ``N`` receiving
