@@ -103,6 +103,15 @@ class Links(msgspec.Struct, frozen=True, kw_only=True):
             return self.intra_bandwidth, self.intra_latency
         return self.inter_bandwidth, self.inter_latency
 
+    def all_gather(self, size: float, members: int) -> float:
+        """A ring all-gather of ``size`` bytes among ``members`` consecutive devices: each
+        receives ``(n-1)/n`` of them over the slowest link the group crosses, plus one
+        small collective's latency; nothing for one member."""
+        if members <= 1:
+            return 0.0
+        bandwidth, latency = self.crossed(members)
+        return (members - 1) / members * size / bandwidth + latency
+
 
 def all_reduce(size: float, members: int, bandwidth: float, latency: float) -> float:
     """A ring all-reduce of ``size`` bytes among ``members``: each sends and receives

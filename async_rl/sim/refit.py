@@ -99,9 +99,7 @@ def refit_stages(*, weight_bytes: float, trained_bytes: float, version_bytes: fl
     if offload == "all":
         moved += weight_bytes / max(min(holders, trainer_devices), 1)
     engine_share = weight_bytes / engine_devices if sleep_level == 1 else 0.0
-    n = max(holders, 1)
-    bandwidth, latency = links.crossed(n)
-    reshard = (n - 1) / n * trained_bytes / bandwidth + latency if n > 1 else 0.0
+    reshard = links.all_gather(trained_bytes, holders)
     return RefitStages(
         engine_offload=engine_share / host_bandwidth,
         trainer_onload=moved / host_bandwidth, trainer_offload=moved / host_bandwidth,

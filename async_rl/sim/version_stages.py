@@ -117,11 +117,7 @@ class VersionPath:
     def stage_gather(self) -> float:
         """One pipeline stage's weights all-gathered over its ranks (each receives
         ``(n-1)/n`` of them) over the slowest link the group crosses."""
-        n = self.stage_ranks
-        if n <= 1:
-            return 0.0
-        bandwidth, latency = self.links.crossed(n)
-        return (n - 1) / n * self.state_bytes / self.pipeline_stages / bandwidth + latency
+        return self.links.all_gather(self.state_bytes / self.pipeline_stages, self.stage_ranks)
 
     @property
     def gathered(self) -> bool:
@@ -142,11 +138,7 @@ class VersionPath:
             return self.pipeline_stages * self.stage_gather()
         if self.path == "host_replica":  # the stages at once
             return self.stage_gather()
-        n = self.holders
-        if not self.gathered or n <= 1:
-            return 0.0
-        bandwidth, latency = self.links.crossed(n)
-        return (n - 1) / n * self.state_bytes / bandwidth + latency
+        return self.links.all_gather(self.state_bytes, self.holders) if self.gathered else 0.0
 
     def convert(self) -> float:
         """Reading the model's bytes and writing the version's: on the gathering rank, or
